@@ -1,0 +1,75 @@
+"""Device meshes from a spec string such as "data=2,fsdp=2,tensor=2".
+
+The mesh always has the five axes of AXES, in that order; omitted axes have size 1, and one
+axis may be -1 to take the remaining devices. Axis types are always passed explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "stage", "fsdp", "expert", "tensor")
+# Order matters: the last axes vary fastest over device ids, so `tensor` (the chattiest) groups
+# neighbouring devices and `data` (one all-reduce a step) spans the farthest ones.
+
+DATA_AXES = ("data", "fsdp", "expert")  # the axes a global batch is split over
+
+
+class MeshError(ValueError):
+  """A mesh spec that does not describe the available devices."""
+
+
+def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
+  """"data=2,fsdp=-1" -> {"data": 2, "stage": 1, "fsdp": 4, ...} for 8 devices."""
+  sizes = dict.fromkeys(AXES, 1)
+  fill = None
+  for item in filter(None, (s.strip() for s in spec.split(","))):
+    name, sep, value = item.partition("=")
+    name = name.strip()
+    if not sep:
+      raise MeshError(f"mesh spec item {item!r} is not of the form axis=size (spec {spec!r})")
+    if name not in sizes:
+      raise MeshError(f"unknown mesh axis {name!r} in {spec!r}; axes are {', '.join(AXES)}")
+    try:
+      size = int(value)
+    except ValueError:
+      raise MeshError(f"mesh axis {name!r} has non-integer size {value!r} in {spec!r}") from None
+    if size == -1:
+      if fill is not None:
+        raise MeshError(f"only one mesh axis may be -1, got {fill!r} and {name!r} in {spec!r}")
+      fill = name
+    elif size <= 0:
+      raise MeshError(f"mesh axis {name!r} must have a positive size (or -1), got {size} in {spec!r}")
+    else:
+      sizes[name] = size
+  known = math.prod(v for k, v in sizes.items() if k != fill)
+  if fill is not None:
+    if num_devices % known:
+      raise MeshError(f"mesh {spec!r}: {num_devices} devices do not divide by the fixed axes' product {known}")
+    sizes[fill] = num_devices // known
+  elif known != num_devices:
+    raise MeshError(f"mesh {spec!r} needs {known} devices but {num_devices} are available")
+  return sizes
+
+
+def make_mesh(spec: str = "data=-1", *, devices=None, explicit: bool = False) -> Mesh:
+  """A mesh over `devices` (default: all) with the axes of AXES.
+
+  Args:
+    spec: comma-separated `axis=size`; omitted axes are 1, one axis may be -1.
+    devices: the devices to use, e.g. `jax.devices()[:4]`.
+    explicit: `AxisType.Explicit` for every axis (sharding in types) instead of `Auto` (GSPMD).
+  """
+  devices = jax.devices() if devices is None else list(devices)
+  sizes = parse_mesh_spec(spec, len(devices))
+  kind = AxisType.Explicit if explicit else AxisType.Auto
+  return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(kind,) * len(AXES), devices=devices)
+
+
+def mesh_spec(mesh: Mesh) -> str:
+  """The compact spec of a mesh: only axes larger than 1 ("data=1" for a single device)."""
+  parts = [f"{a}={n}" for a, n in mesh.shape.items() if n > 1]
+  return ",".join(parts) or "data=1"

@@ -1,0 +1,80 @@
+"""THE table from logical axis names to mesh axes. Models name logical axes only.
+
+Weights and activations use different logical names, because they shard differently: a
+weight's `embed` dimension is split over `fsdp` (ZeRO-3), while an activation's batch is split
+over every data axis and its `act_embed` stays whole.
+
+Resolution (`logical_to_spec`): each logical name takes the mesh axes of its rule that are
+larger than 1 and not already used by an earlier dimension of the same array; a dimension
+whose size does not divide by the product of its mesh axes is an error, never a silent
+replication.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+RULES: dict[str, tuple[str, ...]] = {
+    # weights
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "kv": (),  # head_dim
+    "layers": (),
+    "norm": (),
+    "expert": ("expert",),
+    # activations
+    "batch": ("data", "fsdp", "expert"),
+    "seq": (),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+}
+
+
+class ShardingError(ValueError):
+  """A shape that the mesh cannot split as the rules ask."""
+
+
+def logical_to_spec(names: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None,
+                    rules: dict[str, tuple[str, ...]] = RULES) -> P:
+  """PartitionSpec for an array whose dimensions carry logical `names` (None = replicated)."""
+  used: set[str] = set()
+  spec = []
+  for dim, name in enumerate(names):
+    if name is None:
+      spec.append(None)
+      continue
+    if name not in rules:
+      raise ShardingError(f"logical axis {name!r} has no rule in sharding/rules.py (known: {sorted(rules)})")
+    axes = tuple(a for a in rules[name] if mesh.shape.get(a, 1) > 1 and a not in used)
+    used.update(axes)
+    if shape is not None and axes:
+      n = math.prod(mesh.shape[a] for a in axes)
+      if shape[dim] % n:
+        raise ShardingError(f"dimension {dim} ({name!r}, size {shape[dim]}) of shape {tuple(shape)} "
+                            f"does not divide by mesh axes {axes} of total size {n}")
+    spec.append(axes[0] if len(axes) == 1 else (axes or None))
+  while spec and spec[-1] is None:
+    spec.pop()
+  return P(*spec)
+
+
+def named_sharding(names: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(names, mesh, shape))
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """Sharding hint for an activation inside jit; a no-op outside a mesh context (jax.set_mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or all(n == 1 for n in mesh.shape.values()):
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names, mesh, x.shape))

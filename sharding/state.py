@@ -1,0 +1,105 @@
+"""Create model and optimizer state directly sharded, and shard input batches.
+
+Pattern: build the state abstractly (`nnx.eval_shape` / `jax.eval_shape`), derive each leaf's
+NamedSharding from its logical names via rules.py, then create it inside `jax.jit` with those
+`out_shardings`, so no device ever holds an unsharded copy.
+
+Parameters are plain nested dicts of arrays (what optax and researchers see); the model's
+graphdef turns them back into a module with `nnx.merge(graphdef, params)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from sharding.rules import logical_to_spec
+
+PyTree = Any
+
+
+def _nest(flat: dict[tuple, Any]) -> dict:
+  out: dict = {}
+  for path, value in flat.items():
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = value
+  return out
+
+
+def logical_names(model_fn: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dict, dict]:
+  """(graphdef, abstract params, logical names) of the module `model_fn()` builds, without allocating it."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(model_fn))
+  flat = nnx.to_flat_state(abstract)
+  shapes = {p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in flat}
+  names = {p: tuple(v.get_metadata().get("out_sharding") or (None,) * len(v.shape)) for p, v in flat}
+  return graphdef, _nest(shapes), _nest(names)
+
+
+def param_shardings(abstract_params: PyTree, names: PyTree, mesh: Mesh) -> PyTree:
+  return jax.tree.map(lambda a, n: NamedSharding(mesh, logical_to_spec(n, mesh, a.shape)), abstract_params, names,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def init_params(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> tuple[nnx.GraphDef, dict, dict]:
+  """(graphdef, params, shardings): the parameters created directly with their shardings."""
+  graphdef, abstract, names = logical_names(model_fn)
+  shardings = param_shardings(abstract, names, mesh)
+  with jax.set_mesh(mesh):
+    params = jax.jit(lambda: nnx.state(model_fn()).to_pure_dict(), out_shardings=shardings)()
+  return graphdef, params, shardings
+
+
+def shardings_like_params(tree: PyTree, params: PyTree, shardings: PyTree, mesh: Mesh) -> PyTree:
+  """Shardings for a tree whose parameter-shaped leaves (an optimizer's moments, say) sit under
+  the parameter's own path: such a leaf takes its parameter's sharding, any other is replicated."""
+  by_path = {tuple(p): (leaf.shape, s) for (p, leaf), s in
+             zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings))}
+  replicated = NamedSharding(mesh, P())
+
+  def pick(path, leaf):
+    for k in range(len(path)):
+      hit = by_path.get(tuple(path[k:]))
+      if hit is not None and hit[0] == np.shape(leaf):
+        return hit[1]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def init_train_state(model_fn: Callable[[], nnx.Module], tx, mesh: Mesh):
+  """(graphdef, state, state_shardings) with state = {"step", "params", "opt_state"}, all created sharded.
+
+  `tx` is any optax GradientTransformation; its state leaves shaped like a parameter take that
+  parameter's sharding (see `shardings_like_params`).
+  """
+  graphdef, params, p_sh = init_params(model_fn, mesh)
+  abstract_opt = jax.eval_shape(tx.init, params)
+  o_sh = shardings_like_params(abstract_opt, params, p_sh, mesh)
+  with jax.set_mesh(mesh):
+    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  replicated = NamedSharding(mesh, P())
+  state = {"step": jax.device_put(np.int32(0), replicated), "params": params, "opt_state": opt_state}
+  return graphdef, state, {"step": replicated, "params": p_sh, "opt_state": o_sh}
+
+
+def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
+  """Rows of a (batch, ...) array split over the data axes of `mesh`."""
+  return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (len(shape) - 1), mesh, shape))
+
+
+def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
+  """Place host arrays (each process's rows of the global batch) on the mesh, split over the data axes."""
+  def put(x):
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+      return jax.device_put(x, batch_sharding(mesh, x.shape))
+    global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, global_shape), x, global_shape)
+  return jax.tree.map(put, batch)
