@@ -1,0 +1,89 @@
+"""Transformer configuration, size presets, and analytic parameter / FLOP counts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class ConfigError(ValueError):
+  """A model configuration that cannot be built."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """A decoder-only LM. `n_kv_heads < n_heads` gives grouped-query attention."""
+
+  vocab_size: int = 256
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int | None = None  # None: = n_heads
+  head_dim: int | None = None  # None: d_model // n_heads
+  d_ff: int = 768  # SwiGLU hidden width
+  qk_norm: bool = False
+  tie_embeddings: bool = True
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  param_dtype: str = "float32"
+  compute_dtype: str = "float32"  # "bfloat16" for bf16 matmuls (the loss stays fp32)
+  remat: bool = False  # recompute each block in the backward pass
+
+  def __post_init__(self):
+    kv, hd = self.kv_heads, self.hd
+    if self.n_heads % kv:
+      raise ConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
+    if self.head_dim is None and self.d_model % self.n_heads:
+      raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim")
+    if hd % 2:
+      raise ConfigError(f"head_dim={hd} must be even for RoPE")
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
+      if getattr(self, f) <= 0:
+        raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
+
+  @property
+  def kv_heads(self) -> int:
+    return self.n_kv_heads or self.n_heads
+
+  @property
+  def hd(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    "tiny": TransformerConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, qk_norm=True),
+    "small": TransformerConfig(d_model=256, n_layers=4, n_heads=4, d_ff=768),
+    # GPT-2 small's shape (768 wide, 12 layers, 12 heads); SwiGLU 2048 matches its 4*768 MLP in params.
+    "base": TransformerConfig(d_model=768, n_layers=12, n_heads=12, d_ff=2048),
+}
+
+
+def preset(name: str, **overrides) -> TransformerConfig:
+  if name not in PRESETS:
+    raise ConfigError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
+  return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def _block_params(c: TransformerConfig) -> int:
+  attn = c.d_model * c.hd * (2 * c.n_heads + 2 * c.kv_heads)  # wq, wo, wk, wv
+  mlp = 3 * c.d_model * c.d_ff
+  norms = 2 * c.d_model + (2 * c.hd if c.qk_norm else 0)
+  return attn + mlp + norms
+
+
+def count_params(c: TransformerConfig) -> int:
+  """Total trainable parameters (the tied table counted once)."""
+  embed = c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2)
+  return embed + c.n_layers * _block_params(c) + c.d_model
+
+
+def flops_per_token(c: TransformerConfig, seq_len: int) -> float:
+  """Training FLOPs per token: 6 x (matmul parameters) + attention scores and values.
+
+  Matmul parameters are the block weights plus the output head (d_model x vocab, tied or not);
+  the embedding lookup costs nothing. Attention adds 12·L·n_heads·head_dim·T (PaLM, App. B:
+  forward QK^T and AV at 2·2·T·d_attn each, times 3 for the backward; no causal halving).
+  """
+  matmul = c.n_layers * (_block_params(c) - 2 * c.d_model - (2 * c.hd if c.qk_norm else 0))
+  matmul += c.d_model * c.vocab_size
+  return 6.0 * matmul + 12.0 * c.n_layers * c.n_heads * c.hd * seq_len

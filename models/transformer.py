@@ -1,0 +1,122 @@
+"""Decoder-only transformer in Flax NNX: RoPE, pre-norm RMSNorm, causal GQA attention with
+optional QK-norm, SwiGLU MLP, tied or untied head; blocks stacked on a leading `layers` axis
+and run with `lax.scan` (one compiled block, whatever the depth).
+
+Shapes: B batch, T sequence, D d_model, N query heads, K kv heads, H head_dim, F d_ff,
+V vocab, L layers. Every parameter carries logical axis names (see sharding/rules.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import TransformerConfig
+from sharding.rules import constrain
+
+
+def _param(rngs: nnx.Rngs, shape, names, std, dtype):
+  init = nnx.initializers.truncated_normal(std) if std else nnx.initializers.ones
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+def rms_norm(x, scale, eps):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BTNH, theta):
+  """Rotary position embedding, rotate-half form, positions 0..T-1."""
+  T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
+  freq = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+  angle_TH = jnp.arange(T, dtype=jnp.float32)[:, None] * freq[None, :]
+  cos, sin = jnp.cos(angle_TH)[None, :, None, :], jnp.sin(angle_TH)[None, :, None, :]
+  x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
+
+
+class Block(nnx.Module):
+  """x + Attn(Norm(x)); then x + SwiGLU(Norm(x))."""
+
+  def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
+    D, N, K, H, F, pd = c.d_model, c.n_heads, c.kv_heads, c.hd, c.d_ff, c.param_dtype
+    out_std = c.init_std / (2 * c.n_layers) ** 0.5  # GPT-2: residual projections scaled by depth
+    self.c = c
+    self.attn_norm = _param(rngs, (D,), ("norm",), 0, pd)
+    self.wq_DNH = _param(rngs, (D, N, H), ("embed", "heads", "kv"), c.init_std, pd)
+    self.wk_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "kv"), c.init_std, pd)
+    self.wv_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "kv"), c.init_std, pd)
+    self.wo_NHD = _param(rngs, (N, H, D), ("heads", "kv", "embed"), out_std, pd)
+    if c.qk_norm:
+      self.q_norm = _param(rngs, (H,), ("norm",), 0, pd)
+      self.k_norm = _param(rngs, (H,), ("norm",), 0, pd)
+    self.mlp_norm = _param(rngs, (D,), ("norm",), 0, pd)
+    self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
+    self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
+    self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), out_std, pd)
+
+  def __call__(self, x_BTD):
+    c, dt = self.c, jnp.dtype(self.c.compute_dtype)
+    w = lambda p: p[...].astype(dt)
+    h = rms_norm(x_BTD, self.attn_norm[...], c.norm_eps)
+    q = constrain(jnp.einsum("btd,dnh->btnh", h, w(self.wq_DNH)), ("batch", "seq", "act_heads", "kv"))
+    k = constrain(jnp.einsum("btd,dkh->btkh", h, w(self.wk_DKH)), ("batch", "seq", "act_kv_heads", "kv"))
+    v = constrain(jnp.einsum("btd,dkh->btkh", h, w(self.wv_DKH)), ("batch", "seq", "act_kv_heads", "kv"))
+    if c.qk_norm:
+      q, k = rms_norm(q, self.q_norm[...], c.norm_eps), rms_norm(k, self.k_norm[...], c.norm_eps)
+    q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: K divides N
+    o = constrain(o, ("batch", "seq", "act_heads", "kv"))
+    x_BTD = x_BTD + constrain(jnp.einsum("btnh,nhd->btd", o, w(self.wo_NHD)), ("batch", "seq", "act_embed"))
+    h = rms_norm(x_BTD, self.mlp_norm[...], c.norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, w(self.w_gate_DF))
+    up = jnp.einsum("btd,df->btf", h, w(self.w_up_DF))
+    a_BTF = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+    return x_BTD + constrain(jnp.einsum("btf,fd->btd", a_BTF, w(self.w_down_FD)), ("batch", "seq", "act_embed"))
+
+
+class Transformer(nnx.Module):
+  """tokens_BT (int) -> logits_BTV (float32)."""
+
+  def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
+    self.c = c
+    self.embed_VD = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype)
+
+    @nnx.split_rngs(splits=c.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(r):
+      return Block(c, rngs=r)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = _param(rngs, (c.d_model,), ("norm",), 0, c.param_dtype)
+    if not c.tie_embeddings:
+      self.head_DV = _param(rngs, (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
+
+  def __call__(self, tokens_BT):
+    c, dt = self.c, jnp.dtype(self.c.compute_dtype)
+    # Look up in a whole copy of the table: a gather from a vocab/embed-split table makes GSPMD
+    # replicate the *output*; gathering the (V, D) table is what FSDP does for every weight anyway.
+    table_VD = constrain(self.embed_VD[...], (None, None))
+    x_BTD = constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dt), ("batch", "seq", "act_embed"))
+    graphdef, stacked = nnx.split(self.blocks)
+
+    def layer(x, block_state):
+      return nnx.merge(graphdef, block_state)(x), None
+
+    if c.remat:
+      layer = jax.checkpoint(layer, prevent_cse=False)
+    x_BTD, _ = jax.lax.scan(layer, x_BTD, stacked)
+    h = rms_norm(x_BTD, self.final_norm[...], c.norm_eps)
+    if c.tie_embeddings:
+      logits = jnp.einsum("btd,vd->btv", h, self.embed_VD[...].astype(dt))
+    else:
+      logits = jnp.einsum("btd,dv->btv", h, self.head_DV[...].astype(dt))
+    return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+
+
+def cross_entropy(logits_BTV, targets_BT):
+  """Mean next-token cross entropy in nats."""
+  logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets_BT[..., None], axis=-1))
