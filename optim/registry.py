@@ -1,0 +1,79 @@
+"""Optimizers by name, for the train CLI and sweeps: name -> factory(learning_rate, **hyperparameters).
+
+Every factory returns an optax GradientTransformation; hyperparameters a caller leaves out take
+the factory's defaults. A new optimizer plugs in with `@register("name")`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {}
+
+
+class UnknownOptimizerError(ValueError):
+  """An optimizer name or hyperparameter the registry does not know."""
+
+
+def register(name: str):
+  def add(factory):
+    OPTIMIZERS[name] = factory
+    return factory
+  return add
+
+
+def decay_mask(params) -> Any:
+  """Weight decay applies to weight matrices and embeddings, never to norm scales or biases
+  (chosen by parameter name, so the rule is visible and overridable)."""
+  def decays(path, _):
+    name = str(getattr(path[-1], "key", path[-1])).lower()
+    return not ("norm" in name or "bias" in name)
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+@register("adamw")
+def adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1,
+          mask=decay_mask) -> optax.GradientTransformation:
+  """AdamW (Loshchilov & Hutter, 2019) with decoupled weight decay on matrices and embeddings."""
+  return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
+
+
+@register("sgd")
+def sgd(learning_rate, *, momentum: float = 0.9, nesterov: bool = True, weight_decay: float = 0.0,
+        mask=decay_mask) -> optax.GradientTransformation:
+  """SGD with (Nesterov) momentum; weight decay added to the gradient (L2, coupled)."""
+  return optax.chain(optax.add_decayed_weights(weight_decay, mask),
+                     optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
+
+
+@register("lion")
+def lion(learning_rate, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
+         mask=decay_mask) -> optax.GradientTransformation:
+  """Lion (Chen et al., 2023): sign of an interpolated momentum, decoupled weight decay."""
+  return optax.lion(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay, mask=mask)
+
+
+def get_optimizer(name: str, learning_rate, **hparams) -> optax.GradientTransformation:
+  """The registered optimizer `name`; unknown names and hyperparameters raise UnknownOptimizerError."""
+  if name not in OPTIMIZERS:
+    raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
+  factory = OPTIMIZERS[name]
+  accepted = set(inspect.signature(factory).parameters) - {"learning_rate"}
+  unknown = sorted(set(hparams) - accepted)
+  if unknown:
+    raise UnknownOptimizerError(f"optimizer {name!r} has no hyperparameter {', '.join(unknown)}; "
+                                f"it takes {', '.join(sorted(accepted))}")
+  return factory(learning_rate, **hparams)
+
+
+def hyperparameters(name: str) -> dict[str, Any]:
+  """The defaults of optimizer `name`'s hyperparameters (for the CLI's help and saved configs)."""
+  if name not in OPTIMIZERS:
+    raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
+  sig = inspect.signature(OPTIMIZERS[name])
+  return {k: p.default for k, p in sig.parameters.items() if k not in ("learning_rate", "mask")}
