@@ -1,0 +1,313 @@
+"""The main job: train a transformer on a named mesh.
+
+  python -m research.train                                  # `small` on the stdlib corpus, 8 CPU devices
+  python -m research.train --mesh fsdp=4,tensor=2 --optimizer lion --lr 3e-4 --out runs/lion
+
+Writes to --out: `config.json` (resolved config, corpus fingerprint, versions), `metrics.jsonl`
+(one object per logged step) and `ckpt/` (orbax). Rerunning with the same --out resumes from the
+latest checkpoint; the batch at step s is a pure function of (seed, s), so a resumed run continues
+exactly where the interrupted one would have been. SIGINT/SIGTERM save a checkpoint and exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from flax import nnx
+
+from models import Transformer, cross_entropy, flops_per_token, preset
+from models.config import ConfigError
+from optim import UnknownOptimizerError, get_optimizer, make_schedule
+from research.checkpoint import Checkpointer, CheckpointError
+from research.data import DataError, eval_batches, get_batch, load_corpus
+from sharding import MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Train a decoder-only transformer on a named device mesh."""
+
+  model: str = "small"
+  """Size preset (tiny, small, base); the flags below override single fields."""
+  d_model: int | None = None
+  n_layers: int | None = None
+  n_heads: int | None = None
+  n_kv_heads: int | None = None
+  """Fewer kv heads than query heads = grouped-query attention."""
+  d_ff: int | None = None
+  qk_norm: bool | None = None
+  tie_embeddings: bool | None = None
+  compute_dtype: Literal["float32", "bfloat16"] | None = None
+  remat: bool | None = None
+  """Recompute each block in the backward pass (less memory, ~1/3 more compute)."""
+  optimizer: str = "adamw"
+  """A registered name (optim.OPTIMIZERS); unset hyperparameters take its defaults."""
+  lr: float = 3e-3
+  """Peak learning rate."""
+  weight_decay: float | None = None
+  b1: float | None = None
+  b2: float | None = None
+  opt: tuple[str, ...] = ()
+  """More optimizer hyperparameters as KEY=VALUE (VALUE parsed as JSON), e.g. --opt nesterov=false."""
+  schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+  """Learning-rate schedule after the linear warmup (wsd = warmup-stable-decay)."""
+  warmup_steps: int = 20
+  min_lr_ratio: float = 0.1
+  """Final learning rate as a fraction of the peak (cosine, wsd)."""
+  grad_clip: float = 1.0
+  """Clip the global gradient norm to this (0 = off)."""
+  steps: int = 200
+  batch_size: int = 16
+  """Global batch (sequences per step), split over the data axes of the mesh."""
+  seq_len: int = 128
+  seed: int = 0
+  """Seeds the initialization and the batch order."""
+  mesh: str = "data=2,fsdp=2,tensor=2"
+  """Axis sizes over data, stage, fsdp, expert, tensor; omitted axes are 1, one may be -1."""
+  devices: int = 8
+  """Simulated devices when running on the CPU (ignored on accelerators)."""
+  data: str | None = None
+  """A text file, a directory of text files, or a .npy/.bin token array (default: the stdlib corpus)."""
+  out: str = "runs/default"
+  """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed."""
+  eval_every: int = 25
+  eval_batches: int = 8
+  """Held-out batches per evaluation (the same ones every time)."""
+  ckpt_every: int = 100
+  keep: int = 3
+  """Checkpoints kept (the newest)."""
+  log_every: int = 10
+  peak_flops: float | None = None
+  """FLOP/s that MFU is relative to (default: a matmul measured at start-up)."""
+  progress: bool = True
+
+
+# Fields whose change alters the shapes or structure of the saved state: resume refuses them.
+SHAPE_FIELDS = ("model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "tie_embeddings",
+                "optimizer", "opt")
+
+
+class RunError(ValueError):
+  """A run that cannot start as configured."""
+
+
+def _set_cpu_devices(n: int):
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:  # backend already up (a test or notebook set it): keep what is there
+    pass
+
+
+def measure_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+  """FLOP/s of an n x n x n fp32 matmul on the first device (the denominator of MFU)."""
+  a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices()[0])
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  t = time.perf_counter()
+  for _ in range(repeats):
+    f(a).block_until_ready()
+  return 2 * n ** 3 * repeats / (time.perf_counter() - t)
+
+
+def _model_config(cfg: TrainConfig):
+  over = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm",
+                                       "tie_embeddings", "compute_dtype", "remat") if getattr(cfg, k) is not None}
+  return preset(cfg.model, **over)
+
+
+def _optimizer(cfg: TrainConfig):
+  hp = {k: getattr(cfg, k) for k in ("weight_decay", "b1", "b2") if getattr(cfg, k) is not None}
+  for item in cfg.opt:
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise RunError(f"--opt {item!r} is not KEY=VALUE")
+    try:
+      hp[key] = json.loads(value)
+    except json.JSONDecodeError:
+      hp[key] = value
+  schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
+  tx = get_optimizer(cfg.optimizer, schedule, **hp)
+  if cfg.grad_clip > 0:
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+  return tx, schedule
+
+
+def make_steps(graphdef, tx, shardings, batch_sh):
+  """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state."""
+
+  def loss_fn(params, x, y):
+    return cross_entropy(nnx.merge(graphdef, params)(x), y)
+
+  def train_step(state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    return new, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+  train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
+                  donate_argnums=0)
+  evaluate = jax.jit(loss_fn, in_shardings=(shardings["params"], batch_sh, batch_sh))
+  return train, evaluate
+
+
+class _Stop:
+  """Turns SIGINT/SIGTERM into a flag the loop checks after each step."""
+
+  def __init__(self):
+    self.signum = None
+    self._old = {}
+
+  def __enter__(self):
+    for s in (signal.SIGINT, signal.SIGTERM):
+      try:
+        self._old[s] = signal.signal(s, self._handle)
+      except ValueError:  # not the main thread: no handler
+        pass
+    return self
+
+  def _handle(self, signum, _frame):
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+def _check_resume(saved: dict, cfg: TrainConfig, out: str):
+  changed = [f"{k}: {saved['train'].get(k)!r} -> {getattr(cfg, k)!r}" for k in SHAPE_FIELDS
+             if json.dumps(saved["train"].get(k)) != json.dumps(getattr(cfg, k), default=list)]
+  if changed:
+    raise RunError(f"{out} holds a checkpoint of a different model/optimizer ({'; '.join(changed)}); "
+                   f"use a new --out or the original settings")
+
+
+def _write_metrics(path: str, records: list[dict]):
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  os.replace(tmp, path)
+
+
+def run(cfg: TrainConfig) -> list[dict]:
+  """Trains (or resumes) and returns the metrics records of the whole run."""
+  _set_cpu_devices(cfg.devices)
+
+  mesh = make_mesh(cfg.mesh)
+  mcfg = _model_config(cfg)
+  corpus = load_corpus(cfg.data)
+  if mcfg.vocab_size < corpus.vocab_size:
+    raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
+  if not 0 <= cfg.warmup_steps <= cfg.steps:
+    raise RunError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
+  for name, n in (("steps", cfg.steps), ("batch_size", cfg.batch_size), ("seq_len", cfg.seq_len),
+                  ("log_every", cfg.log_every), ("eval_every", cfg.eval_every), ("ckpt_every", cfg.ckpt_every)):
+    if n <= 0:
+      raise RunError(f"--{name.replace('_', '-')} must be positive, got {n}")
+  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
+  val = [tuple(jax.device_put(a, batch_sh) for a in b)
+         for b in eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)]
+
+  tx, schedule = _optimizer(cfg)
+  graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh)
+  train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh)
+
+  os.makedirs(cfg.out, exist_ok=True)
+  meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
+          "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint,
+                     "train_tokens": int(len(corpus.train)), "val_tokens": int(len(corpus.val))},
+          "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
+  ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every)
+  metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+  records: list[dict] = []
+  start = ckpt.latest_step()
+  if start is not None:
+    _check_resume(ckpt.read_meta(start), cfg, cfg.out)
+    state = ckpt.restore(start, state, shardings)
+    if os.path.exists(metrics_path):  # drop what the interrupted run logged past its checkpoint
+      with open(metrics_path) as f:
+        records = [r for r in map(json.loads, f) if r["step"] <= start]
+    print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
+  start = start or 0
+  _write_metrics(metrics_path, records)
+  with open(os.path.join(cfg.out, "config.json"), "w") as f:
+    json.dump(meta, f, indent=2)
+
+  tokens_per_step = cfg.batch_size * cfg.seq_len
+  flops_per_step = flops_per_token(mcfg, cfg.seq_len) * tokens_per_step
+  peak = cfg.peak_flops or measure_matmul_flops()
+
+  def evaluate(params):
+    return float(np.mean([eval_step(params, x, y) for x, y in val]))
+
+  bar = None
+  if cfg.progress:
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+  mf = open(metrics_path, "a")
+  step, t_last, step_last = start, time.perf_counter(), start
+  with _Stop() as stop, jax.set_mesh(mesh):
+    while step < cfg.steps and stop.signum is None:
+      x, y = get_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
+      state, out = train_step(state, jax.device_put(x, batch_sh), jax.device_put(y, batch_sh))
+      step += 1
+      last = step == cfg.steps
+      if step == start + 1:  # the first step compiles: time from its end
+        jax.block_until_ready(out)
+        t_last, step_last = time.perf_counter(), step
+      if step % cfg.log_every == 0 or last or step % cfg.eval_every == 0:
+        rec = {"step": step, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
+               "lr": float(schedule(step - 1))}
+        now = time.perf_counter()
+        rec["tokens_per_s"] = tokens_per_step * max(step - step_last, 1) / max(now - t_last, 1e-9)
+        rec["mfu"] = rec["tokens_per_s"] * flops_per_step / tokens_per_step / peak
+        if step % cfg.eval_every == 0 or last:
+          rec["val_loss"] = evaluate(state["params"])
+        records.append(rec)
+        mf.write(json.dumps(rec) + "\n")
+        mf.flush()
+        if bar is not None:
+          bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", mfu=f"{rec['mfu']:.1%}",
+                          **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec else {}))
+        t_last, step_last = time.perf_counter(), step
+      ckpt.save(step, state, meta, force=last or stop.signum is not None)
+      if bar is not None:
+        bar.update(1)
+  mf.close()
+  if bar is not None:
+    bar.close()
+  ckpt.close()
+  if stop.signum is not None:
+    print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, rerun the same command to resume",
+          file=sys.stderr)
+    raise SystemExit(128 + stop.signum)
+  return records
+
+
+def main(argv=None):
+  cfg = tyro.cli(TrainConfig, args=argv)
+  try:
+    records = run(cfg)
+  except (RunError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  evals = [r for r in records if "val_loss" in r]
+  if evals:
+    print(f"done: step {records[-1]['step']}, val_loss {evals[0]['val_loss']:.3f} -> {evals[-1]['val_loss']:.3f} "
+          f"(nats/byte), {records[-1]['tokens_per_s']:.0f} tokens/s; outputs in {cfg.out}")
+
+
+if __name__ == "__main__":
+  main()
