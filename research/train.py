@@ -68,6 +68,8 @@ class TrainConfig:
   grad_clip: float = 1.0
   """Clip the global gradient norm to this (0 = off)."""
   steps: int = 200
+  stop_at: int | None = None
+  """Stop after this step with a checkpoint, as if preempted; rerunning resumes the same schedule."""
   batch_size: int = 16
   """Global batch (sequences per step), split over the data axes of the mesh."""
   seq_len: int = 128
@@ -154,7 +156,7 @@ def make_steps(graphdef, tx, shardings, batch_sh):
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-    return new, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
                   donate_argnums=0)
@@ -209,12 +211,12 @@ def run(cfg: TrainConfig) -> list[dict]:
   corpus = load_corpus(cfg.data)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
-  if not 0 <= cfg.warmup_steps <= cfg.steps:
-    raise RunError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
   for name, n in (("steps", cfg.steps), ("batch_size", cfg.batch_size), ("seq_len", cfg.seq_len),
                   ("log_every", cfg.log_every), ("eval_every", cfg.eval_every), ("ckpt_every", cfg.ckpt_every)):
     if n <= 0:
       raise RunError(f"--{name.replace('_', '-')} must be positive, got {n}")
+  if not 0 <= cfg.warmup_steps <= cfg.steps:
+    raise RunError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
   get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
   val = [tuple(jax.device_put(a, batch_sh) for a in b)
@@ -259,7 +261,8 @@ def run(cfg: TrainConfig) -> list[dict]:
   mf = open(metrics_path, "a")
   step, t_last, step_last = start, time.perf_counter(), start
   with _Stop() as stop, jax.set_mesh(mesh):
-    while step < cfg.steps and stop.signum is None:
+    end = min(cfg.steps, cfg.stop_at or cfg.steps)
+    while step < end and stop.signum is None:
       x, y = get_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
       state, out = train_step(state, jax.device_put(x, batch_sh), jax.device_put(y, batch_sh))
       step += 1
@@ -268,9 +271,9 @@ def run(cfg: TrainConfig) -> list[dict]:
         jax.block_until_ready(out)
         t_last, step_last = time.perf_counter(), step
       if step % cfg.log_every == 0 or last or step % cfg.eval_every == 0:
-        rec = {"step": step, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-               "lr": float(schedule(step - 1))}
+        loss = float(out["loss"])  # waits for the step
         now = time.perf_counter()
+        rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(schedule(step - 1))}
         rec["tokens_per_s"] = tokens_per_step * max(step - step_last, 1) / max(now - t_last, 1e-9)
         rec["mfu"] = rec["tokens_per_s"] * flops_per_step / tokens_per_step / peak
         if step % cfg.eval_every == 0 or last:
@@ -282,7 +285,7 @@ def run(cfg: TrainConfig) -> list[dict]:
           bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", mfu=f"{rec['mfu']:.1%}",
                           **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec else {}))
         t_last, step_last = time.perf_counter(), step
-      ckpt.save(step, state, meta, force=last or stop.signum is not None)
+      ckpt.save(step, state, meta, force=step == end or stop.signum is not None)
       if bar is not None:
         bar.update(1)
   mf.close()

@@ -52,7 +52,7 @@ def init_params(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> tuple[nnx.Gra
   graphdef, abstract, names = logical_names(model_fn)
   shardings = param_shardings(abstract, names, mesh)
   with jax.set_mesh(mesh):
-    params = jax.jit(lambda: nnx.state(model_fn()).to_pure_dict(), out_shardings=shardings)()
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_fn())), out_shardings=shardings)()
   return graphdef, params, shardings
 
 

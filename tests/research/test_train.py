@@ -1,0 +1,146 @@
+"""The train CLI: determinism, exact resume, clean stops, and a clear error for every bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from research.train import RunError, TrainConfig, main, run
+
+TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=4,
+            warmup_steps=2, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2")
+
+
+def cfg(out, **kw):
+  return TrainConfig(out=str(out), **{**TINY, **kw})
+
+
+def trace(records):
+  return [(r["step"], r["loss"], r["grad_norm"], r["lr"], r.get("val_loss")) for r in records]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  out = tmp_path_factory.mktemp("ref")
+  return out, run(cfg(out))
+
+
+def test_same_config_same_losses_and_logs(reference, tmp_path):
+  out, ref = reference
+  assert len(ref) == 8 and ref[-1]["val_loss"] < ref[0]["loss"]
+  assert trace(run(cfg(tmp_path))) == trace(ref)
+  with open(out / "metrics.jsonl") as f:
+    assert trace(map(json.loads, f)) == trace(ref)
+  meta = json.load(open(out / "config.json"))
+  assert len(meta["corpus"]["fingerprint"]) == 64 and meta["mesh"] == "data=2,fsdp=2,tensor=2"
+
+
+def test_resume_continues_exactly(reference, tmp_path):
+  _, ref = reference
+  first = run(cfg(tmp_path, stop_at=4))
+  assert [r["step"] for r in first] == [1, 2, 3, 4]
+  resumed = run(cfg(tmp_path))
+  assert trace(resumed) == trace(ref)  # the records of the whole run, the pre-stop ones included
+
+
+def test_resume_drops_metrics_logged_after_the_checkpoint(reference, tmp_path):
+  _, ref = reference
+  run(cfg(tmp_path, stop_at=4))
+  with open(tmp_path / "metrics.jsonl", "a") as f:  # an interrupted run logged step 5 but never saved it
+    f.write(json.dumps({"step": 5, "loss": 0.0}) + "\n")
+  assert trace(run(cfg(tmp_path))) == trace(ref)
+
+
+def test_resume_refuses_a_shape_change_and_keeps_the_checkpoint(tmp_path):
+  run(cfg(tmp_path, stop_at=4))
+  before = sorted((p, os.path.getsize(os.path.join(d, p))) for d, _, ps in os.walk(tmp_path) for p in ps)
+  with pytest.raises(RunError, match=r"different model/optimizer \(d_model: None -> 32"):
+    run(cfg(tmp_path, d_model=32))
+  after = sorted((p, os.path.getsize(os.path.join(d, p))) for d, _, ps in os.walk(tmp_path) for p in ps)
+  assert before == after
+
+
+def bad(tmp_path, capsys, *args):
+  with pytest.raises(SystemExit) as e:
+    main([*args, "--out", str(tmp_path / "run"), "--model", "tiny", "--no-progress"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+  return err[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mesh", "data=3"], "needs 3 devices but 8 are available"),
+    (["--mesh", "model=8"], "unknown mesh axis 'model'"),
+    (["--mesh", "data=0,fsdp=-1"], "must have a positive size"),
+    (["--batch-size", "6", "--mesh", "data=8"], "size 6.*does not divide"),
+    (["--n-heads", "3", "--mesh", "fsdp=4,tensor=2"], "n_heads=3 must be a multiple of n_kv_heads=2"),
+    (["--d-ff", "99", "--mesh", "data=4,tensor=2"], "size 99.*does not divide by mesh axes \\('tensor',\\)"),
+    (["--optimizer", "adamax"], "unknown optimizer 'adamax'; registered: adamw, lion, sgd"),
+    (["--opt", "beta1=0.8"], "optimizer 'adamw' has no hyperparameter beta1"),
+    (["--data", "/nonexistent/corpus.txt"], "data path does not exist: /nonexistent/corpus.txt"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps \\(50\\) must lie in"),
+])
+def test_bad_input_gives_one_clear_line_and_exit_2(tmp_path, capsys, args, message):
+  import re
+  assert re.search(message, bad(tmp_path, capsys, *args))
+
+
+def test_sequence_longer_than_data_and_empty_data(tmp_path, capsys):
+  short = tmp_path / "short.txt"
+  short.write_text("x = 1\n" * 200)
+  assert "sequence length 128 is longer than the data" in bad(tmp_path, capsys, "--data", str(short))
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  assert "empty" in bad(tmp_path, capsys, "--data", str(empty))
+
+
+def test_corrupt_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
+  run(cfg(tmp_path / "run", stop_at=4))
+  step_dir = tmp_path / "run" / "ckpt" / "4" / "state"
+  victims = [os.path.join(d, p) for d, _, ps in os.walk(step_dir) for p in ps]
+  assert victims
+  for v in victims:
+    with open(v, "wb") as f:
+      f.write(b"garbage")
+  msg = bad(tmp_path, capsys, *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in TINY.items()
+                                    if k not in ("model", "progress")), []))
+  assert "checkpoint" in msg and "/ckpt/4" in msg
+  assert all(open(v, "rb").read() == b"garbage" for v in victims)  # nothing overwritten
+
+
+def cli(out, *extra):
+  args = [sys.executable, "-m", "research.train", "--out", str(out), "--no-progress"]
+  for k, v in {**TINY, "steps": 150, "log_every": 1, "eval_every": 100, "ckpt_every": 100}.items():
+    if k not in ("progress",):
+      args += [f"--{k.replace('_', '-')}", str(v)]
+  return args + list(extra)
+
+
+def test_cli_smoke_and_sigterm_resume(tmp_path):
+  """SIGTERM mid-run saves and exits 143; rerunning finishes with the losses of an uninterrupted run."""
+  env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+  proc = subprocess.Popen(cli(tmp_path / "a"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = tmp_path / "a" / "metrics.jsonl"
+  deadline = time.time() + 120
+  while time.time() < deadline and proc.poll() is None:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+      break
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert "stopped by signal 15" in err
+  stopped_at = len(metrics.read_text().splitlines())
+  assert 5 <= stopped_at < 150
+  done = subprocess.run(cli(tmp_path / "a"), env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr
+  assert f"resuming {tmp_path / 'a'} from step" in done.stderr and "done: step 150" in done.stdout
+  full = subprocess.run(cli(tmp_path / "b"), env=env, capture_output=True, text=True, timeout=300)
+  assert full.returncode == 0, full.stderr
+  read = lambda p: trace(map(json.loads, open(p)))
+  assert read(metrics) == read(tmp_path / "b" / "metrics.jsonl")
