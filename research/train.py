@@ -62,7 +62,8 @@ class TrainConfig:
   """More optimizer hyperparameters as KEY=VALUE (VALUE parsed as JSON), e.g. --opt nesterov=false."""
   schedule: Literal["cosine", "wsd", "constant"] = "cosine"
   """Learning-rate schedule after the linear warmup (wsd = warmup-stable-decay)."""
-  warmup_steps: int = 20
+  warmup_steps: int | None = None
+  """Linear warmup steps (default: 10% of --steps, at most 100)."""
   min_lr_ratio: float = 0.1
   """Final learning rate as a fraction of the peak (cosine, wsd)."""
   grad_clip: float = 1.0
@@ -93,22 +94,22 @@ class TrainConfig:
   peak_flops: float | None = None
   """FLOP/s that MFU is relative to (default: a matmul measured at start-up)."""
   progress: bool = True
-
-
-# Fields whose change alters the shapes or structure of the saved state: resume refuses them.
-SHAPE_FIELDS = ("model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "tie_embeddings",
-                "optimizer", "opt")
+  compile_cache: bool = True
+  """Keep compiled programs in ~/.cache/optlab/jax ($OPTLAB_CACHE) so reruns and resumes start fast."""
 
 
 class RunError(ValueError):
   """A run that cannot start as configured."""
 
 
-def _set_cpu_devices(n: int):
+def _setup_jax(devices: int, compile_cache: bool):
   try:
-    jax.config.update("jax_num_cpu_devices", n)
+    jax.config.update("jax_num_cpu_devices", devices)
   except RuntimeError:  # backend already up (a test or notebook set it): keep what is there
     pass
+  if compile_cache and not jax.config.jax_compilation_cache_dir:  # reruns and resumes skip compilation
+    root = os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
+    jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))
 
 
 def measure_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
@@ -138,7 +139,8 @@ def _optimizer(cfg: TrainConfig):
       hp[key] = json.loads(value)
     except json.JSONDecodeError:
       hp[key] = value
-  schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
+  warmup = min(100, cfg.steps // 10) if cfg.warmup_steps is None else cfg.warmup_steps
+  schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio)
   tx = get_optimizer(cfg.optimizer, schedule, **hp)
   if cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
@@ -180,19 +182,30 @@ class _Stop:
     return self
 
   def _handle(self, signum, _frame):
+    if self.signum is not None:  # a second signal: stop now, without the checkpoint
+      raise KeyboardInterrupt
     self.signum = signum
+    print(f"\nsignal {signum}: saving a checkpoint after this step (again to abort)", file=sys.stderr)
 
   def __exit__(self, *exc):
     for s, h in self._old.items():
       signal.signal(s, h)
 
 
-def _check_resume(saved: dict, cfg: TrainConfig, out: str):
-  changed = [f"{k}: {saved['train'].get(k)!r} -> {getattr(cfg, k)!r}" for k in SHAPE_FIELDS
-             if json.dumps(saved["train"].get(k)) != json.dumps(getattr(cfg, k), default=list)]
+def _state_signature(meta: dict) -> dict:
+  """What fixes the saved state's shapes and structure: the model's shape fields and the optimizer."""
+  model = {k: v for k, v in meta["model_config"].items() if k not in ("compute_dtype", "remat")}
+  return {**model, "optimizer": meta["train"]["optimizer"], "opt": list(meta["train"]["opt"])}
+
+
+def _check_resume(saved: dict, meta: dict, out: str):
+  old, new = _state_signature(saved), _state_signature(meta)
+  changed = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
   if changed:
     raise RunError(f"{out} holds a checkpoint of a different model/optimizer ({'; '.join(changed)}); "
                    f"use a new --out or the original settings")
+  if saved["corpus"]["fingerprint"] != meta["corpus"]["fingerprint"]:
+    print(f"warning: {out} was trained on other data (corpus fingerprint changed); continuing", file=sys.stderr)
 
 
 def _write_metrics(path: str, records: list[dict]):
@@ -204,7 +217,7 @@ def _write_metrics(path: str, records: list[dict]):
 
 def run(cfg: TrainConfig) -> list[dict]:
   """Trains (or resumes) and returns the metrics records of the whole run."""
-  _set_cpu_devices(cfg.devices)
+  _setup_jax(cfg.devices, cfg.compile_cache)
 
   mesh = make_mesh(cfg.mesh)
   mcfg = _model_config(cfg)
@@ -215,7 +228,7 @@ def run(cfg: TrainConfig) -> list[dict]:
                   ("log_every", cfg.log_every), ("eval_every", cfg.eval_every), ("ckpt_every", cfg.ckpt_every)):
     if n <= 0:
       raise RunError(f"--{name.replace('_', '-')} must be positive, got {n}")
-  if not 0 <= cfg.warmup_steps <= cfg.steps:
+  if cfg.warmup_steps is not None and not 0 <= cfg.warmup_steps <= cfg.steps:
     raise RunError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
   get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
@@ -236,7 +249,7 @@ def run(cfg: TrainConfig) -> list[dict]:
   records: list[dict] = []
   start = ckpt.latest_step()
   if start is not None:
-    _check_resume(ckpt.read_meta(start), cfg, cfg.out)
+    _check_resume(ckpt.read_meta(start), meta, cfg.out)
     state = ckpt.restore(start, state, shardings)
     if os.path.exists(metrics_path):  # drop what the interrupted run logged past its checkpoint
       with open(metrics_path) as f:

@@ -1,0 +1,64 @@
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from optim import OPTIMIZERS, UnknownOptimizerError, decay_mask, get_optimizer, hyperparameters, make_schedule
+
+PARAMS = {"blocks": {"wq": jnp.ones((2, 4, 4)), "attn_norm": jnp.ones((2, 4))}, "embed": jnp.ones((8, 4)),
+          "final_norm": jnp.ones((4,))}
+
+
+def test_registry_has_the_starting_optimizers_and_their_defaults():
+  assert {"adamw", "sgd", "lion"} <= set(OPTIMIZERS)
+  assert hyperparameters("adamw") == {"b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+
+
+def test_unknown_names_and_hyperparameters_are_refused():
+  with pytest.raises(UnknownOptimizerError, match="unknown optimizer 'adam'; registered: adamw, lion, sgd"):
+    get_optimizer("adam", 1e-3)
+  with pytest.raises(UnknownOptimizerError, match="'lion' has no hyperparameter momentum"):
+    get_optimizer("lion", 1e-3, momentum=0.9)
+
+
+def test_weight_decay_skips_norms_by_name():
+  assert decay_mask(PARAMS) == {"blocks": {"wq": True, "attn_norm": False}, "embed": True, "final_norm": False}
+
+
+def test_adamw_decays_matrices_but_not_norms():
+  """Zero gradients: Adam's step is 0, so only decoupled decay moves parameters (by lr * wd * p)."""
+  tx = get_optimizer("adamw", 0.1, weight_decay=0.5)
+  zeros = {k: np.zeros_like(v) if not isinstance(v, dict) else {a: np.zeros_like(b) for a, b in v.items()}
+           for k, v in PARAMS.items()}
+  updates, _ = tx.update(zeros, tx.init(PARAMS), PARAMS)
+  np.testing.assert_allclose(updates["embed"], -0.05 * np.ones((8, 4)))
+  np.testing.assert_array_equal(updates["final_norm"], 0.0)
+  np.testing.assert_array_equal(updates["blocks"]["attn_norm"], 0.0)
+
+
+def test_cosine_schedule_against_its_formula():
+  s = make_schedule("cosine", 1.0, 100, warmup=10, min_ratio=0.1)
+  for t in (0, 5, 10, 40, 99, 100):
+    want = t / 10 if t < 10 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (t - 10) / 90))
+    assert float(s(t)) == pytest.approx(want, abs=1e-6), t
+
+
+def test_wsd_schedule_is_flat_then_decays_linearly():
+  s = make_schedule("wsd", 2.0, 100, warmup=10, min_ratio=0.0, decay_fraction=0.2)
+  assert float(s(5)) == pytest.approx(1.0)
+  assert [float(s(t)) for t in (10, 50, 80)] == pytest.approx([2.0, 2.0, 2.0])
+  assert float(s(90)) == pytest.approx(1.0) and float(s(100)) == pytest.approx(0.0)
+  with pytest.raises(ValueError, match="unknown schedule"):
+    make_schedule("step", 1.0, 10)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
+def test_registered_optimizers_jit_and_stay_finite_on_zero_gradients(name):
+  import jax
+  tx = get_optimizer(name, 1e-2)
+  state = tx.init(PARAMS)
+  grads = jax.tree.map(jnp.zeros_like, PARAMS)
+  updates, new_state = jax.jit(tx.update)(grads, state, PARAMS)
+  assert all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates))
+  assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, state)
