@@ -3,7 +3,9 @@ optional QK-norm, SwiGLU MLP, tied or untied head; blocks stacked on a leading `
 and run with `lax.scan` (one compiled block, whatever the depth).
 
 Shapes: B batch, T sequence, D d_model, N query heads, K kv heads, H head_dim, F d_ff,
-V vocab, L layers. Every parameter carries logical axis names (see sharding/rules.py).
+V vocab, L layers. Every parameter carries logical axis names (see sharding/rules.py), and every
+weight is a matrix (fan_in, fan_out) behind leading stack axes, so matrix optimizers such as Muon
+need no per-layer shape rules: attention projections are stored as (D, N*H) and (N*H, D).
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ class Block(nnx.Module):
     out_std = c.init_std / (2 * c.n_layers) ** 0.5  # GPT-2: residual projections scaled by depth
     self.c = c
     self.attn_norm = _param(rngs, (D,), ("norm",), 0, pd)
-    self.wq_DNH = _param(rngs, (D, N, H), ("embed", "heads", "kv"), c.init_std, pd)
-    self.wk_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "kv"), c.init_std, pd)
-    self.wv_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "kv"), c.init_std, pd)
-    self.wo_NHD = _param(rngs, (N, H, D), ("heads", "kv", "embed"), out_std, pd)
+    self.wq_DQ = _param(rngs, (D, N * H), ("embed", "heads"), c.init_std, pd)
+    self.wk_DK = _param(rngs, (D, K * H), ("embed", "kv_heads"), c.init_std, pd)
+    self.wv_DK = _param(rngs, (D, K * H), ("embed", "kv_heads"), c.init_std, pd)
+    self.wo_QD = _param(rngs, (N * H, D), ("heads", "embed"), out_std, pd)
     if c.qk_norm:
       self.q_norm = _param(rngs, (H,), ("norm",), 0, pd)
       self.k_norm = _param(rngs, (H,), ("norm",), 0, pd)
@@ -61,15 +63,17 @@ class Block(nnx.Module):
     c, dt = self.c, jnp.dtype(self.c.compute_dtype)
     w = lambda p: p[...].astype(dt)
     h = rms_norm(x_BTD, self.attn_norm[...], c.norm_eps)
-    q = constrain(jnp.einsum("btd,dnh->btnh", h, w(self.wq_DNH)), ("batch", "seq", "act_heads", "kv"))
-    k = constrain(jnp.einsum("btd,dkh->btkh", h, w(self.wk_DKH)), ("batch", "seq", "act_kv_heads", "kv"))
-    v = constrain(jnp.einsum("btd,dkh->btkh", h, w(self.wv_DKH)), ("batch", "seq", "act_kv_heads", "kv"))
+    B, T, _ = x_BTD.shape
+    heads = lambda y, n, names: constrain(y.reshape(B, T, n, c.hd), ("batch", "seq", names, "kv"))
+    q = heads(h @ w(self.wq_DQ), c.n_heads, "act_heads")
+    k = heads(h @ w(self.wk_DK), c.kv_heads, "act_kv_heads")
+    v = heads(h @ w(self.wv_DK), c.kv_heads, "act_kv_heads")
     if c.qk_norm:
       q, k = rms_norm(q, self.q_norm[...], c.norm_eps), rms_norm(k, self.k_norm[...], c.norm_eps)
     q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: K divides N
     o = constrain(o, ("batch", "seq", "act_heads", "kv"))
-    x_BTD = x_BTD + constrain(jnp.einsum("btnh,nhd->btd", o, w(self.wo_NHD)), ("batch", "seq", "act_embed"))
+    x_BTD = x_BTD + constrain(o.reshape(B, T, -1) @ w(self.wo_QD), ("batch", "seq", "act_embed"))
     h = rms_norm(x_BTD, self.mlp_norm[...], c.norm_eps)
     gate = jnp.einsum("btd,df->btf", h, w(self.w_gate_DF))
     up = jnp.einsum("btd,df->btf", h, w(self.w_up_DF))

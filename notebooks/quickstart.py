@@ -6,6 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -86,7 +87,7 @@ print(f"tiny: {models.count_params(cfg):,} parameters, {cfg.n_layers} layers, d_
 
 _, _, names = sharding.logical_names(model_fn)
 print(f"{'parameter':<18} {'shape':<16} {'logical axes':<38} PartitionSpec")
-for path in [("embed_VD",), ("blocks", "wq_DNH"), ("blocks", "wk_DKH"), ("blocks", "wo_NHD"), ("blocks", "w_up_DF"),
+for path in [("embed_VD",), ("blocks", "wq_DQ"), ("blocks", "wk_DK"), ("blocks", "wo_QD"), ("blocks", "w_up_DF"),
              ("blocks", "w_down_FD"), ("blocks", "attn_norm")]:
   param, logical = state["params"], names
   for key in path:

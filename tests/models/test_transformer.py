@@ -35,9 +35,9 @@ def np_forward(p: dict, c: TransformerConfig, tokens: np.ndarray) -> np.ndarray:
   for l in range(c.n_layers):
     w = {k: v[l] for k, v in p["blocks"].items()}
     h = norm(x, w["attn_norm"])
-    q = np.einsum("btd,dnh->btnh", h, w["wq_DNH"])
-    k = np.einsum("btd,dkh->btkh", h, w["wk_DKH"])
-    v = np.einsum("btd,dkh->btkh", h, w["wv_DKH"])
+    q = (h @ w["wq_DQ"]).reshape(B, T, c.n_heads, H)  # head n owns columns n*H .. (n+1)*H-1
+    k = (h @ w["wk_DK"]).reshape(B, T, c.kv_heads, H)
+    v = (h @ w["wv_DK"]).reshape(B, T, c.kv_heads, H)
     if c.qk_norm:
       q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
     q, k = rope(q), rope(k)
@@ -46,7 +46,7 @@ def np_forward(p: dict, c: TransformerConfig, tokens: np.ndarray) -> np.ndarray:
     s = np.where(mask, s, -np.inf)
     a = np.exp(s - s.max(-1, keepdims=True))
     a /= a.sum(-1, keepdims=True)
-    x = x + np.einsum("bnqk,bknh,nhd->bqd", a, v, w["wo_NHD"])
+    x = x + np.einsum("bnqk,bknh->bqnh", a, v).reshape(B, T, -1) @ w["wo_QD"]
     h = norm(x, w["mlp_norm"])
     g, u = h @ w["w_gate_DF"], h @ w["w_up_DF"]
     x = x + (g / (1 + np.exp(-g)) * u) @ w["w_down_FD"]

@@ -47,7 +47,7 @@ def test_mesh_over_a_subset_of_devices():
 def test_rules_drop_size_one_axes_and_never_reuse_an_axis():
   mesh = make_mesh("data=2,fsdp=2,tensor=2")
   assert logical_to_spec(("embed", "mlp"), mesh) == P("fsdp", "tensor")
-  assert logical_to_spec(("layers", "embed", "heads", "kv"), mesh) == P(None, "fsdp", "tensor")
+  assert logical_to_spec(("layers", "embed", "heads"), mesh) == P(None, "fsdp", "tensor")
   assert logical_to_spec(("batch", "seq"), mesh) == P(("data", "fsdp"))
   # heads and mlp both ask for `tensor`: the first dimension gets it, the second is replicated
   assert logical_to_spec(("heads", "mlp"), mesh) == P("tensor")

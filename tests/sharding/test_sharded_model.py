@@ -37,13 +37,13 @@ def reference():
 
 
 EXPECTED = {  # intended parameter specs per mesh (blocks carry a leading, unsplit `layers` axis)
-    "data=8": {"wq_DNH": P(), "w_down_FD": P(), "embed_VD": P()},
-    "fsdp=8": {"wq_DNH": P(None, "fsdp"), "w_down_FD": P(None, None, "fsdp"), "embed_VD": P(None, "fsdp"),
+    "data=8": {"wq_DQ": P(), "w_down_FD": P(), "embed_VD": P()},
+    "fsdp=8": {"wq_DQ": P(None, "fsdp"), "w_down_FD": P(None, None, "fsdp"), "embed_VD": P(None, "fsdp"),
                "head_DV": P("fsdp")},
-    "data=2,fsdp=2,tensor=2": {"wq_DNH": P(None, "fsdp", "tensor"), "wo_NHD": P(None, "tensor", None, "fsdp"),
+    "data=2,fsdp=2,tensor=2": {"wq_DQ": P(None, "fsdp", "tensor"), "wo_QD": P(None, "tensor", "fsdp"),
                                "w_down_FD": P(None, "tensor", "fsdp"), "embed_VD": P("tensor", "fsdp"),
                                "head_DV": P("fsdp", "tensor")},
-    "fsdp=4,tensor=2": {"wk_DKH": P(None, "fsdp", "tensor"), "w_gate_DF": P(None, "fsdp", "tensor"),
+    "fsdp=4,tensor=2": {"wk_DK": P(None, "fsdp", "tensor"), "w_gate_DF": P(None, "fsdp", "tensor"),
                         "embed_VD": P("tensor", "fsdp"), "attn_norm": P()},
 }
 
