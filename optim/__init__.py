@@ -1,8 +1,11 @@
 """Optimizers as optax GradientTransformations. Pure optax: imports no models/ or research/."""
 
-from optim.schedules import make_schedule
 from optim.registry import (OPTIMIZERS, UnknownOptimizerError, decay_mask, get_optimizer, hyperparameters,
                             register)
+from optim.schedules import make_schedule
+from optim.newton_schulz import COEFFICIENTS, coefficient_table, ns_flops, orthogonalize
+from optim.muon import MuonState, muon, muon_labels, scale_by_muon, shape_scale
 
-__all__ = ["OPTIMIZERS", "UnknownOptimizerError", "decay_mask", "get_optimizer", "hyperparameters", "make_schedule",
-           "register"]
+__all__ = ["COEFFICIENTS", "MuonState", "OPTIMIZERS", "UnknownOptimizerError", "coefficient_table", "decay_mask",
+           "get_optimizer", "hyperparameters", "make_schedule", "muon", "muon_labels", "ns_flops", "orthogonalize",
+           "register", "scale_by_muon", "shape_scale"]

@@ -76,4 +76,4 @@ def hyperparameters(name: str) -> dict[str, Any]:
   if name not in OPTIMIZERS:
     raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
   sig = inspect.signature(OPTIMIZERS[name])
-  return {k: p.default for k, p in sig.parameters.items() if k not in ("learning_rate", "mask")}
+  return {k: p.default for k, p in sig.parameters.items() if k not in ("learning_rate", "mask", "labels")}

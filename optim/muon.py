@@ -1,0 +1,119 @@
+"""Muon (Jordan et al., 2024; Liu et al., "Muon is Scalable for LLM Training", arXiv 2502.16982).
+
+Every Muon parameter is a stack of matrices (..., fan_in, fan_out): leading axes (layers, experts)
+are batch, and each matrix is orthogonalized on its own with a shape scale from its own shape.
+Routing (which parameters get Muon) is a label function over parameter paths, `muon_labels`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optim.newton_schulz import orthogonalize
+from optim.registry import decay_mask, register
+
+SHAPE_SCALES = ("keller", "moonlight", "spectral", "none")
+
+
+def shape_scale(kind: str, fan_in: int, fan_out: int) -> float:
+  """Factor on an orthogonalized (fan_in, fan_out) update.
+
+  keller:    √max(1, fan_out/fan_in)      (KellerJordan/Muon, optax's default)
+  moonlight: 0.2·√max(fan_in, fan_out)    (update RMS ≈ 0.2, AdamW's: reuse its lr and wd)
+  spectral:  √(fan_out/fan_in)            (Dion's default; spectral-norm steepest descent)
+  none:      1
+  """
+  if kind == "keller":
+    return math.sqrt(max(1.0, fan_out / fan_in))
+  if kind == "moonlight":
+    return 0.2 * math.sqrt(max(fan_in, fan_out))
+  if kind == "spectral":
+    return math.sqrt(fan_out / fan_in)
+  if kind == "none":
+    return 1.0
+  raise ValueError(f"unknown shape scale {kind!r}; choose from {', '.join(SHAPE_SCALES)}")
+
+
+class MuonState(NamedTuple):
+  count: jax.Array  # int32 step counter
+  mu: optax.Updates  # momentum buffer, shaped (and sharded) like the parameters
+
+
+def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool = True, coeffs="quintic",
+                  ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight", ns_dtype=None,
+                  method: str = "standard", mu_dtype=None) -> optax.GradientTransformation:
+  """Momentum, then Newton–Schulz orthogonalization of each matrix, then a shape scale.
+
+    ema:      M ← β·M + (1−β)·G;   U = β·M + (1−β)·G (Nesterov) or M      (KellerJordan/Muon, torch.optim.Muon)
+    classic:  M ← β·M + G;         U = β·M + G (Nesterov) or M            (Moonlight, MGUP, Dion)
+    O = NS(U) (`orthogonalize` with coeffs, ns_steps, eps, ns_dtype, method), times `shape_scale(scale, ...)`.
+
+  The two momentum forms differ only by the factor (1−β) on U, which NS's normalization removes
+  (up to eps). Leaves must have ndim ≥ 2; route others elsewhere (see `muon`).
+  """
+  if momentum not in ("ema", "classic"):
+    raise ValueError(f"momentum must be 'ema' or 'classic', got {momentum!r}")
+  shape_scale(scale, 1, 1)  # validates the name
+
+  def init(params):
+    mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
+    return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
+
+  def update(updates, state, params=None):
+    del params
+    g_w = 1.0 - beta if momentum == "ema" else 1.0
+    mu = jax.tree.map(lambda m, g: (beta * m + g_w * g).astype(m.dtype), state.mu, updates)
+    u = jax.tree.map(lambda m, g: beta * m + g_w * g, mu, updates) if nesterov else mu
+
+    def ortho(u_, g):
+      if u_.ndim < 2:
+        raise ValueError(f"Muon got a parameter of shape {u_.shape}; route vectors to AdamW (muon_labels)")
+      o = orthogonalize(u_, coeffs=coeffs, steps=ns_steps, eps=eps, compute_dtype=ns_dtype, method=method)
+      return (o * shape_scale(scale, u_.shape[-2], u_.shape[-1])).astype(g.dtype)
+
+    return jax.tree.map(ortho, u, updates), MuonState(count=optax.safe_increment(state.count), mu=mu)
+
+  return optax.GradientTransformation(init, update)
+
+
+def muon_labels(params) -> optax.Params:
+  """"muon" for hidden weight matrices, "adam" for embeddings, the output head, norms, biases and
+  vectors (decided by parameter name, then rank)."""
+  def label(path, p):
+    name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path).lower()
+    hidden = not any(s in name for s in ("embed", "head", "norm", "bias"))
+    return "muon" if hidden and jnp.ndim(p) >= 2 else "adam"
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+@register("muon")
+def muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "ema",
+         nesterov: bool = True, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight",
+         ns_dtype=None, method: str = "standard", mu_dtype=None, adam_learning_rate=None, adam_b1: float = 0.9,
+         adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+         labels=None) -> optax.GradientTransformation:
+  """Muon on hidden matrices, AdamW on the rest (`optax.partition` by `labels`).
+
+    Muon group: W ← W − lr·(scale·NS(U) + weight_decay·W)     (decay times the unscaled lr)
+    AdamW group: optax.adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, adam_eps,
+                 adam_weight_decay or weight_decay), no decay on norms.
+
+  With the default Moonlight scale one learning rate and weight decay serve both groups. `labels`
+  (default `muon_labels`) is a tree or a function of the params; under `optax.inject_hyperparams`
+  list a function in `static_args`, since injection treats callables as schedules; `ns_steps` is a
+  loop count and always goes there: `optax.inject_hyperparams(muon, static_args=("ns_steps",))`.
+  """
+  muon_tx = optax.chain(
+      scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
+                    scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate))
+  adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
+                        eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
+                        mask=decay_mask)
+  return optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels)
