@@ -75,33 +75,50 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard") -> float:
   return min(gram, standard)
 
 
+def _products(dtype):
+  """(matmul, round) for an iteration stored in `dtype`: products and the fused sums around them
+  (b·A + c·A², a·X + B·X, as torch's addmm) are computed in at least fp32 with fp32 coefficients,
+  and each stored matrix is rounded to `dtype` once. `reduce_precision` rather than a cast
+  round-trip, which XLA may fold away in one place and not another (the same product then enters
+  two terms at different precisions)."""
+  acc = jnp.promote_types(dtype, jnp.float32)
+  fi = jnp.finfo(dtype)
+  rnd = (lambda y: y) if acc == dtype else (
+      lambda y: jax.lax.reduce_precision(y, exponent_bits=fi.nexp, mantissa_bits=fi.nmant))
+  mm = lambda p, q: jnp.matmul(p.astype(dtype), q.astype(dtype), preferred_element_type=acc)
+  return mm, rnd
+
+
 def _standard(x, table):
+  mm, rnd = _products(x.dtype)
+
   def step(x, abc):
     a, b, c = abc[0], abc[1], abc[2]
-    A = x @ jnp.swapaxes(x, -1, -2)
-    return a * x + (b * A + c * (A @ A)) @ x, None
+    A = rnd(mm(x, jnp.swapaxes(x, -1, -2)))
+    return rnd(a * x + mm(rnd(b * A + c * mm(A, A)), x)), None
 
-  return jax.lax.scan(step, x, table)[0]
+  return jax.lax.scan(step, rnd(x.astype(table.dtype)), table)[0]
 
 
 def _gram(x, table):
   """The same polynomial through the m×m side: with Z_k = aI + bR_k + cR_k², X_{k+1} = Z_k X_k,
   so Q_{k+1} = Z_k Q_k and R_{k+1} = Z_k R_k Z_k (Z_k is a polynomial in R_k: they commute)."""
-  eye = jnp.eye(x.shape[-2], dtype=x.dtype)
-  poly = lambda R, abc: abc[0] * eye + abc[1] * R + abc[2] * (R @ R)
-  R = x @ jnp.swapaxes(x, -1, -2)
+  mm, rnd = _products(x.dtype)
+  eye = jnp.eye(x.shape[-2], dtype=table.dtype)
+  poly = lambda R, abc: rnd(abc[0] * eye + abc[1] * R + abc[2] * mm(R, R))
+  R = rnd(mm(x, jnp.swapaxes(x, -1, -2)))
   Q = poly(R, table[0])
   if len(table) > 1:
-    R = Q @ (R @ Q)
+    R = rnd(mm(Q, rnd(mm(R, Q))))
 
     def step(carry, abc):
       Q, R = carry
       Z = poly(R, abc)
-      return (Z @ Q, Z @ (R @ Z)), None
+      return (rnd(mm(Z, Q)), rnd(mm(Z, rnd(mm(R, Z))))), None
 
     (Q, R), _ = jax.lax.scan(step, (Q, R), table[1:-1])
-    Q = poly(R, table[-1]) @ Q
-  return Q @ x
+    Q = rnd(mm(poly(R, table[-1]), Q))
+  return rnd(mm(Q, x))
 
 
 def orthogonalize(x: jax.Array, *, coeffs: str | Sequence = "quintic", steps: int = 5, eps: float = 1e-7,
@@ -149,10 +166,11 @@ def _orthogonalize(x, *, coeffs, steps, eps, compute_dtype, method, restart):
   X = (X.astype(acc) / (norm * safety + eps)).astype(dtype)
   m, n = X.shape[-2:]
   use_gram = method == "gram" and ns_flops(m, n, steps, "gram") < ns_flops(m, n, steps)
+  table = jnp.asarray(table, jnp.promote_types(dtype, jnp.float32))
   if use_gram:
     for start in range(0, steps, restart or steps):
-      X = _gram(X, jnp.asarray(table[start:start + (restart or steps)], dtype))
+      X = _gram(X, table[start:start + (restart or steps)]).astype(dtype)
   else:
-    X = _standard(X, jnp.asarray(table, dtype))
+    X = _standard(X, table).astype(dtype)
   X = jnp.swapaxes(X, -1, -2) if tall else X
   return X.astype(x.dtype)
