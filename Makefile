@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q torch==2.13.0  # alone first, so nothing pulls a CUDA build
+	$(BIN)/pip install -q -e ".[dev,oracles]"
 	touch $(STAMP)
 
 .PHONY: install run test bench

@@ -54,7 +54,8 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
     O = NS(U) (`orthogonalize` with coeffs, ns_steps, eps, ns_dtype, method), times `shape_scale(scale, ...)`.
 
   The two momentum forms differ only by the factor (1−β) on U, which NS's normalization removes
-  (up to eps). Leaves must have ndim ≥ 2; route others elsewhere (see `muon`).
+  (up to eps). Leaves must have ndim ≥ 2; route others elsewhere (see `muon`). Give `ns_dtype` and
+  `mu_dtype` as names ("bfloat16") under `optax.inject_hyperparams`, which calls any callable.
   """
   if momentum not in ("ema", "classic"):
     raise ValueError(f"momentum must be 'ema' or 'classic', got {momentum!r}")

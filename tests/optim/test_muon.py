@@ -247,3 +247,22 @@ def test_sharded_updates_equal_unsharded_and_keep_the_param_sharding(spec, expli
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6), params, p_ref)
   if spec == "fsdp=4,tensor=2":
     assert state["params"]["blocks"]["w_up_DF"].sharding.spec == P(None, "fsdp", "tensor")
+
+
+@pytest.mark.parametrize("mu_dtype", [None, "bfloat16"])  # a dtype *name*: inject_hyperparams calls callables
+def test_scale_by_muon_contract(mu_dtype):
+  """jit, injectable beta, state dtypes kept, finite on zero gradients, stacks of matrices."""
+  params = {"w": jnp.asarray(RNG.standard_normal((3, 16, 40)), jnp.float32)}
+  tx = optax.inject_hyperparams(scale_by_muon, static_args=("ns_steps",))(beta=0.9, mu_dtype=mu_dtype)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  u, new = step(jax.tree.map(jnp.zeros_like, params), state, params)
+  assert bool(jnp.isfinite(u["w"]).all()) and float(jnp.abs(u["w"]).max()) == 0.0
+  assert jax.tree.map(lambda a: a.dtype, new) == jax.tree.map(lambda a: a.dtype, state)
+  assert new.inner_state.mu["w"].dtype == jnp.dtype(mu_dtype or "float32")
+  g = {"w": jnp.ones((3, 16, 40))}
+  _, s1 = step(g, state, params)
+  state.hyperparams["beta"] = jnp.asarray(0.5)
+  _, s2 = step(g, state, params)  # the momentum buffer sees the injected beta: (1 - beta) * g
+  np.testing.assert_allclose(s1.inner_state.mu["w"], 0.1, rtol=1e-2)
+  np.testing.assert_allclose(s2.inner_state.mu["w"], 0.5, rtol=1e-2)
