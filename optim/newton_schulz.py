@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
     # Keller Jordan's quintic (KellerJordan/Muon): steep at 0, σ → ~[0.68, 1.13] after 5 steps.
@@ -136,21 +137,21 @@ def orthogonalize(x: jax.Array, *, coeffs: str | Sequence = "quintic", steps: in
   if x.ndim < 2:
     raise ValueError(f"orthogonalize needs a matrix (or a stack of them), got shape {x.shape}")
   kwargs = dict(coeffs=coeffs, steps=steps, eps=eps, compute_dtype=compute_dtype, method=method, restart=restart)
-  spec = _explicit_spec(x)
-  if spec is not None:
-    # Under Explicit axes every contraction over a split dimension needs an out_sharding; let the
-    # partitioner place the iteration (as with Auto axes) and return x's own sharding.
-    return jax.sharding.auto_axes(lambda y: _orthogonalize(y, **kwargs), out_sharding=spec)(x)
-  return _orthogonalize(x, **kwargs)
-
-
-def _explicit_spec(x):
-  """x's PartitionSpec if it is sharded over Explicit mesh axes, else None."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
-    return None
-  return sharding.spec
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return _orthogonalize(x, **kwargs)
+  # On a mesh (jax.set_mesh), every device gathers whole matrices once and iterates locally: left to
+  # the partitioner, a split matrix puts collectives inside the loop body (an all-reduce of XXᵀ per
+  # step), which costs more traffic and can deadlock XLA:CPU's simulated devices. The result comes
+  # back in x's sharding (a local slice). Splitting the work over devices is a separate, swappable
+  # piece (ZeRO-style distributed Muon), not this function's.
+  explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+  if explicit:
+    spec = jax.typeof(x).sharding.spec
+    out = _orthogonalize(jax.sharding.reshard(x, P()), **kwargs)
+    return jax.sharding.reshard(out, spec)
+  whole = lambda y: jax.lax.with_sharding_constraint(y, P())
+  return whole(_orthogonalize(whole(x), **kwargs))
 
 
 def _orthogonalize(x, *, coeffs, steps, eps, compute_dtype, method, restart):

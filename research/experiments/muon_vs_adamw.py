@@ -33,7 +33,10 @@ class Config:
 
 
 def main(cfg: Config) -> list[dict]:
-  base = dict(model="small", steps=cfg.steps, eval_every=cfg.steps // 4, progress=False, log_every=cfg.steps // 4)
+  # One device: the question is the optimizers' progress per step, not a layout (on 8 simulated CPU devices
+  # every device would repeat Muon's Newton-Schulz work until it is distributed).
+  base = dict(model="small", steps=cfg.steps, eval_every=cfg.steps // 4, progress=False, log_every=cfg.steps // 4,
+              devices=1, mesh="data=1")
   grid = [("adamw", lr) for lr in cfg.adamw_lrs] + [("muon", lr) for lr in cfg.muon_lrs]
   if cfg.smoke:
     base = dict(model="tiny", steps=6, batch_size=8, seq_len=32, eval_every=3, log_every=3, eval_batches=2,

@@ -266,3 +266,22 @@ def test_scale_by_muon_contract(mu_dtype):
   _, s2 = step(g, state, params)  # the momentum buffer sees the injected beta: (1 - beta) * g
   np.testing.assert_allclose(s1.inner_state.mu["w"], 0.1, rtol=1e-2)
   np.testing.assert_allclose(s2.inner_state.mu["w"], 0.5, rtol=1e-2)
+
+
+def test_no_collective_inside_the_newton_schulz_loop():
+  """On a mesh each device gathers whole matrices before the loop: a collective inside the loop body
+  (GSPMD's default for a split matrix) costs traffic every step and deadlocked XLA:CPU on `small`."""
+  import re
+  mesh = sharding.make_mesh("fsdp=4,tensor=2")
+  mf = lambda: models.Transformer(models.preset("tiny"), rngs=nnx.Rngs(0))
+  tx = optim.muon(0.02)
+  _, state, _ = sharding.init_train_state(mf, tx, mesh)
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(tx.update).lower(state["params"], state["opt_state"], state["params"]).compile().as_text()
+  bodies = set(re.findall(r"body=(%?[\w.\-]+)", hlo))
+  assert bodies, "expected the Newton-Schulz while loops"
+  computations = dict(re.findall(r"\n(%?[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
+  for body in bodies:
+    text = computations[body if body in computations else body.lstrip("%")]
+    assert not re.search(r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute", text), body
+  assert "all-gather" in hlo  # the gathers happen, once, outside the loop
