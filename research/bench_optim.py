@@ -12,7 +12,6 @@ On one device, in one run, for a tree of 6 transformer layers (d_model 768, a 76
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
@@ -24,13 +23,6 @@ import optax
 import optim
 
 D, F, LAYERS, VOCAB, STEPS = 768, 3072, 6, 256, 5
-
-
-@dataclasses.dataclass
-class OptimBench:
-  repeats: int = 5
-  out: str | None = None
-  """Also write the tables (markdown) here."""
 
 
 def param_tree(key=0):
@@ -89,10 +81,16 @@ def optimizers():
   }
 
 
-def run(cfg: OptimBench) -> str:
+def optim_step(repeats: int = 5, out: str | None = None) -> str:
+  """Muon step vs optax.contrib.muon and the Newton-Schulz FLOP floor (one device, fp32).
+
+  Args:
+    repeats: timed rounds (each times every case once; medians reported).
+    out: also write the tables (markdown) to this file.
+  """
   params = param_tree()
   muon_shapes = [x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if is_muon(p, x)]
-  lines = [f"jax {jax.__version__}, {jax.devices()[0].device_kind} x1, fp32, median of {cfg.repeats}; "
+  lines = [f"jax {jax.__version__}, {jax.devices()[0].device_kind} x1, fp32, median of {repeats}; "
            f"tree: {LAYERS} layers, d_model {D}, MLP {F}, vocab {VOCAB}, "
            f"{sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M params ({len(muon_shapes)} Muon matrices)", ""]
 
@@ -107,7 +105,7 @@ def run(cfg: OptimBench) -> str:
     compiled, args = step_fn(tx, params)
     cases[("step", name)] = (compiled, args)
     memory[name] = compiled.memory_analysis().temp_size_in_bytes
-  t = interleaved(cases, cfg.repeats)
+  t = interleaved(cases, repeats)
 
   lines += ["| shape | matmul GFLOP/s | NS GFLOP/s | NS / matmul |", "|---|---|---|---|"]
   rate = {}
@@ -147,9 +145,9 @@ def run(cfg: OptimBench) -> str:
     lines.append(f"| pytorch_optimizer not installed ({e}) | | |")
   text = "\n".join(lines)
   print(text)
-  if cfg.out:
-    with open(cfg.out, "w") as f:
-      f.write(f"Command: `python -m research.bench optim --out {cfg.out}`\n\n{text}\n")
+  if out:
+    with open(out, "w") as f:
+      f.write(f"Command: `python -m research.bench optim --out {out}`\n\n{text}\n")
   return text
 
 
