@@ -27,7 +27,7 @@ class Config:
   smoke: bool = False
   steps: int = 200
   seeds: tuple[int, ...] = (0,)
-  adamw_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+  adamw_lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3, 1e-2)
   muon_lrs: tuple[float, ...] = (3e-3, 1e-2, 3e-2)
   out: str = "research/results/muon_vs_adamw"
 
@@ -43,17 +43,23 @@ def main(cfg: Config) -> list[dict]:
                 progress=False)
     grid = [("adamw", 3e-3), ("muon", 1e-2)]
   rows = []
+  done = os.path.join(cfg.out, "results.json")
+  if not cfg.smoke and os.path.exists(done):  # resumable: finished (optimizer, lr, seed) runs are kept
+    with open(done) as f:
+      rows = [r for r in json.load(f)["runs"] if r["seed"] in cfg.seeds]
   with tempfile.TemporaryDirectory() as tmp:
     for seed in cfg.seeds:
       for name, lr in grid:
+        if any((r["optimizer"], r["lr"], r["seed"]) == (name, lr, seed) for r in rows):
+          continue
         records = run(TrainConfig(optimizer=name, lr=lr, seed=seed, out=os.path.join(tmp, f"{name}-{lr}-{seed}"),
                                   **base))
         evals = [r for r in records if "val_loss" in r]
         rows.append({"optimizer": name, "lr": lr, "seed": seed, "final_val_loss": evals[-1]["val_loss"],
                      "val_curve": [(r["step"], r["val_loss"]) for r in evals],
                      "tokens_per_s": records[-1]["tokens_per_s"]})
-  if not cfg.smoke:
-    write(cfg, rows, base)
+        if not cfg.smoke:
+          write(cfg, rows, base)  # after every run, so an interrupted grid resumes
   return rows
 
 
@@ -64,6 +70,7 @@ def write(cfg: Config, rows: list[dict], base: dict):
   for r in rows:
     if r["optimizer"] not in best or r["final_val_loss"] < best[r["optimizer"]]["final_val_loss"]:
       best[r["optimizer"]] = r
+  rows = sorted(rows, key=lambda r: (r["optimizer"], r["lr"], r["seed"]))
   lines = ["| optimizer | lr | seed | final val loss | tokens/s |", "|---|---|---|---|---|"]
   lines += [f"| {r['optimizer']} | {r['lr']:g} | {r['seed']} | {r['final_val_loss']:.4f} | {r['tokens_per_s']:.0f} |"
             for r in rows]
