@@ -12,7 +12,6 @@ machine's cores, so the 8-device rows measure partitioning overhead, not scaling
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
@@ -29,26 +28,13 @@ from models import ConfigError, Transformer, count_params, flops_per_token, pres
 from research.bench_optim import optim_step
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, _model_config, _optimizer, make_steps, measure_matmul_flops
-from sharding import MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec
+from sharding import (MeshError, ShardingError, batch_sharding, devices_for, init_train_state, make_mesh,
+                      mesh_spec)
 
 NUM_CPU_DEVICES = 8
 MATMUL_TRIALS = 5
 # (batch, seq) per preset when --batch-size / --seq-len are not given.
 DEFAULT_SHAPES = {"tiny": (16, 128), "small": (16, 128), "base": (8, 256)}
-
-
-def _mesh_devices(spec: str):
-  """The first prod(sizes) devices for a spec with fixed sizes; all devices if one axis is -1."""
-  try:
-    sizes = [int(item.partition("=")[2]) for item in spec.split(",") if item.strip()]
-  except ValueError:  # a malformed spec: make_mesh names the problem
-    return jax.devices()
-  if -1 in sizes:
-    return jax.devices()
-  n = math.prod(sizes)
-  if n > jax.device_count():
-    raise SystemExit(f"error: mesh {spec!r} needs {n} devices, {jax.device_count()} available")
-  return jax.devices()[:n]
 
 
 def concurrent_matmul_flops(n: int, devices, repeats: int = 5) -> float:
@@ -72,7 +58,7 @@ def _time_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int,
                      corpus) -> dict:
   cfg = TrainConfig(model=preset_name, batch_size=batch_size, seq_len=seq_len, mesh=spec)
   mcfg = _model_config(cfg)
-  mesh = make_mesh(spec, devices=_mesh_devices(spec))
+  mesh = make_mesh(spec, devices=devices_for(spec))
   tx, _ = _optimizer(cfg)
   graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh)
   batch_sh = batch_sharding(mesh, (batch_size, seq_len))
@@ -133,13 +119,13 @@ def train(presets: tuple[str, ...] = ("small", "base"),
   for name in presets:  # fail on a bad preset or mesh before spending minutes measuring
     preset(name)
   for spec in meshes:
-    make_mesh(spec, devices=_mesh_devices(spec))
+    make_mesh(spec, devices=devices_for(spec))
   dev = jax.devices()[0]
   # Median of several timings: on a shared VM one timing of a ~50 ms matmul varies by up to +-25%.
   peak = statistics.median(measure_matmul_flops(matmul_n, repeats=5) for _ in range(MATMUL_TRIALS))
   peak_mesh = {}
   for spec in meshes:
-    devs = _mesh_devices(spec)
+    devs = devices_for(spec)
     if len(devs) > 1 and len(devs) not in peak_mesh:
       peak_mesh[len(devs)] = statistics.median(concurrent_matmul_flops(matmul_n, devs) for _ in range(MATMUL_TRIALS))
   header = (f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} devices; "

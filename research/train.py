@@ -31,7 +31,8 @@ from models.config import ConfigError
 from optim import UnknownOptimizerError, get_optimizer, make_schedule
 from research.checkpoint import Checkpointer, CheckpointError
 from research.data import DataError, eval_batches, get_batch, load_corpus
-from sharding import MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec
+from sharding import (MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec,
+                      shard_batch)
 
 
 @dataclasses.dataclass
@@ -232,8 +233,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     raise RunError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
   get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
-  val = [tuple(jax.device_put(a, batch_sh) for a in b)
-         for b in eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)]
+  val = [shard_batch(b, mesh) for b in eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)]
 
   tx, schedule = _optimizer(cfg)
   graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh)
@@ -261,7 +261,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     json.dump(meta, f, indent=2)
 
   tokens_per_step = cfg.batch_size * cfg.seq_len
-  flops_per_step = flops_per_token(mcfg, cfg.seq_len) * tokens_per_step
+  model_flops_per_token = flops_per_token(mcfg, cfg.seq_len)
   peak = cfg.peak_flops or measure_matmul_flops()
 
   def evaluate(params):
@@ -276,8 +276,8 @@ def run(cfg: TrainConfig) -> list[dict]:
   with _Stop() as stop, jax.set_mesh(mesh):
     end = min(cfg.steps, cfg.stop_at or cfg.steps)
     while step < end and stop.signum is None:
-      x, y = get_batch(corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len)
-      state, out = train_step(state, jax.device_put(x, batch_sh), jax.device_put(y, batch_sh))
+      state, out = train_step(state, *shard_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
+                                                               cfg.seq_len), mesh))
       step += 1
       last = step == cfg.steps
       if step == start + 1:  # the first step compiles: time from its end
@@ -288,7 +288,7 @@ def run(cfg: TrainConfig) -> list[dict]:
         now = time.perf_counter()
         rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(schedule(step - 1))}
         rec["tokens_per_s"] = tokens_per_step * max(step - step_last, 1) / max(now - t_last, 1e-9)
-        rec["mfu"] = rec["tokens_per_s"] * flops_per_step / tokens_per_step / peak
+        rec["mfu"] = rec["tokens_per_s"] * model_flops_per_token / peak
         if step % cfg.eval_every == 0 or last:
           rec["val_loss"] = evaluate(state["params"])
         records.append(rec)

@@ -24,6 +24,30 @@ class MeshError(ValueError):
 
 def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
   """"data=2,fsdp=-1" -> {"data": 2, "stage": 1, "fsdp": 4, ...} for 8 devices."""
+  sizes, fill = _parse_items(spec)
+  known = math.prod(v for k, v in sizes.items() if k != fill)
+  if fill is not None:
+    if num_devices % known:
+      raise MeshError(f"mesh {spec!r}: {num_devices} devices do not divide by the fixed axes' product {known}")
+    sizes[fill] = num_devices // known
+  elif known != num_devices:
+    raise MeshError(f"mesh {spec!r} needs {known} devices but {num_devices} are available")
+  return sizes
+
+
+def devices_for(spec: str, devices=None) -> list:
+  """The first prod(sizes) of `devices` (default: all) that a spec with fixed sizes needs; all of
+  them if one axis is -1. For running several mesh sizes in one process (benchmarks)."""
+  devices = jax.devices() if devices is None else list(devices)
+  sizes, fill = _parse_items(spec)
+  n = len(devices) if fill is not None else math.prod(sizes.values())
+  if n > len(devices):
+    raise MeshError(f"mesh {spec!r} needs {n} devices but {len(devices)} are available")
+  return devices[:n]
+
+
+def _parse_items(spec: str) -> tuple[dict[str, int], str | None]:
+  """The axis sizes a spec names (others 1) and the axis given as -1, if any."""
   sizes = dict.fromkeys(AXES, 1)
   fill = None
   for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -45,14 +69,7 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
       raise MeshError(f"mesh axis {name!r} must have a positive size (or -1), got {size} in {spec!r}")
     else:
       sizes[name] = size
-  known = math.prod(v for k, v in sizes.items() if k != fill)
-  if fill is not None:
-    if num_devices % known:
-      raise MeshError(f"mesh {spec!r}: {num_devices} devices do not divide by the fixed axes' product {known}")
-    sizes[fill] = num_devices // known
-  elif known != num_devices:
-    raise MeshError(f"mesh {spec!r} needs {known} devices but {num_devices} are available")
-  return sizes
+  return sizes, fill
 
 
 def make_mesh(spec: str = "data=-1", *, devices=None, explicit: bool = False) -> Mesh:

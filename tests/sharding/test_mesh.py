@@ -60,3 +60,13 @@ def test_rules_refuse_indivisible_dimensions_and_unknown_names():
     logical_to_spec(("embed", "mlp"), mesh, (12, 64))
   with pytest.raises(ShardingError, match="no rule"):
     logical_to_spec(("embedding",), mesh)
+
+
+def test_devices_for_takes_what_a_fixed_spec_needs():
+  from sharding import devices_for
+  assert [d.id for d in devices_for("data=2,tensor=2")] == [0, 1, 2, 3]
+  assert len(devices_for("tensor=2,fsdp=-1")) == 8
+  with pytest.raises(MeshError, match="needs 16 devices but 8 are available"):
+    devices_for("data=16")
+  with pytest.raises(MeshError, match="unknown mesh axis 'model'"):
+    devices_for("model=2")
