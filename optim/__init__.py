@@ -4,8 +4,8 @@ from optim.registry import (OPTIMIZERS, UnknownOptimizerError, decay_mask, get_o
                             register)
 from optim.schedules import make_schedule
 from optim.newton_schulz import COEFFICIENTS, coefficient_table, ns_flops, orthogonalize
-from optim.muon import MuonState, muon, muon_labels, scale_by_muon, shape_scale
+from optim.muon import MuonState, muon, muon_labels, orthogonalize_tree, scale_by_muon, shape_scale
 
 __all__ = ["COEFFICIENTS", "MuonState", "OPTIMIZERS", "UnknownOptimizerError", "coefficient_table", "decay_mask",
            "get_optimizer", "hyperparameters", "make_schedule", "muon", "muon_labels", "ns_flops", "orthogonalize",
-           "register", "scale_by_muon", "shape_scale"]
+           "orthogonalize_tree", "register", "scale_by_muon", "shape_scale"]

@@ -46,7 +46,8 @@ class MuonState(NamedTuple):
 
 def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool = True, coeffs="quintic",
                   ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight", ns_dtype=None,
-                  method: str = "standard", mu_dtype=None) -> optax.GradientTransformation:
+                  method: str = "standard", mu_dtype=None, mask_fn=None, mask_at: str = "post",
+                  distributed: bool = False) -> optax.GradientTransformation:
   """Momentum, then Newton–Schulz orthogonalization of each matrix, then a shape scale.
 
     ema:      M ← β·M + (1−β)·G;   U = β·M + (1−β)·G (Nesterov) or M      (KellerJordan/Muon, torch.optim.Muon)
@@ -56,9 +57,17 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
   The two momentum forms differ only by the factor (1−β) on U, which NS's normalization removes
   (up to eps). Leaves must have ndim ≥ 2; route others elsewhere (see `muon`). Give `ns_dtype` and
   `mu_dtype` as names ("bfloat16") under `optax.inject_hyperparams`, which calls any callable.
+
+  Alignment policies (MGUP, Cautious) plug in as `mask_fn(u, g) -> φ`, per leaf, from the
+  pre-orthogonalization direction U and the raw gradient G: `mask_at="post"` returns φ ⊙ scale·NS(U)
+  (MGUP-Muon), `"pre"` returns scale·NS(φ ⊙ U) (C-Optim's Cautious-Muon).
+  `distributed=True` hands each device whole matrices of equal-shape groups and runs one batched
+  Newton–Schulz there instead of repeating every matrix on every device (`optim.distributed`).
   """
   if momentum not in ("ema", "classic"):
     raise ValueError(f"momentum must be 'ema' or 'classic', got {momentum!r}")
+  if mask_at not in ("pre", "post"):
+    raise ValueError(f"mask_at must be 'pre' or 'post', got {mask_at!r}")
   shape_scale(scale, 1, 1)  # validates the name
 
   def init(params):
@@ -70,16 +79,32 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
     g_w = 1.0 - beta if momentum == "ema" else 1.0
     mu = jax.tree.map(lambda m, g: (beta * m + g_w * g).astype(m.dtype), state.mu, updates)
     u = jax.tree.map(lambda m, g: beta * m + g_w * g, mu, updates) if nesterov else mu
-
-    def ortho(u_, g):
-      if u_.ndim < 2:
-        raise ValueError(f"Muon got a parameter of shape {u_.shape}; route vectors to AdamW (muon_labels)")
-      o = orthogonalize(u_, coeffs=coeffs, steps=ns_steps, eps=eps, compute_dtype=ns_dtype, method=method)
-      return (o * shape_scale(scale, u_.shape[-2], u_.shape[-1])).astype(g.dtype)
-
-    return jax.tree.map(ortho, u, updates), MuonState(count=optax.safe_increment(state.count), mu=mu)
+    for leaf in jax.tree.leaves(u):
+      if leaf.ndim < 2:
+        raise ValueError(f"Muon got a parameter of shape {leaf.shape}; route vectors to AdamW (muon_labels)")
+    phi = jax.tree.map(mask_fn, u, updates) if mask_fn is not None else None
+    if phi is not None and mask_at == "pre":
+      u = jax.tree.map(lambda u_, f: u_ * f, u, phi)
+    o = orthogonalize_tree(u, coeffs=coeffs, steps=ns_steps, eps=eps, compute_dtype=ns_dtype, method=method,
+                           distributed=distributed)
+    o = jax.tree.map(lambda o_: o_ * shape_scale(scale, o_.shape[-2], o_.shape[-1]), o)
+    if phi is not None and mask_at == "post":
+      o = jax.tree.map(lambda o_, f: o_ * f, o, phi)
+    return jax.tree.map(lambda o_, g: o_.astype(g.dtype), o, updates), MuonState(
+        count=optax.safe_increment(state.count), mu=mu)
 
   return optax.GradientTransformation(init, update)
+
+
+def orthogonalize_tree(tree, *, coeffs="quintic", steps: int = 5, eps: float = 1e-7, compute_dtype=None,
+                       method: str = "standard", distributed: bool = False):
+  """`orthogonalize` on every leaf (each a stack of matrices), or, with `distributed`, the same
+  result computed once per matrix across the devices of the current mesh (`optim.distributed`)."""
+  kwargs = dict(coeffs=coeffs, steps=steps, eps=eps, compute_dtype=compute_dtype, method=method)
+  if distributed:
+    from optim.distributed import orthogonalize_distributed
+    return orthogonalize_distributed(tree, **kwargs)
+  return jax.tree.map(lambda x: orthogonalize(x, **kwargs), tree)
 
 
 def muon_labels(params) -> optax.Params:
@@ -97,7 +122,7 @@ def muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, moment
          nesterov: bool = True, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight",
          ns_dtype=None, method: str = "standard", mu_dtype=None, adam_learning_rate=None, adam_b1: float = 0.9,
          adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
-         labels=None) -> optax.GradientTransformation:
+         labels=None, distributed: bool = False) -> optax.GradientTransformation:
   """Muon on hidden matrices, AdamW on the rest (`optax.partition` by `labels`).
 
     Muon group: W ← W − lr·(scale·NS(U) + weight_decay·W)     (decay times the unscaled lr)
@@ -111,7 +136,7 @@ def muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, moment
   """
   muon_tx = optax.chain(
       scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
-                    scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype),
+                    scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate))
   adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
