@@ -103,6 +103,10 @@ class RunError(ValueError):
   """A run that cannot start as configured."""
 
 
+# Bad input of any kind: reported as one line and exit status 2 by the CLIs.
+USER_ERRORS = (RunError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError)
+
+
 def _setup_jax(devices: int, compile_cache: bool):
   try:
     jax.config.update("jax_num_cpu_devices", devices)
@@ -316,7 +320,7 @@ def main(argv=None):
   cfg = tyro.cli(TrainConfig, args=argv)
   try:
     records = run(cfg)
-  except (RunError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError) as e:
+  except USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
   evals = [r for r in records if "val_loss" in r]

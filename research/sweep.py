@@ -1,0 +1,297 @@
+"""The optimizer comparison harness: optimizers × learning rates × seeds at a fixed token (or FLOP) budget.
+
+  python -m research.sweep --grid adamw=3e-4,1e-3,3e-3 muon=3e-3,1e-2 --seeds 0 1 2 --out runs/sweep
+  python -m research.sweep --grid "muon_mvr[mode=mvr2]=1e-2" --tokens 409600 --train.model small
+  python -m research.sweep ... --flops 3e13 --workers 2          # steps from the model's FLOPs; 2 processes
+
+A grid entry is `OPTIMIZER=LR,LR,...` or `OPTIMIZER[KEY=VALUE,...]=LRS` (hyperparameters as in `--opt`; the
+bracketed form is also the contender's label). Every run is `research.train` with the shared `--train.*`
+settings, in OUT/runs/<label>_lr<lr>_s<seed>/ (its config.json, metrics.jsonl and checkpoints are kept): a finished
+run is skipped and an interrupted one resumes from its checkpoint, so rerunning the command completes a grid.
+
+Writes OUT/results.csv (one row per run: final and best val loss, steps to the target loss, tokens/s),
+OUT/summary.md (per contender at its best lr: mean ± std over seeds, speedup), OUT/curves.png (val loss of each
+contender at its best lr, mean and min–max over seeds) and OUT/lr.png (final val loss vs lr).
+
+Speedup over the baseline = steps the baseline (at its best lr, mean curve over seeds) takes to reach its own
+final loss / steps the contender's mean curve takes to reach that loss; steps between evaluations are linearly
+interpolated, and a contender that never reaches it has no speedup (printed as "<1").
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import numpy as np
+import tyro
+
+from research.train import USER_ERRORS, TrainConfig
+
+_ENTRY = re.compile(r"^(\w+)(?:\[(.*)\])?=([^=\[\]]+)$")
+
+
+class SweepError(ValueError):
+  """A grid or budget that cannot run."""
+
+
+@dataclasses.dataclass
+class SweepConfig:
+  """Optimizers × learning rates × seeds at one budget; resumable."""
+
+  grid: tuple[str, ...] = ("adamw=1e-3,3e-3", "muon=3e-3,1e-2")
+  """Entries OPTIMIZER=LRS or OPTIMIZER[KEY=VALUE,...]=LRS."""
+  seeds: tuple[int, ...] = (0,)
+  tokens: int | None = None
+  """Token budget per run (steps = tokens / (batch_size × seq_len)); default: --train.steps."""
+  flops: float | None = None
+  """FLOP budget per run, counted as model FLOPs (6·params + attention per token; optimizer work not counted)."""
+  baseline: str = "adamw"
+  """The contender (label) speedups are measured against."""
+  target_loss: float | None = None
+  """Loss for the steps-to-target column (default: the baseline's final loss at its best lr)."""
+  workers: int = 1
+  """Runs at once, each in its own process (1 = in this process, one after another)."""
+  out: str = "runs/sweep"
+  train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(
+      devices=1, mesh="data=1", progress=False, log_every=25, eval_every=25))
+  """Settings shared by every run (--train.model, --train.batch-size, --train.mesh, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  label: str
+  optimizer: str
+  opt: tuple[str, ...]
+  lr: float
+  seed: int
+
+  @property
+  def name(self) -> str:
+    safe = re.sub(r"[^\w.=-]+", "-", self.label).strip("-")
+    return f"{safe}_lr{self.lr:g}_s{self.seed}"
+
+
+def parse_grid(entries) -> list[tuple[str, str, tuple[str, ...], list[float]]]:
+  """[(label, optimizer, opt KEY=VALUE items, lrs)] from the --grid entries; SweepError on a malformed one."""
+  from optim import OPTIMIZERS
+  out = []
+  for e in entries:
+    m = _ENTRY.match(e.strip())
+    if not m:
+      raise SweepError(f"grid entry {e!r} is not OPTIMIZER=LR,LR or OPTIMIZER[KEY=VALUE,...]=LR,LR")
+    name, hp, lrs = m.groups()
+    if name not in OPTIMIZERS:
+      raise SweepError(f"grid entry {e!r}: unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
+    opt = tuple(s.strip() for s in hp.split(",") if s.strip()) if hp else ()
+    try:
+      lr_values = [float(x) for x in lrs.split(",")]
+    except ValueError:
+      raise SweepError(f"grid entry {e!r}: learning rates must be numbers") from None
+    if not lr_values or any(not (x > 0 and math.isfinite(x)) for x in lr_values):
+      raise SweepError(f"grid entry {e!r}: learning rates must be positive")
+    label = f"{name}[{','.join(opt)}]" if opt else name
+    out.append((label, name, opt, lr_values))
+  labels = [o[0] for o in out]
+  if len(set(labels)) != len(labels):
+    raise SweepError(f"grid names a contender twice: {labels}")
+  return out
+
+
+def budget_steps(cfg: SweepConfig) -> int:
+  """Steps per run from --tokens, --flops or --train.steps."""
+  tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+  if cfg.tokens is not None and cfg.flops is not None:
+    raise SweepError("give --tokens or --flops, not both")
+  if cfg.tokens is not None:
+    steps = cfg.tokens // tokens_per_step
+  elif cfg.flops is not None:
+    from models import flops_per_token
+    from research.train import _model_config
+    steps = int(cfg.flops // (flops_per_token(_model_config(cfg.train), cfg.train.seq_len) * tokens_per_step))
+  else:
+    steps = cfg.train.steps
+  if steps < 1:
+    raise SweepError(f"the budget is less than one step of {tokens_per_step} tokens")
+  return steps
+
+
+def _run_one(train_kwargs: dict) -> None:
+  from research.train import run
+  run(TrainConfig(**train_kwargs))
+
+
+def _records(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _finished(run_dir: str, steps: int) -> bool:
+  recs = _records(os.path.join(run_dir, "metrics.jsonl"))
+  return any(r["step"] == steps and "val_loss" in r for r in recs)
+
+
+def steps_to(curve: list[tuple[int, float]], target: float) -> float | None:
+  """First step at which a val curve reaches `target`, interpolated linearly between evaluations."""
+  prev = None
+  for step, loss in curve:
+    if loss <= target:
+      if prev is None or prev[1] == loss:
+        return float(step)
+      (s0, l0) = prev
+      return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+    prev = (step, loss)
+  return None
+
+
+def _mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+  steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves)))
+  return [(s, statistics.fmean(dict(c)[s] for c in curves)) for s in steps]
+
+
+def run_grid(cfg: SweepConfig) -> list[dict]:
+  """Runs what is missing, then returns one row per run (and writes the results); see the module docstring."""
+  grid = parse_grid(cfg.grid)
+  if cfg.baseline not in [g[0] for g in grid]:
+    raise SweepError(f"--baseline {cfg.baseline!r} is not in the grid ({', '.join(g[0] for g in grid)})")
+  if cfg.workers < 1:
+    raise SweepError(f"--workers must be ≥ 1, got {cfg.workers}")
+  steps = budget_steps(cfg)
+  runs = [Run(label, name, opt, lr, seed) for seed in cfg.seeds for label, name, opt, lrs in grid for lr in lrs]
+  base = dataclasses.asdict(cfg.train)
+  base.update(steps=steps, stop_at=None)
+  if base["eval_every"] > steps:
+    base["eval_every"] = steps
+  todo = []
+  for r in runs:
+    kw = dict(base, optimizer=r.optimizer, lr=r.lr, seed=r.seed, opt=tuple(base["opt"]) + r.opt,
+              out=os.path.join(cfg.out, "runs", r.name))
+    if not _finished(kw["out"], steps):
+      todo.append(kw)
+  print(f"sweep: {len(runs)} runs of {steps} steps, {len(runs) - len(todo)} already finished", file=sys.stderr)
+  if cfg.workers == 1:
+    for i, kw in enumerate(todo):
+      print(f"[{i + 1}/{len(todo)}] {os.path.basename(kw['out'])}", file=sys.stderr)
+      _run_one(kw)
+  else:
+    with ProcessPoolExecutor(cfg.workers, mp_context=get_context("spawn")) as pool:
+      for f in [pool.submit(_run_one, kw) for kw in todo]:
+        f.result()
+  rows = []
+  for r in runs:
+    recs = _records(os.path.join(cfg.out, "runs", r.name, "metrics.jsonl"))
+    evals = [(x["step"], x["val_loss"]) for x in recs if "val_loss" in x]
+    speeds = [x["tokens_per_s"] for x in recs if x["step"] > recs[0]["step"]] or [recs[-1]["tokens_per_s"]]
+    rows.append({"label": r.label, "optimizer": r.optimizer, "lr": r.lr, "seed": r.seed, "steps": steps,
+                 "final_val_loss": evals[-1][1], "best_val_loss": min(v for _, v in evals),
+                 "tokens_per_s": statistics.median(speeds), "curve": evals})
+  write_results(cfg, rows)
+  return rows
+
+
+def summarize(rows: list[dict], baseline: str, target_loss: float | None = None) -> tuple[list[dict], float]:
+  """Per contender at its best lr (lowest mean final val loss over seeds): mean/std, steps to target, speedup."""
+  by = {}
+  for r in rows:
+    by.setdefault(r["label"], {}).setdefault(r["lr"], []).append(r)
+  best = {}
+  for label, lrs in by.items():
+    lr = min(lrs, key=lambda x: statistics.fmean(r["final_val_loss"] for r in lrs[x]))
+    best[label] = (lr, lrs[lr])
+  base_curve = _mean_curve([r["curve"] for r in best[baseline][1]])
+  base_final = base_curve[-1][1]
+  target = base_final if target_loss is None else target_loss
+  base_steps = steps_to(base_curve, base_final)
+  summary = []
+  for label, (lr, rs) in best.items():
+    finals = [r["final_val_loss"] for r in rs]
+    curve = _mean_curve([r["curve"] for r in rs])
+    reach = steps_to(curve, base_final)
+    summary.append({"label": label, "best_lr": lr, "seeds": len(rs), "final_mean": statistics.fmean(finals),
+                    "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                    "best_val": min(r["best_val_loss"] for r in rs), "steps_to_target": steps_to(curve, target),
+                    "speedup": base_steps / reach if reach else None,
+                    "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rs), "curve": curve,
+                    "spread": [(s, min(dict(r["curve"])[s] for r in rs), max(dict(r["curve"])[s] for r in rs))
+                               for s, _ in curve]})
+  summary.sort(key=lambda s: s["final_mean"])
+  return summary, target
+
+
+def write_results(cfg: SweepConfig, rows: list[dict]):
+  os.makedirs(cfg.out, exist_ok=True)
+  summary, target = summarize(rows, cfg.baseline, cfg.target_loss)
+  for r in rows:
+    r["steps_to_target"] = steps_to(r["curve"], target)
+  cols = ["label", "optimizer", "lr", "seed", "steps", "final_val_loss", "best_val_loss", "steps_to_target",
+          "tokens_per_s"]
+  with open(os.path.join(cfg.out, "results.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, cols, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+  fmt = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
+  lines = [f"| contender | best lr | val loss (mean ± std, {summary[0]['seeds']} seed(s)) | best val | "
+           f"steps to {target:.4f} | speedup vs {cfg.baseline} | tokens/s |", "|---|---|---|---|---|---|---|"]
+  lines += [f"| {s['label']} | {s['best_lr']:g} | {s['final_mean']:.4f} ± {s['final_std']:.4f} | {s['best_val']:.4f} | "
+            f"{fmt(s['steps_to_target'], '.0f')} | {'<1' if s['speedup'] is None else format(s['speedup'], '.2f') + '×'}"
+            f" | {s['tokens_per_s']:.0f} |" for s in summary]
+  settings = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in ("out", "progress")}
+  settings["steps"] = rows[0]["steps"]
+  with open(os.path.join(cfg.out, "summary.md"), "w") as f:
+    f.write(f"Sweep at commit {commit}: grid {list(cfg.grid)}, seeds {list(cfg.seeds)}\n\n"
+            f"Run settings: `{json.dumps(settings)}`\n\n" + "\n".join(lines) + "\n")
+  print("\n".join(lines))
+  _plots(cfg, rows, summary)
+
+
+def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  for s in summary:
+    steps, losses = zip(*s["curve"])
+    line, = ax.plot(steps, losses, label=f"{s['label']} (lr {s['best_lr']:g})")
+    _, lo, hi = zip(*s["spread"])
+    ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
+  ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="each contender at its best lr (min–max over seeds)")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(cfg.out, "curves.png"), dpi=120)
+  plt.close(fig)
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  for label in dict.fromkeys(r["label"] for r in rows):
+    lrs = sorted({r["lr"] for r in rows if r["label"] == label})
+    vals = [[r["final_val_loss"] for r in rows if r["label"] == label and r["lr"] == lr] for lr in lrs]
+    ax.errorbar(lrs, [np.mean(v) for v in vals], yerr=[np.std(v) for v in vals], marker="o", capsize=3, label=label)
+  ax.set(xscale="log", xlabel="peak learning rate", ylabel="final validation loss", title="final val loss vs lr")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(cfg.out, "lr.png"), dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None):
+  cfg = tyro.cli(SweepConfig, args=argv)
+  try:
+    run_grid(cfg)
+  except (SweepError, *USER_ERRORS) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+  main()
