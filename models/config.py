@@ -3,10 +3,46 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 
 class ConfigError(ValueError):
   """A model configuration that cannot be built."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """A token-choice top-k mixture of SwiGLU experts as every block's FFN (see models/moe.py).
+
+  `num_experts=0` means no MoE (a dense FFN): TransformerConfig turns such a config into `moe=None`.
+  """
+
+  num_experts: int = 8
+  top_k: int = 2
+  d_expert: int | None = None  # each expert's SwiGLU hidden width; None: d_ff
+  num_shared: int = 0  # always-on shared experts (DeepSeekMoE), fused into one SwiGLU of num_shared*d_expert
+  router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid always renormalises the top-k weights
+  normalize_top_k: bool = False  # softmax: renormalise the k selected probabilities to sum 1 (Mixtral)
+  capacity_factor: float | None = None  # None: dropless (sort + ragged_dot); else C = ceil(cf*T*k/E) per expert
+  lb_weight: float = 1e-2  # Switch load-balancing loss weight in the train loss
+  z_weight: float = 1e-3  # router z-loss weight (ST-MoE)
+  bias_rate: float = 0.0  # aux-loss-free balancing step u (DeepSeek-V3: 1e-3); 0: no selection bias
+  ragged_a2a: bool = False  # expert parallelism with ragged_all_to_all (GPU/TPU; XLA:CPU cannot run it)
+
+  def __post_init__(self):
+    if self.num_experts < 0:
+      raise ConfigError(f"moe.num_experts must be >= 0 (0 = dense), got {self.num_experts}")
+    if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+      raise ConfigError(f"moe.top_k={self.top_k} must lie in [1, num_experts={self.num_experts}]")
+    if self.router not in ("softmax", "sigmoid"):
+      raise ConfigError(f"moe.router must be 'softmax' or 'sigmoid', got {self.router!r}")
+    if self.capacity_factor is not None and self.capacity_factor <= 0:
+      raise ConfigError(f"moe.capacity_factor must be positive (or None for dropless), got {self.capacity_factor}")
+    if self.d_expert is not None and self.d_expert <= 0:
+      raise ConfigError(f"moe.d_expert must be positive, got {self.d_expert}")
+    for f in ("num_shared", "lb_weight", "z_weight", "bias_rate"):
+      if getattr(self, f) < 0:
+        raise ConfigError(f"moe.{f} must be >= 0, got {getattr(self, f)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +64,13 @@ class TransformerConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"  # "bfloat16" for bf16 matmuls (the loss stays fp32)
   remat: bool = False  # recompute each block in the backward pass
+  moe: MoEConfig | None = None  # a mixture of experts instead of the dense SwiGLU in every block
 
   def __post_init__(self):
+    if isinstance(self.moe, dict):  # from a saved config.json
+      object.__setattr__(self, "moe", MoEConfig(**self.moe))
+    if self.moe is not None and self.moe.num_experts == 0:
+      object.__setattr__(self, "moe", None)
     kv, hd = self.kv_heads, self.hd
     if self.n_heads % kv:
       raise ConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")

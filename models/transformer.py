@@ -40,7 +40,7 @@ def rope(x_BTNH, theta):
 
 
 class Block(nnx.Module):
-  """x + Attn(Norm(x)); then x + SwiGLU(Norm(x))."""
+  """x + Attn(Norm(x)); then x + FFN(Norm(x)), the FFN a SwiGLU MLP or a mixture of SwiGLU experts."""
 
   def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
     D, N, K, H, F, pd = c.d_model, c.n_heads, c.kv_heads, c.hd, c.d_ff, c.param_dtype
@@ -55,34 +55,65 @@ class Block(nnx.Module):
       self.q_norm = _param(rngs, (H,), ("norm",), 0, pd)
       self.k_norm = _param(rngs, (H,), ("norm",), 0, pd)
     self.mlp_norm = _param(rngs, (D,), ("norm",), 0, pd)
-    self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
-    self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
-    self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), out_std, pd)
+    if c.moe is not None:
+      from models.moe import MoE  # moe.py builds its weights with _param
+      self.moe = MoE(c, rngs=rngs)
+    else:
+      self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
+      self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
+      self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), out_std, pd)
 
   def __call__(self, x_BTD):
+    """x_BTD -> (x_BTD, aux): aux holds float32 router statistics of an MoE block, {} for a dense one."""
+    x_BTD = x_BTD + self.attention(rms_norm(x_BTD, self.attn_norm[...], self.c.norm_eps))
+    h = rms_norm(x_BTD, self.mlp_norm[...], self.c.norm_eps)
+    if self.c.moe is not None:
+      y_BTD, aux = self.moe(h)
+    else:
+      y_BTD, aux = self.mlp(h), {}
+    return x_BTD + constrain(y_BTD, ("batch", "seq", "act_embed")), aux
+
+  def attention(self, h_BTD):
     c, dt = self.c, jnp.dtype(self.c.compute_dtype)
     w = lambda p: p[...].astype(dt)
-    h = rms_norm(x_BTD, self.attn_norm[...], c.norm_eps)
-    B, T, _ = x_BTD.shape
+    B, T, _ = h_BTD.shape
     heads = lambda y, n, names: constrain(y.reshape(B, T, n, c.hd), ("batch", "seq", names, "kv"))
-    q = heads(h @ w(self.wq_DQ), c.n_heads, "act_heads")
-    k = heads(h @ w(self.wk_DK), c.kv_heads, "act_kv_heads")
-    v = heads(h @ w(self.wv_DK), c.kv_heads, "act_kv_heads")
+    q = heads(h_BTD @ w(self.wq_DQ), c.n_heads, "act_heads")
+    k = heads(h_BTD @ w(self.wk_DK), c.kv_heads, "act_kv_heads")
+    v = heads(h_BTD @ w(self.wv_DK), c.kv_heads, "act_kv_heads")
     if c.qk_norm:
       q, k = rms_norm(q, self.q_norm[...], c.norm_eps), rms_norm(k, self.k_norm[...], c.norm_eps)
     q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: K divides N
     o = constrain(o, ("batch", "seq", "act_heads", "kv"))
-    x_BTD = x_BTD + constrain(o.reshape(B, T, -1) @ w(self.wo_QD), ("batch", "seq", "act_embed"))
-    h = rms_norm(x_BTD, self.mlp_norm[...], c.norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, w(self.w_gate_DF))
-    up = jnp.einsum("btd,df->btf", h, w(self.w_up_DF))
+    return constrain(o.reshape(B, T, -1) @ w(self.wo_QD), ("batch", "seq", "act_embed"))
+
+  def mlp(self, h_BTD):
+    dt = jnp.dtype(self.c.compute_dtype)
+    gate = jnp.einsum("btd,df->btf", h_BTD, self.w_gate_DF[...].astype(dt))
+    up = jnp.einsum("btd,df->btf", h_BTD, self.w_up_DF[...].astype(dt))
     a_BTF = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-    return x_BTD + constrain(jnp.einsum("btf,fd->btd", a_BTF, w(self.w_down_FD)), ("batch", "seq", "act_embed"))
+    return jnp.einsum("btf,fd->btd", a_BTF, self.w_down_FD[...].astype(dt))
+
+
+def run_blocks(blocks: Block, x_BTD, *, remat: bool = False):
+  """Apply layer-stacked blocks (a vmapped `Block`, leading axis L) in order with `lax.scan`.
+
+  Returns (x_BTD, aux) with every aux leaf stacked over the L layers (leading axis L). The pipeline
+  calls this on each stage's slice of the stack.
+  """
+  graphdef, stacked = nnx.split(blocks)
+
+  def layer(x, block_state):
+    return nnx.merge(graphdef, block_state)(x)
+
+  if remat:
+    layer = jax.checkpoint(layer, prevent_cse=False)
+  return jax.lax.scan(layer, x_BTD, stacked)
 
 
 class Transformer(nnx.Module):
-  """tokens_BT (int) -> logits_BTV (float32)."""
+  """tokens_BT (int) -> logits_BTV (float32); `forward` also returns the per-layer aux (MoE router statistics)."""
 
   def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
     self.c = c
@@ -99,19 +130,22 @@ class Transformer(nnx.Module):
       self.head_DV = _param(rngs, (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
 
   def __call__(self, tokens_BT):
-    c, dt = self.c, jnp.dtype(self.c.compute_dtype)
+    return self.forward(tokens_BT)[0]
+
+  def forward(self, tokens_BT):
+    """tokens_BT -> (logits_BTV, aux), aux the blocks' router statistics stacked over layers ({} if dense)."""
+    x_BTD, aux = run_blocks(self.blocks, self.embed(tokens_BT), remat=self.c.remat)
+    return self.unembed(x_BTD), aux
+
+  def embed(self, tokens_BT):
+    dt = jnp.dtype(self.c.compute_dtype)
     # Look up in a whole copy of the table: a gather from a vocab/embed-split table makes GSPMD
     # replicate the *output*; gathering the (V, D) table is what FSDP does for every weight anyway.
     table_VD = constrain(self.embed_VD[...], (None, None))
-    x_BTD = constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dt), ("batch", "seq", "act_embed"))
-    graphdef, stacked = nnx.split(self.blocks)
+    return constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dt), ("batch", "seq", "act_embed"))
 
-    def layer(x, block_state):
-      return nnx.merge(graphdef, block_state)(x), None
-
-    if c.remat:
-      layer = jax.checkpoint(layer, prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(layer, x_BTD, stacked)
+  def unembed(self, x_BTD):
+    c, dt = self.c, jnp.dtype(self.c.compute_dtype)
     h = rms_norm(x_BTD, self.final_norm[...], c.norm_eps)
     if c.tie_embeddings:
       logits = jnp.einsum("btd,vd->btv", h, self.embed_VD[...].astype(dt))
