@@ -1,10 +1,13 @@
 """Meshes, the logical->mesh rules table, and sharded state creation. Knows nothing of any optimizer."""
 
+from sharding.audit import Audit, AuditError, Collective, analytic_bytes, collectives, matmul_flops
 from sharding.mesh import AXES, DATA_AXES, MeshError, devices_for, make_mesh, mesh_spec, parse_mesh_spec
 from sharding.rules import RULES, ShardingError, constrain, logical_to_spec, named_sharding
 from sharding.state import (batch_sharding, init_params, init_train_state, logical_names, param_shardings,
                             shard_batch, shardings_like_params)
 
-__all__ = ["AXES", "DATA_AXES", "MeshError", "RULES", "ShardingError", "batch_sharding", "constrain", "devices_for",
+__all__ = ["AXES", "Audit", "AuditError", "Collective", "DATA_AXES", "MeshError", "RULES", "ShardingError",
+           "batch_sharding", "constrain", "devices_for",
            "init_params", "init_train_state", "logical_names", "logical_to_spec", "make_mesh", "mesh_spec",
-           "named_sharding", "param_shardings", "parse_mesh_spec", "shard_batch", "shardings_like_params"]
+           "named_sharding", "param_shardings", "parse_mesh_spec", "shard_batch", "shardings_like_params",
+           "analytic_bytes", "collectives", "matmul_flops"]

@@ -1,0 +1,542 @@
+"""Communication audit: the collectives of a compiled program, read from its HLO, and the textbook bytes to compare.
+
+`collectives(compiled)` parses `compiled.as_text()` (HLO after SPMD partitioning: the program ONE device runs) and
+returns every all-gather, all-reduce, reduce-scatter, all-to-all (also the tuple form with one operand per peer),
+collective-permute and ragged-all-to-all, with its operand and result bytes per device, its replica groups and a
+summary by kind. Reading rules:
+
+- Async pairs (`all-gather-start` / `-done`, ...) count once, at the `-start`; the result bytes are the `-done`'s
+  shape. Collectives wrapped in `async-start(..., calls=%c)` are found in `%c` and marked `is_async`.
+- Replica groups come in three spellings, all expanded to device ids: explicit `{{0,1},{2,3}}` (and `{}` = all
+  devices), iota `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, and mesh axes `mesh['x'=2,'y'=4] {'y'}` (jax 0.10's XLA).
+- Loops: an op inside a `while` body runs once per iteration. When XLA knows the trip count
+  (`backend_config` `known_trip_count`, which it records for `lax.scan` / `fori_loop`), `count` is multiplied by it
+  (nested loops multiply); otherwise the op is counted once per program text and `trip_count_known` is False.
+  `in_loop` flags either case: collectives in a loop body cost latency every iteration (and deadlock XLA:CPU's
+  simulated devices when executed).
+- XLA:CPU has no reduce-scatter from GSPMD: a sharded gradient shows as an all-reduce of the full buffer whose only
+  users dynamic-slice a 1/n piece of it (directly or inside a fusion). Such an all-reduce keeps kind "all-reduce"
+  (that is what the CPU sends) and gets `scatter=True`; `summary(fold_scatter=True)` counts it as the
+  reduce-scatter it stands for (result = operand / n, ring bytes of a reduce-scatter), which is what a backend with
+  a native reduce-scatter (GPU, TPU) would send.
+
+Bytes: `operand_bytes` and `result_bytes` are the raw buffer sizes from the HLO shapes on one device, summed over a
+tuple's elements (every element type: pred and 8-bit types 1 byte, bf16 2, f32 / s32 4, ...). `wire_bytes` is what
+one device sends with bandwidth-optimal ring algorithms over a group of n (scaling-book "How to Scale Your Model",
+sharding.md; Patarasuk & Yuan 2009): all-gather (n−1)/n · result, reduce-scatter (n−1)/n · operand, all-reduce
+2(n−1)/n · operand, all-to-all (n−1)/n · operand (one piece per peer), collective-permute the operand.
+
+`analytic_bytes(...)` gives the textbook per-device wire bytes of one training step for DP, FSDP, ZeRO-1 and TP.
+`matmul_flops(compiled)` sums the FLOPs of the `dot`s one device runs, loop trip counts included (XLA's own
+`cost_analysis()` counts a loop body once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
+
+
+class AuditError(ValueError):
+  """Input that is not the HLO text of a compiled (partitioned) program, or a mesh the formulas do not cover."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of the per-device program."""
+  kind: str  # one of KINDS (an async `-start` is reported under its base kind)
+  name: str  # the instruction's name in the HLO text
+  computation: str
+  operand_bytes: int  # per device, summed over operands
+  result_bytes: int  # per device, summed over a tuple's elements
+  dtypes: tuple[str, ...]  # element types of the result
+  groups: tuple[tuple[int, ...], ...]  # replica groups; (source, target) pairs for collective-permute
+  group_size: int  # devices that take part together (2 for a permute)
+  is_async: bool = False
+  count: int = 1  # executions per program run: 1, or the product of the enclosing loops' known trip counts
+  in_loop: bool = False
+  trip_count_known: bool = True  # False: inside a while loop whose trip count XLA does not record
+  scatter: bool = False  # all-reduce whose users only dynamic-slice it: XLA:CPU's reduce-scatter
+
+  @property
+  def wire_bytes(self) -> float:
+    """Bytes one device sends per execution (ring algorithms over `group_size` devices)."""
+    return _wire(self.kind, self.operand_bytes, self.result_bytes, self.group_size, self.groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class KindTotal:
+  count: int
+  operand_bytes: int
+  result_bytes: int
+  wire_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Audit:
+  """The collectives of one program; counts and bytes in `summary` include loop trip counts."""
+  ops: tuple[Collective, ...]
+  num_devices: int
+
+  def summary(self, fold_scatter: bool = False) -> dict[str, KindTotal]:
+    """{kind: KindTotal} over the kinds present. `fold_scatter` reports all-reduce + dynamic-slice as reduce-scatter."""
+    acc: dict[str, list] = {}
+    for op in self.ops:
+      kind, res, wire = op.kind, op.result_bytes, op.wire_bytes
+      if fold_scatter and op.scatter:
+        kind, res = "reduce-scatter", op.operand_bytes // op.group_size
+        wire = _wire(kind, op.operand_bytes, res, op.group_size, op.groups)
+      a = acc.setdefault(kind, [0, 0, 0, 0.0])
+      for i, v in enumerate((1, op.operand_bytes, res, wire)):
+        a[i] += op.count * v
+    return {k: KindTotal(*acc[k]) for k in KINDS if k in acc}
+
+  def wire_bytes(self, fold_scatter: bool = False) -> float:
+    return sum(t.wire_bytes for t in self.summary(fold_scatter).values())
+
+  def table(self, fold_scatter: bool = False) -> str:
+    """The summary as a markdown table (MiB)."""
+    mib = 2 ** 20
+    rows = ["| collective | count | operand MiB | result MiB | wire MiB/device |", "|---|---|---|---|---|"]
+    for k, t in self.summary(fold_scatter).items():
+      rows.append(f"| {k} | {t.count} | {t.operand_bytes / mib:.2f} | {t.result_bytes / mib:.2f} | "
+                  f"{t.wire_bytes / mib:.2f} |")
+    loops = [op.name for op in self.ops if op.in_loop]
+    if loops:
+      rows.append(f"\n{len(loops)} inside while loops: {', '.join(loops[:8])}")
+    return "\n".join(rows)
+
+
+def collectives(compiled_or_hlo) -> Audit:
+  """Every collective of a compiled program (a `jax.stages.Compiled` or its `.as_text()`). See the module docstring."""
+  module = _Module(_hlo_text(compiled_or_hlo))
+  ops = []
+  for comp, instr in module.walk():
+    kind = instr.opcode.removesuffix("-start")
+    if kind not in KINDS:
+      continue
+    mult, in_loop, known, is_async = module.calls[comp.name]
+    result_shape = instr.shape
+    if instr.opcode.endswith("-start"):
+      done = [u for u in comp.users.get(instr.name, ()) if u.opcode == kind + "-done"]
+      result_shape = done[0].shape if done else _start_result(kind, instr.shape, len(instr.operands))
+    groups = _groups(instr.attrs, module.num_devices) if kind != "collective-permute" else _pairs(instr.attrs)
+    size = 2 if kind == "collective-permute" else (len(groups[0]) if groups else module.num_devices)
+    op = Collective(kind=kind, name=instr.name, computation=comp.name,
+                    operand_bytes=sum(_bytes(comp.shape_of(o)) for o in instr.operands),
+                    result_bytes=_bytes(result_shape), dtypes=tuple(t for t, _ in _arrays(result_shape)),
+                    groups=groups, group_size=size, is_async=is_async or instr.opcode.endswith("-start"),
+                    count=mult, in_loop=in_loop, trip_count_known=known)
+    if kind == "all-reduce":
+      op = dataclasses.replace(op, scatter=_feeds_only_slices(module, comp, instr, size))
+    ops.append(op)
+  return Audit(tuple(ops), module.num_devices)
+
+
+def matmul_flops(compiled_or_hlo) -> float:
+  """FLOPs of every `dot` one device runs per program execution (2 · result elements · contracted size), with
+  loop bodies multiplied by their known trip counts (once per program text where XLA does not know it)."""
+  module = _Module(_hlo_text(compiled_or_hlo))
+  total = 0.0
+  for comp, instr in module.walk():
+    if instr.opcode != "dot":
+      continue
+    lhs = _arrays(comp.shape_of(instr.operands[0]))[0][1]
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+    contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m else 1
+    total += module.calls[comp.name][0] * 2.0 * math.prod(_arrays(instr.shape)[0][1]) * contracted
+  return total
+
+
+def analytic_bytes(n_params: int, mesh, *, zero1: bool = False, param_bytes: int = 4, grad_bytes: int | None = None,
+                   n_layers: int = 0, d_model: int = 0, tokens: int = 0, act_bytes: int = 4) -> dict[str, float]:
+  """Textbook wire bytes one device sends in one training step, by term, plus "total".
+
+  With r(n) = (n−1)/n (a ring over n devices), P parameters, mesh axes D = data, X = fsdp, Y = tensor, b_p / b_g /
+  b_a bytes per parameter / gradient / activation element:
+
+    FSDP (ZeRO-3) over X:  all-gather params forward  r(X)·(P/Y)·b_p
+                           all-gather params backward r(X)·(P/Y)·b_p      (re-gathered, not kept)
+                           reduce-scatter grads       r(X)·(P/Y)·b_g      → 3·r(X)·P·b: 1.5× DP
+    DP over D:             all-reduce grads           2·r(D)·(P/XY)·b_g  (AR = RS + AG)
+    ZeRO-1 over D:         reduce-scatter grads       r(D)·(P/XY)·b_g
+                           all-gather params          r(D)·(P/XY)·b_p     → the same bytes as DP
+    TP (Megatron) over Y:  4 all-reduces of the activations per layer (2 forward: after the attention output and
+                           the MLP down projection; 2 backward: their transposes at the QKV and up projections),
+                           each 2·r(Y)·(tokens/(D·X))·d_model·b_a
+
+  Sources: ZeRO (Rajbhandari et al., arXiv 1910.02054, §7: DP and ZeRO-1/2 move 2Ψ, ZeRO-3 3Ψ per step);
+  scaling-book (jax-ml/scaling-book, sharding.md collective costs, training.md per-layer DP / FSDP / TP
+  communication); Megatron-LM (Shoeybi et al., arXiv 1909.08053, §3: two all-reduces forward, two backward per
+  layer). TP is taken to split all P parameters by Y (norms and biases, which it replicates, are negligible).
+  Pipeline and expert axes are not modelled.
+
+  Args:
+    n_params: trainable parameters P.
+    mesh: a `jax.sharding.Mesh`, a {axis: size} mapping, or a spec such as "data=2,fsdp=4".
+    zero1: gradients reduce-scattered and parameters all-gathered over `data` instead of an all-reduce.
+    param_bytes, grad_bytes: bytes per parameter / gradient element (grad_bytes defaults to param_bytes).
+    n_layers, d_model, tokens: for the TP term: layers, model width and tokens per global batch (batch · seq).
+    act_bytes: bytes per activation element.
+  """
+  sizes = _mesh_sizes(mesh)
+  for axis in ("stage", "expert"):
+    if sizes.get(axis, 1) > 1:
+      raise AuditError(f"analytic_bytes models data, fsdp and tensor axes only; got {axis}={sizes[axis]}")
+  d, x, y = sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
+  if zero1 and d == 1:
+    raise AuditError("zero1=True shards optimizer state over the `data` axis, which has size 1 here; "
+                     "use a mesh such as {'data': 8}")
+  if y > 1 and not (n_layers and d_model and tokens):
+    raise AuditError("a tensor axis > 1 needs n_layers, d_model and tokens for the activation all-reduces")
+  r = lambda n: (n - 1) / n
+  b_g = param_bytes if grad_bytes is None else grad_bytes
+  p_local = n_params / y
+  out: dict[str, float] = {}
+  if x > 1:
+    out["fsdp all-gather params (forward)"] = r(x) * p_local * param_bytes
+    out["fsdp all-gather params (backward)"] = r(x) * p_local * param_bytes
+    out["fsdp reduce-scatter grads"] = r(x) * p_local * b_g
+  if d > 1 and zero1:
+    out["data reduce-scatter grads"] = r(d) * p_local / x * b_g
+    out["data all-gather params"] = r(d) * p_local / x * param_bytes
+  elif d > 1:
+    out["data all-reduce grads"] = 2 * r(d) * p_local / x * b_g
+  if y > 1:
+    out["tensor all-reduce activations"] = n_layers * 4 * 2 * r(y) * tokens / (d * x) * d_model * act_bytes
+  out["total"] = sum(out.values())
+  return out
+
+
+# ---------------------------------------------------------------------------------------------------------- parsing
+
+@dataclasses.dataclass
+class _Instr:
+  name: str
+  shape: str
+  opcode: str
+  operands: list[str]
+  attrs: str
+
+
+@dataclasses.dataclass
+class _Comp:
+  name: str
+  instrs: list[_Instr]
+  users: dict[str, list[_Instr]]
+  shapes: dict[str, str]
+
+  def shape_of(self, name: str) -> str:
+    return self.shapes.get(name, "")
+
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->.*)?\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)="
+                     r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _hlo_text(x) -> str:
+  import jax
+  if isinstance(x, jax.stages.Lowered):
+    raise AuditError("got a Lowered program: its text is pre-partitioning and has no collectives; "
+                     "pass lowered.compile()")
+  text = x.as_text() if hasattr(x, "as_text") else x
+  if not isinstance(text, str):
+    raise AuditError(f"expected a jax.stages.Compiled or HLO text, got {type(x).__name__}")
+  if "module @" in text[:2000] and "HloModule" not in text[:2000]:
+    raise AuditError("got StableHLO (MLIR) text; pass the compiled program's HLO, compiled.as_text()")
+  return text
+
+
+def _balanced(s: str, start: int, open_: str = "(", close: str = ")") -> int:
+  """Index just past the bracket that closes the one at `start`."""
+  depth = 0
+  for i in range(start, len(s)):
+    if s[i] == open_:
+      depth += 1
+    elif s[i] == close:
+      depth -= 1
+      if depth == 0:
+        return i + 1
+  raise AuditError(f"unbalanced {open_}{close} in HLO line: {s[:200]}")
+
+
+def _split_top(s: str) -> list[str]:
+  parts, depth, cur = [], 0, []
+  for ch in s:
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    if ch == "," and depth == 0:
+      parts.append("".join(cur))
+      cur = []
+    else:
+      cur.append(ch)
+  if "".join(cur).strip():
+    parts.append("".join(cur))
+  return [p.strip() for p in parts]
+
+
+def _parse_instr(line: str) -> _Instr | None:
+  m = _INSTR.match(line)
+  if not m:
+    return None
+  i = m.end()
+  if line[i:i + 1] == "(":
+    j = _balanced(line, i)
+  else:
+    j = i + len(line[i:].split(" ", 1)[0])
+  shape = line[i:j]
+  m2 = re.match(r"\s*([\w\-]+)\(", line[j:])
+  if not m2:
+    return None
+  k = j + m2.end() - 1
+  end = _balanced(line, k)
+  operands = [p.split()[-1].lstrip("%") for p in _split_top(line[k + 1:end - 1]) if p]
+  return _Instr(m.group(1), shape, m2.group(1), operands, line[end:])
+
+
+def _logical_lines(text: str):
+  """Lines of the HLO text; an instruction split over several lines (open parenthesis or trailing comma) joined."""
+  pending = []
+  for raw in text.splitlines():
+    pending.append(raw.strip() if pending else raw)
+    line = " ".join(pending)
+    open_ = line.count("(") > line.count(")") or line.rstrip().endswith(",")
+    if _INSTR.match(line) and open_ and len(pending) < 50:
+      continue
+    pending = []
+    yield line
+
+
+class _Module:
+  """Computations, each instruction's users, and how often each computation runs per program execution."""
+
+  def __init__(self, text: str):
+    head = re.search(r"num_partitions=(\d+)", text)
+    reps = re.search(r"replica_count=(\d+)", text)
+    self.num_devices = max(int(head.group(1)) if head else 1, int(reps.group(1)) if reps else 1)
+    self.comps: dict[str, _Comp] = {}
+    entry, cur = None, None
+    for line in _logical_lines(text):
+      if not _INSTR.match(line):
+        h = _HEADER.match(line.strip())
+        if h:
+          cur = self.comps[h.group(2)] = _Comp(h.group(2), [], {}, {})
+          entry = cur.name if h.group(1) else entry
+        continue
+      ins = _parse_instr(line)
+      if ins is None:
+        continue
+      if cur is None:  # a bare snippet of instructions: one implicit entry computation
+        cur = self.comps["<entry>"] = _Comp("<entry>", [], {}, {})
+        entry = cur.name
+      cur.instrs.append(ins)
+      cur.shapes[ins.name] = ins.shape
+      for o in ins.operands:
+        cur.users.setdefault(o, []).append(ins)
+    if entry is None:
+      if not self.comps:
+        raise AuditError("no HLO instructions found; pass compiled.as_text() of a jax.jit(...).lower(...).compile()")
+      entry = list(self.comps)[-1]  # XLA prints the entry computation last
+    self.entry = entry
+    # name -> (multiplier, in_loop, trip_count_known, reached through an async wrapper)
+    self.calls: dict[str, tuple[int, bool, bool, bool]] = {}
+    self._visit(entry, 1, False, True, False)
+
+  def _visit(self, name, mult, in_loop, known, is_async):
+    """Add `mult` executions of computation `name` (reached from one more call site) and of all it calls."""
+    old = self.calls.get(name, (0, False, True, False))
+    self.calls[name] = (old[0] + mult, in_loop or old[1], known and old[2], is_async or old[3])
+    for ins in self.comps[name].instrs:
+      for key, value in _CALLED.findall(ins.attrs):
+        if key == "to_apply" and ins.opcode != "call":  # scalar reducers: no collectives or dots live there
+          continue
+        for t in (t.strip().lstrip("%") for t in value.strip("{}").split(",")):
+          if t not in self.comps:
+            continue
+          if key in ("body", "condition"):
+            trip = _trip_count(ins.attrs)
+            self._visit(t, mult * (trip or 1), True, known and trip is not None, is_async)
+          else:
+            self._visit(t, mult, in_loop, known, is_async or ins.opcode == "async-start")
+
+  def walk(self):
+    for name in self.calls:
+      comp = self.comps[name]
+      for ins in comp.instrs:
+        yield comp, ins
+
+
+def _trip_count(attrs: str) -> int | None:
+  m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?', attrs)
+  return int(m.group(1)) if m else None
+
+
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  """[(element type, dims)] of a shape string, tuples flattened."""
+  out = []
+  for t, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]", shape):
+    out.append((t, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d)))
+  return out
+
+
+def _bits(t: str) -> int:
+  if t == "pred":
+    return 8
+  m = re.fullmatch(r"(?:s|u|f|bf|c)(\d+)[a-z0-9]*", t)
+  return int(m.group(1)) if m else 0  # token[], opaque: no bytes
+
+
+def _bytes(shape: str) -> int:
+  return sum(math.ceil(_bits(t) * math.prod(d) / 8) for t, d in _arrays(shape))
+
+
+def _start_result(kind: str, shape: str, n_operands: int) -> str:
+  """The destination buffer of an async start whose `-done` is not in the text: all-gather-start's tuple is
+  (operands..., results...), collective-permute-start's (operand, result, context...)."""
+  arrays = [f"{t}[{','.join(map(str, d))}]" for t, d in _arrays(shape)]
+  if kind == "all-gather" and len(arrays) >= 2 * n_operands:
+    return ",".join(arrays[n_operands:2 * n_operands])
+  if kind == "collective-permute" and len(arrays) >= 2:
+    return arrays[1]
+  return shape
+
+
+def _groups(attrs: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+  m = re.search(r"replica_groups=", attrs)
+  if not m:
+    return (tuple(range(num_devices)),)
+  s = attrs[m.end():]
+  if s.startswith("{"):
+    body = s[:_balanced(s, 0, "{", "}")]
+    groups = tuple(tuple(int(v) for v in g.split(",") if v) for g in re.findall(r"\{([\d,]*)\}", body[1:-1]))
+    return groups or (tuple(range(num_devices)),)
+  if s.startswith("["):
+    it = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", s)
+    if not it:
+      raise AuditError(f"cannot read iota replica groups {s[:60]!r}")
+    ids = _iota(it.group(2), it.group(3))
+    return tuple(tuple(int(v) for v in row) for row in ids.reshape([int(v) for v in it.group(1).split(",")]))
+  if s.startswith("mesh["):
+    return _mesh_groups(s)
+  raise AuditError(f"cannot read replica groups {s[:60]!r}")
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+  shape = [int(v) for v in dims.split(",")]
+  ids = np.arange(math.prod(shape)).reshape(shape)
+  if perm:
+    ids = ids.transpose([int(v) for v in perm.split(",")])
+  return ids.reshape(-1)
+
+
+def _mesh_groups(s: str) -> tuple[tuple[int, ...], ...]:
+  """`mesh['a'=2,'b'=4] {'b'}`, optionally `, device_ids=(...)` after the mesh and sub-axes `'a':(1)2`: the
+  devices of the mesh array that differ only along the listed axes form a group (XLA MeshAxesReplicaGroupList)."""
+  m = re.match(r"mesh\[([^\]]*)\]", s)
+  axes = [(n, int(v)) for n, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1))]
+  rest = s[m.end():]
+  ids = np.arange(math.prod(v for _, v in axes))
+  dm = re.match(r",\s*device_ids=\(", rest)
+  if dm:
+    end = _balanced(rest, dm.end() - 1)
+    inner = rest[dm.end():end - 1]
+    it = re.fullmatch(r"\s*\[[\d,]+\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", inner)
+    ids = _iota(it.group(1), it.group(2)) if it else np.array([int(v) for v in re.findall(r"\d+", inner)])
+    rest = rest[end:]
+  sel = re.match(r"\s*\{([^}]*)\}", rest)
+  refs = re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", sel.group(1)) if sel else []
+  names = [n for n, _ in axes]
+  unknown = [n for n, _, _ in refs if n not in names]
+  if unknown:
+    raise AuditError(f"replica groups name axes {unknown} that are not in {s[:80]!r}")
+  # reshape every mesh axis into pieces (pre-size padding, a grouped sub-axis, the rest); groups vary the grouped
+  # pieces, in the listed order, and share all others
+  dims, grouped = [], {}
+  for name, size in axes:
+    whole = [i for i, (n, p, _) in enumerate(refs) if n == name and not p]
+    if whole:
+      grouped[whole[0]] = len(dims)
+      dims.append(size)
+      continue
+    prefix = 1
+    for pre, z, i in sorted((int(p), int(z), i) for i, (n, p, z) in enumerate(refs) if n == name):
+      if pre != prefix:
+        dims.append(pre // prefix)
+        prefix = pre
+      grouped[i] = len(dims)
+      dims.append(z)
+      prefix *= z
+    if prefix != size:
+      dims.append(size // prefix)
+  order = [grouped[i] for i in range(len(refs))]
+  keep = [d for d in range(len(dims)) if d not in order]
+  n = math.prod(dims[d] for d in order)
+  arr = ids.reshape(dims).transpose(keep + order).reshape(-1, n)
+  return tuple(tuple(int(v) for v in row) for row in arr)
+
+
+def _pairs(attrs: str) -> tuple[tuple[int, ...], ...]:
+  m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+  return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))) if m else ()
+
+
+def _wire(kind, operand_bytes, result_bytes, n, groups) -> float:
+  if kind == "collective-permute":
+    return float(operand_bytes) if any(a != b for a, b in groups) else 0.0
+  r = (n - 1) / n if n > 1 else 0.0
+  if kind == "all-gather":
+    return r * result_bytes
+  if kind == "all-reduce":
+    return 2 * r * operand_bytes
+  return r * operand_bytes  # reduce-scatter, all-to-all, ragged-all-to-all (as if dense)
+
+
+def _feeds_only_slices(module: _Module, comp: _Comp, instr: _Instr, n: int) -> bool:
+  """Whether every user of an all-reduce (through its -done) keeps a 1/n dynamic-slice of it."""
+  if n < 2:
+    return False
+  users = comp.users.get(instr.name, [])
+  if instr.opcode.endswith("-start"):
+    users = [u2 for u in users for u2 in comp.users.get(u.name, [])]
+  full = sum(math.prod(d) for _, d in _arrays(instr.shape))
+  if not users:
+    return False
+  for u in users:
+    part = sum(math.prod(d) for _, d in _arrays(u.shape))
+    if part * n != full:
+      return False
+    if u.opcode == "dynamic-slice":
+      continue
+    called = re.search(r"calls=%?([\w.\-]+)", u.attrs)
+    if u.opcode != "fusion" or not called or called.group(1) not in module.comps:
+      return False
+    if not any(i.opcode == "dynamic-slice" for i in module.comps[called.group(1)].instrs):
+      return False
+  return True
+
+
+def _mesh_sizes(mesh) -> dict[str, int]:
+  if hasattr(mesh, "shape") and hasattr(mesh, "axis_names"):
+    return dict(mesh.shape)
+  if isinstance(mesh, Mapping):
+    return {k: int(v) for k, v in mesh.items()}
+  if isinstance(mesh, str):
+    out = {}
+    for item in filter(None, (s.strip() for s in mesh.split(","))):
+      name, sep, value = item.partition("=")
+      if not sep or not value.strip().isdigit():
+        raise AuditError(f"mesh spec item {item!r} must be axis=size with a positive size (spec {mesh!r})")
+      out[name.strip()] = int(value)
+    return out
+  raise AuditError(f"mesh must be a Mesh, a {{axis: size}} mapping or a spec string, got {type(mesh).__name__}")
+
