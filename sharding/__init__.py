@@ -2,6 +2,7 @@
 
 from sharding.audit import Audit, AuditError, Collective, analytic_bytes, collectives, matmul_flops
 from sharding.mesh import AXES, DATA_AXES, MeshError, devices_for, make_mesh, mesh_spec, parse_mesh_spec
+from sharding.reshard import ReshardError, abstract_state, moved_bytes, reshard, state_shardings
 from sharding.rules import RULES, ShardingError, constrain, logical_to_spec, named_sharding
 from sharding.state import (batch_sharding, init_params, init_train_state, logical_names, param_shardings,
                             shard_batch, shardings_like_params)
@@ -10,4 +11,5 @@ __all__ = ["AXES", "Audit", "AuditError", "Collective", "DATA_AXES", "MeshError"
            "batch_sharding", "constrain", "devices_for",
            "init_params", "init_train_state", "logical_names", "logical_to_spec", "make_mesh", "mesh_spec",
            "named_sharding", "param_shardings", "parse_mesh_spec", "shard_batch", "shardings_like_params",
-           "analytic_bytes", "collectives", "matmul_flops"]
+           "analytic_bytes", "collectives", "matmul_flops",
+           "ReshardError", "abstract_state", "moved_bytes", "reshard", "state_shardings"]
