@@ -1,0 +1,157 @@
+"""Mixture-of-Experts FFN: a token-choice top-k router over E SwiGLU experts, optional shared experts.
+
+Shapes: B batch, T sequence, D d_model, E experts, K top-k, F expert width, G = B·T tokens.
+Expert weights are stacks of (fan_in, fan_out) matrices, (E, D, F) and (E, F, D), with logical axes
+("expert", "embed", "mlp") / ("expert", "mlp", "embed"), so Muon orthogonalizes each expert on its own.
+
+Router (per token x, scores s = softmax(x·W_r) or sigmoid(x·W_r), bias b ≥ aux-free balancing):
+  selected = TopK_k(s + b)       b chooses experts only (DeepSeek-V3 §2.1.2, arXiv 2412.19437)
+  g_e = s_e for e in selected    renormalised Σ_k g = 1 for sigmoid (DeepSeek-V3) or `normalize_top_k`
+  y = Σ_{e∈selected} g_e·SwiGLU_e(x) + SwiGLU_shared(x)
+Auxiliary losses (per layer, averaged over the G tokens of the global batch):
+  load balancing  L_lb = E · Σ_e f_e·P_e, f_e = (assignments to e)/(G·K), P_e = mean_t p_te with p the
+                  scores normalised to sum 1 (Switch Transformer, arXiv 2101.03961, eq. 4; Megatron's
+                  top-k form); = 1 under uniform routing.
+  router z-loss   L_z = mean_t (logsumexp_e logits_te)² (ST-MoE, arXiv 2202.08906, eq. 5).
+Aux-loss-free balancing (Wang et al., arXiv 2408.15664): after each optimizer step
+  b_e ← b_e + u·sign(mean_e' load_e' − load_e)
+with b a `RouterBias` variable (not an nnx.Param: the optimizer never sees it), see `update_router_bias`.
+Dispatch (capacity-factor with dropping, or dropless sort + `jax.lax.ragged_dot`) and expert
+parallelism live in `sharding/experts.py`; this module supplies the expert math.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import TransformerConfig
+from sharding import experts
+from sharding.rules import constrain
+
+AUX_KEYS = ("lb_loss", "z_loss", "load", "dropped", "entropy")
+
+
+class RouterBias(nnx.Variable):
+  """Aux-loss-free selection bias, one per expert: state beside the params, outside the optimizer."""
+
+
+def route(logits_GE, bias_E, *, router: str, top_k: int, normalize: bool = False):
+  """(idx_GK, gate_GK, scores_GE): top-k of scores + bias (selection only), gates from the scores."""
+  logits_GE = logits_GE.astype(jnp.float32)
+  scores = jax.nn.softmax(logits_GE, -1) if router == "softmax" else jax.nn.sigmoid(logits_GE)
+  select = scores if bias_E is None else scores + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+  _, idx_GK = jax.lax.top_k(select, top_k)
+  gate_GK = jnp.take_along_axis(scores, idx_GK, axis=-1)
+  if router == "sigmoid" or normalize:
+    gate_GK = gate_GK / jnp.sum(gate_GK, -1, keepdims=True)
+  return idx_GK, gate_GK, scores
+
+
+def router_stats(logits_GE, scores_GE, idx_GK, keep_GK) -> dict:
+  """Per-layer float32 statistics: the two aux losses, load per expert (fraction of the G·K
+  assignments, before dropping), dropped fraction, and the mean router entropy in nats."""
+  E = logits_GE.shape[-1]
+  p_GE = scores_GE / jnp.sum(scores_GE, -1, keepdims=True)
+  load_E = jnp.mean(jnp.sum(jax.nn.one_hot(idx_GK, E, dtype=jnp.float32), 1), 0) / idx_GK.shape[-1]
+  lb = E * jnp.sum(jax.lax.stop_gradient(load_E) * jnp.mean(p_GE, 0))
+  z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_GE.astype(jnp.float32), -1)))
+  entropy = -jnp.mean(jnp.sum(p_GE * jnp.log(jnp.maximum(p_GE, 1e-30)), -1))
+  dropped = 1.0 - jnp.mean(keep_GK.astype(jnp.float32))
+  return {"lb_loss": lb, "z_loss": z, "load": load_E, "dropped": dropped, "entropy": entropy}
+
+
+def swiglu_grouped(x_MD, sizes_E, w):
+  """Rows of x sorted by expert, sizes_E rows per expert: SwiGLU_e on each group (`ragged_dot`)."""
+  dt = x_MD.dtype
+  g = jax.lax.ragged_dot(x_MD, w["gate"].astype(dt), sizes_E)
+  u = jax.lax.ragged_dot(x_MD, w["up"].astype(dt), sizes_E)
+  return jax.lax.ragged_dot(jax.nn.silu(g) * u, w["down"].astype(dt), sizes_E)
+
+
+def swiglu_dense(x_ECD, w):
+  """C slots per expert: SwiGLU_e on slot buffer e (einsum)."""
+  dt = x_ECD.dtype
+  g = jnp.einsum("ecd,edf->ecf", x_ECD, w["gate"].astype(dt))
+  u = jnp.einsum("ecd,edf->ecf", x_ECD, w["up"].astype(dt))
+  return jnp.einsum("ecf,efd->ecd", jax.nn.silu(g) * u, w["down"].astype(dt))
+
+
+class MoE(nnx.Module):
+  """h_BTD -> (y_BTD, aux): router, top-k dispatch to E SwiGLU experts, optional shared experts."""
+
+  def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
+    from models.transformer import _param
+
+    m, pd = c.moe, c.param_dtype
+    D, E, F = c.d_model, m.num_experts, m.d_expert or c.d_ff
+    out_std = c.init_std / (2 * c.n_layers) ** 0.5
+    self.c = c
+    self.router_DE = _param(rngs, (D, E), ("embed", None), c.init_std, pd)
+    self.w_gate_EDF = _param(rngs, (E, D, F), ("expert", "embed", "mlp"), c.init_std, pd)
+    self.w_up_EDF = _param(rngs, (E, D, F), ("expert", "embed", "mlp"), c.init_std, pd)
+    self.w_down_EFD = _param(rngs, (E, F, D), ("expert", "mlp", "embed"), out_std, pd)
+    if m.num_shared:
+      S = m.num_shared * F
+      self.shared_gate_DS = _param(rngs, (D, S), ("embed", "mlp"), c.init_std, pd)
+      self.shared_up_DS = _param(rngs, (D, S), ("embed", "mlp"), c.init_std, pd)
+      self.shared_down_SD = _param(rngs, (S, D), ("mlp", "embed"), out_std, pd)
+    if m.bias_rate > 0:
+      self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=(None,), eager_sharding=False)
+
+  def __call__(self, h_BTD):
+    c, m = self.c, self.c.moe
+    dt = jnp.dtype(c.compute_dtype)
+    B, T, D = h_BTD.shape
+    logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), self.router_DE[...].astype(jnp.float32))
+    bias = self.router_bias[...] if m.bias_rate > 0 else None
+    idx, gate, scores = route(logits_BTE.reshape(B * T, -1), bias, router=m.router, top_k=m.top_k,
+                              normalize=m.normalize_top_k)
+    K = m.top_k
+    w = {"gate": self.w_gate_EDF[...], "up": self.w_up_EDF[...], "down": self.w_down_EFD[...]}
+    names = {"gate": ("expert", None, "mlp"), "up": ("expert", None, "mlp"), "down": ("expert", "mlp", None)}
+    y_BTD, keep = experts.dispatch(h_BTD.astype(dt), idx.reshape(B, T, K), gate.reshape(B, T, K), w, names,
+                                   num_experts=m.num_experts, grouped=swiglu_grouped, dense=swiglu_dense,
+                                   capacity_factor=m.capacity_factor, ragged=m.ragged_a2a)
+    if m.num_shared:
+      g = h_BTD.astype(dt) @ self.shared_gate_DS[...].astype(dt)
+      u = h_BTD.astype(dt) @ self.shared_up_DS[...].astype(dt)
+      a_BTS = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
+      y_BTD = y_BTD + a_BTS @ self.shared_down_SD[...].astype(dt)
+    return y_BTD.astype(h_BTD.dtype), router_stats(logits_BTE.reshape(B * T, -1), scores, idx, keep.reshape(B * T, K))
+
+
+def aux_loss(aux: dict, c: TransformerConfig):
+  """The weighted auxiliary loss lb_weight·Σ_layers L_lb + z_weight·Σ_layers L_z (0 for a dense model)."""
+  if c.moe is None or not aux:
+    return jnp.zeros((), jnp.float32)
+  return c.moe.lb_weight * jnp.sum(aux["lb_loss"]) + c.moe.z_weight * jnp.sum(aux["z_loss"])
+
+
+def update_router_bias(buffers, aux: dict, rate: float):
+  """b ← b + rate·sign(mean(load) − load) on every `router_bias` leaf of `buffers` (stacked like the
+  blocks, e.g. (L, E)), from the matching `aux["load"]` of the same step; other leaves unchanged."""
+  if not aux or "load" not in aux:
+    return buffers
+  load = aux["load"]
+
+  def step(path, b):
+    if getattr(path[-1], "key", None) != "router_bias":
+      return b
+    return b + rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load).reshape(b.shape).astype(b.dtype)
+
+  return jax.tree_util.tree_map_with_path(step, buffers)
+
+
+def summarize(aux: dict) -> dict:
+  """Router metrics for logging from one step's stacked aux (layers first): means over layers, and
+  the load balance as max/min of the per-expert load (averaged over layers) and its coefficient of variation."""
+  if not aux:
+    return {}
+  load_LE = aux["load"].reshape(-1, aux["load"].shape[-1])
+  mean_E = jnp.mean(load_LE, 0)
+  return {"moe/lb_loss": jnp.mean(aux["lb_loss"]), "moe/z_loss": jnp.mean(aux["z_loss"]),
+          "moe/dropped": jnp.mean(aux["dropped"]), "moe/entropy": jnp.mean(aux["entropy"]),
+          "moe/load_max": jnp.max(mean_E) * mean_E.shape[0], "moe/load_min": jnp.min(mean_E) * mean_E.shape[0],
+          "moe/load_cv": jnp.mean(jnp.std(load_LE, -1) / jnp.mean(load_LE, -1)), "moe/load": mean_E}
