@@ -14,11 +14,13 @@ summary by kind. Reading rules:
   (nested loops multiply); otherwise the op is counted once per program text and `trip_count_known` is False.
   `in_loop` flags either case: collectives in a loop body cost latency every iteration (and deadlock XLA:CPU's
   simulated devices when executed).
-- XLA:CPU has no reduce-scatter from GSPMD: a sharded gradient shows as an all-reduce of the full buffer whose only
-  users dynamic-slice a 1/n piece of it (directly or inside a fusion). Such an all-reduce keeps kind "all-reduce"
-  (that is what the CPU sends) and gets `scatter=True`; `summary(fold_scatter=True)` counts it as the
-  reduce-scatter it stands for (result = operand / n, ring bytes of a reduce-scatter), which is what a backend with
-  a native reduce-scatter (GPU, TPU) would send.
+- XLA:CPU has no reduce-scatter from GSPMD: a sharded gradient shows as an all-reduce of the full buffer whose
+  only users dynamic-slice a 1/n piece of it (directly, or inside a fusion, possibly after a bitcast / copy /
+  transpose; XLA's combiner often packs several gradients into one tuple all-reduce, read element by element).
+  Such an all-reduce keeps kind "all-reduce" (that is what the CPU sends) and records the operand bytes of those
+  elements as `scatter_bytes`; `summary(fold_scatter=True)` counts that part as the reduce-scatter it stands for
+  (result = operand / n, ring bytes of a reduce-scatter: what a backend with a native reduce-scatter, GPU or TPU,
+  would send) and the rest as all-reduce (a tuple all-reduce with both parts is counted under both kinds).
 
 Bytes: `operand_bytes` and `result_bytes` are the raw buffer sizes from the HLO shapes on one device, summed over a
 tuple's elements (every element type: pred and 8-bit types 1 byte, bf16 2, f32 / s32 4, ...). `wire_bytes` is what
@@ -62,7 +64,12 @@ class Collective:
   count: int = 1  # executions per program run: 1, or the product of the enclosing loops' known trip counts
   in_loop: bool = False
   trip_count_known: bool = True  # False: inside a while loop whose trip count XLA does not record
-  scatter: bool = False  # all-reduce whose users only dynamic-slice it: XLA:CPU's reduce-scatter
+  scatter_bytes: int = 0  # all-reduce operand bytes only 1/n-sliced afterwards: XLA:CPU's reduce-scatter
+
+  @property
+  def scatter(self) -> bool:
+    """An all-reduce that is wholly a reduce-scatter in disguise (all-reduce + dynamic-slice)."""
+    return 0 < self.scatter_bytes == self.operand_bytes
 
   @property
   def wire_bytes(self) -> float:
@@ -87,14 +94,19 @@ class Audit:
   def summary(self, fold_scatter: bool = False) -> dict[str, KindTotal]:
     """{kind: KindTotal} over the kinds present. `fold_scatter` reports all-reduce + dynamic-slice as reduce-scatter."""
     acc: dict[str, list] = {}
-    for op in self.ops:
-      kind, res, wire = op.kind, op.result_bytes, op.wire_bytes
-      if fold_scatter and op.scatter:
-        kind, res = "reduce-scatter", op.operand_bytes // op.group_size
-        wire = _wire(kind, op.operand_bytes, res, op.group_size, op.groups)
+
+    def add(op, kind, operand, result):
       a = acc.setdefault(kind, [0, 0, 0, 0.0])
-      for i, v in enumerate((1, op.operand_bytes, res, wire)):
+      wire = _wire(kind, operand, result, op.group_size, op.groups)
+      for i, v in enumerate((1, operand, result, wire)):
         a[i] += op.count * v
+
+    for op in self.ops:
+      part = op.scatter_bytes if fold_scatter else 0
+      if part:
+        add(op, "reduce-scatter", part, part // op.group_size)
+      if op.operand_bytes > part:
+        add(op, op.kind, op.operand_bytes - part, op.result_bytes - part)
     return {k: KindTotal(*acc[k]) for k in KINDS if k in acc}
 
   def wire_bytes(self, fold_scatter: bool = False) -> float:
@@ -134,7 +146,7 @@ def collectives(compiled_or_hlo) -> Audit:
                     groups=groups, group_size=size, is_async=is_async or instr.opcode.endswith("-start"),
                     count=mult, in_loop=in_loop, trip_count_known=known)
     if kind == "all-reduce":
-      op = dataclasses.replace(op, scatter=_feeds_only_slices(module, comp, instr, size))
+      op = dataclasses.replace(op, scatter_bytes=_scatter_bytes(module, comp, instr, size))
     ops.append(op)
   return Audit(tuple(ops), module.num_devices)
 
@@ -308,6 +320,7 @@ def _logical_lines(text: str):
   """Lines of the HLO text; an instruction split over several lines (open parenthesis or trailing comma) joined."""
   pending = []
   for raw in text.splitlines():
+    raw = re.sub(r"/\*.*?\*/", "", raw)  # `/*index=5*/` markers in long tuples and operand lists
     pending.append(raw.strip() if pending else raw)
     line = " ".join(pending)
     open_ = line.count("(") > line.count(")") or line.rstrip().endswith(",")
@@ -501,26 +514,55 @@ def _wire(kind, operand_bytes, result_bytes, n, groups) -> float:
   return r * operand_bytes  # reduce-scatter, all-to-all, ragged-all-to-all (as if dense)
 
 
-def _feeds_only_slices(module: _Module, comp: _Comp, instr: _Instr, n: int) -> bool:
-  """Whether every user of an all-reduce (through its -done) keeps a 1/n dynamic-slice of it."""
+def _scatter_bytes(module: _Module, comp: _Comp, instr: _Instr, n: int) -> int:
+  """Bytes of an all-reduce's result (element by element for a tuple) that are only ever 1/n-sliced afterwards."""
   if n < 2:
-    return False
-  users = comp.users.get(instr.name, [])
+    return 0
+  name = instr.name
   if instr.opcode.endswith("-start"):
-    users = [u2 for u in users for u2 in comp.users.get(u.name, [])]
-  full = sum(math.prod(d) for _, d in _arrays(instr.shape))
-  if not users:
+    done = [u for u in comp.users.get(name, ()) if u.opcode.endswith("-done")]
+    if len(done) != 1:
+      return 0
+    name = done[0].name
+  arrays = _arrays(instr.shape)
+  if len(arrays) == 1 and not instr.shape.startswith("("):
+    return _bytes(instr.shape) if _only_sliced(module, comp, name, n) else 0
+  sliced: dict[int, bool] = {}  # tuple index -> every get-tuple-element of it only sliced
+  for u in comp.users.get(name, ()):
+    if u.opcode != "get-tuple-element":
+      return 0
+    k = int(re.search(r"index=(\d+)", u.attrs).group(1))
+    sliced[k] = sliced.get(k, True) and _only_sliced(module, comp, u.name, n)
+  return sum(math.ceil(_bits(arrays[k][0]) * math.prod(arrays[k][1]) / 8) for k, ok in sliced.items() if ok)
+
+
+_LAYOUT_OPS = ("bitcast", "copy", "transpose", "reshape")
+
+
+def _only_sliced(module: _Module, comp: _Comp, name: str, n: int, depth: int = 0) -> bool:
+  """Whether every use of value `name` ends in a dynamic-slice keeping 1/n of it (through layout ops and into
+  fusions: the fusion's parameter for that operand is followed inside the fused computation)."""
+  users = comp.users.get(name, [])
+  if not users or depth > 8:
     return False
+  size = math.prod(_arrays(comp.shape_of(name))[0][1]) if _arrays(comp.shape_of(name)) else 0
   for u in users:
-    part = sum(math.prod(d) for _, d in _arrays(u.shape))
-    if part * n != full:
-      return False
-    if u.opcode == "dynamic-slice":
-      continue
-    called = re.search(r"calls=%?([\w.\-]+)", u.attrs)
-    if u.opcode != "fusion" or not called or called.group(1) not in module.comps:
-      return False
-    if not any(i.opcode == "dynamic-slice" for i in module.comps[called.group(1)].instrs):
+    if u.opcode == "dynamic-slice" and u.operands[0] == name:
+      if math.prod(_arrays(u.shape)[0][1]) * n != size:
+        return False
+    elif u.opcode in _LAYOUT_OPS:
+      if not _only_sliced(module, comp, u.name, n, depth + 1):
+        return False
+    elif u.opcode == "fusion":
+      called = re.search(r"calls=%?([\w.\-]+)", u.attrs)
+      inner = module.comps.get(called.group(1)) if called else None
+      if inner is None:
+        return False
+      params = {i.operands[0]: i.name for i in inner.instrs if i.opcode == "parameter"}
+      for k, o in enumerate(u.operands):
+        if o == name and not (str(k) in params and _only_sliced(module, inner, params[str(k)], n, depth + 1)):
+          return False
+    else:
       return False
   return True
 

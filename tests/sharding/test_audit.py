@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharding import AuditError, analytic_bytes, collectives, make_mesh, matmul_flops
+from sharding.audit import KindTotal
 
 FSDP_GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))
 DATA_GROUPS = ((0, 4), (1, 5), (2, 6), (3, 7))
@@ -232,3 +233,81 @@ def test_analytic_bytes_by_hand():
 def test_bad_input_says_how_to_fix_it(call, message):
   with pytest.raises(AuditError, match=message):
     call()
+
+
+TUPLE_AR_HLO = """
+HloModule combined, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_slice (param_0: f32[8,4], param_1: s32[]) -> f32[4,2] {
+  %param_0 = f32[8,4]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %t = f32[4,8]{1,0} transpose(%param_0), dimensions={1,0}
+  %zero = s32[] constant(0)
+  ROOT %ds = f32[4,2]{1,0} dynamic-slice(%t, %zero, %param_1), dynamic_slice_sizes={4,2}
+}
+
+ENTRY %main (g: f32[8,4], h: f32[16], k: f32[16], i: s32[]) -> (f32[4,2], f32[16], f32[8]) {
+  %g = f32[8,4]{1,0} parameter(0)
+  %h = f32[16]{0} parameter(1)
+  %k = f32[16]{0} parameter(2)
+  %i = s32[] parameter(3)
+  %ar = (f32[8,4]{1,0}, f32[16]{0}, f32[16]{0}) all-reduce(%g, %h, /*index=2*/%k), replica_groups={{0,1,2,3}},
+      to_apply=%add
+  %gte0 = f32[8,4]{1,0} get-tuple-element(%ar), index=0
+  %gte1 = f32[16]{0} get-tuple-element(%ar), index=1
+  %gte2 = f32[16]{0} get-tuple-element(%ar), index=2
+  %sl = f32[4,2]{1,0} fusion(%gte0, %i), kind=kLoop, calls=%fused_slice
+  %half = f32[8]{0} dynamic-slice(%gte2, %i), dynamic_slice_sizes={8}
+  ROOT %out = (f32[4,2]{1,0}, f32[16]{0}, f32[8]{0}) tuple(%sl, %gte1, %half)
+}
+"""
+
+
+def test_tuple_all_reduce_is_split_into_its_reduce_scatter_and_all_reduce_parts():
+  # element 0 (128 B) is only kept as a 1/4 slice (inside a fusion, after a transpose): a reduce-scatter;
+  # element 1 (64 B) is used whole and element 2 (64 B) is cut in half, not in quarters: all-reduce.
+  audit = collectives(TUPLE_AR_HLO)
+  (op,) = audit.ops
+  assert (op.operand_bytes, op.scatter_bytes, op.scatter) == (256, 128, False)
+  folded = audit.summary(fold_scatter=True)
+  assert folded["reduce-scatter"] == KindTotal(count=1, operand_bytes=128, result_bytes=32, wire_bytes=3 / 4 * 128)
+  assert folded["all-reduce"] == KindTotal(1, 128, 128, 2 * 3 / 4 * 128)
+  assert audit.summary()["all-reduce"] == KindTotal(1, 256, 256, 2 * 3 / 4 * 256)
+
+
+def test_distributed_muon_step_bytes_and_ns_flops_within_moonlight_bounds():
+  """Moonlight (arXiv 2502.16982, §2.3): Distributed Muon communicates ≤ 1.25x a ZeRO-1 AdamW step, i.e. the
+  optimizer may add ≤ 0.25x the ZeRO-1 bytes; its Newton–Schulz work is split, not repeated. On fsdp=8 with 16
+  matrices of one shape class (w2's (128, 64) joins w1's (64, 128) transposed), each device orthogonalizes 2."""
+  import optax
+  import optim
+  mesh = make_mesh("fsdp=8")
+  sh = {"w1": NamedSharding(mesh, P(None, "fsdp")), "w2": NamedSharding(mesh, P(None, None, "fsdp"))}
+  rng = np.random.default_rng(0)
+  grads = {"w1": jax.device_put(rng.normal(size=(8, 64, 128)).astype(np.float32), sh["w1"]),
+           "w2": jax.device_put(rng.normal(size=(8, 128, 64)).astype(np.float32), sh["w2"])}
+  n_params = 2 * 8 * 64 * 128
+  zero1 = analytic_bytes(n_params, {"data": 8}, zero1=True)["total"]
+  assert zero1 == 2 * 7 / 8 * n_params * 4
+
+  def measure(distributed):
+    tx = optim.scale_by_muon(distributed=distributed)
+    with jax.set_mesh(mesh):
+      state = jax.jit(tx.init)(grads)
+      c = jax.jit(lambda g, s: tx.update(g, s)[0], out_shardings=sh).lower(grads, state).compile()
+    audit = collectives(c)
+    assert not any(op.in_loop for op in audit.ops)  # nothing inside the Newton–Schulz loop
+    return audit.wire_bytes(fold_scatter=True), matmul_flops(c)
+
+  ns_total = 16 * optim.ns_flops(64, 128, 5)
+  extra, flops = measure(distributed=True)
+  assert (zero1 + extra) / zero1 <= 1.25
+  assert flops == ns_total / 8  # 2 of the 16 matrices per device, no repeated work
+  gathered, repeated = measure(distributed=False)  # each device gathers every matrix: the bound has teeth
+  assert (zero1 + gathered) / zero1 > 1.25 and repeated == ns_total
