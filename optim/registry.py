@@ -14,15 +14,20 @@ import jax
 import optax
 
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {}
+# name -> predicate on the resolved hyperparameters: True when the optimizer's update takes `prev_grads=`, the
+# gradient at the previous parameters on the current batch (exact MARS / Muon-MVR2; see `needs_prev_grads`).
+PREV_GRADS: dict[str, Callable[[dict], bool]] = {}
 
 
 class UnknownOptimizerError(ValueError):
   """An optimizer name or hyperparameter the registry does not know."""
 
 
-def register(name: str):
+def register(name: str, *, needs_prev_grads: Callable[[dict], bool] | None = None):
   def add(factory):
     OPTIMIZERS[name] = factory
+    if needs_prev_grads is not None:
+      PREV_GRADS[name] = needs_prev_grads
     return factory
   return add
 
@@ -77,3 +82,11 @@ def hyperparameters(name: str) -> dict[str, Any]:
     raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
   sig = inspect.signature(OPTIMIZERS[name])
   return {k: p.default for k, p in sig.parameters.items() if k not in ("learning_rate", "mask", "labels")}
+
+
+def needs_prev_grads(name: str, hparams: dict | None = None) -> bool:
+  """Whether optimizer `name` with these hyperparameters (the rest at their defaults) wants
+  `update(..., prev_grads=)`: the gradient at the previous parameters on the current batch. The train
+  loop then keeps the previous parameters and runs a second backward pass (research/train.py)."""
+  predicate = PREV_GRADS.get(name)
+  return predicate is not None and bool(predicate({**hyperparameters(name), **(hparams or {})}))
