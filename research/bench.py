@@ -3,6 +3,7 @@
   python -m research.bench train                            # small and base, 1 device and 8 simulated ones
   python -m research.bench train --presets base --meshes data=1 fsdp=8 --steps 10 --out runs/bench_train.md
   python -m research.bench optim --out research/results/bench_optim.md     # research/bench_optim.py
+  python -m research.bench comm --out research/results/bench_comm.md       # research/bench_comm.py
 
 `train` times the real train step of research/train.py (AdamW, grad clipping, fp32) and reports
 compile time, steady step time, tokens/s, model FLOP/s and MFU against a matmul rate measured in
@@ -25,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import ConfigError, Transformer, count_params, flops_per_token, preset
+from research.bench_comm import comm
 from research.bench_optim import optim_step
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, _model_config, _optimizer, make_steps, measure_matmul_flops
@@ -168,7 +170,7 @@ def train(presets: tuple[str, ...] = ("small", "base"),
   return rows
 
 
-BENCHMARKS = {"train": train, "optim": optim_step}
+BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm}
 
 
 def main(argv=None):
