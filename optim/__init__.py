@@ -7,6 +7,7 @@ from optim.newton_schulz import COEFFICIENTS, coefficient_table, ns_flops, ortho
 from optim.muon import MuonState, muon, muon_labels, orthogonalize_tree, scale_by_muon, shape_scale
 from optim.distributed import DistributedError, orthogonalize_distributed
 from optim.mars import MarsError, MarsState, mars, mars_correction, mars_labels, muon_mvr, with_global_norm_clip
+from optim.badam import BAdamError, BAdamState, badam, badam_adamw, badam_labels, block_index
 
 __all__ = ["COEFFICIENTS", "MuonState", "OPTIMIZERS", "UnknownOptimizerError", "coefficient_table", "decay_mask",
            "get_optimizer", "hyperparameters", "make_schedule", "muon", "muon_labels", "ns_flops", "orthogonalize",
@@ -14,3 +15,4 @@ __all__ = ["COEFFICIENTS", "MuonState", "OPTIMIZERS", "UnknownOptimizerError", "
 __all__ += ["MarsError", "MarsState", "mars", "mars_correction", "mars_labels", "muon_mvr", "needs_prev_grads",
             "with_global_norm_clip"]
 __all__ += ["DistributedError", "orthogonalize_distributed"]
+__all__ += ["BAdamError", "BAdamState", "badam", "badam_adamw", "badam_labels", "block_index"]
