@@ -105,7 +105,7 @@ class Audit:
       part = op.scatter_bytes if fold_scatter else 0
       if part:
         add(op, "reduce-scatter", part, part // op.group_size)
-      if op.operand_bytes > part:
+      if not part or op.operand_bytes > part:
         add(op, op.kind, op.operand_bytes - part, op.result_bytes - part)
     return {k: KindTotal(*acc[k]) for k in KINDS if k in acc}
 
