@@ -8,10 +8,17 @@ from optim.muon import MuonState, muon, muon_labels, orthogonalize_tree, scale_b
 from optim.distributed import DistributedError, orthogonalize_distributed
 from optim.mars import MarsError, MarsState, mars, mars_correction, mars_labels, muon_mvr, with_global_norm_clip
 from optim.badam import BAdamError, BAdamState, badam, badam_adamw, badam_labels, block_index
+from optim.alignment import (AlignmentError, cautious_mask, cautious_mgup_mask, cautious_policy, mgup_mask,
+                             mgup_policy, topk_mask, with_alignment_mask)
+from optim.mgup import mgup_adamw, mgup_lion, mgup_muon, scale_by_reference_adam
+from optim.cautious import cautious_adamw, cautious_lion, cautious_muon
 
 __all__ = ["COEFFICIENTS", "MuonState", "OPTIMIZERS", "UnknownOptimizerError", "coefficient_table", "decay_mask",
            "get_optimizer", "hyperparameters", "make_schedule", "muon", "muon_labels", "ns_flops", "orthogonalize",
            "orthogonalize_tree", "register", "scale_by_muon", "shape_scale"]
+__all__ += ["AlignmentError", "cautious_adamw", "cautious_lion", "cautious_mask", "cautious_mgup_mask",
+            "cautious_muon", "cautious_policy", "mgup_adamw", "mgup_lion", "mgup_mask", "mgup_muon", "mgup_policy",
+            "scale_by_reference_adam", "topk_mask", "with_alignment_mask"]
 __all__ += ["MarsError", "MarsState", "mars", "mars_correction", "mars_labels", "muon_mvr", "needs_prev_grads",
             "with_global_norm_clip"]
 __all__ += ["DistributedError", "orthogonalize_distributed"]

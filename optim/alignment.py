@@ -1,0 +1,173 @@
+"""Momentum–gradient alignment masks (MGUP, Cautious-MGUP, Cautious) and the wrapper that applies one.
+
+Each policy looks at the signed product s = u ⊙ g of a base optimizer's update direction u and the raw
+gradient g it received, and returns a per-coordinate factor φ; the applied update is φ ⊙ u.
+
+  MGUP (top-K):   K = ⌊τ·N⌋ coordinates with the LARGEST signed s get α, the rest γ   (Chang & Yuan, MGUP)
+  Cautious-MGUP:  α where s ≥ 0, γ elsewhere                                     (MGUP repo, CMGUP_AdamW)
+  Cautious:       c = (s > 0);  φ = c / max(mean(c), floor)  ("mean", the C-Optim single-tensor code)
+                  or φ = c·N / (Σc + 1)                        ("count", C-Optim's first form, pytorch_optimizer)
+                                                               (Liang et al., arXiv 2411.16085)
+
+"Per tensor" means per matrix: a leaf with ndim ≥ 2 is a stack of matrices over its last two axes (leading
+axes stack layers or experts, as `optim.muon` reads them), each with its own N = rows·cols, K and mean; a
+leaf with ndim ≤ 1 is one tensor of N = size elements. Shapes: s_BMN is a stack of B... matrices (M, N).
+
+Top-K is exact and deterministic: the selected coordinates are the first K of the ranking by s descending,
+ties broken by lower flat (row-major) index within the matrix, -0.0 counted as 0.0. K may be a traced
+value (τ under `optax.inject_hyperparams`): one stable sort per matrix of the float's order-preserving
+integer key, then everything above the K-th key plus the ties up to the K-th position (`topk_mask`). A
+Python τ gives K = int(τ·N) as in the reference code; a traced τ gives ⌊τ·N⌋ in τ's dtype (under
+inject_hyperparams the parameters' dtype: pass hyperparam_dtype=jnp.float32 for bf16 parameters, else τ is
+rounded to bf16 before K is taken). On a mesh the sort gathers each matrix whole, once, outside any loop.
+(A counting radix select keeps the leaf sharded and needs only per-matrix all-reduces, but its unrolled
+rounds compiled ~15× slower than the sort on XLA:CPU; loops around collectives are not an option there.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+MaskFn = Callable[[jax.Array, jax.Array], jax.Array]
+NORMALIZATIONS = ("mean", "count")
+
+
+class AlignmentError(ValueError):
+  """A mask policy or hyperparameter the alignment masks do not accept."""
+
+
+def _axes(x) -> tuple[int, ...]:
+  """The axes of one tensor: the last two (a stack of matrices) or all of them (ndim ≤ 1)."""
+  return (x.ndim - 2, x.ndim - 1) if x.ndim >= 2 else tuple(range(x.ndim))
+
+
+def _ordered_key(s):
+  """An unsigned integer with the order of the float s (-0.0 folded into 0.0): sign bit set for s ≥ 0,
+  all bits flipped for s < 0."""
+  s = s.astype(jnp.promote_types(s.dtype, jnp.float32))
+  s = jnp.where(s == 0, jnp.zeros_like(s), s)
+  bits = jnp.finfo(s.dtype).bits
+  utype = jnp.uint64 if bits == 64 else jnp.uint32
+  b = jax.lax.bitcast_convert_type(s, utype)
+  sign = jnp.asarray(1 << (bits - 1), utype)
+  return jnp.where(b >= sign, ~b, b | sign)
+
+
+def topk_mask(score: jax.Array, fraction) -> jax.Array:
+  """Boolean mask of the K = ⌊fraction·N⌋ largest scores of each tensor (ties: lower flat index first).
+
+  `fraction` is a Python float (K = int(fraction·N), as the reference's `int(mask_ratio * numel)`) or a
+  traced scalar. On a mesh each tensor is gathered whole for the sort and the mask comes back in the
+  score's sharding (as `orthogonalize` does), so a sharded leaf selects what the unsharded one selects.
+  """
+  if isinstance(fraction, (int, float)) and not 0.0 <= fraction <= 1.0:
+    raise AlignmentError(f"the top-K fraction tau must lie in [0, 1], got {fraction}")
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return _topk(score, fraction)
+  if jax.sharding.AxisType.Explicit in mesh.axis_types:
+    spec = jax.typeof(score).sharding.spec
+    return jax.sharding.reshard(_topk(jax.sharding.reshard(score, P()), fraction), spec)
+  whole = lambda y: jax.lax.with_sharding_constraint(y, P())
+  return whole(_topk(whole(score), fraction))
+
+
+def _topk(score, fraction):
+  """One stable sort per tensor by descending key; T = the K-th key, J = its flat index. The selection is
+  key > T, plus the tied keys (= T) at flat indices ≤ J, which the stable sort placed before position K."""
+  axes = _axes(score)
+  n = math.prod(score.shape[a] for a in axes)
+  if isinstance(fraction, (int, float)):
+    k = jnp.asarray(int(fraction * n), jnp.int32)
+  else:
+    k = jnp.clip(jnp.floor(fraction * n), 0, n).astype(jnp.int32)
+  key = _ordered_key(score).reshape(score.shape[:score.ndim - len(axes)] + (n,))  # (..., N)
+  index = jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
+  descending, order = jax.lax.sort((~key, index), dimension=key.ndim - 1, num_keys=1, is_stable=True)
+  at = jnp.broadcast_to(jnp.clip(k - 1, 0, n - 1), key.shape[:-1] + (1,))
+  threshold = ~jnp.take_along_axis(descending, at, axis=-1)
+  last = jnp.take_along_axis(order, at, axis=-1)
+  chosen = ((key > threshold) | ((key == threshold) & (index <= last))) & (k > 0)
+  return chosen.reshape(score.shape)
+
+
+def _check(u, g):
+  if jnp.shape(u) != jnp.shape(g):
+    raise AlignmentError(f"the update {jnp.shape(u)} and the gradient {jnp.shape(g)} must have one shape")
+  return u * g
+
+
+def mgup_mask(u: jax.Array, g: jax.Array, tau=0.5, alpha=2.0, gamma=0.1) -> jax.Array:
+  """MGUP's φ: α on the ⌊τ·N⌋ largest u⊙g of each tensor, γ elsewhere (dtype of u)."""
+  return jnp.where(topk_mask(_check(u, g), tau), alpha, gamma).astype(u.dtype)
+
+
+def cautious_mgup_mask(u: jax.Array, g: jax.Array, alpha=2.0, gamma=0.1) -> jax.Array:
+  """Cautious-MGUP's φ: α where u·g ≥ 0, γ elsewhere (the reference code's ≥; its README writes >)."""
+  return jnp.where(_check(u, g) >= 0, alpha, gamma).astype(u.dtype)
+
+
+def cautious_mask(u: jax.Array, g: jax.Array, floor=1e-3, normalize: str = "mean") -> jax.Array:
+  """Cautious φ: c = (u·g > 0) rescaled per tensor, by 1/max(mean(c), floor) ("mean") or N/(Σc + 1)
+  ("count"). A tensor with no aligned coordinate gets φ = 0, never a division by zero."""
+  if normalize not in NORMALIZATIONS:
+    raise AlignmentError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}")
+  c = (_check(u, g) > 0).astype(jnp.promote_types(u.dtype, jnp.float32))
+  axes = _axes(c)
+  if normalize == "mean":
+    phi = c / jnp.maximum(jnp.mean(c, axis=axes, keepdims=True), floor)
+  else:
+    n = math.prod(c.shape[a] for a in axes)
+    phi = c * (n / (jnp.sum(c, axis=axes, keepdims=True) + 1.0))
+  return phi.astype(u.dtype)
+
+
+def mgup_policy(policy: str = "topk", *, tau=0.5, alpha=2.0, gamma=0.1) -> MaskFn:
+  """mask_fn(u, g) for MGUP: policy "topk" (MGUP) or "cautious" (Cautious-MGUP: α where u·g ≥ 0).
+
+  alpha="1/tau" and gamma="tau" tie them to τ as in the paper's Eq. 3 (α = 1/τ, γ = τ; the reference code's
+  defaults are α = 2, γ = 0.1); tied, they follow an injected τ.
+  """
+  alpha, gamma = _tied(alpha, "1/tau", lambda: 1.0 / tau), _tied(gamma, "tau", lambda: tau)
+  if policy == "topk":
+    return lambda u, g: mgup_mask(u, g, tau, alpha, gamma)
+  if policy == "cautious":
+    return lambda u, g: cautious_mgup_mask(u, g, alpha, gamma)
+  raise AlignmentError(f"unknown MGUP policy {policy!r}; use 'topk' (MGUP) or 'cautious' (Cautious-MGUP)")
+
+
+def _tied(value, word: str, tie):
+  if isinstance(value, str):
+    if value != word:
+      raise AlignmentError(f"a string here must be {word!r} (the paper's choice), got {value!r}")
+    return tie()
+  return value
+
+
+def cautious_policy(*, floor=1e-3, normalize: str = "mean") -> MaskFn:
+  """mask_fn(u, g) for Cautious (see `cautious_mask`)."""
+  if normalize not in NORMALIZATIONS:
+    raise AlignmentError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}")
+  return lambda u, g: cautious_mask(u, g, floor, normalize)
+
+
+def with_alignment_mask(inner: optax.GradientTransformation, mask_fn: MaskFn) -> optax.GradientTransformation:
+  """`inner`'s update u multiplied by φ = mask_fn(u, g), per leaf, where g is the raw gradient `inner`
+  received. Put it first in a chain, and decoupled weight decay after it, so decay is never masked:
+
+    optax.chain(with_alignment_mask(base, mask_fn), optax.add_decayed_weights(wd, mask),
+                optax.scale_by_learning_rate(lr))   # W ← W − lr·(φ ⊙ u + wd·W)
+
+  The state is `inner`'s; φ has each leaf's shape and sharding.
+  """
+  def update(updates, state, params=None):
+    u, state = inner.update(updates, state, params)
+    return jax.tree.map(lambda u_, g: u_ * mask_fn(u_, g), u, updates), state
+
+  return optax.GradientTransformation(inner.init, update)

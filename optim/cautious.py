@@ -1,0 +1,80 @@
+"""Cautious optimizers (Kaizhao Liang, Lizhang Chen, Bo Liu, Qiang Liu, "Cautious Optimizers: Improving Training
+with One Line of Code", arXiv 2411.16085; code kyleliang919/C-Optim).
+
+Per tensor (per matrix of a stack, see `optim.alignment`): c = (u·g > 0), φ = c / max(mean(c), floor), update
+φ ⊙ u: coordinates whose update disagrees with the current gradient are dropped and the rest rescaled to keep
+the mean step. `normalize="count"` uses the paper's first form, φ = c·N/(Σc + 1), which is also what
+pytorch_optimizer's `cautious=True` computes. Decoupled weight decay is added after the mask (never masked) and
+multiplies the raw learning rate, as in C-Optim's `c_adamw.py`.
+"""
+
+from __future__ import annotations
+
+import optax
+
+from optim.alignment import cautious_policy, with_alignment_mask
+from optim.mgup import scale_by_reference_adam
+from optim.muon import muon_labels, scale_by_muon
+from optim.registry import decay_mask, register
+
+
+@register("cautious_adamw")
+def cautious_adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1,
+                   floor=1e-3, normalize: str = "mean", mu_dtype=None, mask=None) -> optax.GradientTransformation:
+  """C-AdamW (C-Optim `c_adamw.py`, single-tensor path).
+
+    u = m/(√v + eps) (`scale_by_reference_adam`: eps on the uncorrected √v, as C-Optim),  φ = Cautious(u, g)
+    W ← W − lr·(√(1−β2^t)/(1−β1^t) · φ ⊙ u + weight_decay·W)
+
+  The mask from u·g equals C-Optim's from m·g (√v + eps > 0). Args: house defaults (0.9, 0.95), eps 1e-8,
+  weight_decay 0.1 as `adamw` (C-Optim's experiments: betas (0.9, 0.95), wd 0.1); floor and normalize
+  as `optim.alignment.cautious_mask`; mask: the decay mask (default `decay_mask`).
+  """
+  return optax.chain(
+      with_alignment_mask(scale_by_reference_adam(b1, b2, eps, mu_dtype),
+                          cautious_policy(floor=floor, normalize=normalize)),
+      optax.add_decayed_weights(weight_decay, decay_mask if mask is None else mask),
+      optax.scale_by_learning_rate(learning_rate))
+
+
+@register("cautious_lion")
+def cautious_lion(learning_rate, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1, floor=1e-3,
+                  normalize: str = "mean", mu_dtype=None, mask=None) -> optax.GradientTransformation:
+  """C-Lion: c = sign(β1·m + (1−β1)·g), φ = Cautious(c, g), W ← W − lr·(φ ⊙ c + weight_decay·W),
+  m ← β2·m + (1−β2)·g. House defaults as `lion` (C-Optim's C-Lion: betas (0.95, 0.98), count normalization).
+  """
+  return optax.chain(
+      with_alignment_mask(optax.scale_by_lion(b1, b2, mu_dtype), cautious_policy(floor=floor, normalize=normalize)),
+      optax.add_decayed_weights(weight_decay, decay_mask if mask is None else mask),
+      optax.scale_by_learning_rate(learning_rate))
+
+
+@register("cautious_muon")
+def cautious_muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "classic",
+                  nesterov: bool = True, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7,
+                  scale: str = "moonlight", ns_dtype=None, method: str = "standard", mu_dtype=None,
+                  adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
+                  adam_weight_decay: float | None = None, labels=None, distributed: bool = False, floor=1e-3,
+                  normalize: str = "mean") -> optax.GradientTransformation:
+  """C-Muon with C-Optim's placement (`c_muon.py`): the mask multiplies the momentum BEFORE orthogonalization.
+
+    B ← μB + G;  U = G + μB (Nesterov);  φ = Cautious(U, G);  O = NS(φ ⊙ U)
+    Muon group:  W ← W − lr·(scale·O + weight_decay·W);   AdamW group: as `optim.muon`'s, no mask.
+
+  (`scale_by_muon(mask_fn=..., mask_at="pre")`.) NS normalizes its input, so the mask's per-matrix
+  rescaling cancels and only which coordinates are dropped matters. Other placements exist: the MGUP
+  repo's cautious-Muon baseline and pytorch_optimizer's Muon(cautious=True) mask the ORTHOGONALIZED
+  update with O·G > 0 instead. Arguments as `mgup_muon` (same default momentum form, "classic"), floor
+  and normalize as `cautious_adamw`.
+  """
+  muon_tx = optax.chain(
+      scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
+                    scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype,
+                    mask_fn=cautious_policy(floor=floor, normalize=normalize), mask_at="pre",
+                    distributed=distributed),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate))
+  adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
+                        eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
+                        mask=decay_mask)
+  return optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels)

@@ -1,0 +1,119 @@
+"""MGUP: momentum–gradient alignment update policy for AdamW, Lion and Muon (Da Chang & Ganzhao Yuan, "A
+Momentum-Gradient Alignment Update Policy for Stochastic Optimization", NeurIPS 2025; code MaeChd/MGUP).
+
+Per tensor (per matrix of a stack, see `optim.alignment`), the K = ⌊τ·N⌋ coordinates with the largest signed
+u⊙g take α·u, the rest γ·u; u is the base optimizer's direction, g the raw gradient. The reference code's
+defaults τ = 0.5, α = 2, γ = 0.1; the paper's Eq. 3 (α = 1/τ, γ = τ) is `alpha="1/tau", gamma="tau"`.
+`policy="cautious"` is Cautious-MGUP (α where u·g ≥ 0, γ elsewhere; no sort). Decoupled weight decay is
+added after the mask, so it is never masked, and multiplies the raw learning rate, as in the reference.
+
+House defaults for betas, eps and weight decay are this repo's `adamw` / `lion` / `muon` ones, so MGUP
+runs compare with them at equal settings; the reference classes' defaults differ (listed per factory).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optim.alignment import mgup_policy, with_alignment_mask
+from optim.muon import muon_labels, scale_by_muon
+from optim.registry import decay_mask, register
+
+
+def scale_by_reference_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+                            mu_dtype=None) -> optax.GradientTransformation:
+  """Adam as the MGUP and C-Optim reference code (and torch's pre-2.0 style) write it:
+
+    m ← β1·m + (1−β1)·g;   v ← β2·v + (1−β2)·g²;   u = √(1−β2^t)/(1−β1^t) · m/(√v + eps)
+
+  eps sits on the UNcorrected √v; optax.scale_by_adam puts it on √v̂ (the two differ by eps·√(1−β2^t)
+  and agree once eps ≪ √v). State: optax.ScaleByAdamState.
+  """
+  def init(params):
+    mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=jax.tree.map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None):
+    del params
+    count = optax.safe_increment(state.count)
+    mu = jax.tree.map(lambda m, g: (b1 * m + (1 - b1) * g).astype(m.dtype), state.mu, updates)
+    nu = jax.tree.map(lambda v, g: (b2 * v + (1 - b2) * jnp.square(g)).astype(v.dtype), state.nu, updates)
+    t = count.astype(jnp.promote_types(optax.tree.dtype(updates, "highest"), jnp.float32))  # f64 in x64 tests
+    step = jnp.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    out = jax.tree.map(lambda m, v, g: (step * m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu, nu, updates)
+    return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init, update)
+
+
+@register("mgup_adamw")
+def mgup_adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1,
+               tau=0.5, alpha=2.0, gamma=0.1, policy: str = "topk", mu_dtype=None,
+               mask=None) -> optax.GradientTransformation:
+  """MGUP-AdamW (MGUP/MGUP_AdamW.py `AdamW`; `CMGUP_AdamW` with policy="cautious").
+
+    u = m/(√v + eps) (`scale_by_reference_adam`),  φ = MGUP(u, g; τ, α, γ)
+    W ← W − lr·(√(1−β2^t)/(1−β1^t) · φ ⊙ u + weight_decay·W)        (decay not masked, not bias-scaled)
+
+  Args: house defaults (0.9, 0.95), eps 1e-8, weight_decay 0.1 as `adamw` (reference class: betas
+  (0.9, 0.999), eps 1e-6, weight_decay 0, correct_bias True). tau, alpha, gamma: MGUP (α="1/tau",
+  γ="tau" for the paper's form). mask: decay mask tree or function (default `decay_mask`: norms and
+  biases are not decayed).
+  """
+  return optax.chain(
+      with_alignment_mask(scale_by_reference_adam(b1, b2, eps, mu_dtype),
+                          mgup_policy(policy, tau=tau, alpha=alpha, gamma=gamma)),
+      optax.add_decayed_weights(weight_decay, decay_mask if mask is None else mask),
+      optax.scale_by_learning_rate(learning_rate))
+
+
+@register("mgup_lion")
+def mgup_lion(learning_rate, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1, tau=0.5, alpha=2.0,
+              gamma=0.1, policy: str = "topk", mu_dtype=None, mask=None) -> optax.GradientTransformation:
+  """MGUP-Lion (MGUP/MGUP_Lion.py).
+
+    c = sign(β1·m + (1−β1)·g),  φ = MGUP(c, g),  W ← W − lr·(φ ⊙ c + weight_decay·W),  m ← β2·m + (1−β2)·g
+
+  Args: house defaults betas (0.9, 0.99) and weight_decay 0.1 as `lion` (reference class: betas
+  (0.9, 0.99), weight_decay 0; its experiments used (0.95, 0.98)); the rest as `mgup_adamw`.
+  """
+  return optax.chain(
+      with_alignment_mask(optax.scale_by_lion(b1, b2, mu_dtype), mgup_policy(policy, tau=tau, alpha=alpha, gamma=gamma)),
+      optax.add_decayed_weights(weight_decay, decay_mask if mask is None else mask),
+      optax.scale_by_learning_rate(learning_rate))
+
+
+@register("mgup_muon")
+def mgup_muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "classic",
+              nesterov: bool = True, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight",
+              ns_dtype=None, method: str = "standard", mu_dtype=None, adam_learning_rate=None, adam_b1: float = 0.9,
+              adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None, labels=None,
+              distributed: bool = False, tau=0.5, alpha=2.0, gamma=0.1,
+              policy: str = "topk") -> optax.GradientTransformation:
+  """MGUP-Muon (MGUP/MGUP_Muon.py): Moonlight Muon with the MGUP mask applied AFTER orthogonalization.
+
+    B ← μB + G;  Gn = G + μB (Nesterov);  φ = MGUP(Gn, G);  O = NS(Gn)
+    Muon group:  W ← W − lr·(0.2·√max(A, B) · φ ⊙ O + weight_decay·W)     (decay with the unscaled lr)
+    AdamW group: as `optim.muon`'s (embeddings, head, norms, vectors by `labels`), NO mask (the reference
+                 leaves it commented out)
+
+  The mask comes from the pre-orthogonalization Nesterov direction, so it does not enter NS
+  (`scale_by_muon(mask_fn=..., mask_at="post")`). Arguments as `optim.muon` (reference class: lr 1e-3,
+  wd 0.1, momentum 0.95, Nesterov, 5 NS steps in bf16, AdamW betas (0.95, 0.95), eps 1e-8), except the
+  default momentum form, "classic" as in the reference ("ema" gives the same update up to NS's eps: NS
+  removes the (1−β) factor and the top-K ranking ignores it). tau, alpha, gamma, policy: as `mgup_adamw`.
+  `distributed` goes to `scale_by_muon`.
+  """
+  muon_tx = optax.chain(
+      scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
+                    scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype,
+                    mask_fn=mgup_policy(policy, tau=tau, alpha=alpha, gamma=gamma), mask_at="post",
+                    distributed=distributed),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate))
+  adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
+                        eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
+                        mask=decay_mask)
+  return optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels)
