@@ -43,8 +43,9 @@ PREV = [tree(s) for s in SCALES]  # g̃_t for the exact mode (g̃_1 must be igno
 
 
 def to_torch(t):
-  return [torch.tensor(t["w"][0].T.copy()), torch.tensor(t["w"][1].T.copy()), torch.tensor(t["wo"].T.copy()),
-          torch.tensor(t["attn_norm"][0].copy()), torch.tensor(t["attn_norm"][1].copy()), torch.tensor(t["bias"].copy())]
+  """Torch's parameter list: each matrix of the stack transposed to (out, in), each stacked vector on its own."""
+  arrays = [t["w"][0].T, t["w"][1].T, t["wo"].T, t["attn_norm"][0], t["attn_norm"][1], t["bias"]]
+  return [torch.tensor(np.ascontiguousarray(a)) for a in arrays]
 
 
 def from_torch(ts):
@@ -199,12 +200,12 @@ def test_without_correction_and_clip_mars_is_optax(variant):
 def test_clip_is_per_matrix_of_a_stack_and_per_vector_of_stacked_vectors():
   g = {"w": jnp.stack([jnp.full((3, 4), 2.0), jnp.full((3, 4), 0.01)])}  # ‖·‖_F = 6.93 and 0.035
   tx = mars_correction(0.0, 0.9)
-  c, _ = tx.update(g, tx.init(g))
+  c, _ = jax.jit(tx.update)(g, tx.init(g))
   np.testing.assert_allclose(c["w"][0], g["w"][0] / np.sqrt(48.0), rtol=1e-6)
   np.testing.assert_allclose(c["w"][1], g["w"][1], rtol=1e-6)  # not divided by the stack's norm
   v = {"attn_norm": jnp.asarray([[3.0, 4.0], [0.3, 0.4]])}
   tx = mars_correction(0.0, 0.9, tensor_ndim=1)
-  c, _ = tx.update(v, tx.init(v))
+  c, _ = jax.jit(tx.update)(v, tx.init(v))
   np.testing.assert_allclose(c["attn_norm"], [[0.6, 0.8], [0.3, 0.4]], rtol=1e-6)
 
 
@@ -213,7 +214,7 @@ def test_first_step_correction_is_from_a_zero_previous_gradient():
   g = {"w": jnp.full((2, 3), 0.01)}
   for mode, extra in (("approx", {}), ("exact", {"prev_grads": {"w": jnp.full((2, 3), 5.0)}})):
     tx = mars_correction(0.5, 0.9, mode=mode)
-    c, state = tx.update(g, tx.init(g), **extra)
+    c, state = jax.jit(tx.update)(g, tx.init(g), **extra)
     np.testing.assert_allclose(c["w"], 0.01 * (1 + 0.5 * 9), rtol=1e-6)
     assert int(state.count) == 1
 
@@ -276,9 +277,8 @@ SHARDED_SHAPES = {"w": (2, 16, 32), "wo": (2, 32, 16), "embed": (32, 16), "attn_
 
 def test_sharded_updates_equal_unsharded_and_keep_shardings():
   """Exact MARS-Shampoo with MARS on vectors too (per-matrix and per-vector norms over sharded axes, Newton–Schulz):
-  3 steps on 8 devices (fsdp=4, tensor=2, Explicit axes) equal 1 device; updates and state keep the parameters'
-  shardings and dtypes. (On Auto axes Newton–Schulz returns replicated updates, `orthogonalize`'s behaviour; with
-  weight decay the sum with W restores the parameter's sharding: see test_muon_mvr.)"""
+  3 steps on 8 devices (fsdp=4, tensor=2, Explicit axes; Auto axes in test_muon_mvr) equal 1 device; updates and
+  state keep the parameters' shardings and dtypes, with no weight decay to restore them (the default)."""
   tx = mars(1e-2, variant="shampoo", mode="exact", optimize_1d=True)
   params = {k: jnp.asarray(RNG.standard_normal(sh), jnp.float32) for k, sh in SHARDED_SHAPES.items()}
   grads = [jax.tree.map(lambda p, k=k: jnp.sin(p * (k + 1)), params) for k in range(4)]
