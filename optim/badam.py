@@ -229,7 +229,7 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "laye
   For block-epoch after block-epoch, for each block b in `order` (paper Alg. 1; reference `BlockOptimizer.step`):
     θ_b ← θ_b + inner(g_b) for K = `switch_every` updates, the inner state starting from inner.init each time
     (with Adam: m, v ← 0 and the bias-correction count t ← 0, so m̂ = m/(1−β1^t), v̂ = v/(1−β2^t) restart);
-    every parameter outside b (and the always-active ones) gets an update of exactly 0.
+    the always-active leaves step with it; every other parameter gets an update of exactly 0.
   Switch timing and orders are those of the reference: see `block_index` (the first block runs K − 1 updates).
 
   Args:
@@ -253,6 +253,8 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "laye
   {"params": the parameter tree with the non-view leaves None, "slots": {"i": {leaf name: array}}}.
   The train step still differentiates every parameter (unlike the reference, whose frozen leaves stop backprop);
   the saving is optimizer-state memory. An inner whose init depends on parameter values is initialised on zeros.
+  Under `optax.inject_hyperparams`, list callable `blocks`, `always_active` or `stacked` in `static_args` (it
+  treats callables as schedules); switch_every, seed and start_block may be injected (traced) numbers.
   """
   if order not in ORDERS:
     raise BAdamError(f"unknown BAdam order {order!r}; choose from {', '.join(ORDERS)}")
