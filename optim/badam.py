@@ -142,7 +142,7 @@ def _plan(tree, blocks, stacked, include_embedding, include_head, always_active)
       raise BAdamError(f"stacked leaves must share one leading (layer) axis, got sizes {sorted(sizes)}")
     num_layers = sizes.pop()
     layer_offset = 1 if 0 in groups else 0
-    order = [layer_offset + num_layers if k == 2 else 0 for k in sorted(groups)]
+    positions = [layer_offset + num_layers if k == 2 else 0 for k in sorted(groups)]  # embedding first
   else:
     if include_embedding or include_head:
       raise BAdamError("include_embedding/include_head apply to blocks='layers'; with a label_fn give those leaves "
@@ -159,9 +159,9 @@ def _plan(tree, blocks, stacked, include_embedding, include_head, always_active)
         raise BAdamError(f"label_fn gave {lab!r} for {_name(paths[i])}; use a block id >= 0, 'active' or 'frozen'")
     if not groups:
       raise BAdamError("label_fn gave no leaf a block id; at least one block is needed")
-    order = list(range(len(groups)))
+    positions = list(range(len(groups)))  # block ids in increasing order
   num_blocks = num_layers + len(groups)
-  block_of_group = dict(zip(sorted(groups), order))
+  block_of_group = dict(zip(sorted(groups), positions))
   # Whole-leaf blocks share slots: the r-th leaf of a block with a given (name, shape, dtype) uses slot (key, r),
   # so blocks of the same structure (layers not stacked, say) need one block's worth of state.
   slot_ids, slots, whole = {}, [], {}
