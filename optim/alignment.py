@@ -11,7 +11,8 @@ gradient g it received, and returns a per-coordinate factor φ; the applied upda
 
 "Per tensor" means per matrix: a leaf with ndim ≥ 2 is a stack of matrices over its last two axes (leading
 axes stack layers or experts, as `optim.muon` reads them), each with its own N = rows·cols, K and mean; a
-leaf with ndim ≤ 1 is one tensor of N = size elements. Shapes: s_BMN is a stack of B... matrices (M, N).
+leaf with ndim ≤ 1 is one tensor of N = size elements. Shape letters: B = the leading (stack) axes of a leaf,
+N = the elements of one tensor.
 
 Top-K is exact and deterministic: the selected coordinates are the first K of the ranking by s descending,
 ties broken by lower flat (row-major) index within the matrix, -0.0 counted as 0.0. K may be a traced
@@ -87,14 +88,15 @@ def _topk(score, fraction):
     k = jnp.asarray(int(fraction * n), jnp.int32)
   else:
     k = jnp.clip(jnp.floor(fraction * n), 0, n).astype(jnp.int32)
-  key = _ordered_key(score).reshape(score.shape[:score.ndim - len(axes)] + (n,))  # (..., N)
-  index = jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
-  descending, order = jax.lax.sort((~key, index), dimension=key.ndim - 1, num_keys=1, is_stable=True)
-  at = jnp.broadcast_to(jnp.clip(k - 1, 0, n - 1), key.shape[:-1] + (1,))
-  threshold = ~jnp.take_along_axis(descending, at, axis=-1)
-  last = jnp.take_along_axis(order, at, axis=-1)
-  chosen = ((key > threshold) | ((key == threshold) & (index <= last))) & (k > 0)
-  return chosen.reshape(score.shape)
+  key_BN = _ordered_key(score).reshape(score.shape[:score.ndim - len(axes)] + (n,))
+  index_BN = jax.lax.broadcasted_iota(jnp.int32, key_BN.shape, key_BN.ndim - 1)
+  descending_BN, order_BN = jax.lax.sort((~key_BN, index_BN), dimension=key_BN.ndim - 1, num_keys=1,
+                                         is_stable=True)
+  at_B1 = jnp.broadcast_to(jnp.clip(k - 1, 0, n - 1), key_BN.shape[:-1] + (1,))
+  threshold_B1 = ~jnp.take_along_axis(descending_BN, at_B1, axis=-1)
+  last_B1 = jnp.take_along_axis(order_BN, at_B1, axis=-1)
+  chosen = (key_BN > threshold_B1) | ((key_BN == threshold_B1) & (index_BN <= last_B1))
+  return (chosen & (k > 0)).reshape(score.shape)
 
 
 def _check(u, g):
@@ -134,6 +136,9 @@ def mgup_policy(policy: str = "topk", *, tau=0.5, alpha=2.0, gamma=0.1) -> MaskF
   alpha="1/tau" and gamma="tau" tie them to τ as in the paper's Eq. 3 (α = 1/τ, γ = τ; the reference code's
   defaults are α = 2, γ = 0.1); tied, they follow an injected τ.
   """
+  if isinstance(tau, (int, float)) and not (0.0 < tau <= 1.0 if alpha == "1/tau" else 0.0 <= tau <= 1.0):
+    raise AlignmentError(f"MGUP's tau (the boosted fraction) must lie in {'(0' if alpha == '1/tau' else '[0'}, 1], "
+                         f"got {tau}")
   alpha, gamma = _tied(alpha, "1/tau", lambda: 1.0 / tau), _tied(gamma, "tau", lambda: tau)
   if policy == "topk":
     return lambda u, g: mgup_mask(u, g, tau, alpha, gamma)

@@ -80,7 +80,8 @@ def mgup_lion(learning_rate, *, b1: float = 0.9, b2: float = 0.99, weight_decay:
   (0.9, 0.99), weight_decay 0; its experiments used (0.95, 0.98)); the rest as `mgup_adamw`.
   """
   return optax.chain(
-      with_alignment_mask(optax.scale_by_lion(b1, b2, mu_dtype), mgup_policy(policy, tau=tau, alpha=alpha, gamma=gamma)),
+      with_alignment_mask(optax.scale_by_lion(b1, b2, mu_dtype),
+                          mgup_policy(policy, tau=tau, alpha=alpha, gamma=gamma)),
       optax.add_decayed_weights(weight_decay, decay_mask if mask is None else mask),
       optax.scale_by_learning_rate(learning_rate))
 

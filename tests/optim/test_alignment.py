@@ -3,8 +3,6 @@ sharded leaves (Auto and Explicit meshes), and the optax contract for the six MG
 inject_hyperparams (τ, α, γ, floor injected), finite on zero gradients, state dtypes and shardings stable,
 sharded 8-device updates equal to unsharded, weight decay never masked."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,6 +119,10 @@ def test_bad_policies_and_arguments_say_how_to_fix_them():
     optim.mgup_adamw(1e-3, policy="sign")
   with pytest.raises(AlignmentError, match="must be 'tau'"):
     optim.mgup_lion(1e-3, gamma="0.5")
+  with pytest.raises(AlignmentError, match="tau .the boosted fraction. must lie in \\(0, 1\\], got 0.0"):
+    optim.mgup_muon(1e-3, tau=0.0, alpha="1/tau")
+  with pytest.raises(AlignmentError, match="must lie in \\[0, 1\\], got 2"):
+    optim.get_optimizer("mgup_adamw", 1e-3, tau=2)
   with pytest.raises(AlignmentError, match="normalize must be"):
     optim.cautious_muon(1e-3, normalize="median")
 
@@ -165,24 +167,23 @@ def test_contract_and_unmasked_weight_decay(name):
   structure = lambda s: jax.tree.map(lambda a: (a.shape, a.dtype), s)
   assert structure(new) == structure(state)
 
-  def run(**values):
+  def run(grads, **values):  # a first step from `state` with some hyperparameters changed
     for k, v in values.items():
       state.hyperparams[k] = jnp.asarray(v, jnp.float32)
     return step(grads, state, params)[0]["blocks"]["w_up_DF"]
 
-  grads = jax.tree.map(lambda p: jnp.sin(3 * p) + 0.1, params)
   if name == "mgup_lion":
     for tau in (0.3, 0.7):
-      phi = np.abs(np.asarray(run(tau=tau))) / 0.01
+      phi = np.abs(np.asarray(run(jax.tree.map(lambda p: jnp.sin(3 * p) + 0.1, params), tau=tau))) / 0.01
       np.testing.assert_allclose(np.unique(phi), [0.2, 1.5], rtol=1e-5)
       np.testing.assert_array_equal((phi > 1).sum(axis=(1, 2)), [int(tau * 512)] * 2)
   dead, lr, wd = (0, 0, 0), 0.01, 0.5
   grads = jax.tree.map(lambda p: jnp.cos(5 * p) + 0.5, params)
   grads["blocks"]["w_up_DF"] = grads["blocks"]["w_up_DF"].at[dead].set(0.0)
   w = params["blocks"]["w_up_DF"]
-  decayed = run(weight_decay=wd, **({"tau": 0.5, "alpha": 1.0, "gamma": 0.0} if mgup else {}))
+  decayed = run(grads, weight_decay=wd, **({"tau": 0.5, "alpha": 1.0, "gamma": 0.0} if mgup else {}))
   if name == "cautious_muon":
-    bare = run(weight_decay=0.0)
+    bare = run(grads, weight_decay=0.0)
     assert float(jnp.abs(bare[dead])) > 1e-4  # the killed entry is back after NS
     np.testing.assert_allclose(decayed - bare, -lr * wd * w, atol=1e-7)
   else:
@@ -190,15 +191,14 @@ def test_contract_and_unmasked_weight_decay(name):
   assert step._cache_size() == 1
 
 
-@functools.cache
-def _updates_on(spec: str, explicit: bool):
+def _updates_on(spec: str):
   """All six optimizers in one program, 3 steps on `spec` (a one-device mesh: everything replicated): the last
-  updates, the parameters, and the optimizer states' (sharding, dtype) before and after."""
+  updates, the parameters, and the optimizer states' (sharding, dtype, ndim) before and after."""
   params0 = small_params()
   txs = {name: optim.get_optimizer(name, 0.01, **({"tau": 0.3} if name.startswith("mgup") else {})) for name in SIX}
   grads = [jax.tree.map(lambda p, k=k: jnp.sin(p * (k + 1)), params0) for k in range(3)]
   one = spec == "data=1"
-  mesh = sharding.make_mesh(spec, devices=jax.devices()[:1] if one else None, explicit=explicit)
+  mesh = sharding.make_mesh(spec, devices=jax.devices()[:1] if one else None)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, P() if one else s), SPECS)
   params = jax.device_put(params0, shardings)
   with jax.set_mesh(mesh):
@@ -218,8 +218,8 @@ def _updates_on(spec: str, explicit: bool):
 def test_sharded_updates_equal_unsharded_and_keep_shardings():
   """fsdp=4,tensor=2 (Auto axes; the top-K's Explicit path is tested above): the same updates as on one device
   (to fp32 rounding), each update sharded like its parameter, the states' shardings and dtypes unchanged."""
-  ref, _, _, _ = _updates_on("data=1", False)
-  got, params, before, after = _updates_on("fsdp=4,tensor=2", False)
+  ref, _, _, _ = _updates_on("data=1")
+  got, params, before, after = _updates_on("fsdp=4,tensor=2")
   pairs = lambda t: jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3
                                     and isinstance(x[0], jax.sharding.Sharding))
   for (b_sh, b_dt, ndim), (a_sh, a_dt, _) in zip(pairs(before), pairs(after), strict=True):
