@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import models
 import optim
@@ -277,22 +277,6 @@ def test_jit_inject_hyperparams_dtypes_and_zero_gradients():
   assert (int(s1.inner_state[0].block), int(s2.inner_state[0].block)) == (0, 0)
 
 
-def slice_shardings(abstract_state, params, param_shardings, mesh):
-  """A state leaf under a parameter's path whose shape is that parameter's trailing dimensions takes the
-  parameter's spec without its leading entries (a layer's slice of a stacked weight); others are replicated."""
-  by_path = {tuple(p): (x.shape, s) for (p, x), s in
-             zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(param_shardings))}
-
-  def pick(path, leaf):
-    for k in range(len(path)):
-      shape, sh = by_path.get(tuple(path[k:]), ((), None))
-      n = len(shape) - leaf.ndim
-      if sh is not None and n >= 0 and tuple(shape[n:]) == leaf.shape:
-        return NamedSharding(mesh, P(*tuple(sh.spec)[n:]))
-    return NamedSharding(mesh, P())
-  return jax.tree_util.tree_map_with_path(pick, abstract_state)
-
-
 def test_sharded_updates_equal_unsharded_and_keep_shardings():
   tx = badam_adamw(0.02, switch_every=2)
   grads = lambda p, k: jax.tree.map(lambda x: jnp.sin(x * (k + 1)), p)
@@ -312,7 +296,8 @@ def test_sharded_updates_equal_unsharded_and_keep_shardings():
     return u, params, opt_state
 
   p_ref = run(host, tx.init)[1]  # one device, no mesh
-  o_sh = slice_shardings(jax.eval_shape(tx.init, abstract), abstract, p_sh, mesh)
+  # the library's rule: a layer's moments take the spec of the weight's trailing dimensions
+  o_sh = sharding.shardings_like_params(jax.eval_shape(tx.init, abstract), abstract, p_sh, mesh)
   with jax.set_mesh(mesh):
     u, params, opt_state = run(jax.device_put(host, p_sh), jax.jit(tx.init, out_shardings=o_sh))
   for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(params)):
