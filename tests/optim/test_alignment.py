@@ -3,6 +3,8 @@ sharded leaves (Auto and Explicit meshes), and the optax contract for the six MG
 inject_hyperparams (τ, α, γ, floor injected), finite on zero gradients, state dtypes and shardings stable,
 sharded 8-device updates equal to unsharded, weight decay never masked."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -231,3 +233,21 @@ def test_sharded_updates_equal_unsharded_and_keep_shardings():
                  got[name], ref[name])
   mu = pairs(after)  # a moment of the stacked matrix keeps the parameter's sharding
   assert any(sh.spec == P(None, "fsdp", "tensor") for sh, _, _ in mu)
+
+
+@pytest.mark.parametrize("name", ["mgup_muon", "cautious_muon"])
+def test_muon_variants_pass_distributed_through(name, monkeypatch):
+  """`distributed` reaches scale_by_muon's orthogonalization (recorded while tracing; nothing compiles)."""
+  module = importlib.import_module("optim.muon")  # `optim.muon` is the factory function
+  seen, original = [], module.orthogonalize_tree
+
+  def record(tree, **kwargs):
+    seen.append(kwargs["distributed"])
+    return original(tree, **{**kwargs, "distributed": False})
+
+  monkeypatch.setattr(module, "orthogonalize_tree", record)
+  params = small_params()
+  for flag in (False, True):
+    tx = optim.get_optimizer(name, 0.01, distributed=flag)
+    jax.eval_shape(tx.update, params, tx.init(params), params)
+  assert seen == [False, True]
