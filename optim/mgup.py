@@ -24,12 +24,12 @@ from optim.registry import decay_mask, register
 
 def scale_by_reference_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
                             mu_dtype=None) -> optax.GradientTransformation:
-  """Adam as the MGUP and C-Optim reference code (and torch's pre-2.0 style) write it:
+  """Adam as the MGUP and C-Optim reference code (and the old transformers.AdamW they derive from) write it:
 
     m ← β1·m + (1−β1)·g;   v ← β2·v + (1−β2)·g²;   u = √(1−β2^t)/(1−β1^t) · m/(√v + eps)
 
-  eps sits on the UNcorrected √v; optax.scale_by_adam puts it on √v̂ (the two differ by eps·√(1−β2^t)
-  and agree once eps ≪ √v). State: optax.ScaleByAdamState.
+  eps sits on the UNcorrected √v; optax.scale_by_adam (and torch.optim.AdamW) put it on √v̂, which is this
+  with eps·√(1−β2^t) in place of eps: the two agree once eps ≪ √v. State: optax.ScaleByAdamState.
   """
   def init(params):
     mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
