@@ -64,6 +64,7 @@ class TransformerConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"  # "bfloat16" for bf16 matmuls (the loss stays fp32)
   remat: bool = False  # recompute each block in the backward pass
+  microbatches: int | None = None  # pipeline microbatches when the mesh has stage > 1 (None: one per stage)
   moe: MoEConfig | None = None  # a mixture of experts instead of the dense SwiGLU in every block
 
   def __post_init__(self):
@@ -81,6 +82,8 @@ class TransformerConfig:
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
       if getattr(self, f) <= 0:
         raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
+    if self.microbatches is not None and self.microbatches <= 0:
+      raise ConfigError(f"microbatches must be positive (or None: one per pipeline stage), got {self.microbatches}")
 
   @property
   def kv_heads(self) -> int:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import TransformerConfig
+from sharding.pipeline import mesh_stages, pipeline
 from sharding.rules import constrain
 
 
@@ -134,7 +135,14 @@ class Transformer(nnx.Module):
 
   def forward(self, tokens_BT):
     """tokens_BT -> (logits_BTV, aux), aux the blocks' router statistics stacked over layers ({} if dense)."""
-    x_BTD, aux = run_blocks(self.blocks, self.embed(tokens_BT), remat=self.c.remat)
+    x_BTD = self.embed(tokens_BT)
+    if mesh_stages() > 1:  # a `stage` mesh axis: the blocks run as a GPipe pipeline of microbatches
+      graphdef, stacked = nnx.split(self.blocks)
+      stage = lambda stage_blocks, x: run_blocks(nnx.merge(graphdef, stage_blocks), x, remat=self.c.remat)
+      x_BTD, aux = pipeline(stage, stacked, x_BTD, microbatches=self.c.microbatches or mesh_stages(),
+                            names=("batch", "seq", "act_embed"))
+    else:
+      x_BTD, aux = run_blocks(self.blocks, x_BTD, remat=self.c.remat)
     return self.unembed(x_BTD), aux
 
   def embed(self, tokens_BT):

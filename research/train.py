@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -33,6 +34,8 @@ from research.checkpoint import Checkpointer, CheckpointError
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from sharding import (MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec,
                       shard_batch)
+from sharding.mesh import DATA_AXES
+from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
 
 
 @dataclasses.dataclass
@@ -52,6 +55,8 @@ class TrainConfig:
   compute_dtype: Literal["float32", "bfloat16"] | None = None
   remat: bool | None = None
   """Recompute each block in the backward pass (less memory, ~1/3 more compute)."""
+  microbatches: int | None = None
+  """Pipeline microbatches when the mesh has stage > 1 (default: one per stage); the GPipe bubble is (S-1)/(M+S-1)."""
   optimizer: str = "adamw"
   """A registered name (optim.OPTIMIZERS); unset hyperparameters take its defaults."""
   lr: float = 3e-3
@@ -130,7 +135,8 @@ def measure_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
 
 def _model_config(cfg: TrainConfig):
   over = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm",
-                                       "tie_embeddings", "compute_dtype", "remat") if getattr(cfg, k) is not None}
+                                       "tie_embeddings", "compute_dtype", "remat", "microbatches")
+          if getattr(cfg, k) is not None}
   return preset(cfg.model, **over)
 
 
@@ -150,6 +156,23 @@ def _optimizer(cfg: TrainConfig):
   if cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
   return tx, schedule
+
+
+def _pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
+  """The GPipe pipeline a mesh with stage > 1 runs (printed, and saved in config.json); None without one."""
+  S = mesh.shape["stage"]
+  if S == 1:
+    return None
+  M = mcfg.microbatches or S
+  try:
+    check_pipeline(mcfg.n_layers, batch_size, S, M, math.prod(mesh.shape[a] for a in DATA_AXES))
+  except PipelineError as e:
+    raise RunError(f"--mesh {mesh_spec(mesh)}: {e}") from None
+  plan = {"schedule": "gpipe", "stages": S, "layers_per_stage": mcfg.n_layers // S, "microbatches": M,
+          "bubble_fraction": bubble_fraction(S, M)}
+  print(f"pipeline: {S} stages x {mcfg.n_layers // S} layers, {M} microbatches of {batch_size // M} sequences, "
+        f"GPipe bubble (S-1)/(M+S-1) = {plan['bubble_fraction']:.1%}", file=sys.stderr)
+  return plan
 
 
 def make_steps(graphdef, tx, shardings, batch_sh):
@@ -199,7 +222,7 @@ class _Stop:
 
 def _state_signature(meta: dict) -> dict:
   """What fixes the saved state's shapes and structure: the model's shape fields and the optimizer."""
-  model = {k: v for k, v in meta["model_config"].items() if k not in ("compute_dtype", "remat")}
+  model = {k: v for k, v in meta["model_config"].items() if k not in ("compute_dtype", "remat", "microbatches")}
   return {**model, "optimizer": meta["train"]["optimizer"], "opt": list(meta["train"]["opt"])}
 
 
@@ -236,6 +259,7 @@ def run(cfg: TrainConfig) -> list[dict]:
   if cfg.warmup_steps is not None and not 0 <= cfg.warmup_steps <= cfg.steps:
     raise RunError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  pipe = _pipeline_plan(mesh, mcfg, cfg.batch_size)
   get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
   val = [shard_batch(b, mesh) for b in eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)]
 
@@ -248,6 +272,8 @@ def run(cfg: TrainConfig) -> list[dict]:
           "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint,
                      "train_tokens": int(len(corpus.train)), "val_tokens": int(len(corpus.val))},
           "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
+  if pipe:
+    meta["pipeline"] = pipe
   ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every)
   metrics_path = os.path.join(cfg.out, "metrics.jsonl")
   records: list[dict] = []

@@ -26,12 +26,13 @@ RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "kv": (),  # head_dim
-    "layers": (),
+    "layers": ("stage",),  # the layer stack: consecutive layers per pipeline stage (sharding/pipeline.py)
     "norm": (),
     "expert": ("expert",),
     # activations
     "batch": ("data", "fsdp", "expert"),
     "seq": (),
+    "act_stage": ("stage",),  # the pipeline loop state: one microbatch slot per stage
     "act_embed": (),
     "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",),

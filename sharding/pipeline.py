@@ -1,0 +1,151 @@
+"""Pipeline parallelism over the `stage` mesh axis: a GPipe schedule of microbatches through stacked layers.
+
+Shapes: S stages, M microbatches, L layers, Q = L/S layers per stage, B batch rows, b = B/M rows per microbatch.
+
+Design (MaxText's pipeline, shared/reference/parallelism.md §1.4): the L layers stacked on a leading axis are cut
+into S stages of Q consecutive layers, `w_L... -> w_SQ...`, whose S axis is sharded over `stage` (the rules map the
+logical `layers` axis to `stage`). A loop state `x_Sb...` holds one microbatch per stage. Each iteration runs all stages
+at once on their own slot, `jax.vmap(stage_fn, spmd_axis_name="stage")`, so GSPMD gives each stage's devices their
+own weights and slot while data / fsdp / tensor shard the rest as usual; then `shift_stages` moves every slot one stage
+on with a `ppermute` (the only manual collective, one small shard_map). Stage 0 takes microbatch t at iteration t and
+stage S-1 finishes microbatch m at iteration m + S - 1, so a batch takes M + S - 1 iterations, of which each stage
+idles S - 1: the GPipe bubble (S-1)/(M+S-1) (Huang et al. 2019, arXiv 1811.06965). The backward pass is autodiff of
+this schedule: all forwards, then all backwards.
+
+The time loop is unrolled in Python: XLA:CPU can deadlock on collectives inside while loops, and M + S - 1 is small.
+A microbatch takes every M-th row (rows m, m+M, m+2M, ...), so each microbatch stays split over the data axes like
+the batch itself and no row changes device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sharding.mesh import DATA_AXES
+from sharding.rules import constrain
+
+AXIS = "stage"
+PyTree = Any
+
+
+class PipelineError(ValueError):
+  """A pipeline that cannot be laid out as asked."""
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+  """Idle fraction of each stage under GPipe: (S - 1) / (M + S - 1); 0 for a single stage."""
+  if stages < 1 or microbatches < 1:
+    raise PipelineError(f"stages ({stages}) and microbatches ({microbatches}) must be positive")
+  return (stages - 1) / (microbatches + stages - 1)
+
+
+def mesh_stages() -> int:
+  """Size of the `stage` axis of the current mesh (`jax.set_mesh`); 1 outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else mesh.shape.get(AXIS, 1)
+
+
+def _data_parallel() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in DATA_AXES)
+
+
+def check_pipeline(n_layers: int, batch: int, stages: int, microbatches: int, data_parallel: int = 1):
+  """Raises PipelineError, naming the fix, unless `n_layers` layers and a `batch`-row batch can run as `stages`
+  stages of `microbatches` microbatches whose rows split over `data_parallel` devices."""
+  if stages < 1 or microbatches < 1:
+    raise PipelineError(f"pipeline stages ({stages}) and microbatches ({microbatches}) must be positive")
+  if n_layers % stages:
+    raise PipelineError(f"n_layers={n_layers} does not split into stage={stages} pipeline stages; "
+                        f"use a multiple of {stages} layers or a stage size that divides {n_layers}")
+  if batch % microbatches:
+    raise PipelineError(f"a batch of {batch} rows does not split into {microbatches} microbatches; "
+                        f"make the batch a multiple of {microbatches} or pick microbatches dividing {batch}")
+  if (batch // microbatches) % data_parallel:
+    raise PipelineError(f"a microbatch of {batch // microbatches} rows (batch {batch} / {microbatches} microbatches) "
+                        f"does not split over the {data_parallel} devices of the data axes {DATA_AXES}; "
+                        f"use fewer microbatches or a batch that is a multiple of {microbatches * data_parallel}")
+
+
+def shift_stages(x_S: PyTree) -> PyTree:
+  """Move every stage's slot one stage on, as a ring: out[s] = x[s - 1], out[0] = x[S - 1].
+
+  On a mesh with a `stage` axis this is one collective-permute per leaf: a shard_map that is manual over `stage`
+  only (data / fsdp / tensor stay with GSPMD) around `jax.lax.ppermute`. Elsewhere it is `jnp.roll(x, 1, axis=0)`,
+  which it equals.
+  """
+  S = mesh_stages()
+  if S == 1:
+    return jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), x_S)
+  perm = [(i, (i + 1) % S) for i in range(S)]
+  ring = jax.shard_map(lambda a: jax.lax.ppermute(a, AXIS, perm), in_specs=P(AXIS), out_specs=P(AXIS),
+                       axis_names={AXIS})
+  return jax.tree.map(ring, x_S)
+
+
+def pipeline(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], layers: PyTree, x: jax.Array, *,
+             microbatches: int, stages: int | None = None, names: Sequence[str | None] | None = None
+             ) -> tuple[jax.Array, PyTree]:
+  """Run L stacked layers over `x` as a GPipe pipeline of S stages; equals `stage_fn(layers, x)` on one device.
+
+  Args:
+    stage_fn: `(stage_layers, x_b...) -> (x_b..., aux)`, applies Q consecutive layers (leaves of `stage_layers`
+      lead with Q) to one microbatch and returns the aux leaves stacked over those Q layers (e.g. `lax.scan`).
+      It must be finite on inputs derived from zeros: the bubble slots compute on them, then are discarded.
+    layers: the layer stack, every leaf leading with L (sharded over `stage` by the `layers` rule).
+    x: activations (B, ...), B split over the data axes.
+    microbatches: M; it must divide B, and B/M the data-parallel device count.
+    stages: S; default the mesh's `stage` size. Without a stage axis (one device) the same schedule runs with
+      `jnp.roll` as the shift, which is how tests compare it with the sharded version.
+    names: logical axis names of x for the loop state's sharding constraints (default ("batch", None, ...)).
+
+  Returns:
+    (y, aux): y shaped like x; aux leaves stacked (L, ...), each layer's aux averaged over the M microbatches. That
+    is the sequential aux exactly when the aux is a mean over tokens (loads, fractions, z-loss); a product of batch
+    means (the Switch loss f·P) becomes the mean of its per-microbatch values, as in Megatron and MaxText.
+  """
+  S = stages or mesh_stages()
+  if mesh_stages() not in (1, S):
+    raise PipelineError(f"stages={S} but the mesh's stage axis has {mesh_stages()} devices; leave stages=None")
+  L = {a.shape[0] for a in jax.tree.leaves(layers)}
+  if len(L) != 1:
+    raise PipelineError(f"every leaf of the layer stack must lead with the same layer count, got {sorted(L)}")
+  L, M, B = L.pop(), microbatches, x.shape[0]
+  check_pipeline(L, B, S, M, _data_parallel())
+  Q, b = L // S, B // M
+  names = tuple(names) if names is not None else ("batch",) + (None,) * (x.ndim - 1)
+
+  w_SQ = jax.tree.map(lambda a: a.reshape(S, Q, *a.shape[1:]), layers)  # stage s: layers sQ .. sQ+Q-1
+  x_Mb = constrain(x.reshape(b, M, *x.shape[1:]).swapaxes(0, 1), (None,) + names)  # microbatch m: rows m::M
+  run = jax.vmap(stage_fn, spmd_axis_name=AXIS if mesh_stages() > 1 else None)
+  in_stage0 = (np.arange(S) == 0).reshape((S,) + (1,) * x.ndim)
+  on_stage = lambda a: constrain(a, ("act_stage",) + names)
+
+  state_Sb = on_stage(jnp.zeros((S, b) + x.shape[1:], x.dtype))
+  outs, aux_SQ = [], None
+  for t in range(M + S - 1):
+    # stage 0 takes microbatch t; once they are all in, zeros (its slot is a bubble from then on)
+    feed = x_Mb[t] if t < M else jnp.zeros_like(x_Mb[0])
+    state_Sb = on_stage(jnp.where(in_stage0, feed[None], state_Sb))
+    y_Sb, aux = run(w_SQ, state_Sb)
+    y_Sb = on_stage(y_Sb)
+    mb_S = t - np.arange(S)  # the microbatch each stage holds; outside [0, M) a bubble
+    live_S = (mb_S >= 0) & (mb_S < M)
+    aux = jax.tree.map(lambda a: jnp.where(live_S.reshape((S,) + (1,) * (a.ndim - 1)), a, 0), aux)
+    aux_SQ = aux if aux_SQ is None else jax.tree.map(jnp.add, aux_SQ, aux)
+    if t >= S - 1:
+      outs.append(y_Sb)  # stage S-1 has just finished microbatch t - S + 1
+    if t < M + S - 2:
+      state_Sb = shift_stages(y_Sb)
+  # one gather from the last stage for the whole batch, rather than one per iteration
+  y_Mb = constrain(jnp.stack(outs)[:, S - 1], (None,) + names)
+  y = y_Mb.swapaxes(0, 1).reshape(x.shape)
+  aux_L = jax.tree.map(lambda a: (a / M).reshape(L, *a.shape[2:]), aux_SQ)
+  return constrain(y, names), aux_L
