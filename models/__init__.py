@@ -1,7 +1,8 @@
 """Flax NNX language models that name logical axes only."""
 
-from models.config import PRESETS, ConfigError, TransformerConfig, count_params, flops_per_token, preset
+from models.config import PRESETS, ConfigError, MoEConfig, TransformerConfig, count_params, flops_per_token, preset
+from models.moe import MoE, RouterBias, aux_loss, update_router_bias
 from models.transformer import Transformer, cross_entropy
 
-__all__ = ["ConfigError", "PRESETS", "Transformer", "TransformerConfig", "count_params", "cross_entropy", "flops_per_token",
-           "preset"]
+__all__ = ["ConfigError", "MoE", "MoEConfig", "PRESETS", "RouterBias", "Transformer", "TransformerConfig", "aux_loss",
+           "count_params", "cross_entropy", "flops_per_token", "preset", "update_router_bias"]

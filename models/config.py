@@ -99,6 +99,9 @@ PRESETS: dict[str, TransformerConfig] = {
     "small": TransformerConfig(d_model=256, n_layers=4, n_heads=4, d_ff=768),
     # GPT-2 small's shape (768 wide, 12 layers, 12 heads); SwiGLU 2048 matches its 4*768 MLP in params.
     "base": TransformerConfig(d_model=768, n_layers=12, n_heads=12, d_ff=2048),
+    # tiny with 8 SwiGLU experts of width 32, top-2: active FFN width 64, total 256
+    "moe_tiny": TransformerConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, qk_norm=True,
+                                  moe=MoEConfig(num_experts=8, top_k=2, d_expert=32)),
 }
 
 
@@ -108,9 +111,19 @@ def preset(name: str, **overrides) -> TransformerConfig:
   return dataclasses.replace(PRESETS[name], **overrides)
 
 
-def _block_params(c: TransformerConfig) -> int:
+def _ffn_params(c: TransformerConfig, active: bool = False) -> int:
+  """SwiGLU weights of one block's FFN; for MoE the router, all E experts (or, `active`, the k a
+  token uses) and the shared experts."""
+  if c.moe is None:
+    return 3 * c.d_model * c.d_ff
+  m = c.moe
+  per_expert = 3 * c.d_model * (m.d_expert or c.d_ff)
+  return c.d_model * m.num_experts + per_expert * ((m.top_k if active else m.num_experts) + m.num_shared)
+
+
+def _block_params(c: TransformerConfig, active: bool = False) -> int:
   attn = c.d_model * c.hd * (2 * c.n_heads + 2 * c.kv_heads)  # wq, wo, wk, wv
-  mlp = 3 * c.d_model * c.d_ff
+  mlp = _ffn_params(c, active)
   norms = 2 * c.d_model + (2 * c.hd if c.qk_norm else 0)
   return attn + mlp + norms
 
@@ -125,9 +138,10 @@ def flops_per_token(c: TransformerConfig, seq_len: int) -> float:
   """Training FLOPs per token: 6 x (matmul parameters) + attention scores and values.
 
   Matmul parameters are the block weights plus the output head (d_model x vocab, tied or not);
-  the embedding lookup costs nothing. Attention adds 12·L·n_heads·head_dim·T (PaLM, App. B:
-  forward QK^T and AV at 2·2·T·d_attn each, times 3 for the backward; no causal halving).
+  the embedding lookup costs nothing; an MoE block counts its router, its k routed and its shared
+  experts. Attention adds 12·L·n_heads·head_dim·T (PaLM, App. B: forward QK^T and AV at 2·2·T·d_attn
+  each, times 3 for the backward; no causal halving).
   """
-  matmul = c.n_layers * (_block_params(c) - 2 * c.d_model - (2 * c.hd if c.qk_norm else 0))
+  matmul = c.n_layers * (_block_params(c, active=True) - 2 * c.d_model - (2 * c.hd if c.qk_norm else 0))
   matmul += c.d_model * c.vocab_size
   return 6.0 * matmul + 12.0 * c.n_layers * c.n_heads * c.hd * seq_len

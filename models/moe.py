@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import TransformerConfig
+from models.transformer import _param
 from sharding import experts
 from sharding.rules import constrain
 
@@ -39,9 +40,9 @@ class RouterBias(nnx.Variable):
 
 def route(logits_GE, bias_E, *, router: str, top_k: int, normalize: bool = False):
   """(idx_GK, gate_GK, scores_GE): top-k of scores + bias (selection only), gates from the scores."""
-  logits_GE = logits_GE.astype(jnp.float32)
+  logits_GE = logits_GE.astype(jnp.promote_types(jnp.float32, logits_GE.dtype))
   scores = jax.nn.softmax(logits_GE, -1) if router == "softmax" else jax.nn.sigmoid(logits_GE)
-  select = scores if bias_E is None else scores + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+  select = scores if bias_E is None else scores + jax.lax.stop_gradient(bias_E.astype(scores.dtype))
   _, idx_GK = jax.lax.top_k(select, top_k)
   gate_GK = jnp.take_along_axis(scores, idx_GK, axis=-1)
   if router == "sigmoid" or normalize:
@@ -54,12 +55,13 @@ def router_stats(logits_GE, scores_GE, idx_GK, keep_GK) -> dict:
   assignments, before dropping), dropped fraction, and the mean router entropy in nats."""
   E = logits_GE.shape[-1]
   p_GE = scores_GE / jnp.sum(scores_GE, -1, keepdims=True)
-  load_E = jnp.mean(jnp.sum(jax.nn.one_hot(idx_GK, E, dtype=jnp.float32), 1), 0) / idx_GK.shape[-1]
+  load_E = jnp.mean(jnp.sum(jax.nn.one_hot(idx_GK, E, dtype=p_GE.dtype), 1), 0) / idx_GK.shape[-1]
   lb = E * jnp.sum(jax.lax.stop_gradient(load_E) * jnp.mean(p_GE, 0))
-  z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_GE.astype(jnp.float32), -1)))
+  z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_GE, -1)))
   entropy = -jnp.mean(jnp.sum(p_GE * jnp.log(jnp.maximum(p_GE, 1e-30)), -1))
-  dropped = 1.0 - jnp.mean(keep_GK.astype(jnp.float32))
-  return {"lb_loss": lb, "z_loss": z, "load": load_E, "dropped": dropped, "entropy": entropy}
+  dropped = 1.0 - jnp.mean(keep_GK.astype(p_GE.dtype))
+  stats = {"lb_loss": lb, "z_loss": z, "load": load_E, "dropped": dropped, "entropy": entropy}
+  return {k: v.astype(jnp.float32) for k, v in stats.items()}
 
 
 def swiglu_grouped(x_MD, sizes_E, w):
@@ -82,8 +84,6 @@ class MoE(nnx.Module):
   """h_BTD -> (y_BTD, aux): router, top-k dispatch to E SwiGLU experts, optional shared experts."""
 
   def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
-    from models.transformer import _param
-
     m, pd = c.moe, c.param_dtype
     D, E, F = c.d_model, m.num_experts, m.d_expert or c.d_ff
     out_std = c.init_std / (2 * c.n_layers) ** 0.5
@@ -104,7 +104,8 @@ class MoE(nnx.Module):
     c, m = self.c, self.c.moe
     dt = jnp.dtype(c.compute_dtype)
     B, T, D = h_BTD.shape
-    logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), self.router_DE[...].astype(jnp.float32))
+    rdt = jnp.promote_types(jnp.float32, dt)  # the router in at least fp32 (ST-MoE's selective precision)
+    logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(rdt), self.router_DE[...].astype(rdt))
     bias = self.router_bias[...] if m.bias_rate > 0 else None
     idx, gate, scores = route(logits_BTE.reshape(B * T, -1), bias, router=m.router, top_k=m.top_k,
                               normalize=m.normalize_top_k)

@@ -34,8 +34,11 @@ def _nest(flat: dict[tuple, Any]) -> dict:
 
 
 def logical_names(model_fn: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dict, dict]:
-  """(graphdef, abstract params, logical names) of the module `model_fn()` builds, without allocating it."""
-  graphdef, abstract = nnx.split(nnx.eval_shape(model_fn))
+  """(graphdef, abstract params, logical names) of the module `model_fn()` builds, without allocating it.
+
+  Only `nnx.Param`s: other variables (an MoE router's selection bias) are `buffers`, kept beside the
+  params and out of the optimizer (`init_buffers`)."""
+  graphdef, abstract, _ = nnx.split(nnx.eval_shape(model_fn), nnx.Param, ...)
   flat = nnx.to_flat_state(abstract)
   shapes = {p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in flat}
   names = {p: tuple(v.get_metadata().get("out_sharding") or (None,) * len(v.shape)) for p, v in flat}
@@ -52,8 +55,22 @@ def init_params(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> tuple[nnx.Gra
   graphdef, abstract, names = logical_names(model_fn)
   shardings = param_shardings(abstract, names, mesh)
   with jax.set_mesh(mesh):
-    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_fn())), out_shardings=shardings)()
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_fn(), nnx.Param)), out_shardings=shardings)()
   return graphdef, params, shardings
+
+
+def init_buffers(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> dict:
+  """The module's non-Param variables as a nested dict, replicated on `mesh` ({} if it has none).
+
+  A model with buffers is rebuilt with `nnx.merge(graphdef, params, buffers)`; they are state that
+  the training loop updates itself (e.g. `models.moe.update_router_bias`), never the optimizer."""
+  abstract = nnx.state(nnx.eval_shape(model_fn), nnx.Not(nnx.Param))
+  if not jax.tree.leaves(abstract):
+    return {}
+  replicated = NamedSharding(mesh, P())
+  with jax.set_mesh(mesh):
+    return jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_fn(), nnx.Not(nnx.Param))),
+                   out_shardings=replicated)()
 
 
 def shardings_like_params(tree: PyTree, params: PyTree, shardings: PyTree, mesh: Mesh) -> PyTree:
@@ -74,7 +91,8 @@ def shardings_like_params(tree: PyTree, params: PyTree, shardings: PyTree, mesh:
 
 
 def init_train_state(model_fn: Callable[[], nnx.Module], tx, mesh: Mesh):
-  """(graphdef, state, state_shardings) with state = {"step", "params", "opt_state"}, all created sharded.
+  """(graphdef, state, state_shardings) with state = {"step", "params", "opt_state"}, all created sharded,
+  plus "buffers" (replicated, see `init_buffers`) if the model has non-Param variables.
 
   `tx` is any optax GradientTransformation; its state leaves shaped like a parameter take that
   parameter's sharding (see `shardings_like_params`).
@@ -86,7 +104,11 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx, mesh: Mesh):
     opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
   replicated = NamedSharding(mesh, P())
   state = {"step": jax.device_put(np.int32(0), replicated), "params": params, "opt_state": opt_state}
-  return graphdef, state, {"step": replicated, "params": p_sh, "opt_state": o_sh}
+  shardings = {"step": replicated, "params": p_sh, "opt_state": o_sh}
+  buffers = init_buffers(model_fn, mesh)
+  if buffers:  # non-Param variables: in the state (so checkpointed), not in the optimizer
+    state["buffers"], shardings["buffers"] = buffers, jax.tree.map(lambda _: replicated, buffers)
+  return graphdef, state, shardings
 
 
 def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
