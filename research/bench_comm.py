@@ -176,6 +176,16 @@ def comm(models: tuple[str, ...] = ("43m", "small"), meshes: tuple[str, ...] = (
            f"{os.cpu_count()} cores, fp32; "
            f"bytes are ring wire bytes per device per step (XLA:CPU all-reduce + dynamic-slice counted as "
            f"reduce-scatter); cells `count / MiB`; NS = Newton–Schulz, {NS_STEPS} steps", ""]
+  printed = 0
+
+  def emit():  # each finished section at once, and the file so far (a long run keeps what it measured)
+    nonlocal printed
+    print("\n".join(lines[printed:]), flush=True)
+    printed = len(lines)
+    if out:
+      with open(out, "w") as f:
+        f.write(f"Command: `python -m research.bench comm --out {out}`\n\n" + "\n".join(lines) + "\n")
+
   for model in models:
     for spec in meshes:
       mesh = make_mesh(spec, devices=devices_for(spec))
@@ -214,6 +224,7 @@ def comm(models: tuple[str, ...] = ("43m", "small"), meshes: tuple[str, ...] = (
         lines.append(f"- {name}: bytes (ZeRO-1 + optimizer) / ZeRO-1 AdamW = {b:.3f} (target ≤ 1.25: {mark(b)}); "
                      f"NS FLOPs per device / (total / devices) = {f:.2f} (target ≤ 1.25: {mark(f)})")
       lines.append("")
+      emit()
       if train_step and model_fn is not None:
         lines += [f"### {model} on {mesh_spec(mesh)}: whole train step (batch 16 x 128)", "",
                   "| optimizer | " + " | ".join(KINDS) + " | total MiB | in loops | step ms |",
@@ -236,12 +247,9 @@ def comm(models: tuple[str, ...] = ("43m", "small"), meshes: tuple[str, ...] = (
                   f"{analytic / MIB:.1f} MiB/device"
                   + (f"; with ZeRO-1 state over data: {analytic_bytes(p_model, mesh, zero1=True)['total'] / MIB:.1f}"
                      if mesh.shape["data"] > 1 else "") + ".", ""]
+        emit()
   lines.append(f"step ms: median of {repeats} calls after a warm-up (a first call over 5 s is the measurement); "
                f"1-minute load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end; "
                f"total wall time {time.perf_counter() - t_start:.0f} s")
-  text = "\n".join(lines)
-  print(text)
-  if out:
-    with open(out, "w") as f:
-      f.write(f"Command: `python -m research.bench comm --out {out}`\n\n{text}\n")
-  return text
+  emit()
+  return "\n".join(lines)

@@ -453,8 +453,9 @@ def _iota(dims: str, perm: str | None) -> np.ndarray:
 
 
 def _mesh_groups(s: str) -> tuple[tuple[int, ...], ...]:
-  """`mesh['a'=2,'b'=4] {'b'}`, optionally `, device_ids=(...)` after the mesh and sub-axes `'a':(1)2`: the
-  devices of the mesh array that differ only along the listed axes form a group (XLA MeshAxesReplicaGroupList)."""
+  """`mesh['a'=2,'b'=4] {'b'}`, optionally `, device_ids=([2,4]T(1,0))` (an iota, reshaped and transposed, or a
+  list) after the mesh and sub-axes `'a':(1)2`: the devices of the mesh array that differ only along the listed
+  axes form a group (XLA MeshAxesReplicaGroupList)."""
   m = re.match(r"mesh\[([^\]]*)\]", s)
   axes = [(n, int(v)) for n, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1))]
   rest = s[m.end():]
@@ -463,7 +464,7 @@ def _mesh_groups(s: str) -> tuple[tuple[int, ...], ...]:
   if dm:
     end = _balanced(rest, dm.end() - 1)
     inner = rest[dm.end():end - 1]
-    it = re.fullmatch(r"\s*\[[\d,]+\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", inner)
+    it = re.fullmatch(r"\s*(?:\[[\d,]+\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", inner)  # `[2,4]T(1,0)`: iota
     ids = _iota(it.group(1), it.group(2)) if it else np.array([int(v) for v in re.findall(r"\d+", inner)])
     rest = rest[end:]
   sel = re.match(r"\s*\{([^}]*)\}", rest)

@@ -194,6 +194,9 @@ def test_async_start_forms_iota_groups_and_unknown_loops_from_literal_hlo():
     ("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}", ALL8),
     ("mesh['data'=2,'fsdp'=4] {'data'}", DATA_GROUPS),
     ("mesh['data'=2,'fsdp'=4] {'fsdp':(1)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),  # the major half of fsdp
+    # device ids arange(8).reshape(2, 4).T = 0,4,1,5,... laid out as the (4, 2) mesh: axis 'a' is jax's fsdp
+    ("mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}", FSDP_GROUPS),
+    ("mesh['a'=4,'b'=1,'c'=2], device_ids=([2,4]T(1,0)) {'c'}", DATA_GROUPS),
     ("mesh['data'=2,'fsdp'=4] {'fsdp','data'}", ((0, 4, 1, 5, 2, 6, 3, 7),)),  # listed order: fsdp-major
 ])
 def test_replica_group_spellings(groups, expected):
