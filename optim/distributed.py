@@ -109,7 +109,7 @@ def _distribute(leaves: list, *, axes: tuple[str, ...], kwargs: dict) -> list:
     if padded > total:
       stacks.append(jnp.zeros((padded - total, short, long), dtype))
     x_KSL = jnp.concatenate(stacks, axis=0) if len(stacks) > 1 else stacks[0]
-    for j in range(1, len(axes) + 1):  # one mesh axis at a time onto the batch axis: all-to-all or local slice
+    for j in range(0, len(axes) + 1):  # one mesh axis at a time onto the batch axis: all-to-all or local slice
       x_KSL = _constrain(x_KSL, axes[:j])
     o_KSL = local_ns(x_KSL)  # (K'/D, S, L) per device
     for j in reversed(range(len(axes))):
@@ -118,7 +118,9 @@ def _distribute(leaves: list, *, axes: tuple[str, ...], kwargs: dict) -> list:
     for i in members:
       k = math.prod(leaves[i].shape[:-2])
       o = _from_wide_stack(o_KSL[start:start + k], leaves[i].shape)
-      out[i] = shard_alike(leaves[i], o)[1]  # Auto axes: the result takes its leaf's sharding, whatever it is
+      # Stack axes whole (as the batch axis now is), matrix axes like the leaf's, whatever they are.
+      o = jax.lax.with_sharding_constraint(o, P(*[None] * (o.ndim - 2), P.UNCONSTRAINED, P.UNCONSTRAINED))
+      out[i] = shard_alike(leaves[i], o)[1]
       start += k
   return out
 

@@ -86,6 +86,8 @@ class TrainConfig:
   """Axis sizes over data, stage, fsdp, expert, tensor; omitted axes are 1, one may be -1."""
   devices: int = 8
   """Simulated devices when running on the CPU (ignored on accelerators)."""
+  zero1: bool = False
+  """ZeRO-1: split the optimizer state over the data axis as well (the parameters stay replicated there)."""
   data: str | None = None
   """A text file, a directory of text files, or a .npy/.bin token array (default: the stdlib corpus)."""
   out: str = "runs/default"
@@ -264,7 +266,8 @@ def run(cfg: TrainConfig) -> list[dict]:
   val = [shard_batch(b, mesh) for b in eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)]
 
   tx, schedule = _optimizer(cfg)
-  graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh)
+  graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
+                                                zero1=cfg.zero1)
   train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh)
 
   os.makedirs(cfg.out, exist_ok=True)

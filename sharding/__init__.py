@@ -5,7 +5,7 @@ from sharding.mesh import AXES, DATA_AXES, MeshError, devices_for, make_mesh, me
 from sharding.reshard import ReshardError, abstract_state, moved_bytes, reshard, state_shardings
 from sharding.rules import RULES, ShardingError, constrain, logical_to_spec, named_sharding
 from sharding.state import (batch_sharding, init_params, init_train_state, logical_names, param_shardings,
-                            shard_batch, shardings_like_params)
+                            shard_batch, shardings_like_params, zero1_shardings)
 
 __all__ = ["AXES", "Audit", "AuditError", "Collective", "DATA_AXES", "MeshError", "RULES", "ShardingError",
            "batch_sharding", "constrain", "devices_for",
@@ -17,3 +17,4 @@ from sharding.experts import capacity as expert_capacity, dispatch as dispatch_e
 from sharding.state import init_buffers  # noqa: E402
 
 __all__ += ["dispatch_experts", "expert_capacity", "init_buffers"]
+__all__ += ["zero1_shardings"]

@@ -10,6 +10,7 @@ graphdef turns them back into a module with `nnx.merge(graphdef, params)`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -90,16 +91,43 @@ def shardings_like_params(tree: PyTree, params: PyTree, shardings: PyTree, mesh:
   return jax.tree_util.tree_map_with_path(pick, tree)
 
 
-def init_train_state(model_fn: Callable[[], nnx.Module], tx, mesh: Mesh):
+def zero1_shardings(shardings: PyTree, shapes: PyTree, axis: str = "data") -> PyTree:
+  """ZeRO-1 (Rajbhandari et al., arXiv 1910.02054, stage 1): each leaf further split over mesh `axis` on
+  its first dimension that does not use `axis` yet and whose size divides by all its mesh axes, `axis`
+  included (appended as the minor one). A leaf already split over `axis`, a scalar, or one with no such
+  dimension (sizes prime to the axis size) keeps its sharding: that state stays replicated over `axis`."""
+  def split(sh: NamedSharding, leaf):
+    size = sh.mesh.shape.get(axis, 1)
+    shape = np.shape(leaf)
+    spec = list(sh.spec) + [None] * (len(shape) - len(sh.spec))
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    if size == 1 or any(axis in e for e in entries):
+      return sh
+    for dim, e in enumerate(entries):
+      if shape[dim] % (size * math.prod(sh.mesh.shape[a] for a in e)) == 0:
+        spec[dim] = e + (axis,) if e else axis
+        while spec[-1] is None:
+          spec.pop()
+        return NamedSharding(sh.mesh, P(*spec))
+    return sh
+  return jax.tree.map(split, shardings, shapes)
+
+
+def init_train_state(model_fn: Callable[[], nnx.Module], tx, mesh: Mesh, zero1: bool = False):
   """(graphdef, state, state_shardings) with state = {"step", "params", "opt_state"}, all created sharded,
   plus "buffers" (replicated, see `init_buffers`) if the model has non-Param variables.
 
   `tx` is any optax GradientTransformation; its state leaves shaped like a parameter take that
-  parameter's sharding (see `shardings_like_params`).
+  parameter's sharding (see `shardings_like_params`). `zero1` further splits the optimizer state over
+  the `data` axis (`zero1_shardings`) while the parameters stay replicated there; a train step jitted
+  with these shardings gets from XLA the collectives that move gradients into the state's shards and
+  updates back to the parameters.
   """
   graphdef, params, p_sh = init_params(model_fn, mesh)
   abstract_opt = jax.eval_shape(tx.init, params)
   o_sh = shardings_like_params(abstract_opt, params, p_sh, mesh)
+  if zero1:
+    o_sh = zero1_shardings(o_sh, abstract_opt)
   with jax.set_mesh(mesh):
     opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
   replicated = NamedSharding(mesh, P())
