@@ -25,7 +25,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.shard_alike import shard_alike
 
 from optim.muon import muon_labels, scale_by_muon
 from optim.registry import UnknownOptimizerError, decay_mask, register
@@ -114,23 +113,6 @@ def with_global_norm_clip(tx: optax.GradientTransformation, max_norm: float) -> 
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _keep_shardings(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """`tx` whose new state is sharded like its old state and whose updates like the parameters. On Auto mesh axes
-  Newton–Schulz gathers whole matrices (`orthogonalize`), and XLA then replicates its input — the momentum, a
-  state leaf, without Nesterov — and its output (unless weight decay adds W back); `shard_alike` ties them to the
-  shardings they came in with. Sharding only: the values are untouched."""
-  tx = optax.with_extra_args_support(tx)
-
-  def update(updates, state, params=None, **extra_args):
-    new_updates, new_state = tx.update(updates, state, params, **extra_args)
-    new_state = jax.tree.map(lambda new, old: shard_alike(old, new)[1] if jnp.ndim(new) else new, new_state, state)
-    if params is not None:
-      new_updates = jax.tree.map(lambda u, p: shard_alike(p, u)[1], new_updates, params)
-    return new_updates, new_state
-
-  return optax.GradientTransformationExtraArgs(tx.init, update)
-
-
 def mars_labels(params) -> optax.Params:
   """"matrix" for weights (ndim ≥ 2: hidden matrices, embeddings, the head — MARS routes 2-D embeddings and head to
   MARS too), "vector" for norm scales, biases (by name, though the blocks stack them as (layers, D)) and any leaf
@@ -184,8 +166,8 @@ def mars(learning_rate, *, variant: str = "adamw", gamma: float = 0.025, b1: flo
   else:
     vector_tx = optax.adamw(learning_rate if lr_1d is None else lr_1d, b1=b1_1d, b2=b2_1d, eps=eps,
                             weight_decay=weight_decay_1d)
-  return _keep_shardings(optax.partition({"matrix": matrix_tx, "vector": vector_tx},
-                                         mars_labels if labels is None else labels, mask_compatible_extra_args=True))
+  return optax.partition({"matrix": matrix_tx, "vector": vector_tx}, mars_labels if labels is None else labels,
+                         mask_compatible_extra_args=True)
 
 
 @register("muon_mvr", needs_prev_grads=lambda hp: hp["mode"] == "mvr2")
@@ -215,5 +197,5 @@ def muon_mvr(learning_rate, *, mode: str = "mvr1", gamma: float = 0.025, beta: f
   adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
                         eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
                         mask=decay_mask)
-  return _keep_shardings(optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels,
-                                         mask_compatible_extra_args=True))
+  return optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels,
+                         mask_compatible_extra_args=True)

@@ -29,7 +29,7 @@ from flax import nnx
 
 from models import Transformer, cross_entropy, flops_per_token, preset
 from models.config import ConfigError
-from optim import UnknownOptimizerError, get_optimizer, make_schedule
+from optim import UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
 from research.checkpoint import Checkpointer, CheckpointError
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from sharding import (MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec,
@@ -142,7 +142,7 @@ def _model_config(cfg: TrainConfig):
   return preset(cfg.model, **over)
 
 
-def _optimizer(cfg: TrainConfig):
+def _opt_hparams(cfg: TrainConfig) -> dict:
   hp = {k: getattr(cfg, k) for k in ("weight_decay", "b1", "b2") if getattr(cfg, k) is not None}
   for item in cfg.opt:
     key, sep, value = item.partition("=")
@@ -152,10 +152,22 @@ def _optimizer(cfg: TrainConfig):
       hp[key] = json.loads(value)
     except json.JSONDecodeError:
       hp[key] = value
+  return hp
+
+
+def _exact(cfg: TrainConfig) -> bool:
+  """Whether the optimizer runs in an exact variance-reduction mode (MARS mode=exact, Muon-MVR mode=mvr2)."""
+  return needs_prev_grads(cfg.optimizer, _opt_hparams(cfg))
+
+
+def _optimizer(cfg: TrainConfig):
+  hp = _opt_hparams(cfg)
   warmup = min(100, cfg.steps // 10) if cfg.warmup_steps is None else cfg.warmup_steps
   schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio)
   tx = get_optimizer(cfg.optimizer, schedule, **hp)
-  if cfg.grad_clip > 0:
+  if cfg.grad_clip > 0 and _exact(cfg):  # the clip also applies to prev_grads, each by its own global norm
+    tx = with_global_norm_clip(tx, cfg.grad_clip)
+  elif cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
   return tx, schedule
 
@@ -177,17 +189,32 @@ def _pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
   return plan
 
 
+def keep_prev_params(state, shardings):
+  """(state, shardings) of an exact variance-reduced run plus "prev_params": the parameters before the last
+  update (at first a copy of the initial ones), sharded like the parameters."""
+  prev = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings["params"])(state["params"])
+  return {**state, "prev_params": prev}, {**shardings, "prev_params": shardings["params"]}
+
+
 def make_steps(graphdef, tx, shardings, batch_sh):
-  """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state."""
+  """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state.
+
+  A state with "prev_params" (`keep_prev_params`) also differentiates the loss at the previous parameters on
+  the same batch and hands that gradient to the optimizer as `prev_grads=` (exact MARS / Muon-MVR2).
+  """
+  exact = "prev_params" in shardings
 
   def loss_fn(params, x, y):
     return cross_entropy(nnx.merge(graphdef, params)(x), y)
 
   def train_step(state, x, y):
     loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    extra = {"prev_grads": jax.grad(loss_fn)(state["prev_params"], x, y)} if exact else {}
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"], **extra)
     params = optax.apply_updates(state["params"], updates)
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    if exact:
+      new["prev_params"] = state["params"]
     return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
@@ -268,6 +295,8 @@ def run(cfg: TrainConfig) -> list[dict]:
   tx, schedule = _optimizer(cfg)
   graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
                                                 zero1=cfg.zero1)
+  if _exact(cfg):  # exact MARS / Muon-MVR2: one more copy of the parameters, a second backward pass per step
+    state, shardings = keep_prev_params(state, shardings)
   train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh)
 
   os.makedirs(cfg.out, exist_ok=True)

@@ -141,7 +141,9 @@ SHARDED = {"blocks": {"w_up_DF": (2, 16, 32), "w_down_FD": (2, 32, 16), "attn_no
 def test_sharded_and_distributed_equal_one_device_and_keep_shardings():
   """MVR2 on fsdp=4,tensor=2 (Auto axes), with the replicated Newton–Schulz and with `distributed=True` (each
   device orthogonalizes whole matrices of its share, `optim.distributed`): the parameters after 3 steps equal
-  one device's, updates and state keep the parameters' shardings."""
+  one device's; updates and state keep the parameters' shardings. The step pins its output shardings, as the
+  train step does: on Auto axes, left free, XLA replicates the momentum that feeds Newton–Schulz's gather
+  (no Nesterov here) and, without weight decay, the update."""
   params = jax.tree.map(lambda s: jnp.asarray(RNG.standard_normal(s), jnp.float32), SHARDED,
                         is_leaf=lambda x: isinstance(x, tuple))
   grads = [jax.tree.map(lambda p, k=k: jnp.sin(p * (k + 1)), params) for k in range(4)]
@@ -151,7 +153,8 @@ def test_sharded_and_distributed_equal_one_device_and_keep_shardings():
   def run(tx, params, grads):
     state = tx.init(params)
     kinds = jax.tree.map(lambda a: (a.dtype, a.sharding), state)
-    step = jax.jit(lambda g, s, p, pg: tx.update(g, s, p, prev_grads=pg))
+    pinned = (jax.tree.map(lambda a: a.sharding, params), jax.tree.map(lambda a: a.sharding, state))
+    step = jax.jit(lambda g, s, p, pg: tx.update(g, s, p, prev_grads=pg), out_shardings=pinned)
     for g, pg in zip(grads[1:], grads[:-1]):
       u, state = step(g, state, params, pg)
       params = optax.apply_updates(params, u)
