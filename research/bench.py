@@ -4,6 +4,7 @@
   python -m research.bench train --presets base --meshes data=1 fsdp=8 --steps 10 --out runs/bench_train.md
   python -m research.bench optim --out research/results/bench_optim.md     # research/bench_optim.py
   python -m research.bench comm --out research/results/bench_comm.md       # research/bench_comm.py
+  python -m research.bench reshard --out research/results/bench_reshard.md # research/bench_reshard.py
 
 `train` times the real train step of research/train.py (AdamW, grad clipping, fp32) and reports
 compile time, steady step time, tokens/s, model FLOP/s and MFU against a matmul rate measured in
@@ -28,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from models import ConfigError, Transformer, count_params, flops_per_token, preset
 from research.bench_comm import comm
 from research.bench_optim import optim_step
+from research.bench_reshard import reshard_bench
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, _model_config, _optimizer, make_steps, measure_matmul_flops
 from sharding import (MeshError, ShardingError, batch_sharding, devices_for, init_train_state, make_mesh,
@@ -170,7 +172,7 @@ def train(presets: tuple[str, ...] = ("small", "base"),
   return rows
 
 
-BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm}
+BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench}
 
 
 def main(argv=None):

@@ -11,6 +11,7 @@ exactly where the interrupted one would have been. SIGINT/SIGTERM save a checkpo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -34,6 +35,7 @@ from research.checkpoint import Checkpointer, CheckpointError
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from sharding import (MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec,
                       shard_batch)
+from sharding import abstract_state, devices_for, logical_names, reshard, state_shardings
 from sharding.mesh import DATA_AXES
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
 
@@ -84,6 +86,9 @@ class TrainConfig:
   """Seeds the initialization and the batch order."""
   mesh: str = "data=2,fsdp=2,tensor=2"
   """Axis sizes over data, stage, fsdp, expert, tensor; omitted axes are 1, one may be -1."""
+  switch_at: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+  """STEP:MESH, repeatable: after STEP steps move the whole state to MESH in-process and train on there (its step
+  is compiled before training starts). MESH may use fewer devices than --mesh: the first ones it needs."""
   devices: int = 8
   """Simulated devices when running on the CPU (ignored on accelerators)."""
   zero1: bool = False
@@ -170,6 +175,43 @@ def _optimizer(cfg: TrainConfig):
   elif cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
   return tx, schedule
+
+
+def _switch_plan(cfg: TrainConfig) -> list[tuple[int, jax.sharding.Mesh]]:
+  """--switch-at as (step, mesh) in step order; a mesh spec with fixed sizes takes the first devices it needs."""
+  plan = {}
+  for item in cfg.switch_at:
+    at, sep, spec = item.partition(":")
+    if not (sep and at.strip().isdigit()):
+      raise RunError(f"--switch-at {item!r} is not STEP:MESH, e.g. --switch-at 100:fsdp=4,tensor=2")
+    if not 0 < int(at) < cfg.steps:
+      raise RunError(f"--switch-at {item!r}: STEP must lie in [1, --steps={cfg.steps})")
+    if int(at) in plan:
+      raise RunError(f"--switch-at names step {int(at)} twice")
+    plan[int(at)] = make_mesh(spec, devices=devices_for(spec))
+    try:  # the batch must split over the new mesh's data axes
+      batch_sharding(plan[int(at)], (cfg.batch_size, cfg.seq_len))
+    except ShardingError as e:
+      raise ShardingError(f"--switch-at {item!r}: the batch: {e}") from None
+  return sorted(plan.items(), key=lambda item: item[0])
+
+
+def _switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
+  """What training on `mesh` needs: (mesh, state shardings, batch sharding, held-out batches there, train and
+  eval steps compiled ahead of time (`.lower(...).compile()`) for those shardings)."""
+  try:
+    shardings = state_shardings(state, names, mesh, zero1=cfg.zero1)
+  except ShardingError as e:
+    raise ShardingError(f"--switch-at to {mesh_spec(mesh)}: {e}") from None
+  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  train, evaluate = make_steps(graphdef, tx, shardings, batch_sh)
+  x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32, sharding=batch_sh)
+  t = time.perf_counter()
+  with jax.set_mesh(mesh):
+    train = train.lower(abstract_state(state, shardings), x, x).compile()
+    evaluate = evaluate.lower(abstract_state(state["params"], shardings["params"]), x, x).compile()
+  print(f"compiled the steps for mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+  return mesh, shardings, batch_sh, [shard_batch(b, mesh) for b in val_host], train, evaluate
 
 
 def _pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
@@ -288,9 +330,13 @@ def run(cfg: TrainConfig) -> list[dict]:
   if cfg.warmup_steps is not None and not 0 <= cfg.warmup_steps <= cfg.steps:
     raise RunError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  plan = _switch_plan(cfg)
   pipe = _pipeline_plan(mesh, mcfg, cfg.batch_size)
+  for _, m in plan:  # a switch to a pipeline mesh must fit the model and batch too
+    _pipeline_plan(m, mcfg, cfg.batch_size)
   get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
-  val = [shard_batch(b, mesh) for b in eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)]
+  val_host = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+  val = [shard_batch(b, mesh) for b in val_host]
 
   tx, schedule = _optimizer(cfg)
   graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
@@ -298,6 +344,8 @@ def run(cfg: TrainConfig) -> list[dict]:
   if _exact(cfg):  # exact MARS / Muon-MVR2: one more copy of the parameters, a second backward pass per step
     state, shardings = keep_prev_params(state, shardings)
   train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh)
+  names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
+  switches = [(at, _switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]
 
   os.makedirs(cfg.out, exist_ok=True)
   meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
@@ -312,6 +360,8 @@ def run(cfg: TrainConfig) -> list[dict]:
   start = ckpt.latest_step()
   if start is not None:
     _check_resume(ckpt.read_meta(start), meta, cfg.out)
+    while switches and switches[0][0] <= start:  # resume on the mesh the run had switched to by then
+      mesh, shardings, batch_sh, val, train_step, eval_step = switches.pop(0)[1]
     state = ckpt.restore(start, state, shardings)
     if os.path.exists(metrics_path):  # drop what the interrupted run logged past its checkpoint
       with open(metrics_path) as f:
@@ -335,9 +385,17 @@ def run(cfg: TrainConfig) -> list[dict]:
     bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
   mf = open(metrics_path, "a")
   step, t_last, step_last = start, time.perf_counter(), start
-  with _Stop() as stop, jax.set_mesh(mesh):
+  with _Stop() as stop, contextlib.ExitStack() as in_mesh:
+    in_mesh.enter_context(jax.set_mesh(mesh))
     end = min(cfg.steps, cfg.stop_at or cfg.steps)
     while step < end and stop.signum is None:
+      if switches and switches[0][0] == step:  # --switch-at: the new steps are compiled, only the state moves
+        t = time.perf_counter()
+        mesh, shardings, batch_sh, val, train_step, eval_step = switches.pop(0)[1]
+        state = jax.block_until_ready(reshard(state, shardings=shardings, donate=True))
+        in_mesh.close()
+        in_mesh.enter_context(jax.set_mesh(mesh))
+        print(f"step {step}: switched to mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.2f} s", file=sys.stderr)
       state, out = train_step(state, *shard_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
                                                                cfg.seq_len), mesh))
       step += 1

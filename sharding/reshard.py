@@ -20,9 +20,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
-from sharding.state import param_shardings, shardings_like_params
+from sharding.state import param_shardings, shardings_like_params, zero1_shardings
 
 PyTree = Any
 
@@ -31,17 +31,18 @@ class ReshardError(ValueError):
   """A state, logical-name tree or sharding tree that does not fit the requested switch."""
 
 
-def state_shardings(state: PyTree, names: PyTree, mesh: Mesh) -> dict:
-  """The shardings `init_train_state` would give `state` on `mesh`.
+def state_shardings(state: PyTree, names: PyTree, mesh: Mesh, *, zero1: bool = False) -> dict:
+  """The shardings `init_train_state(..., zero1=zero1)` would give `state` on `mesh`.
 
   Args:
     state: {"params": ..., <any other keys>: ...}, concrete or abstract (ShapeDtypeStruct) leaves.
     names: the logical axis names of `state["params"]` (`sharding.logical_names(model_fn)[2]`).
     mesh: the target mesh (any shape, any devices).
+    zero1: also split "opt_state" over the data axis (`zero1_shardings`), as `init_train_state(zero1=True)`.
 
   Returns: a tree like `state` of NamedShardings on `mesh`: params from `names` (sharding/rules.py),
-  every other leaf shaped like a parameter and under its path takes that parameter's sharding,
-  anything else (the step, counters) is replicated.
+  every other leaf shaped like a parameter and under its path ("opt_state" moments, "prev_params")
+  takes that parameter's sharding, "buffers" and anything else (the step, counters) are replicated.
   """
   if not isinstance(state, dict) or "params" not in state:
     raise ReshardError(f"a train state is a dict with a 'params' entry, got {type(state).__name__}"
@@ -52,8 +53,17 @@ def state_shardings(state: PyTree, names: PyTree, mesh: Mesh) -> dict:
     raise ReshardError("the logical-name tree does not match state['params']; pass the names of the model that "
                        "built this state (sharding.logical_names(model_fn)[2])")
   p_sh = param_shardings(params, names, mesh)
-  rest = shardings_like_params({k: v for k, v in state.items() if k != "params"}, params, p_sh, mesh)
-  return {k: p_sh if k == "params" else rest[k] for k in state}
+  out = {}
+  for key, tree in state.items():
+    if key == "params":
+      out[key] = p_sh
+    elif key == "buffers":  # non-Param variables: always replicated (init_buffers)
+      out[key] = jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
+    else:
+      out[key] = shardings_like_params(tree, params, p_sh, mesh)
+      if zero1 and key == "opt_state":
+        out[key] = zero1_shardings(out[key], tree)
+  return out
 
 
 def abstract_state(state: PyTree, shardings: PyTree) -> PyTree:

@@ -13,21 +13,25 @@ from optim import get_optimizer
 from sharding.reshard import ReshardError, abstract_state, moved_bytes, reshard, state_shardings
 
 CFG = models.preset("tiny")
+MOE = models.preset("tiny", moe=models.MoEConfig(num_experts=4, top_k=2, bias_rate=1e-3))
 
 
-def model_fn():
-  return models.Transformer(CFG, rngs=nnx.Rngs(0))
+def model_fn(cfg=CFG):
+  return models.Transformer(cfg, rngs=nnx.Rngs(0))
 
 
-def noisy_state(tx, mesh, seed=0):
-  """A train state on `mesh` (params split by their logical names, moments like their params) whose every leaf
-  holds random bits; built from shapes, so no init program is compiled."""
-  _, abstract, names = sharding.logical_names(model_fn)
+def noisy_state(tx, mesh, seed=0, fn=model_fn):
+  """A train state on `mesh` (params split by their logical names, moments like their params, buffers such as
+  the MoE router bias replicated) whose every leaf holds random bits; built from shapes, so nothing compiles."""
+  _, abstract, names = sharding.logical_names(fn)
   p_sh = sharding.param_shardings(abstract, names, mesh)
   opt = jax.eval_shape(tx.init, abstract)
   state = {"step": jax.ShapeDtypeStruct((), np.int32), "params": abstract, "opt_state": opt}
   shardings = {"step": NamedSharding(mesh, P()), "params": p_sh,
                "opt_state": sharding.shardings_like_params(opt, abstract, p_sh, mesh)}
+  buffers = nnx.to_pure_dict(nnx.state(nnx.eval_shape(fn), nnx.Not(nnx.Param)))
+  if buffers:
+    state["buffers"], shardings["buffers"] = buffers, jax.tree.map(lambda _: NamedSharding(mesh, P()), buffers)
   rng = np.random.default_rng(seed)
 
   def fill(x, s):
@@ -86,16 +90,47 @@ def test_reshard_is_bit_exact_with_the_rules_layout(optimizer, src, n_src, dst, 
   assert {d for x in jax.tree.leaves(new) for d in x.sharding.device_set} == set(jax.devices()[:n_dst])
 
 
-def test_layout_is_what_init_train_state_builds_on_the_new_mesh():
-  """The one compiled init in this file: Muon's partitioned state on a 4-device subset."""
-  tx = get_optimizer("muon", 1e-3)
-  new_mesh = sharding.make_mesh("fsdp=2,tensor=2", devices=jax.devices()[:4])
-  state, _ = noisy_state(tx, sharding.make_mesh("data=2,fsdp=4"))
-  _, _, names = sharding.logical_names(model_fn)
-  _, _, init_sh = sharding.init_train_state(model_fn, tx, new_mesh)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_moe_state_moves_from_expert4_data2_to_expert2_fsdp4(optimizer):
+  tx = get_optimizer(optimizer, 1e-3)
+  fn = lambda: model_fn(MOE)
+  state, _ = noisy_state(tx, sharding.make_mesh("expert=4,data=2"), seed=2, fn=fn)
+  host = jax.tree.map(np.asarray, state)
+  _, _, names = sharding.logical_names(fn)
+  new_mesh = sharding.make_mesh("expert=2,fsdp=4")
+  assert state["params"]["blocks"]["moe"]["w_gate_EDF"].sharding.spec == P(None, "expert")
   new = reshard(state, new_mesh, names)
+  for want, x in zip(jax.tree.leaves(host), jax.tree.leaves(new)):
+    assert x.sharding.mesh == new_mesh and np.array_equal(np.asarray(x), want)
+  got = specs(jax.tree.map(lambda x: x.sharding, new))
+  golden = {"w_gate_EDF": P(None, "expert", "fsdp"), "w_down_EFD": P(None, "expert", None, "fsdp"),
+            "router_DE": P(None, "fsdp"), "router_bias": P(), "wq_DQ": P(None, "fsdp")}
+  seen = {name: 0 for name in golden}
+  for key, spec in got.items():
+    name = key.rsplit("['", 1)[-1][:-2]
+    if name in golden:
+      assert spec == golden[name], (key, spec)
+      seen[name] += 1
+  # each expert stack: the param and its moment(s); the router bias: one buffer, outside the optimizer
+  assert seen["w_gate_EDF"] == (3 if optimizer == "adamw" else 2) and seen["router_bias"] == 1, seen
+
+
+def test_layout_is_what_init_train_state_builds_on_the_new_mesh():
+  """The one compiled init in this file: Muon's partitioned state, ZeRO-1, on a 4-device subset."""
+  tx = get_optimizer("muon", 1e-3)
+  new_mesh = sharding.make_mesh("data=2,tensor=2", devices=jax.devices()[:4])
+  state, _ = noisy_state(tx, sharding.make_mesh("fsdp=8"))
+  host = jax.tree.map(np.asarray, state)
+  _, _, names = sharding.logical_names(model_fn)
+  _, _, init_sh = sharding.init_train_state(model_fn, tx, new_mesh, zero1=True)
+  new = reshard(state, new_mesh, shardings=state_shardings(state, names, new_mesh, zero1=True))
   assert jax.tree.structure(new) == jax.tree.structure(init_sh)
   assert all(x.sharding == s for x, s in zip(jax.tree.leaves(new), jax.tree.leaves(init_sh)))
+  assert all(np.array_equal(np.asarray(x), h) for x, h in zip(jax.tree.leaves(new), jax.tree.leaves(host)))
+  # ZeRO-1 by hand: a moment is split over data on its first free dimension (the layer stack), its param is not
+  mu = new["opt_state"].inner_states["muon"].inner_state[0].mu["blocks"]["wq_DQ"]
+  assert mu.sharding.spec == P("data", None, "tensor") and new["params"]["blocks"]["wq_DQ"].sharding.spec == P(
+      None, None, "tensor")
 
 
 def test_donate_frees_the_source_and_precomputed_shardings_give_the_same_state():
