@@ -13,15 +13,23 @@ spirit of Moonlight's Distributed Muon (arXiv 2502.16982, Algorithm 1):
   4. one batched `orthogonalize` runs there under `shard_map` (no collective inside its loop);
   5. the result goes back the same way and each leaf takes its own sharding again.
 
-Step 3 moves one mesh axis at a time onto the batch axis (a chain of sharding constraints whose matrix
-dimensions stay unconstrained): XLA's partitioner turns each such move into one all-to-all over that axis (or a
-local slice for an axis the matrices are replicated over), where a direct jump from (None, fsdp, tensor) to
-((fsdp, tensor), None, None) is compiled as a full all-gather. Per device, NS work is ⌈K/D⌉ matrices per group,
-not K, and the wire carries each matrix's shards once each way (plus, for parameters replicated over an axis,
-the all-gather of the results over it that data parallelism needs anyway).
+Step 3 starts from the batch axis whole and moves one mesh axis at a time onto it (a chain of sharding
+constraints whose matrix dimensions stay unconstrained): XLA's partitioner turns each move into one all-to-all
+over that axis, or a local slice for an axis the matrices are replicated over, where a direct jump from
+(None, fsdp, tensor) to ((fsdp, tensor), None, None) is compiled as a full all-gather ("involuntary full
+rematerialization"). Per device, NS work is ⌈K/D⌉ matrices per group, not K; each all-to-all's per-device
+result is that device's share of the padded group; over an axis the parameters are replicated on (data
+parallelism) the results are all-gathered, 1/|fsdp·tensor| of each padded group per device, which is what
+every data replica needs to apply the update anyway.
+
+Limits. Leaves whose stack axes are split over a mesh axis (experts over `expert`, ZeRO-1 state over `data` on
+the layer axis) have those axes gathered before the chain and after it (the stack axes come back whole, then
+the consumer slices): correct, but that traffic is an all-gather over that axis, not an all-to-all. Padding
+costs up to D−1 zero matrices per group (the tiny preset's 2-layer stacks pad 4 and 6 matrices to 8).
 
 On Explicit meshes the same program runs under `jax.sharding.auto_axes` with each leaf's type sharding as the
-output sharding; with no mesh (or one device) this is plain per-leaf `orthogonalize`.
+output sharding; on Auto meshes each result is tied to its leaf by `shard_alike`. With no mesh, one device, or
+manual axes (inside `shard_map`), this is plain per-leaf `orthogonalize`.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, PartitionSpec as P
 
-from optim.newton_schulz import orthogonalize
+from optim.newton_schulz import ns_flops, orthogonalize
 
 
 class DistributedError(ValueError):
@@ -47,18 +55,20 @@ def batch_axes(mesh) -> tuple[str, ...]:
   return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
 
 
-def per_device_matrices(counts: dict, devices: int) -> dict:
-  """{group: ⌈K/D⌉}: the matrices each device orthogonalizes, for {group: K} matrices in total."""
-  return {g: -(-k // devices) for g, k in counts.items()}
-
-
-def group_matrices(tree) -> dict[tuple, int]:
-  """{(short side, long side, dtype): number of matrices} over the leaves of `tree` (arrays or shapes)."""
+def shape_groups(tree) -> dict[tuple, int]:
+  """{(short side, long side, dtype name): matrices K} over the leaves (arrays or shapes) of `tree`."""
   counts: dict[tuple, int] = {}
   for x in jax.tree.leaves(tree):
-    key = _key(x)
-    counts[key] = counts.get(key, 0) + math.prod(x.shape[:-2])
+    counts[_key(x)] = counts.get(_key(x), 0) + math.prod(x.shape[:-2])
   return counts
+
+
+def ns_flops_per_device(tree, devices: int, steps: int = 5, method: str = "standard",
+                        distributed: bool = True) -> float:
+  """Newton–Schulz matmul FLOPs one device spends on `tree`: Σ_groups ⌈K/D⌉·ns_flops(S, L) distributed over
+  `devices`, Σ K·ns_flops(S, L) when every device orthogonalizes every matrix (the per-leaf path on a mesh)."""
+  return sum((-(-k // devices) if distributed else k) * ns_flops(s, l, steps, method)
+             for (s, l, _), k in shape_groups(tree).items())
 
 
 def orthogonalize_distributed(tree, *, coeffs: str | Sequence = "quintic", steps: int = 5, eps: float = 1e-7,

@@ -106,6 +106,10 @@ def test_distributed_muon_equals_single_device_muon(spec, explicit):
   hlo = step.as_text()
   # one batched NS per group, ⌈K/8⌉ whole matrices per device (not K), and nothing crosses devices in the loop
   assert ns_batches(hlo) == sorted((-(-k // 8),) + g for g, k in GROUPS.items())
+  muon_leaves = [x for k, x in params.items() if k != "norm"]
+  assert optim.distributed.shape_groups(muon_leaves) == {g + ("float32",): k for g, k in GROUPS.items()}
+  assert optim.distributed.ns_flops_per_device(muon_leaves, 8) == sum(
+      c * optim.ns_flops(s, l, 5) for c, s, l in ns_batches(hlo))
   for body in loop_bodies(hlo):
     assert not re.search(COLLECTIVE, body)
   lines = collective_lines(hlo)
