@@ -76,16 +76,25 @@ def init_buffers(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> dict:
 
 def shardings_like_params(tree: PyTree, params: PyTree, shardings: PyTree, mesh: Mesh) -> PyTree:
   """Shardings for a tree whose parameter-shaped leaves (an optimizer's moments, say) sit under
-  the parameter's own path: such a leaf takes its parameter's sharding, any other is replicated."""
+  the parameter's own path: such a leaf takes its parameter's sharding; a leaf shaped like the
+  parameter's trailing dimensions (one layer of a stack: BAdam's per-block moments) takes the spec
+  of those dimensions; any other leaf is replicated."""
   by_path = {tuple(p): (leaf.shape, s) for (p, leaf), s in
              zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings))}
   replicated = NamedSharding(mesh, P())
 
   def pick(path, leaf):
+    shape = np.shape(leaf)
     for k in range(len(path)):
       hit = by_path.get(tuple(path[k:]))
-      if hit is not None and hit[0] == np.shape(leaf):
+      if hit is None:
+        continue
+      if hit[0] == shape:
         return hit[1]
+      drop = len(hit[0]) - len(shape)
+      if 0 < drop and hit[0][drop:] == shape:
+        spec = tuple(hit[1].spec) + (None,) * (len(hit[0]) - len(hit[1].spec))
+        return NamedSharding(mesh, P(*spec[drop:]))
     return replicated
 
   return jax.tree_util.tree_map_with_path(pick, tree)
