@@ -28,8 +28,10 @@ the consumer slices): correct, but that traffic is an all-gather over that axis,
 costs up to D−1 zero matrices per group (the tiny preset's 2-layer stacks pad 4 and 6 matrices to 8).
 
 On Explicit meshes the same program runs under `jax.sharding.auto_axes` with each leaf's type sharding as the
-output sharding; on Auto meshes each result is tied to its leaf by `shard_alike`. With no mesh, one device, or
-manual axes (inside `shard_map`), this is plain per-leaf `orthogonalize`.
+output sharding; on Auto meshes each result leaves with its stack axes whole and its matrix axes to the
+partitioner, which gives it its consumer's sharding (the parameter's, in an optimizer step). Not `shard_alike`:
+its global group ids change the program at every lowering, so the persistent compilation cache would always
+miss. With no mesh, one device, or manual axes (inside `shard_map`), this is plain per-leaf `orthogonalize`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, PartitionSpec as P
 
 from optim.newton_schulz import ns_flops, orthogonalize
@@ -128,9 +129,8 @@ def _distribute(leaves: list, *, axes: tuple[str, ...], kwargs: dict) -> list:
     for i in members:
       k = math.prod(leaves[i].shape[:-2])
       o = _from_wide_stack(o_KSL[start:start + k], leaves[i].shape)
-      # Stack axes whole (as the batch axis now is), matrix axes like the leaf's, whatever they are.
-      o = jax.lax.with_sharding_constraint(o, P(*[None] * (o.ndim - 2), P.UNCONSTRAINED, P.UNCONSTRAINED))
-      out[i] = shard_alike(leaves[i], o)[1]
+      # Stack axes whole (as the batch axis now is); matrix axes as the consumer (the update's parameter) wants.
+      out[i] = jax.lax.with_sharding_constraint(o, P(*[None] * (o.ndim - 2), P.UNCONSTRAINED, P.UNCONSTRAINED))
       start += k
   return out
 

@@ -125,6 +125,18 @@ def test_distributed_muon_equals_single_device_muon(spec, explicit):
     assert 0 < gathered <= sum(4 * 8 * -(-k // 8) * s * l for (s, l), k in GROUPS.items()) / fsdp
 
 
+def test_lowering_is_deterministic():
+  """The same step lowers to the same program every time, so the persistent compilation cache hits."""
+  mesh = sharding.make_mesh("fsdp=4,tensor=2")
+  params = jax.device_put(host_params(), param_shardings(mesh))
+  texts = set()
+  for _ in range(2):
+    tx = optim.muon(0.02, distributed=True)
+    with jax.set_mesh(mesh):
+      texts.add(jax.jit(tx.update).lower(params, jax.jit(tx.init)(params), params).as_text())
+  assert len(texts) == 1
+
+
 def test_without_a_mesh_it_is_per_leaf_orthogonalize():
   x = {"a": jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 8, 12)), jnp.float32),
        "b": jnp.asarray(np.random.default_rng(2).standard_normal((12, 8)), jnp.float32)}
