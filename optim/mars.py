@@ -153,7 +153,7 @@ def mars(learning_rate, *, variant: str = "adamw", gamma: float = 0.025, b1: flo
   main lr and weight decay. `lr_1d`: None follows `learning_rate` (a schedule included); a number or schedule
   is used as given. Defaults are the reference class's (weight_decay 0; its GPT-2 recipe uses 1e-2).
   mode="exact" needs `update(..., prev_grads=)` (see `mars_correction`). Under `optax.inject_hyperparams` list
-  `optimize_1d`, `ns_steps` (and a `labels` function) in `static_args`.
+  `ns_steps` (and a `labels` function) in `static_args`; γ, the betas, eps, lrs and decays are injectable.
   """
   if variant not in VARIANTS:
     raise MarsError(f"MARS variant must be one of {', '.join(VARIANTS)}, got {variant!r}")

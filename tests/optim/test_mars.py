@@ -87,7 +87,7 @@ DEFAULTS = dict(gamma=0.025, b1=0.95, b2=0.99, eps=1e-8, weight_decay=0.0, lr_1d
 
 @functools.cache
 def injected(variant, optimize_1d, mode):
-  tx = optax.inject_hyperparams(mars, static_args=("optimize_1d", "ns_steps"))(
+  tx = optax.inject_hyperparams(mars, static_args=("ns_steps",))(
       learning_rate=0.0, variant=variant, mode=mode, optimize_1d=optimize_1d, **DEFAULTS)
   return tx, jax.jit(tx.update)
 
