@@ -18,3 +18,6 @@ from sharding.state import init_buffers  # noqa: E402
 
 __all__ += ["dispatch_experts", "expert_capacity", "init_buffers"]
 __all__ += ["zero1_shardings"]
+from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline, pipeline  # noqa: E402
+
+__all__ += ["PipelineError", "bubble_fraction", "check_pipeline", "pipeline"]

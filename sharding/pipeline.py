@@ -4,13 +4,12 @@ Shapes: S stages, M microbatches, L layers, Q = L/S layers per stage, B batch ro
 
 Design (MaxText's pipeline, shared/reference/parallelism.md §1.4): the L layers stacked on a leading axis are cut
 into S stages of Q consecutive layers, `w_L... -> w_SQ...`, whose S axis is sharded over `stage` (the rules map the
-logical `layers` axis to `stage`). A loop state `x_Sb...` holds one microbatch per stage. Each iteration runs all stages
-at once on their own slot, `jax.vmap(stage_fn, spmd_axis_name="stage")`, so GSPMD gives each stage's devices their
-own weights and slot while data / fsdp / tensor shard the rest as usual; then `shift_stages` moves every slot one stage
-on with a `ppermute` (the only manual collective, one small shard_map). Stage 0 takes microbatch t at iteration t and
-stage S-1 finishes microbatch m at iteration m + S - 1, so a batch takes M + S - 1 iterations, of which each stage
-idles S - 1: the GPipe bubble (S-1)/(M+S-1) (Huang et al. 2019, arXiv 1811.06965). The backward pass is autodiff of
-this schedule: all forwards, then all backwards.
+logical `layers` axis to `stage`). A loop state `x_Sb...` holds one microbatch per stage. Each iteration runs every
+stage on its own slot (`run_stages`: a shard_map manual over `stage` only, so data / fsdp / tensor stay with GSPMD
+inside it), then moves every slot one stage on (`shift_stages`: a `ppermute`, the only collective the pipeline
+writes). Stage 0 takes microbatch t at iteration t and stage S-1 finishes microbatch m at iteration m + S - 1, so a
+batch takes M + S - 1 iterations, of which each stage idles S - 1: the GPipe bubble (S-1)/(M+S-1) (Huang et al.
+2019, arXiv 1811.06965). The backward pass is autodiff of this schedule: all forwards, then all backwards.
 
 The time loop is unrolled in Python: XLA:CPU can deadlock on collectives inside while loops, and M + S - 1 is small.
 A microbatch takes every M-th row (rows m, m+M, m+2M, ...), so each microbatch stays split over the data axes like
@@ -90,6 +89,29 @@ def shift_stages(x_S: PyTree) -> PyTree:
   return jax.tree.map(ring, x_S)
 
 
+def run_stages(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], w_S: PyTree, x_S: jax.Array
+               ) -> tuple[jax.Array, PyTree]:
+  """Every stage at once on its own slot: out[s] = stage_fn(w[s], x[s]), outputs stacked on a leading S axis.
+
+  On a mesh with a `stage` axis: a shard_map manual over `stage` only, so each stage's devices run `stage_fn` on
+  their own weights and slot, while data / fsdp / tensor (and shard_maps inside `stage_fn`, such as the expert
+  dispatch, which then see `stage` as manual) stay as they are. Elsewhere `jax.vmap(stage_fn)`, which it equals.
+  (MaxText uses `jax.vmap(..., spmd_axis_name="stage")`; vmap cannot batch a shard_map over the other axes inside
+  `stage_fn` that way, so the stage axis is made manual instead.)
+  """
+  if mesh_stages() == 1:
+    return jax.vmap(stage_fn)(w_S, x_S)
+
+  def local(w_1, x_1):  # one stage: leading axes of size 1
+    y, aux = stage_fn(jax.tree.map(lambda a: a[0], w_1), x_1[0])
+    return y[None], jax.tree.map(lambda a: a[None], aux)
+
+  # check_vma=False: with it on, jax 0.10.2 gives the backward of a shard_map nested inside (the expert dispatch)
+  # residuals that name `stage`, which its lowering rejects ("already bound by a parent manual_computation"). Every
+  # input and output here is split over `stage`, so there is no replication for the check to track.
+  return jax.shard_map(local, in_specs=P(AXIS), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False)(w_S, x_S)
+
+
 def pipeline(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], layers: PyTree, x: jax.Array, *,
              microbatches: int, stages: int | None = None, names: Sequence[str | None] | None = None
              ) -> tuple[jax.Array, PyTree]:
@@ -124,7 +146,6 @@ def pipeline(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], 
 
   w_SQ = jax.tree.map(lambda a: a.reshape(S, Q, *a.shape[1:]), layers)  # stage s: layers sQ .. sQ+Q-1
   x_Mb = constrain(x.reshape(b, M, *x.shape[1:]).swapaxes(0, 1), (None,) + names)  # microbatch m: rows m::M
-  run = jax.vmap(stage_fn, spmd_axis_name=AXIS if mesh_stages() > 1 else None)
   in_stage0 = (np.arange(S) == 0).reshape((S,) + (1,) * x.ndim)
   on_stage = lambda a: constrain(a, ("act_stage",) + names)
 
@@ -134,7 +155,7 @@ def pipeline(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], 
     # stage 0 takes microbatch t; once they are all in, zeros (its slot is a bubble from then on)
     feed = x_Mb[t] if t < M else jnp.zeros_like(x_Mb[0])
     state_Sb = on_stage(jnp.where(in_stage0, feed[None], state_Sb))
-    y_Sb, aux = run(w_SQ, state_Sb)
+    y_Sb, aux = run_stages(stage_fn, w_SQ, state_Sb)
     y_Sb = on_stage(y_Sb)
     mb_S = t - np.arange(S)  # the microbatch each stage holds; outside [0, M) a bubble
     live_S = (mb_S >= 0) & (mb_S < M)

@@ -13,8 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import models
 import sharding
+from models import moe
 from research.train import RunError, TrainConfig, run
-from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline, pipeline, shift_stages
+from sharding.pipeline import (PipelineError, bubble_fraction, check_pipeline, pipeline, run_stages,
+                               shift_stages)
 
 
 # --- the schedule on a generic residual layer, against a float64 NumPy reference ---------------------------------
@@ -80,55 +82,85 @@ def test_bubble_fraction_and_layout_errors():
     models.preset("tiny", microbatches=0)
 
 
-# --- the one manual collective -----------------------------------------------------------------------------------
+# --- the two shard_maps against their plain versions --------------------------------------------------------------
 
-def test_shift_is_one_collective_permute_equal_to_roll():
+def test_shift_and_stage_run_equal_roll_and_vmap():
   mesh = sharding.make_mesh("stage=4,fsdp=2")
-  x = np.arange(4 * 2 * 3, dtype=np.float32).reshape(4, 2, 3)
-  xs = jax.device_put(x, NamedSharding(mesh, P("stage", "fsdp")))
+  w, x = generic(L=4, B=8)
+  w_S = jax.tree.map(lambda a: a.reshape(4, 1, *a.shape[1:]).astype(np.float32), w)  # one layer per stage
+  x_S = x.reshape(4, 2, -1).astype(np.float32)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  ws, xs = jax.tree.map(lambda a: put(a, P("stage")), w_S), put(x_S, P("stage", "fsdp"))
   with jax.set_mesh(mesh):
-    f = jax.jit(shift_stages)
-    y = f(xs)
-    hlo = f.lower(xs).compile().as_text()
-  np.testing.assert_array_equal(np.asarray(y), np.roll(x, 1, axis=0))  # the plain version
+    shift, run_ = jax.jit(shift_stages), jax.jit(lambda w, x: run_stages(stage_fn, w, x))
+    y, (z, aux) = shift(xs), run_(ws, xs)
+    hlo_shift, hlo_run = shift.lower(xs).compile().as_text(), run_.lower(ws, xs).compile().as_text()
+  np.testing.assert_array_equal(np.asarray(y), np.roll(x_S, 1, axis=0))
   assert y.sharding.is_equivalent_to(xs.sharding, 3)  # fsdp stayed with GSPMD, no gather
-  assert len(re.findall(r" collective-permute(?:-start)?\(", hlo)) == 1
-  assert not re.search(r" (all-gather|all-reduce|all-to-all)(?:-start)?\(", hlo)
-  np.testing.assert_array_equal(np.asarray(jax.jit(shift_stages)(x)), np.roll(x, 1, axis=0))  # no mesh: roll
+  assert len(re.findall(r" collective-permute(?:-start)?\(", hlo_shift)) == 1
+  z_ref, aux_ref = jax.jit(jax.vmap(stage_fn))(w_S, x_S)
+  np.testing.assert_allclose(np.asarray(z), np.asarray(z_ref), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(aux["h2"]), np.asarray(aux_ref["h2"]), rtol=1e-6)
+  assert z.sharding.is_equivalent_to(xs.sharding, 3)
+  # each stage computes on its own weights and rows: nothing is gathered or moved (the one all-reduce is the row
+  # mean of the aux over fsdp)
+  assert not re.search(r" (all-gather|all-to-all|collective-permute)(?:-start)?\(", hlo_run)
+  assert not re.search(r" (all-gather|all-reduce|all-to-all)(?:-start)?\(", hlo_shift)
+  np.testing.assert_array_equal(np.asarray(jax.jit(shift_stages)(x_S)), np.roll(x_S, 1, axis=0))  # no mesh: roll
 
 
 # --- the transformer: pipelined on 8 devices == sequential on 1 ----------------------------------------------------
 
 CFG = models.preset("tiny", n_layers=4, tie_embeddings=False)
-OPTS = {"xla_backend_optimization_level": 0}
+MOE = models.preset("moe_tiny", n_layers=4, tie_embeddings=False)  # dropless routing: no layout-dependent drops
+OPTS = {"xla_backend_optimization_level": 0}  # LLVM -O0: half the compile time; the partitioned HLO is the same
 TOKENS = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
 
 
-def loss_and_grads(cfg, mesh, host_params):
+def host_params(cfg):
+  """Random weights (norm scales around 1) as NumPy arrays: no compile, unlike the initialiser."""
+  _, abstract, _ = sharding.logical_names(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(1)
+  draw = lambda path, a: (1 if path[-1].key.endswith("norm") else 0) + 0.05 * rng.normal(size=a.shape)
+  return jax.tree_util.tree_map_with_path(lambda path, a: draw(path, a).astype(np.float32), abstract)
+
+
+def loss_and_grads(cfg, mesh, host, microbatches=None):
+  """((loss, aux), grads, params, compiled HLO) of cross entropy + MoE aux losses. `microbatches`: the reference
+  semantics of a pipeline, run sequentially: the model on each microbatch (rows m::M), cross entropy and aux
+  averaged over them, then the aux losses of the averaged aux."""
   graphdef, abstract, names = sharding.logical_names(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   p_sh = sharding.param_shardings(abstract, names, mesh)
-  params = jax.device_put(host_params, p_sh)
+  params = jax.device_put(host, p_sh)
 
   def loss(p, x):
-    return models.cross_entropy(nnx.merge(graphdef, p)(x[:, :-1]), x[:, 1:])
+    model = nnx.merge(graphdef, p)
+    ce_aux = lambda x: (lambda logits, aux: (models.cross_entropy(logits, x[:, 1:]), aux))(*model.forward(x[:, :-1]))
+    if microbatches is None:
+      ce, aux = ce_aux(x)
+    else:
+      ce, aux = jax.tree.map(lambda a: a.mean(0), jax.lax.map(ce_aux, x.reshape(-1, microbatches, x.shape[1])
+                                                               .swapaxes(0, 1)))
+    return ce + moe.aux_loss(aux, cfg), aux
 
   with jax.set_mesh(mesh):
     x = sharding.shard_batch(TOKENS, mesh)
-    f = jax.jit(jax.value_and_grad(loss), out_shardings=(None, p_sh))
+    f = jax.jit(jax.value_and_grad(loss, has_aux=True), out_shardings=((None, None), p_sh))
     compiled = f.lower(params, x).compile(compiler_options=OPTS)
-    value, grads = compiled(params, x)
-  return params, value, grads, compiled.as_text()
+    value_aux, grads = compiled(params, x)
+  return value_aux, grads, params, compiled.as_text()
 
 
 @pytest.fixture(scope="module")
 def reference():
-  _, abstract, _ = sharding.logical_names(lambda: models.Transformer(CFG, rngs=nnx.Rngs(0)))
-  rng = np.random.default_rng(1)  # random weights, norm scales around 1 (no compile, unlike the initialiser)
-  draw = lambda path, a: ((1 if path[-1].key.endswith("norm") else 0) + 0.05 * rng.normal(size=a.shape))
-  host = jax.tree_util.tree_map_with_path(lambda path, a: draw(path, a).astype(np.float32), abstract)
+  """Per model: its host weights and, on one device, the sequential model's loss and gradients on the whole batch
+  (dense) or with the pipeline's microbatch semantics (MoE: the Switch loss is a product of batch means)."""
   one = sharding.make_mesh("data=1", devices=jax.devices()[:1])
-  _, value, grads, _ = loss_and_grads(CFG, one, host)
-  return host, value, grads
+  out = {}
+  for name, cfg, mb in (("dense", CFG, None), ("moe", MOE, 2)):
+    host = host_params(cfg)
+    out[name] = host, *loss_and_grads(cfg, one, host, microbatches=mb)[:2]
+  return out
 
 
 def collective_permutes(hlo: str) -> list[tuple[str, bool]]:
@@ -153,14 +185,16 @@ def collective_permutes(hlo: str) -> list[tuple[str, bool]]:
           if re.search(r" collective-permute(?:-start)?\(", line)]
 
 
-@pytest.mark.parametrize("spec, microbatches, wq_spec", [("stage=2,data=2,tensor=2", 4, P("stage", None, "tensor")),
-                                                         ("stage=4,fsdp=2", 2, P("stage", "fsdp"))])
-def test_pipelined_transformer_matches_one_device(spec, microbatches, wq_spec, reference, capfd):
-  host, ref_value, ref_grads = reference
+@pytest.mark.parametrize("model, spec, M, wq_spec", [
+    ("dense", "stage=2,data=2,tensor=2", 2, P("stage", None, "tensor")),
+    ("moe", "stage=2,data=2,tensor=2", 2, P("stage", None, "tensor")),
+    ("moe", "stage=4,fsdp=2", 2, P("stage", "fsdp"))])  # M < S; M > S: test_schedule_equals_sequential_float64
+def test_pipelined_transformer_matches_one_device(model, spec, M, wq_spec, reference, capfd):
+  host, (ref_value, ref_aux), ref_grads = reference[model]
   mesh = sharding.make_mesh(spec)
   S = mesh.shape["stage"]
-  cfg = dataclasses.replace(CFG, microbatches=microbatches)
-  params, value, grads, hlo = loss_and_grads(cfg, mesh, host)
+  cfg = dataclasses.replace(CFG if model == "dense" else MOE, microbatches=M)
+  (value, aux), grads, params, hlo = loss_and_grads(cfg, mesh, host)
 
   blocks = params["blocks"]
   assert blocks["wq_DQ"].sharding.spec == wq_spec
@@ -171,10 +205,13 @@ def test_pipelined_transformer_matches_one_device(spec, microbatches, wq_spec, r
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
                grads, ref_grads)
+  assert set(aux) == ({"lb_loss", "z_loss", "load", "dropped", "entropy"} if model == "moe" else set())
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+               aux, ref_aux)  # per layer (L, ...), averaged over the microbatches
   # M + S - 2 shifts forward and their transposes backward (GSPMD adds permutes that bring the last stage's output
   # to the other stages); none inside a loop, where XLA:CPU can deadlock (see pipeline.py)
   permutes = collective_permutes(hlo)
-  assert sum("shard_map/ppermute" in line for line, _ in permutes) == 2 * (microbatches + S - 2)
+  assert sum("shard_map/ppermute" in line for line, _ in permutes) == 2 * (M + S - 2)
   assert not any(in_loop for _, in_loop in permutes)
   assert "Involuntary full rematerialization" not in capfd.readouterr().err
 
