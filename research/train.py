@@ -116,7 +116,8 @@ class RunError(ValueError):
 
 
 # Bad input of any kind: reported as one line and exit status 2 by the CLIs.
-USER_ERRORS = (RunError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError)
+USER_ERRORS = (RunError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError,
+               PipelineError)
 
 
 def _setup_jax(devices: int, compile_cache: bool):

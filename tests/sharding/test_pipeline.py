@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import models
 import sharding
 from models import moe
-from research.train import RunError, TrainConfig, run
+from research.train import RunError, TrainConfig, main, run
 from sharding.pipeline import (PipelineError, bubble_fraction, check_pipeline, pipeline, run_stages,
                                shift_stages)
 
@@ -233,7 +233,13 @@ def test_train_runs_the_pipeline_and_reports_the_bubble(tmp_path, capfd):
   assert "2 microbatches of 4 sequences, GPipe bubble (S-1)/(M+S-1) = 33.3%" in capfd.readouterr().err
 
 
-def test_train_refuses_layers_or_batch_that_do_not_split(tmp_path):
+def test_train_refuses_layers_or_batch_that_do_not_split(tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    main(["--model", "tiny", "--mesh", "stage=2,data=2,fsdp=2", "--n-layers", "3", "--out", str(tmp_path)])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      "error: --mesh data=2,stage=2,fsdp=2: n_layers=3 does not split into stage=2 pipeline stages; "
+      "use a multiple of 2 layers or a stage size that divides 3")
   with pytest.raises(RunError, match=r"--mesh data=2,stage=2,fsdp=2: n_layers=3 does not split into stage=2"):
     run(TrainConfig(out=str(tmp_path), n_layers=3, **TINY))
   with pytest.raises(RunError, match=r"batch of 8 rows does not split into 3 microbatches"):
