@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -153,6 +154,13 @@ def _measure_train(tx, model_fn, mesh, repeats, budget_gib, zero1=False, batch=1
   return row
 
 
+def _commit() -> str:
+  """HEAD's short hash, marked dirty when tracked files differ from it (the record of what was measured)."""
+  run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
+  head = run("rev-parse", "--short", "HEAD").strip() or "unknown"
+  return head + (" (dirty)" if run("status", "--porcelain", "--untracked-files=no").strip() else "")
+
+
 def _bytes_cells(audit) -> list[str]:
   s = audit.summary(fold_scatter=True)
   return [f"{s[k].count} / {s[k].wire_bytes / MIB:.1f}" if k in s else "–" for k in KINDS]
@@ -172,8 +180,8 @@ def comm(models: tuple[str, ...] = ("43m", "small"), meshes: tuple[str, ...] = (
   """
   t_start, load_start = time.perf_counter(), os.getloadavg()[0]
   dev = jax.devices()[0]
-  lines = [f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} simulated devices on "
-           f"{os.cpu_count()} cores, fp32; "
+  lines = [f"git {_commit()}; jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} "
+           f"simulated devices on {os.cpu_count()} cores, fp32; "
            f"bytes are ring wire bytes per device per step (XLA:CPU all-reduce + dynamic-slice counted as "
            f"reduce-scatter); cells `count / MiB`; NS = Newton–Schulz, {NS_STEPS} steps", ""]
   printed = 0
