@@ -60,6 +60,13 @@ def test_schedule_equals_sequential_float64(stages, microbatches):
   np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
   np.testing.assert_allclose(aux, aux_ref, rtol=1e-12, atol=1e-12)  # a per-row mean: microbatch means average to it
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12), g, g_seq)
+  # and against NumPy: the directional derivative along a random (dw, dx) by central differences
+  rng = np.random.default_rng(2)
+  dw, dx = jax.tree.map(lambda a: rng.normal(size=a.shape), w), rng.normal(size=x.shape)
+  f = lambda e: (lambda y, aux: np.sum(np.sin(y)) + np.sum(aux ** 2))(
+      *np_stack(jax.tree.map(lambda a, d: a + e * d, w, dw), x + e * dx))
+  slope = sum(np.vdot(np.asarray(a), d) for a, d in zip(jax.tree.leaves(g[0]), jax.tree.leaves(dw)))
+  np.testing.assert_allclose(slope + np.vdot(np.asarray(g[1]), dx), (f(1e-5) - f(-1e-5)) / 2e-5, rtol=1e-7)
 
 
 def test_bubble_fraction_and_layout_errors():
