@@ -2,6 +2,13 @@
 
 A checkpoint holds the state (`step`, `params`, `opt_state`) and a JSON `meta` with the run's
 shape-determining config, which resume compares before touching any array.
+
+Crash safety (orbax 0.12, local or shared filesystem): a step is written into `<step>.orbax-checkpoint-tmp`,
+ends with `commit_success.txt`, and only then is renamed to `<step>`; a process killed before the rename leaves
+just the temporary directory, which orbax never lists and this class removes when it opens the directory again.
+A step that is listed but cannot be read (damaged later: truncated or garbled files) is moved whole, by one
+rename, to `<directory>.corrupt/<step>` (`quarantine`), so it is never overwritten, deleted or counted by keep-N
+garbage collection, and stays there for inspection.
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=("state", "meta"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every,
-                                             enable_async_checkpointing=True, create=True))
+                                             enable_async_checkpointing=True, create=True,
+                                             cleanup_tmp_directories=True))  # drops saves a crash cut short
+
+  def all_steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -36,7 +47,7 @@ class Checkpointer:
     try:
       return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # orbax raises many types for a damaged directory
-      raise CheckpointError(f"checkpoint {self.directory}/{step} has unreadable metadata: {e}") from None
+      raise CheckpointError(f"checkpoint {self.directory}/{step} has unreadable metadata: {_line(e)}") from None
 
   def restore(self, step: int, abstract_state, shardings):
     """The state at `step`, each array created with the given sharding (so any mesh works)."""
@@ -44,8 +55,33 @@ class Checkpointer:
     try:
       return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     except Exception as e:
-      raise CheckpointError(f"checkpoint {self.directory}/{step} could not be restored: {e}") from None
+      raise CheckpointError(f"checkpoint {self.directory}/{step} could not be restored: {_line(e)}") from None
+
+  def quarantine(self, step: int) -> str:
+    """Moves the step's directory, untouched, to `<directory>.corrupt/<step>` (`-2`, `-3`, ... if taken) out of
+    the manager's sight; returns the new path. Process 0 renames, every process waits for it."""
+    src = os.path.join(self.directory, str(step))
+    dst = os.path.join(self.directory + ".corrupt", str(step))
+    n = 1
+    while os.path.exists(dst):
+      n += 1
+      dst = os.path.join(self.directory + ".corrupt", f"{step}-{n}")
+    if jax.process_count() > 1:  # every process has picked the same name before it is taken
+      ocp.multihost.sync_global_processes(f"optlab_quarantine_{step}_named")
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(dst), exist_ok=True)
+      os.rename(src, dst)
+    if jax.process_count() > 1:
+      ocp.multihost.sync_global_processes(f"optlab_quarantine_{step}_moved")
+    self.manager.reload()
+    return dst
 
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _line(e: Exception) -> str:
+  """The first line of an orbax/tensorstore error (some span dozens), so errors stay one line."""
+  text = str(e).strip() or type(e).__name__
+  return text.splitlines()[0][:300]
