@@ -32,9 +32,10 @@ from models import Transformer, cross_entropy, flops_per_token, preset
 from models.config import ConfigError
 from optim import UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
 from research.checkpoint import Checkpointer, CheckpointError
+from research.distributed import DistributedError, all_agree, global_batch, initialize as init_distributed, is_primary
+from research.health import BadStepsError, Monitor, keep_if_finite
 from research.data import DataError, eval_batches, get_batch, load_corpus
-from sharding import (MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec,
-                      shard_batch)
+from sharding import MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec
 from sharding import abstract_state, devices_for, logical_names, reshard, state_shardings
 from sharding.mesh import DATA_AXES
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
@@ -109,6 +110,21 @@ class TrainConfig:
   progress: bool = True
   compile_cache: bool = True
   """Keep compiled programs in ~/.cache/optlab/jax ($OPTLAB_CACHE) so reruns and resumes start fast."""
+  max_bad_steps: int = 5
+  """Non-finite steps (loss or gradients; their updates are skipped) in a row that stop the run (0 = never)."""
+  spike_factor: float = 1.5
+  """Flag a loss above this multiple of the median of the last --spike-window losses (0 = off)."""
+  spike_window: int = 100
+  coordinator: str | None = None
+  """HOST:PORT of process 0 in a multi-process run (or $JAX_COORDINATOR_ADDRESS); every process runs the same
+  command with its own --process-id (see README, Multi-host)."""
+  num_processes: int | None = None
+  """Processes in a multi-process run (or $JAX_NUM_PROCESSES)."""
+  process_id: int | None = None
+  """This process's index, 0 .. --num-processes - 1 (or $JAX_PROCESS_ID)."""
+  distributed: Literal["auto", "on", "off"] = "auto"
+  """auto: start jax.distributed when a coordinator is given or SLURM/Open MPI launched several tasks; on: always,
+  with JAX's cluster detection (TPU pods, Kubernetes); off: never."""
 
 
 class RunError(ValueError):
@@ -117,7 +133,7 @@ class RunError(ValueError):
 
 # Bad input of any kind: reported as one line and exit status 2 by the CLIs.
 USER_ERRORS = (RunError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError,
-               PipelineError)
+               DistributedError, PipelineError)
 
 
 def _setup_jax(devices: int, compile_cache: bool):
@@ -132,7 +148,7 @@ def _setup_jax(devices: int, compile_cache: bool):
 
 def measure_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
   """FLOP/s of an n x n x n fp32 matmul on the first device (the denominator of MFU)."""
-  a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices()[0])
+  a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.local_devices()[0])
   f = jax.jit(lambda x: x @ x)
   f(a).block_until_ready()
   t = time.perf_counter()
@@ -212,7 +228,7 @@ def _switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host)
     train = train.lower(abstract_state(state, shardings), x, x).compile()
     evaluate = evaluate.lower(abstract_state(state["params"], shardings["params"]), x, x).compile()
   print(f"compiled the steps for mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-  return mesh, shardings, batch_sh, [shard_batch(b, mesh) for b in val_host], train, evaluate
+  return mesh, shardings, batch_sh, [global_batch(b, mesh) for b in val_host], train, evaluate
 
 
 def _pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
@@ -244,6 +260,8 @@ def make_steps(graphdef, tx, shardings, batch_sh):
 
   A state with "prev_params" (`keep_prev_params`) also differentiates the loss at the previous parameters on
   the same batch and hands that gradient to the optimizer as `prev_grads=` (exact MARS / Muon-MVR2).
+  A step whose loss or gradient norm is not finite leaves the state unchanged but for "step", and reports
+  finite=False (`research.health`).
   """
   exact = "prev_params" in shardings
 
@@ -258,7 +276,9 @@ def make_steps(graphdef, tx, shardings, batch_sh):
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     if exact:
       new["prev_params"] = state["params"]
-    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok}
 
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
                   donate_argnums=0)
@@ -308,15 +328,28 @@ def _check_resume(saved: dict, meta: dict, out: str):
     print(f"warning: {out} was trained on other data (corpus fingerprint changed); continuing", file=sys.stderr)
 
 
-def _write_metrics(path: str, records: list[dict]):
-  tmp = path + ".tmp"
+def _write_metrics(path: str, records: list[dict], indent: int | None = None):
+  tmp = path + ".tmp"  # written whole, then renamed: a crash leaves the old file or the new one
   with open(tmp, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in records)
+    f.writelines(json.dumps(r, indent=indent) + "\n" for r in records)
   os.replace(tmp, path)
+
+
+def _read_metrics(path: str) -> list[dict]:
+  """metrics.jsonl's records; a line cut short by a crash (SIGKILL while writing it) is dropped."""
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        pass
+  return records
 
 
 def run(cfg: TrainConfig) -> list[dict]:
   """Trains (or resumes) and returns the metrics records of the whole run."""
+  init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed)  # before any JAX use
   _setup_jax(cfg.devices, cfg.compile_cache)
 
   mesh = make_mesh(cfg.mesh)
@@ -337,7 +370,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     _pipeline_plan(m, mcfg, cfg.batch_size)
   get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
   val_host = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-  val = [shard_batch(b, mesh) for b in val_host]
+  val = [global_batch(b, mesh) for b in val_host]
 
   tx, schedule = _optimizer(cfg)
   graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
@@ -358,20 +391,40 @@ def run(cfg: TrainConfig) -> list[dict]:
   ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every)
   metrics_path = os.path.join(cfg.out, "metrics.jsonl")
   records: list[dict] = []
-  start = ckpt.latest_step()
+  monitor = Monitor(cfg.max_bad_steps, cfg.spike_factor, cfg.spike_window)
+  start, damaged = None, []
+  for s in reversed(ckpt.all_steps()):  # the newest readable checkpoint
+    try:
+      saved = ckpt.read_meta(s)
+      _check_resume(saved, meta, cfg.out)
+      layout = [sw for at, sw in switches if at <= s]  # the mesh the run had switched to by then
+      restored = ckpt.restore(s, state, layout[-1][1] if layout else shardings)
+      error = None
+    except CheckpointError as e:
+      error = e
+    if all_agree(error is None):
+      start = s
+      break
+    damaged.append((s, error or CheckpointError(f"checkpoint {ckpt.directory}/{s} is unreadable on another process")))
+  if damaged and start is None:
+    raise CheckpointError(f"{damaged[0][1]}; no older checkpoint is readable: move {ckpt.directory} aside or use a "
+                          f"new --out")
+  for s, e in damaged:  # kept byte for byte, out of orbax's sight (no overwrite, no keep-N deletion)
+    moved = ckpt.quarantine(s)
+    if is_primary():
+      print(f"warning: {e}; moved to {moved}, resuming from step {start}", file=sys.stderr)
   if start is not None:
-    _check_resume(ckpt.read_meta(start), meta, cfg.out)
     while switches and switches[0][0] <= start:  # resume on the mesh the run had switched to by then
       mesh, shardings, batch_sh, val, train_step, eval_step = switches.pop(0)[1]
-    state = ckpt.restore(start, state, shardings)
+    state = restored
+    monitor.load(saved.get("health"))
     if os.path.exists(metrics_path):  # drop what the interrupted run logged past its checkpoint
-      with open(metrics_path) as f:
-        records = [r for r in map(json.loads, f) if r["step"] <= start]
+      records = [r for r in _read_metrics(metrics_path) if r["step"] <= start]
     print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
   start = start or 0
-  _write_metrics(metrics_path, records)
-  with open(os.path.join(cfg.out, "config.json"), "w") as f:
-    json.dump(meta, f, indent=2)
+  if is_primary():  # one writer for the run's own files; orbax coordinates the checkpoint writes
+    _write_metrics(metrics_path, records)
+    _write_metrics(os.path.join(cfg.out, "config.json"), [meta], indent=2)
 
   tokens_per_step = cfg.batch_size * cfg.seq_len
   model_flops_per_token = flops_per_token(mcfg, cfg.seq_len)
@@ -381,10 +434,10 @@ def run(cfg: TrainConfig) -> list[dict]:
     return float(np.mean([eval_step(params, x, y) for x, y in val]))
 
   bar = None
-  if cfg.progress:
+  if cfg.progress and is_primary():
     from tqdm import tqdm
     bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
-  mf = open(metrics_path, "a")
+  mf = open(metrics_path, "a") if is_primary() else None
   step, t_last, step_last = start, time.perf_counter(), start
   with _Stop() as stop, contextlib.ExitStack() as in_mesh:
     in_mesh.enter_context(jax.set_mesh(mesh))
@@ -397,35 +450,47 @@ def run(cfg: TrainConfig) -> list[dict]:
         in_mesh.close()
         in_mesh.enter_context(jax.set_mesh(mesh))
         print(f"step {step}: switched to mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.2f} s", file=sys.stderr)
-      state, out = train_step(state, *shard_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
-                                                               cfg.seq_len), mesh))
+      state, out = train_step(state, *global_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
+                                                                cfg.seq_len), mesh))
       step += 1
       last = step == cfg.steps
       if step == start + 1:  # the first step compiles: time from its end
         jax.block_until_ready(out)
         t_last, step_last = time.perf_counter(), step
-      if step % cfg.log_every == 0 or last or step % cfg.eval_every == 0:
+      monitor.push(step, out)
+      log = step % cfg.log_every == 0 or last or step % cfg.eval_every == 0
+      if log or step % cfg.ckpt_every == 0 or step == end or stop.signum is not None:
+        monitor.flush()  # the loss and finite flag of every step since the last flush, in one transfer
+      if log:
         loss = float(out["loss"])  # waits for the step
         now = time.perf_counter()
-        rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(schedule(step - 1))}
+        rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(schedule(step - 1)),
+               **monitor.take()}
         rec["tokens_per_s"] = tokens_per_step * max(step - step_last, 1) / max(now - t_last, 1e-9)
         rec["mfu"] = rec["tokens_per_s"] * model_flops_per_token / peak
         if step % cfg.eval_every == 0 or last:
           rec["val_loss"] = evaluate(state["params"])
         records.append(rec)
-        mf.write(json.dumps(rec) + "\n")
-        mf.flush()
+        if mf is not None:
+          mf.write(json.dumps(rec) + "\n")
+          mf.flush()
         if bar is not None:
           bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", mfu=f"{rec['mfu']:.1%}",
                           **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec else {}))
         t_last, step_last = time.perf_counter(), step
-      ckpt.save(step, state, meta, force=step == end or stop.signum is not None)
+      if monitor.failed:  # stop before saving: the newest checkpoint stays the last one before the bad steps
+        break
+      if monitor.bad_run == 0 or step == end or stop.signum is not None:  # no periodic save amid bad steps
+        ckpt.save(step, state, {**meta, "health": monitor.state()}, force=step == end or stop.signum is not None)
       if bar is not None:
         bar.update(1)
-  mf.close()
+  if mf is not None:
+    mf.close()
   if bar is not None:
     bar.close()
   ckpt.close()
+  if monitor.failed:
+    raise monitor.error(step, ckpt.manager.latest_step())
   if stop.signum is not None:
     print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, rerun the same command to resume",
           file=sys.stderr)
@@ -440,6 +505,9 @@ def main(argv=None):
   except USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
+  except BadStepsError as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(3) from None
   evals = [r for r in records if "val_loss" in r]
   if evals:
     print(f"done: step {records[-1]['step']}, val_loss {evals[0]['val_loss']:.3f} -> {evals[-1]['val_loss']:.3f} "

@@ -1,0 +1,144 @@
+"""Crash safety: a run killed with SIGKILL at the worst moments of a checkpoint write (every file written but the
+directory not yet renamed; right after an async save began) restarts from its last committed checkpoint and ends
+with the losses of an uninterrupted run; a checkpoint damaged on disk is reported in one line and skipped for the
+previous good one, moved aside byte for byte, never overwritten or deleted, also not by keep-N collection."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from research.train import TrainConfig, main, run
+
+TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
+            warmup_steps=1, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12)
+TMP = ".orbax-checkpoint-tmp"
+
+# Runs the train CLI and SIGKILLs itself at a checkpoint of step $KILL_AT: "commit" = after orbax wrote the step's
+# files and commit_success.txt into <step>.orbax-checkpoint-tmp, just before the rename that commits it;
+# "save" = right after the async save started (the write still in flight in orbax's background thread).
+DRIVER = """
+import os, signal, sys
+from orbax.checkpoint._src.path import atomicity
+import research.checkpoint
+at, how = os.environ["KILL_AT"], os.environ["KILL_HOW"]
+finalize, save = atomicity.AtomicRenameTemporaryPath.finalize, research.checkpoint.Checkpointer.save
+
+async def finalize_then_die(self):
+  if how == "commit" and self._final_path.name == at:
+    print("killed at commit", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+  return await finalize(self)
+
+def save_then_die(self, step, *args, **kwargs):
+  started = save(self, step, *args, **kwargs)
+  if how == "save" and started and str(step) == at:
+    print("killed during save", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+  return started
+
+atomicity.AtomicRenameTemporaryPath.finalize = finalize_then_die
+research.checkpoint.Checkpointer.save = save_then_die
+from research.train import main
+main(sys.argv[1:])
+"""
+
+
+def cfg(out, **kw):
+  return TrainConfig(out=str(out), **{**TINY, **kw})
+
+
+def trace(records):
+  return [(r["step"], r["loss"], r["grad_norm"], r["lr"], r.get("val_loss")) for r in records]
+
+
+def metrics(out):
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def listing(ckpt):
+  return sorted(os.listdir(ckpt), key=lambda n: (int(n.split(".")[0]), n))
+
+
+def files(root):
+  return {os.path.relpath(os.path.join(d, p), root): open(os.path.join(d, p), "rb").read()
+          for d, _, ps in os.walk(root) for p in ps}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  return run(cfg(tmp_path_factory.mktemp("ref")))  # also fills the compile cache the subprocesses use
+
+
+def killed_run(out, how, at):
+  args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"]
+  env = {**os.environ, "KILL_AT": str(at), "KILL_HOW": how, "PYTHONUNBUFFERED": "1"}
+  p = subprocess.run([sys.executable, "-c", DRIVER, *args, "--no-progress", f"--out={out}"], env=env,
+                     capture_output=True, text=True, timeout=600)
+  said = "killed at commit" if how == "commit" else "killed during save"
+  assert p.returncode == -signal.SIGKILL and said in p.stdout, p.stderr
+  return p.stderr
+
+
+def test_sigkill_during_checkpoint_writes_then_restart_gives_the_uninterrupted_losses(reference, tmp_path, capfd):
+  out, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt"
+  killed_run(out, "commit", 4)
+  # step 4 never committed: only its temporary directory, which orbax does not list; 1 and 2 are whole
+  assert listing(ckpt) == ["1", "2", "4" + TMP], listing(ckpt)
+  assert all(os.path.exists(ckpt / s / "commit_success.txt") for s in ("1", "2"))
+
+  err = killed_run(out, "save", 6)
+  assert f"resuming {out} from step 2" in err and "warning" not in err
+  assert not any(n.startswith("4" + TMP) for n in os.listdir(ckpt))  # the cut-short save was cleaned up
+  assert "6" in listing(ckpt) or "6" + TMP in listing(ckpt)
+
+  with open(out / "metrics.jsonl", "a") as f:  # a record cut in half by a kill while it was being written
+    f.write('{"step": 7, "loss": 4.')
+  records = run(cfg(out))
+  err = capfd.readouterr().err
+  assert "warning" not in err and "resuming" in err
+  assert trace(records) == trace(reference)
+  assert trace(metrics(out)) == trace(reference)
+
+
+def garble(step_dir):
+  """Truncates every file of the step's state to half and overwrites its first bytes."""
+  for d, _, ps in os.walk(step_dir / "state"):
+    for p in ps:
+      path = os.path.join(d, p)
+      data = open(path, "rb").read()
+      with open(path, "wb") as f:
+        f.write(b"\x00garbage\xff" + data[10:max(10, len(data) // 2)])
+
+
+def test_a_damaged_checkpoint_is_reported_skipped_and_kept(reference, tmp_path, capfd):
+  out, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt"
+  run(cfg(out, stop_at=6))
+  assert listing(ckpt) == ["2", "4", "6"]
+  garble(ckpt / "6")
+  damaged = files(ckpt / "6")
+  capfd.readouterr()
+  records = run(cfg(out, keep=1))  # keep-N sees only good steps: 4 goes once 6 is rewritten, the moved 6 stays
+  err = capfd.readouterr().err.strip().splitlines()
+  warnings = [line for line in err if line.startswith("warning")]
+  assert len(warnings) == 1 and f"{ckpt}/6 could not be restored" in warnings[0], err
+  assert f"moved to {ckpt}.corrupt/6, resuming from step 4" in warnings[0]
+  assert f"resuming {out} from step 4" in err
+  assert trace(records) == trace(reference)
+  assert files(tmp_path / "run" / "ckpt.corrupt" / "6") == damaged  # byte for byte, nothing overwritten
+  assert listing(ckpt) == ["8"]
+
+  # with no readable step left the run refuses in one line and changes nothing
+  garble(ckpt / "8")
+  before = files(out)
+  with pytest.raises(SystemExit) as e:
+    main([f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"] + ["--no-progress",
+                                                                                       f"--out={out}"])
+  err = capfd.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and len(err) == 1, err
+  assert err[0].startswith(f"error: checkpoint {ckpt}/8 could not be restored") and "no older checkpoint" in err[0]
+  assert files(out) == before
