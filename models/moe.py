@@ -4,11 +4,11 @@ Shapes: B batch, T sequence, D d_model, E experts, K top-k, F expert width, G = 
 Expert weights are stacks of (fan_in, fan_out) matrices, (E, D, F) and (E, F, D), with logical axes
 ("expert", "embed", "mlp") / ("expert", "mlp", "embed"), so Muon orthogonalizes each expert on its own.
 
-Router (per token x, scores s = softmax(x·W_r) or sigmoid(x·W_r), bias b ≥ aux-free balancing):
+Router (per token x: scores s = softmax(x·W_r) or sigmoid(x·W_r); b the aux-free balancing bias, or 0):
   selected = TopK_k(s + b)       b chooses experts only (DeepSeek-V3 §2.1.2, arXiv 2412.19437)
   g_e = s_e for e in selected    renormalised Σ_k g = 1 for sigmoid (DeepSeek-V3) or `normalize_top_k`
   y = Σ_{e∈selected} g_e·SwiGLU_e(x) + SwiGLU_shared(x)
-Auxiliary losses (per layer, averaged over the G tokens of the global batch):
+Auxiliary losses (per layer, over the G tokens of the global batch; `lb_loss`, `aux_loss`):
   load balancing  L_lb = E · Σ_e f_e·P_e, f_e = (assignments to e)/(G·K), P_e = mean_t p_te with p the
                   scores normalised to sum 1 (Switch Transformer, arXiv 2101.03961, eq. 4; Megatron's
                   top-k form); = 1 under uniform routing.
@@ -31,7 +31,9 @@ from models.transformer import _param
 from sharding import experts
 from sharding.rules import constrain
 
-AUX_KEYS = ("lb_loss", "z_loss", "load", "dropped", "entropy")
+# Per-layer aux: every entry a mean over tokens, so the mean over equal microbatches (pipeline, gradient
+# accumulation) is the whole batch's value; the load-balancing loss, a product, is formed from them (`lb_loss`).
+AUX_KEYS = ("load", "prob", "z_loss", "dropped", "entropy")
 
 
 class RouterBias(nnx.Variable):
@@ -51,16 +53,16 @@ def route(logits_GE, bias_E, *, router: str, top_k: int, normalize: bool = False
 
 
 def router_stats(logits_GE, scores_GE, idx_GK, keep_GK) -> dict:
-  """Per-layer float32 statistics: the two aux losses, load per expert (fraction of the G·K
-  assignments, before dropping), dropped fraction, and the mean router entropy in nats."""
+  """Per-layer float32 statistics, each a mean over the tokens: load per expert f_E (fraction of the
+  G·K assignments, before dropping), mean normalised router probability P_E, z-loss, dropped fraction,
+  and router entropy in nats."""
   E = logits_GE.shape[-1]
   p_GE = scores_GE / jnp.sum(scores_GE, -1, keepdims=True)
   load_E = jnp.mean(jnp.sum(jax.nn.one_hot(idx_GK, E, dtype=p_GE.dtype), 1), 0) / idx_GK.shape[-1]
-  lb = E * jnp.sum(jax.lax.stop_gradient(load_E) * jnp.mean(p_GE, 0))
   z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_GE, -1)))
   entropy = -jnp.mean(jnp.sum(p_GE * jnp.log(jnp.maximum(p_GE, 1e-30)), -1))
   dropped = 1.0 - jnp.mean(keep_GK.astype(p_GE.dtype))
-  stats = {"lb_loss": lb, "z_loss": z, "load": load_E, "dropped": dropped, "entropy": entropy}
+  stats = {"load": load_E, "prob": jnp.mean(p_GE, 0), "z_loss": z, "dropped": dropped, "entropy": entropy}
   return {k: v.astype(jnp.float32) for k, v in stats.items()}
 
 
@@ -123,11 +125,17 @@ class MoE(nnx.Module):
     return y_BTD.astype(h_BTD.dtype), router_stats(logits_BTE.reshape(B * T, -1), scores, idx, keep.reshape(B * T, K))
 
 
+def lb_loss(aux: dict):
+  """Switch load-balancing loss per layer, E·Σ_e f_e·P_e, from the aux statistics (f carries no gradient)."""
+  E = aux["load"].shape[-1]
+  return E * jnp.sum(jax.lax.stop_gradient(aux["load"]) * aux["prob"], -1)
+
+
 def aux_loss(aux: dict, c: TransformerConfig):
   """The weighted auxiliary loss lb_weight·Σ_layers L_lb + z_weight·Σ_layers L_z (0 for a dense model)."""
   if c.moe is None or not aux:
     return jnp.zeros((), jnp.float32)
-  return c.moe.lb_weight * jnp.sum(aux["lb_loss"]) + c.moe.z_weight * jnp.sum(aux["z_loss"])
+  return c.moe.lb_weight * jnp.sum(lb_loss(aux)) + c.moe.z_weight * jnp.sum(aux["z_loss"])
 
 
 def update_router_bias(buffers, aux: dict, rate: float):
@@ -152,7 +160,7 @@ def summarize(aux: dict) -> dict:
     return {}
   load_LE = aux["load"].reshape(-1, aux["load"].shape[-1])
   mean_E = jnp.mean(load_LE, 0)
-  return {"moe/lb_loss": jnp.mean(aux["lb_loss"]), "moe/z_loss": jnp.mean(aux["z_loss"]),
+  return {"moe/lb_loss": jnp.mean(lb_loss(aux)), "moe/z_loss": jnp.mean(aux["z_loss"]),
           "moe/dropped": jnp.mean(aux["dropped"]), "moe/entropy": jnp.mean(aux["entropy"]),
           "moe/load_max": jnp.max(mean_E) * mean_E.shape[0], "moe/load_min": jnp.min(mean_E) * mean_E.shape[0],
           "moe/load_cv": jnp.mean(jnp.std(load_LE, -1) / jnp.mean(load_LE, -1)), "moe/load": mean_E}

@@ -28,7 +28,8 @@ import optax
 import tyro
 from flax import nnx
 
-from models import Transformer, cross_entropy, flops_per_token, preset
+from models import MoEConfig, Transformer, cross_entropy, flops_per_token, preset
+from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from models.config import ConfigError
 from optim import UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
 from research.checkpoint import Checkpointer, CheckpointError
@@ -60,6 +61,9 @@ class TrainConfig:
   """Recompute each block in the backward pass (less memory, ~1/3 more compute)."""
   microbatches: int | None = None
   """Pipeline microbatches when the mesh has stage > 1 (default: one per stage); the GPipe bubble is (S-1)/(M+S-1)."""
+  moe: MoEConfig = dataclasses.field(default_factory=lambda: MoEConfig(num_experts=0))
+  """Mixture of experts in every block (--moe.num-experts 8 --moe.top-k 2 ...; 0 experts: the preset's FFN).
+  Expert parallelism comes from an `expert` mesh axis; router metrics go to metrics.jsonl as moe/*."""
   optimizer: str = "adamw"
   """A registered name (optim.OPTIMIZERS); unset hyperparameters take its defaults."""
   lr: float = 3e-3
@@ -161,6 +165,8 @@ def _model_config(cfg: TrainConfig):
   over = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm",
                                        "tie_embeddings", "compute_dtype", "remat", "microbatches")
           if getattr(cfg, k) is not None}
+  if cfg.moe.num_experts:
+    over["moe"] = cfg.moe
   return preset(cfg.model, **over)
 
 
@@ -226,7 +232,8 @@ def _switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host)
   t = time.perf_counter()
   with jax.set_mesh(mesh):
     train = train.lower(abstract_state(state, shardings), x, x).compile()
-    evaluate = evaluate.lower(abstract_state(state["params"], shardings["params"]), x, x).compile()
+    evaluate = evaluate.lower(abstract_state(state["params"], shardings["params"]), x, x,
+                              abstract_state(state.get("buffers", {}), shardings.get("buffers", {}))).compile()
   print(f"compiled the steps for mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
   return mesh, shardings, batch_sh, [global_batch(b, mesh) for b in val_host], train, evaluate
 
@@ -265,24 +272,37 @@ def make_steps(graphdef, tx, shardings, batch_sh):
   """
   exact = "prev_params" in shardings
 
-  def loss_fn(params, x, y):
-    return cross_entropy(nnx.merge(graphdef, params)(x), y)
+  def loss_fn(params, x, y, buffers):
+    """(cross entropy + weighted MoE aux losses, (cross entropy, per-layer router stats))."""
+    model = nnx.merge(graphdef, params, buffers)
+    logits, aux = model.forward(x)
+    ce = cross_entropy(logits, y)
+    return ce + aux_loss(aux, model.c), (ce, aux)
+
+  def eval_fn(params, x, y, buffers):
+    return loss_fn(params, x, y, buffers)[1][0]
 
   def train_step(state, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y)
-    extra = {"prev_grads": jax.grad(loss_fn)(state["prev_params"], x, y)} if exact else {}
+    buffers = state.get("buffers", {})
+    (total, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], x, y, buffers)
+    extra = {"prev_grads": jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(state["prev_params"])} if exact else {}
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"], **extra)
     params = optax.apply_updates(state["params"], updates)
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     if exact:
       new["prev_params"] = state["params"]
+    metrics = {}
+    if aux:  # MoE: aux-loss-free bias update from this step's loads (DeepSeek-V3), router metrics
+      rate = nnx.merge(graphdef, state["params"], buffers).c.moe.bias_rate
+      new["buffers"] = update_router_bias(buffers, aux, rate) if buffers else buffers
+      metrics = {"aux_loss": total - loss, **moe_summary(aux)}
     grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok}
+    ok = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
                   donate_argnums=0)
-  evaluate = jax.jit(loss_fn, in_shardings=(shardings["params"], batch_sh, batch_sh))
+  evaluate = jax.jit(eval_fn, in_shardings=(shardings["params"], batch_sh, batch_sh, shardings.get("buffers", {})))
   return train, evaluate
 
 
@@ -312,9 +332,18 @@ class _Stop:
       signal.signal(s, h)
 
 
+def _router_metrics(out: dict) -> dict:
+  """The MoE entries of a step's outputs as JSON numbers (the per-expert load as a list)."""
+  got = jax.device_get({k: v for k, v in out.items() if k.startswith("moe/") or k == "aux_loss"})
+  return {k: np.asarray(v).tolist() for k, v in got.items()}
+
+
 def _state_signature(meta: dict) -> dict:
   """What fixes the saved state's shapes and structure: the model's shape fields and the optimizer."""
   model = {k: v for k, v in meta["model_config"].items() if k not in ("compute_dtype", "remat", "microbatches")}
+  if model.get("moe"):  # the expert shapes and whether a selection bias is kept; not the routing or loss knobs
+    m = model["moe"]
+    model["moe"] = {k: m[k] for k in ("num_experts", "d_expert", "num_shared")} | {"bias": m["bias_rate"] > 0}
   return {**model, "optimizer": meta["train"]["optimizer"], "opt": list(meta["train"]["opt"])}
 
 
@@ -430,8 +459,8 @@ def run(cfg: TrainConfig) -> list[dict]:
   model_flops_per_token = flops_per_token(mcfg, cfg.seq_len)
   peak = cfg.peak_flops or measure_matmul_flops()
 
-  def evaluate(params):
-    return float(np.mean([eval_step(params, x, y) for x, y in val]))
+  def evaluate(state):
+    return float(np.mean([eval_step(state["params"], x, y, state.get("buffers", {})) for x, y in val]))
 
   bar = None
   if cfg.progress and is_primary():
@@ -469,7 +498,8 @@ def run(cfg: TrainConfig) -> list[dict]:
         rec["tokens_per_s"] = tokens_per_step * max(step - step_last, 1) / max(now - t_last, 1e-9)
         rec["mfu"] = rec["tokens_per_s"] * model_flops_per_token / peak
         if step % cfg.eval_every == 0 or last:
-          rec["val_loss"] = evaluate(state["params"])
+          rec["val_loss"] = evaluate(state)
+        rec.update(_router_metrics(out))
         records.append(rec)
         if mf is not None:
           mf.write(json.dumps(rec) + "\n")

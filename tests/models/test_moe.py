@@ -67,8 +67,8 @@ def np_moe(h, p, m: MoEConfig, bias=None):
   pn = s / s.sum(-1, keepdims=True)
   load = np.bincount(idx.ravel(), minlength=E) / idx.size
   lse = logits.max(-1) + np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))
-  stats = {"lb_loss": E * np.sum(load * pn.mean(0)), "z_loss": np.mean(lse ** 2), "load": load,
-           "dropped": 1 - keep.mean(), "entropy": -np.mean(np.sum(pn * np.log(pn), -1))}
+  stats = {"load": load, "prob": pn.mean(0), "z_loss": np.mean(lse ** 2), "dropped": 1 - keep.mean(),
+           "entropy": -np.mean(np.sum(pn * np.log(pn), -1)), "lb_loss": E * np.sum(load * pn.mean(0))}
   return y, stats
 
 
@@ -108,11 +108,25 @@ def test_layer_matches_numpy_reference(name):
     assert {k: v.dtype for k, v in aux.items()} == dict.fromkeys(models.moe.AUX_KEYS, jnp.float32)
     for k in models.moe.AUX_KEYS:
       np.testing.assert_allclose(np.asarray(aux[k], np.float64), ref[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(float(models.moe.lb_loss(aux)), ref["lb_loss"], rtol=1e-6)
     if c.moe.capacity_factor == 1.0:
       assert ref["dropped"] > 0.05  # the capacity path really drops here
     if bias is not None:  # and the bias really moved some choices
       unbiased = np_moe(h.reshape(G, D), weights(layer), c.moe)[1]["load"]
       assert not np.allclose(unbiased, ref["load"])
+
+
+def test_aux_of_microbatches_averages_to_the_whole_batch():
+  """Every aux entry is a mean over tokens, so the mean over equal microbatches (a pipeline, gradient
+  accumulation) equals the whole batch's; the product-form lb_loss is formed afterwards and matches too."""
+  with jax.enable_x64(True):
+    layer, h = layer_and_input(cfg(router="sigmoid"))
+    f = jax.jit(lambda x: layer(x)[1])
+    whole, halves = f(jnp.asarray(h)), [f(jnp.asarray(h[i:i + 1])) for i in range(2)]
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, *halves)
+    for k in models.moe.AUX_KEYS:
+      np.testing.assert_allclose(np.asarray(mean[k]), np.asarray(whole[k]), rtol=1e-6, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(float(models.moe.lb_loss(mean)), float(models.moe.lb_loss(whole)), rtol=1e-6)
 
 
 def test_gradients_match_central_differences_of_the_reference():
@@ -125,7 +139,7 @@ def test_gradients_match_central_differences_of_the_reference():
 
     def loss(p):
       y, aux = nnx.merge(graphdef, p)(jnp.asarray(h))
-      return jnp.sum(y.reshape(G, D) * r) + aux["lb_loss"].astype(jnp.float64) + aux["z_loss"].astype(jnp.float64)
+      return jnp.sum(y.reshape(G, D) * r) + (models.moe.lb_loss(aux) + aux["z_loss"]).astype(jnp.float64)
 
     grads = nnx.to_pure_dict(jax.jit(jax.grad(loss))(params))
     w = weights(layer)
@@ -180,9 +194,12 @@ def test_model_stacks_aux_over_layers_and_weights_the_losses():
                                jax.ShapeDtypeStruct((2, 8), jnp.int32))
   assert logits.shape == (2, 8, 256)
   assert {k: (v.shape, v.dtype) for k, v in aux.items()} == {
-      "lb_loss": ((3,), jnp.float32), "z_loss": ((3,), jnp.float32), "load": ((3, 8), jnp.float32),
+      "load": ((3, 8), jnp.float32), "prob": ((3, 8), jnp.float32), "z_loss": ((3,), jnp.float32),
       "dropped": ((3,), jnp.float32), "entropy": ((3,), jnp.float32)}
-  aux = {"lb_loss": jnp.array([1.0, 2.0, 3.0]), "z_loss": jnp.array([10.0, 20.0, 30.0])}
+  load = jnp.array([[0.5, 0.5] + [0.0] * 6, [0.25] * 4 + [0.0] * 4, [0.125] * 8])  # lb = 8·Σ f·P
+  prob = jnp.array([[0.5, 0.5] + [0.0] * 6, [0.125] * 8, [0.125] * 8])
+  aux = {"load": load, "prob": prob, "z_loss": jnp.array([10.0, 20.0, 30.0])}
+  np.testing.assert_allclose(np.asarray(models.moe.lb_loss(aux)), [4.0, 1.0, 1.0], rtol=1e-6)
   np.testing.assert_allclose(float(models.aux_loss(aux, c)), 1e-2 * 6 + 1e-3 * 60, rtol=1e-6)
   assert float(models.aux_loss({}, models.preset("tiny"))) == 0.0
 
