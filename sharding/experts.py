@@ -182,11 +182,11 @@ def dispatch(x_BTD, idx_BTK, gate_BTK, w: dict, names: dict, *, num_experts: int
       all_to_all (which XLA:CPU runs).
   Returns (y_BTD, keep_BTK), keep False where an assignment was dropped.
   """
-  B, T, D = x_BTD.shape
-  K = idx_BTK.shape[-1]
+  D, K = x_BTD.shape[-1], idx_BTK.shape[-1]
   mesh = jax.sharding.get_abstract_mesh()
   manual = set(getattr(mesh, "manual_axes", ()))
-  axes = [a for a in mesh.axis_names if a != "stage" and a not in manual and mesh.shape[a] > 1] if not mesh.empty else []
+  # every axis of size > 1 but `stage` (the pipeline's) and those already manual (an enclosing shard_map)
+  axes = [] if mesh.empty else [a for a in mesh.axis_names if mesh.shape[a] > 1 and a != "stage" and a not in manual]
 
   def local(x, idx, gate, w, ep=(), tp=()):
     G = x.shape[0] * x.shape[1]

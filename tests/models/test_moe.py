@@ -9,7 +9,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from optax import contrib as optax_contrib
