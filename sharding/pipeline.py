@@ -130,8 +130,10 @@ def pipeline(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], 
 
   Returns:
     (y, aux): y shaped like x; aux leaves stacked (L, ...), each layer's aux averaged over the M microbatches. That
-    is the sequential aux exactly when the aux is a mean over tokens (loads, fractions, z-loss); a product of batch
-    means (the Switch loss f·P) becomes the mean of its per-microbatch values, as in Megatron and MaxText.
+    is the sequential aux exactly when every entry is a mean over tokens (loads, mean router probabilities, z-loss);
+    a product of batch means (a Switch loss f·P computed inside the layer) would become the mean of its
+    per-microbatch values (gradient accumulation semantics, as in Megatron and MaxText), so form such products
+    from the returned means.
   """
   S = stages or mesh_stages()
   if mesh_stages() not in (1, S):

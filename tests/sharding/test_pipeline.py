@@ -132,23 +132,15 @@ def host_params(cfg):
   return jax.tree_util.tree_map_with_path(lambda path, a: draw(path, a).astype(np.float32), abstract)
 
 
-def loss_and_grads(cfg, mesh, host, microbatches=None):
-  """((loss, aux), grads, params, compiled HLO) of cross entropy + MoE aux losses. `microbatches`: the reference
-  semantics of a pipeline, run sequentially: the model on each microbatch (rows m::M), cross entropy and aux
-  averaged over them, then the aux losses of the averaged aux."""
+def loss_and_grads(cfg, mesh, host):
+  """((loss, per-layer aux), grads, params, compiled HLO) of cross entropy + the MoE aux losses (0 if dense)."""
   graphdef, abstract, names = sharding.logical_names(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   p_sh = sharding.param_shardings(abstract, names, mesh)
   params = jax.device_put(host, p_sh)
 
   def loss(p, x):
-    model = nnx.merge(graphdef, p)
-    ce_aux = lambda x: (lambda logits, aux: (models.cross_entropy(logits, x[:, 1:]), aux))(*model.forward(x[:, :-1]))
-    if microbatches is None:
-      ce, aux = ce_aux(x)
-    else:
-      ce, aux = jax.tree.map(lambda a: a.mean(0), jax.lax.map(ce_aux, x.reshape(-1, microbatches, x.shape[1])
-                                                               .swapaxes(0, 1)))
-    return ce + moe.aux_loss(aux, cfg), aux
+    logits, aux = nnx.merge(graphdef, p).forward(x[:, :-1])
+    return models.cross_entropy(logits, x[:, 1:]) + moe.aux_loss(aux, cfg), aux
 
   with jax.set_mesh(mesh):
     x = sharding.shard_batch(TOKENS, mesh)
@@ -160,13 +152,14 @@ def loss_and_grads(cfg, mesh, host, microbatches=None):
 
 @pytest.fixture(scope="module")
 def reference():
-  """Per model: its host weights and, on one device, the sequential model's loss and gradients on the whole batch
-  (dense) or with the pipeline's microbatch semantics (MoE: the Switch loss is a product of batch means)."""
+  """Per model: its host weights and the sequential model's loss, aux and gradients on the whole batch, one device.
+  (The MoE aux entries are token means, so their microbatch average is the whole batch's; the Switch loss is formed
+  from them afterwards.)"""
   one = sharding.make_mesh("data=1", devices=jax.devices()[:1])
   out = {}
-  for name, cfg, mb in (("dense", CFG, None), ("moe", MOE, 2)):
+  for name, cfg in (("dense", CFG), ("moe", MOE)):
     host = host_params(cfg)
-    out[name] = host, *loss_and_grads(cfg, one, host, microbatches=mb)[:2]
+    out[name] = host, *loss_and_grads(cfg, one, host)[:2]
   return out
 
 
@@ -212,9 +205,9 @@ def test_pipelined_transformer_matches_one_device(model, spec, M, wq_spec, refer
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
                grads, ref_grads)
-  assert set(aux) == ({"lb_loss", "z_loss", "load", "dropped", "entropy"} if model == "moe" else set())
+  assert set(aux) == (set(moe.AUX_KEYS) if model == "moe" else set())
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
-               aux, ref_aux)  # per layer (L, ...), averaged over the microbatches
+               aux, ref_aux)  # per layer (L, ...): the microbatch average equals the whole batch's
   # M + S - 2 shifts forward and their transposes backward (GSPMD adds permutes that bring the last stage's output
   # to the other stages); none inside a loop, where XLA:CPU can deadlock (see pipeline.py)
   permutes = collective_permutes(hlo)
