@@ -126,8 +126,16 @@ def budget_steps(cfg: SweepConfig) -> int:
 
 
 def _run_one(train_kwargs: dict) -> None:
+  """One training run; a run that diverges (research.health stops it after --max-bad-steps non-finite steps)
+  is recorded as diverged in its directory instead of ending the sweep."""
+  from research.health import BadStepsError
   from research.train import run
-  run(TrainConfig(**train_kwargs))
+  try:
+    run(TrainConfig(**train_kwargs))
+  except BadStepsError as e:
+    with open(os.path.join(train_kwargs["out"], "diverged"), "w") as f:
+      f.write(f"{e}\n")
+    print(f"{os.path.basename(train_kwargs['out'])} diverged: {e}", file=sys.stderr)
 
 
 def _records(path: str) -> list[dict]:
@@ -138,6 +146,8 @@ def _records(path: str) -> list[dict]:
 
 
 def _finished(run_dir: str, steps: int) -> bool:
+  if os.path.exists(os.path.join(run_dir, "diverged")):
+    return True
   recs = _records(os.path.join(run_dir, "metrics.jsonl"))
   return any(r["step"] == steps and "val_loss" in r for r in recs)
 
@@ -169,7 +179,7 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
     raise SweepError(f"--workers must be ≥ 1, got {cfg.workers}")
   steps = budget_steps(cfg)
   runs = [Run(label, name, opt, lr, seed) for seed in cfg.seeds for label, name, opt, lrs in grid for lr in lrs]
-  base = dataclasses.asdict(cfg.train)
+  base = {f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(cfg.train)}  # shallow: keeps nested configs
   base.update(steps=steps, stop_at=None)
   if base["eval_every"] > steps:
     base["eval_every"] = steps
@@ -190,6 +200,11 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
         f.result()
   rows = []
   for r in runs:
+    if os.path.exists(os.path.join(cfg.out, "runs", r.name, "diverged")):  # listed in results.csv, not ranked
+      rows.append({"label": r.label, "optimizer": r.optimizer, "lr": r.lr, "seed": r.seed, "steps": steps,
+                   "final_val_loss": math.inf, "best_val_loss": math.inf, "tokens_per_s": math.nan, "curve": [],
+                   "diverged": True})
+      continue
     recs = _records(os.path.join(cfg.out, "runs", r.name, "metrics.jsonl"))
     evals = [(x["step"], x["val_loss"]) for x in recs if "val_loss" in x]
     speeds = [x["tokens_per_s"] for x in recs if x["step"] > recs[0]["step"]] or [recs[-1]["tokens_per_s"]]
@@ -204,6 +219,8 @@ def summarize(rows: list[dict], baseline: str, target_loss: float | None = None)
   """Per contender at its best lr (lowest mean final val loss over seeds): mean/std, steps to target, speedup."""
   by = {}
   for r in rows:
+    if r.get("diverged"):
+      continue
     by.setdefault(r["label"], {}).setdefault(r["lr"], []).append(r)
   best = {}
   for label, lrs in by.items():
@@ -234,8 +251,9 @@ def write_results(cfg: SweepConfig, rows: list[dict]):
   summary, target = summarize(rows, cfg.baseline, cfg.target_loss)
   for r in rows:
     r["steps_to_target"] = steps_to(r["curve"], target)
+    r.setdefault("diverged", False)
   cols = ["label", "optimizer", "lr", "seed", "steps", "final_val_loss", "best_val_loss", "steps_to_target",
-          "tokens_per_s"]
+          "tokens_per_s", "diverged"]
   with open(os.path.join(cfg.out, "results.csv"), "w", newline="") as f:
     w = csv.DictWriter(f, cols, extrasaction="ignore")
     w.writeheader()
@@ -273,9 +291,10 @@ def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
   fig.savefig(os.path.join(cfg.out, "curves.png"), dpi=120)
   plt.close(fig)
   fig, ax = plt.subplots(figsize=(6.5, 4))
-  for label in dict.fromkeys(r["label"] for r in rows):
-    lrs = sorted({r["lr"] for r in rows if r["label"] == label})
-    vals = [[r["final_val_loss"] for r in rows if r["label"] == label and r["lr"] == lr] for lr in lrs]
+  ok = [r for r in rows if not r["diverged"]]
+  for label in dict.fromkeys(r["label"] for r in ok):
+    lrs = sorted({r["lr"] for r in ok if r["label"] == label})
+    vals = [[r["final_val_loss"] for r in ok if r["label"] == label and r["lr"] == lr] for lr in lrs]
     ax.errorbar(lrs, [np.mean(v) for v in vals], yerr=[np.std(v) for v in vals], marker="o", capsize=3, label=label)
   ax.set(xscale="log", xlabel="peak learning rate", ylabel="final validation loss", title="final val loss vs lr")
   ax.legend(fontsize=7)

@@ -528,8 +528,18 @@ def run(cfg: TrainConfig) -> list[dict]:
   return records
 
 
+def optimizer_help() -> str:
+  """Every registered optimizer with its hyperparameters and defaults (shown by --help)."""
+  from optim import OPTIMIZERS, hyperparameters
+  lines = ["optimizers (--optimizer NAME; any hyperparameter below by --opt KEY=VALUE, or --weight-decay/--b1/--b2):"]
+  for name in sorted(OPTIMIZERS):
+    hp = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in hyperparameters(name).items())
+    lines.append(f"  {name}: {hp}")
+  return "\n".join(lines)
+
+
 def main(argv=None):
-  cfg = tyro.cli(TrainConfig, args=argv)
+  cfg = tyro.cli(TrainConfig, args=argv, description=f"{TrainConfig.__doc__}\n\n{optimizer_help()}")
   try:
     records = run(cfg)
   except USER_ERRORS as e:

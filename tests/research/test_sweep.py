@@ -86,3 +86,16 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert err.startswith("error: --baseline 'muon' is not in the grid") and "\n" not in err
   assert not os.listdir(tmp_path)
+
+
+def test_a_diverging_run_is_recorded_not_fatal(tmp_path):
+  cfg = SweepConfig(grid=("adamw=3e-3", "sgd=1e12"), out=str(tmp_path), tokens=8 * 32 * 4,
+                    train=TrainConfig(**TINY, max_bad_steps=1, grad_clip=0.0))
+  rows = run_grid(cfg)
+  by = {r["label"]: r for r in rows}
+  assert by["sgd"]["diverged"] and not by["adamw"]["diverged"]
+  assert os.path.exists(tmp_path / "runs" / "sgd_lr1e+12_s0" / "diverged")
+  summary, _ = summarize(rows, "adamw")
+  assert [s["label"] for s in summary] == ["adamw"]
+  with open(tmp_path / "results.csv") as f:
+    assert [r["diverged"] for r in csv.DictReader(f)] == ["False", "True"]
