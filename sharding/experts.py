@@ -191,7 +191,8 @@ def dispatch(x_BTD, idx_BTK, gate_BTK, w: dict, names: dict, *, num_experts: int
   def local(x, idx, gate, w, ep=(), tp=()):
     G = x.shape[0] * x.shape[1]
     x_GD, idx_GK, gate_GK = x.reshape(G, D), idx.reshape(G, K), gate.reshape(G, K)
-    reduce = (lambda y: jax.lax.psum(y, tp)) if tp else (lambda y: y)
+    # the partial sums over F slices, added in fp32 (XLA:CPU fails on a bf16 all-reduce here; fp32 is also exact-er)
+    reduce = (lambda y: jax.lax.psum(y.astype(jnp.float32), tp).astype(y.dtype)) if tp else (lambda y: y)
     if capacity_factor is not None:
       cap = capacity(G, K, num_experts, capacity_factor)
       if ep:

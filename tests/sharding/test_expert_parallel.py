@@ -5,6 +5,7 @@ does on that shard; the ragged all-to-all path lowers; the train CLI runs MoE on
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -117,6 +118,10 @@ def test_capacity_dispatch_drops_per_batch_shard_like_the_plain_version():
   with jax.set_mesh(mesh):
     w_sh = {k: NamedSharding(mesh, sharding.logical_to_spec(NAMES[k], mesh, v.shape)) for k, v in w.items()}
     y, keep = jax.jit(f)(*sharding.shard_batch((x, idx, gate), mesh), jax.device_put(w, w_sh))
+    # bf16 compute (its tensor-parallel partial sums are added in fp32: a bf16 all-reduce here crashed XLA:CPU)
+    y16 = jax.jit(f)(*sharding.shard_batch((x.astype(jnp.bfloat16), idx, gate), mesh), jax.device_put(w, w_sh))[0]
+  assert y16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y16, np.float32), np.asarray(y), atol=0.05 * np.abs(np.asarray(y)).max())
   ref = []
   for g in range(4):  # batch rows split over ("data", "expert"): shard g holds rows 2g, 2g+1
     rows = slice(2 * g, 2 * g + 2)
@@ -129,16 +134,20 @@ def test_capacity_dispatch_drops_per_batch_shard_like_the_plain_version():
   assert 0.05 < 1 - np.asarray(keep).mean() < 0.5  # it really dropped, and not everything
 
 
-def test_ragged_all_to_all_path_lowers():
-  """XLA:CPU cannot run ragged-all-to-all (parallelism.md §3.4); the GPU/TPU path is checked to lower to it."""
+def test_ragged_all_to_all_path_lowers_with_its_gradient():
+  """XLA:CPU cannot run ragged-all-to-all (parallelism.md §3.4); the GPU/TPU path is checked to lower to it, in
+  the forward (there and back) and in the backward pass (the transposes), on an expert=8 mesh."""
   x, idx, gate, w = routed_inputs()
   mesh = sharding.make_mesh("expert=8")
   f = functools.partial(experts.dispatch, names=NAMES, num_experts=8, grouped=swiglu_grouped, dense=swiglu_dense,
                         ragged=True)
+  loss = lambda x, w, idx, gate: (f(x, idx, gate, w)[0] ** 2).sum()
   with jax.set_mesh(mesh):
     w_sh = {k: NamedSharding(mesh, sharding.logical_to_spec(NAMES[k], mesh, v.shape)) for k, v in w.items()}
-    text = jax.jit(f).lower(*sharding.shard_batch((x, idx, gate), mesh), jax.device_put(w, w_sh)).as_text()
-  assert text.count("ragged_all_to_all") == 2  # there and back
+    x, idx, gate = sharding.shard_batch((x, idx, gate), mesh)
+    w = jax.device_put(w, w_sh)
+    assert jax.jit(f).lower(x, idx, gate, w).as_text().count("ragged_all_to_all") == 2
+    assert jax.jit(jax.grad(loss, (0, 1))).lower(x, w, idx, gate).as_text().count("ragged_all_to_all") == 4
 
 
 def test_experts_that_do_not_split_over_the_expert_axis_are_refused():
