@@ -23,7 +23,8 @@ class MoEConfig:
   num_shared: int = 0  # always-on shared experts (DeepSeekMoE), fused into one SwiGLU of num_shared*d_expert
   router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid always renormalises the top-k weights
   normalize_top_k: bool = False  # softmax: renormalise the k selected probabilities to sum 1 (Mixtral)
-  capacity_factor: float | None = None  # None: dropless (sort + ragged_dot); else C = ceil(cf*T*k/E) per expert
+  # None: dropless (sort + ragged_dot); else ceil(cf*tokens*k/E) slots per expert and batch shard, the rest dropped
+  capacity_factor: float | None = None
   lb_weight: float = 1e-2  # Switch load-balancing loss weight in the train loss
   z_weight: float = 1e-3  # router z-loss weight (ST-MoE)
   bias_rate: float = 0.0  # aux-loss-free balancing step u (DeepSeek-V3: 1e-3); 0: no selection bias
