@@ -294,7 +294,8 @@ def make_steps(graphdef, tx, shardings, batch_sh):
     metrics = {}
     if aux:  # MoE: aux-loss-free bias update from this step's loads (DeepSeek-V3), router metrics
       rate = nnx.merge(graphdef, state["params"], buffers).c.moe.bias_rate
-      new["buffers"] = update_router_bias(buffers, aux, rate) if buffers else buffers
+      if buffers:  # a model without a selection bias has no buffers in its state
+        new["buffers"] = update_router_bias(buffers, aux, rate)
       metrics = {"aux_loss": total - loss, **moe_summary(aux)}
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(total) & jnp.isfinite(grad_norm)
