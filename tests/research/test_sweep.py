@@ -9,7 +9,7 @@ from research.sweep import SweepConfig, SweepError, budget_steps, main, parse_gr
 from research.train import TrainConfig
 
 TINY = dict(model="tiny", batch_size=8, seq_len=32, eval_every=2, log_every=2, eval_batches=2, progress=False,
-            devices=1, mesh="data=1")
+            devices=8, mesh="data=-1")  # whatever the backend already has: 8 under conftest
 
 
 def test_parse_grid_and_errors():
