@@ -13,11 +13,11 @@ __all__ = ["AXES", "Audit", "AuditError", "Collective", "DATA_AXES", "MeshError"
            "named_sharding", "param_shardings", "parse_mesh_spec", "shard_batch", "shardings_like_params",
            "analytic_bytes", "collectives", "matmul_flops",
            "ReshardError", "abstract_state", "moved_bytes", "reshard", "state_shardings"]
+__all__ += ["zero1_shardings"]
 from sharding.experts import capacity as expert_capacity, dispatch as dispatch_experts  # noqa: E402
 from sharding.state import init_buffers  # noqa: E402
 
 __all__ += ["dispatch_experts", "expert_capacity", "init_buffers"]
-__all__ += ["zero1_shardings"]
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline, pipeline  # noqa: E402
 
 __all__ += ["PipelineError", "bubble_fraction", "check_pipeline", "pipeline"]
