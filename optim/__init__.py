@@ -4,7 +4,7 @@ from optim.registry import (OPTIMIZERS, UnknownOptimizerError, decay_mask, get_o
                             needs_prev_grads, register)
 from optim.schedules import make_schedule
 from optim.newton_schulz import COEFFICIENTS, coefficient_table, ns_flops, orthogonalize
-from optim.muon import MuonState, muon, muon_labels, orthogonalize_tree, scale_by_muon, shape_scale
+from optim.muon import MuonState, muon, muon_labels, muon_with_adamw, orthogonalize_tree, scale_by_muon, shape_scale
 from optim.distributed import DistributedError, orthogonalize_distributed
 from optim.mars import MarsError, MarsState, mars, mars_correction, mars_labels, muon_mvr, with_global_norm_clip
 from optim.badam import BAdamError, BAdamState, badam, badam_adamw, badam_labels, block_index
@@ -15,7 +15,7 @@ from optim.cautious import cautious_adamw, cautious_lion, cautious_muon
 
 __all__ = ["COEFFICIENTS", "MuonState", "OPTIMIZERS", "UnknownOptimizerError", "coefficient_table", "decay_mask",
            "get_optimizer", "hyperparameters", "make_schedule", "muon", "muon_labels", "ns_flops", "orthogonalize",
-           "orthogonalize_tree", "register", "scale_by_muon", "shape_scale"]
+           "muon_with_adamw", "orthogonalize_tree", "register", "scale_by_muon", "shape_scale"]
 __all__ += ["AlignmentError", "cautious_adamw", "cautious_lion", "cautious_mask", "cautious_mgup_mask",
             "cautious_muon", "cautious_policy", "mgup_adamw", "mgup_lion", "mgup_mask", "mgup_muon", "mgup_policy",
             "scale_by_reference_adam", "topk_mask", "with_alignment_mask"]

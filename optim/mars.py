@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim.muon import muon_labels, scale_by_muon
-from optim.registry import UnknownOptimizerError, decay_mask, register
+from optim.muon import muon_with_adamw, scale_by_muon
+from optim.registry import UnknownOptimizerError, register
 
 MODES = ("approx", "exact")
 VARIANTS = ("adamw", "lion", "shampoo")
@@ -188,14 +188,10 @@ def muon_mvr(learning_rate, *, mode: str = "mvr1", gamma: float = 0.025, beta: f
   """
   if mode not in ("mvr1", "mvr2"):
     raise MarsError(f"Muon-MVR mode must be 'mvr1' (approximate) or 'mvr2' (exact), got {mode!r}")
-  muon_tx = optax.chain(
+  core = optax.chain(
       mars_correction(gamma, beta, mode="approx" if mode == "mvr1" else "exact"),
       scale_by_muon(beta, momentum="ema", nesterov=False, coeffs=coeffs, ns_steps=ns_steps, eps=eps, scale=scale,
-                    ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed),
-      optax.add_decayed_weights(weight_decay),
-      optax.scale_by_learning_rate(learning_rate))
-  adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
-                        eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
-                        mask=decay_mask)
-  return optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels,
-                         mask_compatible_extra_args=True)
+                    ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed))
+  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, adam_learning_rate=adam_learning_rate,
+                         adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+                         labels=labels, extra_args=True)

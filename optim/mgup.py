@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from optim.alignment import mgup_policy, with_alignment_mask
-from optim.muon import muon_labels, scale_by_muon
+from optim.muon import muon_with_adamw, scale_by_muon
 from optim.registry import decay_mask, register
 
 
@@ -107,14 +107,10 @@ def mgup_muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, m
   removes the (1−β) factor and the top-K ranking ignores it). tau, alpha, gamma, policy: as `mgup_adamw`.
   `distributed` goes to `scale_by_muon`.
   """
-  muon_tx = optax.chain(
-      scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
-                    scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype,
-                    mask_fn=mgup_policy(policy, tau=tau, alpha=alpha, gamma=gamma), mask_at="post",
-                    distributed=distributed),
-      optax.add_decayed_weights(weight_decay),
-      optax.scale_by_learning_rate(learning_rate))
-  adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
-                        eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
-                        mask=decay_mask)
-  return optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels)
+  core = scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
+                       scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype,
+                       mask_fn=mgup_policy(policy, tau=tau, alpha=alpha, gamma=gamma), mask_at="post",
+                       distributed=distributed)
+  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, adam_learning_rate=adam_learning_rate,
+                         adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+                         labels=labels)

@@ -134,12 +134,23 @@ def muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, moment
   list a function in `static_args`, since injection treats callables as schedules; `ns_steps` is a
   loop count and always goes there: `optax.inject_hyperparams(muon, static_args=("ns_steps",))`.
   """
-  muon_tx = optax.chain(
-      scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
-                    scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed),
-      optax.add_decayed_weights(weight_decay),
-      optax.scale_by_learning_rate(learning_rate))
+  core = scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
+                       scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed)
+  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, adam_learning_rate=adam_learning_rate,
+                         adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+                         labels=labels)
+
+
+def muon_with_adamw(core: optax.GradientTransformation, learning_rate, *, weight_decay: float,
+                    adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
+                    adam_weight_decay: float | None = None, labels=None, extra_args: bool = False):
+  """The Muon family's parameter groups: `core` (a Muon-style direction) + decoupled decay + lr on the "muon"
+  leaves, `optax.adamw` (no decay on norms) on the "adam" ones, by `labels` (default `muon_labels`). Shared by
+  muon, mgup_muon, cautious_muon and muon_mvr; `extra_args` splits extra update arguments (Muon-MVR's
+  `prev_grads`) per group."""
+  muon_tx = optax.chain(core, optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
   adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
                         eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
                         mask=decay_mask)
-  return optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels)
+  kw = {"mask_compatible_extra_args": True} if extra_args else {}
+  return optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels, **kw)
