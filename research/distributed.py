@@ -1,4 +1,4 @@
-"""Multi-process runs: when to start `jax.distributed`, and global batches that each process fills with its rows.
+"""Multi-process runs: when to start `jax.distributed` (global batches: `sharding.global_batch`).
 
 Every process (one per host, or one per GPU) runs the same command; together they see one global mesh over all
 their devices, and each feeds and checkpoints only the shards on its own devices. JAX must hear of the other
@@ -24,9 +24,6 @@ from typing import Literal
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
-
-from sharding import batch_sharding
 
 
 class DistributedError(ValueError):
@@ -107,19 +104,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 def is_primary() -> bool:
   """Whether this process writes the run's own files (metrics, config): process 0 of the run."""
   return jax.process_index() == 0
-
-
-def global_batch(batch, mesh: Mesh):
-  """Host arrays holding the whole global batch (the same on every process: `get_batch` is a pure function of
-  (seed, step)) as global arrays whose rows are split over the data axes of `mesh`; each process copies onto its
-  devices only the rows those devices hold, whatever their layout over processes."""
-  def put(x):
-    x = np.asarray(x)
-    sharding = batch_sharding(mesh, x.shape)
-    if jax.process_count() == 1:
-      return jax.device_put(x, sharding)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-  return jax.tree.map(put, batch)
 
 
 def all_agree(flag: bool) -> bool:

@@ -33,10 +33,10 @@ from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from models.config import ConfigError
 from optim import UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
 from research.checkpoint import Checkpointer, CheckpointError
-from research.distributed import DistributedError, all_agree, global_batch, initialize as init_distributed, is_primary
+from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
 from research.health import BadStepsError, Monitor, keep_if_finite
 from research.data import DataError, eval_batches, get_batch, load_corpus
-from sharding import MeshError, ShardingError, batch_sharding, init_train_state, make_mesh, mesh_spec
+from sharding import MeshError, ShardingError, batch_sharding, global_batch, init_train_state, make_mesh, mesh_spec
 from sharding import abstract_state, devices_for, logical_names, reshard, state_shardings
 from sharding.mesh import DATA_AXES
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline

@@ -162,3 +162,16 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
     global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
     return jax.make_array_from_process_local_data(batch_sharding(mesh, global_shape), x, global_shape)
   return jax.tree.map(put, batch)
+
+
+def global_batch(batch, mesh: Mesh):
+  """Host arrays holding the whole global batch (the same on every process: `get_batch` is a pure function of
+  (seed, step)) as global arrays whose rows are split over the data axes of `mesh`; each process copies onto its
+  devices only the rows those devices hold, whatever their layout over processes."""
+  def put(x):
+    x = np.asarray(x)
+    sh = batch_sharding(mesh, x.shape)
+    if jax.process_count() == 1:
+      return jax.device_put(x, sh)
+    return jax.make_array_from_callback(x.shape, sh, lambda index: x[index])
+  return jax.tree.map(put, batch)
