@@ -13,13 +13,11 @@ from optim.alignment import (AlignmentError, cautious_mask, cautious_mgup_mask, 
 from optim.mgup import mgup_adamw, mgup_lion, mgup_muon, scale_by_reference_adam
 from optim.cautious import cautious_adamw, cautious_lion, cautious_muon
 
-__all__ = ["COEFFICIENTS", "MuonState", "OPTIMIZERS", "UnknownOptimizerError", "coefficient_table", "decay_mask",
-           "get_optimizer", "hyperparameters", "make_schedule", "muon", "muon_labels", "ns_flops", "orthogonalize",
-           "muon_with_adamw", "orthogonalize_tree", "register", "scale_by_muon", "shape_scale"]
-__all__ += ["AlignmentError", "cautious_adamw", "cautious_lion", "cautious_mask", "cautious_mgup_mask",
-            "cautious_muon", "cautious_policy", "mgup_adamw", "mgup_lion", "mgup_mask", "mgup_muon", "mgup_policy",
-            "scale_by_reference_adam", "topk_mask", "with_alignment_mask"]
-__all__ += ["MarsError", "MarsState", "mars", "mars_correction", "mars_labels", "muon_mvr", "needs_prev_grads",
-            "with_global_norm_clip"]
-__all__ += ["DistributedError", "orthogonalize_distributed"]
-__all__ += ["BAdamError", "BAdamState", "badam", "badam_adamw", "badam_labels", "block_index"]
+__all__ = ["AlignmentError", "badam", "badam_adamw", "badam_labels", "BAdamError", "BAdamState", "block_index",
+           "cautious_adamw", "cautious_lion", "cautious_mask", "cautious_mgup_mask", "cautious_muon",
+           "cautious_policy", "coefficient_table", "COEFFICIENTS", "decay_mask", "DistributedError", "get_optimizer",
+           "hyperparameters", "make_schedule", "mars", "mars_correction", "mars_labels", "MarsError", "MarsState",
+           "mgup_adamw", "mgup_lion", "mgup_mask", "mgup_muon", "mgup_policy", "muon", "muon_labels", "muon_mvr",
+           "muon_with_adamw", "MuonState", "needs_prev_grads", "ns_flops", "OPTIMIZERS", "orthogonalize",
+           "orthogonalize_distributed", "orthogonalize_tree", "register", "scale_by_muon", "scale_by_reference_adam",
+           "shape_scale", "topk_mask", "UnknownOptimizerError", "with_alignment_mask", "with_global_norm_clip"]
