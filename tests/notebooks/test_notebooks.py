@@ -12,7 +12,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
-PAIRED = ["quickstart"]
+PAIRED = sorted(p.stem for p in NOTEBOOKS.glob("*.py"))
+EXPERIMENTS = [n for n in PAIRED if n != "quickstart"]  # one per research/experiments/<name>.py
 KERNEL = "optlab-test-python"  # a spec of our own, so no user or system "python3" can pick another interpreter
 
 
@@ -51,11 +52,18 @@ def kernel(tmp_path, monkeypatch):
   return KERNEL
 
 
-def _execute(name, kernel_name, cwd):
+def _run(name, kernel_name, cwd):
+  """The executed notebook; fails on any error output."""
   nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
   NotebookClient(nb, kernel_name=kernel_name, timeout=300, resources={"metadata": {"path": str(cwd)}}).execute()
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
   assert not errors, "\n".join(f"{e.ename}: {e.evalue}" for e in errors)
+  return nb
+
+
+def _execute(name, kernel_name, cwd):
+  """The executed notebook's stdout."""
+  nb = _run(name, kernel_name, cwd)
   return "".join(o.text for c in nb.cells if c.cell_type == "code" for o in c.outputs
                  if o.output_type == "stream" and o.name == "stdout")
 
@@ -69,3 +77,17 @@ def test_quickstart_executes_and_learns(kernel, tmp_path):
   assert last < first - 0.5, f"20 steps should cut the loss well below its start: {first} -> {last}"
   runs = list(tmp_path.glob("optlab-quickstart-*"))
   assert len(runs) == 1 and (runs[0] / "metrics.jsonl").exists() and (runs[0] / "loss.png").exists()
+
+
+def test_every_experiment_has_a_notebook():
+  experiments = pathlib.Path(__file__).resolve().parents[2] / "research" / "experiments"
+  names = {p.stem for p in experiments.glob("*.py")} - {"__init__", "common", "muon_vs_adamw"}
+  assert names <= set(EXPERIMENTS), f"experiments without a notebook: {sorted(names - set(EXPERIMENTS))}"
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_notebook_executes_and_plots(kernel, tmp_path, name):
+  """Each experiment notebook runs its experiment at smoke size and shows at least one figure."""
+  nb = _run(name, kernel, tmp_path)
+  images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+  assert images, f"notebooks/{name} showed no plot"

@@ -1,0 +1,175 @@
+"""What the experiments share: an in-process single-device training loop for models that surgery changes
+between phases (upcycling, depth expansion, MoE-DisCo, ...), held-out evaluation, and result writing.
+
+`research.train` is the CLI for whole runs on meshes; the experiments here need to train a `Transformer`
+they hold, change it, and go on, so they use `fit` on one device. `fit` uses the same loss as the CLI
+(cross entropy + the MoE aux losses, the aux-loss-free router-bias update) and the same data functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from typing import Callable
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from models import Transformer
+from models.moe import aux_loss, update_router_bias
+from models.transformer import cross_entropy
+from optim import get_optimizer, make_schedule
+from research.data import eval_batches, get_batch, load_corpus
+
+
+@dataclasses.dataclass
+class Fit:
+  """A training phase's result: the trained model, its optimizer state and one record per logged step."""
+  model: Transformer
+  opt_state: object
+  records: list[dict]
+
+  @property
+  def final_val(self) -> float:
+    return [r["val_loss"] for r in self.records if "val_loss" in r][-1]
+
+  def curve(self, key: str = "val_loss") -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in self.records if key in r]
+
+
+def optimizer(name: str, lr: float, steps: int, *, warmup: int | None = None, clip: float = 1.0,
+              schedule: str = "cosine", **hparams) -> optax.GradientTransformation:
+  """A registered optimizer on the CLI's schedule (linear warmup, default 10% of steps, cosine to 0.1×) and clip."""
+  warmup = min(100, steps // 10) if warmup is None else warmup
+  tx = get_optimizer(name, make_schedule(schedule, lr, steps, warmup=warmup, min_ratio=0.1), **hparams)
+  return optax.chain(optax.clip_by_global_norm(clip), tx) if clip > 0 else tx
+
+
+def split(model: Transformer):
+  """(graphdef, params, buffers) as pure dicts; `join` inverts it."""
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(buffers)
+
+
+def join(graphdef, params, buffers) -> Transformer:
+  return nnx.merge(graphdef, params, buffers)
+
+
+def loss_fn(graphdef, params, buffers, x, y):
+  """(cross entropy + weighted MoE aux losses, (cross entropy, router aux)) — the CLI's training loss."""
+  model = join(graphdef, params, buffers)
+  logits, aux = model.forward(x)
+  ce = cross_entropy(logits, y)
+  return ce + aux_loss(aux, model.c), (ce, aux)
+
+
+def evaluate(model: Transformer, batches) -> float:
+  """Mean held-out cross entropy (nats/token) over fixed batches."""
+  graphdef, params, buffers = split(model)
+  f = jax.jit(lambda p, b, x, y: loss_fn(graphdef, p, b, x, y)[1][0])
+  return float(np.mean([float(f(params, buffers, x, y)) for x, y in batches]))
+
+
+def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray, *, steps: int,
+        batch_size: int = 16, seq_len: int = 128, seed: int = 0, val=None, eval_every: int | None = None,
+        start: int = 0, opt_state=None, log_every: int = 1, metrics: Callable | None = None,
+        batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None) -> Fit:
+  """Trains `model` for `steps` steps of `get_batch(tokens, seed, start + i, ...)` with `tx`.
+
+  Args:
+    val: held-out batches (`eval_batches`), evaluated every `eval_every` steps and after the last step.
+    start: the first data step (continuing a run on fresh batches); records count steps from `start`.
+    opt_state: the optimizer state to continue from (default `tx.init`).
+    metrics: optional `f(grads, updates, params, aux) -> dict` of arrays, computed inside the step.
+    batch_fn: optional `f(data_step) -> (x, y)` replacing `get_batch(tokens, seed, data_step, ...)` (e.g. windows
+      drawn from one cluster); `tokens` is then unused.
+
+  Returns `Fit(model, opt_state, records)`; records hold "step", "loss" every `log_every` steps and "val_loss"
+  at evaluations (step = number of updates done, `start` included).
+  """
+  graphdef, params, buffers = split(model)
+  opt_state = tx.init(params) if opt_state is None else opt_state
+  rate = model.c.moe.bias_rate if model.c.moe is not None else 0.0
+
+  @jax.jit
+  def step(params, buffers, opt_state, x, y):
+    (_, (ce, aux)), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, params, buffers, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    if aux and buffers:
+      buffers = update_router_bias(buffers, aux, rate)
+    out = {"loss": ce}
+    if metrics is not None:
+      out.update(metrics(grads, updates, params, aux))
+    return new_params, buffers, opt_state, out
+
+  eval_step = jax.jit(lambda p, b, x, y: loss_fn(graphdef, p, b, x, y)[1][0])
+  records = []
+  for i in range(steps):
+    x, y = batch_fn(start + i) if batch_fn else get_batch(tokens, seed, start + i, batch_size, seq_len)
+    params, buffers, opt_state, out = step(params, buffers, opt_state, x, y)
+    rec = {"step": start + i + 1}
+    last = i == steps - 1
+    if (i + 1) % log_every == 0 or last:
+      rec.update({k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in out.items()})
+    if val is not None and ((eval_every and (i + 1) % eval_every == 0) or last):
+      rec["val_loss"] = float(np.mean([float(eval_step(params, buffers, vx, vy)) for vx, vy in val]))
+    if len(rec) > 1:
+      records.append(rec)
+  return Fit(join(graphdef, params, buffers), opt_state, records)
+
+
+def corpus_and_val(batch_size: int, seq_len: int, eval_batches_n: int = 8):
+  """(train tokens, fixed held-out batches) of the built-in corpus."""
+  corpus = load_corpus()
+  return corpus.train, eval_batches(corpus.val, batch_size, seq_len, eval_batches_n)
+
+
+def commit() -> str:
+  here = os.path.dirname(os.path.abspath(__file__))
+  return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                        cwd=here).stdout.strip() or "unknown"
+
+
+def command() -> str:
+  """The command line that is running, as a reader would retype it."""
+  mod = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__", None) else sys.argv[0]
+  return " ".join(["python -m", mod, *sys.argv[1:]])
+
+
+def write_results(out: str, name: str, question: str, table: list[str], *, findings: list[str] = (),
+                  settings: dict | None = None, data: dict | None = None, cmd: str | None = None):
+  """OUT/results.md (question, command, commit, settings, table, findings) and OUT/results.json (`data`)."""
+  os.makedirs(out, exist_ok=True)
+  lines = [f"# {name}", "", question.strip(), "",
+           f"Command: `{cmd or command()}` (commit {commit()}, jax {jax.__version__}, "
+           f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores)", ""]
+  if settings:
+    lines += [f"Settings: `{json.dumps(settings)}`", ""]
+  lines += list(table)
+  if findings:
+    lines += ["", *findings]
+  with open(os.path.join(out, "results.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  if data is not None:
+    with open(os.path.join(out, "results.json"), "w") as f:
+      json.dump(data, f, indent=1, default=float)
+
+
+def tree_bytes(tree) -> int:
+  return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(tree)
+                 if hasattr(x, "shape")))
+
+
+def mean_std(xs) -> tuple[float, float]:
+  xs = np.asarray(list(xs), np.float64)
+  return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else 0.0
+
+
+__all__ = ["Fit", "optimizer", "split", "join", "loss_fn", "evaluate", "fit", "corpus_and_val", "commit", "command",
+           "write_results", "tree_bytes", "mean_std"]
