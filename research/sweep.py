@@ -6,8 +6,9 @@
 
 A grid entry is `OPTIMIZER=LR,LR,...` or `OPTIMIZER[KEY=VALUE,...]=LRS` (hyperparameters as in `--opt`; the
 bracketed form is also the contender's label). Every run is `research.train` with the shared `--train.*`
-settings, in OUT/runs/<label>_lr<lr>_s<seed>/ (its config.json, metrics.jsonl and checkpoints are kept): a finished
-run is skipped and an interrupted one resumes from its checkpoint, so rerunning the command completes a grid.
+settings, in OUT/runs/<label>_lr<lr>_s<seed>/ (or --runs DIR/...; its config.json, metrics.jsonl and checkpoints
+are kept): a finished run is skipped and an interrupted one resumes from its checkpoint, so rerunning the command
+completes a grid.
 
 Writes OUT/results.csv (one row per run: final and best val loss, steps to the target loss, tokens/s),
 OUT/summary.md (per contender at its best lr: mean ± std over seeds, speedup), OUT/curves.png (val loss of each
@@ -62,6 +63,8 @@ class SweepConfig:
   workers: int = 1
   """Runs at once, each in its own process (1 = in this process, one after another)."""
   out: str = "runs/sweep"
+  runs: str | None = None
+  """Where the run directories live (default OUT/runs); sweeps that share it share their finished runs."""
   train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(
       devices=1, mesh="data=1", progress=False, log_every=25, eval_every=25))
   """Settings shared by every run (--train.model, --train.batch-size, --train.mesh, ...)."""
@@ -178,6 +181,7 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
   if cfg.workers < 1:
     raise SweepError(f"--workers must be ≥ 1, got {cfg.workers}")
   steps = budget_steps(cfg)
+  runs_dir = cfg.runs or os.path.join(cfg.out, "runs")
   runs = [Run(label, name, opt, lr, seed) for seed in cfg.seeds for label, name, opt, lrs in grid for lr in lrs]
   base = {f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(cfg.train)}  # shallow: keeps nested configs
   base.update(steps=steps, stop_at=None)
@@ -186,7 +190,7 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
   todo = []
   for r in runs:
     kw = dict(base, optimizer=r.optimizer, lr=r.lr, seed=r.seed, opt=tuple(base["opt"]) + r.opt,
-              out=os.path.join(cfg.out, "runs", r.name))
+              out=os.path.join(runs_dir, r.name))
     if not _finished(kw["out"], steps):
       todo.append(kw)
   print(f"sweep: {len(runs)} runs of {steps} steps, {len(runs) - len(todo)} already finished", file=sys.stderr)
@@ -200,12 +204,12 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
         f.result()
   rows = []
   for r in runs:
-    if os.path.exists(os.path.join(cfg.out, "runs", r.name, "diverged")):  # listed in results.csv, not ranked
+    if os.path.exists(os.path.join(runs_dir, r.name, "diverged")):  # listed in results.csv, not ranked
       rows.append({"label": r.label, "optimizer": r.optimizer, "lr": r.lr, "seed": r.seed, "steps": steps,
                    "final_val_loss": math.inf, "best_val_loss": math.inf, "tokens_per_s": math.nan, "curve": [],
                    "diverged": True})
       continue
-    recs = _records(os.path.join(cfg.out, "runs", r.name, "metrics.jsonl"))
+    recs = _records(os.path.join(runs_dir, r.name, "metrics.jsonl"))
     evals = [(x["step"], x["val_loss"]) for x in recs if "val_loss" in x]
     speeds = [x["tokens_per_s"] for x in recs if x["step"] > recs[0]["step"]] or [recs[-1]["tokens_per_s"]]
     rows.append({"label": r.label, "optimizer": r.optimizer, "lr": r.lr, "seed": r.seed, "steps": steps,
