@@ -1,0 +1,457 @@
+"""How should Muon treat a stacked expert weight (L, E, d_in, d_out)? Per-expert orthogonalization vs a flattened
+stack vs AdamW on the experts, on a small MoE LM: validation loss, loss spikes, per-expert update RMS, and the
+update size an expert gets when the router sends it few tokens.
+
+  python -m research.experiments.muon_on_moe            # full size: writes research/results/muon_on_moe/
+  python -m research.experiments.muon_on_moe --smoke    # seconds (the tests run this); writes nothing
+
+Claim under test (shared/reference/methods.md §10; optimizers.md §1, §3). Muon's update is the polar factor
+NS(U) ≈ U Vᵀ of the momentum U = U Σ Vᵀ of each matrix; Moonlight (Liu et al., arXiv 2502.16982, Lemma 1) scales
+it by 0.2·√max(A, B) so that a full-rank A×B update has RMS 0.2, AdamW's, and the AdamW lr carries over. For an
+expert stack "each matrix" is ambiguous, and public code gets it wrong in known ways (methods.md §10(b)):
+  per_expert      NS batched over (L, E), scale 0.2·√max(d_in, d_out) from each expert's own shape: `optim.muon`,
+                  the current practice (KellerJordan/Muon's batched NS, optax dimension numbers, MaxText #4843).
+                  Intended expert RMS 0.2 (×RMS of NS's singular values, quintic: σ ∈ [0.68, 1.13]).
+  flat_stack      each layer's stack as ONE (E·d_in, d_out) matrix (experts concatenated along the input axis),
+                  scale 0.2·√max(E·d_in, d_out) from that matrix: what a 2-D-only optimizer does with a stack reshaped
+                  to a matrix. The stack's RMS is 0.2, but expert e's block is G_e·(Σ_e' G_e'ᵀG_e')^(-1/2): experts
+                  share one normalization and an expert with a small gradient gets a small update.
+  moonlight_toy   Moonlight's examples/toy_train.py branch `g.view(g.size(0), -1)` on a layer's (E, d_in, d_out),
+                  scale 0.2·√max(E, d_in) from `param_shape[:2]`: the E flattened experts become mutually orthogonal
+                  unit rows, so every expert's RMS is 0.2·√max(E, d_in)/√(d_in·d_out), whatever its gradient
+                  (e.g. 0.035 for E=8, 64×32: 5.7× too small).
+  adamw_experts   AdamW on the expert stacks (bias-corrected, β = (0.9, 0.95), same decoupled decay), Muon elsewhere.
+  adam_at_muon_lr the old optax.contrib.muon fallback (`'muon' if x.ndim == 2 else 'adam'`, one shared lr): the
+                  experts on Adam at Muon's lr in Keller's convention (`fallback_lr` = 0.02, the KellerJordan/Muon
+                  and optax default), everything else as in adamw_experts at the grid's lr.
+Every arm treats the non-expert parameters as `optim.muon` does: Muon (Moonlight scale) on the hidden matrices,
+router included, AdamW on embeddings, norms and the (tied) head, one lr for both groups; decoupled weight decay
+0.1 everywhere; the CLI's schedule (10% linear warmup, cosine to 0.1×) and global-norm clip 1.0.
+
+Setup: `moe_tiny` (d_model 64, 2 layers, E=8 SwiGLU experts of width 32, top-2, Switch load-balancing loss 1e-2),
+the byte-level stdlib corpus, equal tokens for every arm (steps × batch × seq_len = 200 × 8 × 64 = 102,400
+predicted training tokens per run, the same batches for the same seed; top-2 routing gives every arm the same
+number of expert assignments), held-out loss on 8 fixed batches of the val split. Each arm's peak lr is tuned on
+the same grid {3e-3, 1e-2, 3e-2} with seed 0, then run with seeds 1, 2 at its best lr (the seed-0 run reused).
+
+Measured per step, inside the jitted step (`common.fit(metrics=...)`): every expert's direction
+d = −u/lr_t − wd·W (the update u = −lr_t·(d + wd·W) with the learning rate and decay removed), its RMS over the
+expert's three matrices, and the expert's load f_e (its share of the step's top-2 assignments, the router's aux).
+A loss spike is a step whose train loss exceeds `spike_ratio` × the median of the previous `spike_window` steps;
+consecutive such steps count as one spike. "Honest" here: equal tokens, one lr grid for every arm, three seeds at
+the best lr, held-out loss, and spike counts and update sizes reported as measured, zero spikes included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import tempfile
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
+
+import optim
+from models import Transformer, preset
+from research.experiments import common
+
+ARMS = ("per_expert", "flat_stack", "moonlight_toy", "adamw_experts", "adam_at_muon_lr")
+EXPERT_LEAVES = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")  # models/moe.py: (L, E, fan_in, fan_out) stacks
+INTENDED_RMS = 0.2  # Moonlight's target update RMS (arXiv 2502.16982, Lemma 1)
+
+
+class MuonMoEError(ValueError):
+  """A bad arm, flattening mode or parameter shape for this experiment."""
+
+
+@dataclasses.dataclass
+class Config:
+  smoke: bool = False
+  model: str = "moe_tiny"
+  steps: int = 200
+  batch_size: int = 8
+  seq_len: int = 64
+  seeds: tuple[int, ...] = (0, 1, 2)
+  lrs: tuple[float, ...] = (3e-3, 1e-2, 3e-2)
+  arms: tuple[str, ...] = ARMS
+  fallback_lr: float = 0.02  # adam_at_muon_lr: the experts' Adam lr (Keller/optax Muon default)
+  weight_decay: float = 0.1
+  spike_window: int = 50
+  spike_ratio: float = 1.5
+  eval_every: int = 50
+  eval_batches: int = 8
+  out: str = "research/results/muon_on_moe"
+
+
+def smoke_config(cfg: Config) -> Config:
+  """The same code path at a few steps: every arm, a 2-point grid, 2 seeds."""
+  return dataclasses.replace(cfg, steps=12, batch_size=4, seq_len=32, seeds=(0, 1), lrs=(1e-2,),
+                             spike_window=4, eval_every=6, eval_batches=1)
+
+
+# --- the flattened-stack Muon variants -------------------------------------------------------------------------
+
+def flat_shape(shape, mode: str) -> tuple[int, ...]:
+  """The matrix stack NS sees for an expert stack (..., E, a, b): (..., E·a, b) or (..., E, a·b)."""
+  if len(shape) < 3:
+    raise MuonMoEError(f"an expert stack needs shape (..., E, fan_in, fan_out), got {tuple(shape)}")
+  *lead, E, a, b = shape
+  if mode == "flat_stack":
+    return (*lead, E * a, b)
+  if mode == "moonlight_toy":
+    return (*lead, E, a * b)
+  raise MuonMoEError(f"unknown flattening mode {mode!r}; use 'flat_stack' or 'moonlight_toy'")
+
+
+def flat_scale(shape, mode: str) -> float:
+  """Moonlight's 0.2·√max(A, B), from the flattened matrix (flat_stack) or from `param_shape[:2]` of the layer's
+  (E, a, b) stack, i.e. (E, a) (moonlight_toy, as examples/toy_train.py sizes its lr)."""
+  E, a, b = shape[-3:]
+  if mode == "flat_stack":
+    return optim.shape_scale("moonlight", E * a, b)
+  flat_shape(shape, mode)  # validates the mode
+  return INTENDED_RMS * math.sqrt(max(E, a))
+
+
+def scale_by_flat_muon(mode: str, beta: float = 0.95, *, ns_steps: int = 5,
+                       eps: float = 1e-7) -> optax.GradientTransformation:
+  """Muon on expert stacks (..., E, a, b) whose last three axes are flattened to one matrix before Newton–Schulz.
+
+    M ← β·M + (1−β)·G,  U = β·M + (1−β)·G           (`optim.scale_by_muon`'s EMA-Nesterov momentum, elementwise,
+                                                    so it commutes with the reshape)
+    O = flat_scale(mode)·NS(reshape(U, flat_shape(mode))), reshaped back to (..., E, a, b)
+  mode "flat_stack": (E·a, b); "moonlight_toy": (E, a·b) with scale 0.2·√max(E, a). Leading axes (layers) stay
+  batch axes. The momentum is kept in the flattened shape.
+  """
+  flat_shape((1, 1, 1), mode)  # validates the mode
+  inner = optim.scale_by_muon(beta, ns_steps=ns_steps, eps=eps, scale="none")
+  flatten = lambda tree: jax.tree.map(lambda x: x.reshape(flat_shape(x.shape, mode)), tree)
+
+  def init(params):
+    return inner.init(flatten(params))
+
+  def update(updates, state, params=None):
+    del params
+    o, state = inner.update(flatten(updates), state)
+    o = jax.tree.map(lambda o_, g: (o_.reshape(g.shape) * flat_scale(g.shape, mode)).astype(g.dtype), o, updates)
+    return o, state
+
+  return optax.GradientTransformation(init, update)
+
+
+# --- the arms ----------------------------------------------------------------------------------------------------
+# Every arm, lr and seed lowers to ONE program: the arm picks an expert rule through optimizer state
+# (`select_rule`) and the peak lrs are state (`optax.inject_hyperparams`), so the persistent compilation cache
+# (`compile_once`) compiles `common.fit`'s step once for the whole sweep instead of once per run.
+
+EXPERT_RULES = ("per_expert", "flat_stack", "moonlight_toy", "adam")  # the arms' expert updates, by index
+RULE_OF_ARM = {"per_expert": "per_expert", "flat_stack": "flat_stack", "moonlight_toy": "moonlight_toy",
+               "adamw_experts": "adam", "adam_at_muon_lr": "adam"}
+
+
+class SelectState(NamedTuple):
+  index: jax.Array  # int32: the rule whose output is the update
+  inner: tuple  # every rule's state
+
+
+def select_rule(rules, index: int) -> optax.GradientTransformation:
+  """Runs every rule in `rules` on the same gradients and returns rule `index`'s update (`jnp.select`, so a
+  rule left out cannot leak a non-finite value). Rules keep their own state; the others' outputs are discarded."""
+  rules = tuple(rules)
+  if not 0 <= index < len(rules):
+    raise MuonMoEError(f"rule index {index} outside [0, {len(rules)})")
+
+  def init(params):
+    return SelectState(jnp.asarray(index, jnp.int32), tuple(r.init(params) for r in rules))
+
+  def update(updates, state, params=None):
+    outs, inner = zip(*(r.update(updates, s, params) for r, s in zip(rules, state.inner)))
+    pick = lambda *xs: jnp.select([state.index == i for i in range(len(xs))], xs)
+    return jax.tree.map(pick, *outs), SelectState(state.index, tuple(inner))
+
+  return optax.GradientTransformation(init, update)
+
+
+def expert_labels(params):
+  """`optim.muon_labels`, with the routed experts' stacks relabelled "expert"."""
+  def relabel(path, label):
+    return "expert" if str(getattr(path[-1], "key", path[-1])) in EXPERT_LEAVES else label
+  return jax.tree_util.tree_map_with_path(relabel, optim.muon_labels(params))
+
+
+def unit_schedule(steps: int) -> optax.Schedule:
+  """The CLI's schedule (`common.optimizer`) at peak 1: linear warmup over 10% of the steps (≤ 100), cosine to
+  0.1×; the peak multiplies it (`group`)."""
+  return optim.make_schedule("cosine", 1.0, steps, warmup=min(100, steps // 10), min_ratio=0.1)
+
+
+def expert_lr(arm: str, lr: float, fallback_lr: float = 0.02) -> float:
+  """The peak learning rate the expert stacks get."""
+  return fallback_lr if arm == "adam_at_muon_lr" else lr
+
+
+def group(core, peak: float, steps: int, weight_decay: float, mask=None) -> optax.GradientTransformation:
+  """u = −peak·s(t)·(core(g) + wd·W): `optax.adamw`'s chain (and `optim.muon_with_adamw`'s Muon group) with the
+  schedule s at peak 1 and the peak held in state."""
+  return optax.chain(core, optax.add_decayed_weights(weight_decay, mask),
+                     optax.scale_by_learning_rate(unit_schedule(steps)),
+                     optax.inject_hyperparams(optax.scale)(step_size=peak))
+
+
+def make_tx(arm: str, lr: float, steps: int, *, weight_decay: float = 0.1,
+            fallback_lr: float = 0.02) -> optax.GradientTransformation:
+  """clip_by_global_norm(1), then three `optax.partition` groups by `expert_labels`, each `group`:
+    "muon"   (hidden matrices, router included): `optim.scale_by_muon` (Moonlight scale), peak lr
+    "adam"   (embedding/head, norms): bias-corrected Adam (0.9, 0.95, 1e-8), no decay on norms, peak lr
+    "expert" (routed expert stacks): the arm's rule, peak `expert_lr(arm)`.
+  per_expert is `optim.muon` (the same groups and chains); the Adam arms' expert update is `optax.adamw`'s. The
+  tests check every arm against a float64 NumPy reference and the Adam arms against `optax.adamw`."""
+  if arm not in ARMS:
+    raise MuonMoEError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+  rules = [optim.scale_by_muon(), scale_by_flat_muon("flat_stack"), scale_by_flat_muon("moonlight_toy"),
+           optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8)]
+  expert = select_rule(rules, EXPERT_RULES.index(RULE_OF_ARM[arm]))
+  tx = optax.partition({"muon": group(optim.scale_by_muon(), lr, steps, weight_decay),
+                        "adam": group(optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8), lr, steps, weight_decay,
+                                      optim.decay_mask),
+                        "expert": group(expert, expert_lr(arm, lr, fallback_lr), steps, weight_decay)},
+                       expert_labels)
+  return optax.chain(optax.clip_by_global_norm(1.0), tx)
+
+
+@contextlib.contextmanager
+def compile_once():
+  """A persistent compilation cache in a temporary folder for the sweep, unless one is configured already:
+  `common.fit` jits a fresh step per run, and every run here is the same program."""
+  if jax.config.jax_compilation_cache_dir:
+    yield
+    return
+  with tempfile.TemporaryDirectory(prefix="muon_on_moe-jax-") as folder:
+    jax.config.update("jax_compilation_cache_dir", folder)
+    compilation_cache.reset_cache()
+    try:
+      yield
+    finally:
+      jax.config.update("jax_compilation_cache_dir", None)
+      compilation_cache.reset_cache()
+
+
+def predicted_rms(arm: str, E: int, d: int, f: int) -> float | None:
+  """Per-expert direction RMS over the three matrices (gate, up (d, f); down (f, d)) for an exact polar factor
+  (all singular values 1); None where it depends on the gradients (Adam)."""
+  shapes = [(E, d, f), (E, d, f), (E, f, d)]
+  if arm in ("per_expert", "flat_stack"):  # flat_stack: the stack's RMS, split between experts by gradient share
+    return INTENDED_RMS
+  if arm == "moonlight_toy":  # unit rows of an (E, a·b) polar factor: RMS 1/√(ab) per expert, × 0.2·√max(E, a)
+    return float(np.sqrt(np.mean([(flat_scale(s, arm) / math.sqrt(s[1] * s[2])) ** 2 for s in shapes])))
+  return None
+
+
+# --- measurements ------------------------------------------------------------------------------------------------
+
+def expert_metrics(grads, updates, params, aux) -> dict:
+  """Per (layer, expert) sums over its three matrices: u², u·W, W², g² (u the update, W the parameter before
+  it, g the raw gradient), and the router's load f_e. `direction_rms` turns them into RMS(d)."""
+  moe_u, moe_w, moe_g = updates["blocks"]["moe"], params["blocks"]["moe"], grads["blocks"]["moe"]
+  tot = lambda f: sum(jnp.sum(f(k).astype(jnp.float32), axis=(-2, -1)) for k in EXPERT_LEAVES)
+  return {"u2_LE": tot(lambda k: moe_u[k] ** 2), "uw_LE": tot(lambda k: moe_u[k] * moe_w[k]),
+          "w2_LE": tot(lambda k: moe_w[k] ** 2), "g2_LE": tot(lambda k: moe_g[k] ** 2), "load_LE": aux["load"]}
+
+
+def direction_rms(u2, uw, w2, lr: float, wd: float, n: int):
+  """RMS of d = −u/lr − wd·W over n elements, from Σu², Σu·W, ΣW²: Σd² = Σu²/lr² + 2·wd·Σu·W/lr + wd²·ΣW²."""
+  u2, uw, w2 = (np.asarray(v, np.float64) for v in (u2, uw, w2))
+  return np.sqrt(np.maximum(u2 / lr ** 2 + 2 * wd * uw / lr + wd ** 2 * w2, 0.0) / n)
+
+
+def count_spikes(losses, window: int = 50, ratio: float = 1.5) -> tuple[int, float]:
+  """(spikes, largest jump): a spike step has loss > ratio × median(previous `window` losses); a run of
+  consecutive spike steps is one spike. The largest jump is max_t loss_t / median(previous window)."""
+  x = np.asarray(losses, np.float64)
+  if window < 1:
+    raise MuonMoEError(f"spike window must be >= 1, got {window}")
+  jumps = np.array([x[t] / np.median(x[t - window:t]) for t in range(window, len(x))])
+  if jumps.size == 0:
+    return 0, float("nan")
+  above = jumps > ratio
+  return int(np.sum(above[1:] & ~above[:-1]) + above[0]), float(jumps.max())
+
+
+def summarize_run(records: list[dict], arm: str, lr: float, cfg: Config, n_elem: int) -> dict:
+  """A run's numbers: val loss, spikes, and per-expert direction RMS / load after the warmup."""
+  losses = [r["loss"] for r in records if "loss" in r]
+  spikes, max_jump = count_spikes(losses, cfg.spike_window, cfg.spike_ratio)
+  lr_t = expert_lr(arm, lr, cfg.fallback_lr) * np.asarray(unit_schedule(cfg.steps)(np.arange(cfg.steps)))
+  warmup = min(100, cfg.steps // 10)
+  rms, load, gnorm = [], [], []
+  for r in records:
+    if "u2_LE" not in r or r["step"] - 1 < warmup:  # record "step" s holds the update made at lr(s − 1)
+      continue
+    rms.append(direction_rms(r["u2_LE"], r["uw_LE"], r["w2_LE"], float(lr_t[r["step"] - 1]), cfg.weight_decay,
+                             n_elem))
+    load.append(np.asarray(r["load_LE"], np.float64))
+    gnorm.append(np.sqrt(np.asarray(r["g2_LE"], np.float64)))
+  rms_TLE, load_TLE, g_TLE = np.stack(rms), np.stack(load), np.stack(gnorm)
+  lo, hi = np.quantile(load_TLE, [0.1, 0.9])
+  val_curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+  return {"final_val_loss": val_curve[-1][1], "val_curve": val_curve, "loss": losses, "spikes": spikes,
+          "max_jump": max_jump,
+          "rms_mean": float(rms_TLE.mean()), "rms_std_over_experts": float(rms_TLE.std(axis=(1, 2)).mean()),
+          "rms_E": rms_TLE.mean(axis=(0, 1)).tolist(), "load_E": load_TLE.mean(axis=(0, 1)).tolist(),
+          "rms_rare": float(rms_TLE[load_TLE <= lo].mean()), "rms_busy": float(rms_TLE[load_TLE >= hi].mean()),
+          "load_rare": float(load_TLE[load_TLE <= lo].mean()), "load_busy": float(load_TLE[load_TLE >= hi].mean()),
+          "corr_load_rms": float(np.corrcoef(load_TLE.ravel(), rms_TLE.ravel())[0, 1]),
+          "corr_gnorm_rms": float(np.corrcoef(g_TLE.ravel(), rms_TLE.ravel())[0, 1]),
+          "scatter": [load_TLE[::5].ravel().round(5).tolist(), rms_TLE[::5].ravel().round(5).tolist()]}
+
+
+def run_arm(arm: str, lr: float, seed: int, cfg: Config, tokens, val) -> dict:
+  c = preset(cfg.model)
+  model = Transformer(c, rngs=nnx.Rngs(seed))
+  tx = make_tx(arm, lr, cfg.steps, weight_decay=cfg.weight_decay, fallback_lr=cfg.fallback_lr)
+  t0 = time.perf_counter()
+  fitted = common.fit(model, tx, tokens, steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed,
+                      val=val, eval_every=cfg.eval_every, metrics=expert_metrics)
+  d, f = c.d_model, c.moe.d_expert or c.d_ff
+  out = {"arm": arm, "lr": lr, "seed": seed, "seconds": time.perf_counter() - t0,
+         **summarize_run(fitted.records, arm, lr, cfg, n_elem=3 * d * f)}
+  print(f"{arm:>16} lr {lr:<6g} seed {seed}: val {out['final_val_loss']:.4f}  spikes {out['spikes']}  "
+        f"max jump {out['max_jump']:.2f}  expert RMS {out['rms_mean']:.4f}  ({out['seconds']:.0f} s)", flush=True)
+  return out
+
+
+def main(cfg: Config) -> dict:
+  if cfg.smoke:
+    cfg = smoke_config(cfg)
+  for arm in cfg.arms:
+    if arm not in ARMS:
+      raise MuonMoEError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+  c = preset(cfg.model)
+  if c.moe is None:
+    raise MuonMoEError(f"model {cfg.model!r} has no experts; use an MoE preset such as moe_tiny")
+  tokens, val = common.corpus_and_val(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+  t0, cpu0 = time.perf_counter(), time.process_time()
+  with compile_once():
+    runs = [run_arm(arm, lr, cfg.seeds[0], cfg, tokens, val) for arm in cfg.arms for lr in cfg.lrs]
+    best = {arm: min((r for r in runs if r["arm"] == arm), key=lambda r: r["final_val_loss"])["lr"]
+            for arm in cfg.arms}
+    runs += [run_arm(arm, best[arm], seed, cfg, tokens, val) for arm in cfg.arms for seed in cfg.seeds[1:]]
+  E, d, f = c.moe.num_experts, c.d_model, c.moe.d_expert or c.d_ff
+  arms = {}
+  for arm in cfg.arms:
+    rs = [r for r in runs if r["arm"] == arm and r["lr"] == best[arm]]
+    stat = lambda k: common.mean_std(r[k] for r in rs)
+    arms[arm] = {"best_lr": best[arm], "seeds": [r["seed"] for r in rs], "val": stat("final_val_loss"),
+                 "spikes": sum(r["spikes"] for r in rs), "max_jump": max(r["max_jump"] for r in rs),
+                 "rms": stat("rms_mean"), "rms_spread": stat("rms_std_over_experts"),
+                 "rms_rare": stat("rms_rare"), "rms_busy": stat("rms_busy"), "load_rare": stat("load_rare"),
+                 "load_busy": stat("load_busy"), "corr_load_rms": stat("corr_load_rms"),
+                 "corr_gnorm_rms": stat("corr_gnorm_rms"), "predicted_rms": predicted_rms(arm, E, d, f),
+                 "grid_spikes": sum(r["spikes"] for r in runs if r["arm"] == arm)}
+  settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
+  result = {"settings": settings, "tokens_per_run": cfg.steps * cfg.batch_size * cfg.seq_len, "arms": arms,
+            "runs": runs, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu0,
+            "shape": {"E": E, "d_model": d, "d_expert": f}}
+  if not cfg.smoke:
+    write(cfg, result)
+  return result
+
+
+# --- report ------------------------------------------------------------------------------------------------------
+
+def plot(result: dict):
+  """Train loss per arm at its best lr (mean over seeds, 10-step moving average), val loss vs lr, and every
+  expert's direction RMS vs its load (seed 0, best lr, every 5th step after warmup)."""
+  import matplotlib.pyplot as plt
+  fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(15, 4.2))
+  colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+  for arm, a in result["arms"].items():
+    rs = [r for r in result["runs"] if r["arm"] == arm and r["lr"] == a["best_lr"]]
+    loss = np.mean([r["loss"] for r in rs], axis=0)
+    k = min(10, len(loss))
+    ax0.plot(np.arange(k, len(loss) + 1), np.convolve(loss, np.ones(k) / k, "valid"), color=colors[arm],
+             label=f"{arm} (lr {a['best_lr']:g})")
+    grid = sorted((r["lr"], r["final_val_loss"]) for r in result["runs"] if r["arm"] == arm
+                  and r["seed"] == result["settings"]["seeds"][0])
+    ax1.plot(*zip(*grid), "o-", color=colors[arm], label=arm)
+    r0 = rs[0]
+    ax2.scatter(*r0["scatter"], s=4, alpha=0.4, color=colors[arm], label=arm)
+  ax0.set(xlabel="step", ylabel="train loss (nats/byte), 10-step mean", title="loss at each arm's best lr")
+  ax0.set_ylim(top=min(ax0.get_ylim()[1], 4.0))
+  ax1.set(xscale="log", xlabel="peak lr", ylabel="final val loss", title="lr grid (seed 0)")
+  E = result["shape"]["E"]
+  ax2.axhline(INTENDED_RMS, color="k", lw=0.8, ls="--", label="Moonlight target 0.2")
+  ax2.axvline(1 / E, color="gray", lw=0.8, ls=":")
+  ax2.set(xlabel="expert load f_e (share of top-k assignments)", ylabel="expert update RMS (lr, wd removed)",
+          yscale="log", title="per-expert update size vs load")
+  for ax in (ax0, ax1, ax2):
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  return fig
+
+
+def table(result: dict) -> list[str]:
+  f = lambda ms, p=4: f"{ms[0]:.{p}f} ± {ms[1]:.{p}f}"
+  lines = ["| arm | best lr | final val loss | spikes (best lr / grid) | max jump | expert RMS (measured) | "
+           "predicted | RMS rare / busy experts (load) | corr(load, RMS) | corr(‖g_e‖, RMS) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for arm, a in result["arms"].items():
+    pred = "—" if a["predicted_rms"] is None else f"{a['predicted_rms']:.4f}"
+    rare, busy = a["rms_rare"][0], a["rms_busy"][0]
+    lines.append(f"| {arm} | {a['best_lr']:g} | {f(a['val'])} | {a['spikes']} / {a['grid_spikes']} | "
+                 f"{a['max_jump']:.2f} | {f(a['rms'])} | {pred} | {rare:.4f} / {busy:.4f} = {rare / busy:.2f}× "
+                 f"({a['load_rare'][0]:.3f} / {a['load_busy'][0]:.3f}) | {f(a['corr_load_rms'], 2)} | "
+                 f"{f(a['corr_gnorm_rms'], 2)} |")
+  lines += ["", "| arm | lr | seed | final val loss | spikes | max jump | expert RMS |",
+            "|---|---|---|---|---|---|---|"]
+  for r in sorted(result["runs"], key=lambda r: (ARMS.index(r["arm"]), r["lr"], r["seed"])):
+    lines.append(f"| {r['arm']} | {r['lr']:g} | {r['seed']} | {r['final_val_loss']:.4f} | {r['spikes']} | "
+                 f"{r['max_jump']:.2f} | {r['rms_mean']:.4f} |")
+  return lines
+
+
+def findings(result: dict) -> list[str]:
+  """Reading lines, each computed from the numbers (the full-size run's text is checked by hand)."""
+  a = result["arms"]
+  ranked = sorted(a, key=lambda k: a[k]["val"][0])
+  out = ["Reading: final val loss (mean ± std over seeds at each arm's best lr), best first: "
+         + ", ".join(f"{k} {a[k]['val'][0]:.4f}" for k in ranked) + "."]
+  out.append(f"Reading: loss spikes (> {result['settings']['spike_ratio']}× the median of the previous "
+             f"{result['settings']['spike_window']} steps) over all {len(result['runs'])} runs: "
+             + ", ".join(f"{k} {a[k]['grid_spikes']}" for k in a) + "; largest jumps "
+             + ", ".join(f"{k} {a[k]['max_jump']:.2f}×" for k in a) + ".")
+  rms = ", ".join(f"{k} {a[k]['rms'][0]:.3f}" + (f" (predicted {a[k]['predicted_rms']:.3f})"
+                                                  if a[k]["predicted_rms"] is not None else "") for k in a)
+  out.append(f"Reading: expert update RMS (lr and decay removed) vs Moonlight's intended {INTENDED_RMS}: {rms}.")
+  out.append("Reading: rarely-routed experts (lowest load decile) vs busiest decile, update RMS ratio: "
+             + ", ".join(f"{k} {a[k]['rms_rare'][0] / a[k]['rms_busy'][0]:.2f}×" for k in a) + ".")
+  return out
+
+
+QUESTION = ("How should Muon treat a stacked expert weight (L, E, d_in, d_out)? Per-expert orthogonalization "
+            "(`optim.muon`) vs a flattened stack (E·d_in, d_out) vs Moonlight-toy `view(E, -1)` vs AdamW on the "
+            "experts vs Adam at Muon's lr on the experts (old optax fallback), on `moe_tiny` (E=8, top-2).")
+
+
+def write(cfg: Config, result: dict):
+  import matplotlib
+  matplotlib.use("Agg")
+  lines = table(result)
+  common.write_results(cfg.out, "muon_on_moe", QUESTION, lines, findings=findings(result),
+                       settings=result["settings"], data=result)
+  fig = plot(result)
+  fig.savefig(os.path.join(cfg.out, "muon_on_moe.png"), dpi=110)
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main(tyro.cli(Config))
