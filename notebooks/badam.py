@@ -56,7 +56,7 @@ display(Image(png.getvalue()))
 # %% [markdown]
 # ## The full-size result
 #
-# `python -m research.experiments.badam` (13 training runs of a 6-layer `tiny`, 200 steps each) wrote this:
+# `python -m research.experiments.badam` (16 training runs of a 6-layer `tiny`, 200 steps each) wrote this:
 
 # %%
 full = pathlib.Path(research.__file__).resolve().parent / "results" / "badam" / "results.md"

@@ -78,7 +78,7 @@ class Config:
   eval_batches: int = 8
   switch_every: int = 8
   """K, BAdam's updates per block (the reference's default is 50): 200 / 8 = 25 turns over 7 blocks."""
-  lrs: tuple[float, ...] = (3e-3, 1e-2, 3e-2)
+  lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
   """Peak learning rates tried at the first seed, the same grid for every contender."""
   seeds: tuple[int, ...] = (0, 1, 2)
   """Seeds (init and batch order) at adamw's and badam's best lr; the first one also runs the grid."""
