@@ -1,0 +1,336 @@
+"""Does a trained dense model turned into a top-2-of-8 MoE (its FFN neurons split into experts: random or clustered
+split) win back the loss the conversion costs, and does it beat the dense model trained on for the same tokens?
+
+  python -m research.experiments.upcycling            # full: writes research/results/upcycling/
+  python -m research.experiments.upcycling --smoke    # seconds: what the tests and the notebook run
+
+Claim (shared/reference/methods.md §2 and §12 row 2; Zhu et al., "LLaMA-MoE", arXiv 2406.16554, code
+pjlab-sys4nlp/llama-moe): the intermediate neurons of a dense SwiGLU FFN split into E disjoint sets give E experts
+that sum to the dense FFN exactly; with a fresh top-k router and continual pre-training the MoE recovers, and the
+random split (their released models) is competitive with balanced k-means clustering. Their scale is 7B parameters
+and 200B tokens; ours is a 0.24M-parameter byte-level model and ~10^5 tokens: the mechanism at toy scale only.
+
+Setup. A dense `tiny` transformer with d_ff = 512 (D 64, 2 pre-norm blocks, 4/2 heads, QK-norm), seeds 0-2 (init and
+batches), trained N = `pretrain_steps` steps on the built-in byte corpus (AdamW, CLI schedule: 10% warmup, cosine to
+0.1x, clip 1). Conversion with `models.upcycle`: E = 8 experts of 64 neurons, top-2, softmax gates renormalised over
+the two selected, dropless, output scale s = E (models/surgery.py: unbiased under uniform routing), a fresh router;
+split `random` (LLaMA-MoE's RandomSplit) or `clustered` (balanced k-means on normalised W_up columns). Check: the
+experts' SwiGLUs must sum to s·(dense FFN) on any input (`split_error`, float64; the split is exact).
+Arms after conversion, each trained T = `continue_steps` more steps on the same batches (data steps N..N+T-1 of the
+seed) with a fresh AdamW state (the MoE's parameter tree differs, so every arm gets the same fresh start):
+  dense:      the dense model continued;
+  random, clustered: the upcycled MoEs;
+  scratch:    (optional) the same MoE architecture trained from a random init for N + T steps on data steps
+              0..N+T-1, i.e. the same batches the dense model saw before and after conversion.
+Tokens are input positions of training batches: every continued arm sees T·B·S, scratch and dense pretraining +
+continuation (N+T)·B·S. Parameters: the split keeps every dense FFN weight, so the MoE has the dense model's total
+parameters plus a router (8·64 per layer); a token uses 2 of 8 experts, i.e. 1/4 of the FFN: the MoE has FEWER
+active parameters and FLOPs per token than the dense arm (table), not equal ones.
+Honest means: held-out validation (the corpus' val split, fixed windows), 3 seeds with mean ± std and the paired
+per-seed difference to the dense arm, equal tokens as above, and the same lr tuning for the continued arms: peak lr
+from `lrs` picked by seed 0's final val loss for the dense arm and for the random-split MoE (the clustered MoE, the
+same architecture, takes the MoE's); the pretraining lr (and the scratch MoE's) is the CLI default 3e-3, untuned
+for both. Seed 0's tuned runs are its reported runs, so its numbers are selected on the val set they report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from flax import nnx
+
+from models import SurgeryError, Transformer, count_params, flops_per_token, preset, upcycle
+from optim import get_optimizer
+from research.experiments import common
+
+SPLITS = ("random", "clustered")
+ARMS = ("dense", "random", "clustered", "scratch")
+LABELS = {"dense": "dense, continued", "random": "MoE, random split", "clustered": "MoE, clustered split",
+          "scratch": "MoE from scratch (N+T steps)"}
+TUNED_BY = {"dense": "dense", "random": "random", "clustered": "random"}  # whose lr grid an arm's lr comes from
+SMOKE = dict(seeds=(0,), pretrain_steps=6, continue_steps=4, batch_size=4, seq_len=32, lrs=(3e-3,), eval_every=2,
+             val_batch=8, val_batches=2)
+
+
+@dataclasses.dataclass
+class Config:
+  smoke: bool = False
+  """Tiny sizes (SMOKE) on the same code path; writes nothing."""
+  out: str = "research/results/upcycling"
+  seeds: tuple[int, ...] = (0, 1, 2)
+  pretrain_steps: int = 200
+  """N: dense training before the conversion."""
+  continue_steps: int = 100
+  """T: every arm's steps after the conversion."""
+  batch_size: int = 16
+  seq_len: int = 64
+  d_ff: int = 512
+  num_experts: int = 8
+  top_k: int = 2
+  pretrain_lr: float = 3e-3
+  """Dense pretraining and the scratch MoE (the CLI default, not tuned)."""
+  lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+  """Continued-training peak lrs tried with seeds[0] for the dense arm and the random-split MoE."""
+  scratch: bool = True
+  eval_every: int = 20
+  val_batch: int = 32
+  val_batches: int = 4
+  """Held-out windows: val_batches batches of val_batch windows of seq_len bytes."""
+
+
+def sized(cfg: Config) -> Config:
+  """The run's sizes: `cfg` itself, or at smoke size the SMOKE values over it; checks them."""
+  cfg = dataclasses.replace(cfg, **SMOKE) if cfg.smoke else cfg
+  if cfg.d_ff % cfg.num_experts:
+    raise SurgeryError(f"d_ff={cfg.d_ff} does not split into num_experts={cfg.num_experts} equal experts; "
+                       f"pick a num_experts that divides it")
+  if not cfg.seeds or not cfg.lrs or cfg.pretrain_steps < 1 or cfg.continue_steps < 1:
+    raise ValueError("upcycling needs at least one seed, one lr and pretrain_steps, continue_steps >= 1")
+  return cfg
+
+
+def phase_schedule(count, peak, warmup, steps, min_ratio: float = 0.1):
+  """`optim.make_schedule("cosine", peak, steps, warmup=warmup)` as a jnp function of possibly traced arguments:
+  lr(t) = peak·t/w for t < w, else peak·(r + (1 − r)·(1 + cos(π·min((t − w)/max(S − w, 1), 1)))/2), r = min_ratio."""
+  t = jnp.asarray(count)
+  frac = jnp.clip((t - warmup) / jnp.maximum(steps - warmup, 1), 0, 1)
+  decay = peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac)))
+  return jnp.where(t < warmup, peak * t / jnp.maximum(warmup, 1), decay)
+
+
+def phase_optimizer(lr: float, steps: int, warmup: int | None = None) -> optax.GradientTransformation:
+  """`common.optimizer("adamw", lr, steps)` (clip 1, AdamW, warmup + cosine to 0.1x) with lr, warmup and steps held
+  in the optimizer state (`optax.inject_hyperparams`), not in the program: every phase and lr of one architecture
+  compiles to the same train step, so `common.fit` compiles it once (the persistent cache serves the rest)."""
+  warmup = min(100, steps // 10) if warmup is None else warmup
+
+  def make(peak, warmup, steps):
+    schedule = lambda count: phase_schedule(count, peak, warmup, steps)
+    return optax.chain(optax.clip_by_global_norm(1.0), get_optimizer("adamw", schedule))
+
+  return optax.inject_hyperparams(make)(peak=float(lr), warmup=float(warmup), steps=float(steps))
+
+
+def param_counts(c) -> dict:
+  """{"total", "active"} parameters of a config: active counts the top_k of the E routed experts a token uses."""
+  total = count_params(c)
+  if c.moe is None:
+    return {"total": total, "active": total}
+  per_expert = 3 * c.d_model * (c.moe.d_expert or c.d_ff)
+  return {"total": total, "active": total - c.n_layers * (c.moe.num_experts - c.moe.top_k) * per_expert}
+
+
+def split_error(dense: Transformer, moe: Transformer, scale: float, *, samples: int = 256, seed: int = 0) -> float:
+  """How far the experts are from an exact split of the dense FFN: max over layers of
+  max|Σ_e Expert_e(h)/s − FFN(h)| / max|FFN(h)| for Gaussian h (float64 NumPy; 0 up to rounding when exact).
+  Expert_e and FFN are SwiGLUs, silu(h·W_gate)·(h·W_up)·W_down, with the MoE's per-expert weight stacks."""
+  silu = lambda z: z / (1 + np.exp(-z))
+  f64 = lambda w: np.asarray(w[...], np.float64)
+  g, u, d = (f64(getattr(dense.blocks, k)) for k in ("w_gate_DF", "w_up_DF", "w_down_FD"))
+  ge, ue, de = (f64(getattr(moe.blocks.moe, k)) for k in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"))
+  h_ND = np.random.default_rng(seed).standard_normal((samples, g.shape[1]))
+  err = 0.0
+  for l in range(g.shape[0]):
+    ffn_ND = (silu(h_ND @ g[l]) * (h_ND @ u[l])) @ d[l]
+    experts_ND = sum((silu(h_ND @ ge[l, e]) * (h_ND @ ue[l, e])) @ de[l, e] for e in range(ge.shape[1])) / scale
+    err = max(err, float(np.abs(experts_ND - ffn_ND).max() / np.abs(ffn_ND).max()))
+  return err
+
+
+def _train_tail(records, n: int = 10) -> float:
+  """Mean training loss of the last n logged steps."""
+  return float(np.mean([r["loss"] for r in records if "loss" in r][-n:]))
+
+
+def main(cfg: Config) -> dict:
+  cfg = sized(cfg)
+  N, T, E, K = cfg.pretrain_steps, cfg.continue_steps, cfg.num_experts, cfg.top_k
+  train, val = common.corpus_and_val(cfg.val_batch, cfg.seq_len, cfg.val_batches)
+  fit = functools.partial(common.fit, tokens=train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, val=val)
+  dense_c = preset("tiny", d_ff=cfg.d_ff)
+  tune, chosen = {}, {}
+  runs = {}
+  t_start = time.perf_counter()
+  for seed in cfg.seeds:
+    pre = fit(Transformer(dense_c, rngs=nnx.Rngs(seed)), phase_optimizer(cfg.pretrain_lr, N), steps=N,
+              seed=seed, eval_every=max(N // 4, 1))
+    dense = pre.model
+    candidates = {"dense": dense, **{s: upcycle(dense, E, K, s, seed=seed) for s in SPLITS}}
+    run = {"pretrain_curve": pre.curve(), "dense_val": pre.final_val, "arms": {},
+           "split_error": {s: split_error(dense, candidates[s], E) for s in SPLITS}}
+    for arm, model in candidates.items():
+      at = pre.final_val if arm == "dense" else common.evaluate(model, val)
+      tuning = seed == cfg.seeds[0] and TUNED_BY[arm] == arm
+      fits = {lr: fit(model, phase_optimizer(lr, T), steps=T, seed=seed, start=N, eval_every=cfg.eval_every)
+              for lr in (cfg.lrs if tuning else (chosen[TUNED_BY[arm]],))}
+      if tuning:
+        tune[arm] = {lr: f.final_val for lr, f in fits.items()}
+        chosen[arm] = min(tune[arm], key=tune[arm].get)
+      lr = chosen[TUNED_BY[arm]]
+      run["arms"][arm] = {"lr": lr, "at_conversion": at, "curve": [(N, at)] + fits[lr].curve(),
+                          "final": fits[lr].final_val, "train_tail": _train_tail(fits[lr].records)}
+    if cfg.scratch:
+      moe_c = candidates["random"].c
+      f = fit(Transformer(moe_c, rngs=nnx.Rngs(seed)), phase_optimizer(cfg.pretrain_lr, N + T),
+              steps=N + T, seed=seed, eval_every=max((N + T) // 6, 1))
+      run["arms"]["scratch"] = {"lr": cfg.pretrain_lr, "at_conversion": None, "curve": f.curve(), "final": f.final_val,
+                                "train_tail": _train_tail(f.records)}
+    runs[seed] = run
+    print(f"seed {seed}: " + ", ".join(f"{a} {r['final']:.4f}" for a, r in run["arms"].items())
+          + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
+  shapes = {"dense": dense_c, "moe": candidates["random"].c}
+  result = {"config": dataclasses.asdict(cfg), "steps": {"pretrain": N, "continue": T},
+            "tokens": {"continue": T * cfg.batch_size * cfg.seq_len,
+                       "total": (N + T) * cfg.batch_size * cfg.seq_len},
+            "params": {k: param_counts(c) for k, c in shapes.items()},
+            "flops_per_token": {k: flops_per_token(c, cfg.seq_len) for k, c in shapes.items()},
+            "tune": {arm: {str(lr): v for lr, v in t.items()} for arm, t in tune.items()},
+            "lr": {arm: chosen[TUNED_BY[arm]] for arm in TUNED_BY} | ({"scratch": cfg.pretrain_lr} if cfg.scratch
+                                                                        else {}),
+            "seeds": runs, "wall_s": time.perf_counter() - t_start}
+  if not cfg.smoke:
+    write(cfg, result)
+  return result
+
+
+def paired(result: dict, arm: str, key: str = "final", base: str = "dense") -> tuple[float, float]:
+  """Mean ± std over seeds of the per-seed difference arm − base of `key`."""
+  return common.mean_std([r["arms"][arm][key] - r["arms"][base][key] for r in result["seeds"].values()])
+
+
+def stat(result: dict, arm: str, key: str) -> tuple[float, float]:
+  return common.mean_std([r["arms"][arm][key] for r in result["seeds"].values()])
+
+
+def _pm(ms, sign: bool = False) -> str:
+  return f"{ms[0]:{'+' if sign else ''}.4f} ± {ms[1]:.4f}"
+
+
+def tables(result: dict) -> list[str]:
+  arms = [a for a in ARMS if a in next(iter(result["seeds"].values()))["arms"]]
+  seeds = list(result["seeds"])
+  N, T = result["steps"]["pretrain"], result["steps"]["continue"]
+  dense_val = common.mean_std([r["dense_val"] for r in result["seeds"].values()])
+  split_err = max(e for r in result["seeds"].values() for e in r["split_error"].values())
+  p, fl = result["params"], result["flops_per_token"]
+  lines = [f"Dense model after N = {N} steps: val loss {_pm(dense_val)} (nats/byte). Split exactness (Σ_e Expert_e "
+           f"= s·FFN, float64 on Gaussian inputs): max relative error {split_err:.1e} over layers, splits and seeds. "
+           f"Continued arms: T = {T} steps = "
+           f"{result['tokens']['continue']:,} tokens each; scratch: {N + T} steps = {result['tokens']['total']:,} "
+           f"tokens (= dense pretraining + continuation). Seeds {', '.join(map(str, seeds))}; mean ± std (ddof 1); "
+           "Δ = per-seed difference to the dense arm.", "",
+           "| arm | params total / active | train FLOPs/token | lr | val loss right after conversion | val loss after "
+           f"T = {T} steps | Δ vs dense after T | train loss (last 10 steps) |",
+           "|---|---|---|---|---|---|---|---|"]
+  for arm in arms:
+    kind = "dense" if arm == "dense" else "moe"
+    at = "–" if arm == "scratch" else _pm(stat(result, arm, "at_conversion"))
+    delta = "–" if arm == "dense" else _pm(paired(result, arm), sign=True)
+    lines.append(f"| {LABELS[arm]} | {p[kind]['total']:,} / {p[kind]['active']:,} | {fl[kind] / 1e6:.2f} M | "
+                 f"{result['lr'][arm]:g} | {at} | {_pm(stat(result, arm, 'final'))} | {delta} | "
+                 f"{_pm(stat(result, arm, 'train_tail'))} |")
+  grid = result["tune"]
+  lrs = list(next(iter(grid.values())))
+  lines += ["", f"Continued-training lr grid (seed {seeds[0]}, final val loss after T steps):", "",
+            "| arm | " + " | ".join(f"lr {lr}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
+  lines += [f"| {LABELS[a]} | " + " | ".join(f"{v:.4f}" for v in t.values()) + " |" for a, t in grid.items()]
+  return lines
+
+
+def _agree(result: dict, arm: str, base: str = "dense") -> str:
+  d = [r["arms"][arm]["final"] - r["arms"][base]["final"] for r in result["seeds"].values()]
+  return f"lower in {sum(x < 0 for x in d)} of {len(d)} seeds"
+
+
+def findings(result: dict) -> list[str]:
+  gap = {s: paired(result, s, "at_conversion") for s in SPLITS}
+  after = {s: paired(result, s) for s in SPLITS}
+  rec = {s: 1 - after[s][0] / gap[s][0] for s in SPLITS}
+  rc = common.mean_std([r["arms"]["clustered"]["final"] - r["arms"]["random"]["final"]
+                        for r in result["seeds"].values()])
+  ratio = result["params"]["moe"]["active"] / result["params"]["dense"]["active"]
+  lines = [
+      f"Reading: the conversion costs {_pm(gap['random'], True)} nats/byte (random split) and "
+      f"{_pm(gap['clustered'], True)} (clustered) of val loss over the dense model; the experts sum to the dense FFN "
+      "exactly (table), so the cost is the top-2 routing by a router that has not learned anything yet.",
+      f"Reading: after T more steps the random-split MoE is {_pm(after['random'], True)} from the dense model "
+      f"continued on the same tokens ({_agree(result, 'random')}; clustered {_pm(after['clustered'], True)}, "
+      f"{_agree(result, 'clustered')})"
+      + (f": it wins back {100 * rec['random']:.0f}% (random) / {100 * rec['clustered']:.0f}% (clustered) of its "
+         "conversion gap" if min(gap[s][0] for s in SPLITS) > 0 else "")
+      + f", with {100 * ratio:.0f}% of the dense model's active parameters per token.",
+      f"Reading: clustered − random after continued training: {_pm(rc, True)} "
+      + ("(within 2 std: the splits end level, as LLaMA-MoE reports)." if abs(rc[0]) <= 2 * rc[1] else
+         "(beyond 2 std of the seeds)."),
+  ]
+  if "scratch" in next(iter(result["seeds"].values()))["arms"]:
+    d = common.mean_std([r["arms"]["random"]["final"] - r["arms"]["scratch"]["final"]
+                         for r in result["seeds"].values()])
+    lines.append(f"Reading: the upcycled MoE (random) − the same MoE trained from scratch on the same N+T steps' "
+                 f"tokens: {_pm(d, True)}" + (" — upcycling is ahead." if d[0] < 0 else " — scratch is ahead."))
+  return lines
+
+
+def plot(result: dict):
+  import matplotlib.pyplot as plt
+  seeds = list(result["seeds"].values())
+  N = result["steps"]["pretrain"]
+  arms = [a for a in ARMS if a in seeds[0]["arms"]]
+  colors = {"dense": "k", "random": "C0", "clustered": "C2", "scratch": "C3"}
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+  for i, ax in enumerate(axes):
+    if i == 0:
+      x, y = _band([s["pretrain_curve"] for s in seeds])
+      ax.plot(x, y.mean(0), ":", color="k", label="dense pretraining")
+    for arm in arms:
+      x, y = _band([s["arms"][arm]["curve"] for s in seeds])
+      keep = x >= N if i == 1 else x >= 0
+      m, sd = y.mean(0)[keep], y.std(0)[keep]
+      ax.plot(x[keep], m, "-o", ms=3, color=colors[arm], label=f"{LABELS[arm]} (lr {result['lr'][arm]:g})")
+      ax.fill_between(x[keep], m - sd, m + sd, color=colors[arm], alpha=0.15)
+    ax.axvline(N, color="gray", ls=":", lw=1)
+    ax.set(xlabel="training step (conversion at the dotted line)", ylabel="val loss (nats/byte)")
+  axes[0].set_title(f"dense → top-{result['config']['top_k']}-of-{result['config']['num_experts']} MoE "
+                    f"({len(seeds)} seeds, mean ± std)")
+  axes[1].set_title("after the conversion: equal extra tokens")
+  lo = min(s["arms"][a]["final"] for s in seeds for a in arms)
+  hi = max(s["arms"][a]["at_conversion"] or s["arms"][a]["final"] for s in seeds for a in arms)
+  axes[1].set_ylim(lo - 0.05, hi + 0.05)
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  return fig
+
+
+def _band(curves) -> tuple[np.ndarray, np.ndarray]:
+  """(steps, losses[seed, point]) of per-seed curves that share their steps."""
+  return np.array([p[0] for p in curves[0]], float), np.array([[p[1] for p in c] for c in curves])
+
+
+def write(cfg: Config, result: dict):
+  question = __doc__.split("\n\n")[0]
+  settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
+  os.makedirs(cfg.out, exist_ok=True)
+  with open(os.path.join(cfg.out, "results.json"), "w") as f:  # the raw numbers first, whatever the formatting does
+    json.dump(result, f, indent=1, default=float)
+  common.write_results(cfg.out, "upcycling", question, tables(result), findings=findings(result), settings=settings,
+                       data=result, cmd="python -m research.experiments.upcycling")
+  plot(result).savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+  import tempfile
+
+  import jax
+  if not jax.config.jax_compilation_cache_dir:  # every fit compiles its own step; identical phases hit this cache
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="optlab-upcycling-cache-"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  main(tyro.cli(Config))
