@@ -289,7 +289,7 @@ def test_smoke_run(smoke):
   assert len(result["runs"]) == len(mm.ARMS) * (len(cfg.lrs) + len(cfg.seeds) - 1)
   assert result["tokens_per_run"] == cfg.steps * cfg.batch_size * cfg.seq_len
   for r in result["runs"]:  # equal tokens, finite, and learning: below ln 256 = 5.55 and falling
-    assert len(r["loss"]) == cfg.steps and np.all(np.isfinite(r["loss"]))
+    assert len(r["loss"]) == cfg.steps and np.all(np.isfinite(r["loss"])) and not r["diverged"]
     (_, first), (_, last) = r["val_curve"]
     assert last < first < 5.0 and last == r["final_val_loss"]
     assert np.mean(r["loss"][-3:]) < np.mean(r["loss"][:3]) - 0.5
