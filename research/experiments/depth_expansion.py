@@ -57,6 +57,7 @@ from research.experiments.upcycling import phase_optimizer
 ARMS = ("continued", "expanded", "scratch")
 LABELS = {"continued": "continued (L blocks)", "expanded": "expanded (L+1, inserted)",
           "scratch": "L+1 from scratch (N+T steps)"}
+PARTIAL = "partial.json"  # finished (n, seed) runs of a running full run: a rerun of the same config resumes
 SMOKE = dict(seeds=(0,), sizes=(4096,), chunk=256, pretrain_steps=6, continue_steps=4, batch_size=4, seq_len=32,
              grad_batches=2, eval_every=2, val_batches=2)
 
@@ -193,11 +194,20 @@ def main(cfg: Config) -> dict:
   cfg = sized(cfg)
   train, val = common.corpus_and_val(cfg.batch_size, cfg.seq_len, cfg.val_batches)
   t_start = time.perf_counter()
+  done = resume(cfg)
   runs = {}
   for n in cfg.sizes:
     runs[n] = {}
     for seed in cfg.seeds:
+      if f"{n}/{seed}" in done:
+        runs[n][seed] = done[f"{n}/{seed}"]
+        continue
+      t_run = time.perf_counter()
       r = runs[n][seed] = run_one(cfg, train, val, n, seed)
+      r["wall_s"] = time.perf_counter() - t_run
+      if not cfg.smoke:
+        done[f"{n}/{seed}"] = r
+        save_partial(cfg, done)
       delta = abs(r["insertion"]["val_after"] - r["insertion"]["val_before"])
       finals = ", ".join(f"{a} {v['final']:.4f}" for a, v in r["arms"].items())
       print(f"n {r['n']} seed {seed}: abs(Δ val) at insertion {delta:.1e}, {finals} "
@@ -207,10 +217,28 @@ def main(cfg: Config) -> dict:
             "steps": {"pretrain": cfg.pretrain_steps, "continue": cfg.continue_steps},
             "tokens": {"continue": cfg.continue_steps * tokens,
                        "total": (cfg.pretrain_steps + cfg.continue_steps) * tokens},
-            "runs": runs, "wall_s": time.perf_counter() - t_start}
+            "runs": runs, "wall_s": sum(r["wall_s"] for by_seed in runs.values() for r in by_seed.values())}
   if not cfg.smoke:
     write(cfg, result)
+    os.remove(os.path.join(cfg.out, PARTIAL))
   return result
+
+
+def resume(cfg: Config) -> dict:
+  """{"n/seed": run} that an interrupted full run with the same config finished (OUT/partial.json); nothing for a
+  smoke run or another config."""
+  path = os.path.join(cfg.out, PARTIAL)
+  if cfg.smoke or not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    p = json.load(f)
+  return p["runs"] if p["config"] == json.loads(json.dumps(dataclasses.asdict(cfg))) else {}
+
+
+def save_partial(cfg: Config, runs: dict):
+  os.makedirs(cfg.out, exist_ok=True)
+  with open(os.path.join(cfg.out, PARTIAL), "w") as f:
+    json.dump({"config": dataclasses.asdict(cfg), "runs": runs}, f, default=float)
 
 
 def _seeds(result: dict, n) -> list[dict]:

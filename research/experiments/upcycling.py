@@ -47,7 +47,7 @@ import optax
 import tyro
 from flax import nnx
 
-from models import SurgeryError, Transformer, count_params, flops_per_token, preset, upcycle
+from models import MoEConfig, SurgeryError, Transformer, count_params, flops_per_token, preset, upcycle
 from optim import get_optimizer
 from research.experiments import common
 
@@ -56,6 +56,7 @@ ARMS = ("dense", "random", "clustered", "scratch")
 LABELS = {"dense": "dense, continued", "random": "MoE, random split", "clustered": "MoE, clustered split",
           "scratch": "MoE from scratch (N+T steps)"}
 TUNED_BY = {"dense": "dense", "random": "random", "clustered": "random"}  # whose lr grid an arm's lr comes from
+PARTIAL = "partial.json"  # finished seeds of a running full run: a rerun of the same config resumes from them
 SMOKE = dict(seeds=(0,), pretrain_steps=6, continue_steps=4, batch_size=4, seq_len=32, lrs=(3e-3,), eval_every=2,
              val_batch=8, val_batches=2)
 
@@ -156,10 +157,13 @@ def main(cfg: Config) -> dict:
   train, val = common.corpus_and_val(cfg.val_batch, cfg.seq_len, cfg.val_batches)
   fit = functools.partial(common.fit, tokens=train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, val=val)
   dense_c = preset("tiny", d_ff=cfg.d_ff)
-  tune, chosen = {}, {}
-  runs = {}
+  done = resume(cfg)
+  runs, tune, chosen = done["runs"], done["tune"], done["chosen"]
   t_start = time.perf_counter()
   for seed in cfg.seeds:
+    if seed in runs:
+      continue
+    t_seed = time.perf_counter()
     pre = fit(Transformer(dense_c, rngs=nnx.Rngs(seed)), phase_optimizer(cfg.pretrain_lr, N), steps=N,
               seed=seed, eval_every=max(N // 4, 1))
     dense = pre.model
@@ -183,10 +187,14 @@ def main(cfg: Config) -> dict:
               steps=N + T, seed=seed, eval_every=max((N + T) // 6, 1))
       run["arms"]["scratch"] = {"lr": cfg.pretrain_lr, "at_conversion": None, "curve": f.curve(), "final": f.final_val,
                                 "train_tail": _train_tail(f.records)}
+    run["wall_s"] = time.perf_counter() - t_seed
     runs[seed] = run
+    if not cfg.smoke:
+      save_partial(cfg, runs, tune, chosen)
     print(f"seed {seed}: " + ", ".join(f"{a} {r['final']:.4f}" for a, r in run["arms"].items())
           + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
-  shapes = {"dense": dense_c, "moe": candidates["random"].c}
+  shapes = {"dense": dense_c, "moe": dataclasses.replace(dense_c, moe=MoEConfig(num_experts=E, top_k=K,
+                                                                               d_expert=cfg.d_ff // E))}
   result = {"config": dataclasses.asdict(cfg), "steps": {"pretrain": N, "continue": T},
             "tokens": {"continue": T * cfg.batch_size * cfg.seq_len,
                        "total": (N + T) * cfg.batch_size * cfg.seq_len},
@@ -195,10 +203,32 @@ def main(cfg: Config) -> dict:
             "tune": {arm: {str(lr): v for lr, v in t.items()} for arm, t in tune.items()},
             "lr": {arm: chosen[TUNED_BY[arm]] for arm in TUNED_BY} | ({"scratch": cfg.pretrain_lr} if cfg.scratch
                                                                         else {}),
-            "seeds": runs, "wall_s": time.perf_counter() - t_start}
+            "seeds": {s: runs[s] for s in cfg.seeds}, "wall_s": sum(r["wall_s"] for r in runs.values())}
   if not cfg.smoke:
     write(cfg, result)
+    os.remove(os.path.join(cfg.out, PARTIAL))
   return result
+
+
+def resume(cfg: Config) -> dict:
+  """What an interrupted full run with the same config finished (OUT/partial.json): its seeds' runs and the lr
+  tuning; nothing for a smoke run or another config."""
+  path = os.path.join(cfg.out, PARTIAL)
+  empty = {"runs": {}, "tune": {}, "chosen": {}}
+  if cfg.smoke or not os.path.exists(path):
+    return empty
+  with open(path) as f:
+    p = json.load(f)
+  if p["config"] != json.loads(json.dumps(dataclasses.asdict(cfg))):
+    return empty
+  return {"runs": {int(s): r for s, r in p["runs"].items()}, "chosen": p["chosen"],
+          "tune": {a: {float(lr): v for lr, v in t.items()} for a, t in p["tune"].items()}}
+
+
+def save_partial(cfg: Config, runs: dict, tune: dict, chosen: dict):
+  os.makedirs(cfg.out, exist_ok=True)
+  with open(os.path.join(cfg.out, PARTIAL), "w") as f:
+    json.dump({"config": dataclasses.asdict(cfg), "runs": runs, "tune": tune, "chosen": chosen}, f, default=float)
 
 
 def paired(result: dict, arm: str, key: str = "final", base: str = "dense") -> tuple[float, float]:
