@@ -11,7 +11,7 @@ or even surpasses" end-to-end training while most of the compute runs on cheap d
 Setup. One shared initialisation per seed: an MoE of the `tiny` backbone (d 64, 2 layers, GQA 4/2 heads) with
 E = 4 SwiGLU experts of width F = 64 per layer, softmax router, top-2 renormalised over the selected pair
 (LLaMA-MoE's gating), Switch load-balancing and z losses, capacity E/k (every expert has a slot for every token:
-no token is ever dropped). Training data: a fixed pool of P windows drawn from the built-in byte corpus (train
+no token is ever dropped). Training data: a fixed pool of 4096 windows drawn from the built-in byte corpus (train
 split); every arm samples its batches (16 × 64 bytes) from this pool. Arms, at equal training tokens N·16·64
 (N = `steps`; a token is one input position of one training batch, every phase counted):
   e2e:           the MoE trained end to end for N steps;
@@ -38,6 +38,8 @@ Honest means: equal tokens, the held-out split, seeds 0-2 (init, pool, clusterin
 learning-rate tuning for every arm: AdamW (weight decay 0.1, clip 1.0) with each phase on the CLI's schedule
 (10% warmup, cosine to 0.1x over that phase), peak lr picked from `lrs` by seed 0's final validation loss per arm
 (the S- and G-phase share it), then every seed at that lr. Negative results are reported as they come.
+
+Shapes: N windows, T window length, V vocab, D d_model, E experts (= clusters), F expert width, L layers.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Config:
   smoke: bool = False
   out: str = "research/results/moe_disco"
   seeds: tuple[int, ...] = (0, 1, 2)
-  lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+  lrs: tuple[float, ...] = (3e-3, 1e-2, 3e-2)
   """AdamW peak learning rates tried for every arm with the first seed; every seed then runs at the arm's best."""
   num_experts: int = 4
   top_k: int = 2
@@ -380,7 +382,7 @@ def main(cfg: Config) -> dict:
 
 def _main(cfg: Config) -> dict:
   n = sizes(cfg)
-  E, t0 = cfg.num_experts, time.time()
+  E, t0, cpu0 = cfg.num_experts, time.time(), time.process_time()
   tokens, val = common.corpus_and_val(cfg.batch_size, cfg.seq_len, cfg.val_batches)
   val_x = np.concatenate([x for x, _ in val])
   c = moe_config(cfg)
@@ -437,7 +439,7 @@ def _main(cfg: Config) -> dict:
         rec["arms"][arm].update(specialization=spec, sub_final=r["sub_final"],
                                 gap=specialization_gap(np.array(spec, dtype=float)))
     result["seeds"][seed] = rec
-  result["wall_s"] = time.time() - t0
+  result["wall_s"], result["cpu_s"] = time.time() - t0, time.process_time() - cpu0
   if not cfg.smoke:
     write(cfg, result)
   return result
@@ -477,11 +479,13 @@ def tables(result: dict) -> list[str]:
            f"Seeds {', '.join(map(str, seeds))}: mean ± std (ddof 1); paired = this arm minus end-to-end, per seed.",
            "", "| arm | lr (best on seed 0) | final val loss | paired vs end-to-end | S-phase submodels' mean val "
            "| val at merge (S-phase tokens only) | specialisation gap |", "|---|---|---|---|---|---|---|"]
+  lrs = [float(lr) for lr in result["tune"]["e2e"]]
   for arm in ARMS:
     d = "–" if arm == "e2e" else "{:+.4f} ± {:.4f} ({})".format(*paired(result, arm, "e2e"))
-    lines.append(f"| {LABELS[arm]} | {result['best_lr'][arm]:g} | {_ms(sm[arm]['final'])} | {d} "
+    lr = result["best_lr"][arm]
+    edge = " (grid edge)" if len(lrs) > 1 and lr in (min(lrs), max(lrs)) else ""
+    lines.append(f"| {LABELS[arm]} | {lr:g}{edge} | {_ms(sm[arm]['final'])} | {d} "
                  f"| {_ms(sm[arm]['sub_mean'])} | {_ms(sm[arm]['merge_val'])} | {_ms(sm[arm]['gap'], 3)} |")
-  lrs = list(result["tune"]["e2e"])
   lines += ["", "Learning-rate grid (seed 0, final val loss):", "", "| arm | " + " | ".join(f"lr {lr}" for lr in lrs)
             + " |", "|---|" + "---|" * len(lrs)]
   lines += [f"| {LABELS[a]} | " + " | ".join(f"{v:.4f}" for v in t.values()) + " |" for a, t in result["tune"].items()]
@@ -493,6 +497,9 @@ def tables(result: dict) -> list[str]:
     cells = [s0["arms"][a]["per_cluster"][j] for a in ARMS[:3]] + [s0["arms"]["disco"]["specialization"][j][j]]
     lines.append(f"| {j} | {size} | {vsize} | {desc} | " + " | ".join("–" if v is None else f"{v:.4f}" for v in cells)
                  + " |")
+  if "wall_s" in result:
+    lines += ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a shared, busy 2-core machine; "
+              f"{result['cpu_s']:.0f} s of CPU in this process (all threads). Plot: `val_loss.png`."]
   return lines
 
 
