@@ -280,10 +280,10 @@ def write_results(cfg: SweepConfig, rows: list[dict]):
 
 
 def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6.5, 4))
+  # Figure objects without pyplot: no backend is chosen or changed (a notebook keeps its inline one)
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(6.5, 4))
+  ax = fig.subplots()
   for s in summary:
     steps, losses = zip(*s["curve"])
     line, = ax.plot(steps, losses, label=f"{s['label']} (lr {s['best_lr']:g})")
@@ -293,8 +293,8 @@ def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(cfg.out, "curves.png"), dpi=120)
-  plt.close(fig)
-  fig, ax = plt.subplots(figsize=(6.5, 4))
+  fig = Figure(figsize=(6.5, 4))
+  ax = fig.subplots()
   ok = [r for r in rows if not r["diverged"]]
   for label in dict.fromkeys(r["label"] for r in ok):
     lrs = sorted({r["lr"] for r in ok if r["label"] == label})
@@ -304,7 +304,6 @@ def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(cfg.out, "lr.png"), dpi=120)
-  plt.close(fig)
 
 
 def main(argv=None):
