@@ -32,7 +32,8 @@ Setup: `moe_tiny` (d_model 64, 2 layers, E=8 SwiGLU experts of width 32, top-2, 
 the byte-level stdlib corpus, equal tokens for every arm (steps × batch × seq_len = 200 × 8 × 64 = 102,400
 predicted training tokens per run, the same batches for the same seed; top-2 routing gives every arm the same
 number of expert assignments), held-out loss on 8 fixed batches of the val split. Each arm's peak lr is tuned on
-the same grid {1e-2, 3e-2, 1e-1} with seed 0, then run with seeds 1, 2 at its best lr (the seed-0 run reused).
+the same grid {1e-2, 3e-2, 1e-1} with seed 0, plus one lr past the edge (×3 or ÷3) for an arm whose best sits on
+it, then run with seeds 1, 2 at its best lr (the seed-0 run reused); one lr per arm serves all its groups.
 
 Measured per step, inside the jitted step (`common.fit(metrics=...)`): every expert's direction
 d = −u/lr_t − wd·W (the update u = −lr_t·(d + wd·W) with the learning rate and decay removed), its RMS over the
@@ -83,6 +84,7 @@ class Config:
   seq_len: int = 64
   seeds: tuple[int, ...] = (0, 1, 2)
   lrs: tuple[float, ...] = (1e-2, 3e-2, 1e-1)
+  extend_edge: bool = True  # one more lr (×3 or ÷3) for an arm whose best sits on the grid's edge
   arms: tuple[str, ...] = ARMS
   fallback_lr: float = 0.02  # adam_at_muon_lr: the experts' Adam lr (Keller/optax Muon default)
   weight_decay: float = 0.1
@@ -303,6 +305,7 @@ def summarize_run(records: list[dict], arm: str, lr: float, cfg: Config, n_elem:
     gnorm.append(np.sqrt(np.asarray(r["g2_LE"], np.float64)))
   rms_TLE, load_TLE, g_TLE = np.stack(rms), np.stack(load), np.stack(gnorm)
   lo, hi = np.quantile(load_TLE, [0.1, 0.9])
+  zero = load_TLE == 0  # experts the router sent no token this step: their update is momentum alone
   val_curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
   return {"final_val_loss": val_curve[-1][1], "val_curve": val_curve, "loss": losses, "spikes": spikes,
           "max_jump": max_jump,
@@ -310,9 +313,21 @@ def summarize_run(records: list[dict], arm: str, lr: float, cfg: Config, n_elem:
           "rms_E": rms_TLE.mean(axis=(0, 1)).tolist(), "load_E": load_TLE.mean(axis=(0, 1)).tolist(),
           "rms_rare": float(rms_TLE[load_TLE <= lo].mean()), "rms_busy": float(rms_TLE[load_TLE >= hi].mean()),
           "load_rare": float(load_TLE[load_TLE <= lo].mean()), "load_busy": float(load_TLE[load_TLE >= hi].mean()),
+          "zero_frac": float(zero.mean()), "rms_zero": float(rms_TLE[zero].mean()) if zero.any() else math.nan,
           "corr_load_rms": float(np.corrcoef(load_TLE.ravel(), rms_TLE.ravel())[0, 1]),
           "corr_gnorm_rms": float(np.corrcoef(g_TLE.ravel(), rms_TLE.ravel())[0, 1]),
           "scatter": [load_TLE[::5].ravel().round(5).tolist(), rms_TLE[::5].ravel().round(5).tolist()]}
+
+
+def past_edge(val_by_lr: dict, factor: float = 3.0) -> float | None:
+  """The lr to add when the best of ≥ 2 tried lrs (lr -> val loss, inf if diverged) is the largest (×factor) or
+  the smallest (÷factor); None when it is interior, or nothing converged."""
+  finite = {lr: v for lr, v in val_by_lr.items() if np.isfinite(v)}
+  if len(val_by_lr) < 2 or not finite:
+    return None
+  best = min(finite, key=finite.get)
+  edge = best * factor if best == max(val_by_lr) else best / factor if best == min(val_by_lr) else None
+  return None if edge is None else float(f"{edge:.3g}")
 
 
 def run_arm(arm: str, lr: float, seed: int, cfg: Config, tokens, val) -> dict:
@@ -342,11 +357,14 @@ def main(cfg: Config) -> dict:
     raise MuonMoEError(f"model {cfg.model!r} has no experts; use an MoE preset such as moe_tiny")
   tokens, val = common.corpus_and_val(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
   t0, cpu0 = time.perf_counter(), time.process_time()
+  score = lambda r: math.inf if r["diverged"] else r["final_val_loss"]
   with compile_once():
     runs = [run_arm(arm, lr, cfg.seeds[0], cfg, tokens, val) for arm in cfg.arms for lr in cfg.lrs]
-    best = {arm: min((r for r in runs if r["arm"] == arm), key=lambda r: r["final_val_loss"] if not r["diverged"]
-                     else math.inf)["lr"]
-            for arm in cfg.arms}
+    for arm in cfg.arms:
+      edge = past_edge({r["lr"]: score(r) for r in runs if r["arm"] == arm}) if cfg.extend_edge else None
+      if edge is not None:
+        runs.append(run_arm(arm, edge, cfg.seeds[0], cfg, tokens, val))
+    best = {arm: min((r for r in runs if r["arm"] == arm), key=score)["lr"] for arm in cfg.arms}
     runs += [run_arm(arm, best[arm], seed, cfg, tokens, val) for arm in cfg.arms for seed in cfg.seeds[1:]]
   E, d, f = c.moe.num_experts, c.d_model, c.moe.d_expert or c.d_ff
   arms = {}
@@ -357,7 +375,8 @@ def main(cfg: Config) -> dict:
                  "spikes": sum(r["spikes"] for r in rs), "max_jump": float(np.nanmax([r["max_jump"] for r in rs])),
                  "rms": stat("rms_mean"), "rms_spread": stat("rms_std_over_experts"),
                  "rms_rare": stat("rms_rare"), "rms_busy": stat("rms_busy"), "load_rare": stat("load_rare"),
-                 "load_busy": stat("load_busy"), "corr_load_rms": stat("corr_load_rms"),
+                 "load_busy": stat("load_busy"), "rms_zero": stat("rms_zero"), "zero_frac": stat("zero_frac"),
+                 "corr_load_rms": stat("corr_load_rms"), "val_by_seed": [r["final_val_loss"] for r in rs],
                  "corr_gnorm_rms": stat("corr_gnorm_rms"), "predicted_rms": predicted_rms(arm, E, d, f),
                  "grid_spikes": sum(r["spikes"] for r in runs if r["arm"] == arm)}
   settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
@@ -405,14 +424,16 @@ def plot(result: dict):
 def table(result: dict) -> list[str]:
   f = lambda ms, p=4: f"{ms[0]:.{p}f} ± {ms[1]:.{p}f}"
   lines = ["| arm | best lr | final val loss | spikes (best lr / grid) | max jump | expert RMS (measured) | "
-           "predicted | RMS rare / busy experts (load) | corr(load, RMS) | corr(‖g_e‖, RMS) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "predicted | RMS rare / busy experts (load) | RMS of zero-token experts (share) | corr(load, RMS) | "
+           "corr(‖g_e‖, RMS) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for arm, a in result["arms"].items():
     pred = "—" if a["predicted_rms"] is None else f"{a['predicted_rms']:.4f}"
     rare, busy = a["rms_rare"][0], a["rms_busy"][0]
     lines.append(f"| {arm} | {a['best_lr']:g} | {f(a['val'])} | {a['spikes']} / {a['grid_spikes']} | "
                  f"{a['max_jump']:.2f} | {f(a['rms'])} | {pred} | {rare:.4f} / {busy:.4f} = {rare / busy:.2f}× "
-                 f"({a['load_rare'][0]:.3f} / {a['load_busy'][0]:.3f}) | {f(a['corr_load_rms'], 2)} | "
+                 f"({a['load_rare'][0]:.3f} / {a['load_busy'][0]:.3f}) | {a['rms_zero'][0]:.4f} "
+                 f"({a['zero_frac'][0]:.1%}) | {f(a['corr_load_rms'], 2)} | "
                  f"{f(a['corr_gnorm_rms'], 2)} |")
   lines += ["", "| arm | lr | seed | final val loss | spikes | max jump | expert RMS |",
             "|---|---|---|---|---|---|---|"]
@@ -430,9 +451,16 @@ def findings(result: dict) -> list[str]:
   ranked = sorted(a, key=lambda k: a[k]["val"][0])
   best = a[ranked[0]]["val"]
   near = [k for k in ranked[1:] if a[k]["val"][0] - best[0] < 2 * math.hypot(a[k]["val"][1], best[1])]
+  paired = []
+  for k in ranked[1:]:  # same seed = same init and batches: differences paired by seed
+    diff = np.subtract(a[k]["val_by_seed"], a[ranked[0]]["val_by_seed"])
+    m, sd = common.mean_std(diff)
+    paired.append(f"{k} +{m:.3f} ± {sd:.3f} (higher in {int(np.sum(diff > 0))}/{len(diff)})")
+  others = [a[k]["val"][0] for k in ranked[1:]]
   out = [f"Reading: final val loss ({n} seeds, each arm at its best lr): "
          + ", ".join(f"{k} {a[k]['val'][0]:.3f} ± {a[k]['val'][1]:.3f}" for k in ranked)
-         + f". Within 2 pooled std of the lowest ({ranked[0]}): {', '.join(near) or 'none'}."]
+         + f". {ranked[0]} is lowest; paired by seed, the others are " + ", ".join(paired)
+         + (f"; they span {max(others) - min(others):.3f} among themselves." if others else ".")]
   runs = result["runs"]
   worst = max(runs, key=lambda r: r["max_jump"] if np.isfinite(r["max_jump"]) else -math.inf)
   spikes = sum(r["spikes"] for r in runs)
@@ -458,12 +486,14 @@ def findings(result: dict) -> list[str]:
                + ".")
   ratio = lambda k: a[k]["rms_rare"][0] / a[k]["rms_busy"][0]
   k0 = next(iter(a))
+  assignments = st["batch_size"] * st["seq_len"] * 2  # top-2
+  zero = ", ".join(f"{k} {a[k]['rms_zero'][0]:.3f}" for k in a if np.isfinite(a[k]["rms_zero"][0]))
   out.append(f"Reading: rarely-routed experts (each run's lowest load decile; {k0}: mean load "
-             f"{a[k0]['load_rare'][0]:.3f} vs {a[k0]['load_busy'][0]:.3f} in the busiest decile, uniform "
-             f"{1 / result['shape']['E']:.3f}) get "
-             + ", ".join(f"{k} {ratio(k):.2f}×" for k in a)
-             + " the busiest experts' update RMS; corr(‖g_e‖, RMS): "
-             + ", ".join(f"{k} {a[k]['corr_gnorm_rms'][0]:+.2f}" for k in a) + ".")
+             f"{a[k0]['load_rare'][0]:.3f}, ≈ {a[k0]['load_rare'][0] * assignments:.0f} of {assignments} top-2 "
+             f"assignments, vs {a[k0]['load_busy'][0]:.3f} in the busiest decile) get "
+             + ", ".join(f"{k} {ratio(k):.2f}×" for k in a) + " the busiest experts' update RMS"
+             + (f"; experts that got no token at all in a step ({a[k0]['zero_frac'][0]:.1%} of {k0}'s expert-steps) "
+                f"still moved by RMS {zero}" if zero else "") + ".")
   return out
 
 

@@ -264,6 +264,16 @@ def test_count_spikes_on_a_hand_made_curve():
   assert mm.count_spikes(decreasing, 50, 1.5)[0] == 0
 
 
+def test_past_edge_extends_the_grid_only_at_a_best_edge():
+  inf = math.inf
+  assert mm.past_edge({0.01: 2.2, 0.03: 2.16, 0.1: 2.13}) == 0.3
+  assert mm.past_edge({0.01: 2.1, 0.03: 2.16, 0.1: 2.2}) == 0.00333
+  assert mm.past_edge({0.01: 2.2, 0.03: 2.1, 0.1: 2.3}) is None
+  assert mm.past_edge({0.01: 2.2, 0.03: 2.1, 0.1: inf}) is None  # a diverged top edge is no reason to go higher
+  assert mm.past_edge({0.01: 2.2, 0.03: inf}) == 0.00333
+  assert mm.past_edge({0.01: 2.2}) is None and mm.past_edge({0.01: inf, 0.03: inf}) is None
+
+
 def test_direction_rms_removes_lr_and_decay():
   rng = np.random.default_rng(5)
   d, W = rng.standard_normal((2, 4, 30)), rng.standard_normal((2, 4, 30))
