@@ -46,6 +46,7 @@ from flax import nnx
 
 from models import Transformer, count_params, preset
 from models.config import TransformerConfig
+from optim import block_index
 from research.experiments import common
 from research.sweep import SweepConfig, run_grid
 from research.train import TrainConfig
@@ -182,6 +183,19 @@ def frozen_head_floor(params: dict, c: TransformerConfig) -> tuple[float, float]
 
 # ---- training ----------------------------------------------------------------------------------------------------
 
+def embedding_turns(num_blocks: int, switch_every: int, steps: int) -> list[tuple[int, int]]:
+  """(first, last) step (1-based update numbers) of each turn of block 0 — the embedding block of the `badam`
+  contender — in BAdam's descending order (`optim.block_index`)."""
+  active = [int(block_index(t, num_blocks, switch_every=switch_every)) == 0 for t in range(steps)]
+  turns = []
+  for t, on in enumerate(active, 1):
+    if on and (t == 1 or not active[t - 2]):
+      turns.append([t, t])
+    elif on:
+      turns[-1][1] = t
+  return [tuple(x) for x in turns]
+
+
 def best_lr(rows: list[dict]) -> dict[str, float]:
   """Per sweep label, the lr with the lowest mean final val loss over its seeds (a diverged run counts as inf)."""
   by: dict[str, dict[float, list[float]]] = {}
@@ -241,6 +255,8 @@ def main(cfg: Config) -> dict:
     def sweep(grid, seeds):  # one directory: the second sweep skips the runs the first one finished
       return run_grid(SweepConfig(grid=grid, seeds=seeds, baseline="adamw", out=work, train=tc))
 
+    runs_dir = os.path.join(work, "runs")  # the sweep's; run directories already there are resumed or skipped
+    resumed = sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []
     tuning = sweep(_grid({label: cfg.lrs for label in names.values()}), (cfg.seeds[0],))
     shutil.copy(os.path.join(work, "lr.png"), os.path.join(tmp, "lr.png"))  # the next sweep overwrites it
     best = best_lr(tuning)
@@ -253,7 +269,8 @@ def main(cfg: Config) -> dict:
                            "devices": len(jax.devices()), "tokens_per_run": cfg.steps * cfg.batch_size * cfg.seq_len,
                            "labels": names, "badam_hparams": BADAM_HP},
               "bytes": bytes_rows(cfg), "tuning": tuning, "best_lr": {k: best[v] for k, v in names.items()},
-              "runs": runs, "summary": summarize(runs, final),
+              "runs": runs, "summary": summarize(runs, final), "resumed": resumed,
+              "embedding_turns": embedding_turns(cfg.n_layers + 1, cfg.switch_every, cfg.steps),
               "badam_ref": {"best": min(ref, key=lambda r: r["final_val_loss"]), "logit_bound": bound,
                             "loss_floor": floor}}
     result["wall_s"], result["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
@@ -356,12 +373,20 @@ def findings(result: dict) -> list[str]:
                f"{a['final_std']:.3f}: {'worse' if b['diff_mean'] > 0 else 'better'} by {abs(b['diff_mean']):.3f}"
                f"{strength}. Tokens/s {b['tokens_per_s']:.0f} vs {a['tokens_per_s']:.0f} (a busy shared machine; "
                "both run the full backward pass, so no speed-up is expected).")
+    turns, (s0, b0, a0) = result.get("embedding_turns") or [], (b["steps"][0], b["curve_mean"][0], a["curve_mean"][0])
+    after = [(step, y - x) for step, x, y in zip(b["steps"], a["curve_mean"], b["curve_mean"])
+             if turns and step > turns[0][1]]
+    if after:
+      out.append(f"Reading: at step {s0} BAdam's val loss is still {b0:.2f} (AdamW {a0:.2f}): in descending order "
+                 f"the embedding block's first turn is steps {turns[0][0]}–{turns[0][1]}. After it the gap to AdamW "
+                 f"is {after[0][1]:.2f} at step {after[0][0]} and {after[-1][1]:.2f} at step {after[-1][0]}; each of "
+                 f"the {st['n_layers'] + 1} blocks gets 1/{st['n_layers'] + 1} of the updates.")
   ref = result["badam_ref"]
   if not ref["best"].get("diverged"):
     out.append(f"Reading: the reference default (embedding and final norm frozen) reaches only "
                f"{ref['best']['final_val_loss']:.3f} at its best lr {ref['best']['lr']:g}: from random init the frozen "
                f"tied head keeps every logit within ±{ref['logit_bound']:.2f}, so no training of the layers can take "
-               f"the loss below {ref['loss_floor']:.2f}; the default suits fine-tuning a trained model, not this.")
+               f"the loss below {ref['loss_floor']:.2f}. The default presumes a trained embedding (fine-tuning).")
   lrs = result["settings"]["lrs"]
   edge = [TITLES[k] for k in ("adamw", "badam") if len(lrs) > 1 and result["best_lr"][k] in (min(lrs), max(lrs))]
   if edge:
@@ -369,13 +394,16 @@ def findings(result: dict) -> list[str]:
   return out
 
 
-def write(cfg: Config, result: dict, lr_png: str):
+def write(cfg: Config, result: dict, lr_png: str, cmd: str | None = None):
   import matplotlib.pyplot as plt
+  prior = (f" It resumed {len(result['resumed'])} run directories that an earlier, interrupted invocation left "
+           "(finished runs are skipped, a partial one continues from its checkpoint); their time is not counted."
+           if result.get("resumed") else "")
   table = tables(result) + ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a shared, busy 2-core "
-                            f"machine; {result['cpu_s']:.0f} s of CPU in this process (all threads). Plots: "
+                            f"machine; {result['cpu_s']:.0f} s of CPU in this process (all threads).{prior} Plots: "
                             "`badam.png` (val curves, state bytes), `lr.png` (the lr grid at the first seed)."]
   common.write_results(cfg.out, NAME, QUESTION, table, findings=findings(result), settings=result["settings"],
-                       data=result)
+                       data=result, cmd=cmd)
   fig = plot(result)
   fig.savefig(os.path.join(cfg.out, "badam.png"), dpi=120)
   plt.close(fig)

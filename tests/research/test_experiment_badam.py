@@ -96,6 +96,13 @@ def test_frozen_head_floor_bounds_the_models_logits():
   assert floor == pytest.approx(-(best[0] - np.log(np.exp(best).sum())), rel=1e-9)
 
 
+def test_embedding_turns_follow_the_reference_switch_timing():
+  # K = 8, 7 blocks, descending from block 6: the j-th switch happens after update 8(j+1) − 1 (the first block runs
+  # K − 1 updates), block 0 is active for j ≡ 6 (mod 7), i.e. updates 8·6 .. 8·7 − 1 = 48 .. 55, then every 56
+  assert badam.embedding_turns(7, 8, 200) == [(48, 55), (104, 111), (160, 167)]
+  assert badam.embedding_turns(3, 1, 7) == [(3, 3), (6, 6)]  # K = 1: a new block every update, 2, 1, 0, 2, 1, 0, 2
+
+
 def _row(label, lr, seed, final, diverged=False, curve=None):
   return {"label": label, "lr": lr, "seed": seed, "final_val_loss": math.inf if diverged else final,
           "tokens_per_s": 100.0 + seed, "diverged": diverged, "curve": curve or [(5, final + 1), (10, final)]}
