@@ -76,7 +76,7 @@ class Config:
   smoke: bool = False
   out: str = "research/results/moe_disco"
   seeds: tuple[int, ...] = (0, 1, 2)
-  lrs: tuple[float, ...] = (3e-3, 1e-2, 3e-2)
+  lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
   """AdamW peak learning rates tried for every arm with the first seed; every seed then runs at the arm's best."""
   num_experts: int = 4
   top_k: int = 2
