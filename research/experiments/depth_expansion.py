@@ -217,7 +217,7 @@ def main(cfg: Config) -> dict:
             "steps": {"pretrain": cfg.pretrain_steps, "continue": cfg.continue_steps},
             "tokens": {"continue": cfg.continue_steps * tokens,
                        "total": (cfg.pretrain_steps + cfg.continue_steps) * tokens},
-            "runs": runs, "wall_s": sum(r["wall_s"] for by_seed in runs.values() for r in by_seed.values())}
+            "runs": runs, "timing": {"wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time()}}
   if not cfg.smoke:
     write(cfg, result)
     os.remove(os.path.join(cfg.out, PARTIAL))
@@ -306,7 +306,14 @@ def tables(result: dict) -> list[str]:
               f"{_ms(result, n, lambda r: r['arms']['expanded']['new_out_norm'])[0]:.3g} / "
               f"{_ms(result, n, lambda r: r['arms']['expanded']['old_out_norm'])[0]:.3g}"]
     lines.append("| " + " | ".join(cells) + " |")
-  return lines
+  return lines + _timing(result)
+
+
+def _timing(result: dict) -> list[str]:
+  t = result.get("timing")
+  return [] if not t else [
+      "", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU (the whole process) on the shared 2-core VM"
+      + (f" {t['note']}" if t.get("note") else "") + "."]
 
 
 def findings(result: dict) -> list[str]:
@@ -337,17 +344,32 @@ def findings(result: dict) -> list[str]:
       m, s = gain(result, n, "expanded", "scratch")
       parts.append(f"n = {_size(next(iter(by_seed.values())))}: {m:+.4f} ± {s:.4f}")
     lines.append("Reading: expanded − (L+1)-block model from scratch on the same N + T steps: " + "; ".join(parts)
-                 + ".")
+                 + ". Recipes differ too: scratch runs one warmup + cosine over N + T steps, the expanded model two "
+                 "(phase 1 decays to 0.1x by step N, phase 2 warms up again).")
+  means = {n: gain(result, n) for n in result["runs"]}
+  spread = max(m for m, _ in means.values()) - min(m for m, _ in means.values())
+  noise = 2 * max(s for _, s in means.values())
+  gap = {n: _ms(result, n, lambda r: r["arms"]["continued"]["final"] - r["arms"]["continued"]["train_tail"])[0]
+         for n in result["runs"]}
+  sizes = list(result["runs"])
+  lines.append(
+      f"Reading: the gain {'does not change' if spread <= noise else 'changes'} with n beyond seed noise (spread of "
+      f"the means {spread:.4f}, 2 std {noise:.4f}), although the smallest set is overfit: val − train loss of the "
+      f"continued model {gap[sizes[0]]:+.3f} at n = {_size(_seeds(result, sizes[0])[0])} vs {gap[sizes[-1]]:+.3f} at "
+      f"n = {_size(_seeds(result, sizes[-1])[0])}.")
   return lines
 
 
 def plot(result: dict):
+  """Top: val loss against step per data size (mean ± std over seeds); bottom: the per-seed gain curve."""
   import matplotlib.pyplot as plt
   sizes = list(result["runs"])
   N = result["steps"]["pretrain"]
   colors = {"continued": "k", "expanded": "C0", "scratch": "C3"}
-  fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes), 4), squeeze=False)
-  for ax, n in zip(axes[0], sizes):
+  fig, axes = plt.subplots(2, len(sizes), figsize=(4.6 * len(sizes), 6.4), squeeze=False, sharex=True,
+                           gridspec_kw={"height_ratios": [2, 1]})
+  for col, n in enumerate(sizes):
+    ax, bx = axes[0][col], axes[1][col]
     rs = _seeds(result, n)
     x, y = _band([r["pretrain_curve"] for r in rs])
     ax.plot(x, y.mean(0), ":", color="gray", label="phase 1 (L blocks)")
@@ -358,14 +380,21 @@ def plot(result: dict):
       m, sd = y.mean(0), y.std(0)
       ax.plot(x, m, "-o", ms=3, color=colors[arm], alpha=0.5 if arm == "scratch" else 1, label=LABELS[arm])
       ax.fill_between(x, m - sd, m + sd, color=colors[arm], alpha=0.15)
-    ax.axvline(N, color="gray", ls=":", lw=1)
+    x, cont = _band([r["arms"]["continued"]["curve"] for r in rs])
+    d = _band([r["arms"]["expanded"]["curve"] for r in rs])[1] - cont
+    bx.plot(x, d.T, color="C0", alpha=0.3, lw=1)
+    bx.plot(x, d.mean(0), "-o", ms=3, color="C0")
+    bx.axhline(0, color="k", lw=0.8)
+    for a in (ax, bx):
+      a.axvline(N, color="gray", ls=":", lw=1)
     g = gain(result, n)
-    ax.set(title=f"n = {rs[0]['n']:,} bytes: gain {g[0]:+.3f} ± {g[1]:.3f}", xlabel="step (insertion at the line)",
-           ylabel="val loss (nats/byte)")
+    ax.set(title=f"n = {rs[0]['n']:,} bytes: gain {g[0]:+.3f} ± {g[1]:.3f}", ylabel="val loss (nats/byte)")
+    bx.set(xlabel="step (insertion at the line)", ylabel="expanded − continued")
     tail = [v for r in rs for a in r["arms"].values() for _, v in a["curve"][1:]]
     ax.set_ylim(min(tail) - 0.1, max(tail) + 0.3)
   axes[0][0].legend(fontsize=8)
-  fig.suptitle(f"depth expansion vs continued training ({len(_seeds(result, sizes[0]))} seeds, mean ± std)")
+  fig.suptitle(f"depth expansion vs continued training ({len(_seeds(result, sizes[0]))} seeds: mean ± std; "
+               "bottom: per seed and mean)")
   fig.tight_layout()
   return fig
 

@@ -203,7 +203,8 @@ def main(cfg: Config) -> dict:
             "tune": {arm: {str(lr): v for lr, v in t.items()} for arm, t in tune.items()},
             "lr": {arm: chosen[TUNED_BY[arm]] for arm in TUNED_BY} | ({"scratch": cfg.pretrain_lr} if cfg.scratch
                                                                         else {}),
-            "seeds": {s: runs[s] for s in cfg.seeds}, "wall_s": sum(r["wall_s"] for r in runs.values())}
+            "seeds": {s: runs[s] for s in cfg.seeds},
+            "timing": {"wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time()}}
   if not cfg.smoke:
     write(cfg, result)
     os.remove(os.path.join(cfg.out, PARTIAL))
@@ -272,7 +273,10 @@ def tables(result: dict) -> list[str]:
   lines += ["", f"Continued-training lr grid (seed {seeds[0]}, final val loss after T steps):", "",
             "| arm | " + " | ".join(f"lr {lr}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
   lines += [f"| {LABELS[a]} | " + " | ".join(f"{v:.4f}" for v in t.values()) + " |" for a, t in grid.items()]
-  return lines
+  t = result.get("timing")
+  return lines + ([] if not t else [
+      "", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU (the whole process) on the shared 2-core VM"
+      + (f" {t['note']}" if t.get("note") else "") + "."])
 
 
 def _agree(result: dict, arm: str, base: str = "dense") -> str:

@@ -57,9 +57,9 @@ def test_smoke_arms_see_equal_tokens_and_learn(result):
 def test_smoke_tables_findings_and_plot(result):
   lines = de.tables(result)
   assert sum(line.startswith("| 4,096 |") for line in lines) == 2
-  assert len(de.findings(result)) == 4
+  assert len(de.findings(result)) == 5
   fig = de.plot(result)
-  assert len(fig.axes) == 1 and fig.axes[0].lines
+  assert len(fig.axes) == 2 and all(ax.lines for ax in fig.axes)
 
 
 def test_subset_takes_evenly_spaced_chunks():
