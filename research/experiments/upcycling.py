@@ -308,8 +308,17 @@ def findings(result: dict) -> list[str]:
   if "scratch" in next(iter(result["seeds"].values()))["arms"]:
     d = common.mean_std([r["arms"]["random"]["final"] - r["arms"]["scratch"]["final"]
                          for r in result["seeds"].values()])
+    ahead = sum(r["arms"]["random"]["final"] < r["arms"]["scratch"]["final"] for r in result["seeds"].values())
     lines.append(f"Reading: the upcycled MoE (random) − the same MoE trained from scratch on the same N+T steps' "
-                 f"tokens: {_pm(d, True)}" + (" — upcycling is ahead." if d[0] < 0 else " — scratch is ahead."))
+                 f"tokens: {_pm(d, True)} (upcycled lower in {ahead} of {len(result['seeds'])} seeds); the scratch "
+                 f"MoE runs at the untuned pretraining lr {result['lr']['scratch']:g}"
+                 + (", below the continued arms' tuned one, so this comparison may favour upcycling."
+                    if result["lr"]["scratch"] < result["lr"]["random"] else "."))
+  grid = [float(lr) for lr in next(iter(result["tune"].values()))]
+  edge = [a for a, t in result["tune"].items() if float(min(t, key=t.get)) in (min(grid), max(grid))]
+  if edge and len(grid) > 1:
+    lines.append(f"Reading: the tuned continued-training lr sits at the grid's edge for {', '.join(edge)}: a wider "
+                 "grid could lower those arms' losses (both arms share the grid and the edge).")
   return lines
 
 
