@@ -273,6 +273,10 @@ def tables(result: dict) -> list[str]:
   lines += ["", f"Continued-training lr grid (seed {seeds[0]}, final val loss after T steps):", "",
             "| arm | " + " | ".join(f"lr {lr}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
   lines += [f"| {LABELS[a]} | " + " | ".join(f"{v:.4f}" for v in t.values()) + " |" for a, t in grid.items()]
+  edge = [LABELS[a] for a, t in grid.items() if float(min(t, key=t.get)) in (min(map(float, lrs)), max(map(float, lrs)))]
+  if edge and len(lrs) > 1:
+    lines += ["", f"The best lr sits at the grid's edge for: {', '.join(edge)}; a wider grid could lower those arms' "
+                  "losses (the arms share the grid)."]
   t = result.get("timing")
   return lines + ([] if not t else [
       "", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU (the whole process) on the shared 2-core VM"
@@ -314,11 +318,6 @@ def findings(result: dict) -> list[str]:
                  f"MoE runs at the untuned pretraining lr {result['lr']['scratch']:g}"
                  + (", below the continued arms' tuned one, so this comparison may favour upcycling."
                     if result["lr"]["scratch"] < result["lr"]["random"] else "."))
-  grid = [float(lr) for lr in next(iter(result["tune"].values()))]
-  edge = [a for a, t in result["tune"].items() if float(min(t, key=t.get)) in (min(grid), max(grid))]
-  if edge and len(grid) > 1:
-    lines.append(f"Reading: the tuned continued-training lr sits at the grid's edge for {', '.join(edge)}: a wider "
-                 "grid could lower those arms' losses (both arms share the grid and the edge).")
   return lines
 
 
