@@ -273,7 +273,8 @@ def tables(result: dict) -> list[str]:
   lines += ["", f"Continued-training lr grid (seed {seeds[0]}, final val loss after T steps):", "",
             "| arm | " + " | ".join(f"lr {lr}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
   lines += [f"| {LABELS[a]} | " + " | ".join(f"{v:.4f}" for v in t.values()) + " |" for a, t in grid.items()]
-  edge = [LABELS[a] for a, t in grid.items() if float(min(t, key=t.get)) in (min(map(float, lrs)), max(map(float, lrs)))]
+  ends = (min(map(float, lrs)), max(map(float, lrs)))
+  edge = [LABELS[a] for a, t in grid.items() if float(min(t, key=t.get)) in ends]
   if edge and len(lrs) > 1:
     lines += ["", f"The best lr sits at the grid's edge for: {', '.join(edge)}; a wider grid could lower those arms' "
                   "losses (the arms share the grid)."]
