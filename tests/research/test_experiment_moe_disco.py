@@ -50,7 +50,7 @@ def test_smoke_runs_every_arm_at_equal_tokens_and_learns(smoke):
     assert spec.shape == (E, E)
   # the control partitions the same pool into clusters of the same sizes
   assert rec["random_sizes"] == rec["cluster_sizes"] and sum(rec["cluster_sizes"]) == result["config"]["pool"]
-  assert md.tables(result) and len(md.findings(result)) == 4
+  assert md.tables(result) and len(md.findings(result)) == 5
   fig = md.plot(result)
   assert len(fig.axes) >= 3
 
