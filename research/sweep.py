@@ -279,11 +279,8 @@ def write_results(cfg: SweepConfig, rows: list[dict]):
   _plots(cfg, rows, summary)
 
 
-def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
-  # Figure objects without pyplot: no backend is chosen or changed (a notebook keeps its inline one)
-  from matplotlib.figure import Figure
-  fig = Figure(figsize=(6.5, 4))
-  ax = fig.subplots()
+def draw_curves(ax, summary: list[dict]):
+  """Val loss vs step of each contender at its best lr (`summarize`): the mean over seeds and a min–max band."""
   for s in summary:
     steps, losses = zip(*s["curve"])
     line, = ax.plot(steps, losses, label=f"{s['label']} (lr {s['best_lr']:g})")
@@ -291,6 +288,13 @@ def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
     ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
   ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="each contender at its best lr (min–max over seeds)")
   ax.legend(fontsize=7)
+
+
+def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
+  # Figure objects without pyplot: no backend is chosen or changed (a notebook keeps its inline one)
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(6.5, 4))
+  draw_curves(fig.subplots(), summary)
   fig.tight_layout()
   fig.savefig(os.path.join(cfg.out, "curves.png"), dpi=120)
   fig = Figure(figsize=(6.5, 4))

@@ -31,7 +31,7 @@ import tempfile
 import tyro
 
 from research.experiments.common import write_results
-from research.sweep import SweepConfig, run_grid, summarize
+from research.sweep import SweepConfig, draw_curves, run_grid, summarize
 from research.train import TrainConfig
 
 GRID = ("adamw=3e-4,1e-3,3e-3", "mgup_adamw=3e-4,1e-3,3e-3", "cautious_adamw=3e-4,1e-3,3e-3",
@@ -60,8 +60,9 @@ def main(cfg: Config) -> dict:
   tmp = None
   if cfg.smoke:  # the same two stages on the tiny preset, in a temporary directory
     tmp = tempfile.mkdtemp(prefix="optlab-optimizers-")
+    # on whatever devices the process already has (8 under the tests' conftest), data-parallel
     train = dataclasses.replace(train, model="tiny", steps=8, batch_size=8, seq_len=32, eval_every=4, log_every=4,
-                                eval_batches=2)
+                                eval_batches=2, devices=8, mesh="data=-1")
     grid, seeds = ("adamw=3e-3,1e-2", "muon=1e-2"), (0, 1)
     out, runs = tmp, os.path.join(tmp, "runs")
   else:
@@ -145,13 +146,7 @@ def plot(result: dict):
   """Validation loss vs step of each contender at its best lr (mean over seeds, min–max band)."""
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6.5, 4))
-  for s in result["summary"]:
-    steps, losses = zip(*s["curve"])
-    line, = ax.plot(steps, losses, label=f"{s['label']} (lr {s['best_lr']:g})")
-    _, lo, hi = zip(*s["spread"])
-    ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
-  ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="each optimizer at its best lr")
-  ax.legend(fontsize=7)
+  draw_curves(ax, result["summary"])
   fig.tight_layout()
   return fig
 
