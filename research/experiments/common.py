@@ -16,6 +16,7 @@ import sys
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -48,6 +49,44 @@ def optimizer(name: str, lr: float, steps: int, *, warmup: int | None = None, cl
   warmup = min(100, steps // 10) if warmup is None else warmup
   tx = get_optimizer(name, make_schedule(schedule, lr, steps, warmup=warmup, min_ratio=0.1), **hparams)
   return optax.chain(optax.clip_by_global_norm(clip), tx) if clip > 0 else tx
+
+
+def phase_schedule(count, peak, warmup, steps, min_ratio: float = 0.1):
+  """`optim.make_schedule("cosine", peak, steps, warmup=warmup)` as a jnp function of possibly traced arguments:
+  lr(t) = peak·t/w for t < w, else peak·(r + (1 − r)·(1 + cos(π·min((t − w)/max(S − w, 1), 1)))/2), r = min_ratio."""
+  t = jnp.asarray(count)
+  frac = jnp.clip((t - warmup) / jnp.maximum(steps - warmup, 1), 0, 1)
+  decay = peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac)))
+  return jnp.where(t < warmup, peak * t / jnp.maximum(warmup, 1), decay)
+
+
+def phase_optimizer(lr: float, steps: int, warmup: int | None = None) -> optax.GradientTransformation:
+  """`common.optimizer("adamw", lr, steps)` (clip 1, AdamW, warmup + cosine to 0.1x) with lr, warmup and steps held
+  in the optimizer state (`optax.inject_hyperparams`), not in the program: every phase and lr of one architecture
+  compiles to the same train step, so `common.fit` compiles it once (the persistent cache serves the rest)."""
+  warmup = min(100, steps // 10) if warmup is None else warmup
+
+  def make(peak, warmup, steps):
+    schedule = lambda count: phase_schedule(count, peak, warmup, steps)
+    return optax.chain(optax.clip_by_global_norm(1.0), get_optimizer("adamw", schedule))
+
+  return optax.inject_hyperparams(make)(peak=float(lr), warmup=float(warmup), steps=float(steps))
+
+
+def compile_cache(prefix: str, min_entry_bytes: int | None = 0):
+  """A persistent compilation cache in a fresh temporary folder (unless one is configured), caching every program:
+  each `fit` compiles its own step, and phases with identical programs then hit the cache."""
+  import tempfile
+  if not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix=prefix))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if min_entry_bytes is not None:
+      jax.config.update("jax_persistent_cache_min_entry_size_bytes", min_entry_bytes)
+
+
+def band(curves) -> tuple[np.ndarray, np.ndarray]:
+  """(steps, losses[seed, point]) of per-seed curves that share their steps."""
+  return np.array([p[0] for p in curves[0]], float), np.array([[p[1] for p in c] for c in curves])
 
 
 def split(model: Transformer):
@@ -171,5 +210,5 @@ def mean_std(xs) -> tuple[float, float]:
   return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else 0.0
 
 
-__all__ = ["Fit", "optimizer", "split", "join", "loss_fn", "evaluate", "fit", "corpus_and_val", "commit", "command",
-           "write_results", "tree_bytes", "mean_std"]
+__all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
+           "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "tree_bytes", "mean_std"]

@@ -52,7 +52,6 @@ from models import Transformer, insert_block, preset
 from models.surgery import OUT_PROJECTIONS
 from research.data import get_batch
 from research.experiments import common
-from research.experiments.upcycling import phase_optimizer
 
 ARMS = ("continued", "expanded", "scratch")
 LABELS = {"continued": "continued (L blocks)", "expanded": "expanded (L+1, inserted)",
@@ -163,7 +162,7 @@ def run_one(cfg: Config, train, val, n: int, seed: int) -> dict:
   fit = functools.partial(common.fit, tokens=data, batch_size=B, seq_len=S, seed=seed, val=val)
   c = preset("tiny")
   index = c.n_layers // 2
-  pre = fit(Transformer(c, rngs=nnx.Rngs(seed)), phase_optimizer(cfg.lr, N), steps=N, eval_every=max(N // 4, 1))
+  pre = fit(Transformer(c, rngs=nnx.Rngs(seed)), common.phase_optimizer(cfg.lr, N), steps=N, eval_every=max(N // 4, 1))
   big = insert_block(pre.model, index, seed=seed)
   batches = [get_batch(data, seed, N + i, B, S) for i in range(cfg.grad_batches)]
   g = insertion_grads(big, index, batches)
@@ -178,13 +177,13 @@ def run_one(cfg: Config, train, val, n: int, seed: int) -> dict:
   start = {"continued": pre.model, "expanded": big}
   arms = {}
   for arm, model in start.items():
-    f = fit(model, phase_optimizer(cfg.lr, T), steps=T, start=N, eval_every=cfg.eval_every)
+    f = fit(model, common.phase_optimizer(cfg.lr, T), steps=T, start=N, eval_every=cfg.eval_every)
     arms[arm] = {"curve": [(N, pre.final_val)] + f.curve(), "final": f.final_val, "train_tail": _train_tail(f.records)}
     if arm == "expanded":
       arms[arm]["new_out_norm"] = _out_norm(f.model, index)
       arms[arm]["old_out_norm"] = float(np.mean([_out_norm(f.model, i) for i in range(c.n_layers + 1) if i != index]))
   if cfg.scratch:
-    f = fit(Transformer(big.c, rngs=nnx.Rngs(seed)), phase_optimizer(cfg.lr, N + T), steps=N + T,
+    f = fit(Transformer(big.c, rngs=nnx.Rngs(seed)), common.phase_optimizer(cfg.lr, N + T), steps=N + T,
             eval_every=max((N + T) // 6, 1))
     arms["scratch"] = {"curve": f.curve(), "final": f.final_val, "train_tail": _train_tail(f.records)}
   return {"n": len(data), "pretrain_curve": pre.curve(), "insertion": at, "arms": arms}
@@ -371,17 +370,17 @@ def plot(result: dict):
   for col, n in enumerate(sizes):
     ax, bx = axes[0][col], axes[1][col]
     rs = _seeds(result, n)
-    x, y = _band([r["pretrain_curve"] for r in rs])
+    x, y = common.band([r["pretrain_curve"] for r in rs])
     ax.plot(x, y.mean(0), ":", color="gray", label="phase 1 (L blocks)")
     for arm in ARMS:
       if arm not in rs[0]["arms"]:
         continue
-      x, y = _band([r["arms"][arm]["curve"] for r in rs])
+      x, y = common.band([r["arms"][arm]["curve"] for r in rs])
       m, sd = y.mean(0), y.std(0)
       ax.plot(x, m, "-o", ms=3, color=colors[arm], alpha=0.5 if arm == "scratch" else 1, label=LABELS[arm])
       ax.fill_between(x, m - sd, m + sd, color=colors[arm], alpha=0.15)
-    x, cont = _band([r["arms"]["continued"]["curve"] for r in rs])
-    d = _band([r["arms"]["expanded"]["curve"] for r in rs])[1] - cont
+    x, cont = common.band([r["arms"]["continued"]["curve"] for r in rs])
+    d = common.band([r["arms"]["expanded"]["curve"] for r in rs])[1] - cont
     bx.plot(x, d.T, color="C0", alpha=0.3, lw=1)
     bx.plot(x, d.mean(0), "-o", ms=3, color="C0")
     bx.axhline(0, color="k", lw=0.8)
@@ -399,10 +398,6 @@ def plot(result: dict):
   return fig
 
 
-def _band(curves) -> tuple[np.ndarray, np.ndarray]:
-  return np.array([p[0] for p in curves[0]], float), np.array([[p[1] for p in c] for c in curves])
-
-
 def write(cfg: Config, result: dict):
   question = __doc__.split("\n\n")[0]
   settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
@@ -415,9 +410,5 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  import tempfile
-  if not jax.config.jax_compilation_cache_dir:  # every fit compiles its own step; identical phases hit this cache
-    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="optlab-depth-cache-"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  common.compile_cache("optlab-depth-cache-")
   main(tyro.cli(Config))

@@ -588,8 +588,5 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  import tempfile
-  if not jax.config.jax_compilation_cache_dir:  # every fit compiles its own step; identical phases hit this cache
-    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="optlab-disco-cache-"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  common.compile_cache("optlab-disco-cache-", min_entry_bytes=None)
   main(tyro.cli(Config))

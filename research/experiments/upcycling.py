@@ -41,14 +41,11 @@ import json
 import os
 import time
 
-import jax.numpy as jnp
 import numpy as np
-import optax
 import tyro
 from flax import nnx
 
 from models import MoEConfig, SurgeryError, Transformer, count_params, flops_per_token, preset, upcycle
-from optim import get_optimizer
 from research.experiments import common
 
 SPLITS = ("random", "clustered")
@@ -98,28 +95,6 @@ def sized(cfg: Config) -> Config:
   return cfg
 
 
-def phase_schedule(count, peak, warmup, steps, min_ratio: float = 0.1):
-  """`optim.make_schedule("cosine", peak, steps, warmup=warmup)` as a jnp function of possibly traced arguments:
-  lr(t) = peak·t/w for t < w, else peak·(r + (1 − r)·(1 + cos(π·min((t − w)/max(S − w, 1), 1)))/2), r = min_ratio."""
-  t = jnp.asarray(count)
-  frac = jnp.clip((t - warmup) / jnp.maximum(steps - warmup, 1), 0, 1)
-  decay = peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac)))
-  return jnp.where(t < warmup, peak * t / jnp.maximum(warmup, 1), decay)
-
-
-def phase_optimizer(lr: float, steps: int, warmup: int | None = None) -> optax.GradientTransformation:
-  """`common.optimizer("adamw", lr, steps)` (clip 1, AdamW, warmup + cosine to 0.1x) with lr, warmup and steps held
-  in the optimizer state (`optax.inject_hyperparams`), not in the program: every phase and lr of one architecture
-  compiles to the same train step, so `common.fit` compiles it once (the persistent cache serves the rest)."""
-  warmup = min(100, steps // 10) if warmup is None else warmup
-
-  def make(peak, warmup, steps):
-    schedule = lambda count: phase_schedule(count, peak, warmup, steps)
-    return optax.chain(optax.clip_by_global_norm(1.0), get_optimizer("adamw", schedule))
-
-  return optax.inject_hyperparams(make)(peak=float(lr), warmup=float(warmup), steps=float(steps))
-
-
 def param_counts(c) -> dict:
   """{"total", "active"} parameters of a config: active counts the top_k of the E routed experts a token uses."""
   total = count_params(c)
@@ -164,7 +139,7 @@ def main(cfg: Config) -> dict:
     if seed in runs:
       continue
     t_seed = time.perf_counter()
-    pre = fit(Transformer(dense_c, rngs=nnx.Rngs(seed)), phase_optimizer(cfg.pretrain_lr, N), steps=N,
+    pre = fit(Transformer(dense_c, rngs=nnx.Rngs(seed)), common.phase_optimizer(cfg.pretrain_lr, N), steps=N,
               seed=seed, eval_every=max(N // 4, 1))
     dense = pre.model
     candidates = {"dense": dense, **{s: upcycle(dense, E, K, s, seed=seed) for s in SPLITS}}
@@ -173,7 +148,7 @@ def main(cfg: Config) -> dict:
     for arm, model in candidates.items():
       at = pre.final_val if arm == "dense" else common.evaluate(model, val)
       tuning = seed == cfg.seeds[0] and TUNED_BY[arm] == arm
-      fits = {lr: fit(model, phase_optimizer(lr, T), steps=T, seed=seed, start=N, eval_every=cfg.eval_every)
+      fits = {lr: fit(model, common.phase_optimizer(lr, T), steps=T, seed=seed, start=N, eval_every=cfg.eval_every)
               for lr in (cfg.lrs if tuning else (chosen[TUNED_BY[arm]],))}
       if tuning:
         tune[arm] = {lr: f.final_val for lr, f in fits.items()}
@@ -183,7 +158,7 @@ def main(cfg: Config) -> dict:
                           "final": fits[lr].final_val, "train_tail": _train_tail(fits[lr].records)}
     if cfg.scratch:
       moe_c = candidates["random"].c
-      f = fit(Transformer(moe_c, rngs=nnx.Rngs(seed)), phase_optimizer(cfg.pretrain_lr, N + T),
+      f = fit(Transformer(moe_c, rngs=nnx.Rngs(seed)), common.phase_optimizer(cfg.pretrain_lr, N + T),
               steps=N + T, seed=seed, eval_every=max((N + T) // 6, 1))
       run["arms"]["scratch"] = {"lr": cfg.pretrain_lr, "at_conversion": None, "curve": f.curve(), "final": f.final_val,
                                 "train_tail": _train_tail(f.records)}
@@ -331,10 +306,10 @@ def plot(result: dict):
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
   for i, ax in enumerate(axes):
     if i == 0:
-      x, y = _band([s["pretrain_curve"] for s in seeds])
+      x, y = common.band([s["pretrain_curve"] for s in seeds])
       ax.plot(x, y.mean(0), ":", color="k", label="dense pretraining")
     for arm in arms:
-      x, y = _band([s["arms"][arm]["curve"] for s in seeds])
+      x, y = common.band([s["arms"][arm]["curve"] for s in seeds])
       keep = x >= N if i == 1 else x >= 0
       m, sd = y.mean(0)[keep], y.std(0)[keep]
       ax.plot(x[keep], m, "-o", ms=3, color=colors[arm], label=f"{LABELS[arm]} (lr {result['lr'][arm]:g})")
@@ -352,11 +327,6 @@ def plot(result: dict):
   return fig
 
 
-def _band(curves) -> tuple[np.ndarray, np.ndarray]:
-  """(steps, losses[seed, point]) of per-seed curves that share their steps."""
-  return np.array([p[0] for p in curves[0]], float), np.array([[p[1] for p in c] for c in curves])
-
-
 def write(cfg: Config, result: dict):
   question = __doc__.split("\n\n")[0]
   settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
@@ -369,11 +339,5 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  import tempfile
-
-  import jax
-  if not jax.config.jax_compilation_cache_dir:  # every fit compiles its own step; identical phases hit this cache
-    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="optlab-upcycling-cache-"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  common.compile_cache("optlab-upcycling-cache-")
   main(tyro.cli(Config))

@@ -62,7 +62,7 @@ def test_smoke_tables_findings_and_plot(result):
 
 def test_phase_schedule_is_the_cli_schedule():
   t = jnp.arange(45)
-  ours = jax.jit(upcycling.phase_schedule)  # one program for every (peak, warmup, steps)
+  ours = jax.jit(common.phase_schedule)  # one program for every (peak, warmup, steps)
   for steps, warmup in ((12, 3), (9, 0), (40, 4)):
     ref = jax.jit(jax.vmap(make_schedule("cosine", 3e-3, steps, warmup=warmup, min_ratio=0.1)))
     got = ours(t, jnp.float32(3e-3), jnp.float32(warmup), jnp.float32(steps))
@@ -74,7 +74,7 @@ def test_phase_optimizer_is_the_cli_optimizer_and_one_program():
   params = {"w_DF": jnp.asarray(rng.standard_normal((6, 5)), jnp.float32),
             "attn_norm": jnp.asarray(rng.standard_normal(5), jnp.float32)}
   steps = 10
-  ref, ours = common.optimizer("adamw", 2e-2, steps, warmup=2), upcycling.phase_optimizer(2e-2, steps, warmup=2)
+  ref, ours = common.optimizer("adamw", 2e-2, steps, warmup=2), common.phase_optimizer(2e-2, steps, warmup=2)
   step_ref, step_ours = jax.jit(ref.update), jax.jit(ours.update)
   s_ref, s_ours, p_ref, p_ours = ref.init(params), ours.init(params), params, params
   for _ in range(steps + 2):  # warmup, decay and past the end; gradients big enough to be clipped
@@ -84,7 +84,7 @@ def test_phase_optimizer_is_the_cli_optimizer_and_one_program():
     p_ref, p_ours = jax.tree.map(jnp.add, p_ref, u_ref), jax.tree.map(jnp.add, p_ours, u_ours)
     for k in params:
       np.testing.assert_allclose(np.asarray(u_ours[k]), np.asarray(u_ref[k]), rtol=2e-5, atol=1e-9)
-  other = upcycling.phase_optimizer(1e-3, 500)  # another lr and length: the same compiled step
+  other = common.phase_optimizer(1e-3, 500)  # another lr and length: the same compiled step
   text = lambda tx: jax.jit(tx.update).lower(g, tx.init(params), params).as_text()
   assert text(other) == text(ours)
 
