@@ -288,7 +288,7 @@ def tables(result: dict) -> list[str]:
         f"{np.mean([i['slope_measured'] / -i['grad_norm'] for i in ins]):.4f} | "
         f"{_pm(_ms(result, n, lambda r: r['insertion']['train_jump'] - r['insertion']['train']), True, 5)} | "
         f"{_pm(_ms(result, n, lambda r: r['insertion']['val_jump'] - r['insertion']['val_after']), True, 5)} |")
-  lines += ["", f"After phase 2 (val loss, nats/byte; gain = expanded − continued per seed, negative = expansion "
+  lines += ["", "After phase 2 (val loss, nats/byte; gain = expanded − continued per seed, negative = expansion "
                 "helps; train loss = mean of the last 10 steps):", "",
             "| n (bytes) | epochs | continued | expanded | gain | " + ("L+1 from scratch | " if has_scratch else "")
             + "train loss continued / expanded | new block ‖W_o, W_down‖ / old blocks' after T |",

@@ -47,18 +47,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import tyro
 from flax import nnx
 
 from models import MoEConfig, Transformer, preset
 from models.surgery import OUT_PROJECTIONS
-from optim import get_optimizer
 from research.experiments import common
 
 ARMS = ("e2e", "disco", "disco_random", "disco_size")
@@ -284,45 +281,8 @@ def _curve(records, tokens_per_step, offset=0) -> list[tuple[int, float]]:
                                                          if "val_loss" in r)]
 
 
-class PhaseScheduleState(NamedTuple):
-  count: jax.Array  # int32, updates done
-  peak: jax.Array  # the schedule's numbers as float arrays: traced, so not constants of the compiled step
-  steps: jax.Array
-  warmup: jax.Array
-
-
-def scale_by_phase_schedule(peak: float, steps: int, warmup: int, min_ratio: float = 0.1
-                            ) -> optax.GradientTransformation:
-  """updates × lr(t) for the CLI's warmup + cosine schedule (`optim.make_schedule("cosine", ...)`):
-    lr(t) = peak·t/w                                                 t < w
-    lr(t) = peak·(α + (1 - α)·½(1 + cos(π·min(t - w, S - w)/(S - w))))   t >= w   (S - w at least 1)
-  with α = min_ratio, S = steps, w = warmup held in the state: one compiled train step then serves every phase
-  length and peak lr (`common.optimizer` bakes them into the program, one compile per phase)."""
-  def init(params):
-    del params
-    f = lambda v: jnp.asarray(float(v), jnp.result_type(float))  # float32 (float64 under jax.enable_x64)
-    return PhaseScheduleState(jnp.zeros([], jnp.int32), f(peak), f(steps), f(warmup))
-
-  def update(updates, state, params=None):
-    del params
-    t, w = state.count.astype(state.peak.dtype), state.warmup
-    decay = jnp.maximum(state.steps - w, 1.0)
-    cos = 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.minimum(t - w, decay) / decay))
-    lr = jnp.where(t < w, state.peak * t / jnp.maximum(w, 1.0), state.peak * ((1.0 - min_ratio) * cos + min_ratio))
-    return jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates), state._replace(count=state.count + 1)
-
-  return optax.GradientTransformation(init, update)
-
-
-def phase_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
-  """`common.optimizer("adamw", lr, steps)` (clip 1.0, registry AdamW, warmup min(100, steps/10), cosine to 0.1×)
-  with the schedule in the state: AdamW at lr 1 (its update -(m̂/(√v̂+ε) + wd·θ)), times lr(t)."""
-  return optax.chain(optax.clip_by_global_norm(1.0), get_optimizer("adamw", 1.0),
-                     scale_by_phase_schedule(lr, steps, min(100, steps // 10)))
-
-
 def _fit(model, lr, steps, batch_fn, val, evals):
-  tx = phase_optimizer(lr, steps)
+  tx = common.phase_optimizer(lr, steps)  # lr and length in the state: every phase shares one compiled step
   return common.fit(model, tx, None, steps=steps, val=val, eval_every=max(steps // evals, 1), log_every=steps,
                     batch_fn=batch_fn)
 

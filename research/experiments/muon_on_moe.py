@@ -449,8 +449,6 @@ def findings(result: dict) -> list[str]:
   a, st = result["arms"], result["settings"]
   n = len(st["seeds"])
   ranked = sorted(a, key=lambda k: a[k]["val"][0])
-  best = a[ranked[0]]["val"]
-  near = [k for k in ranked[1:] if a[k]["val"][0] - best[0] < 2 * math.hypot(a[k]["val"][1], best[1])]
   paired = []
   for k in ranked[1:]:  # same seed = same init and batches: differences paired by seed
     diff = np.subtract(a[k]["val_by_seed"], a[ranked[0]]["val_by_seed"])

@@ -1,6 +1,5 @@
 """research/experiments/moe_disco.py: the smoke run's result, and the experiment's own pieces (k-means, mean pooling,
-the sampler, the submodel / merge surgery with forced routing, the in-state learning-rate schedule against
-optim.make_schedule and common.optimizer)."""
+the sampler, the submodel / merge surgery with forced routing)."""
 
 import dataclasses
 import math
@@ -13,7 +12,6 @@ from flax import nnx
 
 from models import Transformer
 from models.surgery import OUT_PROJECTIONS
-from optim import make_schedule
 from research.experiments import common
 from research.experiments import moe_disco as md
 
@@ -215,35 +213,3 @@ def test_merged_moe_routed_to_expert_e_is_submodel_e():
   assert jax.tree.structure(buffers_f) == jax.tree.structure(bias(0))
 
 
-@pytest.mark.parametrize("peak,steps,warmup", [(3e-3, 50, 5), (1e-2, 7, 0), (1e-3, 1, 0)])
-def test_phase_schedule_is_make_schedule(peak, steps, warmup):
-  """lr(t) from the traced state equals optim.make_schedule('cosine') (optax's schedules), past the end too."""
-  with jax.enable_x64(True):
-    tx = md.scale_by_phase_schedule(peak, steps, warmup)
-    state = tx.init(None)
-    update = jax.jit(tx.update).lower({"w": jnp.ones((), jnp.float64)}, state).compile(O0)
-    ref = make_schedule("cosine", peak, steps, warmup=warmup, min_ratio=0.1)
-    for t in range(steps + 3):
-      u, state = update({"w": jnp.ones((), jnp.float64)}, state)
-      np.testing.assert_allclose(float(u["w"]), float(ref(t)), rtol=1e-12, atol=1e-15)
-
-
-def test_phase_optimizer_is_common_optimizer():
-  """Six AdamW steps (clip, decayed weights on matrices, cosine schedule) with the schedule in the state match
-  `common.optimizer('adamw', lr, steps)` in float64, to the float32 precision of the oracle's learning rate (optax
-  evaluates a schedule at the int32 step count in float32)."""
-  with jax.enable_x64(True):
-    rng = np.random.default_rng(5)
-    params = {"w_DF": jnp.asarray(rng.normal(size=(3, 4))), "mlp_norm": jnp.asarray(rng.normal(size=(4,)))}
-    results = []
-    for tx in (md.phase_optimizer(1e-2, 20), common.optimizer("adamw", 1e-2, 20)):
-      p, state = params, tx.init(params)
-      update = jax.jit(tx.update).lower(params, state, params).compile(O0)
-      for t in range(6):
-        g = jax.tree.map(lambda a: jnp.asarray(np.random.default_rng([6, t]).normal(size=a.shape) * 3), p)
-        u, state = update(g, state, p)
-        p = jax.tree.map(jnp.add, p, u)
-      results.append(p)
-    for k in params:
-      np.testing.assert_allclose(results[0][k], results[1][k], rtol=1e-7, atol=1e-9)
-    assert not np.allclose(results[0]["w_DF"], params["w_DF"])

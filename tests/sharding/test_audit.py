@@ -288,7 +288,6 @@ def test_distributed_muon_step_bytes_and_ns_flops_within_moonlight_bounds():
   """Moonlight (arXiv 2502.16982, §2.3): Distributed Muon communicates ≤ 1.25x a ZeRO-1 AdamW step, i.e. the
   optimizer may add ≤ 0.25x the ZeRO-1 bytes; its Newton–Schulz work is split, not repeated. On fsdp=8 with 16
   matrices of one shape class (w2's (128, 64) joins w1's (64, 128) transposed), each device orthogonalizes 2."""
-  import optax
   import optim
   mesh = make_mesh("fsdp=8")
   sh = {"w1": NamedSharding(mesh, P(None, "fsdp")), "w2": NamedSharding(mesh, P(None, None, "fsdp"))}

@@ -1,0 +1,49 @@
+"""research/experiments/common.py: the in-state phase schedule and optimizer against the CLI's (optax's schedules
+through `optim.make_schedule`, `common.optimizer`), and one compiled step for every lr and length."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from optim import make_schedule
+from research.experiments import common
+
+
+@pytest.mark.parametrize("peak,steps,warmup", [(3e-3, 50, 5), (1e-2, 7, 0), (1e-3, 1, 0)])
+def test_phase_schedule_is_make_schedule_in_float64(peak, steps, warmup):
+  """Warmup, cosine and past the end, to float64 precision (the oracle's own float32 step count aside)."""
+  with jax.enable_x64(True):
+    t = jnp.arange(steps + 3)
+    ref = jax.vmap(make_schedule("cosine", peak, steps, warmup=warmup, min_ratio=0.1))(t)
+    got = jax.jit(common.phase_schedule)(t, jnp.float64(peak), jnp.float64(warmup), jnp.float64(steps))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-7, atol=1e-15)
+
+
+def test_phase_schedule_is_the_cli_schedule_in_float32():
+  t = jnp.arange(45)
+  ours = jax.jit(common.phase_schedule)  # one program for every (peak, warmup, steps)
+  for steps, warmup in ((12, 3), (9, 0), (40, 4)):
+    ref = jax.jit(jax.vmap(make_schedule("cosine", 3e-3, steps, warmup=warmup, min_ratio=0.1)))
+    got = ours(t, jnp.float32(3e-3), jnp.float32(warmup), jnp.float32(steps))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref(t)), rtol=1e-6, atol=1e-12)
+
+
+def test_phase_optimizer_is_the_cli_optimizer_and_one_program():
+  rng = np.random.default_rng(0)
+  params = {"w_DF": jnp.asarray(rng.standard_normal((6, 5)), jnp.float32),
+            "attn_norm": jnp.asarray(rng.standard_normal(5), jnp.float32)}
+  steps = 10
+  ref, ours = common.optimizer("adamw", 2e-2, steps, warmup=2), common.phase_optimizer(2e-2, steps, warmup=2)
+  step_ref, step_ours = jax.jit(ref.update), jax.jit(ours.update)
+  s_ref, s_ours, p_ref, p_ours = ref.init(params), ours.init(params), params, params
+  for _ in range(steps + 2):  # warmup, decay and past the end; gradients big enough to be clipped
+    g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape) * 2, jnp.float32), params)
+    u_ref, s_ref = step_ref(g, s_ref, p_ref)
+    u_ours, s_ours = step_ours(g, s_ours, p_ours)
+    p_ref, p_ours = jax.tree.map(jnp.add, p_ref, u_ref), jax.tree.map(jnp.add, p_ours, u_ours)
+    for k in params:
+      np.testing.assert_allclose(np.asarray(u_ours[k]), np.asarray(u_ref[k]), rtol=2e-5, atol=1e-9)
+  other = common.phase_optimizer(1e-3, 500)  # another lr and length: the same compiled step
+  text = lambda tx: jax.jit(tx.update).lower(g, tx.init(params), params).as_text()
+  assert text(other) == text(ours)
