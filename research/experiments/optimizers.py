@@ -9,16 +9,16 @@ AdamW (modded-nanogpt, Moonlight: ~2× compute efficiency); MGUP-AdamW, Cautious
 slightly below AdamW (MGUP README, C-Optim, MARS README); Muon-MVR / MARS-M improves on Muon.
 
 Protocol (two stages of `research.sweep`, sharing one run directory so no run is repeated):
-  1. tune: every contender over a 3-point learning-rate grid, seed 0, centred on each family's usual scale:
-     AdamW-like 3e-4..3e-3, MARS 1e-3..1e-2 (3e-4 added when 1e-3 won), Muon-like (Moonlight scaling) 3e-3..3e-2;
+  1. tune: every contender (eight: Muon-MVR1 and MVR2 both) over a 3-point learning-rate grid, seed 0, centred on
+     each family's usual scale: AdamW-like 3e-4..3e-3, MARS 1e-3..1e-2 (3e-4 added when 1e-3 won), Muon-like
+     (Moonlight scaling) 3e-3..3e-2;
   2. seeds: every contender at its stage-1 best lr with seeds 0, 1, 2 (seed = initialization and batch order).
 Every run: `small` (d 256, 4 layers, 3.5M params), the built-in byte corpus, batch 16 × 128 bytes, 100 steps
 (204,800 tokens), cosine schedule with 10-step warmup, clip 1.0, weight decay 0.1 for every contender (MARS's own
 default is 0), 1 device, validation on the held-out split every 20 steps. Speedup = steps AdamW's mean curve takes
 to reach its own final loss / steps the contender's mean curve takes (`research.sweep.summarize`). A best lr at the
 edge of its grid is flagged in the table. Muon-MVR2 (the exact mode: a second backward pass per step, ~2× the
-cost of a run) is not in the default grid, which was sized to this 2-core budget; add
-`--grid ... "muon_mvr[mode=mvr2]=3e-3,1e-2,3e-2"` to include it.
+compute of a run) is compared at equal steps and tokens like the rest, so its speedup is per step, not per FLOP.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from research.train import TrainConfig
 
 GRID = ("adamw=3e-4,1e-3,3e-3", "mgup_adamw=3e-4,1e-3,3e-3", "cautious_adamw=3e-4,1e-3,3e-3",
         "mars[weight_decay=0.1]=3e-4,1e-3,3e-3,1e-2", "muon=3e-3,1e-2,3e-2", "mgup_muon=3e-3,1e-2,3e-2",
-        "muon_mvr=3e-3,1e-2,3e-2")
+        "muon_mvr=3e-3,1e-2,3e-2", "muon_mvr[mode=mvr2]=3e-3,1e-2,3e-2")
 
 
 @dataclasses.dataclass
