@@ -1,4 +1,4 @@
-"""8 simulated CPU devices for every test (set before JAX starts its backend), and one persistent
+"""8 simulated CPU devices for every test (the backend started with them), and one persistent
 compilation cache for the session: runs of the same config (determinism, resume, subprocesses, the
 notebook kernel, which inherit these variables) compile once."""
 
@@ -12,3 +12,93 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# started here, so every test sees the same 8 devices whichever runs first (code that sets its own count before
+# the backend starts, as `research.train` does when run as a script, cannot change it under the tests)
+assert len(jax.devices()) == 8
+
+
+# ---- notebooks: each executed once per session, by `notebooks.run(name)` -------------------------------------------
+# An experiment notebook runs its experiment at smoke size; the notebook's own test checks the notebook (it executes,
+# it plots) and the experiment's tests check the `result` it computed, so the smoke run happens once per session.
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import pickle  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+KERNEL = "optlab-test-python"  # a spec of our own, so no user or system "python3" can pick another interpreter
+# run in the kernel before the notebook: the 8 simulated devices every test here has, the backend started, so a
+# smoke run in a notebook is the very program the tests compile (run alone, a notebook gets 1 device)
+STARTUP = """import jax
+jax.config.update("jax_num_cpu_devices", 8)
+assert len(jax.devices()) == 8
+"""
+# appended to the executed copy only: hands the notebook's `result` (plain data) to the experiment's tests
+SAVE_RESULT = """import pickle as _pickle
+if "result" in globals():
+  with open({path!r}, "wb") as _f:
+    _pickle.dump(result, _f)
+"""
+
+
+@dataclasses.dataclass
+class Executed:
+  nb: object  # the executed nbformat notebook (without the appended cell)
+  cwd: pathlib.Path  # the kernel's working directory: empty unless the notebook wrote to it
+  tmp: pathlib.Path  # the kernel's TMPDIR
+  result: object  # the notebook's `result` variable, None if it has none
+
+  @property
+  def stdout(self) -> str:
+    return "".join(o.text for c in self.nb.cells if c.cell_type == "code" for o in c.outputs
+                   if o.output_type == "stream" and o.name == "stdout")
+
+
+class NotebookRunner:
+  def __init__(self, root: pathlib.Path):
+    self.root, self.done = root, {}
+    spec_dir = root / "jupyter" / "kernels" / KERNEL
+    spec_dir.mkdir(parents=True)
+    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "optlab test", "language": "python"}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    startup = root / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-devices.py").write_text(STARTUP)
+
+  def run(self, name: str) -> Executed:
+    """notebooks/<name>.ipynb executed (once per session); fails on any error output."""
+    if name not in self.done:
+      import nbformat
+      from jupyter_client.kernelspec import KernelSpecManager
+      from nbclient import NotebookClient
+      work = self.root / name
+      cwd, tmp = work / "cwd", work / "tmp"
+      cwd.mkdir(parents=True)
+      tmp.mkdir()
+      assert KernelSpecManager().get_kernel_spec(KERNEL).argv[0] == sys.executable
+      nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+      n = len(nb.cells)
+      nb.cells.append(nbformat.v4.new_code_cell(SAVE_RESULT.format(path=str(work / "result.pkl"))))
+      env = {**os.environ, "IPYTHONDIR": str(self.root / "ipython"), "TMPDIR": str(tmp), "JAX_PLATFORMS": "cpu"}
+      NotebookClient(nb, kernel_name=KERNEL, timeout=300, resources={"metadata": {"path": str(cwd)}}).execute(env=env)
+      nb.cells = nb.cells[:n]
+      errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+      assert not errors, "\n".join(f"{e.ename}: {e.evalue}" for e in errors)
+      pkl = work / "result.pkl"
+      result = pickle.loads(pkl.read_bytes()) if pkl.exists() else None
+      self.done[name] = Executed(nb, cwd, tmp, result)
+    return self.done[name]
+
+
+@pytest.fixture(scope="session")
+def notebooks(tmp_path_factory):
+  """`notebooks.run(name)`: notebooks/<name>.ipynb executed once per session in a kernel on this interpreter."""
+  with pytest.MonkeyPatch.context() as mp:
+    root = tmp_path_factory.mktemp("notebooks")
+    mp.setenv("JUPYTER_PATH", str(root / "jupyter"))  # where the kernel spec is looked up
+    yield NotebookRunner(root)

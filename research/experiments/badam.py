@@ -243,6 +243,7 @@ def summarize(rows: list[dict], names: dict[str, str]) -> dict[str, dict]:
   return out
 
 
+@common.smoke_compiles_quickly
 def main(cfg: Config) -> dict:
   if cfg.smoke:
     cfg = dataclasses.replace(cfg, **SMOKE)

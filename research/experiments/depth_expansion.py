@@ -189,6 +189,7 @@ def run_one(cfg: Config, train, val, n: int, seed: int) -> dict:
   return {"n": len(data), "pretrain_curve": pre.curve(), "insertion": at, "arms": arms}
 
 
+@common.smoke_compiles_quickly
 def main(cfg: Config) -> dict:
   cfg = sized(cfg)
   train, val = common.corpus_and_val(cfg.batch_size, cfg.seq_len, cfg.val_batches)

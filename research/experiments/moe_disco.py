@@ -324,20 +324,14 @@ def _describe(windows_NT) -> str:
   return ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items())
 
 
+@common.smoke_compiles_quickly
 def main(cfg: Config) -> dict:
   """Tunes lr per arm on the first seed, runs every seed at the best, returns the results as plain data (and, at
-  full size, writes them to `cfg.out`). The smoke size compiles without LLVM optimisation (the same programs;
-  compiling is nearly all of its cost)."""
+  full size, writes them to `cfg.out`)."""
   if not cfg.smoke:
     return _main(cfg)
-  small = dataclasses.replace(cfg, seeds=cfg.seeds[:1], lrs=(3e-3,), steps=16, g_frac=0.25, batch_size=8, seq_len=32,
-                              pool=128, val_batches=4, evals=2)
-  previous = jax.config.values["jax_disable_most_optimizations"]
-  jax.config.update("jax_disable_most_optimizations", True)
-  try:
-    return _main(small)
-  finally:
-    jax.config.update("jax_disable_most_optimizations", previous)
+  return _main(dataclasses.replace(cfg, seeds=cfg.seeds[:1], lrs=(3e-3,), steps=16, g_frac=0.25, batch_size=8,
+                                   seq_len=32, pool=128, val_batches=4, evals=2))
 
 
 def _main(cfg: Config) -> dict:

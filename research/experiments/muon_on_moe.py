@@ -346,6 +346,7 @@ def run_arm(arm: str, lr: float, seed: int, cfg: Config, tokens, val) -> dict:
   return out
 
 
+@common.smoke_compiles_quickly
 def main(cfg: Config) -> dict:
   if cfg.smoke:
     cfg = smoke_config(cfg)

@@ -30,7 +30,7 @@ import tempfile
 
 import tyro
 
-from research.experiments.common import write_results
+from research.experiments.common import smoke_compiles_quickly, write_results
 from research.sweep import SweepConfig, draw_curves, run_grid, summarize
 from research.train import TrainConfig
 
@@ -53,6 +53,7 @@ class Config:
   """Run directories (checkpoints, metrics); rerunning skips finished runs."""
 
 
+@smoke_compiles_quickly
 def main(cfg: Config) -> dict:
   train = TrainConfig(model=cfg.model, steps=cfg.steps, eval_every=cfg.eval_every, log_every=10, devices=1,
                       mesh="data=1", progress=False)

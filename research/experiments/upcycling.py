@@ -126,6 +126,7 @@ def _train_tail(records, n: int = 10) -> float:
   return float(np.mean([r["loss"] for r in records if "loss" in r][-n:]))
 
 
+@common.smoke_compiles_quickly
 def main(cfg: Config) -> dict:
   cfg = sized(cfg)
   N, T, E, K = cfg.pretrain_steps, cfg.continue_steps, cfg.num_experts, cfg.top_k

@@ -1,20 +1,16 @@
-"""The paired notebooks: each .ipynb matches its jupytext .py, carries no outputs, and executes cleanly."""
+"""The paired notebooks: each .ipynb matches its jupytext .py, carries no outputs, and executes cleanly (in a kernel
+on this interpreter, once per session: `notebooks` in tests/conftest.py)."""
 
-import json
 import pathlib
 import re
-import sys
 
 import jupytext
 import nbformat
 import pytest
-from jupyter_client.kernelspec import KernelSpecManager
-from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 PAIRED = sorted(p.stem for p in NOTEBOOKS.glob("*.py"))
 EXPERIMENTS = [n for n in PAIRED if n != "quickstart"]  # one per research/experiments/<name>.py
-KERNEL = "optlab-test-python"  # a spec of our own, so no user or system "python3" can pick another interpreter
 
 
 def _cells(nb):
@@ -37,45 +33,15 @@ def test_committed_without_outputs(name):
   assert not dirty, f"notebooks/{name}.ipynb has outputs in cells {dirty}; clear them before committing"
 
 
-@pytest.fixture
-def kernel(tmp_path, monkeypatch):
-  """A kernelspec that runs ipykernel in this very interpreter, found first through JUPYTER_PATH."""
-  spec_dir = tmp_path / "jupyter" / "kernels" / KERNEL
-  spec_dir.mkdir(parents=True)
-  spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-          "display_name": "optlab test", "language": "python"}
-  (spec_dir / "kernel.json").write_text(json.dumps(spec))
-  monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-  monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's run directory lands under tmp_path
-  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  assert KernelSpecManager().get_kernel_spec(KERNEL).argv[0] == sys.executable
-  return KERNEL
-
-
-def _run(name, kernel_name, cwd):
-  """The executed notebook; fails on any error output."""
-  nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
-  NotebookClient(nb, kernel_name=kernel_name, timeout=300, resources={"metadata": {"path": str(cwd)}}).execute()
-  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-  assert not errors, "\n".join(f"{e.ename}: {e.evalue}" for e in errors)
-  return nb
-
-
-def _execute(name, kernel_name, cwd):
-  """The executed notebook's stdout."""
-  nb = _run(name, kernel_name, cwd)
-  return "".join(o.text for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                 if o.output_type == "stream" and o.name == "stdout")
-
-
-def test_quickstart_executes_and_learns(kernel, tmp_path):
-  stdout = _execute("quickstart", kernel, tmp_path)
+def test_quickstart_executes_and_learns(notebooks):
+  run = notebooks.run("quickstart")
+  stdout = run.stdout
   assert "CpuDevice(id=7)" in stdout, "the notebook did not get its 8 simulated devices"
   marker = re.search(r"^loss: (\S+) -> (\S+)", stdout, re.M)
   assert marker, f"no 'loss: first -> last' line in the notebook's output:\n{stdout}"
   first, last = map(float, marker.groups())
   assert last < first - 0.5, f"20 steps should cut the loss well below its start: {first} -> {last}"
-  runs = list(tmp_path.glob("optlab-quickstart-*"))
+  runs = list(run.tmp.glob("optlab-quickstart-*"))
   assert len(runs) == 1 and (runs[0] / "metrics.jsonl").exists() and (runs[0] / "loss.png").exists()
 
 
@@ -86,8 +52,12 @@ def test_every_experiment_has_a_notebook():
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_notebook_executes_and_plots(kernel, tmp_path, name):
-  """Each experiment notebook runs its experiment at smoke size and shows at least one figure."""
-  nb = _run(name, kernel, tmp_path)
+def test_experiment_notebook_executes_and_plots(notebooks, name):
+  """Each experiment notebook runs its experiment at smoke size, shows at least one figure and writes nothing to
+  its working directory (the experiment's tests check the result it computed)."""
+  run = notebooks.run(name)
+  nb = run.nb
+  assert run.result is not None, f"notebooks/{name} has no `result`"
+  assert not any(run.cwd.iterdir()), f"notebooks/{name} wrote {sorted(p.name for p in run.cwd.iterdir())}"
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
   assert images, f"notebooks/{name} showed no plot"

@@ -16,8 +16,9 @@ from research.experiments import badam, common
 
 
 @pytest.fixture(scope="module")
-def result():
-  return badam.main(badam.Config(smoke=True))
+def result(notebooks):
+  """`badam.main(badam.Config(smoke=True))`, as notebooks/badam.ipynb ran it."""
+  return notebooks.run("badam").result
 
 
 def test_smoke_runs_the_protocol(result):

@@ -12,8 +12,9 @@ from research.experiments import common, depth_expansion as de
 
 
 @pytest.fixture(scope="module")
-def result():
-  return de.main(de.Config(smoke=True))
+def result(notebooks):
+  """`depth_expansion.main(Config(smoke=True))`, as notebooks/depth_expansion.ipynb ran it."""
+  return notebooks.run("depth_expansion").result
 
 
 def _runs(result):

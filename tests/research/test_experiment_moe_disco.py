@@ -19,14 +19,15 @@ O0 = {"xla_backend_optimization_level": 0}  # LLVM -O0: less compile time, the s
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-  out = tmp_path_factory.mktemp("disco-out")
-  return md.main(md.Config(smoke=True, out=str(out))), out
+def smoke(notebooks):
+  """(`moe_disco.main(Config(smoke=True))` as notebooks/moe_disco.ipynb ran it, where its default `out` would be)."""
+  run = notebooks.run("moe_disco")
+  return run.result, run.cwd / md.Config().out
 
 
 def test_smoke_runs_every_arm_at_equal_tokens_and_learns(smoke):
   result, out = smoke
-  assert not any(out.iterdir()), "the smoke size must write nothing"
+  assert not out.exists(), "the smoke size must write nothing"
   n, E = result["steps"], result["config"]["num_experts"]
   assert n["e2e"] == E * n["s"] + n["g"] and n["g"] >= 1 and n["s"] >= 1
   assert result["g_token_share"] == n["g"] / n["e2e"]

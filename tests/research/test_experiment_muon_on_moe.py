@@ -286,9 +286,11 @@ def test_direction_rms_removes_lr_and_decay():
 # --- the experiment at smoke size --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-  out = tmp_path_factory.mktemp("muon_on_moe") / "results"
-  return mm.main(mm.Config(smoke=True, out=str(out))), out
+def smoke(notebooks):
+  """(`muon_on_moe.main(Config(smoke=True))` as notebooks/muon_on_moe.ipynb ran it, where its default `out` would
+  be)."""
+  run = notebooks.run("muon_on_moe")
+  return run.result, run.cwd / mm.Config().out
 
 
 def test_smoke_run(smoke):

@@ -6,8 +6,9 @@ from research.experiments import optimizers
 
 
 @pytest.fixture(scope="module")
-def result():
-  return optimizers.main(optimizers.Config(smoke=True))
+def result(notebooks):
+  """`optimizers.main(optimizers.Config(smoke=True))`, as notebooks/optimizers.ipynb ran it."""
+  return notebooks.run("optimizers").result
 
 
 def test_stage_two_runs_every_contender_at_its_stage_one_best_lr_over_the_seeds(result):

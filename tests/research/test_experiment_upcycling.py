@@ -13,8 +13,9 @@ from research.experiments import upcycling
 
 
 @pytest.fixture(scope="module")
-def result():
-  return upcycling.main(upcycling.Config(smoke=True))
+def result(notebooks):
+  """`upcycling.main(upcycling.Config(smoke=True))`, as notebooks/upcycling.ipynb ran it."""
+  return notebooks.run("upcycling").result
 
 
 def test_smoke_arms_see_equal_tokens(result):
