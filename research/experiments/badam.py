@@ -400,8 +400,8 @@ def write(cfg: Config, result: dict, lr_png: str, cmd: str | None = None):
   prior = (f" It resumed {len(result['resumed'])} run directories that an earlier, interrupted invocation left "
            "(finished runs are skipped, a partial one continues from its checkpoint); their time is not counted."
            if result.get("resumed") else "")
-  table = tables(result) + ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a shared, busy 2-core "
-                            f"machine; {result['cpu_s']:.0f} s of CPU in this process (all threads).{prior} Plots: "
+  table = tables(result) + ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine "
+                            f"(other jobs may share it); {result['cpu_s']:.0f} s of CPU in this process (all threads).{prior} Plots: "
                             "`badam.png` (val curves, state bytes), `lr.png` (the lr grid at the first seed)."]
   common.write_results(cfg.out, NAME, QUESTION, table, findings=findings(result), settings=result["settings"],
                        data=result, cmd=cmd)

@@ -452,7 +452,8 @@ def tables(result: dict) -> list[str]:
     lines.append(f"| {j} | {size} | {vsize} | {desc} | " + " | ".join("–" if v is None else f"{v:.4f}" for v in cells)
                  + " |")
   if "wall_s" in result:
-    lines += ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a shared, busy 2-core machine; "
+    lines += ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine (other jobs may "
+              "share it); "
               f"{result['cpu_s']:.0f} s of CPU in this process (all threads). Plot: `val_loss.png`."]
   return lines
 
