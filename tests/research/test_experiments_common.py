@@ -47,3 +47,21 @@ def test_phase_optimizer_is_the_cli_optimizer_and_one_program():
   other = common.phase_optimizer(1e-3, 500)  # another lr and length: the same compiled step
   text = lambda tx: jax.jit(tx.update).lower(g, tx.init(params), params).as_text()
   assert text(other) == text(ours)
+
+
+def test_smoke_compiles_quickly_only_at_smoke_size_and_restores_the_flag():
+  import dataclasses
+
+  @dataclasses.dataclass
+  class Cfg:
+    smoke: bool
+
+  seen = []
+  main = common.smoke_compiles_quickly(lambda cfg: seen.append(jax.config.values["jax_disable_most_optimizations"]))
+  before = jax.config.values["jax_disable_most_optimizations"]
+  main(Cfg(smoke=True))
+  main(Cfg(smoke=False))
+  assert seen == [True, before] and jax.config.values["jax_disable_most_optimizations"] == before
+  with pytest.raises(ZeroDivisionError):  # restored when main raises, too
+    common.smoke_compiles_quickly(lambda cfg: 1 / 0)(Cfg(smoke=True))
+  assert jax.config.values["jax_disable_most_optimizations"] == before
