@@ -234,5 +234,43 @@ def mean_std(xs) -> tuple[float, float]:
   return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else 0.0
 
 
+def pm(ms: tuple[float, float], sign: bool = False, digits: int = 4) -> str:
+  """A (mean, std) pair as "mean ± std" (mean with its sign when `sign`)."""
+  return f"{ms[0]:{'+' if sign else ''}.{digits}f} ± {ms[1]:.{digits}f}"
+
+
+def train_tail(records, n: int = 10) -> float:
+  """Mean training loss of the last n logged steps of `fit` records."""
+  return float(np.mean([r["loss"] for r in records if "loss" in r][-n:]))
+
+
+PARTIAL = "partial.json"  # in an experiment's OUT while a full run goes on: what it finished, for a rerun to resume
+
+
+def load_partial(cfg) -> dict | None:
+  """What an interrupted full run of the same config (`cfg.out`, `cfg.smoke`, the rest of its fields) saved with
+  `save_partial`, without the config; None at smoke size, with no file, or when the file is another config's."""
+  path = os.path.join(cfg.out, PARTIAL)
+  if cfg.smoke or not os.path.exists(path):
+    return None
+  with open(path) as f:
+    saved = json.load(f)
+  return saved if saved.pop("config") == json.loads(json.dumps(dataclasses.asdict(cfg))) else None
+
+
+def save_partial(cfg, **data):
+  """`cfg.out`/partial.json: the config and `data` (JSON, numbers as floats)."""
+  os.makedirs(cfg.out, exist_ok=True)
+  with open(os.path.join(cfg.out, PARTIAL), "w") as f:
+    json.dump({"config": dataclasses.asdict(cfg), **data}, f, default=float)
+
+
+def drop_partial(cfg):
+  """Removes partial.json once the full run's results are written."""
+  os.remove(os.path.join(cfg.out, PARTIAL))
+
+
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
-           "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "tree_bytes", "mean_std"]
+           "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "tree_bytes", "mean_std", "pm",
+           "train_tail", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
+           "smoke_compiles_quickly"]

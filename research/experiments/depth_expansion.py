@@ -56,7 +56,6 @@ from research.experiments import common
 ARMS = ("continued", "expanded", "scratch")
 LABELS = {"continued": "continued (L blocks)", "expanded": "expanded (L+1, inserted)",
           "scratch": "L+1 from scratch (N+T steps)"}
-PARTIAL = "partial.json"  # finished (n, seed) runs of a running full run: a rerun of the same config resumes
 SMOKE = dict(seeds=(0,), sizes=(4096,), chunk=256, pretrain_steps=6, continue_steps=4, batch_size=4, seq_len=32,
              grad_batches=2, eval_every=2, val_batches=2)
 
@@ -144,10 +143,6 @@ def jumpboard(model: Transformer, index: int, grads: dict, eta: float) -> Transf
   return common.join(graphdef, {**params, "blocks": blocks}, buffers)
 
 
-def _train_tail(records, n: int = 10) -> float:
-  return float(np.mean([r["loss"] for r in records if "loss" in r][-n:]))
-
-
 def _out_norm(model: Transformer, index: int) -> float:
   """Joint Frobenius norm of block `index`'s W_o and W_down."""
   blocks = common.split(model)[1]["blocks"]
@@ -178,14 +173,14 @@ def run_one(cfg: Config, train, val, n: int, seed: int) -> dict:
   arms = {}
   for arm, model in start.items():
     f = fit(model, common.phase_optimizer(cfg.lr, T), steps=T, start=N, eval_every=cfg.eval_every)
-    arms[arm] = {"curve": [(N, pre.final_val)] + f.curve(), "final": f.final_val, "train_tail": _train_tail(f.records)}
+    arms[arm] = {"curve": [(N, pre.final_val)] + f.curve(), "final": f.final_val, "train_tail": common.train_tail(f.records)}
     if arm == "expanded":
       arms[arm]["new_out_norm"] = _out_norm(f.model, index)
       arms[arm]["old_out_norm"] = float(np.mean([_out_norm(f.model, i) for i in range(c.n_layers + 1) if i != index]))
   if cfg.scratch:
     f = fit(Transformer(big.c, rngs=nnx.Rngs(seed)), common.phase_optimizer(cfg.lr, N + T), steps=N + T,
             eval_every=max((N + T) // 6, 1))
-    arms["scratch"] = {"curve": f.curve(), "final": f.final_val, "train_tail": _train_tail(f.records)}
+    arms["scratch"] = {"curve": f.curve(), "final": f.final_val, "train_tail": common.train_tail(f.records)}
   return {"n": len(data), "pretrain_curve": pre.curve(), "insertion": at, "arms": arms}
 
 
@@ -207,7 +202,7 @@ def main(cfg: Config) -> dict:
       r["wall_s"] = time.perf_counter() - t_run
       if not cfg.smoke:
         done[f"{n}/{seed}"] = r
-        save_partial(cfg, done)
+        common.save_partial(cfg, runs=done)
       delta = abs(r["insertion"]["val_after"] - r["insertion"]["val_before"])
       finals = ", ".join(f"{a} {v['final']:.4f}" for a, v in r["arms"].items())
       print(f"n {r['n']} seed {seed}: abs(Δ val) at insertion {delta:.1e}, {finals} "
@@ -220,25 +215,15 @@ def main(cfg: Config) -> dict:
             "runs": runs, "timing": {"wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time()}}
   if not cfg.smoke:
     write(cfg, result)
-    os.remove(os.path.join(cfg.out, PARTIAL))
+    common.drop_partial(cfg)
   return result
 
 
 def resume(cfg: Config) -> dict:
   """{"n/seed": run} that an interrupted full run with the same config finished (OUT/partial.json); nothing for a
   smoke run or another config."""
-  path = os.path.join(cfg.out, PARTIAL)
-  if cfg.smoke or not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    p = json.load(f)
-  return p["runs"] if p["config"] == json.loads(json.dumps(dataclasses.asdict(cfg))) else {}
-
-
-def save_partial(cfg: Config, runs: dict):
-  os.makedirs(cfg.out, exist_ok=True)
-  with open(os.path.join(cfg.out, PARTIAL), "w") as f:
-    json.dump({"config": dataclasses.asdict(cfg), "runs": runs}, f, default=float)
+  p = common.load_partial(cfg)
+  return {} if p is None else p["runs"]
 
 
 def _seeds(result: dict, n) -> list[dict]:
@@ -252,10 +237,6 @@ def gain(result: dict, n, arm: str = "expanded", base: str = "continued") -> tup
 
 def _ms(result, n, f) -> tuple[float, float]:
   return common.mean_std([f(r) for r in _seeds(result, n)])
-
-
-def _pm(ms, sign: bool = False, digits: int = 4) -> str:
-  return f"{ms[0]:{'+' if sign else ''}.{digits}f} ± {ms[1]:.{digits}f}"
 
 
 def _size(r) -> str:
@@ -281,14 +262,14 @@ def tables(result: dict) -> list[str]:
     rs = list(by_seed.values())
     ins = [r["insertion"] for r in rs]
     lines.append(
-        f"| {_size(rs[0])} | {_pm(_ms(result, n, lambda r: r['insertion']['val_before']))} | "
+        f"| {_size(rs[0])} | {common.pm(_ms(result, n, lambda r: r['insertion']['val_before']))} | "
         f"{max(abs(i['val_after'] - i['val_before']) for i in ins):.1e} | "
         + " | ".join(f"{np.mean([i['grad_new'][k] for i in ins]):.3g} / {np.mean([i['grad_old'][k] for i in ins]):.3g}"
                      for k in names)
         + f" | {max(i['grad_other_max_abs'] for i in ins):.1e} | "
         f"{np.mean([i['slope_measured'] / -i['grad_norm'] for i in ins]):.4f} | "
-        f"{_pm(_ms(result, n, lambda r: r['insertion']['train_jump'] - r['insertion']['train']), True, 5)} | "
-        f"{_pm(_ms(result, n, lambda r: r['insertion']['val_jump'] - r['insertion']['val_after']), True, 5)} |")
+        f"{common.pm(_ms(result, n, lambda r: r['insertion']['train_jump'] - r['insertion']['train']), True, 5)} | "
+        f"{common.pm(_ms(result, n, lambda r: r['insertion']['val_jump'] - r['insertion']['val_after']), True, 5)} |")
   lines += ["", "After phase 2 (val loss, nats/byte; gain = expanded − continued per seed, negative = expansion "
                 "helps; train loss = mean of the last 10 steps):", "",
             "| n (bytes) | epochs | continued | expanded | gain | " + ("L+1 from scratch | " if has_scratch else "")
@@ -297,10 +278,10 @@ def tables(result: dict) -> list[str]:
   for n in result["runs"]:
     r0 = _seeds(result, n)[0]
     epochs = result["tokens"]["total"] / r0["n"]
-    cells = [_size(r0), f"{epochs:.3g}", _pm(_ms(result, n, lambda r: r["arms"]["continued"]["final"])),
-             _pm(_ms(result, n, lambda r: r["arms"]["expanded"]["final"])), _pm(gain(result, n), True)]
+    cells = [_size(r0), f"{epochs:.3g}", common.pm(_ms(result, n, lambda r: r["arms"]["continued"]["final"])),
+             common.pm(_ms(result, n, lambda r: r["arms"]["expanded"]["final"])), common.pm(gain(result, n), True)]
     if has_scratch:
-      cells.append(_pm(_ms(result, n, lambda r: r["arms"]["scratch"]["final"])))
+      cells.append(common.pm(_ms(result, n, lambda r: r["arms"]["scratch"]["final"])))
     cells += [f"{_ms(result, n, lambda r: r['arms']['continued']['train_tail'])[0]:.4f} / "
               f"{_ms(result, n, lambda r: r['arms']['expanded']['train_tail'])[0]:.4f}",
               f"{_ms(result, n, lambda r: r['arms']['expanded']['new_out_norm'])[0]:.3g} / "

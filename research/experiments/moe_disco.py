@@ -420,7 +420,7 @@ def paired(result: dict, arm: str, base: str) -> tuple[float, float, str]:
 
 
 def _ms(ms, digits: int = 4) -> str:
-  return "–" if ms is None else f"{ms[0]:.{digits}f} ± {ms[1]:.{digits}f}"
+  return "–" if ms is None else common.pm(ms, digits=digits)
 
 
 def tables(result: dict) -> list[str]:

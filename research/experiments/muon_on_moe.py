@@ -423,7 +423,6 @@ def plot(result: dict):
 
 
 def table(result: dict) -> list[str]:
-  f = lambda ms, p=4: f"{ms[0]:.{p}f} ± {ms[1]:.{p}f}"
   lines = ["| arm | best lr | final val loss | spikes (best lr / grid) | max jump | expert RMS (measured) | "
            "predicted | RMS rare / busy experts (load) | RMS of zero-token experts (share) | corr(load, RMS) | "
            "corr(‖g_e‖, RMS) |",
@@ -431,11 +430,11 @@ def table(result: dict) -> list[str]:
   for arm, a in result["arms"].items():
     pred = "—" if a["predicted_rms"] is None else f"{a['predicted_rms']:.4f}"
     rare, busy = a["rms_rare"][0], a["rms_busy"][0]
-    lines.append(f"| {arm} | {a['best_lr']:g} | {f(a['val'])} | {a['spikes']} / {a['grid_spikes']} | "
-                 f"{a['max_jump']:.2f} | {f(a['rms'])} | {pred} | {rare:.4f} / {busy:.4f} = {rare / busy:.2f}× "
+    lines.append(f"| {arm} | {a['best_lr']:g} | {common.pm(a['val'])} | {a['spikes']} / {a['grid_spikes']} | "
+                 f"{a['max_jump']:.2f} | {common.pm(a['rms'])} | {pred} | {rare:.4f} / {busy:.4f} = {rare / busy:.2f}× "
                  f"({a['load_rare'][0]:.3f} / {a['load_busy'][0]:.3f}) | {a['rms_zero'][0]:.4f} "
-                 f"({a['zero_frac'][0]:.1%}) | {f(a['corr_load_rms'], 2)} | "
-                 f"{f(a['corr_gnorm_rms'], 2)} |")
+                 f"({a['zero_frac'][0]:.1%}) | {common.pm(a['corr_load_rms'], digits=2)} | "
+                 f"{common.pm(a['corr_gnorm_rms'], digits=2)} |")
   lines += ["", "| arm | lr | seed | final val loss | spikes | max jump | expert RMS |",
             "|---|---|---|---|---|---|---|"]
   for r in sorted(result["runs"], key=lambda r: (ARMS.index(r["arm"]), r["lr"], r["seed"])):

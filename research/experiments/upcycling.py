@@ -53,7 +53,6 @@ ARMS = ("dense", "random", "clustered", "scratch")
 LABELS = {"dense": "dense, continued", "random": "MoE, random split", "clustered": "MoE, clustered split",
           "scratch": "MoE from scratch (N+T steps)"}
 TUNED_BY = {"dense": "dense", "random": "random", "clustered": "random"}  # whose lr grid an arm's lr comes from
-PARTIAL = "partial.json"  # finished seeds of a running full run: a rerun of the same config resumes from them
 SMOKE = dict(seeds=(0,), pretrain_steps=6, continue_steps=4, batch_size=4, seq_len=32, lrs=(3e-3,), eval_every=2,
              val_batch=8, val_batches=2)
 
@@ -121,11 +120,6 @@ def split_error(dense: Transformer, moe: Transformer, scale: float, *, samples: 
   return err
 
 
-def _train_tail(records, n: int = 10) -> float:
-  """Mean training loss of the last n logged steps."""
-  return float(np.mean([r["loss"] for r in records if "loss" in r][-n:]))
-
-
 @common.smoke_compiles_quickly
 def main(cfg: Config) -> dict:
   cfg = sized(cfg)
@@ -156,17 +150,17 @@ def main(cfg: Config) -> dict:
         chosen[arm] = min(tune[arm], key=tune[arm].get)
       lr = chosen[TUNED_BY[arm]]
       run["arms"][arm] = {"lr": lr, "at_conversion": at, "curve": [(N, at)] + fits[lr].curve(),
-                          "final": fits[lr].final_val, "train_tail": _train_tail(fits[lr].records)}
+                          "final": fits[lr].final_val, "train_tail": common.train_tail(fits[lr].records)}
     if cfg.scratch:
       moe_c = candidates["random"].c
       f = fit(Transformer(moe_c, rngs=nnx.Rngs(seed)), common.phase_optimizer(cfg.pretrain_lr, N + T),
               steps=N + T, seed=seed, eval_every=max((N + T) // 6, 1))
       run["arms"]["scratch"] = {"lr": cfg.pretrain_lr, "at_conversion": None, "curve": f.curve(), "final": f.final_val,
-                                "train_tail": _train_tail(f.records)}
+                                "train_tail": common.train_tail(f.records)}
     run["wall_s"] = time.perf_counter() - t_seed
     runs[seed] = run
     if not cfg.smoke:
-      save_partial(cfg, runs, tune, chosen)
+      common.save_partial(cfg, runs=runs, tune=tune, chosen=chosen)
     print(f"seed {seed}: " + ", ".join(f"{a} {r['final']:.4f}" for a, r in run["arms"].items())
           + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
   shapes = {"dense": dense_c, "moe": dataclasses.replace(dense_c, moe=MoEConfig(num_experts=E, top_k=K,
@@ -183,29 +177,18 @@ def main(cfg: Config) -> dict:
             "timing": {"wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time()}}
   if not cfg.smoke:
     write(cfg, result)
-    os.remove(os.path.join(cfg.out, PARTIAL))
+    common.drop_partial(cfg)
   return result
 
 
 def resume(cfg: Config) -> dict:
   """What an interrupted full run with the same config finished (OUT/partial.json): its seeds' runs and the lr
   tuning; nothing for a smoke run or another config."""
-  path = os.path.join(cfg.out, PARTIAL)
-  empty = {"runs": {}, "tune": {}, "chosen": {}}
-  if cfg.smoke or not os.path.exists(path):
-    return empty
-  with open(path) as f:
-    p = json.load(f)
-  if p["config"] != json.loads(json.dumps(dataclasses.asdict(cfg))):
-    return empty
+  p = common.load_partial(cfg)
+  if p is None:
+    return {"runs": {}, "tune": {}, "chosen": {}}
   return {"runs": {int(s): r for s, r in p["runs"].items()}, "chosen": p["chosen"],
           "tune": {a: {float(lr): v for lr, v in t.items()} for a, t in p["tune"].items()}}
-
-
-def save_partial(cfg: Config, runs: dict, tune: dict, chosen: dict):
-  os.makedirs(cfg.out, exist_ok=True)
-  with open(os.path.join(cfg.out, PARTIAL), "w") as f:
-    json.dump({"config": dataclasses.asdict(cfg), "runs": runs, "tune": tune, "chosen": chosen}, f, default=float)
 
 
 def paired(result: dict, arm: str, key: str = "final", base: str = "dense") -> tuple[float, float]:
@@ -217,10 +200,6 @@ def stat(result: dict, arm: str, key: str) -> tuple[float, float]:
   return common.mean_std([r["arms"][arm][key] for r in result["seeds"].values()])
 
 
-def _pm(ms, sign: bool = False) -> str:
-  return f"{ms[0]:{'+' if sign else ''}.4f} ± {ms[1]:.4f}"
-
-
 def tables(result: dict) -> list[str]:
   arms = [a for a in ARMS if a in next(iter(result["seeds"].values()))["arms"]]
   seeds = list(result["seeds"])
@@ -228,7 +207,7 @@ def tables(result: dict) -> list[str]:
   dense_val = common.mean_std([r["dense_val"] for r in result["seeds"].values()])
   split_err = max(e for r in result["seeds"].values() for e in r["split_error"].values())
   p, fl = result["params"], result["flops_per_token"]
-  lines = [f"Dense model after N = {N} steps: val loss {_pm(dense_val)} (nats/byte). Split exactness (Σ_e Expert_e "
+  lines = [f"Dense model after N = {N} steps: val loss {common.pm(dense_val)} (nats/byte). Split exactness (Σ_e Expert_e "
            f"= s·FFN, float64 on Gaussian inputs): max relative error {split_err:.1e} over layers, splits and seeds. "
            f"Continued arms: T = {T} steps = "
            f"{result['tokens']['continue']:,} tokens each; scratch: {N + T} steps = {result['tokens']['total']:,} "
@@ -239,11 +218,11 @@ def tables(result: dict) -> list[str]:
            "|---|---|---|---|---|---|---|---|"]
   for arm in arms:
     kind = "dense" if arm == "dense" else "moe"
-    at = "–" if arm == "scratch" else _pm(stat(result, arm, "at_conversion"))
-    delta = "–" if arm == "dense" else _pm(paired(result, arm), sign=True)
+    at = "–" if arm == "scratch" else common.pm(stat(result, arm, "at_conversion"))
+    delta = "–" if arm == "dense" else common.pm(paired(result, arm), sign=True)
     lines.append(f"| {LABELS[arm]} | {p[kind]['total']:,} / {p[kind]['active']:,} | {fl[kind] / 1e6:.2f} M | "
-                 f"{result['lr'][arm]:g} | {at} | {_pm(stat(result, arm, 'final'))} | {delta} | "
-                 f"{_pm(stat(result, arm, 'train_tail'))} |")
+                 f"{result['lr'][arm]:g} | {at} | {common.pm(stat(result, arm, 'final'))} | {delta} | "
+                 f"{common.pm(stat(result, arm, 'train_tail'))} |")
   grid = result["tune"]
   lrs = list(next(iter(grid.values())))
   lines += ["", f"Continued-training lr grid (seed {seeds[0]}, final val loss after T steps):", "",
@@ -273,16 +252,16 @@ def findings(result: dict) -> list[str]:
                         for r in result["seeds"].values()])
   ratio = result["params"]["moe"]["active"] / result["params"]["dense"]["active"]
   lines = [
-      f"Reading: the conversion costs {_pm(gap['random'], True)} nats/byte (random split) and "
-      f"{_pm(gap['clustered'], True)} (clustered) of val loss over the dense model; the experts sum to the dense FFN "
+      f"Reading: the conversion costs {common.pm(gap['random'], True)} nats/byte (random split) and "
+      f"{common.pm(gap['clustered'], True)} (clustered) of val loss over the dense model; the experts sum to the dense FFN "
       "exactly (table), so the cost is the top-2 routing by a router that has not learned anything yet.",
-      f"Reading: after T more steps the random-split MoE is {_pm(after['random'], True)} from the dense model "
-      f"continued on the same tokens ({_agree(result, 'random')}; clustered {_pm(after['clustered'], True)}, "
+      f"Reading: after T more steps the random-split MoE is {common.pm(after['random'], True)} from the dense model "
+      f"continued on the same tokens ({_agree(result, 'random')}; clustered {common.pm(after['clustered'], True)}, "
       f"{_agree(result, 'clustered')})"
       + (f": it wins back {100 * rec['random']:.0f}% (random) / {100 * rec['clustered']:.0f}% (clustered) of its "
          "conversion gap" if min(gap[s][0] for s in SPLITS) > 0 else "")
       + f", with {100 * ratio:.0f}% of the dense model's active parameters per token.",
-      f"Reading: clustered − random after continued training: {_pm(rc, True)} "
+      f"Reading: clustered − random after continued training: {common.pm(rc, True)} "
       + ("(within 2 std: the splits end level, as LLaMA-MoE reports)." if abs(rc[0]) <= 2 * rc[1] else
          "(beyond 2 std of the seeds)."),
   ]
@@ -291,7 +270,7 @@ def findings(result: dict) -> list[str]:
                          for r in result["seeds"].values()])
     ahead = sum(r["arms"]["random"]["final"] < r["arms"]["scratch"]["final"] for r in result["seeds"].values())
     lines.append(f"Reading: the upcycled MoE (random) − the same MoE trained from scratch on the same N+T steps' "
-                 f"tokens: {_pm(d, True)} (upcycled lower in {ahead} of {len(result['seeds'])} seeds); the scratch "
+                 f"tokens: {common.pm(d, True)} (upcycled lower in {ahead} of {len(result['seeds'])} seeds); the scratch "
                  f"MoE runs at the untuned pretraining lr {result['lr']['scratch']:g}"
                  + (", below the continued arms' tuned one, so this comparison may favour upcycling."
                     if result["lr"]["scratch"] < result["lr"]["random"] else "."))

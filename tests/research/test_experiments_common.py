@@ -65,3 +65,22 @@ def test_smoke_compiles_quickly_only_at_smoke_size_and_restores_the_flag():
   with pytest.raises(ZeroDivisionError):  # restored when main raises, too
     common.smoke_compiles_quickly(lambda cfg: 1 / 0)(Cfg(smoke=True))
   assert jax.config.values["jax_disable_most_optimizations"] == before
+
+
+def test_partial_round_trip_belongs_to_its_config_only(tmp_path):
+  import dataclasses
+
+  @dataclasses.dataclass
+  class Cfg:
+    out: str
+    smoke: bool = False
+    lrs: tuple = (1e-3, 3e-3)
+
+  cfg = Cfg(str(tmp_path / "out"))
+  assert common.load_partial(cfg) is None  # nothing saved yet
+  common.save_partial(cfg, runs={"0": {"final": np.float32(2.5)}}, chosen={"dense": 3e-3})
+  assert common.load_partial(cfg) == {"runs": {"0": {"final": 2.5}}, "chosen": {"dense": 3e-3}}
+  assert common.load_partial(dataclasses.replace(cfg, lrs=(1e-2,))) is None  # another config's file
+  assert common.load_partial(dataclasses.replace(cfg, smoke=True)) is None  # a smoke run never resumes
+  common.drop_partial(cfg)
+  assert not (tmp_path / "out" / common.PARTIAL).exists() and common.load_partial(cfg) is None
