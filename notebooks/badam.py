@@ -30,13 +30,11 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import io
-import pathlib
 
 import matplotlib.pyplot as plt
 from IPython.display import Image, Markdown, display
 
-import research
-from research.experiments import badam
+from research.experiments import badam, common
 
 result = badam.main(badam.Config(smoke=True))
 display(Markdown("\n".join(badam.tables(result))))
@@ -59,5 +57,4 @@ display(Image(png.getvalue()))
 # `python -m research.experiments.badam` (16 training runs of a 6-layer `tiny`, 200 steps each) wrote this:
 
 # %%
-full = pathlib.Path(research.__file__).resolve().parent / "results" / "badam" / "results.md"
-display(Markdown(full.read_text() if full.exists() else "(not run yet)"))
+display(Markdown(common.full_results("badam")))

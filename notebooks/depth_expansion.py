@@ -31,13 +31,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pathlib
 
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-import models
-from research.experiments import depth_expansion
+from research.experiments import common, depth_expansion
 
 result = depth_expansion.main(depth_expansion.Config(smoke=True))
 for n, by_seed in result["runs"].items():
@@ -56,9 +54,4 @@ plt.show()
 # ## The full-size run
 
 # %%
-repo = pathlib.Path(models.__file__).resolve().parents[1]
-results_md = repo / "research" / "results" / "depth_expansion" / "results.md"
-if results_md.exists():
-  display(Markdown(results_md.read_text()))
-else:
-  print("no full-size results yet: run `python -m research.experiments.depth_expansion`")
+display(Markdown(common.full_results("depth_expansion")))

@@ -34,13 +34,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="optlab-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-import pathlib
 
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-import research
-from research.experiments import moe_disco
+from research.experiments import common, moe_disco
 
 result = moe_disco.main(moe_disco.Config(smoke=True))
 display(Markdown("\n".join(moe_disco.tables(result))))
@@ -61,5 +59,4 @@ plt.show()
 # `python -m research.experiments.moe_disco` (an lr grid on seed 0, then seeds 0-2) wrote:
 
 # %%
-full = pathlib.Path(research.__file__).resolve().parent / "results" / "moe_disco" / "results.md"
-display(Markdown(full.read_text() if full.exists() else "(not run yet)"))
+display(Markdown(common.full_results("moe_disco")))

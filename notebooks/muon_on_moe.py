@@ -38,13 +38,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pathlib
 
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-import optim
-from research.experiments import muon_on_moe
+from research.experiments import common, muon_on_moe
 
 result = muon_on_moe.main(muon_on_moe.Config(smoke=True))
 print(f"{result['tokens_per_run']:,} training tokens per run, {len(result['runs'])} runs, "
@@ -71,8 +69,4 @@ plt.show()
 # The committed table from the full run, if this checkout has it.
 
 # %%
-results_md = pathlib.Path(optim.__file__).resolve().parents[1] / "research" / "results" / "muon_on_moe" / "results.md"
-if results_md.exists():
-  display(Markdown(results_md.read_text()))
-else:
-  print(f"no full-size results at {results_md}; run `python -m research.experiments.muon_on_moe`")
+display(Markdown(common.full_results("muon_on_moe")))

@@ -26,13 +26,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pathlib
 
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-import research
-from research.experiments import optimizers
+from research.experiments import common, optimizers
 
 result = optimizers.main(optimizers.Config(smoke=True))
 display(Markdown("\n".join(optimizers.tune_table(result["tune"], result["grid"]))))
@@ -49,5 +47,4 @@ plt.show()
 # cores) wrote this table:
 
 # %%
-full = pathlib.Path(research.__file__).resolve().parent / "results" / "optimizers" / "results.md"
-display(Markdown(full.read_text() if full.exists() else "(not run yet)"))
+display(Markdown(common.full_results("optimizers")))

@@ -30,13 +30,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pathlib
 
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-import models
-from research.experiments import upcycling
+from research.experiments import common, upcycling
 
 result = upcycling.main(upcycling.Config(smoke=True))
 run = result["seeds"][0]
@@ -58,9 +56,4 @@ plt.show()
 # ## The full-size run
 
 # %%
-repo = pathlib.Path(models.__file__).resolve().parents[1]
-results_md = repo / "research" / "results" / "upcycling" / "results.md"
-if results_md.exists():
-  display(Markdown(results_md.read_text()))
-else:
-  print("no full-size results yet: run `python -m research.experiments.upcycling`")
+display(Markdown(common.full_results("upcycling")))

@@ -224,6 +224,16 @@ def write_results(out: str, name: str, question: str, table: list[str], *, findi
       json.dump(data, f, indent=1, default=float)
 
 
+def full_results(name: str) -> str:
+  """research/results/<name>/results.md as committed (the notebooks show it beside their smoke run), or how to make
+  it when this checkout has none."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", name, "results.md")
+  if not os.path.exists(path):
+    return f"No full-size results yet: run `python -m research.experiments.{name}`."
+  with open(path) as f:
+    return f.read()
+
+
 def tree_bytes(tree) -> int:
   return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(tree)
                  if hasattr(x, "shape")))
@@ -271,6 +281,6 @@ def drop_partial(cfg):
 
 
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
-           "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "tree_bytes", "mean_std", "pm",
+           "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results", "tree_bytes", "mean_std", "pm",
            "train_tail", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
            "smoke_compiles_quickly"]

@@ -84,3 +84,11 @@ def test_partial_round_trip_belongs_to_its_config_only(tmp_path):
   assert common.load_partial(dataclasses.replace(cfg, smoke=True)) is None  # a smoke run never resumes
   common.drop_partial(cfg)
   assert not (tmp_path / "out" / common.PARTIAL).exists() and common.load_partial(cfg) is None
+
+
+def test_full_results_is_the_committed_file_or_how_to_make_it():
+  import pathlib
+  committed = pathlib.Path(common.__file__).resolve().parents[1] / "results" / "optimizers" / "results.md"
+  assert common.full_results("optimizers") == committed.read_text()
+  assert common.full_results("no_such_experiment") == (
+      "No full-size results yet: run `python -m research.experiments.no_such_experiment`.")
