@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from optim.trees import reject_complex
+
 MaskFn = Callable[[jax.Array, jax.Array], jax.Array]
 NORMALIZATIONS = ("mean", "count")
 
@@ -175,4 +177,5 @@ def with_alignment_mask(inner: optax.GradientTransformation, mask_fn: MaskFn) ->
     u, state = inner.update(updates, state, params)
     return jax.tree.map(lambda u_, g: u_ * mask_fn(u_, g), u, updates), state
 
-  return optax.GradientTransformation(inner.init, update)
+  return reject_complex(optax.GradientTransformation(inner.init, update), "an alignment mask (MGUP, Cautious)",
+                        "it compares the signs of u·g")

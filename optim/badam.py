@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from optim.registry import decay_mask, register
+from optim.trees import leaf_name, path_name
 
 ORDERS = ("descending", "ascending", "random", "fixed")
 LABELS = ("layers", "embedding", "head", "active", "frozen")
@@ -38,17 +39,13 @@ class BAdamState(NamedTuple):
   inner_state: optax.OptState  # the inner optimizer's state over one block's view
 
 
-def _name(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def _matches(params, patterns) -> Any:
   """Bool tree: `patterns(params)` if callable, else whether the leaf's path contains one of the substrings."""
   if callable(patterns):
     return patterns(params)
   if isinstance(patterns, str):
     patterns = (patterns,)
-  return jax.tree_util.tree_map_with_path(lambda p, _: any(s in _name(p) for s in patterns), params)
+  return jax.tree_util.tree_map_with_path(lambda p, _: any(s in path_name(p) for s in patterns), params)
 
 
 def badam_labels(params, *, stacked: str | Callable = "blocks", include_embedding: bool = False,
@@ -68,7 +65,7 @@ def badam_labels(params, *, stacked: str | Callable = "blocks", include_embeddin
   if callable(stacked):
     is_stacked = stacked(params)
   else:
-    is_stacked = jax.tree_util.tree_map_with_path(lambda p, _: bool(p) and _name(p[:1]) == stacked, params)
+    is_stacked = jax.tree_util.tree_map_with_path(lambda p, _: bool(p) and path_name(p[:1]) == stacked, params)
   active = _matches(params, always_active)
 
   def label(path, _, s, a):
@@ -76,7 +73,7 @@ def badam_labels(params, *, stacked: str | Callable = "blocks", include_embeddin
       return "active"
     if s:
       return "layers"
-    if "embed" in _name(path):
+    if "embed" in path_name(path):
       return "embedding" if include_embedding else "frozen"
     return "head" if include_head else "frozen"
   return jax.tree_util.tree_map_with_path(label, params, is_stacked, active)
@@ -120,9 +117,30 @@ class _Plan(NamedTuple):
   whole: dict[int, tuple[int, int]]  # whole-leaf leaf -> (slot, block)
 
 
+def _has_stacked(tree, stacked) -> bool:
+  if callable(stacked):
+    return any(jax.tree.leaves(stacked(tree)))
+  return any(bool(p) and path_name(p[:1]) == stacked for p, _ in jax.tree_util.tree_leaves_with_path(tree))
+
+
+def _each_leaf(tree):
+  """blocks="leaves": leaf i (in flattening order) is block i."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, list(range(len(leaves))))
+
+
 def _plan(tree, blocks, stacked, include_embedding, include_head, always_active) -> _Plan:
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   paths, leaves = [p for p, _ in flat], [x for _, x in flat]
+  if not leaves:
+    raise BAdamError("BAdam needs the parameters themselves at init: its state holds one block's view (slices of "
+                     "the stacked layers, slots for whole leaves), not trees shaped like the parameters, so it cannot "
+                     "be built on an empty tree or on optax.tree.map_params' placeholder; map its state with "
+                     "jax.tree.map")
+  if blocks == "auto":
+    blocks = "layers" if _has_stacked(tree, stacked) else _each_leaf
+  elif blocks == "leaves":
+    blocks = _each_leaf
   stacked_ix, active_ix, groups = [], [], {}  # groups: block key -> whole leaves
   if blocks == "layers":
     labels = treedef.flatten_up_to(badam_labels(tree, stacked=stacked, include_embedding=include_embedding,
@@ -156,7 +174,8 @@ def _plan(tree, blocks, stacked, include_embedding, include_head, always_active)
       elif isinstance(lab, (int, np.integer)) and not isinstance(lab, bool) and lab >= 0:
         groups.setdefault(int(lab), []).append(i)
       else:
-        raise BAdamError(f"label_fn gave {lab!r} for {_name(paths[i])}; use a block id >= 0, 'active' or 'frozen'")
+        where = path_name(paths[i]) or "the array"
+        raise BAdamError(f"label_fn gave {lab!r} for {where}; use a block id >= 0, 'active' or 'frozen'")
     if not groups:
       raise BAdamError("label_fn gave no leaf a block id; at least one block is needed")
     positions = list(range(len(groups)))  # block ids in increasing order
@@ -168,7 +187,7 @@ def _plan(tree, blocks, stacked, include_embedding, include_head, always_active)
   for g in sorted(groups):
     b, seen = block_of_group[g], {}
     for i in groups[g]:
-      key = (str(getattr(paths[i][-1], "key", paths[i][-1])), tuple(np.shape(leaves[i])), jnp.result_type(leaves[i]))
+      key = (leaf_name(paths[i]), tuple(np.shape(leaves[i])), jnp.result_type(leaves[i]))
       r = seen[key] = seen.get(key, -1) + 1
       if (key, r) not in slot_ids:
         slot_ids[(key, r)] = len(slots)
@@ -220,7 +239,7 @@ def _scatter(plan: _Plan, view, like, block):
   return jax.tree_util.tree_unflatten(plan.treedef, out)
 
 
-def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "layers", switch_every=50,
+def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto", switch_every=50,
           order: str = "descending", seed=0, start_block=None, include_embedding: bool = False,
           include_head: bool = False, always_active: Sequence[str] | Callable = (),
           stacked: str | Callable = "blocks") -> optax.GradientTransformation:
@@ -238,8 +257,11 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "laye
       decay inside it touches the active block only. Keep learning-rate schedules OUTSIDE (`badam_adamw` does):
       a schedule inside `inner` would restart with its state at every switch.
     blocks: "layers": one block per layer of the stacked leaves, plus an embedding block first and a head block
-      last when asked (`badam_labels` lists each leaf's fate). Or a function of the params giving each leaf a block
-      id (int ≥ 0; blocks ordered by id), "active" or "frozen"; such blocks are whole leaves.
+      last when asked (`badam_labels` lists each leaf's fate). "leaves": every leaf is a block, in flattening
+      order (a bare array is one block: Adam restarted every K updates). "auto" (default): "layers" when the tree
+      has stacked leaves (see `stacked`), else "leaves", so any parameter tree works. Or a function of the params
+      giving each leaf a block id (int ≥ 0; blocks ordered by id), "active" or "frozen"; such blocks are whole
+      leaves.
     switch_every: K, updates per block (≥ 1). order: one of ORDERS. seed: the "random" order's stream.
     start_block: first block (ascending/descending) or the only one (fixed, where it is required).
     include_embedding, include_head: put those leaves in blocks instead of freezing them (blocks="layers" only).
@@ -258,8 +280,9 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "laye
   """
   if order not in ORDERS:
     raise BAdamError(f"unknown BAdam order {order!r}; choose from {', '.join(ORDERS)}")
-  if blocks != "layers" and not callable(blocks):
-    raise BAdamError(f"blocks must be 'layers' or a function of the params giving block ids, got {blocks!r}")
+  if blocks not in ("auto", "layers", "leaves") and not callable(blocks):
+    raise BAdamError(f"blocks must be 'auto', 'layers', 'leaves' or a function of the params giving block ids, "
+                     f"got {blocks!r}")
   if isinstance(switch_every, (int, float)) and switch_every < 1:
     raise BAdamError(f"switch_every must be a positive number of updates, got {switch_every}")
   if order == "fixed" and start_block is None:
@@ -301,10 +324,10 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "laye
 
 
 @register("badam")
-def badam_adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1,
-                switch_every: int = 50, order: str = "descending", seed: int = 0, start_block: int | None = None,
-                include_embedding: bool = False, include_head: bool = False, always_active: Sequence[str] = (),
-                mask=None) -> optax.GradientTransformation:
+def badam_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+                weight_decay: float = 0.1, switch_every: int = 50, order: str = "descending", seed: int = 0,
+                start_block: int | None = None, include_embedding: bool = False, include_head: bool = False,
+                always_active: Sequence[str] = (), mask=None) -> optax.GradientTransformation:
   """BAdam with AdamW inside, the learning rate (and its schedule) outside the per-block restarts:
 
     active block:  θ ← θ − lr_t·(m̂/(√v̂ + eps) + weight_decay·θ)   (m̂, v̂ over the updates since the last switch)

@@ -19,8 +19,9 @@ from optim.registry import decay_mask, register
 
 
 @register("cautious_adamw")
-def cautious_adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1,
-                   floor=1e-3, normalize: str = "mean", mu_dtype=None, mask=None) -> optax.GradientTransformation:
+def cautious_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+                   weight_decay: float = 0.1, floor=1e-3, normalize: str = "mean", mu_dtype=None,
+                   mask=None) -> optax.GradientTransformation:
   """C-AdamW (C-Optim `c_adamw.py`, single-tensor path).
 
     u = m/(√v + eps) (`scale_by_reference_adam`: eps on the uncorrected √v, as C-Optim),  φ = Cautious(u, g)
@@ -38,8 +39,9 @@ def cautious_adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.95, eps: flo
 
 
 @register("cautious_lion")
-def cautious_lion(learning_rate, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1, floor=1e-3,
-                  normalize: str = "mean", mu_dtype=None, mask=None) -> optax.GradientTransformation:
+def cautious_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.99,
+                  weight_decay: float = 0.1, floor=1e-3, normalize: str = "mean", mu_dtype=None,
+                  mask=None) -> optax.GradientTransformation:
   """C-Lion: c = sign(β1·m + (1−β1)·g), φ = Cautious(c, g), W ← W − lr·(φ ⊙ c + weight_decay·W),
   m ← β2·m + (1−β2)·g. House defaults as `lion` (C-Optim's C-Lion: betas (0.95, 0.98), count normalization).
   """
@@ -50,9 +52,9 @@ def cautious_lion(learning_rate, *, b1: float = 0.9, b2: float = 0.99, weight_de
 
 
 @register("cautious_muon")
-def cautious_muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "classic",
-                  nesterov: bool = True, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7,
-                  scale: str = "moonlight", ns_dtype=None, method: str = "standard", mu_dtype=None,
+def cautious_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1,
+                  momentum: str = "classic", nesterov: bool = True, coeffs="quintic", ns_steps: int = 5,
+                  eps: float = 1e-7, scale: str = "moonlight", ns_dtype=None, method: str = "standard", mu_dtype=None,
                   adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
                   adam_weight_decay: float | None = None, labels=None, distributed: bool = False, floor=1e-3,
                   normalize: str = "mean") -> optax.GradientTransformation:
@@ -71,6 +73,7 @@ def cautious_muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.
                        scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype,
                        mask_fn=cautious_policy(floor=floor, normalize=normalize), mask_at="pre",
                        distributed=distributed)
-  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, adam_learning_rate=adam_learning_rate,
+  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
+                         adam_learning_rate=adam_learning_rate,
                          adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
                          labels=labels)

@@ -28,6 +28,7 @@ import optax
 
 from optim.muon import muon_with_adamw, scale_by_muon
 from optim.registry import UnknownOptimizerError, register
+from optim.trees import path_name, reject_complex, resolve_labels
 
 MODES = ("approx", "exact")
 VARIANTS = ("adamw", "lion", "shampoo")
@@ -45,7 +46,7 @@ class MarsState(NamedTuple):
 def _clip_per_tensor(c, tensor_ndim: int):
   axes = tuple(range(max(c.ndim - tensor_ndim, 0), c.ndim))
   acc = c.astype(jnp.promote_types(c.dtype, jnp.float32))
-  norm = jnp.sqrt(jnp.sum(jnp.square(acc), axis=axes, keepdims=True))
+  norm = jnp.sqrt(jnp.sum(jnp.real(acc * jnp.conj(acc)), axis=axes, keepdims=True))  # ‖c‖_F, also complex
   return (acc / jnp.maximum(norm, 1.0)).astype(c.dtype)
 
 
@@ -118,7 +119,7 @@ def mars_labels(params) -> optax.Params:
   MARS too), "vector" for norm scales, biases (by name, though the blocks stack them as (layers, D)) and any leaf
   with ndim ≤ 1."""
   def label(path, p):
-    name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path).lower()
+    name = path_name(path).lower()
     vector = "norm" in name or "bias" in name or jnp.ndim(p) < 2
     return "vector" if vector else "matrix"
   return jax.tree_util.tree_map_with_path(label, params)
@@ -136,10 +137,10 @@ def _mars_core(variant: str, b1, b2, eps, *, matrix: bool, ns_steps: int, ns_dty
 
 
 @register("mars", needs_prev_grads=lambda hp: hp["mode"] == "exact")
-def mars(learning_rate, *, variant: str = "adamw", gamma: float = 0.025, b1: float = 0.95, b2: float = 0.99,
-         eps: float = 1e-8, weight_decay: float = 0.0, mode: str = "approx", optimize_1d: bool = False,
-         lr_1d=None, b1_1d: float = 0.9, b2_1d: float = 0.95, weight_decay_1d: float = 0.1, ns_steps: int = 5,
-         ns_dtype=None, labels=None) -> optax.GradientTransformationExtraArgs:
+def mars(learning_rate: optax.ScalarOrSchedule, *, variant: str = "adamw", gamma: float = 0.025, b1: float = 0.95,
+         b2: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, mode: str = "approx",
+         optimize_1d: bool = False, lr_1d=None, b1_1d: float = 0.9, b2_1d: float = 0.95, weight_decay_1d: float = 0.1,
+         ns_steps: int = 5, ns_dtype=None, labels=None) -> optax.GradientTransformationExtraArgs:
   """MARS (Yuan et al., 2025): the corrected gradient c̃ (`mars_correction`) feeds AdamW, Lion or Shampoo.
 
     m ← β1·m + (1−β1)·c̃
@@ -166,12 +167,13 @@ def mars(learning_rate, *, variant: str = "adamw", gamma: float = 0.025, b1: flo
   else:
     vector_tx = optax.adamw(learning_rate if lr_1d is None else lr_1d, b1=b1_1d, b2=b2_1d, eps=eps,
                             weight_decay=weight_decay_1d)
-  return optax.partition({"matrix": matrix_tx, "vector": vector_tx}, mars_labels if labels is None else labels,
-                         mask_compatible_extra_args=True)
+  label_fn = lambda p: resolve_labels(mars_labels if labels is None else labels, p, ("matrix", "vector"), "MARS")
+  tx = optax.partition({"matrix": matrix_tx, "vector": vector_tx}, label_fn, mask_compatible_extra_args=True)
+  return reject_complex(tx, "MARS-Lion", "the sign of a complex number") if variant == "lion" else tx
 
 
 @register("muon_mvr", needs_prev_grads=lambda hp: hp["mode"] == "mvr2")
-def muon_mvr(learning_rate, *, mode: str = "mvr1", gamma: float = 0.025, beta: float = 0.95,
+def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: str = "mvr1", gamma: float = 0.025, beta: float = 0.95,
              weight_decay: float = 0.1, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7,
              scale: str = "moonlight", ns_dtype=None, method: str = "standard", mu_dtype=None,
              adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
@@ -192,6 +194,7 @@ def muon_mvr(learning_rate, *, mode: str = "mvr1", gamma: float = 0.025, beta: f
       mars_correction(gamma, beta, mode="approx" if mode == "mvr1" else "exact"),
       scale_by_muon(beta, momentum="ema", nesterov=False, coeffs=coeffs, ns_steps=ns_steps, eps=eps, scale=scale,
                     ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed))
-  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, adam_learning_rate=adam_learning_rate,
+  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
+                         adam_learning_rate=adam_learning_rate,
                          adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
                          labels=labels, extra_args=True)

@@ -49,8 +49,8 @@ def scale_by_reference_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8
 
 
 @register("mgup_adamw")
-def mgup_adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1,
-               tau=0.5, alpha=2.0, gamma=0.1, policy: str = "topk", mu_dtype=None,
+def mgup_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+               weight_decay: float = 0.1, tau=0.5, alpha=2.0, gamma=0.1, policy: str = "topk", mu_dtype=None,
                mask=None) -> optax.GradientTransformation:
   """MGUP-AdamW (MGUP/MGUP_AdamW.py `AdamW`; `CMGUP_AdamW` with policy="cautious").
 
@@ -70,8 +70,9 @@ def mgup_adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.95, eps: float =
 
 
 @register("mgup_lion")
-def mgup_lion(learning_rate, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1, tau=0.5, alpha=2.0,
-              gamma=0.1, policy: str = "topk", mu_dtype=None, mask=None) -> optax.GradientTransformation:
+def mgup_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
+              tau=0.5, alpha=2.0, gamma=0.1, policy: str = "topk", mu_dtype=None,
+              mask=None) -> optax.GradientTransformation:
   """MGUP-Lion (MGUP/MGUP_Lion.py).
 
     c = sign(β1·m + (1−β1)·g),  φ = MGUP(c, g),  W ← W − lr·(φ ⊙ c + weight_decay·W),  m ← β2·m + (1−β2)·g
@@ -87,12 +88,12 @@ def mgup_lion(learning_rate, *, b1: float = 0.9, b2: float = 0.99, weight_decay:
 
 
 @register("mgup_muon")
-def mgup_muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "classic",
-              nesterov: bool = True, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight",
-              ns_dtype=None, method: str = "standard", mu_dtype=None, adam_learning_rate=None, adam_b1: float = 0.9,
-              adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None, labels=None,
-              distributed: bool = False, tau=0.5, alpha=2.0, gamma=0.1,
-              policy: str = "topk") -> optax.GradientTransformation:
+def mgup_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1,
+              momentum: str = "classic", nesterov: bool = True, coeffs="quintic", ns_steps: int = 5,
+              eps: float = 1e-7, scale: str = "moonlight", ns_dtype=None, method: str = "standard", mu_dtype=None,
+              adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
+              adam_weight_decay: float | None = None, labels=None, distributed: bool = False, tau=0.5, alpha=2.0,
+              gamma=0.1, policy: str = "topk") -> optax.GradientTransformation:
   """MGUP-Muon (MGUP/MGUP_Muon.py): Moonlight Muon with the MGUP mask applied AFTER orthogonalization.
 
     B ← μB + G;  Gn = G + μB (Nesterov);  φ = MGUP(Gn, G);  O = NS(Gn)
@@ -111,6 +112,7 @@ def mgup_muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, m
                        scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype,
                        mask_fn=mgup_policy(policy, tau=tau, alpha=alpha, gamma=gamma), mask_at="post",
                        distributed=distributed)
-  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, adam_learning_rate=adam_learning_rate,
+  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
+                         adam_learning_rate=adam_learning_rate,
                          adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
                          labels=labels)

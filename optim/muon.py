@@ -16,6 +16,7 @@ import optax
 
 from optim.newton_schulz import orthogonalize
 from optim.registry import decay_mask, register
+from optim.trees import path_name, reject_complex, resolve_labels
 
 SHAPE_SCALES = ("keller", "moonlight", "spectral", "none")
 
@@ -93,7 +94,10 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
     return jax.tree.map(lambda o_, g: o_.astype(g.dtype), o, updates), MuonState(
         count=optax.safe_increment(state.count), mu=mu)
 
-  return optax.GradientTransformation(init, update)
+  tx = optax.GradientTransformation(init, update)
+  if mask_fn is None:
+    return tx
+  return reject_complex(tx, "Muon with an alignment mask (MGUP, Cautious)", "it compares the signs of u·g")
 
 
 def orthogonalize_tree(tree, *, coeffs="quintic", steps: int = 5, eps: float = 1e-7, compute_dtype=None,
@@ -111,14 +115,14 @@ def muon_labels(params) -> optax.Params:
   """"muon" for hidden weight matrices, "adam" for embeddings, the output head, norms, biases and
   vectors (decided by parameter name, then rank)."""
   def label(path, p):
-    name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path).lower()
+    name = path_name(path).lower()
     hidden = not any(s in name for s in ("embed", "head", "norm", "bias"))
     return "muon" if hidden and jnp.ndim(p) >= 2 else "adam"
   return jax.tree_util.tree_map_with_path(label, params)
 
 
 @register("muon")
-def muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "ema",
+def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "ema",
          nesterov: bool = True, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight",
          ns_dtype=None, method: str = "standard", mu_dtype=None, adam_learning_rate=None, adam_b1: float = 0.9,
          adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
@@ -136,21 +140,25 @@ def muon(learning_rate, *, beta: float = 0.95, weight_decay: float = 0.1, moment
   """
   core = scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
                        scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed)
-  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, adam_learning_rate=adam_learning_rate,
+  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
+                         adam_learning_rate=adam_learning_rate,
                          adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
                          labels=labels)
 
 
-def muon_with_adamw(core: optax.GradientTransformation, learning_rate, *, weight_decay: float,
+def muon_with_adamw(core: optax.GradientTransformation, learning_rate, *, weight_decay: float, mu_dtype=None,
                     adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
                     adam_weight_decay: float | None = None, labels=None, extra_args: bool = False):
   """The Muon family's parameter groups: `core` (a Muon-style direction) + decoupled decay + lr on the "muon"
-  leaves, `optax.adamw` (no decay on norms) on the "adam" ones, by `labels` (default `muon_labels`). Shared by
-  muon, mgup_muon, cautious_muon and muon_mvr; `extra_args` splits extra update arguments (Muon-MVR's
-  `prev_grads`) per group."""
+  leaves, `optax.adamw` (no decay on norms; first moment in `mu_dtype`) on the "adam" ones, by `labels` (default
+  `muon_labels`; a tree, a prefix of the params' tree, or a function of the params). Shared by muon, mgup_muon,
+  cautious_muon and muon_mvr; `extra_args` splits extra update arguments (Muon-MVR's `prev_grads`) per group."""
   muon_tx = optax.chain(core, optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
   adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
                         eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
-                        mask=decay_mask)
+                        mu_dtype=mu_dtype, mask=decay_mask)
   kw = {"mask_compatible_extra_args": True} if extra_args else {}
-  return optax.partition({"muon": muon_tx, "adam": adam_tx}, muon_labels if labels is None else labels, **kw)
+  # A label tree may be a prefix of the params (as optax.partition reads it) or a function of them; it is
+  # expanded and checked at init, so a tree that does not fit fails there with one clear error.
+  label_fn = lambda p: resolve_labels(muon_labels if labels is None else labels, p, ("muon", "adam"), "Muon")
+  return optax.partition({"muon": muon_tx, "adam": adam_tx}, label_fn, **kw)

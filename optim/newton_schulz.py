@@ -90,12 +90,18 @@ def _products(dtype):
   return mm, rnd
 
 
+def _adjoint(x):
+  """Xᴴ: the conjugate transpose of each matrix (the transpose for real x, where conj is the identity). With it the
+  polynomial maps a complex X = U Σ Vᴴ to U p(Σ) Vᴴ, so the iteration unitarizes complex matrices too."""
+  return jnp.conj(jnp.swapaxes(x, -1, -2))
+
+
 def _standard(x, table):
   mm, rnd = _products(x.dtype)
 
   def step(x, abc):
     a, b, c = abc[0], abc[1], abc[2]
-    A = rnd(mm(x, jnp.swapaxes(x, -1, -2)))
+    A = rnd(mm(x, _adjoint(x)))
     return rnd(a * x + mm(rnd(b * A + c * mm(A, A)), x)), None
 
   return jax.lax.scan(step, rnd(x.astype(table.dtype)), table)[0]
@@ -107,7 +113,7 @@ def _gram(x, table):
   mm, rnd = _products(x.dtype)
   eye = jnp.eye(x.shape[-2], dtype=table.dtype)
   poly = lambda R, abc: rnd(abc[0] * eye + abc[1] * R + abc[2] * mm(R, R))
-  R = rnd(mm(x, jnp.swapaxes(x, -1, -2)))
+  R = rnd(mm(x, _adjoint(x)))
   Q = poly(R, table[0])
   if len(table) > 1:
     R = rnd(mm(Q, rnd(mm(R, Q))))
@@ -124,7 +130,7 @@ def _gram(x, table):
 
 def orthogonalize(x: jax.Array, *, coeffs: str | Sequence = "quintic", steps: int = 5, eps: float = 1e-7,
                   compute_dtype=None, method: str = "standard", restart: int | None = None) -> jax.Array:
-  """Approximate U Vᵀ of every matrix in `x` (..., m, n); returns x's shape and dtype.
+  """Approximate U Vᵀ of every matrix in `x` (..., m, n) (U Vᴴ if complex); returns x's shape and dtype.
 
   Args:
     coeffs: "quintic", "polar_express", "tuned5", "cubic", or a (steps, 3) table of (a, b, c).
@@ -162,9 +168,12 @@ def _orthogonalize(x, *, coeffs, steps, eps, compute_dtype, method, restart):
   tall = x.shape[-2] > x.shape[-1]
   X = jnp.swapaxes(x, -1, -2) if tall else x
   dtype = jnp.dtype(compute_dtype or x.dtype)
+  if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
+    raise ValueError(f"a complex matrix needs a complex compute dtype, got {dtype}")
   acc = jnp.promote_types(X.dtype, jnp.float32)  # normalise in at least fp32, whatever the iteration's dtype
-  norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(acc)), axis=(-2, -1), keepdims=True))
-  X = (X.astype(acc) / (norm * safety + eps)).astype(dtype)
+  Xa = X.astype(acc)
+  norm = jnp.sqrt(jnp.sum(jnp.real(Xa * jnp.conj(Xa)), axis=(-2, -1), keepdims=True))  # |x|², also complex
+  X = (Xa / (norm * safety + eps)).astype(dtype)
   m, n = X.shape[-2:]
   use_gram = method == "gram" and ns_flops(m, n, steps, "gram") < ns_flops(m, n, steps)
   table = jnp.asarray(table, jnp.promote_types(dtype, jnp.float32))

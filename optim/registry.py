@@ -13,10 +13,18 @@ from typing import Any
 import jax
 import optax
 
+from optim.trees import leaf_name, reject_complex
+
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {}
 # name -> predicate on the resolved hyperparameters: True when the optimizer's update takes `prev_grads=`, the
 # gradient at the previous parameters on the current batch (exact MARS / Muon-MVR2; see `needs_prev_grads`).
 PREV_GRADS: dict[str, Callable[[dict], bool]] = {}
+
+
+# Hyperparameters that `optax.inject_hyperparams` must be told are static (`static_args=`): loop counts, which a
+# traced value cannot drive (optax's own tests list ns_steps the same way). Every other hyperparameter of every
+# registered factory is injectable as is (tests/optim/test_optax_suite.py checks the whole registry).
+STATIC_ARGS = ("ns_steps",)
 
 
 class UnknownOptimizerError(ValueError):
@@ -36,31 +44,39 @@ def decay_mask(params) -> Any:
   """Weight decay applies to weight matrices and embeddings, never to norm scales or biases
   (chosen by parameter name, so the rule is visible and overridable)."""
   def decays(path, _):
-    name = str(getattr(path[-1], "key", path[-1])).lower()
+    name = leaf_name(path).lower()  # '' for a bare array: it decays
     return not ("norm" in name or "bias" in name)
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
 @register("adamw")
-def adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1,
-          mask=decay_mask) -> optax.GradientTransformation:
-  """AdamW (Loshchilov & Hutter, 2019) with decoupled weight decay on matrices and embeddings."""
-  return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
+def adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+          weight_decay: float = 0.1, mu_dtype=None, mask=None) -> optax.GradientTransformation:
+  """AdamW (Loshchilov & Hutter, 2019) with decoupled weight decay on matrices and embeddings (`mask`: a bool
+  tree or a function of the params; None = `decay_mask`). Complex parameters work as in optax.adamw;
+  `mu_dtype` stores the first moment in that dtype (default: the parameter's)."""
+  return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mu_dtype=mu_dtype,
+                     mask=decay_mask if mask is None else mask)
 
 
 @register("sgd")
-def sgd(learning_rate, *, momentum: float = 0.9, nesterov: bool = True, weight_decay: float = 0.0,
-        mask=decay_mask) -> optax.GradientTransformation:
-  """SGD with (Nesterov) momentum; weight decay added to the gradient (L2, coupled)."""
-  return optax.chain(optax.add_decayed_weights(weight_decay, mask),
-                     optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
+def sgd(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.9, nesterov: bool = True,
+        weight_decay: float = 0.0, accumulator_dtype=None, mask=None) -> optax.GradientTransformation:
+  """SGD with (Nesterov) momentum; weight decay added to the gradient (L2, coupled; `mask` as `adamw`).
+
+  The momentum buffer (in `accumulator_dtype`, default the parameter's) is always kept, so `momentum` can be
+  injected or scheduled; momentum=0 is plain SGD (the buffer then equals the gradient)."""
+  return optax.chain(optax.add_decayed_weights(weight_decay, decay_mask if mask is None else mask),
+                     optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov,
+                               accumulator_dtype=accumulator_dtype))
 
 
 @register("lion")
-def lion(learning_rate, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
-         mask=decay_mask) -> optax.GradientTransformation:
-  """Lion (Chen et al., 2023): sign of an interpolated momentum, decoupled weight decay."""
-  return optax.lion(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay, mask=mask)
+def lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
+         mask=None) -> optax.GradientTransformation:
+  """Lion (Chen et al., 2023): sign of an interpolated momentum, decoupled weight decay (`mask` as `adamw`)."""
+  return reject_complex(optax.lion(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
+                                   mask=decay_mask if mask is None else mask), "lion", "the sign of a complex number")
 
 
 def get_optimizer(name: str, learning_rate, **hparams) -> optax.GradientTransformation:

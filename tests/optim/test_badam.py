@@ -227,11 +227,11 @@ def test_labels_freeze_embedding_head_and_final_norm_by_default():
     (dict(order="fixed"), None, "pass start_block"),
     (dict(order="random", start_block=1), None, "'random' draws every block-epoch"),
     (dict(switch_every=0), None, "switch_every must be a positive"),
-    (dict(blocks="experts"), None, "blocks must be 'layers' or a function"),
+    (dict(blocks="experts"), None, "blocks must be 'auto', 'layers', 'leaves' or a function"),
     (dict(blocks=lambda p: 0, include_head=True), {"w": jnp.ones(3)}, "give those leaves their own block id"),
     (dict(blocks=lambda p: {"w": "x"}), {"w": jnp.ones(3)}, "use a block id >= 0, 'active' or 'frozen'"),
     (dict(start_block=3), {"blocks": {"w": jnp.ones((3, 2))}}, "start_block=3 is outside the 3 blocks"),
-    ({}, {"layers": {"w": jnp.ones((3, 2))}}, "found no stacked leaves under 'blocks'; pass stacked="),
+    (dict(blocks="layers"), {"layers": {"w": jnp.ones((3, 2))}}, "found no stacked leaves under 'blocks'; pass stacked="),
     ({}, {"blocks": {"w": jnp.ones((3, 2)), "v": jnp.ones((2, 2))}}, "share one leading .layer. axis"),
 ])
 def test_bad_configurations_say_how_to_fix_them(kwargs, params, match):

@@ -12,7 +12,7 @@ PARAMS = {"blocks": {"wq": jnp.ones((2, 4, 4)), "attn_norm": jnp.ones((2, 4))}, 
 
 def test_registry_has_the_starting_optimizers_and_their_defaults():
   assert {"adamw", "sgd", "lion"} <= set(OPTIMIZERS)
-  assert hyperparameters("adamw") == {"b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+  assert hyperparameters("adamw") == {"b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "mu_dtype": None}
 
 
 def test_unknown_names_and_hyperparameters_are_refused():

@@ -1,0 +1,69 @@
+"""Parameter-tree helpers every optimizer shares: names from key paths, and the checks that turn input an
+optimizer cannot handle (complex parameters, a label tree that does not fit) into one clear error at `init`.
+
+Any pytree is a parameter tree: a bare array (its key path is empty), nested dicts, lists, tuples, NamedTuples,
+`None` leaves (empty subtrees), flax `nnx.State`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def key_name(key) -> str:
+  """One key of a path as text: a dict key, attribute name or sequence index."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def path_name(path) -> str:
+  """'blocks/attn/wq' for a key path; '' for a bare array (the empty path)."""
+  return "/".join(key_name(k) for k in path)
+
+
+def leaf_name(path) -> str:
+  """The last key of a path ('wq'); '' for a bare array."""
+  return key_name(path[-1]) if path else ""
+
+
+class ParameterTreeError(ValueError):
+  """A parameter tree an optimizer cannot take (complex leaves, labels that do not fit)."""
+
+
+def reject_complex(tx: optax.GradientTransformation, name: str, why: str) -> optax.GradientTransformation:
+  """`tx` whose init raises ParameterTreeError on complex parameters (instead of NaN or a silent wrong answer
+  later); the state and update are `tx`'s, unchanged."""
+  def init(params):
+    bad = [path_name(p) or "<array>" for p, x in jax.tree_util.tree_leaves_with_path(params)
+           if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.complexfloating)]
+    if bad:
+      raise ParameterTreeError(f"{name} does not support complex parameters ({why}); got complex "
+                               f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
+    return tx.init(params)
+
+  if isinstance(tx, optax.GradientTransformationExtraArgs):
+    return optax.GradientTransformationExtraArgs(init, tx.update)
+  return optax.GradientTransformation(init, tx.update)
+
+
+def resolve_labels(labels, params, allowed: tuple[str, ...], owner: str) -> Any:
+  """The label tree of `labels` (a tree or a function of the params), expanded to one label per leaf when it
+  is a prefix of the params (as optax.partition reads it), after checking that it fits the params and uses only
+  `allowed` labels: a clear ParameterTreeError at init instead of a state that does not match the parameters."""
+  tree = labels(params) if callable(labels) else labels
+  try:
+    full = jax.tree.map(lambda lab, p: jax.tree.map(lambda _: lab, p), tree, params)
+  except (ValueError, TypeError) as e:
+    raise ParameterTreeError(f"{owner}: the label tree does not match the parameters (it must be the params' "
+                             f"structure or a prefix of it): {str(e).splitlines()[0]}") from None
+  used = set(jax.tree.leaves(full))
+  if not used <= set(allowed):
+    raise ParameterTreeError(f"{owner}: unknown labels {sorted(map(str, used - set(allowed)))}; "
+                             f"use {', '.join(map(repr, allowed))}")
+  return full
