@@ -22,14 +22,21 @@ def key_name(key) -> str:
   return str(key)
 
 
+def _keys(path) -> list:
+  """The path without flax Variable wrappers: an `nnx.State` of Variables (what `nnx.Optimizer` hands to `init`)
+  flattens each leaf through `.value`, the plain arrays it hands to `update` do not; both must name one leaf."""
+  return [k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
+
+
 def path_name(path) -> str:
   """'blocks/attn/wq' for a key path; '' for a bare array (the empty path)."""
-  return "/".join(key_name(k) for k in path)
+  return "/".join(key_name(k) for k in _keys(path))
 
 
 def leaf_name(path) -> str:
   """The last key of a path ('wq'); '' for a bare array."""
-  return key_name(path[-1]) if path else ""
+  keys = _keys(path)
+  return key_name(keys[-1]) if keys else ""
 
 
 class ParameterTreeError(ValueError):
