@@ -8,3 +8,6 @@ from models.surgery import SurgeryError, insert_block, upcycle
 __all__ = ["ConfigError", "MoE", "MoEConfig", "PRESETS", "RouterBias", "Transformer", "TransformerConfig", "aux_loss",
            "count_params", "cross_entropy", "flops_per_token", "preset", "update_router_bias"]
 __all__ += ["SurgeryError", "insert_block", "upcycle"]
+from models.hf import HFError, from_hf, to_hf
+
+__all__ += ["HFError", "from_hf", "to_hf"]

@@ -21,6 +21,8 @@ class MoEConfig:
   top_k: int = 2
   d_expert: int | None = None  # each expert's SwiGLU hidden width; None: d_ff
   num_shared: int = 0  # always-on shared experts (DeepSeekMoE), fused into one SwiGLU of num_shared*d_expert
+  d_shared: int | None = None  # the fused shared SwiGLU's width; None: num_shared*d_expert (Qwen2-MoE sets its own)
+  shared_gate: bool = False  # scale the shared output by sigmoid(x·w), one gate per token (Qwen2-MoE)
   router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid always renormalises the top-k weights
   normalize_top_k: bool = False  # softmax: renormalise the k selected probabilities to sum 1 (Mixtral)
   # None: dropless (sort + ragged_dot); else ceil(cf*tokens*k/E) slots per expert and batch shard, the rest dropped
@@ -39,8 +41,11 @@ class MoEConfig:
       raise ConfigError(f"moe.router must be 'softmax' or 'sigmoid', got {self.router!r}")
     if self.capacity_factor is not None and self.capacity_factor <= 0:
       raise ConfigError(f"moe.capacity_factor must be positive (or None for dropless), got {self.capacity_factor}")
-    if self.d_expert is not None and self.d_expert <= 0:
-      raise ConfigError(f"moe.d_expert must be positive, got {self.d_expert}")
+    for f in ("d_expert", "d_shared"):
+      if getattr(self, f) is not None and getattr(self, f) <= 0:
+        raise ConfigError(f"moe.{f} must be positive, got {getattr(self, f)}")
+    if (self.d_shared or self.shared_gate) and not self.num_shared:
+      raise ConfigError("moe.d_shared and moe.shared_gate need a shared expert (moe.num_shared >= 1)")
     for f in ("num_shared", "lb_weight", "z_weight", "bias_rate"):
       if getattr(self, f) < 0:
         raise ConfigError(f"moe.{f} must be >= 0, got {getattr(self, f)}")
@@ -58,6 +63,7 @@ class TransformerConfig:
   head_dim: int | None = None  # None: d_model // n_heads
   d_ff: int = 768  # SwiGLU hidden width
   qk_norm: bool = False
+  qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
   tie_embeddings: bool = True
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-6
@@ -118,15 +124,19 @@ def _ffn_params(c: TransformerConfig, active: bool = False) -> int:
   if c.moe is None:
     return 3 * c.d_model * c.d_ff
   m = c.moe
-  per_expert = 3 * c.d_model * (m.d_expert or c.d_ff)
-  return c.d_model * m.num_experts + per_expert * ((m.top_k if active else m.num_experts) + m.num_shared)
+  F = m.d_expert or c.d_ff
+  shared = 3 * c.d_model * (m.d_shared or m.num_shared * F) + (c.d_model if m.shared_gate else 0)
+  return c.d_model * m.num_experts + 3 * c.d_model * F * (m.top_k if active else m.num_experts) + shared
+
+
+def _vector_params(c: TransformerConfig) -> int:
+  """One block's norm scales and biases (no matmul FLOPs)."""
+  return 2 * c.d_model + (2 * c.hd if c.qk_norm else 0) + (c.hd * (c.n_heads + 2 * c.kv_heads) if c.qkv_bias else 0)
 
 
 def _block_params(c: TransformerConfig, active: bool = False) -> int:
   attn = c.d_model * c.hd * (2 * c.n_heads + 2 * c.kv_heads)  # wq, wo, wk, wv
-  mlp = _ffn_params(c, active)
-  norms = 2 * c.d_model + (2 * c.hd if c.qk_norm else 0)
-  return attn + mlp + norms
+  return attn + _ffn_params(c, active) + _vector_params(c)
 
 
 def count_params(c: TransformerConfig) -> int:
@@ -143,6 +153,6 @@ def flops_per_token(c: TransformerConfig, seq_len: int) -> float:
   experts. Attention adds 12·L·n_heads·head_dim·T (PaLM, App. B: forward QK^T and AV at 2·2·T·d_attn
   each, times 3 for the backward; no causal halving).
   """
-  matmul = c.n_layers * (_block_params(c, active=True) - 2 * c.d_model - (2 * c.hd if c.qk_norm else 0))
+  matmul = c.n_layers * (_block_params(c, active=True) - _vector_params(c))
   matmul += c.d_model * c.vocab_size
   return 6.0 * matmul + 12.0 * c.n_layers * c.n_heads * c.hd * seq_len

@@ -7,7 +7,7 @@ Expert weights are stacks of (fan_in, fan_out) matrices, (E, D, F) and (E, F, D)
 Router (per token x: scores s = softmax(x·W_r) or sigmoid(x·W_r); b the aux-free balancing bias, or 0):
   selected = TopK_k(s + b)       b chooses experts only (DeepSeek-V3 §2.1.2, arXiv 2412.19437)
   g_e = s_e for e in selected    renormalised Σ_k g = 1 for sigmoid (DeepSeek-V3) or `normalize_top_k`
-  y = Σ_{e∈selected} g_e·SwiGLU_e(x) + SwiGLU_shared(x)
+  y = Σ_{e∈selected} g_e·SwiGLU_e(x) + σ(x·w_s)·SwiGLU_shared(x)   (σ(x·w_s) = 1 unless `shared_gate`: Qwen2-MoE)
 Auxiliary losses (per layer, over the G tokens of the global batch; `lb_loss`, `aux_loss`):
   load balancing  L_lb = E · Σ_e f_e·P_e, f_e = (assignments to e)/(G·K), P_e = mean_t p_te with p the
                   scores normalised to sum 1 (Switch Transformer, arXiv 2101.03961, eq. 4; Megatron's
@@ -95,10 +95,12 @@ class MoE(nnx.Module):
     self.w_up_EDF = _param(rngs, (E, D, F), ("expert", "embed", "mlp"), c.init_std, pd)
     self.w_down_EFD = _param(rngs, (E, F, D), ("expert", "mlp", "embed"), out_std, pd)
     if m.num_shared:
-      S = m.num_shared * F
+      S = m.d_shared or m.num_shared * F
       self.shared_gate_DS = _param(rngs, (D, S), ("embed", "mlp"), c.init_std, pd)
       self.shared_up_DS = _param(rngs, (D, S), ("embed", "mlp"), c.init_std, pd)
       self.shared_down_SD = _param(rngs, (S, D), ("mlp", "embed"), out_std, pd)
+      if m.shared_gate:
+        self.shared_router_D1 = _param(rngs, (D, 1), ("embed", None), c.init_std, pd)
     if m.bias_rate > 0:
       self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=(None,), eager_sharding=False)
 
@@ -121,7 +123,10 @@ class MoE(nnx.Module):
       g = h_BTD.astype(dt) @ self.shared_gate_DS[...].astype(dt)
       u = h_BTD.astype(dt) @ self.shared_up_DS[...].astype(dt)
       a_BTS = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
-      y_BTD = y_BTD + a_BTS @ self.shared_down_SD[...].astype(dt)
+      shared_BTD = a_BTS @ self.shared_down_SD[...].astype(dt)
+      if m.shared_gate:
+        shared_BTD = jax.nn.sigmoid(h_BTD.astype(dt) @ self.shared_router_D1[...].astype(dt)) * shared_BTD
+      y_BTD = y_BTD + shared_BTD
     return y_BTD.astype(h_BTD.dtype), router_stats(logits_BTE.reshape(B * T, -1), scores, idx, keep.reshape(B * T, K))
 
 

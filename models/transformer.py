@@ -1,5 +1,5 @@
 """Decoder-only transformer in Flax NNX: RoPE, pre-norm RMSNorm, causal GQA attention with
-optional QK-norm, SwiGLU MLP, tied or untied head; blocks stacked on a leading `layers` axis
+optional QK-norm and q/k/v biases, SwiGLU MLP, tied or untied head; blocks stacked on a leading `layers` axis
 and run with `lax.scan` (one compiled block, whatever the depth).
 
 Shapes: B batch, T sequence, D d_model, N query heads, K kv heads, H head_dim, F d_ff,
@@ -20,7 +20,10 @@ from sharding.rules import constrain
 
 
 def _param(rngs: nnx.Rngs, shape, names, std, dtype):
-  init = nnx.initializers.truncated_normal(std) if std else nnx.initializers.ones
+  """A Param with logical axis `names`: truncated normal of `std`, ones for std 0 (norm scales), zeros for None
+  (biases)."""
+  init = (nnx.initializers.zeros if std is None else
+          nnx.initializers.truncated_normal(std) if std else nnx.initializers.ones)
   return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
 
 
@@ -52,6 +55,10 @@ class Block(nnx.Module):
     self.wk_DK = _param(rngs, (D, K * H), ("embed", "kv_heads"), c.init_std, pd)
     self.wv_DK = _param(rngs, (D, K * H), ("embed", "kv_heads"), c.init_std, pd)
     self.wo_QD = _param(rngs, (N * H, D), ("heads", "embed"), out_std, pd)
+    if c.qkv_bias:
+      self.q_bias_Q = _param(rngs, (N * H,), ("heads",), None, pd)
+      self.k_bias_K = _param(rngs, (K * H,), ("kv_heads",), None, pd)
+      self.v_bias_K = _param(rngs, (K * H,), ("kv_heads",), None, pd)
     if c.qk_norm:
       self.q_norm = _param(rngs, (H,), ("norm",), 0, pd)
       self.k_norm = _param(rngs, (H,), ("norm",), 0, pd)
@@ -79,9 +86,10 @@ class Block(nnx.Module):
     w = lambda p: p[...].astype(dt)
     B, T, _ = h_BTD.shape
     heads = lambda y, n, names: constrain(y.reshape(B, T, n, c.hd), ("batch", "seq", names, "kv"))
-    q = heads(h_BTD @ w(self.wq_DQ), c.n_heads, "act_heads")
-    k = heads(h_BTD @ w(self.wk_DK), c.kv_heads, "act_kv_heads")
-    v = heads(h_BTD @ w(self.wv_DK), c.kv_heads, "act_kv_heads")
+    proj = lambda wt, b: h_BTD @ w(wt) + (w(b) if c.qkv_bias else 0)
+    q = heads(proj(self.wq_DQ, getattr(self, "q_bias_Q", None)), c.n_heads, "act_heads")
+    k = heads(proj(self.wk_DK, getattr(self, "k_bias_K", None)), c.kv_heads, "act_kv_heads")
+    v = heads(proj(self.wv_DK, getattr(self, "v_bias_K", None)), c.kv_heads, "act_kv_heads")
     if c.qk_norm:
       q, k = rms_norm(q, self.q_norm[...], c.norm_eps), rms_norm(k, self.k_norm[...], c.norm_eps)
     q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
