@@ -211,10 +211,14 @@ def _flat(tree: dict, prefix=()) -> dict[tuple, Any]:
 
 
 class _Checkpoint:
-  """The tensors of an HF directory: model.safetensors or model.safetensors.index.json + shards (lazily sliced)."""
+  """The tensors of an HF directory: model.safetensors or model.safetensors.index.json + shards. Files are opened
+  for each read and closed after it: safetensors memory-maps them, and the mapped pages a read touches count as this
+  process's resident memory until the file is closed, so keeping every file open would hold the whole checkpoint's
+  pages resident beside the arrays built from them."""
 
   def __init__(self, path: str):
     from safetensors import safe_open
+    self._open = safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
@@ -227,24 +231,29 @@ class _Checkpoint:
       files, weight_map = ["model.safetensors"], None
     else:
       raise HFError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    self.handles, self.where = {}, {}
+    self.where = {}
     for f in files:
       full = os.path.join(path, f)
       try:
-        self.handles[f] = safe_open(full, framework="np")
+        with safe_open(full, framework="np") as h:
+          self.where.update(dict.fromkeys(h.keys(), full))
       except Exception as e:  # a missing, truncated or garbled file: one line
         raise HFError(f"{full}: cannot be read as safetensors ({str(e).splitlines()[0]})") from None
-      for name in self.handles[f].keys():
-        self.where[name] = f
     if weight_map is not None:
       missing = sorted(set(weight_map) - set(self.where))
       if missing:
         raise HFError(f"{missing[0]}: listed in the index but not in {weight_map[missing[0]]}")
 
-  def slice(self, name: str):
+  def read(self, name: str, index=None, shape=None):
+    """Tensor `name` (its region `index`, a tuple of slices, if given) as a numpy array; with `shape`, HFError
+    unless the stored tensor has that shape."""
     if name not in self.where:
       raise HFError(f"{name}: missing from the checkpoint")
-    return self.handles[self.where[name]].get_slice(name)
+    with self._open(self.where[name], framework="np") as h:
+      sl = h.get_slice(name)
+      if shape is not None and tuple(sl.get_shape()) != tuple(shape):
+        raise HFError(f"{name}: shape {tuple(sl.get_shape())}, the config implies {tuple(shape)}")
+      return np.array(sl[index] if index is not None else sl[:])
 
 
 def _read_region(ckpt: _Checkpoint, template: str, transposed: bool, index: tuple, shape: tuple, dtype):
@@ -256,11 +265,8 @@ def _read_region(ckpt: _Checkpoint, template: str, transposed: bool, index: tupl
   want = shape[lead:][::-1] if transposed else shape[lead:]
   for pos in np.ndindex(*(len(r) for r in ranges[:lead])):
     name = _names(template, tuple(r[i] for r, i in zip(ranges[:lead], pos)))
-    sl = ckpt.slice(name)
-    if tuple(sl.get_shape()) != tuple(want):
-      raise HFError(f"{name}: shape {tuple(sl.get_shape())}, the config implies {tuple(want)}")
-    block = sl[tail[::-1]].T if transposed else sl[tail]
-    out[pos] = block.astype(dtype)
+    block = ckpt.read(name, tail[::-1] if transposed else tail, want)
+    out[pos] = block.T if transposed else block
   return out
 
 
@@ -303,7 +309,7 @@ def from_hf(path: str, mesh=None, dtype: str | None = None) -> tuple[Transformer
   if extra:
     raise HFError(f"{extra[0]}: a tensor this {arch} config does not use ({len(extra)} unexpected)")
   if config.tie_embeddings and "lm_head.weight" in ckpt.where:
-    if not np.array_equal(ckpt.slice("lm_head.weight")[:], ckpt.slice("model.embed_tokens.weight")[:]):
+    if not np.array_equal(ckpt.read("lm_head.weight"), ckpt.read("model.embed_tokens.weight")):
       raise HFError("lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings=true")
   flat = {}
   for p, (template, transposed) in names.items():
