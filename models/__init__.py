@@ -9,5 +9,6 @@ __all__ = ["ConfigError", "MoE", "MoEConfig", "PRESETS", "RouterBias", "Transfor
            "count_params", "cross_entropy", "flops_per_token", "preset", "update_router_bias"]
 __all__ += ["SurgeryError", "insert_block", "upcycle"]
 from models.hf import HFError, from_hf, to_hf
+from models.generate import generate
 
-__all__ += ["HFError", "from_hf", "to_hf"]
+__all__ += ["HFError", "from_hf", "generate", "to_hf"]

@@ -33,11 +33,11 @@ def rms_norm(x, scale, eps):
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTNH, theta):
-  """Rotary position embedding, rotate-half form, positions 0..T-1."""
+def rope(x_BTNH, theta, offset=0):
+  """Rotary position embedding, rotate-half form, positions offset..offset+T-1 (offset may be traced)."""
   T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
   freq = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
-  angle_TH = jnp.arange(T, dtype=jnp.float32)[:, None] * freq[None, :]
+  angle_TH = (offset + jnp.arange(T, dtype=jnp.float32))[:, None] * freq[None, :]
   cos, sin = jnp.cos(angle_TH)[None, :, None, :], jnp.sin(angle_TH)[None, :, None, :]
   x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
@@ -74,6 +74,10 @@ class Block(nnx.Module):
   def __call__(self, x_BTD):
     """x_BTD -> (x_BTD, aux): aux holds float32 router statistics of an MoE block, {} for a dense one."""
     x_BTD = x_BTD + self.attention(rms_norm(x_BTD, self.attn_norm[...], self.c.norm_eps))
+    return self.ffn(x_BTD)
+
+  def ffn(self, x_BTD):
+    """The residual FFN half: x + FFN(Norm(x)), and the MoE aux ({} for a dense block)."""
     h = rms_norm(x_BTD, self.mlp_norm[...], self.c.norm_eps)
     if self.c.moe is not None:
       y_BTD, aux = self.moe(h)
@@ -81,7 +85,8 @@ class Block(nnx.Module):
       y_BTD, aux = self.mlp(h), {}
     return x_BTD + constrain(y_BTD, ("batch", "seq", "act_embed")), aux
 
-  def attention(self, h_BTD):
+  def qkv(self, h_BTD, offset=0):
+    """Rotated q_BTNH and k_BTKH, and v_BTKH, for tokens at positions offset..offset+T-1."""
     c, dt = self.c, jnp.dtype(self.c.compute_dtype)
     w = lambda p: p[...].astype(dt)
     B, T, _ = h_BTD.shape
@@ -92,10 +97,17 @@ class Block(nnx.Module):
     v = heads(proj(self.wv_DK, getattr(self, "v_bias_K", None)), c.kv_heads, "act_kv_heads")
     if c.qk_norm:
       q, k = rms_norm(q, self.q_norm[...], c.norm_eps), rms_norm(k, self.k_norm[...], c.norm_eps)
-    q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: K divides N
-    o = constrain(o, ("batch", "seq", "act_heads", "kv"))
-    return constrain(o.reshape(B, T, -1) @ w(self.wo_QD), ("batch", "seq", "act_embed"))
+    return rope(q, c.rope_theta, offset), rope(k, c.rope_theta, offset), v
+
+  def out_proj(self, o_BTNH):
+    B, T = o_BTNH.shape[:2]
+    o = constrain(o_BTNH, ("batch", "seq", "act_heads", "kv"))
+    wo = self.wo_QD[...].astype(jnp.dtype(self.c.compute_dtype))
+    return constrain(o.reshape(B, T, -1) @ wo, ("batch", "seq", "act_embed"))
+
+  def attention(self, h_BTD):
+    q, k, v = self.qkv(h_BTD)
+    return self.out_proj(jax.nn.dot_product_attention(q, k, v, is_causal=True))  # GQA: K divides N
 
   def mlp(self, h_BTD):
     dt = jnp.dtype(self.c.compute_dtype)

@@ -21,44 +21,12 @@ import models
 from models import HFError, from_hf, to_hf
 from sharding import make_mesh
 
-COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=48, rope_theta=5000.0)
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=24)
-CONFIGS = {  # each exercises what its architecture adds: head_dim != d/n, biases, QK-norm, routing, shared expert
-    "llama": lambda: transformers.LlamaConfig(**COMMON, head_dim=12),
-    "llama_tied": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),
-    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, **MOE, num_experts=4, shared_expert_intermediate_size=40),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, **MOE, num_experts=4, norm_topk_prob=True),
-}
-MOE_ARCHS = {"mixtral", "qwen2_moe", "qwen3_moe"}
-TOKENS = np.random.default_rng(0).integers(0, 96, (8, 11))
-
-
-def _hf_logits(model, tokens=TOKENS):
+def _hf_logits(model, tokens):
   with torch.no_grad():
     return model(torch.tensor(np.asarray(tokens))).logits.numpy()
 
 
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-  """name -> (directory written by save_pretrained, transformers' logits on TOKENS)."""
-  out = {}
-  for name, make in CONFIGS.items():
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(make()).eval()
-    with torch.no_grad():  # norms at 1 and biases at 0 would hide a misplaced scale or bias
-      for p in model.parameters():
-        p.add_(0.05 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp(name))
-    model.save_pretrained(path)
-    out[name] = path, _hf_logits(model)
-  return out
-
-
-def _logits(model, tokens=TOKENS, mesh=None):
+def _logits(model, tokens, mesh=None):
   if mesh is None:
     return np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(tokens)))
   graphdef, state = nnx.split(model)
@@ -66,30 +34,35 @@ def _logits(model, tokens=TOKENS, mesh=None):
     return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray(tokens)))
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_equal_transformers(hf_dirs, name):
-  path, want = hf_dirs[name]
+def test_logits_equal_transformers(hf_checkpoints, hf_tokens, hf_name):
+  path, want = hf_checkpoints[hf_name]
   model, config = from_hf(path)
-  assert (config.moe is not None) == (name in MOE_ARCHS)
-  np.testing.assert_allclose(_logits(model), want, rtol=1e-4, atol=1e-5)
+  assert (config.moe is not None) == hf_name.endswith(("moe", "mixtral"))
+  np.testing.assert_allclose(_logits(model, hf_tokens), want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,mesh", [(n, "data=-1,fsdp=2,tensor=2") for n in sorted(CONFIGS)] +
-                         [(n, "data=-1,expert=4") for n in sorted(MOE_ARCHS)] +
-                         [("qwen2_moe", "data=2,expert=2,tensor=2")])
-def test_sharded_import_equals_one_device(hf_dirs, name, mesh):
-  path, want = hf_dirs[name]
-  mesh = make_mesh(mesh)
+def _check_sharded(hf_checkpoints, hf_tokens, name, spec):
+  path, want = hf_checkpoints[name]
+  mesh = make_mesh(spec)
   model, _ = from_hf(path, mesh=mesh)
   state = nnx.state(model, nnx.Param)
   specs = {str(x.sharding.spec) for x in jax.tree.leaves(state)}
   assert any(s != "PartitionSpec()" for s in specs), "nothing was sharded"
-  np.testing.assert_allclose(_logits(model, mesh=mesh), want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(_logits(model, hf_tokens, mesh=mesh), want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_round_trip_is_bit_exact_and_transformers_loads_the_export(hf_dirs, name, tmp_path):
-  path, want = hf_dirs[name]
+def test_sharded_import_fsdp_tensor(hf_checkpoints, hf_tokens, hf_name):
+  _check_sharded(hf_checkpoints, hf_tokens, hf_name, "data=-1,fsdp=2,tensor=2")
+
+
+def test_sharded_import_expert_parallel(hf_checkpoints, hf_tokens, hf_moe_name):
+  _check_sharded(hf_checkpoints, hf_tokens, hf_moe_name, "data=-1,expert=4")
+  if hf_moe_name == "qwen2_moe":
+    _check_sharded(hf_checkpoints, hf_tokens, hf_moe_name, "data=2,expert=2,tensor=2")
+
+
+def test_round_trip_is_bit_exact_and_transformers_loads_the_export(hf_checkpoints, hf_tokens, hf_name, tmp_path):
+  path, want = hf_checkpoints[hf_name]
   model, config = from_hf(path)
   out = to_hf(model, str(tmp_path / "out"))
   again, config2 = from_hf(out)
@@ -98,7 +71,7 @@ def test_round_trip_is_bit_exact_and_transformers_loads_the_export(hf_dirs, name
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert type(reloaded).__name__ == json.load(open(os.path.join(path, "config.json")))["architectures"][0]
-  np.testing.assert_allclose(_hf_logits(reloaded), want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(_hf_logits(reloaded, hf_tokens), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("config", [
@@ -112,15 +85,15 @@ def test_round_trip_is_bit_exact_and_transformers_loads_the_export(hf_dirs, name
                   moe=models.MoEConfig(num_experts=4, top_k=2, d_expert=16, num_shared=1, d_shared=24,
                                        shared_gate=True)),
 ], ids=["qwen3", "llama_untied", "qwen2", "qwen3_moe", "mixtral", "qwen2_moe"])
-def test_an_optlab_model_exports_with_its_logits(config, tmp_path):
+def test_an_optlab_model_exports_with_its_logits(config, hf_tokens, tmp_path):
   model = models.Transformer(config, rngs=nnx.Rngs(1))
   out = to_hf(model, str(tmp_path / "export"))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-  np.testing.assert_allclose(_hf_logits(reloaded), _logits(model), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(_hf_logits(reloaded, hf_tokens), _logits(model, hf_tokens), rtol=1e-4, atol=1e-5)
 
 
-def _edited(hf_dirs, tmp_path, name, config_edit=None, tensors_edit=None):
-  src, _ = hf_dirs[name]
+def _edited(hf_checkpoints, tmp_path, name, config_edit=None, tensors_edit=None):
+  src, _ = hf_checkpoints[name]
   dst = str(tmp_path / "edited")
   shutil.copytree(src, dst)
   if config_edit:
@@ -153,26 +126,26 @@ def _edited(hf_dirs, tmp_path, name, config_edit=None, tensors_edit=None):
     ("llama", lambda c: c.update(intermediate_size=40), None,
      "mlp.gate_proj.weight: shape \\(48, 32\\), the config implies \\(40, 32\\)"),
 ])
-def test_what_the_model_cannot_represent_is_refused_by_name(hf_dirs, tmp_path, name, config_edit, tensors_edit,
-                                                             match):
-  path = _edited(hf_dirs, tmp_path, name, config_edit, tensors_edit)
+def test_what_the_model_cannot_represent_is_refused_by_name(hf_checkpoints, tmp_path, name, config_edit,
+                                                             tensors_edit, match):
+  path = _edited(hf_checkpoints, tmp_path, name, config_edit, tensors_edit)
   with pytest.raises(HFError, match=match):
     model, _ = from_hf(path)
     nnx.to_pure_dict(nnx.state(model))  # arrays are read lazily: touch them
 
 
-def test_missing_or_corrupt_files_are_one_line_errors(hf_dirs, tmp_path):
+def test_missing_or_corrupt_files_are_one_line_errors(hf_checkpoints, tmp_path):
   with pytest.raises(HFError, match="config.json: not found"):
     from_hf(str(tmp_path))
-  path = _edited(hf_dirs, tmp_path, "llama")
+  path = _edited(hf_checkpoints, tmp_path, "llama")
   with open(os.path.join(path, "model.safetensors"), "r+b") as f:
     f.truncate(100)
   with pytest.raises(HFError, match="cannot be read as safetensors"):
     from_hf(path)
 
 
-def test_export_never_overwrites(hf_dirs, tmp_path):
-  model, _ = from_hf(hf_dirs["llama"][0])
+def test_export_never_overwrites(hf_checkpoints, tmp_path):
+  model, _ = from_hf(hf_checkpoints["llama"][0])
   out = tmp_path / "out"
   out.mkdir()
   (out / "keep.txt").write_text("mine")
@@ -184,11 +157,11 @@ def test_export_never_overwrites(hf_dirs, tmp_path):
                              rngs=nnx.Rngs(0)), str(tmp_path / "x"))
 
 
-def test_sharded_checkpoint_index(hf_dirs, tmp_path):
+def test_sharded_checkpoint_index(hf_checkpoints, hf_tokens, tmp_path):
   """A checkpoint split over several files with model.safetensors.index.json (how large models ship)."""
-  src, want = hf_dirs["qwen3"]
+  src, want = hf_checkpoints["qwen3"]
   model = transformers.AutoModelForCausalLM.from_pretrained(src)
   model.save_pretrained(str(tmp_path / "split"), max_shard_size="20KB")
   assert os.path.exists(tmp_path / "split" / "model.safetensors.index.json")
   ours, _ = from_hf(str(tmp_path / "split"))
-  np.testing.assert_allclose(_logits(ours), want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(_logits(ours, hf_tokens), want, rtol=1e-4, atol=1e-5)
