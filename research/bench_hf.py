@@ -102,7 +102,7 @@ def main(argv=None):
            "| loader | peak host memory / checkpoint bytes | seconds |", "|---|---|---|"]
   lines += [f"| {label} | {ratio:.2f}x | {sec:.1f} |" for label, ratio, sec in rows]
   lines += ["| floor (the parameters themselves) | 1.00x | |", "",
-            f"Command: `python -m research.bench_hf {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
+            "Command: `" + " ".join(["python -m research.bench_hf", *(argv if argv is not None else sys.argv[1:])]) + "`",
             f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores."]
   text = "\n".join(lines)
   print(text)
