@@ -292,11 +292,7 @@ def from_hf(path: str, mesh=None, dtype: str | None = None) -> tuple[Transformer
   ckpt = _Checkpoint(path)
   names = tensor_map(config, arch)
   graphdef, abstract, logical = logical_names(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  if mesh is None:
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: one, abstract)
-  else:
-    shardings = param_shardings(abstract, logical, mesh)
+  shardings = param_shardings(abstract, logical, mesh)
   flat_abs, flat_sh = _flat(abstract), _flat(shardings)
   if set(flat_abs) != set(names):
     raise HFError(f"internal: no HF name for {sorted(set(flat_abs) - set(names))}")

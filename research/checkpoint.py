@@ -57,6 +57,19 @@ class Checkpointer:
     except Exception as e:
       raise CheckpointError(f"checkpoint {self.directory}/{step} could not be restored: {_line(e)}") from None
 
+  def restore_params(self, step: int, abstract_params, shardings):
+    """Only the parameters of the state at `step` (the optimizer state is not read), each array created with the
+    given sharding: how a model is loaded for sampling, export or fine-tuning."""
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params,
+                          shardings)
+    try:
+      args = ocp.args.PyTreeRestore(item={"params": target}, partial_restore=True,
+                                    restore_args=ocp.checkpoint_utils.construct_restore_args({"params": target}))
+      return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {self.directory}/{step}: parameters could not be restored: {_line(e)}") \
+          from None
+
   def quarantine(self, step: int) -> str:
     """Moves the step's directory, untouched, to `<directory>.corrupt/<step>` (`-2`, `-3`, ... if taken) out of
     the manager's sight; returns the new path. Process 0 renames, every process waits for it."""

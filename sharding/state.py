@@ -46,7 +46,11 @@ def logical_names(model_fn: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dic
   return graphdef, _nest(shapes), _nest(names)
 
 
-def param_shardings(abstract_params: PyTree, names: PyTree, mesh: Mesh) -> PyTree:
+def param_shardings(abstract_params: PyTree, names: PyTree, mesh: Mesh | None) -> PyTree:
+  """Each parameter's NamedSharding from its logical names; mesh None: everything on the first device."""
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: one, abstract_params)
   return jax.tree.map(lambda a, n: NamedSharding(mesh, logical_to_spec(n, mesh, a.shape)), abstract_params, names,
                       is_leaf=lambda x: isinstance(x, tuple))
 

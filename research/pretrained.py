@@ -1,0 +1,68 @@
+"""Models from elsewhere, with the tokenizer that goes with them: a Hugging Face directory (`models.from_hf`) or an
+optlab run directory (its config.json and the parameters of its newest checkpoint; optimizer state not read)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from flax import nnx
+
+from models import HFError, Transformer, TransformerConfig, from_hf
+from research.checkpoint import Checkpointer, CheckpointError
+from research.tokenizer import ByteTokenizer, HFTokenizer, check_fits
+from sharding import logical_names
+from sharding.state import param_shardings
+
+
+def _config_json(path: str) -> dict:
+  file = os.path.join(path, "config.json")
+  try:
+    return json.load(open(file))
+  except FileNotFoundError:
+    raise CheckpointError(f"{path}: no config.json (expected an optlab run directory or a Hugging Face model "
+                          f"directory)") from None
+  except ValueError as e:
+    raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
+def load_run(run_dir: str, mesh=None, step: int | None = None) -> tuple[Transformer, TransformerConfig, int]:
+  """(model, config, step) from an optlab run directory: the parameters of checkpoint `step` (default: the newest),
+  each created on its shards of `mesh` (None: one device)."""
+  meta = _config_json(run_dir)
+  if "model_config" not in meta:
+    raise CheckpointError(f"{run_dir}/config.json is not an optlab run's (no model_config)")
+  config = TransformerConfig(**meta["model_config"])
+  ckpt_dir = os.path.join(run_dir, "ckpt")
+  if not os.path.isdir(ckpt_dir):
+    raise CheckpointError(f"{run_dir}: no ckpt/ directory")
+  ckpt = Checkpointer(ckpt_dir)
+  try:
+    steps = ckpt.all_steps()
+    if not steps or (step is not None and step not in steps):
+      raise CheckpointError(f"{ckpt_dir}: no checkpoint {'' if step is None else step} to read".replace("  ", " "))
+    step = steps[-1] if step is None else step
+    graphdef, abstract, names = logical_names(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    shardings = param_shardings(abstract, names, mesh)
+    params = ckpt.restore_params(step, abstract, shardings)
+  finally:
+    ckpt.close()
+  return nnx.merge(graphdef, params), config, step
+
+
+def load_model(path: str, mesh=None, tokenizer: str | None = None):
+  """(model, config, tokenizer) from an HF directory or an optlab run directory. The tokenizer: `tokenizer` if
+  given, else the HF directory's tokenizer.json, else bytes (an optlab run on text trains on UTF-8 bytes)."""
+  meta = _config_json(path)
+  if "architectures" in meta:
+    model, config = from_hf(path, mesh=mesh)
+    tok = HFTokenizer(tokenizer or path) if (tokenizer or os.path.exists(os.path.join(path, "tokenizer.json"))) \
+        else ByteTokenizer()
+  else:
+    model, config, _ = load_run(path, mesh=mesh)
+    tok = HFTokenizer(tokenizer) if tokenizer else ByteTokenizer()
+  check_fits(tok, config.vocab_size)
+  return model, config, tok
+
+
+LOAD_ERRORS = (CheckpointError, HFError, ValueError)

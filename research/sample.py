@@ -1,0 +1,60 @@
+"""Sample text from an optlab run or a Hugging Face model directory (`models.generate`, KV cache).
+
+  python -m research.sample runs/default --prompt "def main(" --max-new-tokens 200
+  python -m research.sample path/to/hf_model --prompt "Once upon a time" --temperature 0   # greedy
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import tyro
+
+from models import generate
+from research.pretrained import LOAD_ERRORS, load_model
+from research.tokenizer import TokenizerError
+
+
+@dataclasses.dataclass
+class SampleConfig:
+  """Continue a prompt with a trained model (an optlab run directory or a Hugging Face model directory)."""
+  path: tyro.conf.Positional[str]
+  """An optlab run directory (its newest checkpoint) or a Hugging Face model directory."""
+  prompt: str = "def "
+  """The text to continue."""
+  max_new_tokens: int = 128
+  """Tokens to generate (no stop token: always this many)."""
+  temperature: float = 0.8
+  """Softmax temperature; 0 = greedy."""
+  top_k: int | None = 50
+  """Sample among the k most likely tokens (None: all)."""
+  seed: int = 0
+  """Sampling seed: the same seed gives the same text."""
+  tokenizer: str | None = None
+  """A tokenizer.json (or a directory with one); default: the HF directory's own, else UTF-8 bytes."""
+  samples: int = 1
+  """Continuations to draw (one batch)."""
+
+
+def main(argv=None):
+  cfg = tyro.cli(SampleConfig, args=argv)
+  try:
+    model, config, tok = load_model(cfg.path, tokenizer=cfg.tokenizer)
+    ids = tok.encode(cfg.prompt)
+    if not ids:
+      raise ValueError("the prompt encodes to no tokens")
+    top_k = None if cfg.top_k is None else min(cfg.top_k, config.vocab_size)
+    out = generate(model, [ids] * cfg.samples, cfg.max_new_tokens, temperature=cfg.temperature, top_k=top_k,
+                   seed=cfg.seed)
+  except (*LOAD_ERRORS, TokenizerError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  for row in out.tolist():
+    print(cfg.prompt + tok.decode(row[len(ids):]))
+    if cfg.samples > 1:
+      print("-" * 40)
+
+
+if __name__ == "__main__":
+  main()

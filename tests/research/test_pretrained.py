@@ -1,0 +1,91 @@
+"""Runs and Hugging Face directories as models: parameters-only restore, export to the HF format (transformers
+loads it with our logits), sampling from either, tokenizers, and one-line errors."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import models
+from research import export, sample
+from research.pretrained import load_model, load_run
+from research.checkpoint import CheckpointError
+from research.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError
+from research.train import TrainConfig, run
+
+TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=4,
+            warmup_steps=1, eval_batches=1, progress=False, mesh="data=-1")
+TOKENS = np.random.default_rng(0).integers(0, 256, (2, 9))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  out = tmp_path_factory.mktemp("run")
+  run(TrainConfig(out=str(out), **TINY))
+  return str(out)
+
+
+def test_a_run_exports_and_transformers_gives_its_logits(trained, tmp_path, capsys):
+  model, config, step = load_run(trained)
+  assert step == 4 and config == models.preset("tiny")
+  export.main([trained, str(tmp_path / "hf")])
+  assert "step 4" in capsys.readouterr().out
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+  with torch.no_grad():
+    want = hf(torch.tensor(TOKENS)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(TOKENS))), want, rtol=1e-4, atol=1e-5)
+  with pytest.raises(SystemExit) as e:  # never into a non-empty directory
+    export.main([trained, str(tmp_path / "hf")])
+  assert e.value.code == 2 and "exists and is not empty" in capsys.readouterr().err
+
+
+def test_sampling_a_run_and_its_export_gives_the_same_text(trained, tmp_path, capsys):
+  export.main([trained, str(tmp_path / "hf")])
+  capsys.readouterr()
+  texts = []
+  for path in (trained, str(tmp_path / "hf"), trained):
+    sample.main([path, "--prompt", "import ", "--max-new-tokens", "24", "--seed", "7"])
+    texts.append(capsys.readouterr().out)
+  assert texts[0] == texts[1] == texts[2] and texts[0].startswith("import ") and len(texts[0]) > len("import ")
+  model, _, tok = load_model(trained)
+  greedy = models.generate(model, tok.encode("import "), 24)
+  sample.main([trained, "--prompt", "import ", "--max-new-tokens", "24", "--temperature", "0"])
+  assert capsys.readouterr().out == "import " + tok.decode(np.asarray(greedy)[7:]) + "\n"
+
+
+def test_a_tokenizer_json_is_used_and_checked(tmp_path, capsys):
+  from tokenizers import Tokenizer, models as tmodels, pre_tokenizers
+  vocab = {w: i for i, w in enumerate(["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog"])}
+  tok = Tokenizer(tmodels.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  hf_dir = tmp_path / "hf"
+  models.to_hf(models.Transformer(models.preset("tiny", vocab_size=16), rngs=nnx.Rngs(0)), str(hf_dir))
+  tok.save(str(hf_dir / "tokenizer.json"))
+  model, _, loaded = load_model(str(hf_dir))
+  assert isinstance(loaded, HFTokenizer) and loaded.encode("the cat sat") == [1, 2, 3]
+  sample.main([str(hf_dir), "--prompt", "the cat", "--max-new-tokens", "5", "--temperature", "0"])
+  ids = np.asarray(models.generate(model, [1, 2], 5))[2:]
+  assert capsys.readouterr().out == "the cat" + loaded.decode(ids) + "\n"
+  small = tmp_path / "small"
+  models.to_hf(models.Transformer(models.preset("tiny", vocab_size=4), rngs=nnx.Rngs(0)), str(small))
+  with pytest.raises(TokenizerError, match="8 ids but the model's vocab_size is 4"):
+    load_model(str(small), tokenizer=str(hf_dir / "tokenizer.json"))
+  assert ByteTokenizer().decode(ByteTokenizer().encode("héllo")) == "héllo"
+
+
+def test_bad_paths_are_one_line_errors(tmp_path, capsys):
+  for argv in ([str(tmp_path / "nowhere")], [str(tmp_path), "--tokenizer", str(tmp_path / "no.json")]):
+    with pytest.raises(SystemExit) as e:
+      sample.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+  (tmp_path / "config.json").write_text(json.dumps({"model_config": models.preset("tiny").__dict__ | {"moe": None}}))
+  with pytest.raises(CheckpointError, match="no ckpt/ directory"):
+    load_run(str(tmp_path))
+  assert not os.path.exists(tmp_path / "ckpt")  # reading never creates anything
