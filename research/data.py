@@ -1,4 +1,5 @@
-"""The byte-level training corpus (vocab 256) and its stateless batch sampler.
+"""The byte-level training corpus (vocab 256, or a tokenizer's: `research.tokenized`) and its stateless batch
+sampler.
 
 `load_corpus()` with no path builds the default corpus from the running interpreter's own
 standard library (every `*.py` file, site-packages excluded), so a fresh checkout trains with
@@ -40,13 +41,15 @@ class Corpus:
   source: str  # "stdlib:<dir>" or the resolved user path
 
 
-def load_corpus(path: str | None = None, *, cache_dir: str | None = None,
-                val_fraction: float = 0.05) -> Corpus:
+def load_corpus(path: str | None = None, *, cache_dir: str | None = None, val_fraction: float = 0.05,
+                tokenizer: str | None = None) -> Corpus:
   """Loads the default stdlib corpus (path=None) or a user corpus, split into train and val.
 
   Args:
     path: None for the stdlib corpus; else a directory, a text file, a `.npy` or a `.bin`.
     cache_dir: where the stdlib corpus is cached; default `$OPTLAB_CACHE` or ~/.cache/optlab.
+    tokenizer: a Hugging Face tokenizer.json (or a directory with one) to encode the text with instead of bytes;
+      the tokens are cached under cache_dir (`research.tokenized`).
     val_fraction: share held out. Multi-file corpora split by document: a file is val iff
       int(sha256(relpath)) % 10_000 < val_fraction * 10_000, so the split does not move when
       files are added. Single arrays/files split by position: the last ceil(n*val_fraction)
@@ -54,8 +57,14 @@ def load_corpus(path: str | None = None, *, cache_dir: str | None = None,
   """
   if not 0.0 < val_fraction < 1.0:
     raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-  if path is None:
-    return _load_stdlib(cache_dir, val_fraction)
+  corpus = _load_stdlib(cache_dir, val_fraction) if path is None else _load_path(path, val_fraction)
+  if tokenizer is None:
+    return corpus
+  from research.tokenized import tokenize_corpus  # imports this module
+  return tokenize_corpus(corpus, tokenizer, cache_dir)
+
+
+def _load_path(path, val_fraction) -> Corpus:
   path = os.path.expanduser(os.fspath(path))
   if not os.path.exists(path):
     raise DataError(f"data path does not exist: {path}")

@@ -1,0 +1,88 @@
+"""A text corpus re-encoded with a Hugging Face tokenizer, built once and cached on disk.
+
+`tokenize_corpus(corpus, tokenizer_path)` takes the byte corpus of `research.data` (documents joined by the
+separator byte), encodes every document with the tokenizer (`tokenizers`, batched, in the library's threads) and
+joins them with the tokenizer's end-of-text token when it has one. The token arrays are stored as uint16 when the
+vocabulary fits (≤ 65,536 ids), else uint32, in `<cache>/tokens-<key>/`, where the key hashes the byte corpus's
+fingerprint and the tokenizer file: the same text and tokenizer hit the cache, anything else gets its own. Files
+are written to temporary names and renamed, `meta.json` last, so a crash mid-build leaves no cache that looks
+valid; later loads memory-map the arrays. The corpus fingerprint is the tokens' (as for any corpus).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from research.data import SEPARATOR, Corpus, DataError, _fingerprint, _write_atomic
+
+_VERSION = 1
+END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+def _encode(tokens_u8: np.ndarray, tok, eot: int | None, dtype) -> np.ndarray:
+  docs = [d.decode("utf-8", errors="replace") for d in bytes(tokens_u8).split(bytes([SEPARATOR])) if d]
+  parts = []
+  for i in range(0, len(docs), 1024):
+    for enc in tok.encode_batch(docs[i:i + 1024], add_special_tokens=False):
+      parts.append(np.asarray(enc.ids + ([eot] if eot is not None else []), dtype))
+  return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None = None) -> Corpus:
+  """`corpus` (bytes) encoded with the tokenizer at `tokenizer_path` (a tokenizer.json or a directory with one)."""
+  from tokenizers import Tokenizer
+  if corpus.vocab_size != 256 or corpus.train.dtype != np.uint8:
+    raise DataError(f"{corpus.source} is already tokens (vocab {corpus.vocab_size}); a tokenizer applies to text")
+  file = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
+  try:
+    raw = open(file, "rb").read()
+    tok = Tokenizer.from_str(raw.decode("utf-8"))
+  except OSError:
+    raise DataError(f"tokenizer not found: {file}") from None
+  except Exception as e:
+    raise DataError(f"{file}: not a Hugging Face tokenizer ({str(e).splitlines()[0]})") from None
+  vocab = tok.get_vocab_size(with_added_tokens=True)
+  dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
+  eot = next((tok.token_to_id(t) for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
+  key = hashlib.sha256(json.dumps([_VERSION, corpus.fingerprint, hashlib.sha256(raw).hexdigest()]).encode())
+  cache_dir = cache_dir or os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
+  folder = os.path.join(os.path.expanduser(cache_dir), f"tokens-{key.hexdigest()[:24]}")
+  source = f"{corpus.source} tokenized by {os.path.realpath(file)}"
+  cached = _read(folder, dtype)
+  if cached is not None:
+    return _corpus(cached, vocab, source)
+  train, val = (_encode(part, tok, eot, dtype) for part in (corpus.train, corpus.val))
+  for name, part in (("train", train), ("val", val)):
+    if len(part) == 0:
+      raise DataError(f"the {name} split of {corpus.source} encodes to no tokens")
+  meta = dict(fingerprint=_fingerprint(train, val), train_tokens=len(train), val_tokens=len(val),
+              dtype=np.dtype(dtype).name, vocab_size=vocab, end_of_text=eot, text=corpus.fingerprint,
+              tokenizer=os.path.realpath(file))
+  os.makedirs(folder, exist_ok=True)
+  _write_atomic(folder, "train.bin", train.tobytes())
+  _write_atomic(folder, "val.bin", val.tobytes())
+  _write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the cache valid
+  return _corpus(_read(folder, dtype), vocab, source)
+
+
+def _corpus(cached, vocab, source) -> Corpus:
+  train, val, fingerprint = cached
+  return Corpus(train, val, vocab, fingerprint, source)
+
+
+def _read(folder, dtype):
+  """(train memmap, val memmap, fingerprint) when meta.json and the sizes agree, else None."""
+  try:
+    meta = json.load(open(os.path.join(folder, "meta.json")))
+    paths = [os.path.join(folder, n) for n in ("train.bin", "val.bin")]
+    ok = [os.path.getsize(p) for p in paths] == [meta["train_tokens"] * np.dtype(dtype).itemsize,
+                                                 meta["val_tokens"] * np.dtype(dtype).itemsize]
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+  if not ok or meta.get("dtype") != np.dtype(dtype).name:
+    return None
+  return (*(np.memmap(p, dtype=dtype, mode="r") for p in paths), meta["fingerprint"])
