@@ -33,7 +33,8 @@ from research.bench_moe import moe
 from research.bench_optim import optim_step
 from research.bench_reshard import reshard_bench
 from research.data import get_batch, load_corpus
-from research.train import TrainConfig, _model_config, _optimizer, make_steps, measure_matmul_flops
+from research.throughput import measure_matmul_flops
+from research.train import TrainConfig, _model_config, _optimizer, make_steps
 from sharding import (MeshError, ShardingError, batch_sharding, devices_for, init_train_state, make_mesh,
                       mesh_spec)
 

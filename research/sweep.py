@@ -211,7 +211,7 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
       continue
     recs = _records(os.path.join(runs_dir, r.name, "metrics.jsonl"))
     evals = [(x["step"], x["val_loss"]) for x in recs if "val_loss" in x]
-    speeds = [x["tokens_per_s"] for x in recs if x["step"] > recs[0]["step"]] or [recs[-1]["tokens_per_s"]]
+    speeds = [x["tokens_per_s"] for x in recs if "tokens_per_s" in x] or [math.nan]  # none before a whole step
     rows.append({"label": r.label, "optimizer": r.optimizer, "lr": r.lr, "seed": r.seed, "steps": steps,
                  "final_val_loss": evals[-1][1], "best_val_loss": min(v for _, v in evals),
                  "tokens_per_s": statistics.median(speeds), "curve": evals})

@@ -35,6 +35,8 @@ from optim import UnknownOptimizerError, get_optimizer, make_schedule, needs_pre
 from research.checkpoint import Checkpointer, CheckpointError
 from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
 from research.health import BadStepsError, Monitor, keep_if_finite
+from research.progress import Progress, summary
+from research.throughput import Meter, Peak
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from sharding import MeshError, ShardingError, batch_sharding, global_batch, init_train_state, make_mesh, mesh_spec
 from sharding import abstract_state, devices_for, logical_names, reshard, state_shardings
@@ -148,17 +150,6 @@ def _setup_jax(devices: int, compile_cache: bool):
   if compile_cache and not jax.config.jax_compilation_cache_dir:  # reruns and resumes skip compilation
     root = os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
     jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))
-
-
-def measure_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
-  """FLOP/s of an n x n x n fp32 matmul on the first device (the denominator of MFU)."""
-  a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.local_devices()[0])
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  t = time.perf_counter()
-  for _ in range(repeats):
-    f(a).block_until_ready()
-  return 2 * n ** 3 * repeats / (time.perf_counter() - t)
 
 
 def _model_config(cfg: TrainConfig):
@@ -452,23 +443,21 @@ def run(cfg: TrainConfig) -> list[dict]:
       records = [r for r in _read_metrics(metrics_path) if r["step"] <= start]
     print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
   start = start or 0
+  peak = Peak(cfg.peak_flops)  # what MFU divides by, and how it was obtained (research/throughput.py)
+  meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
   if is_primary():  # one writer for the run's own files; orbax coordinates the checkpoint writes
     _write_metrics(metrics_path, records)
     _write_metrics(os.path.join(cfg.out, "config.json"), [meta], indent=2)
 
-  tokens_per_step = cfg.batch_size * cfg.seq_len
   model_flops_per_token = flops_per_token(mcfg, cfg.seq_len)
-  peak = cfg.peak_flops or measure_matmul_flops()
+  meter = Meter(cfg.batch_size * cfg.seq_len)
 
   def evaluate(state):
     return float(np.mean([eval_step(state["params"], x, y, state.get("buffers", {})) for x, y in val]))
 
-  bar = None
-  if cfg.progress and is_primary():
-    from tqdm import tqdm
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+  progress = Progress(cfg.steps, start, enabled=cfg.progress and is_primary())
   mf = open(metrics_path, "a") if is_primary() else None
-  step, t_last, step_last = start, time.perf_counter(), start
+  step = start
   with _Stop() as stop, contextlib.ExitStack() as in_mesh:
     in_mesh.enter_context(jax.set_mesh(mesh))
     end = min(cfg.steps, cfg.stop_at or cfg.steps)
@@ -484,20 +473,24 @@ def run(cfg: TrainConfig) -> list[dict]:
                                                                 cfg.seq_len), mesh))
       step += 1
       last = step == cfg.steps
-      if step == start + 1:  # the first step compiles: time from its end
+      if step == start + 1:  # the first step compiles: throughput is timed from its end
         jax.block_until_ready(out)
-        t_last, step_last = time.perf_counter(), step
+        meter.compiled(step)
       monitor.push(step, out)
       log = step % cfg.log_every == 0 or last or step % cfg.eval_every == 0
       if log or step % cfg.ckpt_every == 0 or step == end or stop.signum is not None:
         monitor.flush()  # the loss and finite flag of every step since the last flush, in one transfer
       if log:
         loss = float(out["loss"])  # waits for the step
-        now = time.perf_counter()
         rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(schedule(step - 1)),
                **monitor.take()}
-        rec["tokens_per_s"] = tokens_per_step * max(step - step_last, 1) / max(now - t_last, 1e-9)
-        rec["mfu"] = rec["tokens_per_s"] * model_flops_per_token / peak
+        rate = meter.window(step)  # None until a whole step has run after compilation
+        if rate is not None:
+          rec["tokens_per_s"], rec["mfu"] = rate, peak.mfu(rate * model_flops_per_token)
+        if step == end and meter.average() is not None:  # the whole run's (this session's) averages
+          rec["run_tokens_per_s"] = meter.average()
+          rec["run_mfu"] = meter.average() * model_flops_per_token / peak.flops
+          rec["peak_source"] = peak.source
         if step % cfg.eval_every == 0 or last:
           rec["val_loss"] = evaluate(state)
         rec.update(_router_metrics(out))
@@ -505,21 +498,21 @@ def run(cfg: TrainConfig) -> list[dict]:
         if mf is not None:
           mf.write(json.dumps(rec) + "\n")
           mf.flush()
-        if bar is not None:
-          bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", mfu=f"{rec['mfu']:.1%}",
-                          **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec else {}))
-        t_last, step_last = time.perf_counter(), step
+        progress.log(rec)
+        meter.restart()  # evaluation and logging are not training time
       if monitor.failed:  # stop before saving: the newest checkpoint stays the last one before the bad steps
         break
-      if monitor.bad_run == 0 or step == end or stop.signum is not None:  # no periodic save amid bad steps
-        ckpt.save(step, state, {**meta, "health": monitor.state()}, force=step == end or stop.signum is not None)
-      if bar is not None:
-        bar.update(1)
+      final = step == end or stop.signum is not None
+      # every --ckpt-every steps (no periodic save amid bad steps) and at the end; deciding here, not in orbax,
+      # keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked for)
+      if (monitor.bad_run == 0 and step % cfg.ckpt_every == 0) or final:
+        ckpt.save(step, state, {**meta, "health": monitor.state()}, force=True)
+      progress.advance()
   if mf is not None:
     mf.close()
-  if bar is not None:
-    bar.close()
+  progress.close()
   ckpt.close()
+
   if monitor.failed:
     raise monitor.error(step, ckpt.manager.latest_step())
   if stop.signum is not None:
@@ -549,10 +542,8 @@ def main(argv=None):
   except BadStepsError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(3) from None
-  evals = [r for r in records if "val_loss" in r]
-  if evals:
-    print(f"done: step {records[-1]['step']}, val_loss {evals[0]['val_loss']:.3f} -> {evals[-1]['val_loss']:.3f} "
-          f"(nats/byte), {records[-1]['tokens_per_s']:.0f} tokens/s; outputs in {cfg.out}")
+  if records and is_primary():
+    print(summary(records, cfg.out))
 
 
 if __name__ == "__main__":
