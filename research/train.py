@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +28,10 @@ import optax
 import tyro
 from flax import nnx
 
-from models import MoEConfig, Transformer, cross_entropy, flops_per_token, preset
+from models import PRESETS, MoEConfig, Transformer, cross_entropy, flops_per_token, preset
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from models.config import ConfigError
-from optim import UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
+from optim import OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
 from research.checkpoint import Checkpointer, CheckpointError
 from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
 from research.health import BadStepsError, Monitor, keep_if_finite
@@ -45,50 +45,96 @@ from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
 
 
 @dataclasses.dataclass
+class MoEFlags:
+  """Mixture of experts in every block: each flag overrides one field of the preset's MoE (see models.MoEConfig).
+  On a dense preset, --moe.num-experts turns it into an MoE; --moe.num-experts 0 makes an MoE preset dense."""
+  num_experts: int | None = None
+  """Routed experts per block (0: a dense FFN)."""
+  top_k: int | None = None
+  """Experts each token is sent to."""
+  d_expert: int | None = None
+  """Each expert's SwiGLU hidden width (unset: --d-ff)."""
+  num_shared: int | None = None
+  """Always-on shared experts (DeepSeekMoE), fused into one SwiGLU."""
+  d_shared: int | None = None
+  """The fused shared SwiGLU's width (unset: num_shared x d_expert)."""
+  shared_gate: bool | None = None
+  """Scale the shared output by a per-token sigmoid gate (Qwen2-MoE)."""
+  router: Literal["softmax", "sigmoid"] | None = None
+  """Router scores: softmax, or sigmoid (always renormalised over the top-k)."""
+  normalize_top_k: bool | None = None
+  """Softmax router: renormalise the k selected probabilities to sum 1 (Mixtral)."""
+  capacity_factor: float | None = None
+  """Slots per expert = ceil(cf x tokens x k / E), the rest dropped (unset: dropless)."""
+  lb_weight: float | None = None
+  """Load-balancing loss weight."""
+  z_weight: float | None = None
+  """Router z-loss weight."""
+  bias_rate: float | None = None
+  """Aux-loss-free balancing step (DeepSeek-V3: 1e-3; 0: none)."""
+  ragged_a2a: bool | None = None
+  """Expert parallelism with ragged_all_to_all (GPU/TPU only)."""
+
+
+@dataclasses.dataclass
 class TrainConfig:
   """Train a decoder-only transformer on a named device mesh."""
 
-  model: str = "small"
-  """Size preset (tiny, small, base); the flags below override single fields."""
+  model: Annotated[str, tyro.conf.arg(help=f"Size preset: {', '.join(PRESETS)}. The flags below override single "
+                                           "fields of it.")] = "small"
   d_model: int | None = None
+  """Model width (residual stream)."""
   n_layers: int | None = None
+  """Transformer blocks."""
   n_heads: int | None = None
+  """Query heads."""
   n_kv_heads: int | None = None
-  """Fewer kv heads than query heads = grouped-query attention."""
+  """Key/value heads; fewer than query heads = grouped-query attention."""
   d_ff: int | None = None
+  """SwiGLU hidden width."""
   qk_norm: bool | None = None
+  """RMSNorm on queries and keys (Qwen3)."""
+  qkv_bias: bool | None = None
+  """Biases on the q, k, v projections (Qwen2)."""
   tie_embeddings: bool | None = None
+  """Share the input embedding and the output head."""
   compute_dtype: Literal["float32", "bfloat16"] | None = None
+  """Matmul dtype (the loss stays float32)."""
   remat: bool | None = None
   """Recompute each block in the backward pass (less memory, ~1/3 more compute)."""
   microbatches: int | None = None
-  """Pipeline microbatches when the mesh has stage > 1 (default: one per stage); the GPipe bubble is (S-1)/(M+S-1)."""
-  moe: MoEConfig = dataclasses.field(default_factory=lambda: MoEConfig(num_experts=0))
-  """Mixture of experts in every block (--moe.num-experts 8 --moe.top-k 2 ...; 0 experts: the preset's FFN).
+  """Pipeline microbatches when the mesh has stage > 1 (unset: one per stage); the GPipe bubble is (S-1)/(M+S-1)."""
+  moe: MoEFlags = dataclasses.field(default_factory=MoEFlags)
+  """Mixture of experts (--moe.num-experts 8 --moe.top-k 2 ...): each flag overrides one field of the preset's.
   Expert parallelism comes from an `expert` mesh axis; router metrics go to metrics.jsonl as moe/*."""
-  optimizer: str = "adamw"
-  """A registered name (optim.OPTIMIZERS); unset hyperparameters take its defaults."""
+  optimizer: Annotated[str, tyro.conf.arg(help=f"One of {', '.join(sorted(OPTIMIZERS))} (their hyperparameters "
+                                               "are listed above); unset hyperparameters take its defaults.")] = "adamw"
   lr: float = 3e-3
   """Peak learning rate."""
   weight_decay: float | None = None
+  """Optimizer weight decay (unset: the optimizer's default)."""
   b1: float | None = None
+  """First-moment decay, for optimizers that have b1 (unset: its default)."""
   b2: float | None = None
+  """Second-moment decay, for optimizers that have b2 (unset: its default)."""
   opt: tuple[str, ...] = ()
   """More optimizer hyperparameters as KEY=VALUE (VALUE parsed as JSON), e.g. --opt nesterov=false."""
   schedule: Literal["cosine", "wsd", "constant"] = "cosine"
   """Learning-rate schedule after the linear warmup (wsd = warmup-stable-decay)."""
   warmup_steps: int | None = None
-  """Linear warmup steps (default: 10% of --steps, at most 100)."""
+  """Linear warmup steps (unset: 10% of --steps, at most 100)."""
   min_lr_ratio: float = 0.1
   """Final learning rate as a fraction of the peak (cosine, wsd)."""
   grad_clip: float = 1.0
   """Clip the global gradient norm to this (0 = off)."""
   steps: int = 200
+  """Training steps (optimizer updates) in the whole run."""
   stop_at: int | None = None
   """Stop after this step with a checkpoint, as if preempted; rerunning resumes the same schedule."""
   batch_size: int = 16
   """Global batch (sequences per step), split over the data axes of the mesh."""
   seq_len: int = 128
+  """Tokens per sequence (bytes, on a text corpus)."""
   seed: int = 0
   """Seeds the initialization and the batch order."""
   mesh: str = "data=2,fsdp=2,tensor=2"
@@ -101,19 +147,23 @@ class TrainConfig:
   zero1: bool = False
   """ZeRO-1: split the optimizer state over the data axis as well (the parameters stay replicated there)."""
   data: str | None = None
-  """A text file, a directory of text files, or a .npy/.bin token array (default: the stdlib corpus)."""
+  """A text file, a directory of text files, or a .npy/.bin token array (unset: the stdlib corpus)."""
   out: str = "runs/default"
   """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed."""
   eval_every: int = 25
+  """Steps between evaluations on the held-out batches (and at the last step)."""
   eval_batches: int = 8
   """Held-out batches per evaluation (the same ones every time)."""
   ckpt_every: int = 100
+  """Steps between checkpoints (and one at the end, or when stopped)."""
   keep: int = 3
   """Checkpoints kept (the newest)."""
   log_every: int = 10
+  """Steps between records in metrics.jsonl and lines or bar updates on the console."""
   peak_flops: float | None = None
-  """FLOP/s that MFU is relative to (default: a matmul measured at start-up)."""
+  """FLOP/s that MFU is relative to (unset: the best fp32 matmul rate this machine has shown, see README)."""
   progress: bool = True
+  """Console output: a progress bar on a terminal, plain lines otherwise (--no-progress: only the final line)."""
   compile_cache: bool = True
   """Keep compiled programs in ~/.cache/optlab/jax ($OPTLAB_CACHE) so reruns and resumes start fast."""
   max_bad_steps: int = 5
@@ -121,6 +171,7 @@ class TrainConfig:
   spike_factor: float = 1.5
   """Flag a loss above this multiple of the median of the last --spike-window losses (0 = off)."""
   spike_window: int = 100
+  """Finite losses the spike detector's median looks back over."""
   coordinator: str | None = None
   """HOST:PORT of process 0 in a multi-process run (or $JAX_COORDINATOR_ADDRESS); every process runs the same
   command with its own --process-id (see README, Multi-host)."""
@@ -153,11 +204,16 @@ def _setup_jax(devices: int, compile_cache: bool):
 
 
 def _model_config(cfg: TrainConfig):
+  """The preset with every given flag overriding its one field (--moe.* fields of the preset's MoE included)."""
   over = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm",
-                                       "tie_embeddings", "compute_dtype", "remat", "microbatches")
+                                       "qkv_bias", "tie_embeddings", "compute_dtype", "remat", "microbatches")
           if getattr(cfg, k) is not None}
-  if cfg.moe.num_experts:
-    over["moe"] = cfg.moe
+  moe = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
+  if moe:
+    base = PRESETS[cfg.model].moe if cfg.model in PRESETS else None
+    if base is None and "num_experts" not in moe:
+      raise RunError(f"--model {cfg.model} is dense: give --moe.num-experts to make it a mixture of experts")
+    over["moe"] = dataclasses.replace(base or MoEConfig(), **moe)
   return preset(cfg.model, **over)
 
 
@@ -533,7 +589,8 @@ def optimizer_help() -> str:
 
 
 def main(argv=None):
-  cfg = tyro.cli(TrainConfig, args=argv, description=f"{TrainConfig.__doc__}\n\n{optimizer_help()}")
+  cfg = tyro.cli(TrainConfig, args=argv, prog="python -m research.train",
+                 description=f"{TrainConfig.__doc__}\n\n{optimizer_help()}")
   try:
     records = run(cfg)
   except USER_ERRORS as e:

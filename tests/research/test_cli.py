@@ -1,0 +1,98 @@
+"""The train CLI as a new user meets it: a complete --help, flags that override one field, and console output
+that reads line by line when stdout is not a terminal."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from models import PRESETS
+from optim import OPTIMIZERS
+from research.train import MoEFlags, RunError, TrainConfig, _model_config, main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def help_text():
+  env = {**os.environ, "COLUMNS": "250"}
+  p = subprocess.run([sys.executable, "-m", "research.train", "--help"], capture_output=True, text=True, env=env,
+                     cwd=REPO)
+  assert p.returncode == 0, p.stderr
+  return p.stdout
+
+
+def options(help_text):
+  """{--flag: its description without the default}, from tyro's boxed help."""
+  out, flag = {}, None
+  for line in help_text.splitlines():
+    body = line.strip("│ ").rstrip()
+    m = re.match(r"(--[\w.-]+)", body)
+    if m and line.lstrip().startswith("│ --"):
+      flag = m.group(1)
+      out[flag] = body[len(m.group(0)):]
+    elif flag and line.startswith("│") and body and not body.startswith("─"):
+      out[flag] += " " + body
+    elif not line.startswith("│"):
+      flag = None
+  return {k: re.sub(r"\(default: .*?\)|\(repeatable\)|\{.*?\}\|?\w*|\b[A-Z]+\b|\[.*?\]", "", v).strip()
+          for k, v in out.items()}
+
+
+def test_help_describes_every_flag_and_lists_the_registries(help_text):
+  assert help_text.startswith("usage: python -m research.train")
+  assert REPO not in help_text and "/research/train.py" not in help_text  # no machine paths
+  opts = options(help_text)
+  assert len(opts) >= 60
+  undocumented = [k for k, v in opts.items() if len(v.split()) < 2 and k != "--help"]
+  assert not undocumented, undocumented
+  model_help = opts["--model"]
+  assert all(p in model_help for p in PRESETS)
+  assert all(o in opts["--optimizer"] for o in OPTIMIZERS)
+  assert not re.search(r"\(default[^)]*\)[^│\n]*\(default", help_text)  # a default is shown once
+
+
+def test_moe_flags_override_single_fields_of_the_preset():
+  base = PRESETS["moe_tiny"].moe
+  c = _model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=4)))
+  assert (c.moe.num_experts, c.moe.d_expert, c.moe.top_k) == (4, base.d_expert, base.top_k)
+  c = _model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(router="sigmoid", bias_rate=1e-3)))
+  assert (c.moe.router, c.moe.bias_rate, c.moe.num_experts, c.moe.d_expert) == ("sigmoid", 1e-3, 8, base.d_expert)
+  assert _model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=0))).moe is None
+  c = _model_config(TrainConfig(model="tiny", d_ff=96, moe=MoEFlags(num_experts=4, top_k=1)))
+  assert (c.moe.num_experts, c.moe.top_k, c.d_ff, c.d_model) == (4, 1, 96, PRESETS["tiny"].d_model)
+  with pytest.raises(RunError, match="--model tiny is dense: give --moe.num-experts"):
+    _model_config(TrainConfig(model="tiny", moe=MoEFlags(top_k=1)))
+  assert set(MoEFlags.__dataclass_fields__) == set(PRESETS["moe_tiny"].moe.__dataclass_fields__)
+
+
+def test_console_output_is_plain_lines_off_a_terminal(tmp_path, capsys):
+  main(["--model", "tiny", "--steps", "6", "--batch-size", "8", "--seq-len", "32", "--mesh", "data=-1",
+        "--log-every", "2", "--eval-every", "3", "--out", str(tmp_path)])
+  out = capsys.readouterr().out
+  assert "\r" not in out
+  lines = out.strip().splitlines()
+  assert [ln.split(" |")[0] for ln in lines[:-1]] == ["step 2/6", "step 3/6", "step 4/6", "step 6/6"]
+  assert "val_loss" in lines[1] and "val_loss" in lines[3] and "val_loss" not in lines[0]
+  assert "tokens/s" in lines[0]  # the window to step 2 holds one whole step after the compiling one
+  assert re.match(r"done: step 6, val_loss [\d.]+ \(step 3\) -> [\d.]+ \(step 6\), [\d,]+ tokens/s and MFU "
+                  r"[\d.]+% averaged over the run \(peak: ", lines[-1]), lines[-1]
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["6"]  # no step-1 checkpoint
+
+
+def test_no_record_reports_throughput_from_less_than_a_whole_step(tmp_path):
+  from research.train import run
+  records = run(TrainConfig(model="tiny", steps=3, batch_size=8, seq_len=32, mesh="data=-1", log_every=1,
+                            eval_every=3, progress=False, out=str(tmp_path)))
+  assert "tokens_per_s" not in records[0] and "mfu" not in records[0]  # step 1 compiles: no window yet
+  assert all(0 < r["mfu"] <= 1 and r["tokens_per_s"] > 0 for r in records[1:])
+  assert records[-1]["run_mfu"] <= 1 and records[-1]["peak_source"]
+
+
+def test_one_evaluation_reads_as_one(tmp_path, capsys):
+  main(["--model", "tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--mesh", "data=-1",
+        "--no-progress", "--out", str(tmp_path)])
+  last = capsys.readouterr().out.strip().splitlines()[-1]
+  assert re.match(r"done: step 2, val_loss [\d.]+ at step 2 \(one evaluation\)", last), last
