@@ -1,24 +1,37 @@
 # The two quick-start commands: `make run` (train the default model) and `make test`.
+# `make run` installs the package and its runtime dependencies only; `make test` adds the test tools and the oracles
+# (torch's CPU build, pytorch-optimizer, transformers) to the same .venv. Each install runs once (a stamp file) and
+# again when pyproject.toml changes.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+# torch's CPU build: a wheel named +cpu where the configured indexes have one, else PyTorch's CPU index (PyPI's
+# Linux wheel is the CUDA build, several GB with its nvidia-* dependencies).
+TORCH := torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0  # alone first, so nothing pulls a CUDA build
+	$(BIN)/pip install -q -e .
+	touch $(RUN_STAMP)
+
+$(TEST_STAMP): $(RUN_STAMP)
+	$(BIN)/pip install -q "$(TORCH)+cpu" 2>/dev/null || $(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) $(TORCH)
 	$(BIN)/pip install -q -e ".[dev,oracles]"
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
-.PHONY: install run test bench
-install: $(STAMP)
+.PHONY: install install-test run test bench
+install: $(RUN_STAMP)
+install-test: $(TEST_STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/python -m research.train $(ARGS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python -m research.bench $(ARGS)

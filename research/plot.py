@@ -1,0 +1,81 @@
+"""Plot a run's curves: training and validation loss, learning rate, throughput.
+
+  python -m research.plot runs/default            # writes runs/default/curves.png and prints its path
+  python -m research.plot runs/a runs/b --out cmp.png
+
+Reads each run's metrics.jsonl (one record per logged step, see README: Training CLI); runs share the axes, so
+several runs compare at a glance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import tyro
+
+
+@dataclasses.dataclass
+class PlotConfig:
+  """Plot the loss, validation loss, learning rate and tokens/s of one or more run directories."""
+  runs: tyro.conf.Positional[tuple[str, ...]]
+  """Run directories (each with a metrics.jsonl)."""
+  out: str | None = None
+  """The image to write (default: <first run>/curves.png)."""
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path}: not found (is {run_dir} a run directory?)")
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except ValueError:  # a line cut short by a kill
+        pass
+  if not records:
+    raise ValueError(f"{path}: no records yet")
+  return records
+
+
+def plot(runs: dict[str, list[dict]], out: str) -> str:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for name, recs in runs.items():
+    steps = [r["step"] for r in recs]
+    line, = axes[0].plot(steps, [r["loss"] for r in recs], alpha=0.5, label=f"{name} train")
+    ev = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    if ev:
+      axes[0].plot(*zip(*ev), "o-", color=line.get_color(), label=f"{name} val")
+    axes[1].plot(steps, [r["lr"] for r in recs], label=name)
+    tp = [(r["step"], r["tokens_per_s"]) for r in recs if "tokens_per_s" in r]
+    if tp:
+      axes[2].plot(*zip(*tp), label=name)
+  for ax, title in zip(axes, ("loss (nats per token)", "learning rate", "tokens/s")):
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  return out
+
+
+def main(argv=None):
+  cfg = tyro.cli(PlotConfig, args=argv, prog="python -m research.plot")
+  try:
+    runs = {os.path.basename(os.path.normpath(r)) or r: read_metrics(r) for r in cfg.runs}
+    print(plot(runs, cfg.out or os.path.join(cfg.runs[0], "curves.png")))
+  except (OSError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+  main()
