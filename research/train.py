@@ -28,10 +28,11 @@ import optax
 import tyro
 from flax import nnx
 
-from models import PRESETS, MoEConfig, Transformer, cross_entropy, flops_per_token, preset
+from models import PRESETS, HFError, MoEConfig, Transformer, cross_entropy, flops_per_token, preset
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from models.config import ConfigError
 from optim import OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
+from research import init_from
 from research.checkpoint import Checkpointer, CheckpointError
 from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
 from research.health import BadStepsError, Monitor, keep_if_finite
@@ -148,6 +149,16 @@ class TrainConfig:
   """ZeRO-1: split the optimizer state over the data axis as well (the parameters stay replicated there)."""
   data: str | None = None
   """A text file, a directory of text files, or a .npy/.bin token array (unset: the stdlib corpus)."""
+  tokenizer: str | None = None
+  """Encode the text with this Hugging Face tokenizer.json (or a directory holding one) instead of bytes; the tokens
+  are cached once (research/tokenized.py)."""
+  init_from: str | None = None
+  """Start from pretrained parameters: hf:PATH (a Hugging Face model directory) or an optlab RUN_DIR (its newest
+  checkpoint). The model config is the checkpoint's (a conflicting model flag is an error); the optimizer starts
+  fresh. Resuming this run later resumes it, not the source."""
+  freeze: str | None = None
+  """Keep the parameters whose path matches this regular expression fixed (no optimizer state, no update), e.g.
+  'embed|norm' or 'blocks/(wq|wk)'."""
   out: str = "runs/default"
   """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed."""
   eval_every: int = 25
@@ -190,7 +201,7 @@ class RunError(ValueError):
 
 # Bad input of any kind: reported as one line and exit status 2 by the CLIs.
 USER_ERRORS = (RunError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError,
-               DistributedError, PipelineError)
+               DistributedError, PipelineError, init_from.InitError, HFError)
 
 
 def _setup_jax(devices: int, compile_cache: bool):
@@ -204,11 +215,14 @@ def _setup_jax(devices: int, compile_cache: bool):
 
 
 def _model_config(cfg: TrainConfig):
-  """The preset with every given flag overriding its one field (--moe.* fields of the preset's MoE included)."""
+  """The preset (or --init-from's config) with every given flag overriding its one field (--moe.* fields of the
+  MoE included)."""
   over = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm",
                                        "qkv_bias", "tie_embeddings", "compute_dtype", "remat", "microbatches")
           if getattr(cfg, k) is not None}
   moe = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
+  if cfg.init_from:
+    return init_from.model_config(cfg, {**over, "moe": moe})
   if moe:
     base = PRESETS[cfg.model].moe if cfg.model in PRESETS else None
     if base is None and "num_experts" not in moe:
@@ -244,7 +258,9 @@ def _optimizer(cfg: TrainConfig):
     tx = with_global_norm_clip(tx, cfg.grad_clip)
   elif cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
-  return tx, schedule
+  if cfg.freeze and _exact(cfg):
+    raise RunError("--freeze does not combine with the exact MARS / Muon-MVR2 modes (prev_grads)")
+  return init_from.freeze(tx, cfg.freeze)[0], schedule
 
 
 def _switch_plan(cfg: TrainConfig) -> list[tuple[int, jax.sharding.Mesh]]:
@@ -392,7 +408,8 @@ def _state_signature(meta: dict) -> dict:
   if model.get("moe"):  # the expert shapes and whether a selection bias is kept; not the routing or loss knobs
     m = model["moe"]
     model["moe"] = {k: m[k] for k in ("num_experts", "d_expert", "num_shared")} | {"bias": m["bias_rate"] > 0}
-  return {**model, "optimizer": meta["train"]["optimizer"], "opt": list(meta["train"]["opt"])}
+  return {**model, "optimizer": meta["train"]["optimizer"], "opt": list(meta["train"]["opt"]),
+          "freeze": meta["train"].get("freeze")}
 
 
 def _check_resume(saved: dict, meta: dict, out: str):
@@ -403,6 +420,11 @@ def _check_resume(saved: dict, meta: dict, out: str):
                    f"use a new --out or the original settings")
   if saved["corpus"]["fingerprint"] != meta["corpus"]["fingerprint"]:
     print(f"warning: {out} was trained on other data (corpus fingerprint changed); continuing", file=sys.stderr)
+
+
+def _has_checkpoint(out: str) -> bool:
+  ckpt = os.path.join(out, "ckpt")
+  return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
 
 
 def _write_metrics(path: str, records: list[dict], indent: int | None = None):
@@ -431,7 +453,7 @@ def run(cfg: TrainConfig) -> list[dict]:
 
   mesh = make_mesh(cfg.mesh)
   mcfg = _model_config(cfg)
-  corpus = load_corpus(cfg.data)
+  corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
   for name, n in (("steps", cfg.steps), ("batch_size", cfg.batch_size), ("seq_len", cfg.seq_len),
@@ -452,6 +474,11 @@ def run(cfg: TrainConfig) -> list[dict]:
   tx, schedule = _optimizer(cfg)
   graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
                                                 zero1=cfg.zero1)
+  if cfg.init_from and not _has_checkpoint(cfg.out):  # a resumed fine-tuning run restores its own state instead
+    state["params"] = init_from.load_params(cfg.init_from, mcfg, mesh)
+  if cfg.freeze and is_primary():
+    print(init_from.frozen_summary(state["params"], init_from.freeze(tx, cfg.freeze)[1], _optimizer(
+        dataclasses.replace(cfg, freeze=None))[0], tx), file=sys.stderr)
   if _exact(cfg):  # exact MARS / Muon-MVR2: one more copy of the parameters, a second backward pass per step
     state, shardings = keep_prev_params(state, shardings)
   train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh)

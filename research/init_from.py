@@ -1,0 +1,101 @@
+"""Where a run's initial parameters come from, and which of them train.
+
+- `--init-from hf:PATH` (a Hugging Face directory, `models.from_hf`) or `--init-from RUN_DIR` (an optlab run: the
+  parameters of its newest checkpoint): the model config is the checkpoint's, a model flag that disagrees with it is
+  an error (dtype, remat and microbatches may still be set), and the optimizer state starts fresh.
+- `--freeze REGEX`: parameters whose path (`blocks/wq_DQ`, `embed_VD`, ...) matches keep their values, get no
+  optimizer state and no update (`optax.partition` with `optax.set_to_zero`); their gradients are still computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import optax
+
+from models import TransformerConfig, from_hf
+from models.hf import config_from_hf
+from optim.trees import path_name
+
+SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias", "tie_embeddings")
+FREE_FLAGS = ("compute_dtype", "remat", "microbatches")  # may differ from the checkpoint's
+
+
+class InitError(ValueError):
+  """An --init-from or --freeze that cannot be used."""
+
+
+def _hf_path(source: str) -> str | None:
+  return source[3:] if source.startswith("hf:") else None
+
+
+def source_config(source: str) -> TransformerConfig:
+  """The model config of an --init-from source, read without loading any weight."""
+  path = _hf_path(source) or source
+  try:
+    meta = json.load(open(os.path.join(path, "config.json")))
+  except (OSError, ValueError) as e:
+    raise InitError(f"--init-from {source}: cannot read {path}/config.json ({e})") from None
+  if _hf_path(source):
+    return config_from_hf(meta)[1]
+  if "model_config" not in meta:
+    raise InitError(f"--init-from {source}: not an optlab run directory (prefix a Hugging Face directory with hf:)")
+  return TransformerConfig(**meta["model_config"])
+
+
+def model_config(cfg, flags: dict) -> TransformerConfig:
+  """The checkpoint's config with the allowed flags applied; RunError-style InitError for one that disagrees.
+  `flags`: the model flags given on the command line (unset ones left out), --moe.* under "moe"."""
+  base = source_config(cfg.init_from)
+  for k in SHAPE_FLAGS:
+    if k in flags and flags[k] != getattr(base, k):
+      raise InitError(f"--{k.replace('_', '-')} {flags[k]} conflicts with --init-from {cfg.init_from} "
+                      f"({k}={getattr(base, k)}); leave it out")
+  for k, v in flags.get("moe", {}).items():
+    if base.moe is None or getattr(base.moe, k) != v:
+      raise InitError(f"--moe.{k.replace('_', '-')} {v} conflicts with --init-from {cfg.init_from} "
+                      f"(moe.{k}={None if base.moe is None else getattr(base.moe, k)}); leave it out")
+  return dataclasses.replace(base, **{k: flags[k] for k in FREE_FLAGS if k in flags})
+
+
+def load_params(source: str, config: TransformerConfig, mesh) -> dict:
+  """The source's parameters as a plain dict, each array on its shards of `mesh` (the model's logical rules)."""
+  from flax import nnx
+  from research.pretrained import load_run
+  path = _hf_path(source)
+  model = from_hf(path, mesh=mesh, dtype=config.param_dtype)[0] if path else load_run(source, mesh=mesh)[0]
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def freeze(tx: optax.GradientTransformation, regex: str | None):
+  """(tx, labels): `tx` on the parameters whose path does not match `regex`, `set_to_zero` (no state) on the rest."""
+  if not regex:
+    return tx, None
+  try:
+    pattern = re.compile(regex)
+  except re.error as e:
+    raise InitError(f"--freeze {regex!r} is not a regular expression ({e})") from None
+
+  def labels(params):
+    return jax.tree_util.tree_map_with_path(lambda p, _: "frozen" if pattern.search(path_name(p)) else "train",
+                                            params)
+
+  return optax.partition({"train": tx, "frozen": optax.set_to_zero()}, labels), labels
+
+
+def frozen_summary(params: dict, labels, tx_plain: optax.GradientTransformation, tx_frozen) -> str:
+  """One line: what --freeze froze and the optimizer-state bytes it saved (state with and without freezing)."""
+  lab = jax.tree.leaves(labels(params))
+  sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(params)]
+  n = sum(s for s, l in zip(sizes, lab) if l == "frozen")
+  if not n:
+    raise InitError("--freeze matches no parameter (paths look like blocks/wq_DQ, embed_VD, final_norm)")
+  nbytes = lambda tx: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, params)))
+  saved = nbytes(tx_plain) - nbytes(tx_frozen)
+  return (f"froze {n:,} of {sum(sizes):,} parameters ({lab.count('frozen')} arrays); optimizer state "
+          f"{saved / 2**20:.1f} MiB smaller")
