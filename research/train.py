@@ -446,11 +446,8 @@ def _read_metrics(path: str) -> list[dict]:
   return records
 
 
-def run(cfg: TrainConfig) -> list[dict]:
-  """Trains (or resumes) and returns the metrics records of the whole run."""
-  init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed)  # before any JAX use
-  _setup_jax(cfg.devices, cfg.compile_cache)
-
+def _setup(cfg: TrainConfig):
+  """Mesh, model config, data and held-out batches, with every check of the flags that needs them."""
   mesh = make_mesh(cfg.mesh)
   mcfg = _model_config(cfg)
   corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
@@ -470,8 +467,12 @@ def run(cfg: TrainConfig) -> list[dict]:
   get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
   val_host = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
   val = [global_batch(b, mesh) for b in val_host]
+  return mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val
 
-  tx, schedule = _optimizer(cfg)
+
+def _initial_state(cfg: TrainConfig, mcfg, mesh, tx):
+  """(graphdef, state, shardings) at step 0, created sharded: random parameters, or --init-from's (unless the run has
+  a checkpoint of its own to resume), --freeze's report, and the exact modes' copy of the parameters."""
   graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
                                                 zero1=cfg.zero1)
   if cfg.init_from and not _has_checkpoint(cfg.out):  # a resumed fine-tuning run restores its own state instead
@@ -481,26 +482,17 @@ def run(cfg: TrainConfig) -> list[dict]:
         dataclasses.replace(cfg, freeze=None))[0], tx), file=sys.stderr)
   if _exact(cfg):  # exact MARS / Muon-MVR2: one more copy of the parameters, a second backward pass per step
     state, shardings = keep_prev_params(state, shardings)
-  train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh)
-  names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
-  switches = [(at, _switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]
+  return graphdef, state, shardings
 
-  os.makedirs(cfg.out, exist_ok=True)
-  meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
-          "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint,
-                     "train_tokens": int(len(corpus.train)), "val_tokens": int(len(corpus.val))},
-          "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
-  if pipe:
-    meta["pipeline"] = pipe
-  ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every)
-  metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-  records: list[dict] = []
-  monitor = Monitor(cfg.max_bad_steps, cfg.spike_factor, cfg.spike_window)
+
+def _newest_readable(ckpt, meta: dict, state, shardings, switches, out: str):
+  """(step, restored state, its meta) of the newest checkpoint every process can read, or (None, None, None);
+  unreadable newer ones are moved aside (never deleted), and none readable among several is an error."""
   start, damaged = None, []
   for s in reversed(ckpt.all_steps()):  # the newest readable checkpoint
     try:
       saved = ckpt.read_meta(s)
-      _check_resume(saved, meta, cfg.out)
+      _check_resume(saved, meta, out)
       layout = [sw for at, sw in switches if at <= s]  # the mesh the run had switched to by then
       restored = ckpt.restore(s, state, layout[-1][1] if layout else shardings)
       error = None
@@ -517,6 +509,34 @@ def run(cfg: TrainConfig) -> list[dict]:
     moved = ckpt.quarantine(s)
     if is_primary():
       print(f"warning: {e}; moved to {moved}, resuming from step {start}", file=sys.stderr)
+  return (start, restored, saved) if start is not None else (None, None, None)
+
+
+def run(cfg: TrainConfig) -> list[dict]:
+  """Trains (or resumes) and returns the metrics records of the whole run."""
+  init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed)  # before any JAX use
+  _setup_jax(cfg.devices, cfg.compile_cache)
+
+  mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = _setup(cfg)
+
+  tx, schedule = _optimizer(cfg)
+  graphdef, state, shardings = _initial_state(cfg, mcfg, mesh, tx)
+  train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh)
+  names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
+  switches = [(at, _switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]
+
+  os.makedirs(cfg.out, exist_ok=True)
+  meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
+          "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint,
+                     "train_tokens": int(len(corpus.train)), "val_tokens": int(len(corpus.val))},
+          "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
+  if pipe:
+    meta["pipeline"] = pipe
+  ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every)
+  metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+  records: list[dict] = []
+  monitor = Monitor(cfg.max_bad_steps, cfg.spike_factor, cfg.spike_window)
+  start, restored, saved = _newest_readable(ckpt, meta, state, shardings, switches, cfg.out)
   if start is not None:
     while switches and switches[0][0] <= start:  # resume on the mesh the run had switched to by then
       mesh, shardings, batch_sh, val, train_step, eval_step = switches.pop(0)[1]
