@@ -123,10 +123,21 @@ def _has_stacked(tree, stacked) -> bool:
   return any(bool(p) and path_name(p[:1]) == stacked for p, _ in jax.tree_util.tree_leaves_with_path(tree))
 
 
-def _each_leaf(tree):
-  """blocks="leaves": leaf i (in flattening order) is block i."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(treedef, list(range(len(leaves))))
+def _each_leaf(tree, include_embedding, always_active):
+  """blocks="leaves": every leaf its own block, in flattening order; `always_active` leaves train at every step, and
+  leaves whose path contains "embed" are frozen unless `include_embedding` (as with blocks="layers")."""
+  active = jax.tree.leaves(_matches(tree, always_active))
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  ids, n = [], 0
+  for (path, _), a in zip(flat, active):
+    if a:
+      ids.append("active")
+    elif "embed" in path_name(path) and not include_embedding:
+      ids.append("frozen")
+    else:
+      ids.append(n)
+      n += 1
+  return jax.tree_util.tree_unflatten(treedef, ids)
 
 
 def _plan(tree, blocks, stacked, include_embedding, include_head, always_active) -> _Plan:
@@ -138,9 +149,13 @@ def _plan(tree, blocks, stacked, include_embedding, include_head, always_active)
                      "be built on an empty tree or on optax.tree.map_params' placeholder; map its state with "
                      "jax.tree.map")
   if blocks == "auto":
-    blocks = "layers" if _has_stacked(tree, stacked) else _each_leaf
-  elif blocks == "leaves":
-    blocks = _each_leaf
+    blocks = "layers" if _has_stacked(tree, stacked) else "leaves"
+  if blocks == "leaves":
+    if include_head:
+      raise BAdamError("include_head applies to blocks='layers' (with blocks='leaves' every non-embedding leaf is a "
+                       "block already)")
+    labels = _each_leaf(tree, include_embedding, always_active)
+    blocks, include_embedding, always_active = (lambda _: labels), False, ()
   stacked_ix, active_ix, groups = [], [], {}  # groups: block key -> whole leaves
   if blocks == "layers":
     labels = treedef.flatten_up_to(badam_labels(tree, stacked=stacked, include_embedding=include_embedding,
@@ -258,8 +273,10 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto
       a schedule inside `inner` would restart with its state at every switch.
     blocks: "layers": one block per layer of the stacked leaves, plus an embedding block first and a head block
       last when asked (`badam_labels` lists each leaf's fate). "leaves": every leaf is a block, in flattening
-      order (a bare array is one block: Adam restarted every K updates). "auto" (default): "layers" when the tree
-      has stacked leaves (see `stacked`), else "leaves", so any parameter tree works. Or a function of the params
+      order (a bare array is one block: Adam restarted every K updates), `always_active` and embeddings (frozen
+      unless `include_embedding`) as with "layers". "auto" (default): "layers" when the tree has stacked leaves under
+      `stacked`, else "leaves", so any parameter tree works; pass blocks="layers" to get an error instead when the
+      stacked key is missing. Or a function of the params
       giving each leaf a block id (int ≥ 0; blocks ordered by id), "active" or "frozen"; such blocks are whole
       leaves.
     switch_every: K, updates per block (≥ 1). order: one of ORDERS. seed: the "random" order's stream.

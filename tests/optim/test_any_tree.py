@@ -139,3 +139,25 @@ def test_names_see_through_nnx_variables():
   for rule in (decay_mask, muon_labels, mars_labels):
     assert jax.tree.leaves(rule(variables)) == jax.tree.leaves(rule(pure)), rule.__name__
   assert jax.tree.leaves(decay_mask(variables)).count(False) == 3  # the biases and the norm's scale
+
+
+def test_badam_on_a_tree_without_stacked_layers_keeps_its_options():
+  """blocks="auto" falls back to one block per leaf, and still freezes embeddings unless asked and trains
+  `always_active` leaves at every step."""
+  params = {"layers": {"w": jnp.ones((3, 2, 2))}, "embed": jnp.ones((5, 2)), "head": jnp.ones((2, 5))}
+
+  def moved(**kw):
+    tx = get_optimizer("badam", 1e-2, switch_every=1, **kw)
+    state, out = tx.init(params), []
+    for _ in range(4):
+      updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+      out.append({k: bool(jnp.any(v != 0)) for k, v in
+                  zip(("embed", "head", "w"), jax.tree.leaves(updates))})
+    return {k: [o[k] for o in out] for k in out[0]}
+
+  default = moved()
+  assert not any(default["embed"]) and any(default["head"]) and any(default["w"])
+  assert [h or w for h, w in zip(default["head"], default["w"])] == [True] * 4  # one block at a time
+  assert not any(h and w for h, w in zip(default["head"], default["w"]))
+  assert any(moved(include_embedding=True)["embed"])
+  assert all(moved(always_active=("head",))["head"])

@@ -6,7 +6,14 @@ tree or function ("muon" / "adam"). So optax's dimension-number cases become: th
 stacks, label functions, and prefix label trees whose state matches the parameter tree. optax's `preconditioning`
 modes (frobenius, aol, schatten) become optim's two iterations (`method`: standard, gram). Muon is run with
 optax.contrib.muon's defaults (no decay, eps 1e-8, the √max(1, fan_out/fan_in) scale, Adam β2 0.999).
-Tolerances are optax's.
+Tolerances are optax's where the case is the same.
+
+Not ported, having no counterpart: dimension numbers with negative or several output axes (the layout is fixed),
+`test_aol_numerical_difference` and `adaptive=True` (no AOL preconditioning, no adaptive scaling). Different by
+design: optax sends only 2-D leaves to Muon by default, optlab every leaf with ndim ≥ 2 (stacks of layers or experts),
+so optax's "a (1, 2, 3) leaf goes to Adam" is asserted the other way round below. The keller scale is read from the
+stored (fan_in, fan_out) shape, so a transposed non-square matrix gets the other side's factor (optax reads the
+dimension numbers); the transpose case below uses a square matrix for that reason.
 """
 
 
