@@ -107,6 +107,11 @@ def _load_path(path, val_fraction) -> Corpus:
   return Corpus(train, val, vocab, _fingerprint(train, val), source)
 
 
+def default_cache_dir() -> str:
+  """Where built corpora and token caches live: `$OPTLAB_CACHE`, else ~/.cache/optlab."""
+  return os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
+
+
 def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int,
               seq_len: int) -> tuple[np.ndarray, np.ndarray]:
   """Random training windows, a pure function of (seed, step).
@@ -226,8 +231,7 @@ def _load_stdlib(cache_dir, val_fraction):
            for r in relpaths for s in [os.stat(os.path.join(root, r))]]
   key = hashlib.sha256(json.dumps(
       [_CACHE_VERSION, root, sys.version, val_fraction, stats]).encode()).hexdigest()
-  cache_dir = cache_dir or os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
-  folder = os.path.join(os.path.expanduser(cache_dir), f"stdlib-{key[:24]}")
+  folder = os.path.join(os.path.expanduser(cache_dir or default_cache_dir()), f"stdlib-{key[:24]}")
   source = f"stdlib:{root}"
   cached = _read_cache(folder)
   if cached is not None:

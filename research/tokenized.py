@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from research.data import SEPARATOR, Corpus, DataError, _fingerprint, _write_atomic
+from research.data import SEPARATOR, Corpus, DataError, _fingerprint, _write_atomic, default_cache_dir
 
 _VERSION = 1
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -49,8 +49,7 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None =
   dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
   eot = next((tok.token_to_id(t) for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
   key = hashlib.sha256(json.dumps([_VERSION, corpus.fingerprint, hashlib.sha256(raw).hexdigest()]).encode())
-  cache_dir = cache_dir or os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
-  folder = os.path.join(os.path.expanduser(cache_dir), f"tokens-{key.hexdigest()[:24]}")
+  folder = os.path.join(os.path.expanduser(cache_dir or default_cache_dir()), f"tokens-{key.hexdigest()[:24]}")
   source = f"{corpus.source} tokenized by {os.path.realpath(file)}"
   cached = _read(folder, dtype)
   if cached is not None:

@@ -1,0 +1,114 @@
+"""A second text corpus for fine-tuning, built from packages the project already installs: the long descriptions
+(README and changelog prose, Markdown or reStructuredText) in the metadata of optlab's runtime dependencies.
+
+Why this one: every machine that can run optlab has it (`make run` installs these packages; nothing is downloaded),
+and it is a domain shift from the default corpus (`research.data`, the standard library's Python source): English
+prose with Markdown/reST markup, install commands, changelog entries and URLs, against indented code. A model
+pretrained on the standard library starts it at a clearly higher loss (research/results/badam_finetune/).
+
+    python -m research.docs_corpus             # builds it (once) and prints the directory to pass to --data
+
+One file per distribution, `<name>.md`, holding "name version: summary" and the description; distributions whose
+description is shorter than `MIN_CHARS` (a one-line placeholder) are left out. The set is the transitive closure of
+`optlab`'s requirements without extras, so it is the same in a run-only and a test environment; the directory name
+carries a hash of the (name, version) list, so a changed environment builds a new corpus instead of mixing two.
+`research.data.load_corpus(path)` splits it by document (a held-out package is never seen in training).
+Pure Python; imports no jax.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+from packaging.requirements import Requirement
+
+from research.data import DataError, default_cache_dir
+
+ROOT = "optlab"
+MIN_CHARS = 500
+
+
+def _key(name: str) -> str:
+  return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def runtime_distributions(root: str = ROOT) -> list[md.Distribution]:
+  """`root`'s installed distribution and every runtime requirement below it (markers evaluated without extras),
+  sorted by normalised name; `root` itself is not included."""
+  try:
+    md.distribution(root)
+  except md.PackageNotFoundError:
+    raise DataError(f"{root} is not installed as a package (pip install -e .); its requirements list the corpus") \
+        from None
+  seen, todo = {}, [root]
+  while todo:
+    name = todo.pop()
+    if _key(name) in seen:
+      continue
+    try:
+      dist = md.distribution(name)
+    except md.PackageNotFoundError:  # an optional requirement of a dependency that is not installed
+      continue
+    seen[_key(name)] = dist
+    for line in dist.requires or []:
+      req = Requirement(line)
+      if req.marker is None or req.marker.evaluate({"extra": ""}):
+        todo.append(req.name)
+  return [seen[k] for k in sorted(seen) if k != _key(root)]
+
+
+def document(dist: md.Distribution) -> str | None:
+  """"name version: summary", a blank line and the long description; None if the description is a placeholder."""
+  meta = dist.metadata
+  body = meta.get_payload() or meta.get("Description") or ""
+  if len(body.strip()) < MIN_CHARS:
+    return None
+  return f"{meta['Name']} {dist.version}: {meta.get('Summary') or ''}".rstrip() + "\n\n" + body.strip() + "\n"
+
+
+def build(cache_dir: str | None = None) -> str:
+  """The corpus directory under `cache_dir` (default: the data cache), written once and atomically."""
+  docs = {_key(d.metadata["Name"]): (d.version, document(d)) for d in runtime_distributions()}
+  docs = {k: v for k, v in docs.items() if v[1] is not None}
+  ident = hashlib.sha256("\n".join(f"{k}=={v}" for k, (v, _) in sorted(docs.items())).encode()).hexdigest()[:16]
+  cache_dir = cache_dir or default_cache_dir()
+  out = os.path.join(cache_dir, f"docs-{ident}")
+  if os.path.isdir(out):
+    return out
+  os.makedirs(cache_dir, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".docs-", dir=cache_dir)
+  try:
+    for k, (_, text) in docs.items():
+      with open(os.path.join(tmp, f"{k}.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    os.rename(tmp, out)  # a concurrent builder may have won: its copy is identical
+  except OSError:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not os.path.isdir(out):
+      raise
+  return out
+
+
+def main(argv=None) -> int:
+  from research.data import load_corpus
+  args = sys.argv[1:] if argv is None else argv
+  if len(args) > 1 or (args and args[0].startswith("-")):
+    print("usage: python -m research.docs_corpus [CACHE_DIR]", file=sys.stderr)
+    return 2
+  path = build(args[0] if args else None)
+  corpus = load_corpus(path)
+  docs = sorted(os.listdir(path))
+  print(f"{path}\n{len(docs)} documents, {len(corpus.train):,} train bytes, {len(corpus.val):,} val bytes",
+        file=sys.stderr)
+  print(path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

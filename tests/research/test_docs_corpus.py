@@ -1,0 +1,62 @@
+"""The fine-tuning corpus built from the runtime dependencies' package descriptions: exactly the runtime closure
+(no test-only oracle), each file the package's own metadata text, built once, split by document."""
+
+import importlib.metadata as md
+import os
+
+import pytest
+
+from research import docs_corpus
+from research.data import DataError, _is_val, load_corpus
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+  return docs_corpus.build(str(tmp_path_factory.mktemp("cache")))
+
+
+def test_runtime_closure_only():
+  names = {docs_corpus._key(d.metadata["Name"]) for d in docs_corpus.runtime_distributions()}
+  assert {"jax", "flax", "optax", "numpy", "tokenizers", "safetensors"} <= names
+  assert "optlab" not in names
+  for test_only in ("torch", "transformers", "pytest", "pytorch-optimizer"):  # extras of optlab, installed here
+    assert test_only not in names
+
+
+def test_files_are_the_package_descriptions(built):
+  files = sorted(os.listdir(built))
+  assert "jax.md" in files and "flax.md" in files
+  for f in files:
+    dist = md.distribution(f[:-3])
+    text = open(os.path.join(built, f), encoding="utf-8").read()
+    assert text.startswith(f"{dist.metadata['Name']} {dist.version}:")
+    assert dist.metadata.get_payload().strip() in text
+    assert len(text) >= docs_corpus.MIN_CHARS
+
+
+def test_built_once(built):
+  before = {f: os.stat(os.path.join(built, f)).st_mtime_ns for f in os.listdir(built)}
+  assert docs_corpus.build(os.path.dirname(built)) == built
+  assert {f: os.stat(os.path.join(built, f)).st_mtime_ns for f in os.listdir(built)} == before
+  assert not [d for d in os.listdir(os.path.dirname(built)) if d.startswith(".docs-")]  # no temporary left
+
+
+def test_split_by_package(built):
+  corpus = load_corpus(built)
+  val_files = [f for f in sorted(os.listdir(built)) if _is_val(f, 0.05)]
+  assert val_files, "no held-out package: the split would be empty"
+  val_bytes = sum(os.path.getsize(os.path.join(built, f)) + 1 for f in val_files)  # + the separator byte
+  assert len(corpus.val) == val_bytes and corpus.vocab_size == 256
+  assert len(corpus.train) + len(corpus.val) == sum(os.path.getsize(os.path.join(built, f)) + 1
+                                                    for f in os.listdir(built))
+
+
+def test_cli_prints_the_directory(built, capsys):
+  assert docs_corpus.main([os.path.dirname(built)]) == 0
+  assert capsys.readouterr().out.strip() == built
+  assert docs_corpus.main(["--help"]) == 2
+
+
+def test_not_installed_is_one_clear_error():
+  with pytest.raises(DataError, match="not installed as a package"):
+    docs_corpus.runtime_distributions("no-such-package-optlab")
