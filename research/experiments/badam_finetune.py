@@ -94,9 +94,7 @@ def pretrain(cfg: Config, work: str) -> str:
   """The pretrained run's directory (trained here unless a finished one is there)."""
   tc = _run_config(cfg, model="tiny", n_layers=cfg.n_layers, steps=cfg.pretrain_steps,
                    batch_size=cfg.pretrain_batch, ckpt_every=cfg.pretrain_steps)
-  out = os.path.join(work, "pretrain")
-  run_grid(SweepConfig(grid=(f"adamw={cfg.pretrain_lr:g}",), seeds=(0,), baseline="adamw", out=out, train=tc))
-  return os.path.join(out, "runs", Run("adamw", "adamw", (), cfg.pretrain_lr, 0).name)
+  return common.pretrained_run(os.path.join(work, "pretrain"), tc, cfg.pretrain_lr)
 
 
 def held_out(model, batches: dict) -> dict[str, float]:

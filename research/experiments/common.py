@@ -193,6 +193,14 @@ def corpus_and_val(batch_size: int, seq_len: int, eval_batches_n: int = 8):
   return corpus.train, eval_batches(corpus.val, batch_size, seq_len, eval_batches_n)
 
 
+def pretrained_run(out: str, train, lr: float, seed: int = 0) -> str:
+  """The directory of an AdamW run of the train CLI (`train`: a `TrainConfig`, its optimizer, lr and seed replaced)
+  under `out`, trained here unless a finished one is there (the sweep's skip and resume)."""
+  from research.sweep import Run, SweepConfig, run_grid  # the sweep imports the train CLI
+  run_grid(SweepConfig(grid=(f"adamw={lr:g}",), seeds=(seed,), baseline="adamw", out=out, train=train))
+  return os.path.join(out, "runs", Run("adamw", "adamw", (), lr, seed).name)
+
+
 def commit() -> str:
   here = os.path.dirname(os.path.abspath(__file__))
   return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -1,8 +1,10 @@
 """Does MoE-DisCo's staged training (cluster the data, train one dense submodel per cluster independently, merge
 into an MoE, fine-tune briefly) match end-to-end MoE training at equal tokens, and does the clustering matter?
 
-  python -m research.experiments.moe_disco            # full: writes research/results/moe_disco/
-  python -m research.experiments.moe_disco --smoke    # seconds: what the tests and the notebook run
+  python -m research.experiments.moe_disco                    # full: writes research/results/moe_disco/
+  python -m research.experiments.moe_disco --init pretrained  # from an upcycled pretrained dense model:
+                                                              #   writes research/results/moe_disco_pretrained/
+  python -m research.experiments.moe_disco --smoke            # seconds: what the tests and the notebook run
 
 Claim (shared/reference/methods.md §1; Ye, Cheng et al., "MoE-DisCo", arXiv 2601.06857): an MoE whose experts
 are trained as independent dense submodels on clusters of the data, then merged and briefly fine-tuned, "matches
@@ -34,6 +36,13 @@ whatever k-means gives, and every submodel trains for the same S steps (the S-ph
 so a small cluster is revisited more often. Validation windows (held-out split) get the label of the nearest
 centroid, which gives the per-cluster losses and the specialisation gap: mean over clusters j of (loss of the
 other submodels on j - loss of submodel j on j), ≈ 0 for the random control by construction.
+`--init pretrained` (the paper's start, reference open question (f): both its models are upcycled checkpoints):
+the shared init of every seed is a pretrained dense model upcycled into the MoE instead of a random MoE. The dense
+model is the same backbone with d_ff = E·F, trained by the train CLI with AdamW on the same corpus's train split
+(`pretrain_steps` × batch_size × seq_len tokens, seed 0, one model for all seeds, not counted in any arm's tokens:
+every arm starts from it); `models.surgery.upcycle` splits each FFN's neurons at random into the E experts of
+width F (LLaMA-MoE's construction, experts scaled by E) with a fresh router per seed. Everything else is as above;
+the clustering then uses the pretrained embedding table, as the paper does.
 Honest means: equal tokens, the held-out split, seeds 0-2 (init, pool, clustering, batches), and the same
 learning-rate tuning for every arm: AdamW (weight decay 0.1, clip 1.0) with each phase on the CLI's schedule
 (10% warmup, cosine to 0.1x over that phase), peak lr picked from `lrs` by seed 0's final validation loss per arm
@@ -46,7 +55,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import time
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +66,10 @@ import tyro
 from flax import nnx
 
 from models import MoEConfig, Transformer, preset
-from models.surgery import OUT_PROJECTIONS
+from models.surgery import OUT_PROJECTIONS, upcycle
 from research.experiments import common
+from research.pretrained import load_run
+from research.train import TrainConfig
 
 ARMS = ("e2e", "disco", "disco_random", "disco_size")
 LABELS = {"e2e": "end-to-end MoE", "disco": "DisCo (k-means)", "disco_random": "DisCo (random partition)",
@@ -71,7 +84,8 @@ class DiscoError(ValueError):
 @dataclasses.dataclass
 class Config:
   smoke: bool = False
-  out: str = "research/results/moe_disco"
+  out: str | None = None
+  """Default research/results/moe_disco, or research/results/moe_disco_pretrained with --init pretrained."""
   seeds: tuple[int, ...] = (0, 1, 2)
   lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
   """AdamW peak learning rates tried for every arm with the first seed; every seed then runs at the arm's best."""
@@ -91,6 +105,13 @@ class Config:
   """Held-out batches (batch_size windows each) for the curves and the per-cluster losses."""
   evals: int = 5
   """Validation points per phase (and after its last step)."""
+  init: Literal["random", "pretrained"] = "random"
+  """Every arm's start: a random MoE per seed, or a pretrained dense model upcycled (see the module docstring)."""
+  pretrain_steps: int = 1000
+  """--init pretrained: AdamW steps of the dense model (batch_size × seq_len tokens each)."""
+  pretrain_lr: float = 3e-3
+  work: str = "runs/experiments/moe_disco"
+  """--init pretrained: where the dense model's run lives (a finished one is reused)."""
 
 
 def sizes(cfg: Config) -> dict:
@@ -105,6 +126,10 @@ def sizes(cfg: Config) -> dict:
   if cfg.pool < E:
     raise DiscoError(f"pool={cfg.pool} windows cannot form {E} clusters; use pool >= num_experts")
   return {"e2e": N, "s": (N - g) // E, "g": g}
+
+
+def out_dir(cfg: Config) -> str:
+  return cfg.out or "research/results/moe_disco" + ("_pretrained" if cfg.init == "pretrained" else "")
 
 
 def moe_config(cfg: Config):
@@ -200,6 +225,24 @@ def init_model(c, seed: int) -> Transformer:
 
   params = jax.tree_util.tree_map_with_path(draw, params)
   return common.join(graphdef, params, jax.tree.map(lambda a: jnp.asarray(np.zeros(a.shape, a.dtype)), buffers))
+
+
+def pretrain_dense(cfg: Config, work: str) -> str:
+  """The run directory of the dense model (`tiny` with d_ff = E·F) pretrained by the train CLI (reused if finished)."""
+  tc = TrainConfig(model="tiny", d_ff=cfg.num_experts * cfg.d_expert, steps=cfg.pretrain_steps,
+                   batch_size=cfg.batch_size, seq_len=cfg.seq_len, eval_every=max(cfg.pretrain_steps // 4, 1),
+                   log_every=max(cfg.pretrain_steps // 4, 1), eval_batches=cfg.val_batches, devices=1,
+                   mesh="data=-1", progress=False, ckpt_every=cfg.pretrain_steps, keep=1)
+  return common.pretrained_run(os.path.join(work, "pretrain"), tc, cfg.pretrain_lr)
+
+
+def upcycled(dense: Transformer, cfg: Config, seed: int) -> Transformer:
+  """`dense` as the experiment's MoE: neurons split at random into E experts (scaled by E), a fresh router."""
+  E, K = cfg.num_experts, cfg.top_k
+  moe = upcycle(dense, E, K, "random", seed=seed, capacity_factor=E / K)
+  if moe.c.moe != moe_config(cfg).moe:
+    raise DiscoError(f"the upcycled MoE {moe.c.moe} is not the experiment's {moe_config(cfg).moe}")
+  return moe
 
 
 def submodel(moe: Transformer, e: int) -> Transformer:
@@ -330,8 +373,9 @@ def main(cfg: Config) -> dict:
   full size, writes them to `cfg.out`)."""
   if not cfg.smoke:
     return _main(cfg)
-  return _main(dataclasses.replace(cfg, seeds=cfg.seeds[:1], lrs=(3e-3,), steps=16, g_frac=0.25, batch_size=8,
-                                   seq_len=32, pool=128, val_batches=4, evals=2))
+  with tempfile.TemporaryDirectory(prefix="optlab-disco-") as tmp:
+    return _main(dataclasses.replace(cfg, seeds=cfg.seeds[:1], lrs=(3e-3,), steps=16, g_frac=0.25, batch_size=8,
+                                     seq_len=32, pool=128, val_batches=4, evals=2, pretrain_steps=8, work=tmp))
 
 
 def _main(cfg: Config) -> dict:
@@ -341,9 +385,13 @@ def _main(cfg: Config) -> dict:
   val_x = np.concatenate([x for x, _ in val])
   c = moe_config(cfg)
   data, runs = {}, {}
+  dense = load_run(pretrain_dense(cfg, cfg.work))[0] if cfg.init == "pretrained" else None
+  start = {} if dense is None else {"dense_val": evaluate(dense, val), "upcycled_val": {}}
 
   for seed in cfg.seeds:  # the shared init, the pool and its partitions: no training tokens
-    init = init_model(c, seed)
+    init = init_model(c, seed) if dense is None else upcycled(dense, cfg, seed)
+    if dense is not None:
+      start["upcycled_val"][seed] = evaluate(init, val)
     pool = window_pool(tokens, cfg.pool, cfg.seq_len, seed)
     emb = np.asarray(init.embed_VD[...])
     labels, centroids = kmeans(mean_pooled(emb, pool[:, :-1]), E, seed=seed)
@@ -377,7 +425,7 @@ def _main(cfg: Config) -> dict:
 
   result = {"config": dataclasses.asdict(cfg), "steps": n, "tokens_per_arm": n["e2e"] * cfg.batch_size * cfg.seq_len,
             "g_token_share": n["g"] / n["e2e"], "tune": {a: {str(k): v for k, v in t.items()} for a, t in tune.items()},
-            "best_lr": best, "seeds": {}}
+            "best_lr": best, "start": start, "seeds": {}}
   for seed in cfg.seeds:
     d = data[seed]
     rec = {"cluster_sizes": np.bincount(d["labels"]["disco"], minlength=E).tolist(),
@@ -431,7 +479,7 @@ def tables(result: dict) -> list[str]:
   lines = [f"Tokens per arm: {result['tokens_per_arm']:,} (end-to-end: {n['e2e']} steps; DisCo: {E} submodels × "
            f"{n['s']} S-phase steps + {n['g']} G-phase steps, G-phase share {100 * result['g_token_share']:.0f}%). "
            f"Seeds {', '.join(map(str, seeds))}: mean ± std (ddof 1); paired = this arm minus end-to-end, per seed.",
-           "", "| arm | lr (best on seed 0) | final val loss | paired vs end-to-end | S-phase submodels' mean val "
+           *_start_lines(result), "", "| arm | lr (best on seed 0) | final val loss | paired vs end-to-end | S-phase submodels' mean val "
            "| val at merge (S-phase tokens only) | specialisation gap |", "|---|---|---|---|---|---|---|"]
   lrs = [float(lr) for lr in result["tune"]["e2e"]]
   for arm in ARMS:
@@ -456,6 +504,17 @@ def tables(result: dict) -> list[str]:
               "share it); "
               f"{result['cpu_s']:.0f} s of CPU in this process (all threads). Plot: `val_loss.png`."]
   return lines
+
+
+def _start_lines(result: dict) -> list[str]:
+  start, cfg = result.get("start"), result["config"]
+  if not start:
+    return []
+  up = common.mean_std(start["upcycled_val"].values())
+  return ["", f"Start (every arm, every seed): the dense model (d_ff {cfg['num_experts'] * cfg['d_expert']}) after "
+          f"{cfg['pretrain_steps']} AdamW steps at lr {cfg['pretrain_lr']:g} ({cfg['pretrain_steps'] * cfg['batch_size'] * cfg['seq_len']:,} "
+          f"pretraining tokens, not counted above): val {start['dense_val']:.4f}; upcycled to the MoE (random neuron "
+          f"split, fresh router per seed): val {common.pm(up)}."]
 
 
 def findings(result: dict) -> list[str]:
@@ -488,8 +547,12 @@ def findings(result: dict) -> list[str]:
       f"{d_w[0]:+.4f} ± {d_w[1]:.4f}, {d_w[2]}).",
       f"Reading (an explanation, not tested here): equal tokens are not equal sequential updates: the shared "
       f"backbone gets {n['s']} S-phase steps in each copy, averaged once, then {n['g']} G-phase steps, against "
-      f"{n['e2e']} for end-to-end; from a random init that is what an equal-token DisCo gives up. The paper starts "
-      f"from pretrained checkpoints (reference open question (f)); a warm-started DisCo is the next experiment.",
+      f"{n['e2e']} for end-to-end"
+      + ("; from a random init that is what an equal-token DisCo gives up. The paper starts from pretrained "
+         "checkpoints (reference open question (f)): `--init pretrained` runs that (research/results/"
+         "moe_disco_pretrained/)." if not result.get("start") else
+         f", here all starting from the same pretrained model (val {result['start']['dense_val']:.4f} before "
+         "upcycling); the random-init run is in research/results/moe_disco/."),
   ]
 
 
@@ -535,11 +598,15 @@ def plot(result: dict):
 
 def write(cfg: Config, result: dict):
   question = __doc__.split("\n\n")[0]
-  settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
-  common.write_results(cfg.out, "moe_disco", question, tables(result), findings=findings(result), settings=settings,
-                       data=result, cmd="python -m research.experiments.moe_disco")
+  pretrained = cfg.init == "pretrained"
+  drop = ("smoke", "out", "work") + (() if pretrained else ("init", "pretrain_steps", "pretrain_lr"))
+  settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in drop}
+  out = out_dir(cfg)
+  common.write_results(out, "moe_disco" + ("_pretrained" if pretrained else ""), question, tables(result),
+                       findings=findings(result), settings=settings, data=result,
+                       cmd="python -m research.experiments.moe_disco" + (" --init pretrained" if pretrained else ""))
   fig = plot(result)
-  fig.savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
+  fig.savefig(os.path.join(out, "val_loss.png"), dpi=110, bbox_inches="tight")
 
 
 if __name__ == "__main__":

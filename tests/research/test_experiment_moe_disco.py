@@ -22,7 +22,7 @@ O0 = {"xla_backend_optimization_level": 0}  # LLVM -O0: less compile time, the s
 def smoke(notebooks):
   """(`moe_disco.main(Config(smoke=True))` as notebooks/moe_disco.ipynb ran it, where its default `out` would be)."""
   run = notebooks.run("moe_disco")
-  return run.result, run.cwd / md.Config().out
+  return run.result, run.cwd / md.out_dir(md.Config())
 
 
 def test_smoke_runs_every_arm_at_equal_tokens_and_learns(smoke):
@@ -214,3 +214,32 @@ def test_merged_moe_routed_to_expert_e_is_submodel_e():
   assert jax.tree.structure(buffers_f) == jax.tree.structure(bias(0))
 
 
+
+
+def test_pretrained_smoke_starts_every_arm_from_the_upcycled_dense_model(tmp_path):
+  """--init pretrained: a dense model trained by the train CLI, upcycled per seed; the run directory is reused."""
+  cfg = md.Config(smoke=True, init="pretrained")
+  result = md.main(cfg)
+  start = result["start"]
+  assert start["dense_val"] < math.log(256)  # the dense model learned something before the arms start
+  assert set(start["upcycled_val"]) == set(result["seeds"])
+  (rec,) = result["seeds"].values()
+  assert set(rec["arms"]) == set(md.ARMS) and all(math.isfinite(r["final"]) for r in rec["arms"].values())
+  assert any(line.startswith("Start (every arm") for line in md.tables(result))
+  assert "starting from the same pretrained model" in md.findings(result)[-1]
+  assert md.out_dir(cfg) == "research/results/moe_disco_pretrained"
+
+
+def test_upcycled_dense_is_the_experiments_moe():
+  cfg = md.Config()
+  dense = Transformer(dataclasses.replace(md.moe_config(cfg), moe=None, d_ff=cfg.num_experts * cfg.d_expert),
+                      rngs=nnx.Rngs(0))
+  moe = md.upcycled(dense, cfg, seed=1)
+  assert moe.c.moe == md.moe_config(cfg).moe
+  d, m = common.split(dense)[1]["blocks"], common.split(moe)[1]["blocks"]["moe"]
+  up_LEDF = np.asarray(m["w_up_EDF"])  # every dense neuron lands in exactly one expert
+  cols = np.sort(np.asarray(d["w_up_DF"]).transpose(0, 2, 1).reshape(len(up_LEDF), -1), axis=1)
+  assert np.array_equal(np.sort(up_LEDF.transpose(0, 1, 3, 2).reshape(len(up_LEDF), -1), axis=1), cols)
+  narrow = Transformer(dataclasses.replace(dense.c, d_ff=cfg.num_experts * cfg.d_expert // 2), rngs=nnx.Rngs(0))
+  with pytest.raises(md.DiscoError, match="is not the experiment's"):  # experts of width F/2, not F
+    md.upcycled(narrow, cfg, seed=1)
