@@ -73,7 +73,7 @@ class Config:
   eval_batches: int = 8
   switch_every: int = 8
   """K, BAdam's updates per block: 200 / 8 = 25 turns over 6 layers."""
-  lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3, 1e-2)
+  lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
   seeds: tuple[int, ...] = (0, 1, 2)
 
 
@@ -227,11 +227,46 @@ def findings(result: dict) -> list[str]:
          f"Reading (memory): BAdam's optimizer state is {result['state_bytes']['badam'] / result['state_bytes']['adamw']:.3f}× "
          f"AdamW's ({result['state_bytes']['badam']:,} vs {result['state_bytes']['adamw']:,} bytes: one layer's "
          "moments, the embedding frozen), as the formula gives."]
+  out += tradeoff(result)
   lrs = st["lrs"]
   edge = [TITLES[k] for k in ("adamw", "badam") if len(lrs) > 1 and result["best_lr"][k] in (min(lrs), max(lrs))]
   if edge:
     out.append(f"Reading: the best lr of {', '.join(edge)} lies at the edge of the grid; a wider grid might do better.")
   return out
+
+
+def tradeoff(result: dict) -> list[str]:
+  """Learning vs forgetting over the lr grid: which contender's grid points are dominated (the other has a point
+  lower on both corpora)? At equal lr the one that learns less also moves less; the grid shows whether that is a
+  better trade or only a smaller step."""
+  names = result["settings"]["labels"]
+  pts = {k: [(r["final_val_loss"], r["held_out"]["stdlib"], r["lr"]) for r in result["tuning"]
+             if r["label"] == label and not r.get("diverged")] for k, label in names.items()}
+
+  def dominated(k, other):
+    return [(p, min((q for q in pts[other] if q[0] < p[0] and q[1] < p[1]), key=lambda q: q[0] + q[1]))
+            for p in pts[k] if any(q[0] < p[0] and q[1] < p[1] for q in pts[other])]
+
+  db, da = dominated("badam", "adamw"), dominated("adamw", "badam")
+  line = (f"Reading (trade-off, lr grid at seed {result['settings']['seeds'][0]}): {len(db)} of {len(pts['badam'])} "
+          f"BAdam points are dominated by an AdamW point (lower loss on both corpora), {len(da)} of "
+          f"{len(pts['adamw'])} AdamW points by a BAdam point")
+  if db:
+    best = result["best_lr"]["badam"]
+    p, q = next(((p, q) for p, q in db if p[2] == best), max(db, key=lambda pq: pq[0][2]))
+    line += (f"; e.g. BAdam at lr {p[2]:g} (docs {p[0]:.3f}, stdlib {p[1]:.3f}) vs AdamW at lr {q[2]:g} "
+             f"(docs {q[0]:.3f}, stdlib {q[1]:.3f})")
+  free = [p for p in pts["badam"] if p not in [x for x, _ in db]]
+  if not free:
+    line += ". BAdam's lower forgetting at equal lr is a smaller step, not a better trade."
+  else:
+    below = [p for p in free if p[1] < min(q[1] for q in pts["adamw"])]
+    line += (f". Not dominated: BAdam at lr {', '.join(f'{p[2]:g}' for p in free)}"
+             + (f"; at lr {', '.join(f'{p[2]:g}' for p in below)} it forgets less than every AdamW point on the grid, "
+                f"at a higher docs loss (AdamW's smallest lr, {min(q[2] for q in pts['adamw']):g}, is the grid's edge: "
+                "a smaller one was not tried)" if below else ""))
+  line += "."
+  return [line]
 
 
 def plot(result: dict):
@@ -263,7 +298,7 @@ def plot(result: dict):
 
 def write(cfg: Config, result: dict, cmd: str | None = None):
   import matplotlib.pyplot as plt
-  table = tables(result) + ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine; "
+  table = tables(result) + ([""] + [result["note"]] if result.get("note") else []) + ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine; "
                             f"{result['cpu_s']:.0f} s of CPU in this process (finished runs found in `work` are "
                             "skipped, their time not counted). Plot: `badam_finetune.png`."]
   common.write_results(cfg.out, NAME, QUESTION, table, findings=findings(result), settings=result["settings"],

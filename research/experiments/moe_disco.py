@@ -603,8 +603,7 @@ def write(cfg: Config, result: dict):
   settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in drop}
   out = out_dir(cfg)
   common.write_results(out, "moe_disco" + ("_pretrained" if pretrained else ""), question, tables(result),
-                       findings=findings(result), settings=settings, data=result,
-                       cmd="python -m research.experiments.moe_disco" + (" --init pretrained" if pretrained else ""))
+                       findings=findings(result), settings=settings, data=result)
   fig = plot(result)
   fig.savefig(os.path.join(out, "val_loss.png"), dpi=110, bbox_inches="tight")
 
