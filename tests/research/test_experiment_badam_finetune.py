@@ -10,8 +10,9 @@ from research.experiments import badam, badam_finetune
 
 
 @pytest.fixture(scope="module")
-def result():
-  return badam_finetune.main(badam_finetune.Config(smoke=True))
+def result(notebooks):
+  """`badam_finetune.main(Config(smoke=True))`, as notebooks/badam_finetune.ipynb ran it."""
+  return notebooks.run("badam_finetune").result
 
 
 def test_protocol(result):
