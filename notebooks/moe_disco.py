@@ -60,3 +60,14 @@ plt.show()
 
 # %%
 display(Markdown(common.full_results("moe_disco")))
+
+# %% [markdown]
+# ## From a pretrained start
+#
+# The paper's submodels start from a pretrained checkpoint. `python -m research.experiments.moe_disco --init
+# pretrained` pretrains a dense model (d_ff = E·F) with the train CLI, upcycles it into the MoE for every seed
+# (random neuron split, fresh router), and runs the same arms and controls from there; the random-init result above
+# stays as it is. It wrote this:
+
+# %%
+display(Markdown(common.full_results("moe_disco_pretrained")))
