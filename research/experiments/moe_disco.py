@@ -54,7 +54,9 @@ Shapes: N windows, T window length, V vocab, D d_model, E experts (= clusters), 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import tempfile
 import time
 from typing import Literal
@@ -112,6 +114,8 @@ class Config:
   pretrain_lr: float = 3e-3
   work: str = "runs/experiments/moe_disco"
   """--init pretrained: where the dense model's run lives (a finished one is reused)."""
+  render: bool = False
+  """Rewrite results.md and the plot from the out directory's results.json (no training)."""
 
 
 def sizes(cfg: Config) -> dict:
@@ -371,6 +375,8 @@ def _describe(windows_NT) -> str:
 def main(cfg: Config) -> dict:
   """Tunes lr per arm on the first seed, runs every seed at the best, returns the results as plain data (and, at
   full size, writes them to `cfg.out`)."""
+  if cfg.render:
+    return render(cfg)
   if not cfg.smoke:
     return _main(cfg)
   with tempfile.TemporaryDirectory(prefix="optlab-disco-") as tmp:
@@ -423,7 +429,7 @@ def _main(cfg: Config) -> dict:
     sizes_E = np.bincount(d["labels"]["disco"], minlength=E)
     runs["disco_size", lr, seed] = {**s, **g_phase(s, d["init"], d["pool"], val, lr, seed, cfg, n, weights=sizes_E)}
 
-  result = {"config": dataclasses.asdict(cfg), "steps": n, "tokens_per_arm": n["e2e"] * cfg.batch_size * cfg.seq_len,
+  result = {"config": dataclasses.asdict(cfg), "command": common.command(), "steps": n, "tokens_per_arm": n["e2e"] * cfg.batch_size * cfg.seq_len,
             "g_token_share": n["g"] / n["e2e"], "tune": {a: {str(k): v for k, v in t.items()} for a, t in tune.items()},
             "best_lr": best, "start": start, "seeds": {}}
   for seed in cfg.seeds:
@@ -444,6 +450,21 @@ def _main(cfg: Config) -> dict:
   result["wall_s"], result["cpu_s"] = time.time() - t0, time.process_time() - cpu0
   if not cfg.smoke:
     write(cfg, result)
+  return result
+
+
+def render(cfg: Config) -> dict:
+  """Rewrites results.md and the plot from OUT/results.json, keeping the command and commit the runs trained at."""
+  out = out_dir(cfg)
+  with open(os.path.join(out, "results.json")) as f:
+    result = json.load(f)
+  with open(os.path.join(out, "results.md")) as f:
+    trained = re.search(r"^Command: `(.+)` \(commit (\w+)", f.read(), re.M)
+  result.setdefault("command", trained.group(1))
+  result["rendered"] = f"The runs trained at commit {trained.group(2)}; this file and the plot were re-rendered " \
+                       "from its results.json (`--render`)."
+  write(dataclasses.replace(cfg, **{k: v for k, v in result["config"].items() if k not in ("out", "render")}),
+        result, cmd=result["command"])
   return result
 
 
@@ -502,7 +523,8 @@ def tables(result: dict) -> list[str]:
   if "wall_s" in result:
     lines += ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine (other jobs may "
               "share it); "
-              f"{result['cpu_s']:.0f} s of CPU in this process (all threads). Plot: `val_loss.png`."]
+              f"{result['cpu_s']:.0f} s of CPU in this process (all threads). Plot: `val_loss.png`."
+              + (f" {result['rendered']}" if result.get("rendered") else "")]
   return lines
 
 
@@ -545,6 +567,7 @@ def findings(result: dict) -> list[str]:
       f"and the G-phase ({100 * result['g_token_share']:.0f}% of the tokens) brings it to {_ms(fin['disco'])}. "
       f"Weighting the shared-param average by cluster size: {_ms(fin['disco_size'])} (paired vs uniform "
       f"{d_w[0]:+.4f} ± {d_w[1]:.4f}, {d_w[2]}).",
+      *_caveats(result),
       f"Reading (an explanation, not tested here): equal tokens are not equal sequential updates: the shared "
       f"backbone gets {n['s']} S-phase steps in each copy, averaged once, then {n['g']} G-phase steps, against "
       f"{n['e2e']} for end-to-end"
@@ -554,6 +577,25 @@ def findings(result: dict) -> list[str]:
          f", here all starting from the same pretrained model (val {result['start']['dense_val']:.4f} before "
          "upcycling); the random-init run is in research/results/moe_disco/."),
   ]
+
+
+def _caveats(result: dict) -> list[str]:
+  """Readings that qualify the ones above: arms compared at different lrs; a pretrained start none gets back to."""
+  out, best, tune = [], result["best_lr"], result["tune"]
+  if best["disco"] != best["disco_random"]:
+    lr = best["disco_random"]
+    out.append(f"Reading: k-means and random-partition DisCo are compared at their own best lrs ({best['disco']:g} vs "
+               f"{lr:g}); at the same lr {lr:g} on seed 0 they end at {tune['disco'][str(lr)]:.4f} vs "
+               f"{tune['disco_random'][str(lr)]:.4f}.")
+  start = result.get("start")
+  if start:
+    up = common.mean_std(start["upcycled_val"].values())
+    e2e = summary(result)["e2e"]["final"]
+    out.append(f"Reading: upcycling costs {up[0] - start['dense_val']:+.3f} nats/byte (dense {start['dense_val']:.4f}, "
+               f"upcycled MoE {common.pm(up)}); after {result['tokens_per_arm']:,} tokens the best arm, end-to-end, is at "
+               f"{common.pm(e2e)}, {'still above' if e2e[0] > start['dense_val'] else 'below'} the dense model it "
+               "started from.")
+  return out
 
 
 def plot(result: dict):
@@ -574,6 +616,8 @@ def plot(result: dict):
     m, sd = y.mean(0), y.std(0)
     ax.plot(x, m, "-o", ms=3, color=colors[arm], label=LABELS[arm])
     ax.fill_between(x, m - sd, m + sd, color=colors[arm], alpha=0.15)
+  if result.get("start"):
+    ax.axhline(result["start"]["dense_val"], color="gray", ls="--", lw=1, label="pretrained dense model (the start)")
   ax.axvline(g_start, color="gray", ls=":", lw=1)
   ax.text(g_start, ax.get_ylim()[1], " merge → G-phase", va="top", fontsize=8, color="gray")
   ax.set(xlabel="training tokens (S-phase: all submodels' tokens, their mean val loss)", ylabel="val loss (nats/byte)",
@@ -596,14 +640,14 @@ def plot(result: dict):
   return fig
 
 
-def write(cfg: Config, result: dict):
+def write(cfg: Config, result: dict, cmd: str | None = None):
   question = __doc__.split("\n\n")[0]
   pretrained = cfg.init == "pretrained"
-  drop = ("smoke", "out", "work") + (() if pretrained else ("init", "pretrain_steps", "pretrain_lr"))
+  drop = ("smoke", "out", "work", "render") + (() if pretrained else ("init", "pretrain_steps", "pretrain_lr"))
   settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in drop}
   out = out_dir(cfg)
   common.write_results(out, "moe_disco" + ("_pretrained" if pretrained else ""), question, tables(result),
-                       findings=findings(result), settings=settings, data=result)
+                       findings=findings(result), settings=settings, data=result, cmd=cmd)
   fig = plot(result)
   fig.savefig(os.path.join(out, "val_loss.png"), dpi=110, bbox_inches="tight")
 

@@ -228,6 +228,14 @@ def test_pretrained_smoke_starts_every_arm_from_the_upcycled_dense_model(tmp_pat
   assert any(line.startswith("Start (every arm") for line in md.tables(result))
   assert "starting from the same pretrained model" in md.findings(result)[-1]
   assert md.out_dir(cfg) == "research/results/moe_disco_pretrained"
+  # written, then re-rendered from its results.json alone: the same tables and command, a note of the re-render
+  md.write(dataclasses.replace(cfg, out=str(tmp_path)), result, cmd="python -m x --init pretrained")
+  first = (tmp_path / "results.md").read_text()
+  again = md.main(md.Config(out=str(tmp_path), init="pretrained", render=True))
+  second = (tmp_path / "results.md").read_text()
+  assert md.tables(again)[:-1] == md.tables(result)[:-1] and "re-rendered" in second
+  assert first.split("\n")[4] == second.split("\n")[4]  # the command line, commit included
+  assert (tmp_path / "val_loss.png").exists()
 
 
 def test_upcycled_dense_is_the_experiments_moe():
