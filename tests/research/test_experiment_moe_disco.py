@@ -234,7 +234,7 @@ def test_pretrained_smoke_starts_every_arm_from_the_upcycled_dense_model(tmp_pat
   again = md.main(md.Config(out=str(tmp_path), init="pretrained", render=True))
   second = (tmp_path / "results.md").read_text()
   assert md.tables(again)[:-1] == md.tables(result)[:-1] and "re-rendered" in second
-  assert first.split("\n")[4] == second.split("\n")[4]  # the command line, commit included
+  assert first.split("\n")[4] == second.split("\n")[4]  # the command kept
   assert (tmp_path / "val_loss.png").exists()
 
 
