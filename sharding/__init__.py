@@ -5,7 +5,8 @@ from sharding.mesh import AXES, DATA_AXES, MeshError, devices_for, make_mesh, me
 from sharding.reshard import ReshardError, abstract_state, moved_bytes, reshard, state_shardings
 from sharding.rules import RULES, ShardingError, constrain, logical_to_spec, named_sharding
 from sharding.state import (batch_sharding, global_batch, init_buffers, init_params, init_train_state, logical_names,
-                            param_shardings, shard_batch, shardings_like_params, zero1_shardings)
+                            param_shardings, place_variables, shard_batch, shardings_like_params, train_state_of,
+                            variable_shardings, zero1_shardings)
 from sharding.experts import capacity as expert_capacity, dispatch as dispatch_experts
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline, pipeline
 
@@ -14,5 +15,5 @@ __all__ = ["AXES", "Audit", "AuditError", "Collective", "DATA_AXES", "MeshError"
            "check_pipeline", "collectives", "constrain", "devices_for", "dispatch_experts", "expert_capacity",
            "global_batch", "init_buffers", "init_params", "init_train_state", "logical_names", "logical_to_spec",
            "make_mesh", "matmul_flops", "mesh_spec", "moved_bytes", "named_sharding", "param_shardings",
-           "parse_mesh_spec", "pipeline", "reshard", "shard_batch", "shardings_like_params", "state_shardings",
-           "zero1_shardings"]
+           "parse_mesh_spec", "pipeline", "place_variables", "reshard", "shard_batch", "shardings_like_params",
+           "state_shardings", "train_state_of", "variable_shardings", "zero1_shardings"]

@@ -28,6 +28,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv": (),  # head_dim
     "layers": ("stage",),  # the layer stack: consecutive layers per pipeline stage (sharding/pipeline.py)
     "norm": (),
+    "adapter": (),  # a low-rank adapter's rank axis (models/peft.py): small, never sharded
     "expert": ("expert",),
     # activations
     "batch": ("data", "fsdp", "expert"),

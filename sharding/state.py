@@ -55,6 +55,18 @@ def param_shardings(abstract_params: PyTree, names: PyTree, mesh: Mesh | None) -
                       is_leaf=lambda x: isinstance(x, tuple))
 
 
+def place_variables(state, mesh: Mesh):
+  """`state` (an `nnx.State`) with every variable's value on `mesh` by its logical names (`out_sharding` metadata):
+  parameters and other variables alike, e.g. the frozen base weights of an adapted model (models/peft.py)."""
+  return jax.tree.map(lambda v: v.replace(jax.device_put(v.get_value(), _variable_sharding(v, mesh))), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _variable_sharding(v: nnx.Variable, mesh: Mesh) -> NamedSharding:
+  names = v.get_metadata().get("out_sharding") or (None,) * v.ndim
+  return NamedSharding(mesh, logical_to_spec(names, mesh, v.shape))
+
+
 def init_params(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> tuple[nnx.GraphDef, dict, dict]:
   """(graphdef, params, shardings): the parameters created directly with their shardings."""
   graphdef, abstract, names = logical_names(model_fn)
@@ -137,6 +149,16 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx, mesh: Mesh, zero1: 
   updates back to the parameters.
   """
   graphdef, params, p_sh = init_params(model_fn, mesh)
+  buffers = init_buffers(model_fn, mesh)
+  state, shardings = _with_optimizer(params, p_sh, tx, mesh, zero1)
+  if buffers:  # non-Param variables: in the state (so checkpointed), not in the optimizer
+    replicated = NamedSharding(mesh, P())
+    state["buffers"], shardings["buffers"] = buffers, jax.tree.map(lambda _: replicated, buffers)
+  return graphdef, state, shardings
+
+
+def _with_optimizer(params, p_sh, tx, mesh: Mesh, zero1: bool):
+  """({"step", "params", "opt_state"}, their shardings): the optimizer state created sharded like `params`."""
   abstract_opt = jax.eval_shape(tx.init, params)
   o_sh = shardings_like_params(abstract_opt, params, p_sh, mesh)
   if zero1:
@@ -145,10 +167,24 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx, mesh: Mesh, zero1: 
     opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
   replicated = NamedSharding(mesh, P())
   state = {"step": jax.device_put(np.int32(0), replicated), "params": params, "opt_state": opt_state}
-  shardings = {"step": replicated, "params": p_sh, "opt_state": o_sh}
-  buffers = init_buffers(model_fn, mesh)
-  if buffers:  # non-Param variables: in the state (so checkpointed), not in the optimizer
-    state["buffers"], shardings["buffers"] = buffers, jax.tree.map(lambda _: replicated, buffers)
+  return state, {"step": replicated, "params": p_sh, "opt_state": o_sh}
+
+
+def variable_shardings(state, mesh: Mesh) -> dict:
+  """A plain dict like `nnx.to_pure_dict(state)` of each variable's NamedSharding from its logical names."""
+  return nnx.to_pure_dict(jax.tree.map(lambda v: _variable_sharding(v, mesh), state,
+                                      is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def train_state_of(model: nnx.Module, tx, mesh: Mesh, zero1: bool = False):
+  """`init_train_state` for a model that already exists (loaded, or adapted by models/peft.py): its `nnx.Param`s
+  are "params", every other variable is a "buffer" (the frozen base weights of an adapted model included), and both
+  are placed on `mesh` by their logical names, not replicated (a frozen base is as large as the model)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  p_sh, b_sh = variable_shardings(params, mesh), variable_shardings(rest, mesh)
+  state, shardings = _with_optimizer(jax.device_put(nnx.to_pure_dict(params), p_sh), p_sh, tx, mesh, zero1)
+  if jax.tree.leaves(b_sh):
+    state["buffers"], shardings["buffers"] = jax.device_put(nnx.to_pure_dict(rest), b_sh), b_sh
   return graphdef, state, shardings
 
 

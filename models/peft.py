@@ -1,0 +1,292 @@
+"""Parameter-efficient fine-tuning: low-rank adapters and weight conditioning on the transformer's stacked weights.
+
+`apply(model, method, ...)` replaces each target weight W0 (a `Param` of shape (..., fan_in, fan_out): leading axes
+are the layer stack and, for MoE experts, the expert axis) by an adapter module whose `[...]` is the effective weight,
+so the model's own forward (`x @ w[...]`) runs unchanged, under `lax.scan` over layers and on any mesh. Every other
+parameter becomes `Frozen` (not an `nnx.Param`): `nnx.state(model, nnx.Param)` is the adapters alone, so a train step
+that differentiates Params keeps no gradient and no optimizer state for the base. `merge(model)` folds the adapters
+back into plain `Param`s.
+
+Methods, in this file's (fan_in, fan_out) layout (a Hugging Face / PEFT weight is the transpose, (out, in)); A is
+(fan_in, r), B is (r, fan_out), s = alpha / r, every adapter is the identity at initialisation:
+  lora            W = W0 + s·A B                                  A ~ U(±1/√fan_in) (PEFT's kaiming-uniform, a=√5), B = 0
+  dora            W = (W0 + s·A B) · diag(m / ‖W0 + s·A B‖_col)   m (fan_out,) = ‖W0‖_col at init; the column norm
+                                                                  (PEFT's per-output-row norm) is treated as a
+                                                                  constant in the backward pass, as PEFT and the
+                                                                  DoRA paper (§4.3) do
+  prediag         W = W0 · diag(d) + s·A B                        d (fan_out,) = 1 (Pre-Diag, "calibrating": the
+                                                                  diagonal before the update; shared/reference §7)
+  sora            W = W' (I + S),  W' = prediag's,                C, D (fan_out, r_p): C ~ U(±1/√fan_out), D = C, so
+                  S = s_p (C Dᵀ − D Cᵀ) (skew-symmetric),          S = 0 at init; y(I + S) is the reference forward
+                  s_p = min(s0 / (‖C‖_F + ‖D‖_F + 1e-6), 1)       (`SoraLinear`), computed as W' + s_p((W'C)Dᵀ −
+                                                                  (W'D)Cᵀ); the merge uses the same formula (the
+                                                                  reference's merge omits the identity, §7's caveat)
+  sparse_adapter  W = W0 + s·(A ⊙ M_A)(B ⊙ M_B)                    a LoRA of rank r/(1 − sparsity) ("Large-Sparse":
+                                                                  the same surviving budget as rank r), pruned at
+                                                                  init by SNIP (`snip_prune`, SparseAdapter's best
+                                                                  criterion): keep the weights of largest |θ·∂L/∂θ|
+                                                                  over all adapters; masks are `Mask`s, not trained
+Only the projections' weights are adapted; a target with a bias (Qwen2's q/k/v) keeps its bias as it is, which is
+PEFT's LoRA and DoRA. The reference Pre-Diag/SORA scale and rotate the bias with the output, so `prediag` and `sora`
+refuse a biased target (`PEFTError`) rather than compute something else.
+Shapes: ... leading axes (layers, experts), I fan_in, O fan_out, R rank, P r_p.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+METHODS = ("lora", "dora", "prediag", "sora", "sparse_adapter")
+# the attention projections and the (dense, expert, shared-expert) MLP projections; never the router or embeddings
+DEFAULT_TARGETS = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD|w_gate_DF|w_up_DF|w_down_FD|moe/(w_gate_EDF|w_up_EDF|w_down_EFD|" \
+                  r"shared_gate_DS|shared_up_DS|shared_down_SD))$"
+ADAPTER_AXIS = "adapter"  # the logical name of a rank axis (sharding/rules.py: never sharded)
+BIASES = {"wq_DQ": "q_bias_Q", "wk_DK": "k_bias_K", "wv_DK": "v_bias_K"}
+
+
+class PEFTError(ValueError):
+  """A PEFT setting that cannot be applied; the message names it."""
+
+
+class Frozen(nnx.Variable):
+  """A base parameter that does not train: no gradient, no optimizer state (it is not an `nnx.Param`)."""
+
+
+class Mask(nnx.Variable):
+  """A fixed 0/1 mask of a sparse adapter's factor."""
+
+
+def _names(v: nnx.Variable) -> tuple:
+  return tuple(v.get_metadata().get("out_sharding") or (None,) * v.ndim)
+
+
+def _var(cls, value, names):
+  """A variable of `cls` carrying logical axis `names` (sharded by whoever places it, as models/transformer.py does)."""
+  return cls(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def _uniform(key, shape, bound, dtype):
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class Adapter(nnx.Module):
+  """A frozen weight `w0` (..., I, O) and a low-rank update s·A B; `[...]` reads the effective weight."""
+
+  def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key, dtype):
+    *lead, fan_in, fan_out = w0.shape
+    names = _names(w0)
+    self.w0 = _var(Frozen, w0.get_value(), names)
+    self.scale = alpha / rank
+    self.a_IR = _var(nnx.Param, _uniform(key, (*lead, fan_in, rank), 1 / math.sqrt(fan_in), dtype),
+                     (*names[:-1], ADAPTER_AXIS))
+    self.b_RO = _var(nnx.Param, jnp.zeros((*lead, rank, fan_out), dtype), (*names[:-2], ADAPTER_AXIS, names[-1]))
+
+  @property
+  def names(self) -> tuple:
+    return _names(self.w0)
+
+  def factors(self):
+    return self.a_IR[...], self.b_RO[...]
+
+  def delta(self) -> jax.Array:
+    a, b = self.factors()
+    return self.scale * jnp.einsum("...ir,...ro->...io", a, b)
+
+  def base(self) -> jax.Array:
+    return self.w0[...].astype(self.a_IR.dtype)
+
+  def weight(self) -> jax.Array:
+    return self.base() + self.delta()
+
+  def __getitem__(self, index):
+    return self.weight()[index]
+
+
+class LoRA(Adapter):
+  pass
+
+
+class DoRA(Adapter):
+  def __init__(self, w0, rank, alpha, key, dtype):
+    super().__init__(w0, rank, alpha, key, dtype)
+    names = self.names
+    self.m_O = _var(nnx.Param, jnp.linalg.norm(self.base(), axis=-2), (*names[:-2], names[-1]))
+
+  def weight(self):
+    v = self.base() + self.delta()
+    norm = jax.lax.stop_gradient(jnp.linalg.norm(v, axis=-2, keepdims=True))
+    return v * (self.m_O[...][..., None, :] / norm)
+
+
+class PreDiag(Adapter):
+  def __init__(self, w0, rank, alpha, key, dtype):
+    super().__init__(w0, rank, alpha, key, dtype)
+    names = self.names
+    self.d_O = _var(nnx.Param, jnp.ones(w0.shape[:-2] + w0.shape[-1:], dtype), (*names[:-2], names[-1]))
+
+  def weight(self):
+    return self.base() * self.d_O[...][..., None, :] + self.delta()
+
+
+class SORA(PreDiag):
+  def __init__(self, w0, rank, alpha, key, dtype, r_p: int = 4, s0: float = 1.0):
+    k1, k2 = jax.random.split(key)
+    super().__init__(w0, rank, alpha, k1, dtype)
+    names, fan_out = self.names, w0.shape[-1]
+    c = _uniform(k2, w0.shape[:-2] + (fan_out, r_p), 1 / math.sqrt(fan_out), dtype)
+    self.s0 = s0
+    self.c_OP = _var(nnx.Param, c, (*names[:-2], names[-1], ADAPTER_AXIS))
+    self.d_OP = _var(nnx.Param, c, (*names[:-2], names[-1], ADAPTER_AXIS))
+
+  def s_p(self) -> jax.Array:
+    """(...,): per matrix, min(s0 / (‖C‖_F + ‖D‖_F + 1e-6), 1)."""
+    fro = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1)))
+    return jnp.minimum(self.s0 / (fro(self.c_OP[...]) + fro(self.d_OP[...]) + 1e-6), 1.0)
+
+  def weight(self):
+    w = super().weight()
+    c, d = self.c_OP[...], self.d_OP[...]
+    ws = jnp.einsum("...io,...op,...qp->...iq", w, c, d) - jnp.einsum("...io,...op,...qp->...iq", w, d, c)
+    return w + self.s_p()[..., None, None] * ws
+
+
+class SparseAdapter(Adapter):
+  def __init__(self, w0, rank, alpha, key, dtype):
+    super().__init__(w0, rank, alpha, key, dtype)
+    self.mask_a = _var(Mask, jnp.ones(self.a_IR.shape, dtype), _names(self.a_IR))
+    self.mask_b = _var(Mask, jnp.ones(self.b_RO.shape, dtype), _names(self.b_RO))
+
+  def factors(self):
+    return self.a_IR[...] * self.mask_a[...], self.b_RO[...] * self.mask_b[...]
+
+
+CLASSES = {"lora": LoRA, "dora": DoRA, "prediag": PreDiag, "sora": SORA, "sparse_adapter": SparseAdapter}
+
+
+def _path(path) -> str:
+  return "/".join(str(k) for k in path)
+
+
+def _param_slots(model: nnx.Module):
+  """(module, attribute name, path string, Param) for every Param attribute of every module."""
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module):
+      for name, value in list(vars(node).items()):
+        if isinstance(value, nnx.Param):
+          yield node, name, _path((*path, name)), value
+
+
+def apply(model: nnx.Module, method: str, targets: str = DEFAULT_TARGETS, rank: int = 8, alpha: float = 16.0, *,
+          seed: int = 0, base_dtype=None, r_p: int = 4, s0: float = 1.0, sparsity: float = 0.5) -> nnx.Module:
+  """Adapts `model` in place (and returns it): target weights become adapters, every other parameter `Frozen`.
+
+  Args:
+    method: one of `METHODS`.
+    targets: a regular expression searched in each parameter's path (`blocks/wq_DQ`, `blocks/moe/w_up_EDF`, ...);
+      it must match at least one weight of two or more dimensions.
+    rank, alpha: r and α (scale α/r). For `sparse_adapter`, r is the budget: the adapter has rank
+      round(r / (1 − sparsity)) before pruning, so r·(I + O) weights survive it on average.
+    base_dtype: the frozen weights' dtype (e.g. jnp.bfloat16); default unchanged. Adapters keep the parameter dtype.
+    r_p, s0: SORA's rotation rank and initial_s_p. sparsity: `sparse_adapter`'s pruned share, in [0, 1).
+  """
+  if method not in CLASSES:
+    raise PEFTError(f"unknown PEFT method {method!r}; choose one of {', '.join(METHODS)}")
+  if rank < 1 or (method == "sora" and r_p < 1):
+    raise PEFTError(f"rank (and SORA's r_p) must be >= 1, got rank={rank}, r_p={r_p}")
+  if not 0.0 <= sparsity < 1.0:
+    raise PEFTError(f"sparsity must lie in [0, 1), got {sparsity}")
+  try:
+    pattern = re.compile(targets)
+  except re.error as e:
+    raise PEFTError(f"--peft.targets {targets!r} is not a regular expression ({e})") from None
+  if any(isinstance(n, Adapter) for _, n in nnx.iter_graph(model)):
+    raise PEFTError("the model already has adapters; merge(model) first")
+  slots = list(_param_slots(model))
+  chosen = [s for s in slots if pattern.search(s[2]) and s[3].ndim >= 2]
+  if not chosen:
+    raise PEFTError(f"targets {targets!r} match no weight matrix (paths look like {slots[0][2]!r})")
+  width = rank if method != "sparse_adapter" else max(1, round(rank / (1.0 - sparsity)))
+  keys = jax.random.split(jax.random.key(seed), len(chosen))
+  chosen_ids = {id(s[3]) for s in chosen}
+  for module, name, path, _ in chosen:  # every check before the model changes
+    if method in ("prediag", "sora") and getattr(module, BIASES.get(name, ""), None) is not None:
+      raise PEFTError(f"{method} on {path}: the projection has a bias, which the reference scales and rotates with "
+                      "the output; not supported (use lora or dora, or targets without q/k/v)")
+  for (module, name, path, param), key in zip(chosen, keys):
+    extra = {"r_p": r_p, "s0": s0} if method == "sora" else {}
+    adapter = CLASSES[method](param, width, alpha, key, param.dtype, **extra)
+    if base_dtype is not None:
+      adapter.w0.set_value(adapter.w0.get_value().astype(base_dtype))
+    setattr(module, name, adapter)
+  for module, name, _, param in slots:
+    if id(param) not in chosen_ids:
+      value = param.get_value()
+      setattr(module, name, _var(Frozen, value if base_dtype is None else value.astype(base_dtype), _names(param)))
+  return model
+
+
+def adapters(model: nnx.Module) -> list[tuple[str, Adapter]]:
+  return [(_path(p), n) for p, n in nnx.iter_graph(model) if isinstance(n, Adapter)]
+
+
+def merge(model: nnx.Module) -> nnx.Module:
+  """Folds every adapter into a plain `Param` (its effective weight) and makes `Frozen` parameters `Param`s again,
+  in place; the merged model computes what the adapted one did."""
+  for path, node in list(nnx.iter_graph(model)):
+    if isinstance(node, nnx.Module) and not isinstance(node, Adapter):
+      for name, value in list(vars(node).items()):
+        if isinstance(value, Adapter):
+          setattr(node, name, _var(nnx.Param, value.weight().astype(value.w0.dtype), value.names))
+        elif isinstance(value, Frozen):
+          setattr(node, name, _var(nnx.Param, value.get_value(), _names(value)))
+  return model
+
+
+def trainable_count(model: nnx.Module) -> int:
+  """Adapter weights that can change: every Param entry, less the pruned ones of sparse adapters."""
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  for _, a in adapters(model):
+    if isinstance(a, SparseAdapter):
+      total -= int(a.mask_a.size - jnp.sum(a.mask_a[...])) + int(a.mask_b.size - jnp.sum(a.mask_b[...]))
+  return total
+
+
+def snip_prune(model: nnx.Module, loss_fn: Callable[[nnx.Module], jax.Array], sparsity: float, *,
+               seed: int = 0) -> nnx.Module:
+  """Prunes the sparse adapters of `model` at initialisation by SNIP (Lee et al. 2019; SparseAdapter's criterion):
+  connection sensitivity |θ · ∂L/∂θ| of every adapter weight on `loss_fn(model)` (one batch), the `sparsity` share
+  with the smallest scores masked out over all adapters together (global, as SNIP ranks). B is zero at init, which
+  gives every weight a zero score, so the scores are taken with B at a probe draw (A's distribution, U(±1/√r)) and
+  B is zeroed again afterwards: the model stays the identity and pruned entries never train (their mask is 0)."""
+  sparse = [(p, a) for p, a in nnx.iter_graph(model) if isinstance(a, SparseAdapter)]
+  if not sparse:
+    raise PEFTError("snip_prune needs a model adapted with method='sparse_adapter'")
+  if not 0.0 <= sparsity < 1.0:
+    raise PEFTError(f"sparsity must lie in [0, 1), got {sparsity}")
+  for (_, a), key in zip(sparse, jax.random.split(jax.random.key(seed), len(sparse))):
+    a.b_RO.set_value(_uniform(key, a.b_RO.shape, 1 / math.sqrt(a.b_RO.shape[-2]), a.b_RO.dtype))
+  grads = nnx.to_pure_dict(nnx.grad(loss_fn)(model))
+
+  def grad_of(path, name):
+    g = grads
+    for k in (*path, name):
+      g = g[k]
+    return g
+
+  scores = [(var, mask, jnp.abs(var[...] * grad_of(path, name)))
+            for path, a in sparse for var, mask, name in ((a.a_IR, a.mask_a, "a_IR"), (a.b_RO, a.mask_b, "b_RO"))]
+  flat = jnp.sort(jnp.concatenate([sc.ravel() for _, _, sc in scores]))
+  keep = flat.size - int(round(sparsity * flat.size))
+  threshold = flat[flat.size - keep] if keep > 0 else jnp.inf  # the keep-th largest score
+  for _, mask, sc in scores:
+    mask.set_value((sc >= threshold).astype(mask.dtype))
+  for _, a in sparse:
+    a.b_RO.set_value(jnp.zeros_like(a.b_RO[...]))
+  return model

@@ -1,0 +1,249 @@
+"""models/peft.py: every method starts as the identity and merges to what it computes; only adapters are Params;
+LoRA and DoRA agree with Hugging Face `peft` (logits and adapter gradients) on transformers models with the same
+weights; Pre-Diag, SORA and the sparse adapter agree with float64 NumPy forms of the paper equations, written in PEFT's
+(out, in) orientation; SNIP pruning keeps the budget and the identity start; adapted training is the same on sharded
+meshes as on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from models import Transformer, from_hf, peft, preset
+from sharding import make_mesh, place_variables
+
+TOKENS = np.random.default_rng(0).integers(0, 256, (4, 16))
+
+
+def _model(name="tiny", seed=0):
+  return Transformer(preset(name), rngs=nnx.Rngs(seed))
+
+
+def _logits(model, tokens=TOKENS):
+  return np.asarray(model(jnp.asarray(tokens)))
+
+
+def _perturb(model, seed=1, scale=0.05):
+  """Every adapter Param moved off its initial value (so that merge and the references see a real update)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  params = jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+  return nnx.merge(graphdef, params, rest)
+
+
+# every method on the dense model; on the MoE (experts: one more leading axis, the same code) the plain and the
+# most involved method
+@pytest.mark.parametrize("method, name", [(m, "tiny") for m in peft.METHODS] + [("lora", "moe_tiny"),
+                                                                                 ("sora", "moe_tiny")])
+def test_identity_at_init_and_merge_is_exact(method, name):
+  model = _model(name)
+  base = _logits(model)
+  peft.apply(model, method, rank=4, alpha=8)
+  np.testing.assert_allclose(_logits(model), base, atol=1e-6 if method == "dora" else 0)
+  model = _perturb(model)
+  adapted = _logits(model)
+  assert np.abs(adapted - base).max() > 1e-3, "the perturbed adapters changed nothing"
+  merged = peft.merge(model)
+  assert not peft.adapters(merged) and not jax.tree.leaves(nnx.state(merged, peft.Frozen))
+  np.testing.assert_allclose(_logits(merged), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_only_adapters_are_params_and_get_gradients():
+  model = peft.apply(_model("moe_tiny"), "lora", rank=2, alpha=4, base_dtype=jnp.bfloat16)
+  params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  assert {p[-1] for p, _ in params} == {"a_IR", "b_RO"}
+  frozen = jax.tree.leaves(nnx.state(model, peft.Frozen))
+  assert frozen and all(x.dtype == jnp.bfloat16 for x in frozen)
+  assert {p[-2] for p, _ in params} == {"wq_DQ", "wk_DK", "wv_DK", "wo_QD", "w_gate_EDF", "w_up_EDF", "w_down_EFD"}
+  c = model.c
+  L, D, r = c.n_layers, c.d_model, 2
+  E, F = c.moe.num_experts, c.moe.d_expert
+  attn = D * r + r * c.n_heads * c.hd + 2 * (D * r + r * c.kv_heads * c.hd) + c.n_heads * c.hd * r + r * D
+  assert peft.trainable_count(model) == L * (attn + E * 3 * r * (D + F))
+  grads = nnx.grad(lambda m: jnp.mean(m(jnp.asarray(TOKENS)) ** 2))(model)
+  assert jax.tree.structure(grads) == jax.tree.structure(nnx.state(model, nnx.Param))
+  # B = 0 at init: only B gets a gradient (A's is B-times-something)
+  flat = dict(nnx.to_flat_state(grads))
+  assert all(float(jnp.abs(g).max()) > 0 for p, g in flat.items() if p[-1] == "b_RO")
+  assert all(float(jnp.abs(g).max()) == 0 for p, g in flat.items() if p[-1] == "a_IR")
+
+
+def test_bad_settings_are_refused():
+  with pytest.raises(peft.PEFTError, match="unknown PEFT method 'qlora'"):
+    peft.apply(_model(), "qlora")
+  with pytest.raises(peft.PEFTError, match="match no weight matrix"):
+    peft.apply(_model(), "lora", targets="nothing_here")
+  with pytest.raises(peft.PEFTError, match="not a regular expression"):
+    peft.apply(_model(), "lora", targets="(")
+  with pytest.raises(peft.PEFTError, match="rank"):
+    peft.apply(_model(), "lora", rank=0)
+  with pytest.raises(peft.PEFTError, match="sparsity"):
+    peft.apply(_model(), "sparse_adapter", sparsity=1.0)
+  with pytest.raises(peft.PEFTError, match="already has adapters"):
+    peft.apply(peft.apply(_model(), "lora"), "dora")
+  biased = Transformer(preset("tiny", qkv_bias=True), rngs=nnx.Rngs(0))
+  with pytest.raises(peft.PEFTError, match="sora on blocks/w[qkv]_D[QK]: the projection has a bias"):
+    peft.apply(biased, "sora")
+  assert not peft.adapters(biased) and not jax.tree.leaves(nnx.state(biased, peft.Frozen))  # left as it was
+  peft.apply(Transformer(preset("tiny", qkv_bias=True), rngs=nnx.Rngs(0)), "dora")  # PEFT's DoRA keeps the bias
+
+
+# ---- float64 NumPy references of the paper equations, PEFT's orientation: W (out, in), y = x Wᵀ ----------------------
+
+def _np(x):
+  return np.asarray(x, np.float64)
+
+
+def _reference(method, a, x_NI):
+  """y_NO of adapter `a` (one matrix: no leading axes) from its parameters, in float64."""
+  W0 = _np(a.w0[...]).T  # (out, in)
+  s = a.scale
+  if method == "sparse_adapter":
+    A, B = (_np(a.a_IR[...]) * _np(a.mask_a[...])).T, (_np(a.b_RO[...]) * _np(a.mask_b[...])).T
+  else:
+    A, B = _np(a.a_IR[...]).T, _np(a.b_RO[...]).T  # lora_A (r, in), lora_B (out, r)
+  if method in ("lora", "sparse_adapter"):
+    return x_NI @ (W0 + s * B @ A).T
+  if method == "dora":
+    V = W0 + s * B @ A
+    return x_NI @ (_np(a.m_O[...])[:, None] * V / np.linalg.norm(V, axis=1, keepdims=True)).T
+  d = _np(a.d_O[...])
+  y = (x_NI @ W0.T) * d + s * (x_NI @ A.T) @ B.T  # Pre-Diag: (x W0ᵀ) ⊙ d + s·B(A x)
+  if method == "prediag":
+    return y
+  C, D = _np(a.c_OP[...]), _np(a.d_OP[...])  # (out, r_p)
+  s_p = min(a.s0 / (np.linalg.norm(C) + np.linalg.norm(D) + 1e-6), 1.0)
+  return y + s_p * (y @ C @ D.T - y @ D @ C.T)  # y (I + S), S = s_p (C Dᵀ − D Cᵀ)
+
+
+@pytest.mark.parametrize("method", peft.METHODS)
+def test_forward_equals_the_float64_reference(method):
+  model = _perturb(peft.apply(_model(), method, rank=3, alpha=5, r_p=2), scale=0.3)
+  for path, stacked in peft.adapters(model):
+    x = np.random.default_rng(1).standard_normal((5, stacked.w0.shape[-2]))
+    graphdef, state = nnx.split(stacked)
+    for layer in range(model.c.n_layers):
+      a = nnx.merge(graphdef, jax.tree.map(lambda v: v[layer], state))
+      got = x.astype(np.float32) @ np.asarray(a.weight())
+      want = _reference(method, a, x)
+      np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max(), err_msg=f"{path}[{layer}]")
+
+
+def test_sora_rotation_is_norm_preserving_to_first_order():
+  """S is skew-symmetric, so ‖y(I + S)‖² = ‖y‖² + ‖yS‖² exactly (the reference's argument)."""
+  model = _perturb(peft.apply(_model(), "sora", rank=2, alpha=2), scale=0.5)
+  a = dict(peft.adapters(model))["blocks/wq_DQ"]
+  C, D = _np(a.c_OP[...])[0], _np(a.d_OP[...])[0]
+  S = C @ D.T - D @ C.T
+  np.testing.assert_allclose(S, -S.T, atol=1e-12)
+  y = np.random.default_rng(2).standard_normal((3, S.shape[0]))
+  np.testing.assert_allclose(np.sum((y + y @ S) ** 2, 1), np.sum(y ** 2, 1) + np.sum((y @ S) ** 2, 1), rtol=1e-10)
+
+
+def test_snip_prunes_to_the_budget_and_keeps_the_identity():
+  model = _model()
+  base = _logits(model)
+  peft.apply(model, "sparse_adapter", rank=4, alpha=8, sparsity=0.5)
+  width = dict(peft.adapters(model))["blocks/wq_DQ"].a_IR.shape[-1]
+  assert width == 8  # Large-Sparse: rank 4 / (1 - 0.5)
+  dense = peft.trainable_count(model)
+  x, y = jnp.asarray(TOKENS[:, :-1]), jnp.asarray(TOKENS[:, 1:])
+  loss = lambda m: jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(m(x)), y[..., None], -1))
+  peft.snip_prune(model, loss, 0.5)
+  assert abs(peft.trainable_count(model) - dense / 2) <= 1
+  np.testing.assert_array_equal(_logits(model), base)  # B is zero again
+  # the kept weights are the ones of largest |θ·∂L/∂θ| at the probe: re-scoring one matrix shows no kept weight
+  # scoring below a pruned one of the same matrix (a global threshold implies it per matrix)
+  masks = [np.asarray(a.mask_a[...]) for _, a in peft.adapters(model)]
+  assert all(0 < m.mean() < 1 for m in masks)
+  with pytest.raises(peft.PEFTError, match="sparse_adapter"):
+    peft.snip_prune(peft.apply(_model(), "lora"), loss, 0.5)
+
+
+# ---- Hugging Face peft as the oracle --------------------------------------------------------------------------------
+
+HF_TARGETS = {"wq_DQ": "self_attn.q_proj", "wk_DK": "self_attn.k_proj", "wv_DK": "self_attn.v_proj",
+              "wo_QD": "self_attn.o_proj", "w_gate_DF": "mlp.gate_proj", "w_up_DF": "mlp.up_proj",
+              "w_down_FD": "mlp.down_proj"}
+
+
+@pytest.mark.parametrize("method, hf", [("lora", "llama"), ("dora", "llama"), ("dora", "qwen2")])  # qwen2: q/k/v biases
+def test_logits_and_adapter_gradients_equal_hf_peft(hf_checkpoints, hf_tokens, hf, method):
+  import peft as hf_peft
+  import transformers
+  path, _ = hf_checkpoints[hf]
+  torch.manual_seed(0)
+  ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  cfg = hf_peft.LoraConfig(r=4, lora_alpha=8, target_modules=[t.split(".")[1] for t in HF_TARGETS.values()],
+                           use_dora=method == "dora", lora_dropout=0.0)
+  ref = hf_peft.get_peft_model(ref, cfg).eval()
+  layers = ref.base_model.model.model.layers
+  with torch.no_grad():  # a real update: B (zero at init) and the magnitude moved
+    for layer in layers:
+      for t in HF_TARGETS.values():
+        mod = layer.get_submodule(t)
+        mod.lora_B["default"].weight.normal_(0, 0.05)
+        if method == "dora":
+          mod.lora_magnitude_vector["default"].weight.mul_(1 + 0.1 * torch.randn_like(mod.lora_magnitude_vector[
+              "default"].weight))
+  model, _ = from_hf(path)
+  peft.apply(model, method, targets="blocks/(" + "|".join(HF_TARGETS) + ")$", rank=4, alpha=8)
+  adapters = dict(peft.adapters(model))
+  for name, t in HF_TARGETS.items():
+    mods = [layer.get_submodule(t) for layer in layers]
+    a = adapters[f"blocks/{name}"]
+    a.a_IR.set_value(jnp.asarray(np.stack([m.lora_A["default"].weight.detach().numpy().T for m in mods])))
+    a.b_RO.set_value(jnp.asarray(np.stack([m.lora_B["default"].weight.detach().numpy().T for m in mods])))
+    if method == "dora":
+      a.m_O.set_value(jnp.asarray(np.stack([m.lora_magnitude_vector["default"].weight.detach().numpy() for m in mods])))
+  R = np.random.default_rng(3).standard_normal(hf_tokens.shape + (ref.config.vocab_size,)).astype(np.float32)
+  logits = ref(torch.tensor(hf_tokens)).logits
+  (logits * torch.tensor(R)).sum().backward()
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(hf_tokens))), logits.detach().numpy(), atol=2e-5, rtol=1e-4)
+  grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(hf_tokens)) * R))(model)
+  for name, t in HF_TARGETS.items():
+    mods = [layer.get_submodule(t) for layer in layers]
+    g = grads["blocks"][name]
+    want_a = np.stack([m.lora_A["default"].weight.grad.numpy().T for m in mods])
+    want_b = np.stack([m.lora_B["default"].weight.grad.numpy().T for m in mods])
+    for got, want in ((g["a_IR"][...], want_a), (g["b_RO"][...], want_b)):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-3, atol=1e-4 * np.abs(want).max(), err_msg=name)
+    if method == "dora":
+      want_m = np.stack([m.lora_magnitude_vector["default"].weight.grad.numpy() for m in mods])
+      np.testing.assert_allclose(np.asarray(g["m_O"][...]), want_m, rtol=1e-3, atol=1e-4 * np.abs(want_m).max())
+
+
+# ---- sharded meshes equal one device ------------------------------------------------------------------------------
+
+def _adapted_step(model, tokens, mesh=None):
+  """One SGD step on the adapters (jitted, on `mesh` if given): (loss, the adapters after the step)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(p, r, t):
+    logits, aux = nnx.merge(graphdef, p, r).forward(t[:, :-1])
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(lp, t[:, 1:, None], -1))
+
+  @jax.jit
+  def step(p, r, t):
+    loss, g = jax.value_and_grad(loss_fn)(p, r, t)
+    return loss, jax.tree.map(lambda x, y: x - 0.5 * y, p, g)
+
+  if mesh is None:
+    return jax.tree.map(np.asarray, step(params, rest, jnp.asarray(tokens)))
+  with jax.set_mesh(mesh):
+    out = step(place_variables(params, mesh), place_variables(rest, mesh), jnp.asarray(tokens))
+  return jax.tree.map(np.asarray, out)
+
+
+@pytest.mark.parametrize("name, mesh", [("tiny", "fsdp=4,tensor=2"), ("moe_tiny", "expert=4,data=2")])
+def test_adapted_training_on_a_mesh_equals_one_device(name, mesh):
+  model = _perturb(peft.apply(_model(name), "dora", rank=2, alpha=4))
+  tokens = np.random.default_rng(4).integers(0, 256, (8, 9))  # the batch splits over 8 devices
+  want = _adapted_step(model, tokens)
+  got = _adapted_step(model, tokens, make_mesh(mesh))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), got[1], want[1])
