@@ -12,3 +12,7 @@ from models.hf import HFError, from_hf, to_hf
 from models.generate import generate
 
 __all__ += ["HFError", "from_hf", "generate", "to_hf"]
+from models import peft
+from models.peft_hf import to_hf_peft
+
+__all__ += ["peft", "to_hf_peft"]

@@ -328,7 +328,6 @@ def to_hf(model: Transformer, path: str, architecture: str | None = None) -> str
   `transformers.AutoModelForCausalLM.from_pretrained(path)` loads. The architecture is the one that represents the
   config exactly (`architecture_of`), or `architecture` if given (checked). Refuses to write into a non-empty
   directory; the files appear together (written to a temporary directory, then renamed)."""
-  from safetensors.numpy import save_file
   c = model.c
   arch = architecture or architecture_of(c)
   if arch not in ARCHITECTURES:
@@ -339,7 +338,7 @@ def to_hf(model: Transformer, path: str, architecture: str | None = None) -> str
   bias = [np.asarray(v) for v in jax.tree.leaves(rest)]
   if any(np.any(b != 0) for b in bias):
     raise HFError("moe.bias_rate: the router's selection bias is nonzero and HF routers have none")
-  if os.path.exists(path) and os.listdir(path):
+  if os.path.exists(path) and os.listdir(path):  # before the tensors are gathered
     raise HFError(f"{path}: exists and is not empty; nothing was written")
   flat = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   tensors = {}
@@ -349,13 +348,25 @@ def to_hf(model: Transformer, path: str, architecture: str | None = None) -> str
     for pos in np.ndindex(*x.shape[:lead]):
       block = x[pos]
       tensors[_names(template, pos)] = np.ascontiguousarray(block.T if transposed else block)
+  return write_dir(path, {"model.safetensors": tensors, "config.json": config_to_hf(c, arch)})
+
+
+def write_dir(path: str, files: dict[str, Any]) -> str:
+  """Creates directory `path` holding `files` (name -> a dict of arrays, written as safetensors, or a JSON-able
+  object), all at once: written to a temporary directory beside it, then renamed. A non-empty `path` is refused."""
+  from safetensors.numpy import save_file
+  if os.path.exists(path) and os.listdir(path):
+    raise HFError(f"{path}: exists and is not empty; nothing was written")
   parent = os.path.dirname(os.path.abspath(path))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".hf-export-", dir=parent)
   try:
-    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-      json.dump(config_to_hf(c, arch), f, indent=2)
+    for name, content in files.items():
+      if name.endswith(".safetensors"):
+        save_file(content, os.path.join(tmp, name), metadata={"format": "pt"})
+      else:
+        with open(os.path.join(tmp, name), "w") as f:
+          json.dump(content, f, indent=2)
     if os.path.exists(path):
       os.rmdir(path)
     os.rename(tmp, path)

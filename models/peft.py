@@ -143,7 +143,7 @@ class SORA(PreDiag):
     c = _uniform(k2, w0.shape[:-2] + (fan_out, r_p), 1 / math.sqrt(fan_out), dtype)
     self.s0 = s0
     self.c_OP = _var(nnx.Param, c, (*names[:-2], names[-1], ADAPTER_AXIS))
-    self.d_OP = _var(nnx.Param, c, (*names[:-2], names[-1], ADAPTER_AXIS))
+    self.d_OP = _var(nnx.Param, jnp.copy(c), (*names[:-2], names[-1], ADAPTER_AXIS))  # equal, not the same buffer
 
   def s_p(self) -> jax.Array:
     """(...,): per matrix, min(s0 / (‖C‖_F + ‖D‖_F + 1e-6), 1)."""
@@ -272,7 +272,7 @@ def snip_prune(model: nnx.Module, loss_fn: Callable[[nnx.Module], jax.Array], sp
     raise PEFTError(f"sparsity must lie in [0, 1), got {sparsity}")
   for (_, a), key in zip(sparse, jax.random.split(jax.random.key(seed), len(sparse))):
     a.b_RO.set_value(_uniform(key, a.b_RO.shape, 1 / math.sqrt(a.b_RO.shape[-2]), a.b_RO.dtype))
-  grads = nnx.to_pure_dict(nnx.grad(loss_fn)(model))
+  grads = nnx.to_pure_dict(nnx.jit(nnx.grad(loss_fn))(model))  # one compiled backward, not op-by-op
 
   def grad_of(path, name):
     g = grads

@@ -16,7 +16,7 @@ import optax
 
 from optim.newton_schulz import orthogonalize
 from optim.registry import decay_mask, register
-from optim.trees import path_name, reject_complex, resolve_labels
+from optim.trees import is_named_vector, path_name, reject_complex, resolve_labels
 
 SHAPE_SCALES = ("keller", "moonlight", "spectral", "none")
 
@@ -113,11 +113,12 @@ def orthogonalize_tree(tree, *, coeffs="quintic", steps: int = 5, eps: float = 1
 
 def muon_labels(params) -> optax.Params:
   """"muon" for hidden weight matrices, "adam" for embeddings, the output head, norms, biases and
-  vectors (decided by parameter name, then rank)."""
+  vectors (decided by parameter name, then rank; a stacked vector named with a one-letter shape suffix, a DoRA
+  magnitude `m_O` of shape (layers, O), is a vector: `is_named_vector`)."""
   def label(path, p):
     name = path_name(path).lower()
     hidden = not any(s in name for s in ("embed", "head", "norm", "bias"))
-    return "muon" if hidden and jnp.ndim(p) >= 2 else "adam"
+    return "muon" if hidden and jnp.ndim(p) >= 2 and not is_named_vector(path) else "adam"
   return jax.tree_util.tree_map_with_path(label, params)
 
 

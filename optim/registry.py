@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import optax
 
-from optim.trees import leaf_name, reject_complex
+from optim.trees import is_named_vector, leaf_name, reject_complex
 
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {}
 # name -> predicate on the resolved hyperparameters: True when the optimizer's update takes `prev_grads=`, the
@@ -41,11 +41,11 @@ def register(name: str, *, needs_prev_grads: Callable[[dict], bool] | None = Non
 
 
 def decay_mask(params) -> Any:
-  """Weight decay applies to weight matrices and embeddings, never to norm scales or biases
-  (chosen by parameter name, so the rule is visible and overridable)."""
+  """Weight decay applies to weight matrices and embeddings, never to norm scales, biases or other named vectors
+  (`m_O`: `is_named_vector`) (chosen by parameter name, so the rule is visible and overridable)."""
   def decays(path, _):
     name = leaf_name(path).lower()  # '' for a bare array: it decays
-    return not ("norm" in name or "bias" in name)
+    return not ("norm" in name or "bias" in name or is_named_vector(path))
   return jax.tree_util.tree_map_with_path(decays, params)
 
 

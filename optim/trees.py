@@ -43,6 +43,14 @@ class ParameterTreeError(ValueError):
   """A parameter tree an optimizer cannot take (complex leaves, labels that do not fit)."""
 
 
+def is_named_vector(path) -> bool:
+  """Whether the leaf's name ends in a one-letter shape suffix (`m_O`, `d_O`, `q_bias_Q`: a vector per layer, however
+  many stack axes it has). Such a parameter is a scale or offset, like a norm: no weight decay, not orthogonalized.
+  The adapters of models/peft.py name their per-output magnitude and diagonal so."""
+  name = leaf_name(path)
+  return len(name) > 2 and name[-2] == "_" and name[-1].isupper()
+
+
 def reject_complex(tx: optax.GradientTransformation, name: str, why: str) -> optax.GradientTransformation:
   """`tx` whose init raises ParameterTreeError on complex parameters (instead of NaN or a silent wrong answer
   later); the state and update are `tx`'s, unchanged."""

@@ -57,18 +57,22 @@ class Checkpointer:
     except Exception as e:
       raise CheckpointError(f"checkpoint {self.directory}/{step} could not be restored: {_line(e)}") from None
 
-  def restore_params(self, step: int, abstract_params, shardings):
+  def restore_params(self, step: int, abstract_params, shardings, abstract_buffers=None, buffer_shardings=None):
     """Only the parameters of the state at `step` (the optimizer state is not read), each array created with the
-    given sharding: how a model is loaded for sampling, export or fine-tuning."""
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params,
-                          shardings)
+    given sharding: how a model is loaded for sampling, export or fine-tuning. With `abstract_buffers`, (params,
+    buffers): a PEFT run's frozen base is there."""
+    spec = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    item = {"params": jax.tree.map(spec, abstract_params, shardings)}
+    if abstract_buffers is not None:
+      item["buffers"] = jax.tree.map(spec, abstract_buffers, buffer_shardings)
     try:
-      args = ocp.args.PyTreeRestore(item={"params": target}, partial_restore=True,
-                                    restore_args=ocp.checkpoint_utils.construct_restore_args({"params": target}))
-      return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+      args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
+                                    restore_args=ocp.checkpoint_utils.construct_restore_args(item))
+      got = self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
     except Exception as e:
       raise CheckpointError(f"checkpoint {self.directory}/{step}: parameters could not be restored: {_line(e)}") \
           from None
+    return got["params"] if abstract_buffers is None else (got["params"], got["buffers"])
 
   def quarantine(self, step: int) -> str:
     """Moves the step's directory, untouched, to `<directory>.corrupt/<step>` (`-2`, `-3`, ... if taken) out of

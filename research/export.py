@@ -6,6 +6,11 @@
 The architecture is the one that represents the run's model exactly (`models.hf.architecture_of`: Llama, Qwen2,
 Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE). A run on the built-in corpus has a byte-level vocabulary (256 ids = UTF-8
 bytes); no tokenizer.json is written for it.
+
+A --peft run is exported with its adapters merged into the weights, or with --adapter as the adapters alone in
+Hugging Face PEFT's format (LoRA and DoRA; `models.to_hf_peft`), for `peft.PeftModel.from_pretrained(base, OUT)`:
+
+  python -m research.export runs/lora runs/lora_adapter --adapter
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import sys
 
 import tyro
 
-from models import to_hf
-from research.pretrained import LOAD_ERRORS, load_run
+from models import HFError, peft, to_hf, to_hf_peft
+from research.pretrained import LOAD_ERRORS, init_source, load_run
 
 
 @dataclasses.dataclass
@@ -29,13 +34,18 @@ class ExportConfig:
   """The checkpoint to export (default: the newest)."""
   architecture: str | None = None
   """Force an HF architecture (checked against the model); default: the one that represents it exactly."""
+  adapter: bool = False
+  """A --peft run's LoRA/DoRA adapters alone, in PEFT's adapter format (default: the merged model)."""
 
 
 def main(argv=None):
   cfg = tyro.cli(ExportConfig, args=argv)
   try:
-    model, _, step = load_run(cfg.run_dir, step=cfg.step)
-    path = to_hf(model, cfg.out_dir, cfg.architecture)
+    model, _, step = load_run(cfg.run_dir, step=cfg.step, merge=not cfg.adapter)
+    if cfg.adapter and not peft.adapters(model):
+      raise HFError(f"--adapter: {cfg.run_dir} is not a --peft run")
+    path = to_hf_peft(model, cfg.out_dir, init_source(cfg.run_dir)) if cfg.adapter else \
+        to_hf(model, cfg.out_dir, cfg.architecture)
   except LOAD_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

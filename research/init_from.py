@@ -63,13 +63,17 @@ def model_config(cfg, flags: dict) -> TransformerConfig:
   return dataclasses.replace(base, **{k: flags[k] for k in FREE_FLAGS if k in flags})
 
 
-def load_params(source: str, config: TransformerConfig, mesh) -> dict:
-  """The source's parameters as a plain dict, each array on its shards of `mesh` (the model's logical rules)."""
-  from flax import nnx
+def load_model(source: str, config: TransformerConfig, mesh):
+  """The source's model (a PEFT run's merged), each array on its shards of `mesh` (the model's logical rules)."""
   from research.pretrained import load_run
   path = _hf_path(source)
-  model = from_hf(path, mesh=mesh, dtype=config.param_dtype)[0] if path else load_run(source, mesh=mesh)[0]
-  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return from_hf(path, mesh=mesh, dtype=config.param_dtype)[0] if path else load_run(source, mesh=mesh)[0]
+
+
+def load_params(source: str, config: TransformerConfig, mesh) -> dict:
+  """The source's parameters as a plain dict, each array on its shards of `mesh`."""
+  from flax import nnx
+  return nnx.to_pure_dict(nnx.state(load_model(source, config, mesh), nnx.Param))
 
 
 def freeze(tx: optax.GradientTransformation, regex: str | None):

@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 from flax import nnx
 
-from models import HFError, Transformer, TransformerConfig, from_hf
+from models import HFError, Transformer, TransformerConfig, from_hf, peft
+from research import adapters
 from research.checkpoint import Checkpointer, CheckpointError
 from research.tokenizer import ByteTokenizer, HFTokenizer, check_fits
 from sharding import logical_names
-from sharding.state import param_shardings
+from sharding.state import param_shardings, variable_shardings
 
 
 def _config_json(path: str) -> dict:
@@ -26,9 +28,11 @@ def _config_json(path: str) -> dict:
     raise CheckpointError(f"{file}: not valid JSON ({e})") from None
 
 
-def load_run(run_dir: str, mesh=None, step: int | None = None) -> tuple[Transformer, TransformerConfig, int]:
+def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = True
+             ) -> tuple[Transformer, TransformerConfig, int]:
   """(model, config, step) from an optlab run directory: the parameters of checkpoint `step` (default: the newest),
-  each created on its shards of `mesh` (None: one device)."""
+  each created on its shards of `mesh` (None: one device). A --peft run's model has its adapters merged into plain
+  weights (`merge=False`: the adapted model, adapters and frozen base apart)."""
   meta = _config_json(run_dir)
   if "model_config" not in meta:
     raise CheckpointError(f"{run_dir}/config.json is not an optlab run's (no model_config)")
@@ -42,12 +46,39 @@ def load_run(run_dir: str, mesh=None, step: int | None = None) -> tuple[Transfor
     if not steps or (step is not None and step not in steps):
       raise CheckpointError(f"{ckpt_dir}: no checkpoint {'' if step is None else step} to read".replace("  ", " "))
     step = steps[-1] if step is None else step
+    settings = peft_settings(meta)
+    if settings:
+      graphdef, abstract, abstract_buffers = adapters.abstract_adapted(config, settings)
+      sh = lambda tree: _shardings(tree, mesh)
+      params, buffers = ckpt.restore_params(step, nnx.to_pure_dict(abstract), sh(abstract),
+                                            nnx.to_pure_dict(abstract_buffers), sh(abstract_buffers))
+      model = nnx.merge(graphdef, params, buffers)
+      return (peft.merge(model) if merge else model), config, step
     graphdef, abstract, names = logical_names(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     shardings = param_shardings(abstract, names, mesh)
     params = ckpt.restore_params(step, abstract, shardings)
   finally:
     ckpt.close()
   return nnx.merge(graphdef, params), config, step
+
+
+def peft_settings(meta: dict) -> dict | None:
+  """A run's --peft settings from its config.json (None: not a PEFT run)."""
+  train = meta.get("train", {})
+  return train.get("peft") and {"method": train["peft"], **train["peft_options"]}
+
+
+def init_source(run_dir: str) -> str | None:
+  """The Hugging Face directory a run was fine-tuned from (--init-from hf:PATH), else None."""
+  source = _config_json(run_dir).get("train", {}).get("init_from") or ""
+  return source[3:] if source.startswith("hf:") else None
+
+
+def _shardings(state, mesh):
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return nnx.to_pure_dict(jax.tree.map(lambda _: one, state))
+  return variable_shardings(state, mesh)
 
 
 def load_model(path: str, mesh=None, tokenizer: str | None = None):

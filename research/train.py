@@ -28,14 +28,15 @@ import optax
 import tyro
 from flax import nnx
 
-from models import PRESETS, HFError, MoEConfig, Transformer, cross_entropy, flops_per_token, preset
+from models import PRESETS, HFError, MoEConfig, Transformer, cross_entropy, flops_per_token, peft, preset
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from models.config import ConfigError
 from optim import OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
-from research import init_from
+from research import adapters, init_from
 from research.checkpoint import Checkpointer, CheckpointError
 from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
 from research.health import BadStepsError, Monitor, keep_if_finite
+from research.pretrained import peft_settings
 from research.progress import Progress, summary
 from research.throughput import Meter, Peak
 from research.data import DataError, eval_batches, get_batch, load_corpus
@@ -159,6 +160,13 @@ class TrainConfig:
   freeze: str | None = None
   """Keep the parameters whose path matches this regular expression fixed (no optimizer state, no update), e.g.
   'embed|norm' or 'blocks/(wq|wk)'."""
+  peft: Literal[peft.METHODS] | None = None
+  """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
+  base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes
+  it merged or (LoRA, DoRA) as a PEFT adapter."""
+  peft_options: Annotated[adapters.PeftFlags, tyro.conf.arg(name="peft")] = dataclasses.field(
+      default_factory=adapters.PeftFlags)
+  """Adapter settings (--peft.rank 8 --peft.alpha 16 --peft.targets REGEX ...); each method reads its own."""
   out: str = "runs/default"
   """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed."""
   eval_every: int = 25
@@ -201,7 +209,7 @@ class RunError(ValueError):
 
 # Bad input of any kind: reported as one line and exit status 2 by the CLIs.
 USER_ERRORS = (RunError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError,
-               DistributedError, PipelineError, init_from.InitError, HFError)
+               DistributedError, PipelineError, init_from.InitError, HFError, peft.PEFTError)
 
 
 def _setup_jax(devices: int, compile_cache: bool):
@@ -354,10 +362,12 @@ def make_steps(graphdef, tx, shardings, batch_sh):
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     if exact:
       new["prev_params"] = state["params"]
+    if buffers:  # a router's selection bias, a PEFT run's frozen base
+      new["buffers"] = buffers
     metrics = {}
     if aux:  # MoE: aux-loss-free bias update from this step's loads (DeepSeek-V3), router metrics
       rate = nnx.merge(graphdef, state["params"], buffers).c.moe.bias_rate
-      if buffers:  # a model without a selection bias has no buffers in its state
+      if buffers:
         new["buffers"] = update_router_bias(buffers, aux, rate)
       metrics = {"aux_loss": total - loss, **moe_summary(aux)}
     grad_norm = optax.tree.norm(grads)
@@ -408,8 +418,9 @@ def _state_signature(meta: dict) -> dict:
   if model.get("moe"):  # the expert shapes and whether a selection bias is kept; not the routing or loss knobs
     m = model["moe"]
     model["moe"] = {k: m[k] for k in ("num_experts", "d_expert", "num_shared")} | {"bias": m["bias_rate"] > 0}
-  return {**model, "optimizer": meta["train"]["optimizer"], "opt": list(meta["train"]["opt"]),
-          "freeze": meta["train"].get("freeze")}
+  train = meta["train"]
+  return {**model, "optimizer": train["optimizer"], "opt": list(train["opt"]), "freeze": train.get("freeze"),
+          "peft": peft_settings(meta)}
 
 
 def _check_resume(saved: dict, meta: dict, out: str):
@@ -464,25 +475,42 @@ def _setup(cfg: TrainConfig):
   pipe = _pipeline_plan(mesh, mcfg, cfg.batch_size)
   for _, m in plan:  # a switch to a pipeline mesh must fit the model and batch too
     _pipeline_plan(m, mcfg, cfg.batch_size)
+  if cfg.peft and (cfg.freeze or cfg.switch_at or mesh.shape["stage"] > 1):
+    raise RunError("--peft trains the adapters only and does not combine with --freeze, --switch-at or a pipeline "
+                   "(stage) mesh")
   get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
   val_host = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
   val = [global_batch(b, mesh) for b in val_host]
   return mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val
 
 
-def _initial_state(cfg: TrainConfig, mcfg, mesh, tx):
-  """(graphdef, state, shardings) at step 0, created sharded: random parameters, or --init-from's (unless the run has
-  a checkpoint of its own to resume), --freeze's report, and the exact modes' copy of the parameters."""
-  graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
-                                                zero1=cfg.zero1)
-  if cfg.init_from and not _has_checkpoint(cfg.out):  # a resumed fine-tuning run restores its own state instead
+def _initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus):
+  """(graphdef, state, shardings, report) at step 0, created sharded: random parameters, or --init-from's (unless the
+  run has a checkpoint of its own to resume), or --peft's adapters on either, --freeze's report, and the exact
+  modes' copy of the parameters. `report`: what config.json records of it (--peft's sizes) or {}."""
+  fresh_init_from = cfg.init_from and not _has_checkpoint(cfg.out)  # a resumed run restores its own state instead
+  report = {}
+  if cfg.peft:
+    base = init_from.load_model(cfg.init_from, mcfg, mesh) if fresh_init_from else \
+        adapters.random_base(mcfg, mesh, cfg.seed)
+    first = global_batch(get_batch(corpus.train, cfg.seed, 0, cfg.batch_size, cfg.seq_len), mesh)  # SNIP's batch
+    with jax.set_mesh(mesh):
+      graphdef, state, shardings, report = adapters.initial_state(base, cfg.peft, cfg.peft_options, cfg.seed, tx,
+                                                                  mesh, first, cfg.zero1)
+    if is_primary():
+      print(adapters.report_line(report), file=sys.stderr)
+    report = {"peft": report}
+  else:
+    graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
+                                                  zero1=cfg.zero1)
+  if fresh_init_from and not cfg.peft:
     state["params"] = init_from.load_params(cfg.init_from, mcfg, mesh)
   if cfg.freeze and is_primary():
     print(init_from.frozen_summary(state["params"], init_from.freeze(tx, cfg.freeze)[1], _optimizer(
         dataclasses.replace(cfg, freeze=None))[0], tx), file=sys.stderr)
   if _exact(cfg):  # exact MARS / Muon-MVR2: one more copy of the parameters, a second backward pass per step
     state, shardings = keep_prev_params(state, shardings)
-  return graphdef, state, shardings
+  return graphdef, state, shardings, report
 
 
 def _newest_readable(ckpt, meta: dict, state, shardings, switches, out: str):
@@ -520,7 +548,7 @@ def run(cfg: TrainConfig) -> list[dict]:
   mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = _setup(cfg)
 
   tx, schedule = _optimizer(cfg)
-  graphdef, state, shardings = _initial_state(cfg, mcfg, mesh, tx)
+  graphdef, state, shardings, report = _initial_state(cfg, mcfg, mesh, tx, corpus)
   train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh)
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
   switches = [(at, _switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]
@@ -532,6 +560,7 @@ def run(cfg: TrainConfig) -> list[dict]:
           "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
   if pipe:
     meta["pipeline"] = pipe
+  meta.update(report)
   ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every)
   metrics_path = os.path.join(cfg.out, "metrics.jsonl")
   records: list[dict] = []

@@ -11,7 +11,7 @@ import pytest
 import torch
 from flax import nnx
 
-from models import Transformer, from_hf, peft, preset
+from models import HFError, Transformer, from_hf, peft, preset, to_hf_peft
 from sharding import make_mesh, place_variables
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (4, 16))
@@ -247,3 +247,56 @@ def test_adapted_training_on_a_mesh_equals_one_device(name, mesh):
   got = _adapted_step(model, tokens, make_mesh(mesh))
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), got[1], want[1])
+
+
+# ---- the adapter alone, in PEFT's format ----------------------------------------------------------------------------
+
+def test_adapter_export_loads_in_hf_peft(hf_checkpoints, hf_tokens, tmp_path):
+  """DoRA (A, B and the magnitude) on Qwen2 (biased q/k/v): PEFT's PeftModel.from_pretrained on the base directory
+  computes what the adapted model does."""
+  import peft as hf_peft
+  import transformers
+  path, _ = hf_checkpoints["qwen2"]
+  model = _perturb(peft.apply(from_hf(path)[0], "dora", rank=4, alpha=8))
+  to_hf_peft(model, str(tmp_path / "adapter"), path)
+  base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  ref = hf_peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+  with torch.no_grad():
+    want = ref(torch.tensor(hf_tokens)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(hf_tokens))), want, atol=2e-5, rtol=1e-4)
+  with pytest.raises(HFError, match="exists and is not empty"):
+    to_hf_peft(model, str(tmp_path / "adapter"))
+
+
+def test_adapter_export_refuses_what_peft_cannot_hold(tmp_path):
+  with pytest.raises(HFError, match="LoRA or DoRA adapters, this model has SORA"):
+    to_hf_peft(peft.apply(_model(), "sora"), str(tmp_path / "a"))
+  with pytest.raises(HFError, match="adapters on MoE experts"):
+    to_hf_peft(peft.apply(_model("moe_tiny"), "lora"), str(tmp_path / "b"))
+  with pytest.raises(HFError, match="no adapters"):
+    to_hf_peft(_model(), str(tmp_path / "c"))
+  assert not list(tmp_path.iterdir())
+
+
+# ---- any optimizer trains the adapters --------------------------------------------------------------------------
+
+def test_every_optimizer_trains_the_adapters_and_muon_orthogonalizes_only_the_factors():
+  """Each registered optimizer takes a step on DoRA's adapters (A, B stacked per layer; the magnitude m_O a vector per
+  layer). Muon orthogonalizes A (I, r) and B (r, O) and leaves m_O to AdamW; no optimizer decays m_O."""
+  from optim import OPTIMIZERS, get_optimizer
+  from optim.muon import muon_labels
+  from optim.registry import decay_mask
+  model = _perturb(peft.apply(_model(), "dora", rank=2, alpha=4))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params = nnx.to_pure_dict(params)
+  grads = nnx.to_pure_dict(nnx.grad(lambda m: jnp.mean(m(jnp.asarray(TOKENS)) ** 2))(model))
+  labels = jax.tree_util.tree_leaves_with_path(muon_labels(params))
+  assert {p[-1].key: l for p, l in labels} == {"a_IR": "muon", "b_RO": "muon", "m_O": "adam"}
+  assert not any(jax.tree.leaves(decay_mask(params)["blocks"]["wq_DQ"]["m_O"]))
+  one = lambda tree: {"blocks": {"wq_DQ": tree["blocks"]["wq_DQ"]}}  # one adapter's three arrays: fast to compile
+  params, grads = one(params), one(grads)
+  for name in sorted(OPTIMIZERS):
+    tx = get_optimizer(name, 1e-3)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    moved = [float(jnp.abs(u).max()) for u in jax.tree.leaves(updates)]
+    assert all(np.isfinite(moved)) and max(moved) > 0, name

@@ -1,0 +1,101 @@
+"""--peft METHOD: fine-tune adapters (models/peft.py) on a frozen base instead of the weights themselves.
+
+  python -m research.train --init-from runs/base --peft lora --peft.rank 8 --data docs/ --out runs/lora
+
+The base is --init-from's parameters (or a random model without it). Its target projections become adapters; every
+other parameter and the adapters' base weights are frozen buffers in the train state, placed by their logical names
+like the parameters (a frozen base is as large as the model: it is sharded, not replicated), checkpointed with the
+run, never given gradients or optimizer state. `sparse_adapter` is pruned before the first step by SNIP on the first
+training batch. `research.export` writes a PEFT run merged, or its LoRA/DoRA adapters alone in PEFT's format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import Transformer, TransformerConfig, cross_entropy, peft
+from sharding import init_buffers, init_params, train_state_of
+
+
+@dataclasses.dataclass
+class PeftFlags:
+  """The adapters' settings (--peft picks the method)."""
+  rank: int = 8
+  """Adapter rank r (sparse_adapter: the budget; its adapter is r / (1 - sparsity) wide before pruning)."""
+  alpha: float = 16.0
+  """alpha: the low-rank update is (alpha / r)·A B."""
+  targets: str = peft.DEFAULT_TARGETS
+  """Regular expression searched in parameter paths (blocks/wq_DQ, blocks/moe/w_up_EDF, ...): the weights to adapt
+  (default: attention q/k/v/o and the MLP, expert and shared-expert projections)."""
+  base_dtype: Literal["float32", "bfloat16"] | None = None
+  """The frozen base weights' dtype (unset: the parameter dtype); the adapters keep the parameter dtype."""
+  r_p: int = 4
+  """sora: the rank of the output rotation's factors C, D."""
+  s0: float = 1.0
+  """sora: the bound s0 of the rotation scale s_p = min(s0 / (|C|_F + |D|_F), 1)."""
+  sparsity: float = 0.5
+  """sparse_adapter: the share of the wide adapter pruned at initialisation (SNIP)."""
+
+
+def options(flags: PeftFlags) -> dict:
+  """Keyword arguments of `models.peft.apply` for these flags."""
+  opts = dataclasses.asdict(flags)
+  opts["base_dtype"] = None if flags.base_dtype is None else jnp.dtype(flags.base_dtype)
+  return opts
+
+
+def adapted(base: nnx.Module, method: str, flags: PeftFlags, seed: int) -> nnx.Module:
+  return peft.apply(base, method, **options(flags), seed=seed)
+
+
+def random_base(config: TransformerConfig, mesh, seed: int) -> nnx.Module:
+  """A randomly initialised model created sharded on `mesh` (what --peft adapts without --init-from, and the shape
+  a resumed run's checkpoint is restored into)."""
+  model_fn = lambda: Transformer(config, rngs=nnx.Rngs(seed))
+  graphdef, params, _ = init_params(model_fn, mesh)
+  buffers = init_buffers(model_fn, mesh)
+  return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
+
+
+def initial_state(base: nnx.Module, method: str, flags: PeftFlags, seed: int, tx, mesh, batch, zero1: bool = False):
+  """(graphdef, state, shardings, report) of a PEFT run at step 0: `base` adapted, a sparse adapter pruned by SNIP on
+  `batch` (x, y), the state placed on `mesh`. `report`: the trainable and frozen counts and the optimizer-state
+  bytes, with full fine-tuning's beside them."""
+  full_params = nnx.state(base, nnx.Param)
+  full_bytes = _nbytes(jax.eval_shape(tx.init, nnx.to_pure_dict(full_params)))
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(full_params))
+  model = adapted(base, method, flags, seed)
+  if method == "sparse_adapter":
+    x, y = batch
+    peft.snip_prune(model, lambda m: cross_entropy(m.forward(x)[0], y), flags.sparsity, seed=seed)
+  graphdef, state, shardings = train_state_of(model, tx, mesh, zero1)
+  trainable = peft.trainable_count(model)
+  frozen_bytes = _nbytes(state.get("buffers", {}))
+  report = {"method": method, "trainable": trainable, "base_params": total, "trainable_share": trainable / total,
+            "opt_state_bytes": _nbytes(state["opt_state"]), "full_ft_opt_state_bytes": full_bytes,
+            "frozen_bytes": frozen_bytes}
+  return graphdef, state, shardings, report
+
+
+def report_line(report: dict) -> str:
+  return (f"peft {report['method']}: {report['trainable']:,} trainable parameters, "
+          f"{report['trainable_share']:.2%} of the base's {report['base_params']:,}; optimizer state "
+          f"{report['opt_state_bytes'] / 2**20:.2f} MiB (full fine-tuning: {report['full_ft_opt_state_bytes'] / 2**20:.1f}"
+          f" MiB); frozen base {report['frozen_bytes'] / 2**20:.1f} MiB")
+
+
+def abstract_adapted(config: TransformerConfig, settings_: dict):
+  """(graphdef, abstract params, abstract buffers) of the adapted model a PEFT run's checkpoint holds."""
+  flags = PeftFlags(**{k: v for k, v in settings_.items() if k != "method"})
+  model = nnx.eval_shape(lambda: adapted(Transformer(config, rngs=nnx.Rngs(0)), settings_["method"], flags, 0))
+  return nnx.split(model, nnx.Param, ...)
+
+
+def _nbytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

@@ -1,0 +1,404 @@
+"""Parameter-efficient fine-tuning and weight conditioning: full fine-tuning (AdamW, Muon), BAdam and five adapters
+(LoRA, DoRA, Pre-Diag, SORA, a SNIP-pruned sparse adapter) fine-tuning one pretrained model on a second corpus.
+
+Claim (shared/reference/methods.md §7; Chang et al., "Calibrating and Rotating", AAAI 2026, arXiv 2511.00051, code
+MaeChd/SORA): DoRA works because it raises the singular-value entropy of the update ΔW toward full fine-tuning's;
+Pre-Diag (a diagonal before the low-rank update) and SORA (Pre-Diag + an output rotation) keep that at lower cost
+than DoRA. §11 (He et al., SparseAdapter, arXiv 2210.04284): a wide adapter pruned at init by SNIP ("Large-Sparse")
+matches or beats a dense one at the same budget.
+
+Setup. Pretraining: the `small` preset (d 256, 4 layers) with AdamW from random init on the default corpus (the
+standard library's Python source, bytes) by the train CLI, one run (seed 0). Fine-tuning: `--init-from` that run on
+the second corpus (`research.docs_corpus`: package descriptions, split by package), by the same CLI (warmup + cosine,
+clip 1.0, the optimizer's default weight decay, one device), at equal steps and tokens for every contender:
+  adamw, muon        full fine-tuning, every parameter.
+  badam              BAdam with the reference defaults (one layer at a time, embedding and final norm frozen).
+  lora, dora,        adapters on the attention q/k/v/o and MLP projections (`--peft`, AdamW on the adapters), the
+  prediag            base frozen: rank 8, alpha 16 (the paper's alpha = 2r).
+  sora               rank 4, alpha 8, r_p 4 (the reference's r_p): the rotation's C, D (O × r_p each) take the place
+                     of four ranks, so its budget is LoRA-8's (within the table's ratio).
+  sparse_adapter     "Large-Sparse": a rank-16 adapter (alpha 32) pruned to 50% by SNIP on the first batch: rank 8's
+                     budget.
+Trainable counts are measured and tabled with their ratio to LoRA's (DoRA and Pre-Diag add one vector per matrix).
+The lr is tuned per contender on seed 0 by the fine-tuning corpus's held-out loss (full fine-tuning on one grid,
+adapters on a 10x higher one, as their practice is; a best lr at a grid edge is flagged), then 3 seeds at each one's
+best. Learning = held-out loss on the new corpus (packages never trained on); forgetting = held-out loss on the old
+corpus's val split, of the final checkpoint (adapters merged). Optimizer-state bytes: `tx.init` of the run's
+trainable parameters; step time from the run's tokens/s.
+
+Singular-value entropy. For every adapted matrix (each of the 7 projections of each layer) ΔW = W_final − W_pretrained
+(adapters merged), σ its singular values, p_i = σ_i / Σ_j σ_j, H = −Σ p_i ln p_i (nats); also H / ln(min(I, O)), 1
+for a flat spectrum of full rank. A rank-r LoRA has H ≤ ln r. The paper's normalisation is not verified; this is the
+one used here. Reported per layer (mean over the 7 matrices and the seeds) and overall.
+
+  python -m research.experiments.peft           # full size: writes research/results/peft/
+  python -m research.experiments.peft --smoke   # a minute; writes nothing (the tests run this)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+import tyro
+from flax import nnx
+
+from research import docs_corpus
+from research.adapters import PeftFlags
+from research.data import eval_batches, load_corpus
+from research.experiments import common
+from research.pretrained import load_run
+from research.sweep import Run, SweepConfig, parse_grid, run_grid
+from research.train import TrainConfig, _optimizer
+
+NAME = "peft"
+QUESTION = ("Fine-tuning a pretrained model on a second corpus at equal steps: how do the five adapters (LoRA, DoRA, "
+            "Pre-Diag, SORA, a SNIP-sparse adapter) at an equal trainable budget compare with full fine-tuning (AdamW, "
+            "Muon) and BAdam in learning, forgetting, optimizer state and step time, and does the paper's "
+            "singular-value-entropy ordering of ΔW (LoRA < DoRA, Pre-Diag/SORA ≈ DoRA, toward full fine-tuning) hold?")
+TITLES = {"adamw": "full FT, AdamW", "muon": "full FT, Muon", "badam": "BAdam", "lora": "LoRA", "dora": "DoRA",
+          "prediag": "Pre-Diag", "sora": "SORA", "sparse_adapter": "SparseAdapter (SNIP)"}
+FULL = ("adamw", "muon", "badam")
+# the projections every adapter adapts (models.peft.DEFAULT_TARGETS on a dense model), and whose ΔW is measured
+MATRICES = ("wq_DQ", "wk_DK", "wv_DK", "wo_QD", "w_gate_DF", "w_up_DF", "w_down_FD")
+
+
+@dataclasses.dataclass
+class Config:
+  """Pretrain `small` on the stdlib corpus; fine-tune it on the package-docs corpus eight ways."""
+  smoke: bool = False
+  """A few steps of a 1-layer model in a temporary directory: the same code path, nothing written to `out`."""
+  out: str = "research/results/peft"
+  work: str = "runs/experiments/peft"
+  """Run directories (pretraining and each contender's sweep): finished runs are skipped on a rerun."""
+  model: str = "small"
+  n_layers: int | None = None
+  """Override the preset's layers (the smoke run uses 1)."""
+  pretrain_steps: int = 800
+  pretrain_lr: float = 3e-3
+  pretrain_batch: int = 16
+  steps: int = 200
+  """Fine-tuning steps, equal for every contender."""
+  batch_size: int = 8
+  seq_len: int = 64
+  eval_every: int = 25
+  eval_batches: int = 8
+  switch_every: int = 8
+  """BAdam's updates per block: 200 / 8 = 25 turns over 4 layers."""
+  rank: int = 8
+  """The budget: LoRA/DoRA/Pre-Diag rank; SORA rank - r_p, the sparse adapter's surviving rank."""
+  r_p: int = 4
+  full_lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 3e-3)
+  adapter_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
+  seeds: tuple[int, ...] = (0, 1, 2)
+  contenders: tuple[str, ...] = tuple(TITLES)
+
+
+SMOKE = dict(n_layers=1, model="tiny", pretrain_steps=4, pretrain_batch=8, steps=4, batch_size=8, seq_len=32,
+             eval_every=2, eval_batches=2, switch_every=2, rank=4, r_p=2, full_lrs=(3e-3,), adapter_lrs=(1e-2,),
+             seeds=(0,))
+
+
+def contender(cfg: Config, name: str) -> tuple[str, str | None, PeftFlags | None]:
+  """(optimizer grid label, --peft method, --peft.* flags) of a contender."""
+  r = cfg.rank
+  if name in FULL:
+    return {"adamw": "adamw", "muon": "muon", "badam": f"badam[switch_every={cfg.switch_every}]"}[name], None, None
+  flags = {"lora": PeftFlags(rank=r, alpha=2 * r), "dora": PeftFlags(rank=r, alpha=2 * r),
+           "prediag": PeftFlags(rank=r, alpha=2 * r),
+           "sora": PeftFlags(rank=r - cfg.r_p, alpha=2 * (r - cfg.r_p), r_p=cfg.r_p),
+           "sparse_adapter": PeftFlags(rank=r, alpha=4 * r, sparsity=0.5)}[name]  # alpha = 2 x its width 2r
+  return "adamw", name, flags
+
+
+def lrs(cfg: Config, name: str) -> tuple[float, ...]:
+  return cfg.full_lrs if name in FULL else cfg.adapter_lrs
+
+
+def _run_config(cfg: Config, **kw) -> TrainConfig:
+  over = {} if cfg.n_layers is None else {"n_layers": cfg.n_layers}
+  return TrainConfig(seq_len=cfg.seq_len, eval_every=cfg.eval_every, log_every=cfg.eval_every,
+                     eval_batches=cfg.eval_batches, devices=1, mesh="data=-1", progress=False, keep=1, **over, **kw)
+
+
+def pretrain(cfg: Config, work: str) -> str:
+  tc = _run_config(cfg, model=cfg.model, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch,
+                   ckpt_every=cfg.pretrain_steps)
+  return common.pretrained_run(os.path.join(work, "pretrain"), tc, cfg.pretrain_lr)
+
+
+def entropy(delta: np.ndarray) -> tuple[float, float]:
+  """(H, H / ln min(I, O)) of a matrix's singular values: p = σ / Σσ, H = −Σ p ln p (nats)."""
+  s = np.linalg.svd(np.asarray(delta, np.float64), compute_uv=False)
+  p = s / s.sum()
+  p = p[p > 0]
+  h = float(-(p * np.log(p)).sum())
+  return h, h / float(np.log(min(delta.shape)))
+
+
+def delta_entropies(model, before: dict) -> dict[str, list[list[float]]]:
+  """{"H": [[H of each matrix] per layer], "H_norm": same normalised}: the ΔW of the 7 projections of each layer."""
+  blocks = nnx.to_pure_dict(nnx.state(model, nnx.Param))["blocks"]
+  out = {"H": [], "H_norm": []}
+  for layer in range(before["wq_DQ"].shape[0]):
+    hs = [entropy(np.asarray(blocks[m])[layer] - before[m][layer]) for m in MATRICES]
+    out["H"].append([h for h, _ in hs])
+    out["H_norm"].append([n for _, n in hs])
+  return out
+
+
+def state_bytes(tc: TrainConfig, params) -> int:
+  """Optimizer-state bytes the CLI's tx keeps for `params` (full fine-tuning: every parameter)."""
+  tx = _optimizer(tc)[0]
+  return common.tree_bytes(jax.eval_shape(tx.init, params))
+
+
+@common.smoke_compiles_quickly
+def main(cfg: Config) -> dict:
+  if cfg.smoke:
+    cfg = dataclasses.replace(cfg, **SMOKE)
+  unknown = set(cfg.contenders) - set(TITLES)
+  if unknown or "adamw" not in cfg.contenders:
+    raise SystemExit(f"error: contenders must include adamw and come from {', '.join(TITLES)}")
+  t0, cpu0 = time.perf_counter(), time.process_time()
+  with tempfile.TemporaryDirectory(prefix="optlab-peft-") as tmp:
+    work = tmp if cfg.smoke else cfg.work
+    docs = docs_corpus.build()
+    corpora = {"docs": load_corpus(docs), "stdlib": load_corpus()}
+    batches = {k: eval_batches(c.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches) for k, c in corpora.items()}
+    source = pretrain(cfg, work)
+    pretrained, c, _ = load_run(source)
+    start = {k: common.evaluate(pretrained, b) for k, b in batches.items()}
+    params0 = nnx.to_pure_dict(nnx.state(pretrained, nnx.Param))
+    before = {m: np.asarray(params0["blocks"][m]) for m in MATRICES}
+    total = common.tree_bytes(params0) // 4
+    blocks = common.tree_bytes(params0["blocks"]) // 4
+    tc = _run_config(cfg, init_from=source, data=docs, steps=cfg.steps, batch_size=cfg.batch_size,
+                     ckpt_every=cfg.steps)
+
+    measured = {}  # run directory -> what was read from its final checkpoint (the seed sweep repeats seed 0's run)
+
+    def sweep(name, grid_lrs, seeds):
+      label, method, flags = contender(cfg, name)
+      train = dataclasses.replace(tc, peft=method, **({"peft_options": flags} if flags else {}))
+      out = os.path.join(work, name)
+      rows = run_grid(SweepConfig(grid=(f"{label}={','.join(f'{x:g}' for x in grid_lrs)}",), seeds=seeds,
+                                  baseline=label, out=out, train=train))
+      for r in rows:
+        run_dir = os.path.join(out, "runs", Run(r["label"], r["optimizer"], (), r["lr"], r["seed"]).name)
+        r["contender"] = name
+        if r.get("diverged"):
+          continue
+        if run_dir not in measured:
+          model = load_run(run_dir)[0]  # adapters merged
+          m = measured[run_dir] = {"held_out": {k: common.evaluate(model, b) for k, b in batches.items()},
+                                   "entropy": delta_entropies(model, before)}
+          meta = json.load(open(os.path.join(run_dir, "config.json")))
+          if method:
+            m["trainable"], m["state_bytes"] = meta["peft"]["trainable"], meta["peft"]["opt_state_bytes"]
+          else:  # BAdam trains the blocks only (the embedding and final norm frozen), one at a time
+            _, optimizer, opt, _ = parse_grid([f"{r['label']}={r['lr']:g}"])[0]
+            m["trainable"] = blocks if name == "badam" else total
+            m["state_bytes"] = state_bytes(dataclasses.replace(train, optimizer=optimizer, opt=opt, lr=r["lr"]),
+                                           params0)
+        r.update(measured[run_dir])
+      return rows
+
+    tuning = [r for name in cfg.contenders for r in sweep(name, lrs(cfg, name), (cfg.seeds[0],))]
+    best = {}
+    for name in cfg.contenders:
+      ok = [r for r in tuning if r["contender"] == name and not r.get("diverged")]
+      best[name] = min(ok, key=lambda r: r["final_val_loss"])["lr"] if ok else None
+    runs = [r for name in cfg.contenders if best[name] is not None for r in sweep(name, (best[name],), cfg.seeds)]
+    result = {"settings": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "work")},
+                           "tokens_per_run": cfg.steps * cfg.batch_size * cfg.seq_len,
+                           "pretrain_tokens": cfg.pretrain_steps * cfg.pretrain_batch * cfg.seq_len,
+                           "labels": {n: contender(cfg, n)[0] for n in cfg.contenders},
+                           "peft": {n: dataclasses.asdict(f) for n in cfg.contenders
+                                    if (f := contender(cfg, n)[2]) is not None},
+                           "docs_corpus": {"fingerprint": corpora["docs"].fingerprint,
+                                           "documents": len(os.listdir(docs)), "train_bytes": len(corpora["docs"].train),
+                                           "val_bytes": len(corpora["docs"].val)},
+                           "stdlib_fingerprint": corpora["stdlib"].fingerprint},
+              "params": total, "start": start, "tuning": tuning, "best_lr": best, "runs": runs,
+              "summary": summarize(runs, cfg.contenders)}
+    result["wall_s"], result["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
+    if not cfg.smoke:
+      write(cfg, result)
+  return result
+
+
+def summarize(runs: list[dict], names) -> dict:
+  """Per contender at its best lr, over seeds: learning, forgetting, sizes, speed, entropies; and the paired
+  difference to full AdamW (same seeds, same batches)."""
+  out = {}
+  for name in names:
+    rs = sorted((r for r in runs if r["contender"] == name and not r.get("diverged")), key=lambda r: r["seed"])
+    if not rs:
+      out[name] = {"diverged": True}
+      continue
+    h = np.array([r["entropy"]["H"] for r in rs])  # (seeds, layers, matrices)
+    hn = np.array([r["entropy"]["H_norm"] for r in rs])
+    out[name] = {"lr": rs[0]["lr"], "seeds": [r["seed"] for r in rs], "docs": [r["final_val_loss"] for r in rs],
+                 "stdlib": [r["held_out"]["stdlib"] for r in rs], "trainable": rs[0]["trainable"],
+                 "state_bytes": rs[0]["state_bytes"], "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in rs])),
+                 "H_layer": h.mean(axis=(0, 2)).tolist(), "H": float(h.mean()), "H_norm": float(hn.mean()),
+                 "H_seed_std": float(h.mean(axis=(1, 2)).std(ddof=1)) if len(rs) > 1 else 0.0,
+                 "curve": [[s, v] for s, v in rs[0]["curve"]]}
+  base = out.get("adamw", {})
+  for name, s in out.items():
+    if s.get("diverged") or base.get("diverged"):
+      continue
+    for key in ("docs", "stdlib"):
+      by_seed = dict(zip(base["seeds"], base[key]))
+      s[f"{key}_vs_adamw"] = [v - by_seed[seed] for seed, v in zip(s["seeds"], s[key]) if seed in by_seed]
+  return out
+
+
+# ---- output ------------------------------------------------------------------------------------------------------
+
+def _grid_edge(result: dict, name: str) -> bool:
+  grid = result["settings"]["full_lrs" if name in FULL else "adapter_lrs"]
+  return len(grid) > 1 and result["best_lr"].get(name) in (min(grid), max(grid))
+
+
+def tables(result: dict) -> list[str]:
+  st, start, s = result["settings"], result["start"], result["summary"]
+  dc = st["docs_corpus"]
+  names = [n for n in st["contenders"]]
+  grid_lrs = sorted(set(st["full_lrs"]) | set(st["adapter_lrs"]))
+  layers = "" if st["n_layers"] is None else f" with {st['n_layers']} layers"
+  lines = [f"Pretrained model: `{st['model']}`{layers} "
+           f"({result['params']:,} parameters), AdamW lr {st['pretrain_lr']:g}, {st['pretrain_steps']} steps × "
+           f"{st['pretrain_batch']} × {st['seq_len']} = {st['pretrain_tokens']:,} bytes of the stdlib corpus. "
+           f"Fine-tuning corpus: {dc['documents']} package descriptions, {dc['train_bytes']:,} train / "
+           f"{dc['val_bytes']:,} val bytes (held-out packages). Fine-tuning: {st['steps']} steps × {st['batch_size']} "
+           f"× {st['seq_len']} = {st['tokens_per_run']:,} tokens per run, one device. Losses in nats/byte.", "",
+           f"Before fine-tuning: docs val {start['docs']:.4f}, stdlib val {start['stdlib']:.4f}.", "",
+           f"Learning-rate grid at seed {st['seeds'][0]} (docs val after fine-tuning; **best**; † best at a grid "
+           "edge):", "", "| contender | " + " | ".join(f"lr {lr:g}" for lr in grid_lrs) + " |",
+           "|---|" + "---:|" * len(grid_lrs)]
+  for name in names:
+    cell = {}
+    for r in result["tuning"]:
+      if r["contender"] == name:
+        v = "diverged" if r.get("diverged") else f"{r['final_val_loss']:.4f}"
+        cell[r["lr"]] = f"**{v}**" + ("†" if _grid_edge(result, name) else "") if r["lr"] == result["best_lr"][
+            name] else v
+    lines.append(f"| {TITLES[name]} | " + " | ".join(cell.get(lr, "") for lr in grid_lrs) + " |")
+  lora = s.get("lora", {}).get("trainable")
+  lines += ["", f"At each one's best lr, {len(st['seeds'])} seeds (mean ± std; differences to full AdamW paired by "
+            "seed):", "",
+            "| contender | lr | docs val (learning) | − AdamW | stdlib val (forgetting) | − AdamW | trainable params "
+            "| / LoRA | optimizer state | step ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for name in names:
+    x = s[name]
+    if x.get("diverged"):
+      lines.append(f"| {TITLES[name]} | | diverged | | | | | | | |")
+      continue
+    diff = lambda key: "—" if name == "adamw" else common.pm(common.mean_std(x[f"{key}_vs_adamw"]), sign=True)
+    ms = 1e3 * st["batch_size"] * st["seq_len"] / x["tokens_per_s"]
+    ratio = f"{x['trainable'] / lora:.2f}" if lora else "—"
+    lines.append(f"| {TITLES[name]} | {x['lr']:g} | {common.pm(common.mean_std(x['docs']))} | {diff('docs')} | "
+                 f"{common.pm(common.mean_std(x['stdlib']))} | {diff('stdlib')} | {x['trainable']:,} | {ratio} | "
+                 f"{_mib(x['state_bytes'])} | {ms:.0f} |")
+  n_layers = len(next(x for x in s.values() if not x.get("diverged"))["H_layer"])
+  lines += ["", "Singular-value entropy of ΔW = W_final − W_pretrained (p = σ/Σσ, H = −Σ p ln p in nats; mean over "
+            "the 7 projections and the seeds; H / ln min(I, O) normalises by a flat full-rank spectrum):", "",
+            "| contender | " + " | ".join(f"layer {i}" for i in range(n_layers)) + " | mean H | ± seeds | H / ln min(I,O) "
+            "|", "|---|" + "---:|" * (n_layers + 3)]
+  for name in names:
+    x = s[name]
+    if not x.get("diverged"):
+      lines.append(f"| {TITLES[name]} | " + " | ".join(f"{v:.3f}" for v in x["H_layer"]) +
+                   f" | {x['H']:.3f} | {x['H_seed_std']:.3f} | {x['H_norm']:.3f} |")
+  return lines
+
+
+def _mib(b: int) -> str:
+  return f"{b / 2**20:.2f} MiB"
+
+
+def findings(result: dict) -> list[str]:
+  s, start = result["summary"], result["start"]
+  ok = {n: x for n, x in s.items() if not x.get("diverged")}
+  out = []
+  if "adamw" in ok:
+    a = ok["adamw"]
+    gain = start["docs"] - np.mean(a["docs"])
+    ranked = sorted(ok, key=lambda n: np.mean(ok[n]["docs"]))
+    out.append("Reading (learning): ranked by docs val, " + ", ".join(
+        f"{TITLES[n]} {np.mean(ok[n]['docs']):.3f}" for n in ranked) + f" (pretrained: {start['docs']:.3f}). " +
+        "; ".join(f"{TITLES[n]} gets {(start['docs'] - np.mean(ok[n]['docs'])) / gain:.0%} of full AdamW's gain"
+                  for n in ranked if n not in FULL) + ".")
+    ranked = sorted(ok, key=lambda n: np.mean(ok[n]["stdlib"]))
+    out.append("Reading (forgetting): stdlib val after fine-tuning, lowest first: " + ", ".join(
+        f"{TITLES[n]} {np.mean(ok[n]['stdlib']):.3f}" for n in ranked) + f" (pretrained: {start['stdlib']:.3f}).")
+  adapters = [n for n in ("lora", "dora", "prediag", "sora", "sparse_adapter") if n in ok]
+  if {"lora", "dora"} <= set(ok):
+    order = sorted(ok, key=lambda n: ok[n]["H"])
+    h = {n: ok[n]["H"] for n in ok}
+    sd = max(ok[n]["H_seed_std"] for n in ok)
+    verdict = []
+    verdict.append(f"DoRA {'>' if h['dora'] > h['lora'] else '≤'} LoRA ({h['dora']:.3f} vs {h['lora']:.3f})")
+    for n in ("prediag", "sora"):
+      if n in h:
+        verdict.append(f"{TITLES[n]} {h[n]:.3f} ({h[n] - h['dora']:+.3f} vs DoRA)")
+    full = [n for n in ("adamw", "muon") if n in h]
+    out.append("Reading (entropy): H(ΔW) from lowest to highest: " + ", ".join(f"{TITLES[n]} {h[n]:.3f}" for n in order)
+               + f"; the largest seed-to-seed std of a mean is {sd:.3f}. " + "; ".join(verdict) +
+               ("; full fine-tuning: " + ", ".join(f"{TITLES[n]} {h[n]:.3f}" for n in full) if full else "") + ".")
+  if adapters:
+    cheapest = min(adapters, key=lambda n: ok[n]["state_bytes"])
+    out.append(f"Reading (cost): the adapters keep {_mib(ok[cheapest]['state_bytes'])}–"
+               f"{_mib(max(ok[n]['state_bytes'] for n in adapters))} of optimizer state against full AdamW's "
+               f"{_mib(ok['adamw']['state_bytes'])}; step time (ms) " + ", ".join(
+                   f"{TITLES[n]} {1e3 * result['settings']['batch_size'] * result['settings']['seq_len'] / ok[n]['tokens_per_s']:.0f}"
+                   for n in ok) + " (one CPU device; timings swing ±25% on this shared machine).")
+  edges = [TITLES[n] for n in result["best_lr"] if result["best_lr"][n] is not None and _grid_edge(result, n)]
+  if edges:
+    out.append(f"Reading: the best lr of {', '.join(edges)} lies at the edge of its grid; a wider grid might do better.")
+  return out
+
+
+def plot(result: dict):
+  """Left: docs val over fine-tuning (seed 0, each at its best lr). Right: learning vs forgetting (mean over seeds)
+  with H(ΔW) as the marker size."""
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(11, 4))
+  ax, bx = fig.subplots(1, 2)
+  start = result["start"]
+  for name, x in result["summary"].items():
+    if x.get("diverged"):
+      continue
+    steps, vals = zip(*x["curve"])
+    line, = ax.plot((0,) + steps, (start["docs"],) + vals, marker=".", label=f"{TITLES[name]} (lr {x['lr']:g})",
+                    linestyle="-" if name in FULL else "--")
+    bx.scatter([np.mean(x["docs"])], [np.mean(x["stdlib"])], s=40 + 60 * x["H"], color=line.get_color(),
+               label=f"{TITLES[name]} (H {x['H']:.2f})")
+  bx.plot([start["docs"]], [start["stdlib"]], "k*", label="pretrained")
+  ax.set(xlabel="fine-tuning step", ylabel="docs val loss (nats/byte)", title="learning the new corpus (seed 0)")
+  bx.set(xlabel="docs val loss (learning → left)", ylabel="stdlib val loss (forgetting ↑)",
+         title="at the best lr, mean over seeds (size: H(ΔW))")
+  ax.legend(fontsize=7)
+  bx.legend(fontsize=6)
+  fig.tight_layout()
+  return fig
+
+
+def write(cfg: Config, result: dict, cmd: str | None = None):
+  table = tables(result) + ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine; "
+                            f"{result['cpu_s']:.0f} s of CPU in this process (finished runs found in `work` are "
+                            "skipped, their time not counted). Plot: `peft.png`."]
+  common.write_results(cfg.out, NAME, QUESTION, table, findings=findings(result), settings=result["settings"],
+                       data=result, cmd=cmd)
+  plot(result).savefig(os.path.join(cfg.out, "peft.png"), dpi=120)
+
+
+if __name__ == "__main__":
+  main(tyro.cli(Config))
