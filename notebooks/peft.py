@@ -55,7 +55,7 @@ display(Image(png.getvalue()))
 # %% [markdown]
 # ## The full-size result
 #
-# `python -m research.experiments.peft` (one pretraining run, 8 contenders × 4 learning rates, then 3 seeds at each
+# `python -m research.experiments.peft` (one pretraining run, 8 contenders over an lr grid each, then 3 seeds at each
 # one's best) wrote this:
 
 # %%

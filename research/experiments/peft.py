@@ -20,8 +20,8 @@ clip 1.0, the optimizer's default weight decay, one device), at equal steps and 
   sparse_adapter     "Large-Sparse": a rank-16 adapter (alpha 32) pruned to 50% by SNIP on the first batch: rank 8's
                      budget.
 Trainable counts are measured and tabled with their ratio to LoRA's (DoRA and Pre-Diag add one vector per matrix).
-The lr is tuned per contender on seed 0 by the fine-tuning corpus's held-out loss (full fine-tuning on one grid,
-adapters on a 10x higher one, as their practice is; a best lr at a grid edge is flagged), then 3 seeds at each one's
+The lr is tuned per contender on seed 0 by the fine-tuning corpus's held-out loss (full fine-tuning on 1e-4..3e-2,
+adapters on 1e-3..3e-2, higher as their practice is; a best lr at a grid edge is flagged), then 3 seeds at each one's
 best. Learning = held-out loss on the new corpus (packages never trained on); forgetting = held-out loss on the old
 corpus's val split, of the final checkpoint (adapters merged). Optimizer-state bytes: `tx.init` of the run's
 trainable parameters; step time from the run's tokens/s.
@@ -93,7 +93,7 @@ class Config:
   rank: int = 8
   """The budget: LoRA/DoRA/Pre-Diag rank; SORA rank - r_p, the sparse adapter's surviving rank."""
   r_p: int = 4
-  full_lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 3e-3)
+  full_lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
   adapter_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
   seeds: tuple[int, ...] = (0, 1, 2)
   contenders: tuple[str, ...] = tuple(TITLES)

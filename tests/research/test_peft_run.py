@@ -1,6 +1,6 @@
 """--peft in the train CLI: adapters train on a frozen --init-from base (bit for bit unchanged), sharded by the rules
 table, checkpointed and resumed exactly; a PEFT run loads merged (export, sampling, --init-from) or adapted; a sparse
-adapter is pruned by SNIP before the first step; bad combinations exit with one line."""
+adapter is pruned by SNIP before the first step (and Muon trains it); bad combinations exit with one line."""
 
 import json
 
@@ -52,8 +52,9 @@ def test_adapters_train_on_a_frozen_base_and_resume_exactly(source, tmp_path):
                              rtol=1e-5, atol=1e-5)
 
 
-def test_sparse_adapter_is_pruned_before_training(tmp_path, capsys):
-  flags = dict(TINY, steps=2, peft="sparse_adapter",
+def test_sparse_adapter_is_pruned_before_training_and_muon_trains_it(tmp_path, capsys):
+  """Muon on the adapters: each layer's A and B orthogonalized (their pruned entries stay out of the weight)."""
+  flags = dict(TINY, steps=2, peft="sparse_adapter", optimizer="muon",
                peft_options=peft_flags(rank=2, sparsity=0.75))
   run(TrainConfig(out=str(tmp_path), **flags))
   assert "peft sparse_adapter: " in capsys.readouterr().err
@@ -63,8 +64,10 @@ def test_sparse_adapter_is_pruned_before_training(tmp_path, capsys):
   assert abs(kept - 0.25) < 1e-3  # a rank-8 adapter, 75% pruned: rank 2's budget
   meta = json.load(open(tmp_path / "config.json"))["peft"]
   assert meta["trainable"] == peft.trainable_count(adapted)
-  for _, a in peft.adapters(adapted):  # pruned entries never change the weight
-    np.testing.assert_array_equal(np.asarray(a.factors()[1])[np.asarray(a.mask_b[...]) == 0], 0)
+  for _, a in peft.adapters(adapted):  # B moved from zero; pruned entries never enter the weight
+    b = np.asarray(a.factors()[1])
+    assert np.abs(b).max() > 0
+    np.testing.assert_array_equal(b[np.asarray(a.mask_b[...]) == 0], 0)
 
 
 def peft_flags(**kw):
