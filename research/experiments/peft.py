@@ -360,9 +360,48 @@ def findings(result: dict) -> list[str]:
                f"{_mib(ok['adamw']['state_bytes'])}; step time (ms) " + ", ".join(
                    f"{TITLES[n]} {1e3 * result['settings']['batch_size'] * result['settings']['seq_len'] / ok[n]['tokens_per_s']:.0f}"
                    for n in ok) + " (one CPU device; timings swing ±25% on this shared machine).")
+  out += claim(result)
   edges = [TITLES[n] for n in result["best_lr"] if result["best_lr"][n] is not None and _grid_edge(result, n)]
   if edges:
     out.append(f"Reading: the best lr of {', '.join(edges)} lies at the edge of its grid; a wider grid might do better.")
+  return out
+
+
+def paired(s: dict, a: str, b: str, key: str = "docs") -> str:
+  """a − b on `key`, paired by seed: mean ± std, and in how many seeds a is lower."""
+  pa, pb = dict(zip(s[a]["seeds"], s[a][key])), dict(zip(s[b]["seeds"], s[b][key]))
+  d = [pa[k] - pb[k] for k in pa if k in pb]
+  return f"{common.pm(common.mean_std(d), sign=True, digits=3)} (lower in {sum(x < 0 for x in d)}/{len(d)} seeds)"
+
+
+def claim(result: dict) -> list[str]:
+  """The paper's claim, read off the tables: entropy ordering, the losses it goes with, and the cost."""
+  s, st = result["summary"], result["settings"]
+  need = ("adamw", "lora", "dora", "prediag", "sora")
+  if any(n not in s or s[n].get("diverged") for n in need):
+    return []
+  ms = {n: 1e3 * st["batch_size"] * st["seq_len"] / s[n]["tokens_per_s"] for n in need}
+  h = {n: s[n]["H"] for n in need}
+  keeps = all(h[n] >= h["dora"] - 2 * max(s[n]["H_seed_std"], s["dora"]["H_seed_std"], 1e-3) for n in ("prediag", "sora"))
+  out = [f"Reading (the paper's claim): DoRA raises H(ΔW) from LoRA's {h['lora']:.2f} to {h['dora']:.2f} (full AdamW "
+         f"{h['adamw']:.2f}): {'holds' if h['lora'] < h['dora'] <= h['adamw'] + 0.5 else 'does not hold'} here. "
+         f"Pre-Diag ({h['prediag']:.2f}) and SORA ({h['sora']:.2f}) raise it above LoRA's too, but "
+         + ("keep DoRA's level." if keeps else f"stay {h['dora'] - h['prediag']:.2f} and {h['dora'] - h['sora']:.2f} "
+            "below DoRA's: they do not keep it here.")
+         + f" Docs val, paired by seed: DoRA − LoRA {paired(s, 'dora', 'lora')}; Pre-Diag − DoRA "
+         f"{paired(s, 'prediag', 'dora')}; SORA − DoRA {paired(s, 'sora', 'dora')}; SORA − LoRA "
+         f"{paired(s, 'sora', 'lora')}. Step time vs DoRA: Pre-Diag {ms['prediag'] / ms['dora']:.2f}×, SORA "
+         f"{ms['sora'] / ms['dora']:.2f}× (one run each per seed on a shared CPU: differences under ~25% are noise)."]
+  if "sparse_adapter" in s and not s["sparse_adapter"].get("diverged"):
+    out.append(f"Reading (SparseAdapter, a rank-{2 * st['rank']} adapter pruned to 50% by SNIP vs LoRA rank "
+               f"{st['rank']}, the same surviving budget): docs val {paired(s, 'sparse_adapter', 'lora')}, stdlib val "
+               f"{paired(s, 'sparse_adapter', 'lora', 'stdlib')}; its optimizer state is "
+               f"{s['sparse_adapter']['state_bytes'] / s['lora']['state_bytes']:.1f}× LoRA's (the moments of pruned "
+               "entries are stored, zero).")
+  out.append("Reading (step time): adapters are not faster per step than full fine-tuning here: models/peft.py forms "
+             "each adapted weight as a matrix and the backward pass computes its full gradient before projecting it "
+             "onto the adapter (what lets the model's own forward and sharding run unchanged); the saving is the "
+             "optimizer state and what a checkpoint of the adapters alone would hold, not compute.")
   return out
 
 
