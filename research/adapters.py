@@ -31,8 +31,8 @@ class PeftFlags:
   alpha: float = 16.0
   """alpha: the low-rank update is (alpha / r)·A B."""
   targets: str = peft.DEFAULT_TARGETS
-  """Regular expression searched in parameter paths (blocks/wq_DQ, blocks/moe/w_up_EDF, ...): the weights to adapt
-  (default: attention q/k/v/o and the MLP, expert and shared-expert projections)."""
+  """Regular expression searched in parameter paths (blocks/wq_DQ, blocks/moe/w_up_EDF, ...): the weights to adapt;
+  the default names the attention q/k/v/o and the MLP, expert and shared-expert projections."""
   base_dtype: Literal["float32", "bfloat16"] | None = None
   """The frozen base weights' dtype (unset: the parameter dtype); the adapters keep the parameter dtype."""
   r_p: int = 4
