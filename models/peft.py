@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharding.state import variable_names as _names
+
 METHODS = ("lora", "dora", "prediag", "sora", "sparse_adapter")
 # the attention projections and the (dense, expert, shared-expert) MLP projections; never the router or embeddings
 DEFAULT_TARGETS = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD|w_gate_DF|w_up_DF|w_down_FD|moe/(w_gate_EDF|w_up_EDF|w_down_EFD|" \
@@ -61,10 +63,6 @@ class Frozen(nnx.Variable):
 
 class Mask(nnx.Variable):
   """A fixed 0/1 mask of a sparse adapter's factor."""
-
-
-def _names(v: nnx.Variable) -> tuple:
-  return tuple(v.get_metadata().get("out_sharding") or (None,) * v.ndim)
 
 
 def _var(cls, value, names):

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -49,6 +50,11 @@ def is_named_vector(path) -> bool:
   The adapters of models/peft.py name their per-output magnitude and diagonal so."""
   name = leaf_name(path)
   return len(name) > 2 and name[-2] == "_" and name[-1].isupper()
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of a tree's array leaves (concrete or abstract, e.g. `jax.eval_shape(tx.init, params)`)."""
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def reject_complex(tx: optax.GradientTransformation, name: str, why: str) -> optax.GradientTransformation:

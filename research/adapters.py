@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from models import Transformer, TransformerConfig, cross_entropy, peft
+from optim.trees import tree_bytes
 from sharding import init_buffers, init_params, train_state_of
 
 
@@ -68,7 +69,7 @@ def initial_state(base: nnx.Module, method: str, flags: PeftFlags, seed: int, tx
   `batch` (x, y), the state placed on `mesh`. `report`: the trainable and frozen counts and the optimizer-state
   bytes, with full fine-tuning's beside them."""
   full_params = nnx.state(base, nnx.Param)
-  full_bytes = _nbytes(jax.eval_shape(tx.init, nnx.to_pure_dict(full_params)))
+  full_bytes = tree_bytes(jax.eval_shape(tx.init, nnx.to_pure_dict(full_params)))
   total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(full_params))
   model = adapted(base, method, flags, seed)
   if method == "sparse_adapter":
@@ -76,9 +77,9 @@ def initial_state(base: nnx.Module, method: str, flags: PeftFlags, seed: int, tx
     peft.snip_prune(model, lambda m: cross_entropy(m.forward(x)[0], y), flags.sparsity, seed=seed)
   graphdef, state, shardings = train_state_of(model, tx, mesh, zero1)
   trainable = peft.trainable_count(model)
-  frozen_bytes = _nbytes(state.get("buffers", {}))
+  frozen_bytes = tree_bytes(state.get("buffers", {}))
   report = {"method": method, "trainable": trainable, "base_params": total, "trainable_share": trainable / total,
-            "opt_state_bytes": _nbytes(state["opt_state"]), "full_ft_opt_state_bytes": full_bytes,
+            "opt_state_bytes": tree_bytes(state["opt_state"]), "full_ft_opt_state_bytes": full_bytes,
             "frozen_bytes": frozen_bytes}
   return graphdef, state, shardings, report
 
@@ -95,7 +96,3 @@ def abstract_adapted(config: TransformerConfig, settings_: dict):
   flags = PeftFlags(**{k: v for k, v in settings_.items() if k != "method"})
   model = nnx.eval_shape(lambda: adapted(Transformer(config, rngs=nnx.Rngs(0)), settings_["method"], flags, 0))
   return nnx.split(model, nnx.Param, ...)
-
-
-def _nbytes(tree) -> int:
-  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

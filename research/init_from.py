@@ -20,7 +20,7 @@ import optax
 
 from models import TransformerConfig, from_hf
 from models.hf import config_from_hf
-from optim.trees import path_name
+from optim.trees import path_name, tree_bytes
 
 SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias", "tie_embeddings")
 FREE_FLAGS = ("compute_dtype", "remat", "microbatches")  # may differ from the checkpoint's
@@ -30,18 +30,18 @@ class InitError(ValueError):
   """An --init-from or --freeze that cannot be used."""
 
 
-def _hf_path(source: str) -> str | None:
+def hf_path(source: str) -> str | None:
   return source[3:] if source.startswith("hf:") else None
 
 
 def source_config(source: str) -> TransformerConfig:
   """The model config of an --init-from source, read without loading any weight."""
-  path = _hf_path(source) or source
+  path = hf_path(source) or source
   try:
     meta = json.load(open(os.path.join(path, "config.json")))
   except (OSError, ValueError) as e:
     raise InitError(f"--init-from {source}: cannot read {path}/config.json ({e})") from None
-  if _hf_path(source):
+  if hf_path(source):
     return config_from_hf(meta)[1]
   if "model_config" not in meta:
     raise InitError(f"--init-from {source}: not an optlab run directory (prefix a Hugging Face directory with hf:)")
@@ -66,7 +66,7 @@ def model_config(cfg, flags: dict) -> TransformerConfig:
 def load_model(source: str, config: TransformerConfig, mesh):
   """The source's model (a PEFT run's merged), each array on its shards of `mesh` (the model's logical rules)."""
   from research.pretrained import load_run
-  path = _hf_path(source)
+  path = hf_path(source)
   return from_hf(path, mesh=mesh, dtype=config.param_dtype)[0] if path else load_run(source, mesh=mesh)[0]
 
 
@@ -99,7 +99,7 @@ def frozen_summary(params: dict, labels, tx_plain: optax.GradientTransformation,
   n = sum(s for s, l in zip(sizes, lab) if l == "frozen")
   if not n:
     raise InitError("--freeze matches no parameter (paths look like blocks/wq_DQ, embed_VD, final_norm)")
-  nbytes = lambda tx: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, params)))
+  nbytes = lambda tx: tree_bytes(jax.eval_shape(tx.init, params))
   saved = nbytes(tx_plain) - nbytes(tx_frozen)
   return (f"froze {n:,} of {sum(sizes):,} parameters ({lab.count('frozen')} arrays); optimizer state "
           f"{saved / 2**20:.1f} MiB smaller")

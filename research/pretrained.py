@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 
-import jax
 from flax import nnx
 
 from models import HFError, Transformer, TransformerConfig, from_hf, peft
 from research import adapters
 from research.checkpoint import Checkpointer, CheckpointError
+from research.init_from import hf_path
 from research.tokenizer import ByteTokenizer, HFTokenizer, check_fits
 from sharding import logical_names
 from sharding.state import param_shardings, variable_shardings
@@ -49,7 +49,7 @@ def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = Tru
     settings = peft_settings(meta)
     if settings:
       graphdef, abstract, abstract_buffers = adapters.abstract_adapted(config, settings)
-      sh = lambda tree: _shardings(tree, mesh)
+      sh = lambda tree: variable_shardings(tree, mesh)
       params, buffers = ckpt.restore_params(step, nnx.to_pure_dict(abstract), sh(abstract),
                                             nnx.to_pure_dict(abstract_buffers), sh(abstract_buffers))
       model = nnx.merge(graphdef, params, buffers)
@@ -70,15 +70,7 @@ def peft_settings(meta: dict) -> dict | None:
 
 def init_source(run_dir: str) -> str | None:
   """The Hugging Face directory a run was fine-tuned from (--init-from hf:PATH), else None."""
-  source = _config_json(run_dir).get("train", {}).get("init_from") or ""
-  return source[3:] if source.startswith("hf:") else None
-
-
-def _shardings(state, mesh):
-  if mesh is None:
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return nnx.to_pure_dict(jax.tree.map(lambda _: one, state))
-  return variable_shardings(state, mesh)
+  return hf_path(_config_json(run_dir).get("train", {}).get("init_from") or "")
 
 
 def load_model(path: str, mesh=None, tokenizer: str | None = None):

@@ -503,8 +503,8 @@ def _initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus):
   else:
     graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
                                                   zero1=cfg.zero1)
-  if fresh_init_from and not cfg.peft:
-    state["params"] = init_from.load_params(cfg.init_from, mcfg, mesh)
+    if fresh_init_from:
+      state["params"] = init_from.load_params(cfg.init_from, mcfg, mesh)
   if cfg.freeze and is_primary():
     print(init_from.frozen_summary(state["params"], init_from.freeze(tx, cfg.freeze)[1], _optimizer(
         dataclasses.replace(cfg, freeze=None))[0], tx), file=sys.stderr)

@@ -6,7 +6,7 @@ from sharding.reshard import ReshardError, abstract_state, moved_bytes, reshard,
 from sharding.rules import RULES, ShardingError, constrain, logical_to_spec, named_sharding
 from sharding.state import (batch_sharding, global_batch, init_buffers, init_params, init_train_state, logical_names,
                             param_shardings, place_variables, shard_batch, shardings_like_params, train_state_of,
-                            variable_shardings, zero1_shardings)
+                            variable_names, variable_shardings, zero1_shardings)
 from sharding.experts import capacity as expert_capacity, dispatch as dispatch_experts
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline, pipeline
 
@@ -16,4 +16,4 @@ __all__ = ["AXES", "Audit", "AuditError", "Collective", "DATA_AXES", "MeshError"
            "global_batch", "init_buffers", "init_params", "init_train_state", "logical_names", "logical_to_spec",
            "make_mesh", "matmul_flops", "mesh_spec", "moved_bytes", "named_sharding", "param_shardings",
            "parse_mesh_spec", "pipeline", "place_variables", "reshard", "shard_batch", "shardings_like_params",
-           "state_shardings", "train_state_of", "variable_shardings", "zero1_shardings"]
+           "state_shardings", "train_state_of", "variable_names", "variable_shardings", "zero1_shardings"]

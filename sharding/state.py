@@ -42,8 +42,13 @@ def logical_names(model_fn: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dic
   graphdef, abstract, _ = nnx.split(nnx.eval_shape(model_fn), nnx.Param, ...)
   flat = nnx.to_flat_state(abstract)
   shapes = {p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in flat}
-  names = {p: tuple(v.get_metadata().get("out_sharding") or (None,) * len(v.shape)) for p, v in flat}
+  names = {p: variable_names(v) for p, v in flat}
   return graphdef, _nest(shapes), _nest(names)
+
+
+def variable_names(v: nnx.Variable) -> tuple:
+  """A variable's logical axis names (its `out_sharding` metadata; unnamed axes None)."""
+  return tuple(v.get_metadata().get("out_sharding") or (None,) * len(v.shape))
 
 
 def param_shardings(abstract_params: PyTree, names: PyTree, mesh: Mesh | None) -> PyTree:
@@ -62,9 +67,10 @@ def place_variables(state, mesh: Mesh):
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _variable_sharding(v: nnx.Variable, mesh: Mesh) -> NamedSharding:
-  names = v.get_metadata().get("out_sharding") or (None,) * v.ndim
-  return NamedSharding(mesh, logical_to_spec(names, mesh, v.shape))
+def _variable_sharding(v: nnx.Variable, mesh: Mesh | None):
+  if mesh is None:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return NamedSharding(mesh, logical_to_spec(variable_names(v), mesh, v.shape))
 
 
 def init_params(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> tuple[nnx.GraphDef, dict, dict]:
@@ -170,8 +176,9 @@ def _with_optimizer(params, p_sh, tx, mesh: Mesh, zero1: bool):
   return state, {"step": replicated, "params": p_sh, "opt_state": o_sh}
 
 
-def variable_shardings(state, mesh: Mesh) -> dict:
-  """A plain dict like `nnx.to_pure_dict(state)` of each variable's NamedSharding from its logical names."""
+def variable_shardings(state, mesh: Mesh | None) -> dict:
+  """A plain dict like `nnx.to_pure_dict(state)` of each variable's NamedSharding from its logical names; mesh None:
+  everything on the first device (as `param_shardings`)."""
   return nnx.to_pure_dict(jax.tree.map(lambda v: _variable_sharding(v, mesh), state,
                                       is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
