@@ -11,6 +11,8 @@ TEST_STAMP := $(VENV)/.installed-test
 # Linux wheel is the CUDA build, several GB with its nvidia-* dependencies).
 TORCH := torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# test processes (pytest-xdist): 2 for the 2-core CI machine; `make test WORKERS=0` runs in this process
+WORKERS ?= 2
 
 $(RUN_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -31,7 +33,7 @@ run: $(RUN_STAMP)
 	$(BIN)/python -m research.train $(ARGS)
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup $(ARGS)
 
 bench: $(TEST_STAMP)
 	$(BIN)/python -m research.bench $(ARGS)

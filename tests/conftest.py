@@ -102,3 +102,25 @@ def notebooks(tmp_path_factory):
     root = tmp_path_factory.mktemp("notebooks")
     mp.setenv("JUPYTER_PATH", str(root / "jupyter"))  # where the kernel spec is looked up
     yield NotebookRunner(root)
+
+
+# ---- workers: `make test` runs the suite in 2 processes (pytest-xdist, --dist loadgroup) ------------------------------
+# A unit of work goes to one worker whole: a test module (its module fixtures run once), or all the tests that read one
+# notebook's run (the notebook's own test and its experiment's tests), so each notebook still executes once.
+
+
+def _work_unit(item) -> str:
+  module = item.path.stem
+  if module.startswith("test_experiment_") and (NOTEBOOKS / f"{module[len('test_experiment_'):]}.py").exists():
+    return "notebook-" + module[len("test_experiment_"):]
+  params = getattr(item, "callspec", None)
+  if module == "test_notebooks" and params is not None and "name" in params.params:
+    return "notebook-" + params.params["name"]
+  return str(item.path.relative_to(NOTEBOOKS.parent))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if item.get_closest_marker("xdist_group") is None:
+      item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
