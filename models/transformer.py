@@ -33,6 +33,14 @@ def rms_norm(x, scale, eps):
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
+def matmul(x, w, dt):
+  """x @ w for a weight variable `w` in compute dtype `dt`. A weight that computes its own product (a quantized weight
+  of models/quant.py, which may quantize x too) is asked to; any other is read whole (`w[...]`: a Param, an adapter)."""
+  if hasattr(w, "matmul"):
+    return w.matmul(x, dt)
+  return x @ w[...].astype(dt)
+
+
 def rope(x_BTNH, theta, offset=0):
   """Rotary position embedding, rotate-half form, positions offset..offset+T-1 (offset may be traced)."""
   T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
@@ -88,10 +96,9 @@ class Block(nnx.Module):
   def qkv(self, h_BTD, offset=0):
     """Rotated q_BTNH and k_BTKH, and v_BTKH, for tokens at positions offset..offset+T-1."""
     c, dt = self.c, jnp.dtype(self.c.compute_dtype)
-    w = lambda p: p[...].astype(dt)
     B, T, _ = h_BTD.shape
     heads = lambda y, n, names: constrain(y.reshape(B, T, n, c.hd), ("batch", "seq", names, "kv"))
-    proj = lambda wt, b: h_BTD @ w(wt) + (w(b) if c.qkv_bias else 0)
+    proj = lambda wt, b: matmul(h_BTD, wt, dt) + (b[...].astype(dt) if c.qkv_bias else 0)
     q = heads(proj(self.wq_DQ, getattr(self, "q_bias_Q", None)), c.n_heads, "act_heads")
     k = heads(proj(self.wk_DK, getattr(self, "k_bias_K", None)), c.kv_heads, "act_kv_heads")
     v = heads(proj(self.wv_DK, getattr(self, "v_bias_K", None)), c.kv_heads, "act_kv_heads")
@@ -102,8 +109,8 @@ class Block(nnx.Module):
   def out_proj(self, o_BTNH):
     B, T = o_BTNH.shape[:2]
     o = constrain(o_BTNH, ("batch", "seq", "act_heads", "kv"))
-    wo = self.wo_QD[...].astype(jnp.dtype(self.c.compute_dtype))
-    return constrain(o.reshape(B, T, -1) @ wo, ("batch", "seq", "act_embed"))
+    return constrain(matmul(o.reshape(B, T, -1), self.wo_QD, jnp.dtype(self.c.compute_dtype)),
+                     ("batch", "seq", "act_embed"))
 
   def attention(self, h_BTD):
     q, k, v = self.qkv(h_BTD)
@@ -111,10 +118,9 @@ class Block(nnx.Module):
 
   def mlp(self, h_BTD):
     dt = jnp.dtype(self.c.compute_dtype)
-    gate = jnp.einsum("btd,df->btf", h_BTD, self.w_gate_DF[...].astype(dt))
-    up = jnp.einsum("btd,df->btf", h_BTD, self.w_up_DF[...].astype(dt))
+    gate, up = matmul(h_BTD, self.w_gate_DF, dt), matmul(h_BTD, self.w_up_DF, dt)
     a_BTF = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-    return jnp.einsum("btf,fd->btd", a_BTF, self.w_down_FD[...].astype(dt))
+    return matmul(a_BTF, self.w_down_FD, dt)
 
 
 def run_blocks(blocks: Block, x_BTD, *, remat: bool = False):

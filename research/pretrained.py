@@ -1,5 +1,6 @@
-"""Models from elsewhere, with the tokenizer that goes with them: a Hugging Face directory (`models.from_hf`) or an
-optlab run directory (its config.json and the parameters of its newest checkpoint; optimizer state not read)."""
+"""Models from elsewhere, with the tokenizer that goes with them: a Hugging Face directory (`models.from_hf`), an
+optlab run directory (its config.json and the parameters of its newest checkpoint; optimizer state not read) or a
+quantized model (`research.quantize`'s output, `models.quant_store`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 
 from flax import nnx
 
-from models import HFError, Transformer, TransformerConfig, from_hf, peft
+from models import HFError, Transformer, TransformerConfig, from_hf, peft, quant, quant_store
 from research import adapters
 from research.checkpoint import Checkpointer, CheckpointError
 from research.init_from import hf_path
@@ -77,7 +78,11 @@ def load_model(path: str, mesh=None, tokenizer: str | None = None):
   """(model, config, tokenizer) from an HF directory or an optlab run directory. The tokenizer: `tokenizer` if
   given, else the HF directory's tokenizer.json, else bytes (an optlab run on text trains on UTF-8 bytes)."""
   meta = _config_json(path)
-  if "architectures" in meta:
+  if meta.get("format") == quant_store.FORMAT:  # research.quantize's output
+    model, config, _ = quant_store.load(path, mesh=mesh)
+    own = os.path.join(path, "tokenizer.json")
+    tok = HFTokenizer(tokenizer or own) if (tokenizer or os.path.exists(own)) else ByteTokenizer()
+  elif "architectures" in meta:
     model, config = from_hf(path, mesh=mesh)
     tok = HFTokenizer(tokenizer or path) if (tokenizer or os.path.exists(os.path.join(path, "tokenizer.json"))) \
         else ByteTokenizer()
@@ -88,4 +93,4 @@ def load_model(path: str, mesh=None, tokenizer: str | None = None):
   return model, config, tok
 
 
-LOAD_ERRORS = (CheckpointError, HFError, ValueError)
+LOAD_ERRORS = (CheckpointError, HFError, quant.QuantError, ValueError)

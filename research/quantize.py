@@ -1,0 +1,168 @@
+"""Post-training quantization of an optlab run or a Hugging Face model (models/quant.py), evaluated on held-out data.
+
+  python -m research.quantize runs/default runs/default_w4 --method gptq --bits 4
+  python -m research.quantize runs/default runs/default_w8a8 --method smoothquant --bits 8 --act-bits 8
+  python -m research.quantize runs/default plan.json --write-plan          # the plan of these flags, to edit
+  python -m research.quantize runs/default runs/default_mixed --plan plan.json   # a plan applied as given
+  python -m research.sample runs/default_w4                               # a quantized model samples like any
+
+Calibration: --calib sequences of --calib-len tokens drawn from the training split (seed --calib-seed); evaluation:
+--eval-batches fixed windows of the held-out split, the same for the full-precision and the quantized model. The data
+is the run's own (its --data and --tokenizer) unless --data is given; an HF model's is the built-in corpus encoded
+with its tokenizer.json. OUT gets the quantized model (models/quant_store.py: codes packed at their widths), its
+plan.json and eval.json (losses, bytes on disk against the unquantized float32/bfloat16 parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+import tyro
+from flax import nnx
+
+from models import cross_entropy, quant, quant_store
+from research.data import DataError, eval_batches, get_batch, load_corpus
+from research.pretrained import LOAD_ERRORS, load_model
+from sharding.mesh import make_mesh
+from sharding.state import place_variables
+
+
+@dataclasses.dataclass
+class QuantizeConfig:
+  """Quantize a model's projections after training and compare its held-out loss and size with full precision."""
+  source: tyro.conf.Positional[str]
+  """An optlab run directory (its newest checkpoint) or a Hugging Face model directory."""
+  out: tyro.conf.Positional[str]
+  """Created for the quantized model (an existing non-empty directory is refused); with --write-plan, the plan file."""
+  method: str = "gptq"
+  """One algorithm for every layer: rtn, gptq, awq or smoothquant (ignored with --plan)."""
+  bits: int = 4
+  """Weight bits: 2, 3, 4, 8 or 16 (16: kept in bfloat16)."""
+  group: int = 0
+  """Inputs sharing a scale; 0: one scale per output channel."""
+  asymmetric: bool = False
+  """Zero points (min/max calibration; 4 or 8 bits) instead of symmetric absmax."""
+  act_bits: int = 0
+  """8: quantize the projections' inputs per token (W8A8); 0: activations in full precision."""
+  alpha: float = 0.5
+  """SmoothQuant's migration strength."""
+  targets: str = quant.DEFAULT_TARGETS
+  """A regular expression over weight paths (blocks/wq_DQ, blocks/moe/w_up_EDF, ...) to quantize."""
+  plan: str | None = None
+  """A plan file (JSON: one spec per layer of each projection) applied as given, instead of the flags above."""
+  write_plan: bool = False
+  """Write the plan the flags give to OUT (a .json file) and stop: a starting point to edit."""
+  data: str | None = None
+  """The corpus (default: the run's own; an HF model: the built-in corpus)."""
+  tokenizer: str | None = None
+  """A tokenizer.json for the corpus (default: the run's, or the HF directory's)."""
+  calib: int = 32
+  """Calibration sequences."""
+  calib_len: int = 128
+  """Tokens per calibration sequence (and per evaluation window)."""
+  calib_seed: int = 0
+  """Which training windows calibrate."""
+  eval_batches: int = 8
+  """Held-out batches of --batch-size windows."""
+  batch_size: int = 8
+  mesh: str | None = None
+  """Evaluate on this mesh (e.g. fsdp=4,tensor=2); default one device."""
+
+
+def _data(cfg: QuantizeConfig):
+  meta = json.load(open(os.path.join(cfg.source, "config.json")))
+  train = meta.get("train", {})
+  hf_tok = os.path.join(cfg.source, "tokenizer.json")
+  tokenizer = cfg.tokenizer or train.get("tokenizer") or (hf_tok if os.path.exists(hf_tok) else None)
+  return load_corpus(cfg.data if cfg.data is not None else train.get("data"), tokenizer=tokenizer), tokenizer
+
+
+def eval_loss(model, batches, mesh=None) -> float:
+  """Mean cross entropy (nats/token) over `batches`, the model placed on `mesh` by its logical names."""
+  graphdef, state = nnx.split(model)
+  if mesh is not None:
+    state = place_variables(state, mesh)
+  f = jax.jit(lambda s, x, y: cross_entropy(nnx.merge(graphdef, s)(x), y))
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    return float(np.mean([float(f(state, x, y)) for x, y in batches]))
+
+
+def plan_of(cfg: QuantizeConfig, model) -> quant.Plan:
+  if cfg.plan is not None:
+    plan = quant.read_plan(cfg.plan)
+    quant.check_plan(model, plan)
+    return plan
+  spec = quant.Spec(cfg.method, cfg.bits, cfg.group, not cfg.asymmetric, cfg.act_bits, cfg.alpha).check()
+  plan = quant.uniform_plan(model, spec, cfg.targets)
+  quant.check_plan(model, plan)
+  return plan
+
+
+def run(cfg: QuantizeConfig) -> dict:
+  if not cfg.write_plan and os.path.exists(cfg.out) and os.listdir(cfg.out):
+    raise quant.QuantError(f"{cfg.out}: exists and is not empty; nothing was written")
+  model, config, _ = load_model(cfg.source, tokenizer=cfg.tokenizer)
+  plan = plan_of(cfg, model)
+  if cfg.write_plan:
+    if os.path.exists(cfg.out):
+      raise quant.QuantError(f"{cfg.out}: exists; nothing was written")
+    quant.write_plan(plan, cfg.out)
+    return {"plan": cfg.out}
+  mesh = make_mesh(cfg.mesh) if cfg.mesh else None
+  corpus, tokenizer = _data(cfg)
+  if corpus.vocab_size > config.vocab_size:
+    raise DataError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {config.vocab_size}")
+  calib = get_batch(corpus.train, cfg.calib_seed, 0, cfg.calib, cfg.calib_len)[0]
+  val = eval_batches(corpus.val, cfg.batch_size, cfg.calib_len, cfg.eval_batches)
+  t = time.perf_counter()
+  full = eval_loss(model, val, mesh)
+  t_full = time.perf_counter() - t
+  t = time.perf_counter()
+  quant.quantize(model, plan, calib)
+  t_quant = time.perf_counter() - t
+  t = time.perf_counter()
+  loss = eval_loss(model, val, mesh)
+  t_eval = time.perf_counter() - t
+  files = {"plan.json": quant.plan_to_json(plan)}
+  if tokenizer is not None and os.path.isfile(tokenizer if not os.path.isdir(tokenizer) else
+                                              os.path.join(tokenizer, "tokenizer.json")):
+    path = tokenizer if not os.path.isdir(tokenizer) else os.path.join(tokenizer, "tokenizer.json")
+    files["tokenizer.json"] = json.load(open(path))
+  quant_store.save(model, cfg.out, source=cfg.source, extra=files)
+  report = {"source": cfg.source, "full_loss": full, "quant_loss": loss, "delta": loss - full,
+            "stored_bytes": quant_store.stored_bytes(cfg.out), "float32_bytes": quant_store.full_bytes(config),
+            "bfloat16_bytes": quant_store.full_bytes(config, "bfloat16"), "calib": [cfg.calib, cfg.calib_len],
+            "eval_windows": cfg.eval_batches * cfg.batch_size, "quantize_s": t_quant,
+            "eval_s": {"full": t_full, "quantized": t_eval}}
+  with open(os.path.join(cfg.out, "eval.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  return report
+
+
+def main(argv=None):
+  cfg = tyro.cli(QuantizeConfig, args=argv)
+  try:
+    report = run(cfg)
+  except (*LOAD_ERRORS, quant.QuantError, DataError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  if "plan" in report:
+    print(f"wrote the plan to {report['plan']}")
+    return
+  mib = lambda b: f"{b / 2**20:.2f} MiB"
+  print(f"held-out loss: full precision {report['full_loss']:.4f}, quantized {report['quant_loss']:.4f} "
+        f"(Δ {report['delta']:+.4f})")
+  print(f"size on disk: {mib(report['stored_bytes'])} vs {mib(report['float32_bytes'])} float32 "
+        f"({report['float32_bytes'] / report['stored_bytes']:.2f}×), {mib(report['bfloat16_bytes'])} bfloat16")
+  print(f"wrote {cfg.out}")
+
+
+if __name__ == "__main__":
+  main()
