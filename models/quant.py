@@ -450,15 +450,9 @@ def quantize(model: nnx.Module, plan: Plan, tokens_NT) -> nnx.Module:
   pieces = {p: [] for p in plan}
   for layer in range(n_layers):
     block = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], state))
-    wanted = [names[p] for p in plan if plan[p][layer].algorithm != "rtn" and plan[p][layer].bits < 16]
-    if any("/" in n for n in wanted):
-      raise QuantError(f"calibrated algorithms reach dense blocks' projections only, not {wanted}")
-    stats = record_inputs(block, x, wanted) if wanted else {}
+    done = quantize_layer(block, {names[p]: plan[p][layer] for p in plan}, x)
     for p in plan:
-      module, attr = _owner(block, names[p])
-      piece = quantize_weight(getattr(module, attr)[...], plan[p][layer], stats.get(names[p]))
-      pieces[p].append(piece)
-      setattr(module, attr, _layer_quantized(piece, plan[p][layer]))
+      pieces[p].append(done[names[p]])
     if layer + 1 < n_layers:
       x, _ = block(x)
   for p, weight in targets(model, ".").items():
@@ -466,6 +460,21 @@ def quantize(model: nnx.Module, plan: Plan, tokens_NT) -> nnx.Module:
       module, attr = _owner(model.blocks, names[p])
       setattr(module, attr, Quantized(pieces[p], variable_names(weight), plan[p]))
   return model
+
+
+def quantize_layer(block: nnx.Module, specs: dict[str, Spec], x_BTD) -> dict[str, Piece]:
+  """Quantizes one layer's block (merged alone, no layer axis) in place: each weight `specs` names (relative to the
+  block: "wq_DQ", "moe/w_up_EDF") by its spec, calibrated on the block's input `x_BTD`. Returns the pieces."""
+  wanted = [n for n, s in specs.items() if s.algorithm != "rtn" and s.bits < 16]
+  if any("/" in n for n in wanted):
+    raise QuantError(f"calibrated algorithms reach dense blocks' projections only, not {wanted}")
+  stats = record_inputs(block, x_BTD, wanted) if wanted else {}
+  pieces = {}
+  for n, spec in specs.items():
+    module, attr = _owner(block, n)
+    pieces[n] = quantize_weight(getattr(module, attr)[...], spec, stats.get(n))
+    setattr(module, attr, _layer_quantized(pieces[n], spec))
+  return pieces
 
 
 def _owner(block, name: str):

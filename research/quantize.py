@@ -1,6 +1,7 @@
 """Post-training quantization of an optlab run or a Hugging Face model (models/quant.py), evaluated on held-out data.
 
   python -m research.quantize runs/default runs/default_w4 --method gptq --bits 4
+  python -m research.quantize runs/default runs/default_calm --method calm --bits 4   # CALM: per layer, by CKA
   python -m research.quantize runs/default runs/default_w8a8 --method smoothquant --bits 8 --act-bits 8
   python -m research.quantize runs/default plan.json --write-plan          # the plan of these flags, to edit
   python -m research.quantize runs/default runs/default_mixed --plan plan.json   # a plan applied as given
@@ -27,7 +28,7 @@ import numpy as np
 import tyro
 from flax import nnx
 
-from models import cross_entropy, quant, quant_store
+from models import cross_entropy, quant, quant_select, quant_store
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from research.pretrained import LOAD_ERRORS, load_model
 from sharding.mesh import make_mesh
@@ -42,7 +43,12 @@ class QuantizeConfig:
   out: tyro.conf.Positional[str]
   """Created for the quantized model (an existing non-empty directory is refused); with --write-plan, the plan file."""
   method: str = "gptq"
-  """One algorithm for every layer: rtn, gptq, awq or smoothquant (ignored with --plan)."""
+  """One algorithm for every layer: rtn, gptq, awq or smoothquant; or calm: per layer, the --candidates algorithm
+  whose layer output keeps the highest CKA with full precision (ignored with --plan)."""
+  candidates: str = "rtn,gptq,awq,smoothquant"
+  """--method calm: the algorithms to choose from, each at the same --bits, --group, --act-bits."""
+  select_by: str = "cka"
+  """--method calm: cka (CALM) or mse (the layer output's mean squared error)."""
   bits: int = 4
   """Weight bits: 2, 3, 4, 8 or 16 (16: kept in bfloat16)."""
   group: int = 0
@@ -94,33 +100,42 @@ def eval_loss(model, batches, mesh=None) -> float:
     return float(np.mean([float(f(state, x, y)) for x, y in batches]))
 
 
-def plan_of(cfg: QuantizeConfig, model) -> quant.Plan:
+def _spec(cfg: QuantizeConfig, algorithm: str) -> quant.Spec:
+  return quant.Spec(algorithm, cfg.bits, cfg.group, not cfg.asymmetric, cfg.act_bits, cfg.alpha).check()
+
+
+def plan_of(cfg: QuantizeConfig, model, calib) -> tuple[quant.Plan, list | None]:
+  """(the plan, CALM's per-layer scores or None); --method calm chooses on the calibration tokens `calib`."""
   if cfg.plan is not None:
     plan = quant.read_plan(cfg.plan)
     quant.check_plan(model, plan)
-    return plan
-  spec = quant.Spec(cfg.method, cfg.bits, cfg.group, not cfg.asymmetric, cfg.act_bits, cfg.alpha).check()
-  plan = quant.uniform_plan(model, spec, cfg.targets)
+    return plan, None
+  if cfg.method == "calm":
+    candidates = {a: _spec(cfg, a) for a in cfg.candidates.split(",") if a}
+    return quant_select.choose(model, candidates, calib, by=cfg.select_by, pattern=cfg.targets)
+  plan = quant.uniform_plan(model, _spec(cfg, cfg.method), cfg.targets)
   quant.check_plan(model, plan)
-  return plan
+  return plan, None
 
 
 def run(cfg: QuantizeConfig) -> dict:
   if not cfg.write_plan and os.path.exists(cfg.out) and os.listdir(cfg.out):
     raise quant.QuantError(f"{cfg.out}: exists and is not empty; nothing was written")
   model, config, _ = load_model(cfg.source, tokenizer=cfg.tokenizer)
-  plan = plan_of(cfg, model)
-  if cfg.write_plan:
-    if os.path.exists(cfg.out):
-      raise quant.QuantError(f"{cfg.out}: exists; nothing was written")
-    quant.write_plan(plan, cfg.out)
-    return {"plan": cfg.out}
   mesh = make_mesh(cfg.mesh) if cfg.mesh else None
   corpus, tokenizer = _data(cfg)
   if corpus.vocab_size > config.vocab_size:
     raise DataError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {config.vocab_size}")
   calib = get_batch(corpus.train, cfg.calib_seed, 0, cfg.calib, cfg.calib_len)[0]
   val = eval_batches(corpus.val, cfg.batch_size, cfg.calib_len, cfg.eval_batches)
+  t = time.perf_counter()
+  plan, scores = plan_of(cfg, model, calib)
+  t_choose = time.perf_counter() - t
+  if cfg.write_plan:
+    if os.path.exists(cfg.out):
+      raise quant.QuantError(f"{cfg.out}: exists; nothing was written")
+    quant.write_plan(plan, cfg.out)
+    return {"plan": cfg.out}
   t = time.perf_counter()
   full = eval_loss(model, val, mesh)
   t_full = time.perf_counter() - t
@@ -139,7 +154,9 @@ def run(cfg: QuantizeConfig) -> dict:
   report = {"source": cfg.source, "full_loss": full, "quant_loss": loss, "delta": loss - full,
             "stored_bytes": quant_store.stored_bytes(cfg.out), "float32_bytes": quant_store.full_bytes(config),
             "bfloat16_bytes": quant_store.full_bytes(config, "bfloat16"), "calib": [cfg.calib, cfg.calib_len],
-            "eval_windows": cfg.eval_batches * cfg.batch_size, "quantize_s": t_quant,
+            "eval_windows": cfg.eval_batches * cfg.batch_size, "quantize_s": t_quant, "choose_s": t_choose,
+            "layer_scores": scores and {"by": cfg.select_by, "per_layer": scores,
+                                        "chosen": [s.algorithm for s in next(iter(plan.values()))]},
             "eval_s": {"full": t_full, "quantized": t_eval}}
   with open(os.path.join(cfg.out, "eval.json"), "w") as f:
     json.dump(report, f, indent=1)
@@ -157,6 +174,8 @@ def main(argv=None):
     print(f"wrote the plan to {report['plan']}")
     return
   mib = lambda b: f"{b / 2**20:.2f} MiB"
+  if report["layer_scores"]:
+    print(f"{report['layer_scores']['by']} choice per layer: {', '.join(report['layer_scores']['chosen'])}")
   print(f"held-out loss: full precision {report['full_loss']:.4f}, quantized {report['quant_loss']:.4f} "
         f"(Δ {report['delta']:+.4f})")
   print(f"size on disk: {mib(report['stored_bytes'])} vs {mib(report['float32_bytes'])} float32 "

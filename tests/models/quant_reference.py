@@ -108,3 +108,14 @@ def per_token_int8(X_NI):
   X = np.asarray(X_NI)
   s, _ = grid(X, 8, True)
   return dequant(codes(X, s, None, 8), s, None)
+
+
+def linear_cka(X_ND, Y_NE):
+  """Linear CKA in its kernel form (Kornblith et al. 2019, eq. 1–3): HSIC(K, L) = tr(K H L H) / (n − 1)², K = XXᵀ,
+  L = YYᵀ, H = I − 11ᵀ/n; CKA = HSIC(K, L) / √(HSIC(K, K) · HSIC(L, L))."""
+  X, Y = np.asarray(X_ND, np.float64), np.asarray(Y_NE, np.float64)
+  n = X.shape[0]
+  H = np.eye(n) - np.ones((n, n)) / n
+  hsic = lambda K, L: np.trace(K @ H @ L @ H) / (n - 1) ** 2
+  K, L = X @ X.T, Y @ Y.T
+  return hsic(K, L) / np.sqrt(hsic(K, K) * hsic(L, L))

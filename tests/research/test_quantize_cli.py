@@ -56,6 +56,19 @@ def test_a_written_plan_is_edited_and_applied_as_given(trained, tmp_path):
   assert all(s.bits == 4 for s in plan["blocks/wq_DQ"])
 
 
+def test_calm_chooses_per_layer_by_cka_and_reports_the_scores(trained, tmp_path, capsys):
+  out = str(tmp_path / "calm")
+  quantize.main([trained, out, "--method", "calm", "--candidates", "rtn,gptq,awq", "--bits", "3", *SMOKE])
+  assert "cka choice per layer:" in capsys.readouterr().out
+  report = json.load(open(os.path.join(out, "eval.json")))
+  scores = report["layer_scores"]
+  assert scores["by"] == "cka" and len(scores["per_layer"]) == 2
+  assert scores["chosen"] == [max(s, key=s.get) for s in scores["per_layer"]]
+  _, _, plan = quant_store.load(out)
+  assert all([s.algorithm for s in specs] == scores["chosen"] and {s.bits for s in specs} == {3}
+             for specs in plan.values())
+
+
 def test_bad_input_is_one_line_and_nothing_is_overwritten(trained, tmp_path, capsys):
   out = tmp_path / "q"
   out.mkdir()
@@ -68,11 +81,12 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(trained, tmp_path, cap
                [trained, str(tmp_path / "c"), "--group", "48"],
                [trained, str(tmp_path / "d"), "--plan", str(bad_plan)],
                [trained, str(tmp_path / "e"), "--plan", str(tmp_path / "missing.json")],
-               [str(tmp_path / "nowhere"), str(tmp_path / "f")]):
+               [str(tmp_path / "nowhere"), str(tmp_path / "f")],
+               [trained, str(tmp_path / "g"), "--method", "calm", "--select-by", "ppl"]):
     with pytest.raises(SystemExit) as e:
       quantize.main([*argv, *SMOKE])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
   assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
-  assert not any(os.path.exists(tmp_path / n) for n in "abcdef")
+  assert not any(os.path.exists(tmp_path / n) for n in "abcdefg")

@@ -1,0 +1,82 @@
+"""Choosing, per layer, which quantization algorithm to use: CALM's CKA-guided choice (Zhang et al., arXiv 2512.16282)
+and the same choice by output MSE.
+
+  linear_cka(X, Y) = ‖Ycᵀ Xc‖²_F / (‖Xcᵀ Xc‖_F · ‖Ycᵀ Yc‖_F),  Xc, Yc column-centred (tokens × features)
+
+(Kornblith et al. 2019). CKA is invariant to isotropic scaling and to orthogonal transforms of either argument: a
+quantized layer whose output is the full-precision one times a constant scores a perfect 1, an error the choice by
+MSE sees and CKA does not.
+
+`choose(model, candidates, tokens, by="cka")` walks the layers in order. For layer l, every candidate spec quantizes
+all of the layer's target projections (the layer is CALM's unit of choice), and the block's update (its output minus
+its input: what the layer adds to the residual stream; the stream itself would put every score near 1) on the
+calibration set is compared with the full-precision block's update on the same input. The best candidate (largest
+CKA, or smallest MSE) is kept, and its quantized layer gives layer l+1 its input, as `quant.quantize` calibrates.
+Returns the plan (for `quant.quantize`, or to save with `quant.write_plan`) and every layer's scores.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import quant
+
+
+def linear_cka(x, y) -> jax.Array:
+  """Linear CKA of two representations of the same tokens: x (n, d1), y (n, d2) (leading axes flattened)."""
+  x = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1])
+  y = jnp.asarray(y, jnp.float32).reshape(-1, y.shape[-1])
+  x, y = x - x.mean(0), y - y.mean(0)
+  fro = lambda a: jnp.sqrt(jnp.sum(jnp.square(a)))
+  return jnp.sum(jnp.square(y.T @ x)) / (fro(x.T @ x) * fro(y.T @ y))
+
+
+def mse(x, y) -> jax.Array:
+  return jnp.mean(jnp.square(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32)))
+
+
+SCORES = {"cka": (linear_cka, max), "mse": (mse, min)}
+
+
+def pick(full, outputs: dict, by: str = "cka") -> tuple[str, dict[str, float]]:
+  """(the name in `outputs` closest to `full` by `by`, every output's score)."""
+  if by not in SCORES:
+    raise quant.QuantError(f"unknown selection score {by!r}; choose one of {', '.join(SCORES)}")
+  score, best = SCORES[by]
+  scores = {name: float(score(full, out)) for name, out in outputs.items()}
+  return best(scores, key=scores.get), scores
+
+
+def choose(model: nnx.Module, candidates: dict[str, quant.Spec], tokens_NT, by: str = "cka",
+           pattern: str = quant.DEFAULT_TARGETS) -> tuple[quant.Plan, list[dict[str, float]]]:
+  """(plan, scores): per layer, the candidate (name → spec, applied to every target projection of the layer) whose
+  block update best matches full precision by `by` ("cka" or "mse"); scores[l][name] for every layer and candidate.
+  The model is not changed."""
+  if by not in SCORES:
+    raise quant.QuantError(f"unknown selection score {by!r}; choose one of {', '.join(SCORES)}")
+  if not candidates:
+    raise quant.QuantError("no candidate algorithms to choose from")
+  paths = list(quant.targets(model, pattern))
+  for spec in candidates.values():
+    quant.check_plan(model, {p: [spec] * quant.targets(model, ".")[p].shape[0] for p in paths})
+  names = [p[len("blocks/"):] for p in paths]
+  graphdef, state = nnx.split(model.blocks)
+  n_layers = jax.tree.leaves(state)[0].shape[0]
+  layer_state = lambda layer: jax.tree.map(lambda a: a[layer], state)
+  x = model.embed(jnp.asarray(tokens_NT))
+  chosen, table = [], []
+  for layer in range(n_layers):
+    full_update = nnx.merge(graphdef, layer_state(layer))(x)[0] - x
+    outputs = {}
+    for name, spec in candidates.items():
+      block = nnx.merge(graphdef, layer_state(layer))
+      quant.quantize_layer(block, {n: spec for n in names}, x)
+      outputs[name] = block(x)[0]
+    name, scores = pick(full_update, {n: y - x for n, y in outputs.items()}, by)
+    chosen.append(name)
+    table.append(scores)
+    x = outputs[name]
+  plan = {p: [candidates[c] for c in chosen] for p in paths}
+  return plan, table
