@@ -16,6 +16,6 @@ from models import peft
 from models.peft_hf import to_hf_peft
 
 __all__ += ["peft", "to_hf_peft"]
-from models import quant, quant_select, quant_store
+from models import quant, quant_mixed, quant_select, quant_store
 
-__all__ += ["quant", "quant_select", "quant_store"]
+__all__ += ["quant", "quant_mixed", "quant_select", "quant_store"]
