@@ -2,6 +2,7 @@
 
   python -m research.quantize runs/default runs/default_w4 --method gptq --bits 4
   python -m research.quantize runs/default runs/default_calm --method calm --bits 4   # CALM: per layer, by CKA
+  python -m research.quantize runs/default runs/default_mp --method mixed --bits 4    # widths at W4's size
   python -m research.quantize runs/default runs/default_w8a8 --method smoothquant --bits 8 --act-bits 8
   python -m research.quantize runs/default plan.json --write-plan          # the plan of these flags, to edit
   python -m research.quantize runs/default runs/default_mixed --plan plan.json   # a plan applied as given
@@ -28,7 +29,7 @@ import numpy as np
 import tyro
 from flax import nnx
 
-from models import cross_entropy, quant, quant_select, quant_store
+from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from research.pretrained import LOAD_ERRORS, load_model
 from sharding.mesh import make_mesh
@@ -44,11 +45,18 @@ class QuantizeConfig:
   """Created for the quantized model (an existing non-empty directory is refused); with --write-plan, the plan file."""
   method: str = "gptq"
   """One algorithm for every layer: rtn, gptq, awq or smoothquant; or calm: per layer, the --candidates algorithm
-  whose layer output keeps the highest CKA with full precision (ignored with --plan)."""
+  whose layer output keeps the highest CKA with full precision; or mixed: RTN at a width per layer and projection
+  from {2, 3, 4, 8, 16}, within the size of uniform --bits, by --sensitivity (ignored with --plan)."""
   candidates: str = "rtn,gptq,awq,smoothquant"
   """--method calm: the algorithms to choose from, each at the same --bits, --group, --act-bits."""
   select_by: str = "cka"
   """--method calm: cka (CALM) or mse (the layer output's mean squared error)."""
+  sensitivity: str = "first_order"
+  """--method mixed: first_order (⟨∂L/∂W, ΔW⟩, the loss-aware layout) or hessian (HAWQ's ½Tr(H)/n‖ΔW‖²)."""
+  search: str = "exact"
+  """--method mixed: exact (dynamic programming) or greedy."""
+  hessian_samples: int = 16
+  """--method mixed --sensitivity hessian: Hutchinson probes."""
   bits: int = 4
   """Weight bits: 2, 3, 4, 8 or 16 (16: kept in bfloat16)."""
   group: int = 0
@@ -104,18 +112,38 @@ def _spec(cfg: QuantizeConfig, algorithm: str) -> quant.Spec:
   return quant.Spec(algorithm, cfg.bits, cfg.group, not cfg.asymmetric, cfg.act_bits, cfg.alpha).check()
 
 
-def plan_of(cfg: QuantizeConfig, model, calib) -> tuple[quant.Plan, list | None]:
-  """(the plan, CALM's per-layer scores or None); --method calm chooses on the calibration tokens `calib`."""
+def plan_of(cfg: QuantizeConfig, model, calib) -> tuple[quant.Plan, dict | None]:
+  """(the plan, how it was chosen or None); calm and mixed choose on the calibration windows `calib` = (x, y)."""
   if cfg.plan is not None:
     plan = quant.read_plan(cfg.plan)
     quant.check_plan(model, plan)
     return plan, None
   if cfg.method == "calm":
     candidates = {a: _spec(cfg, a) for a in cfg.candidates.split(",") if a}
-    return quant_select.choose(model, candidates, calib, by=cfg.select_by, pattern=cfg.targets)
+    plan, scores = quant_select.choose(model, candidates, calib[0], by=cfg.select_by, pattern=cfg.targets)
+    return plan, {"by": cfg.select_by, "per_layer": scores, "chosen": [s.algorithm for s in next(iter(plan.values()))]}
+  if cfg.method == "mixed":
+    return _mixed_plan(cfg, model, calib)
   plan = quant.uniform_plan(model, _spec(cfg, cfg.method), cfg.targets)
   quant.check_plan(model, plan)
   return plan, None
+
+
+def _mixed_plan(cfg: QuantizeConfig, model, calib) -> tuple[quant.Plan, dict]:
+  _spec(cfg, "rtn")
+  if cfg.search not in ("exact", "greedy"):
+    raise quant.QuantError(f"unknown --search {cfg.search!r}; choose exact or greedy")
+  sens = quant_mixed.sensitivity(model, *calib, cfg.targets, group=cfg.group)
+  if cfg.sensitivity == "hessian":
+    quant_mixed.add_hessian(sens, model, *calib, group=cfg.group, samples=cfg.hessian_samples)
+  cost = sens.cost(cfg.sensitivity)
+  budget = int(sens.bytes[:, sens.bits.index(cfg.bits)].sum())
+  choice = (quant_mixed.exact if cfg.search == "exact" else quant_mixed.greedy)(cost, sens.bytes, budget)
+  plan = quant_mixed.plan_of(sens, choice, cfg.group)
+  return plan, {"sensitivity": cfg.sensitivity, "search": cfg.search, "budget_bytes": budget,
+                "layout_bytes": quant_mixed.layout_bytes(sens, choice),
+                "predicted_delta": quant_mixed.predicted(sens, choice, cfg.sensitivity),
+                "bits": {f"{p}[{layer}]": sens.bits[k] for (p, layer), k in zip(sens.units, choice)}}
 
 
 def run(cfg: QuantizeConfig) -> dict:
@@ -126,7 +154,7 @@ def run(cfg: QuantizeConfig) -> dict:
   corpus, tokenizer = _data(cfg)
   if corpus.vocab_size > config.vocab_size:
     raise DataError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {config.vocab_size}")
-  calib = get_batch(corpus.train, cfg.calib_seed, 0, cfg.calib, cfg.calib_len)[0]
+  calib = get_batch(corpus.train, cfg.calib_seed, 0, cfg.calib, cfg.calib_len)
   val = eval_batches(corpus.val, cfg.batch_size, cfg.calib_len, cfg.eval_batches)
   t = time.perf_counter()
   plan, scores = plan_of(cfg, model, calib)
@@ -140,7 +168,7 @@ def run(cfg: QuantizeConfig) -> dict:
   full = eval_loss(model, val, mesh)
   t_full = time.perf_counter() - t
   t = time.perf_counter()
-  quant.quantize(model, plan, calib)
+  quant.quantize(model, plan, calib[0])
   t_quant = time.perf_counter() - t
   t = time.perf_counter()
   loss = eval_loss(model, val, mesh)
@@ -155,8 +183,7 @@ def run(cfg: QuantizeConfig) -> dict:
             "stored_bytes": quant_store.stored_bytes(cfg.out), "float32_bytes": quant_store.full_bytes(config),
             "bfloat16_bytes": quant_store.full_bytes(config, "bfloat16"), "calib": [cfg.calib, cfg.calib_len],
             "eval_windows": cfg.eval_batches * cfg.batch_size, "quantize_s": t_quant, "choose_s": t_choose,
-            "layer_scores": scores and {"by": cfg.select_by, "per_layer": scores,
-                                        "chosen": [s.algorithm for s in next(iter(plan.values()))]},
+            "selection": scores,
             "eval_s": {"full": t_full, "quantized": t_eval}}
   with open(os.path.join(cfg.out, "eval.json"), "w") as f:
     json.dump(report, f, indent=1)
@@ -174,8 +201,12 @@ def main(argv=None):
     print(f"wrote the plan to {report['plan']}")
     return
   mib = lambda b: f"{b / 2**20:.2f} MiB"
-  if report["layer_scores"]:
-    print(f"{report['layer_scores']['by']} choice per layer: {', '.join(report['layer_scores']['chosen'])}")
+  chosen = report["selection"] or {}
+  if "chosen" in chosen:
+    print(f"{chosen['by']} choice per layer: {', '.join(chosen['chosen'])}")
+  if "predicted_delta" in chosen:
+    print(f"{chosen['sensitivity']} layout ({chosen['search']}): {chosen['layout_bytes']:,} of {chosen['budget_bytes']:,} "
+          f"bytes, predicted Δ {chosen['predicted_delta']:+.4f}")
   print(f"held-out loss: full precision {report['full_loss']:.4f}, quantized {report['quant_loss']:.4f} "
         f"(Δ {report['delta']:+.4f})")
   print(f"size on disk: {mib(report['stored_bytes'])} vs {mib(report['float32_bytes'])} float32 "

@@ -61,12 +61,26 @@ def test_calm_chooses_per_layer_by_cka_and_reports_the_scores(trained, tmp_path,
   quantize.main([trained, out, "--method", "calm", "--candidates", "rtn,gptq,awq", "--bits", "3", *SMOKE])
   assert "cka choice per layer:" in capsys.readouterr().out
   report = json.load(open(os.path.join(out, "eval.json")))
-  scores = report["layer_scores"]
+  scores = report["selection"]
   assert scores["by"] == "cka" and len(scores["per_layer"]) == 2
   assert scores["chosen"] == [max(s, key=s.get) for s in scores["per_layer"]]
   _, _, plan = quant_store.load(out)
   assert all([s.algorithm for s in specs] == scores["chosen"] and {s.bits for s in specs} == {3}
              for specs in plan.values())
+
+
+@pytest.mark.parametrize("sensitivity", ["first_order", "hessian"])
+def test_a_mixed_precision_layout_fits_the_budget_and_is_applied(trained, tmp_path, capsys, sensitivity):
+  out = str(tmp_path / "mp")
+  quantize.main([trained, out, "--method", "mixed", "--bits", "4", "--sensitivity", sensitivity,
+                 "--hessian-samples", "4", *SMOKE])
+  assert f"{sensitivity} layout (exact)" in capsys.readouterr().out
+  report = json.load(open(os.path.join(out, "eval.json")))
+  chosen = report["selection"]
+  assert chosen["layout_bytes"] <= chosen["budget_bytes"]
+  _, _, plan = quant_store.load(out)
+  assert {f"{p}[{i}]": s.bits for p, specs in plan.items() for i, s in enumerate(specs)} == chosen["bits"]
+  assert all(s.algorithm == "rtn" for specs in plan.values() for s in specs)
 
 
 def test_bad_input_is_one_line_and_nothing_is_overwritten(trained, tmp_path, capsys):
@@ -82,11 +96,12 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(trained, tmp_path, cap
                [trained, str(tmp_path / "d"), "--plan", str(bad_plan)],
                [trained, str(tmp_path / "e"), "--plan", str(tmp_path / "missing.json")],
                [str(tmp_path / "nowhere"), str(tmp_path / "f")],
-               [trained, str(tmp_path / "g"), "--method", "calm", "--select-by", "ppl"]):
+               [trained, str(tmp_path / "g"), "--method", "calm", "--select-by", "ppl"],
+               [trained, str(tmp_path / "h"), "--method", "mixed", "--sensitivity", "curvature"]):
     with pytest.raises(SystemExit) as e:
       quantize.main([*argv, *SMOKE])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
   assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
-  assert not any(os.path.exists(tmp_path / n) for n in "abcdefg")
+  assert not any(os.path.exists(tmp_path / n) for n in "abcdefgh")
