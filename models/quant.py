@@ -20,7 +20,8 @@ Algorithms, for y = x W with W (I, O) and X (tokens × I) the projection's input
                no weight clipping search
   smoothquant  SmoothQuant (Xiao et al. 2023): s_j = max|X_j|^α / max_o|W_jo|^(1−α) (α = 0.5; qwix's formula), W' RTN;
                with act_bits = 8 the activations x / s are quantized per token (int8, symmetric, dynamic)
-A 16-bit layer is not quantized: its weight is rounded to bfloat16 (scale 1). Embeddings, the head, norms, biases and
+A 16-bit layer is not quantized: its weight is rounded to bfloat16 (scale 1); a 32-bit one is left as it is (float32),
+so a plan can quantize some layers of a projection and not others. Embeddings, the head, norms, biases and
 MoE routers stay in full precision (as GPTQ, AWQ and SmoothQuant leave them).
 
 Written here, not taken from qwix.contrib: GPTQ (qwix's unrolls a Python loop over columns: ~100 s for one 32×256
@@ -49,7 +50,7 @@ from qwix.contrib import smooth_quant
 from sharding.state import variable_names
 
 ALGORITHMS = ("rtn", "gptq", "awq", "smoothquant")
-BITS = (2, 3, 4, 8, 16)
+BITS = (2, 3, 4, 8, 16, 32)  # 16: the weight rounded to bfloat16; 32: left in float32 (a layer a plan skips)
 ACT_BITS = (0, 8)
 # the projections a forward reaches through `matmul` (their inputs can be recorded and quantized) and the expert
 # weights (read whole): never embeddings, head, norms, biases or routers
@@ -236,8 +237,9 @@ def quantize_weight(w, spec: Spec, stats: Stats | None = None) -> Piece:
   I, O = w.shape[-2:]
   lead = w.shape[:-2]
   ones = jnp.ones((*lead, I), jnp.float32)
-  if spec.bits == 16:
-    return Piece(w.astype(jnp.bfloat16), jnp.ones((*lead, 1, O), jnp.float32), None, ones, 16, spec.act_bits)
+  if spec.bits >= 16:
+    return Piece(w.astype(jnp.bfloat16 if spec.bits == 16 else jnp.float32), jnp.ones((*lead, 1, O), jnp.float32),
+                 None, ones, spec.bits, spec.act_bits)
   if spec.group and I % spec.group:
     raise QuantError(f"group {spec.group} does not divide the {I} inputs")
   if spec.algorithm != "rtn" and (stats is None or lead):
@@ -259,7 +261,7 @@ def quantize_weight(w, spec: Spec, stats: Stats | None = None) -> Piece:
 
 
 class QuantCodes(nnx.Variable):
-  """A quantized weight's integer codes (int8 container; bfloat16 where a layer is kept at 16 bits)."""
+  """A quantized weight's integer codes (int8 container; bfloat16 or float32 where a layer is kept at 16 or 32 bits)."""
 
 
 class QuantParam(nnx.Variable):
@@ -283,7 +285,8 @@ class Quantized(nnx.Module):
 
   def __init__(self, pieces: list[Piece], names: tuple, specs: list[Spec]):
     G = max(p.scale.shape[-2] for p in pieces)
-    container = jnp.bfloat16 if any(p.bits == 16 for p in pieces) else jnp.int8
+    widest = max(p.bits for p in pieces)
+    container = jnp.float32 if widest == 32 else jnp.bfloat16 if widest == 16 else jnp.int8
     lead, (in_name, out_name) = tuple(names[:-2]), tuple(names[-2:])
     grow = lambda x: jnp.repeat(x, G // x.shape[-2], axis=-2)  # a 16-bit layer's single scale row to G rows
     self.codes = _var(QuantCodes, jnp.stack([p.codes for p in pieces]).astype(container), names)
@@ -465,7 +468,7 @@ def quantize(model: nnx.Module, plan: Plan, tokens_NT) -> nnx.Module:
 def quantize_layer(block: nnx.Module, specs: dict[str, Spec], x_BTD) -> dict[str, Piece]:
   """Quantizes one layer's block (merged alone, no layer axis) in place: each weight `specs` names (relative to the
   block: "wq_DQ", "moe/w_up_EDF") by its spec, calibrated on the block's input `x_BTD`. Returns the pieces."""
-  wanted = [n for n, s in specs.items() if s.algorithm != "rtn" and s.bits < 16]
+  wanted = [n for n, s in specs.items() if s.algorithm != "rtn" and s.bits < 16]  # 16, 32: nothing to calibrate
   if any("/" in n for n in wanted):
     raise QuantError(f"calibrated algorithms reach dense blocks' projections only, not {wanted}")
   stats = record_inputs(block, x_BTD, wanted) if wanted else {}

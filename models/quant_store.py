@@ -32,9 +32,11 @@ WEIGHTS = "quantized.safetensors"
 
 def pack(codes, bits: int) -> np.ndarray:
   """uint8 bytes of `codes` at `bits` per entry: the low `bits` of each integer (two's complement), or the bfloat16
-  bit pattern of each weight at 16 bits; little-endian bit order."""
+  (float32) bit pattern of each weight at 16 (32) bits; little-endian bit order."""
   if bits == 16:
     return np.asarray(jnp.asarray(codes, jnp.bfloat16)).view(np.uint16).astype("<u2").view(np.uint8).ravel()
+  if bits == 32:
+    return np.asarray(codes, np.float32).astype("<f4").view(np.uint8).ravel()
   u = (np.asarray(codes).astype(np.int16).ravel() & (2 ** bits - 1)).astype(np.uint8)
   return np.packbits(np.unpackbits(u[:, None], axis=1, bitorder="little")[:, :bits].ravel(), bitorder="little")
 
@@ -44,6 +46,8 @@ def unpack(data: np.ndarray, bits: int, shape) -> np.ndarray:
   n = int(np.prod(shape))
   if bits == 16:
     return np.frombuffer(np.ascontiguousarray(data).tobytes()[:2 * n], "<u2").view(jnp.bfloat16).reshape(shape)
+  if bits == 32:
+    return np.frombuffer(np.ascontiguousarray(data).tobytes()[:4 * n], "<f4").reshape(shape)
   b = np.unpackbits(data, bitorder="little")[:n * bits].reshape(n, bits).astype(np.int16)
   u = (b << np.arange(bits, dtype=np.int16)).sum(1)
   return np.where(u >= 2 ** (bits - 1), u - 2 ** bits, u).astype(np.int8).reshape(shape)

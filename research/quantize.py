@@ -58,7 +58,7 @@ class QuantizeConfig:
   hessian_samples: int = 16
   """--method mixed --sensitivity hessian: Hutchinson probes."""
   bits: int = 4
-  """Weight bits: 2, 3, 4, 8 or 16 (16: kept in bfloat16)."""
+  """Weight bits: 2, 3, 4, 8, 16 (rounded to bfloat16) or 32 (left as it is)."""
   group: int = 0
   """Inputs sharing a scale; 0: one scale per output channel."""
   asymmetric: bool = False

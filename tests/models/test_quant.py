@@ -167,6 +167,7 @@ def _mixed_plan(model):
   plan["blocks/w_up_DF"] = [quant.Spec("rtn", 16), quant.Spec("awq", 3, group=32)]
   plan["blocks/wo_QD"] = [quant.Spec("smoothquant", 8, act_bits=8), quant.Spec("rtn", 8, symmetric=False)]
   plan["blocks/wk_DK"] = [quant.Spec("rtn", 2), quant.Spec("awq", 4)]
+  plan["blocks/wv_DK"] = [quant.Spec("rtn", 32), quant.Spec("gptq", 4, group=32)]  # layer 0 left in float32
   return plan
 
 
@@ -179,15 +180,20 @@ def mixed():
   return model, plan, full
 
 
+full_wv0 = np.asarray(Transformer(preset("tiny", vocab_size=256), rngs=nnx.Rngs(0)).blocks.wv_DK[...][0])
+
+
 def test_the_plan_is_applied_as_given_and_weights_are_their_dequantized_codes(mixed):
   model, plan, full = mixed
   for path, q in quant.quantized(model):
     assert list(q.specs) == plan[path] and q.bits == tuple(s.bits for s in plan[path])
     for layer, bits in enumerate(q.bits):
       codes = np.asarray(q.codes[...][layer].astype(jnp.float32))
-      if bits < 16:
+      if bits < 16:  # integers in the width's range (16, 32: the weight itself)
         assert codes.min() >= -2 ** (bits - 1) and codes.max() <= 2 ** (bits - 1) - 1
   assert model.blocks.w_up_DF.codes.dtype == jnp.bfloat16 and model.blocks.wq_DQ.codes.dtype == jnp.int8
+  assert model.blocks.wv_DK.codes.dtype == jnp.float32
+  np.testing.assert_array_equal(model.blocks.wv_DK.weight()[0], full_wv0)
   np.testing.assert_array_equal(model.blocks.wo_QD.act[...], [8, 0])
   logits = np.asarray(model(TOKENS[:, :-1]))
   assert 0 < np.abs(logits - full).max() < 0.5  # quantized: changed, and still the same model
