@@ -1,0 +1,61 @@
+"""research/experiments/quantization.py at smoke size (as notebooks/quantization.ipynb ran it): every method ran at
+every budget and seed; CALM, the MSE choice and the oracle chose per layer what their own scores say; sizes are
+ordered as the widths say; every mixed layout fits its budget and the exact search is never worse than greedy on its
+own objective."""
+
+import numpy as np
+import pytest
+
+from research.experiments import quantization
+
+
+@pytest.fixture(scope="module")
+def result(notebooks):
+  return notebooks.run("quantization").result
+
+
+def test_protocol(result):
+  smoke = quantization.Config(**quantization.SMOKE)
+  assert set(result["models"]) == set(smoke.models)
+  rec = result["models"]["tiny"]
+  assert set(rec["seeds"]) == {str(s) for s in smoke.seeds}
+  for seed in rec["seeds"].values():
+    assert set(seed["budgets"]) == set(smoke.budgets)
+    for b in seed["budgets"].values():
+      assert set(b["uniform"]) == set(quantization.ALGORITHMS)
+      assert all(np.isfinite(v["val"]) and np.isfinite(v["calib"]) for v in b["uniform"].values())
+    assert set(seed["mixed"]) == {str(b) for b in smoke.mixed_bits}
+
+
+def test_each_choice_is_the_best_of_its_own_scores(result):
+  for seed in result["models"]["tiny"]["seeds"].values():
+    for b in seed["budgets"].values():
+      assert b["cka"]["chosen"] == [max(s, key=s.get) for s in b["cka"]["scores"]]
+      assert b["mse"]["chosen"] == [min(s, key=s.get) for s in b["mse"]["scores"]]
+      assert b["oracle"]["chosen"] == [min(d, key=d.get) for d in b["oracle"]["one_layer_delta"]]
+      assert all(0.0 < v <= 1.0 + 1e-6 for s in b["cka"]["scores"] for v in s.values())
+
+
+def test_sizes_follow_the_widths(result):
+  rec = result["models"]["tiny"]
+  for seed in rec["seeds"].values():
+    w3 = {a: v["bytes"] for a, v in seed["budgets"]["w3g64"]["uniform"].items()}
+    w8 = {a: v["bytes"] for a, v in seed["budgets"]["w8a8"]["uniform"].items()}
+    assert max(w3.values()) < min(w8.values()) < rec["float32_bytes"]
+
+
+def test_mixed_layouts_fit_their_budget_and_exact_is_optimal(result):
+  for seed in result["models"]["tiny"]["seeds"].values():
+    for bits, layouts in seed["mixed"].items():
+      for name, v in layouts.items():
+        assert v["layout_bytes"] <= v["budget_bytes"], name
+        assert set(v["bits"]) <= {2, 3, 4, 8, 16}
+      exact, greedy = layouts["first_order exact"], layouts["first_order greedy"]
+      assert exact["predicted_first_order"] <= greedy["predicted_first_order"] + 1e-12
+      assert layouts["hessian exact"]["predicted_hessian"] <= exact["predicted_hessian"] + 1e-12
+      assert set(layouts[f"uniform {bits}"]["bits"]) == {int(bits)}
+
+
+def test_speed_is_measured(result):
+  speed = result["models"]["tiny"]["speed"]
+  assert speed["float32_s"] > 0 and speed["w3g64 rtn"] > 0 and speed["w8a8 smoothquant"] > 0
