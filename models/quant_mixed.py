@@ -86,7 +86,7 @@ def sensitivity(model: nnx.Module, x_BT, y_BT, pattern: str = quant.DEFAULT_TARG
                 group: int = 0) -> Sensitivity:
   """First-order loss changes of every (projection, layer) at every width, from the gradient on (x, y)."""
   paths = list(quant.targets(model, pattern))
-  grads = nnx.grad(_loss)(model, jnp.asarray(x_BT), jnp.asarray(y_BT))
+  grads = nnx.jit(nnx.grad(_loss))(model, jnp.asarray(x_BT), jnp.asarray(y_BT))
   flat_g = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(grads)}
   weights = _weights(model, paths)
   units, sizes, first = [], [], []
@@ -113,9 +113,9 @@ def add_hessian(sens: Sensitivity, model: nnx.Module, x_BT, y_BT, group: int = 0
   def loss(params):
     return _loss(nnx.merge(graphdef, params, rest), jnp.asarray(x_BT), jnp.asarray(y_BT))
 
-  hvp = lambda v: jax.jvp(jax.grad(loss), (params,), (v,))[1]
+  hvp = lambda params, v: jax.jvp(jax.grad(loss), (params,), (v,))[1]
 
-  def probe(key):
+  def probe(params, key):
     def one(path, x):
       name = "/".join(str(k.key) for k in path if hasattr(k, "key"))  # DictKeys; the last is the Variable's value
       if name not in paths:
@@ -126,15 +126,16 @@ def add_hessian(sens: Sensitivity, model: nnx.Module, x_BT, y_BT, group: int = 0
   flat = lambda tree: {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(tree)}
 
   @jax.jit
-  def estimates(keys):  # {path: (probes, layers)}: v_pᵀ(Hv)_p per probe and layer
-    v = jax.vmap(probe)(keys)
-    hv, vf = flat(jax.vmap(hvp)(v)), flat(v)
+  def estimates(params, keys):  # {path: (probes, layers)}: v_pᵀ(Hv)_p per probe and layer
+    v = jax.vmap(lambda k: probe(params, k))(keys)
+    hv, vf = flat(jax.vmap(lambda vi: hvp(params, vi))(v)), flat(v)
     return {p: jnp.sum(vf[p] * hv[p], axis=tuple(range(2, vf[p].ndim))) for p in paths}
 
   n_params = sum(x.size for x in jax.tree.leaves(params))
   chunk = max(1, min(samples, 2 ** 26 // n_params))  # probes per batch: a few copies of the model at most
   keys = jax.random.split(jax.random.key(seed), samples)
-  parts = [estimates(keys[i:i + chunk]) for i in range(0, samples, chunk)]
+  parts = [estimates(params, keys[i:i + chunk]) for i in range(0, samples, chunk)]  # params an argument, not
+  # constants folded into the program
   per_sample = {p: np.concatenate([np.asarray(part[p]) for part in parts]) for p in paths}
   weights = _weights(model, paths)
   rows, traces, ses = [], [], []
