@@ -288,7 +288,7 @@ class Quantized(nnx.Module):
     widest = max(p.bits for p in pieces)
     container = jnp.float32 if widest == 32 else jnp.bfloat16 if widest == 16 else jnp.int8
     lead, (in_name, out_name) = tuple(names[:-2]), tuple(names[-2:])
-    grow = lambda x: jnp.repeat(x, G // x.shape[-2], axis=-2)  # a 16-bit layer's single scale row to G rows
+    grow = lambda x: jnp.repeat(x, G // x.shape[-2], axis=-2)  # a 16/32-bit layer's single scale row to G rows
     self.codes = _var(QuantCodes, jnp.stack([p.codes for p in pieces]).astype(container), names)
     self.scale = _var(QuantParam, jnp.stack([grow(p.scale) for p in pieces]), (*lead, None, out_name))
     asym = any(p.zero is not None for p in pieces)

@@ -151,6 +151,11 @@ def one_layer_models(fp, paths, layer: int, spec: quant.Spec, x):
   return quantized(fp, plan, x)
 
 
+def _say(cfg: Config, text: str):
+  if not cfg.smoke:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
 def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, save) -> dict:
   fp, config, _ = load_run(source)
   ev = Evaluator()
@@ -182,6 +187,8 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
           "mse_vs_oracle": float(np.mean([c == o for c, o in zip(b["mse"]["chosen"], chosen)])),
           "spearman_cka_delta": float(spearmanr(cka, dl)[0]) if len(set(cka)) > 1 and len(set(dl)) > 1 else None}
       out["budgets"][budget] = b
+      _say(cfg, f"{name} seed {seed} {budget}: " + ", ".join(f"{k} {b[k]['val'] - rec['fp_val']:+.4f}"
+                                                          for k in ("cka", "mse", "oracle")))
     sens = quant_mixed.sensitivity(fp, x, y)
     quant_mixed.add_hessian(sens, fp, x, y, samples=cfg.hessian_samples, seed=seed)
     for bits in cfg.mixed_bits:
@@ -199,6 +206,7 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
           for layout, choice in layouts.items()}
     rec["seeds"][str(seed)] = out
     save()
+    _say(cfg, f"{name} seed {seed}: mixed precision done")
   if "speed" not in rec:
     x = get_batch(corpus.train, cfg.seeds[0], 0, cfg.calib, cfg.seq_len)[0]
     t_fp = ev.seconds(fp, val)
