@@ -110,10 +110,8 @@ def add_hessian(sens: Sensitivity, model: nnx.Module, x_BT, y_BT, group: int = 0
   paths = sorted({p for p, _ in sens.units})
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-  def loss(params):
-    return _loss(nnx.merge(graphdef, params, rest), jnp.asarray(x_BT), jnp.asarray(y_BT))
-
-  hvp = lambda params, v: jax.jvp(jax.grad(loss), (params,), (v,))[1]
+  def loss(params, x, y):
+    return _loss(nnx.merge(graphdef, params, rest), x, y)
 
   def probe(params, key):
     def one(path, x):
@@ -126,16 +124,17 @@ def add_hessian(sens: Sensitivity, model: nnx.Module, x_BT, y_BT, group: int = 0
   flat = lambda tree: {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(tree)}
 
   @jax.jit
-  def estimates(params, keys):  # {path: (probes, layers)}: v_pᵀ(Hv)_p per probe and layer
+  def estimates(params, x, y, keys):  # {path: (probes, layers)}: v_pᵀ(Hv)_p per probe and layer
     v = jax.vmap(lambda k: probe(params, k))(keys)
-    hv, vf = flat(jax.vmap(lambda vi: hvp(params, vi))(v)), flat(v)
+    hvp = lambda vi: jax.jvp(lambda p: jax.grad(loss)(p, x, y), (params,), (vi,))[1]
+    hv, vf = flat(jax.vmap(hvp)(v)), flat(v)
     return {p: jnp.sum(vf[p] * hv[p], axis=tuple(range(2, vf[p].ndim))) for p in paths}
 
   n_params = sum(x.size for x in jax.tree.leaves(params))
   chunk = max(1, min(samples, 2 ** 26 // n_params))  # probes per batch: a few copies of the model at most
   keys = jax.random.split(jax.random.key(seed), samples)
-  parts = [estimates(params, keys[i:i + chunk]) for i in range(0, samples, chunk)]  # params an argument, not
-  # constants folded into the program
+  x, y = jnp.asarray(x_BT), jnp.asarray(y_BT)  # arguments, not constants XLA would fold into the program
+  parts = [estimates(params, x, y, keys[i:i + chunk]) for i in range(0, samples, chunk)]
   per_sample = {p: np.concatenate([np.asarray(part[p]) for part in parts]) for p in paths}
   weights = _weights(model, paths)
   rows, traces, ses = [], [], []
