@@ -103,7 +103,8 @@ def pretrain(cfg: Config, model: str, work: str) -> str:
   over = {} if cfg.n_layers is None else {"n_layers": cfg.n_layers}
   tc = TrainConfig(model=model, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, seq_len=cfg.seq_len,
                    eval_every=cfg.pretrain_steps, log_every=max(1, cfg.pretrain_steps // 10), eval_batches=4,
-                   ckpt_every=cfg.pretrain_steps, devices=1, mesh="data=-1", progress=False, keep=1, **over)
+                   ckpt_every=min(100, cfg.pretrain_steps), devices=1, mesh="data=-1", progress=False, keep=1,
+                   **over)  # a checkpoint every 100 steps: an interrupted pretraining (base: most of an hour) resumes
   return common.pretrained_run(os.path.join(work, model), tc, PRETRAIN_LR[model])
 
 
