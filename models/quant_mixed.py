@@ -12,6 +12,8 @@ data). The baseline is HAWQ-style (Dong et al. 2019/2020): ½ · Tr(H_p)/n_p · 
 loss Hessian's diagonal block of W_p by Hutchinson's estimator (E[vᵀHv], v Rademacher; one Hessian-vector product per
 sample gives every block's estimate, the cross terms averaging to zero).
 
+Their sum ("first_plus_hessian") is the second-order Taylor expansion with HAWQ's isotropic curvature per block.
+
 The search: minimise Σ_p cost_p(b_p) subject to Σ_p bytes_p(b_p) ≤ budget, a multiple-choice knapsack. `exact` solves
 it by dynamic programming over the budget in units of the greatest common divisor of the choices' sizes (exact, and
 cheap here: every projection's size is a multiple of a few shapes); `greedy` starts every projection at its fewest
@@ -33,6 +35,7 @@ from models import quant
 from models.transformer import cross_entropy
 
 BITS = (2, 3, 4, 8, 16)
+SENSITIVITIES = ("first_order", "hessian", "first_plus_hessian")
 
 
 @dataclasses.dataclass
@@ -47,13 +50,15 @@ class Sensitivity:
   trace_se: np.ndarray | None = None  # (units,): its standard error over the probes
 
   def cost(self, by: str) -> np.ndarray:
+    """Each unit's predicted loss change per width: "first_order", "hessian", or "first_plus_hessian" (their sum: the
+    second-order Taylor term with HAWQ's isotropic curvature)."""
+    if by not in SENSITIVITIES:
+      raise quant.QuantError(f"unknown sensitivity {by!r}; choose one of {', '.join(SENSITIVITIES)}")
     if by == "first_order":
       return self.first_order
-    if by == "hessian":
-      if self.hessian is None:
-        raise quant.QuantError("no Hessian traces: run add_hessian first")
-      return self.hessian
-    raise quant.QuantError(f"unknown sensitivity {by!r}; choose first_order or hessian")
+    if self.hessian is None:
+      raise quant.QuantError("no Hessian traces: run add_hessian first")
+    return self.hessian if by == "hessian" else self.first_order + self.hessian
 
 
 def unit_bytes(shape, groups: int, bits: int) -> int:

@@ -52,7 +52,8 @@ class QuantizeConfig:
   select_by: str = "cka"
   """--method calm: cka (CALM) or mse (the layer output's mean squared error)."""
   sensitivity: str = "first_order"
-  """--method mixed: first_order (⟨∂L/∂W, ΔW⟩, the loss-aware layout) or hessian (HAWQ's ½Tr(H)/n‖ΔW‖²)."""
+  """--method mixed: first_order (⟨∂L/∂W, ΔW⟩, the loss-aware layout), hessian (HAWQ's ½Tr(H)/n‖ΔW‖²) or
+  first_plus_hessian (their sum)."""
   search: str = "exact"
   """--method mixed: exact (dynamic programming) or greedy."""
   hessian_samples: int = 16
@@ -134,7 +135,7 @@ def _mixed_plan(cfg: QuantizeConfig, model, calib) -> tuple[quant.Plan, dict]:
   if cfg.search not in ("exact", "greedy"):
     raise quant.QuantError(f"unknown --search {cfg.search!r}; choose exact or greedy")
   sens = quant_mixed.sensitivity(model, *calib, cfg.targets, group=cfg.group)
-  if cfg.sensitivity == "hessian":
+  if cfg.sensitivity != "first_order":
     quant_mixed.add_hessian(sens, model, *calib, group=cfg.group, samples=cfg.hessian_samples)
   cost = sens.cost(cfg.sensitivity)
   budget = int(sens.bytes[:, sens.bits.index(cfg.bits)].sum())

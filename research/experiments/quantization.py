@@ -25,7 +25,8 @@ float32).
 
 Mixed precision (RTN, per output channel): a width per (layer, projection) from {2, 3, 4, 8, 16} within the bytes of
 uniform b-bit RTN, b ∈ `mixed_bits`, by the first-order term ⟨∂L/∂W, ΔW⟩ on the calibration windows (exact knapsack
-and greedy), by HAWQ's ½·Tr(H)/n·‖ΔW‖² (exact; Hutchinson with `hessian_samples` probes), and uniform b. Reported: the
+and greedy), by HAWQ's ½·Tr(H)/n·‖ΔW‖² (exact; Hutchinson with `hessian_samples` probes), by their sum (the
+second-order expansion: §6 asks for a negative first-order term *and* a small second-order one), and uniform b. Reported: the
 held-out and calibration ΔL of each layout, its predicted ΔL, the share of layouts whose held-out ΔL < 0, and the
 correlation between predicted and measured ΔL.
 
@@ -197,6 +198,7 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
       layouts = {"first_order exact": quant_mixed.exact(sens.first_order, sens.bytes, budget),
                  "first_order greedy": quant_mixed.greedy(sens.first_order, sens.bytes, budget),
                  "hessian exact": quant_mixed.exact(sens.hessian, sens.bytes, budget),
+                 "first+hessian exact": quant_mixed.exact(sens.cost("first_plus_hessian"), sens.bytes, budget),
                  f"uniform {bits}": np.full(len(sens.units), sens.bits.index(bits))}
       out["mixed"][str(bits)] = {
           layout: {**losses(quantized(fp, quant_mixed.plan_of(sens, choice), x)),

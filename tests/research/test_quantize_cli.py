@@ -69,7 +69,7 @@ def test_calm_chooses_per_layer_by_cka_and_reports_the_scores(trained, tmp_path,
              for specs in plan.values())
 
 
-@pytest.mark.parametrize("sensitivity", ["first_order", "hessian"])
+@pytest.mark.parametrize("sensitivity", ["first_order", "first_plus_hessian"])
 def test_a_mixed_precision_layout_fits_the_budget_and_is_applied(trained, tmp_path, capsys, sensitivity):
   out = str(tmp_path / "mp")
   quantize.main([trained, out, "--method", "mixed", "--bits", "4", "--sensitivity", sensitivity,
