@@ -322,8 +322,14 @@ class Quantized(nnx.Module):
 # ---- plans ------------------------------------------------------------------------------------------------------
 
 
-def _path(path) -> str:
+def path_name(path) -> str:
+  """A graph or state path as the plans name it: "blocks/wq_DQ"."""
   return "/".join(str(k) for k in path)
+
+
+def by_path(state) -> dict[str, nnx.Variable]:
+  """{path name: Variable} of an `nnx.State` (e.g. `nnx.state(model, nnx.Param)`, or gradients)."""
+  return {path_name(k): v for k, v in nnx.to_flat_state(state)}
 
 
 def targets(model: nnx.Module, pattern: str = DEFAULT_TARGETS) -> dict[str, nnx.Param]:
@@ -336,7 +342,7 @@ def targets(model: nnx.Module, pattern: str = DEFAULT_TARGETS) -> dict[str, nnx.
   for path, node in nnx.iter_graph(model):
     if isinstance(node, nnx.Module):
       for name, value in vars(node).items():
-        p = _path((*path, name))
+        p = path_name((*path, name))
         if isinstance(value, nnx.Param) and value.ndim >= 3 and p.startswith("blocks/") and rx.search(p):
           found[p] = value
   if not found:
@@ -460,7 +466,7 @@ def quantize(model: nnx.Module, plan: Plan, tokens_NT) -> nnx.Module:
       x, _ = block(x)
   for p, weight in targets(model, ".").items():
     if p in plan:
-      module, attr = _owner(model.blocks, names[p])
+      module, attr = owner(model, p)
       setattr(module, attr, Quantized(pieces[p], variable_names(weight), plan[p]))
   return model
 
@@ -474,18 +480,19 @@ def quantize_layer(block: nnx.Module, specs: dict[str, Spec], x_BTD) -> dict[str
   stats = record_inputs(block, x_BTD, wanted) if wanted else {}
   pieces = {}
   for n, spec in specs.items():
-    module, attr = _owner(block, n)
+    module, attr = owner(block, n)
     pieces[n] = quantize_weight(getattr(module, attr)[...], spec, stats.get(n))
-    setattr(module, attr, _layer_quantized(pieces[n], spec))
+    setattr(module, attr, _LayerQuantized(pieces[n], spec))
   return pieces
 
 
-def _owner(block, name: str):
-  """(module, attribute) of a path relative to a block: "wq_DQ" or "moe/w_up_EDF"."""
+def owner(root, name: str):
+  """(module, attribute) of a path relative to `root`: "wq_DQ" or "moe/w_up_EDF" in a block, "blocks/wq_DQ" in a
+  model."""
   *mods, attr = name.split("/")
   for m in mods:
-    block = getattr(block, m)
-  return block, attr
+    root = getattr(root, m)
+  return root, attr
 
 
 class _LayerQuantized(Quantized):
@@ -497,9 +504,5 @@ class _LayerQuantized(Quantized):
       v.set_value(v.get_value()[0])
 
 
-def _layer_quantized(piece: Piece, spec: Spec) -> Quantized:
-  return _LayerQuantized(piece, spec)
-
-
 def quantized(model: nnx.Module) -> list[tuple[str, Quantized]]:
-  return [(_path(p), n) for p, n in nnx.iter_graph(model) if isinstance(n, Quantized) and p]
+  return [(path_name(p), n) for p, n in nnx.iter_graph(model) if isinstance(n, Quantized) and p]

@@ -74,8 +74,7 @@ def _loss(model, x, y):
 
 
 def _weights(model, paths):
-  state = nnx.state(model, nnx.Param)
-  flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
+  flat = quant.by_path(nnx.state(model, nnx.Param))
   return {p: flat[p] for p in paths}
 
 
@@ -92,7 +91,7 @@ def sensitivity(model: nnx.Module, x_BT, y_BT, pattern: str = quant.DEFAULT_TARG
   """First-order loss changes of every (projection, layer) at every width, from the gradient on (x, y)."""
   paths = list(quant.targets(model, pattern))
   grads = nnx.jit(nnx.grad(_loss))(model, jnp.asarray(x_BT), jnp.asarray(y_BT))
-  flat_g = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(grads)}
+  flat_g = quant.by_path(grads)
   weights = _weights(model, paths)
   units, sizes, first = [], [], []
   for p in paths:
@@ -126,7 +125,7 @@ def add_hessian(sens: Sensitivity, model: nnx.Module, x_BT, y_BT, group: int = 0
       return jax.random.rademacher(jax.random.fold_in(key, paths.index(name)), x.shape, x.dtype)
     return jax.tree_util.tree_map_with_path(one, params)
 
-  flat = lambda tree: {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(tree)}
+  flat = lambda tree: {k: v.get_value() for k, v in quant.by_path(tree).items()}
 
   @jax.jit
   def estimates(params, x, y, keys):  # {path: (probes, layers)}: v_pᵀ(Hv)_p per probe and layer

@@ -60,7 +60,7 @@ def choose(model: nnx.Module, candidates: dict[str, quant.Spec], tokens_NT, by: 
     raise quant.QuantError("no candidate algorithms to choose from")
   paths = list(quant.targets(model, pattern))
   for spec in candidates.values():
-    quant.check_plan(model, {p: [spec] * quant.targets(model, ".")[p].shape[0] for p in paths})
+    quant.check_plan(model, quant.uniform_plan(model, spec, pattern))
   names = [p[len("blocks/"):] for p in paths]
   graphdef, state = nnx.split(model.blocks)
   n_layers = jax.tree.leaves(state)[0].shape[0]

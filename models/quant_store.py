@@ -22,7 +22,8 @@ from flax import nnx
 
 from models.config import TransformerConfig
 from models.hf import write_dir
-from models.quant import PLAN_FORMAT, Piece, Quantized, QuantError, check_plan, plan_from_json, plan_to_json
+from models.quant import (PLAN_FORMAT, Piece, Quantized, QuantError, by_path, check_plan, owner, plan_from_json,
+                          plan_to_json, quantized)
 from models.transformer import Transformer
 from sharding.state import place_variables, variable_names
 
@@ -53,45 +54,33 @@ def unpack(data: np.ndarray, bits: int, shape) -> np.ndarray:
   return np.where(u >= 2 ** (bits - 1), u - 2 ** bits, u).astype(np.int8).reshape(shape)
 
 
-def _path(path) -> str:
-  return "/".join(str(k) for k in path)
-
-
 def _tensors(model: nnx.Module) -> tuple[dict, dict]:
   """(safetensors dict, {path: codes shape of one layer}) of a quantized model."""
   out, shapes = {}, {}
-  quant = {}
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, Quantized) and path:
-      p = _path(path)
-      quant[p] = node
-      codes = np.asarray(node.codes[...].astype(jnp.float32))
-      shapes[p] = list(codes.shape[1:])
-      for layer, bits in enumerate(node.bits):
-        out[f"{p}.codes.{layer}"] = pack(codes[layer], bits)
-      out[f"{p}.scale"] = np.asarray(node.scale[...], np.float32)
-      out[f"{p}.smooth"] = np.asarray(node.smooth[...], np.float32)
-      if node.zero is not None:
-        out[f"{p}.zero"] = np.asarray(node.zero[...], np.float32)
-  for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    out[_path(path)] = np.asarray(v.get_value())
+  for p, node in quantized(model):
+    codes = np.asarray(node.codes[...].astype(jnp.float32))
+    shapes[p] = list(codes.shape[1:])
+    for layer, bits in enumerate(node.bits):
+      out[f"{p}.codes.{layer}"] = pack(codes[layer], bits)
+    out[f"{p}.scale"] = np.asarray(node.scale[...], np.float32)
+    out[f"{p}.smooth"] = np.asarray(node.smooth[...], np.float32)
+    if node.zero is not None:
+      out[f"{p}.zero"] = np.asarray(node.zero[...], np.float32)
+  for p, v in by_path(nnx.state(model, nnx.Param)).items():
+    out[p] = np.asarray(v.get_value())
   return out, shapes
 
 
 def save(model: nnx.Module, path: str, source: str | None = None, extra: dict | None = None) -> str:
   """Writes the quantized `model` to a new directory `path` (refused if it exists and is not empty; written whole or
   not at all), with the JSON-able `extra` files beside it. Returns `path`."""
-  plan = {p: list(q.specs) for p, q in _quantized(model).items()}
+  plan = {p: list(q.specs) for p, q in quantized(model)}
   if not plan:
     raise QuantError("the model has no quantized weight; quantize it first (models.quant.quantize)")
   tensors, shapes = _tensors(model)
   meta = {"format": FORMAT, "model_config": dataclasses.asdict(model.c), "plan": plan_to_json(plan),
           "codes_shapes": shapes, "source": source}
   return write_dir(path, {**(extra or {}), "config.json": meta, WEIGHTS: tensors})
-
-
-def _quantized(model) -> dict[str, Quantized]:
-  return {_path(p): n for p, n in nnx.iter_graph(model) if isinstance(n, Quantized) and p}
 
 
 def stored_bytes(path: str) -> int:
@@ -104,14 +93,6 @@ def full_bytes(config: TransformerConfig, dtype=jnp.float32) -> int:
   """Bytes of the model's parameters unquantized, at `dtype`."""
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))) * jnp.dtype(dtype).itemsize
-
-
-def is_quantized_dir(path: str) -> bool:
-  try:
-    with open(os.path.join(path, "config.json")) as f:
-      return json.load(f).get("format") == FORMAT
-  except (OSError, ValueError, AttributeError):
-    return False
 
 
 def load(path: str, mesh=None) -> tuple[Transformer, TransformerConfig, dict]:
@@ -139,12 +120,12 @@ def load(path: str, mesh=None) -> tuple[Transformer, TransformerConfig, dict]:
   model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   check_plan(model, plan)
   try:
-    for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-      key = _path(p)
+    for key, v in by_path(nnx.state(model, nnx.Param)).items():
       if key not in plan:
         v.set_value(_array(tensors, key, v.shape).astype(v.dtype))
     for p, specs in plan.items():
-      weight = _get(model, p)
+      module, attr = owner(model, p)
+      weight = getattr(module, attr)
       shape = tuple(meta["codes_shapes"][p])
       G = tensors[f"{p}.scale"].shape[-2]
       pieces = []
@@ -156,7 +137,7 @@ def load(path: str, mesh=None) -> tuple[Transformer, TransformerConfig, dict]:
                             jnp.asarray(tensors[f"{p}.smooth"][layer]), spec.bits, spec.act_bits))
         if pieces[-1].scale.shape[-2] != G:
           raise QuantError(f"{path}: {p} scale rows disagree")
-      _set(model, p, Quantized(pieces, variable_names(weight), specs))
+      setattr(module, attr, Quantized(pieces, variable_names(weight), specs))
   except KeyError as e:
     raise QuantError(f"{path}/{WEIGHTS}: missing tensor {e}") from None
   model = _materialize(model)
@@ -171,21 +152,6 @@ def _array(tensors, key, shape=None):
   if shape is not None and tuple(a.shape) != tuple(shape):
     raise QuantError(f"{key}: shape {tuple(a.shape)} in the file, {tuple(shape)} in the model")
   return a
-
-
-def _get(model, path: str):
-  node = model
-  for k in path.split("/"):
-    node = getattr(node, k)
-  return node
-
-
-def _set(model, path: str, value):
-  *mods, attr = path.split("/")
-  node = model
-  for k in mods:
-    node = getattr(node, k)
-  setattr(node, attr, value)
 
 
 def _materialize(model):

@@ -15,9 +15,7 @@ float32's; XLA on CPU has no low-bit kernels, so this measures what the code doe
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +27,7 @@ from flax import nnx
 import models
 from models import quant
 from models.transformer import cross_entropy
+from research.throughput import median_seconds
 
 
 @dataclasses.dataclass
@@ -41,20 +40,10 @@ class Args:
   out: str | None = None
 
 
-def _time(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
-
-
-def _forward_time(model, x, y, repeats: int) -> float:
+def _forward_seconds(model, x, y, repeats: int) -> float:
   graphdef, state = nnx.split(model)
   f = jax.jit(lambda s: cross_entropy(nnx.merge(graphdef, s)(x), y))
-  return _time(lambda: f(state), repeats)
+  return median_seconds(lambda: f(state), repeats)
 
 
 SPECS = {"W4 (RTN, per channel)": quant.Spec("rtn", 4), "W3g64 (RTN)": quant.Spec("rtn", 3, group=64),
@@ -71,11 +60,11 @@ def main(argv=None):
   for name in a.presets:
     config = models.preset(name)
     fp = models.Transformer(config, rngs=nnx.Rngs(0))
-    t_fp = _forward_time(fp, x, y, a.repeats)
+    t_fp = _forward_seconds(fp, x, y, a.repeats)
     ratios = []
     for spec in SPECS.values():
       q = quant.quantize(nnx.clone(fp), quant.uniform_plan(fp, spec), tokens[:2, :-1])
-      ratios.append(_forward_time(q, x, y, a.repeats) / t_fp)
+      ratios.append(_forward_seconds(q, x, y, a.repeats) / t_fp)
     lines.append(f"| `{name}` | {1e3 * t_fp:.0f} | " + " | ".join(f"{r:.2f}×" for r in ratios) + " |")
   config = models.preset(a.presets[-1])
   n, d, f = a.batch * a.seq, config.d_model, config.d_ff
@@ -85,9 +74,9 @@ def main(argv=None):
   dims = (((1,), (0,)), ((), ()))
   f32, f8 = jax.jit(jnp.matmul), jax.jit(lambda p, q: qwix.dot_general(p, q, dims))
   fdq = jax.jit(lambda p, q: qwix.dequantize(p) @ qwix.dequantize(q))
-  t32 = _time(lambda: f32(xs, ws), a.repeats)
-  t8 = _time(lambda: f8(xq, wq), a.repeats)
-  tdq = _time(lambda: fdq(xq, wq), a.repeats)
+  t32 = median_seconds(lambda: f32(xs, ws), a.repeats)
+  t8 = median_seconds(lambda: f8(xq, wq), a.repeats)
+  tdq = median_seconds(lambda: fdq(xq, wq), a.repeats)
   lines += ["", f"One ({n} × {d}) × ({d} × {f}) product (`{a.presets[-1]}`'s MLP shape): float32 {1e3 * t32:.1f} ms; "
             f"qwix int8 × int8 dot_general {t8 / t32:.2f}×; dequantize then float32 {tdq / t32:.2f}×."]
   cmd = " ".join(["python -m research.bench_quant", *(argv if argv is not None else sys.argv[1:])])

@@ -12,9 +12,7 @@ the length.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ from flax import nnx
 
 import models
 from models.generate import generate
+from research.throughput import median_seconds
 
 
 @dataclasses.dataclass
@@ -47,16 +46,6 @@ def _rerun(graphdef, state, seq_BS, start):
   return jax.lax.fori_loop(start - 1, seq_BS.shape[1] - 1, step, seq_BS)
 
 
-def _time(fn, repeats):
-  jax.block_until_ready(fn())  # compile
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
-
-
 def main(argv=None):
   a = tyro.cli(Args, args=argv)
   config = models.preset(a.preset)
@@ -65,9 +54,9 @@ def main(argv=None):
   prompt = jax.random.randint(jax.random.key(0), (a.batch, a.prompt), 0, config.vocab_size)
   rows = []
   for n in a.new_tokens:
-    cached = _time(lambda: generate(model, prompt, n), a.repeats)
+    cached = median_seconds(lambda: generate(model, prompt, n), a.repeats)
     padded = jnp.pad(prompt, ((0, 0), (0, n)))
-    rerun = _time(lambda: _rerun(graphdef, state, padded, a.prompt), a.repeats)
+    rerun = median_seconds(lambda: _rerun(graphdef, state, padded, a.prompt), a.repeats)
     same = bool((generate(model, prompt, n) == _rerun(graphdef, state, padded, a.prompt)).all())
     rows.append((n, a.batch * n / cached, a.batch * n / rerun, rerun / cached, same))
   lines = [f"`{a.preset}` ({models.count_params(config) / 1e6:.1f}M params), batch {a.batch}, prompt {a.prompt} "

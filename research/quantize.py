@@ -175,10 +175,9 @@ def run(cfg: QuantizeConfig) -> dict:
   loss = eval_loss(model, val, mesh)
   t_eval = time.perf_counter() - t
   files = {"plan.json": quant.plan_to_json(plan)}
-  if tokenizer is not None and os.path.isfile(tokenizer if not os.path.isdir(tokenizer) else
-                                              os.path.join(tokenizer, "tokenizer.json")):
-    path = tokenizer if not os.path.isdir(tokenizer) else os.path.join(tokenizer, "tokenizer.json")
-    files["tokenizer.json"] = json.load(open(path))
+  tok_file = tokenizer and (os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer)
+  if tok_file and os.path.isfile(tok_file):
+    files["tokenizer.json"] = json.load(open(tok_file))
   quant_store.save(model, cfg.out, source=cfg.source, extra=files)
   report = {"source": cfg.source, "full_loss": full, "quant_loss": loss, "delta": loss - full,
             "stored_bytes": quant_store.stored_bytes(cfg.out), "float32_bytes": quant_store.full_bytes(config),

@@ -15,11 +15,23 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+
+
+def median_seconds(fn, repeats: int) -> float:
+  """Median wall time of `repeats` calls of `fn` (its result waited for), after one call that compiles."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
 
 
 def measure_matmul_flops(n: int = 1024, repeats: int = 5) -> float:

@@ -55,6 +55,7 @@ from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
 from research.data import eval_batches, get_batch, load_corpus
 from research.experiments import common
 from research.pretrained import load_run
+from research.throughput import median_seconds
 from research.train import TrainConfig
 
 NAME = "quantization"
@@ -126,13 +127,7 @@ class Evaluator:
 
   def seconds(self, model, batches, repeats: int = 3) -> float:
     """Median wall time of one pass over `batches` after a compiling pass."""
-    self(model, batches)
-    times = []
-    for _ in range(repeats):
-      t = time.perf_counter()
-      self(model, batches)
-      times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return median_seconds(lambda: self(model, batches), repeats)
 
 
 def quantized(fp, plan, x) -> nnx.Module:

@@ -135,7 +135,7 @@ def test_smoothquant_migration_and_w8a8_product_equal_the_reference():
   s32 = np.asarray(piece.smooth)
   _, wq = ref.rtn((w * s32[:, None]).T, 8)
   expect = ref.per_token_int8(x / s32[None, :]).astype(np.float64) @ wq.T.astype(np.float64)
-  layer = quant._layer_quantized(piece, spec)
+  layer = quant._LayerQuantized(piece, spec)
   got = layer.matmul(jnp.asarray(x)[None], jnp.float32)[0]
   np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
   full = x @ w
@@ -151,7 +151,7 @@ def test_quantized_matmul_equals_the_dequantized_float32_matmul():
   xq = qwix.quantize(jnp.asarray(x), jnp.int8, channelwise_axes=(0,))
   wq = qwix.quantize(jnp.asarray(w), jnp.int8, channelwise_axes=(1,))
   real = qwix.dot_general(xq, wq, (((1,), (0,)), ((), ())))
-  layer = quant._layer_quantized(quant.quantize_weight(w, quant.Spec("rtn", 8, act_bits=8)), quant.Spec())
+  layer = quant._LayerQuantized(quant.quantize_weight(w, quant.Spec("rtn", 8, act_bits=8)), quant.Spec())
   ours = layer.matmul(jnp.asarray(x), jnp.float32)
   np.testing.assert_allclose(real, ours, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(ours, qwix.dequantize(xq) @ qwix.dequantize(wq), rtol=1e-6, atol=1e-6)
