@@ -7,6 +7,7 @@ the factory's defaults. A new optimizer plugs in with `@register("name")`.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,36 @@ STATIC_ARGS = ("ns_steps",)
 
 
 class UnknownOptimizerError(ValueError):
-  """An optimizer name or hyperparameter the registry does not know."""
+  """An optimizer name or hyperparameter the registry does not know, or a hyperparameter value it cannot use."""
+
+
+# Ranges of the hyperparameters whose meaning fixes them (closed intervals; None: unbounded). A value's type must
+# match its default's (an int where the default is an int, a finite number where it is a float, ...).
+_RANGES = {**dict.fromkeys(("b1", "b2", "adam_b1", "adam_b2", "b1_1d", "b2_1d", "beta", "momentum", "tau"), (0, 1)),
+           **dict.fromkeys(("eps", "adam_eps", "weight_decay", "adam_weight_decay", "weight_decay_1d", "gamma",
+                            "alpha", "floor"), (0, None)),
+           "ns_steps": (0, None), "switch_every": (1, None)}
+
+
+def _check_value(name: str, key: str, value, default):
+  """Raises UnknownOptimizerError unless `value` suits hyperparameter `key` (default `default`) of `name`."""
+  def refuse(why):
+    raise UnknownOptimizerError(f"optimizer {name!r}: {key}={value!r} {why}")
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if isinstance(default, bool) and not isinstance(value, bool):
+    refuse("must be true or false")
+  if isinstance(default, int) and not isinstance(default, bool) and not (isinstance(value, int) and number):
+    refuse("must be an integer")
+  if isinstance(default, float) and not number:
+    refuse("must be a number")
+  if isinstance(default, str) and not isinstance(value, str):
+    refuse(f"must be a string such as {default!r}")
+  if number:
+    if not math.isfinite(value):
+      refuse("must be finite")
+    lo, hi = _RANGES.get(key, (None, None))
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+      refuse(f"must lie in [{lo}, {'inf' if hi is None else hi}]")
 
 
 def register(name: str, *, needs_prev_grads: Callable[[dict], bool] | None = None):
@@ -89,7 +119,16 @@ def get_optimizer(name: str, learning_rate, **hparams) -> optax.GradientTransfor
   if unknown:
     raise UnknownOptimizerError(f"optimizer {name!r} has no hyperparameter {', '.join(unknown)}; "
                                 f"it takes {', '.join(sorted(accepted))}")
-  return factory(learning_rate, **hparams)
+  defaults = {k: p.default for k, p in inspect.signature(factory).parameters.items()}
+  for key, value in hparams.items():
+    _check_value(name, key, value, defaults[key])
+  if isinstance(learning_rate, (int, float)) and not (math.isfinite(learning_rate) and learning_rate >= 0):
+    raise UnknownOptimizerError(f"optimizer {name!r}: learning rate {learning_rate!r} must be finite and >= 0")
+  try:
+    return factory(learning_rate, **hparams)
+  except (TypeError, ValueError) as e:  # a value of the right type that the factory itself refuses
+    raise UnknownOptimizerError(f"optimizer {name!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+        from None
 
 
 def hyperparameters(name: str) -> dict[str, Any]:

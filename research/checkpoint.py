@@ -9,18 +9,36 @@ just the temporary directory, which orbax never lists and this class removes whe
 A step that is listed but cannot be read (damaged later: truncated or garbled files) is moved whole, by one
 rename, to `<directory>.corrupt/<step>` (`quarantine`), so it is never overwritten, deleted or counted by keep-N
 garbage collection, and stays there for inspection.
+
+Integrity: each step's meta holds a content checksum of every array of the state (`research.integrity`: two
+32-bit words per array, the same on any sharding), computed on the devices when the save starts; `restore` and
+`restore_params` recompute them for what they read and refuse (CheckpointError) a step whose bytes changed since
+(a flipped bit that still decodes, a truncated shard, a file swapped with another step's), so the caller can fall
+back to an older step. Checkpoints written before checksums existed restore unverified.
+
+A background (async) save that fails (a full disk, a lost mount) raises `CheckpointSaveError` from the next
+`check`, `save` or `close`, with the error's first line: the run stops there, and the steps committed before it
+are untouched (orbax deletes old steps only after a new one is committed).
 """
 
 from __future__ import annotations
 
 import os
 
+import re
+
 import jax
 import orbax.checkpoint as ocp
+
+from research import integrity
 
 
 class CheckpointError(ValueError):
   """A checkpoint that cannot be used for this run."""
+
+
+class CheckpointSaveError(CheckpointError):
+  """A checkpoint could not be written (in the background or not)."""
 
 
 class Checkpointer:
@@ -39,9 +57,27 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
-    """Starts an async save if `step` is due (or `force`); returns whether it saved."""
-    return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                           meta=ocp.args.JsonSave(meta)), force=force)
+    """Starts an async save if `step` is due (or `force`), with the state's checksums in its meta; returns whether
+    it saved."""
+    meta = {**meta, "checksums": integrity.fingerprints(state)}
+    try:
+      return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                             meta=ocp.args.JsonSave(meta)), force=force)
+    except Exception as e:  # a failed earlier background save surfaces here, or this one fails to start
+      raise self._save_error(e) from None
+
+  def check(self):
+    """Raises CheckpointSaveError if a background save has failed (cheap: call it every step)."""
+    try:
+      self.manager.check_for_errors()
+    except Exception as e:
+      raise self._save_error(e) from None
+
+  def _save_error(self, e: Exception) -> CheckpointSaveError:
+    last = self.manager.latest_step()
+    kept = "no checkpoint was committed" if last is None else f"step {last} is the newest intact checkpoint"
+    return CheckpointSaveError(f"saving a checkpoint in {self.directory} failed: {_line(e)}; {kept} (free space or "
+                               f"fix the directory, then rerun the same command to resume)")
 
   def read_meta(self, step: int) -> dict:
     try:
@@ -53,9 +89,23 @@ class Checkpointer:
     """The state at `step`, each array created with the given sharding (so any mesh works)."""
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
     try:
-      return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+      state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     except Exception as e:
       raise CheckpointError(f"checkpoint {self.directory}/{step} could not be restored: {_line(e)}") from None
+    self._verify(step, state)
+    return state
+
+  def _verify(self, step: int, state):
+    """Refuses `state` (read from `step`) unless every array's checksum equals the one saved with it."""
+    saved = self.read_meta(step).get("checksums")
+    if saved is None:  # written before checksums existed
+      return
+    now = integrity.fingerprints(state)
+    bad = integrity.mismatches({k: v for k, v in saved.items() if k.split("/")[0] in state}, now)
+    if bad:
+      more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+      raise CheckpointError(f"checkpoint {self.directory}/{step} changed since it was saved: the checksum of "
+                            f"{bad[0]}{more} differs")
 
   def restore_params(self, step: int, abstract_params, shardings, abstract_buffers=None, buffer_shardings=None):
     """Only the parameters of the state at `step` (the optimizer state is not read), each array created with the
@@ -72,6 +122,7 @@ class Checkpointer:
     except Exception as e:
       raise CheckpointError(f"checkpoint {self.directory}/{step}: parameters could not be restored: {_line(e)}") \
           from None
+    self._verify(step, got)
     return got["params"] if abstract_buffers is None else (got["params"], got["buffers"])
 
   def quarantine(self, step: int) -> str:
@@ -94,11 +145,15 @@ class Checkpointer:
     return dst
 
   def close(self):
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._save_error(e) from None
+    finally:
+      self.manager.close()
 
 
 def _line(e: Exception) -> str:
   """The first line of an orbax/tensorstore error (some span dozens), so errors stay one line."""
-  text = str(e).strip() or type(e).__name__
+  text = re.sub(r"<bound method [^>]*>|<[\w.]+ object at 0x[0-9a-f]+>", "…", str(e)).strip() or type(e).__name__
   return text.splitlines()[0][:300]

@@ -12,7 +12,8 @@ gradient element is, or its sum of squares overflows float32 (such a step is ski
 The same idea as `optax.apply_if_finite`, moved out of the optimizer so that the loss is checked too and the
 optimizer state keeps its structure (checkpoints stay compatible).
 
-On the host (`Monitor`), once per logged or checkpointed step (no extra device syncs), every step's loss and flag:
+On the host (`Monitor`), every step's loss and flag, read one step late (when step t+1 is queued, step t's; at logged
+and checkpointed steps all at once), so the device never waits for the host:
   * skipped: the number of non-finite steps so far; `max_bad_steps` in a row set `failed` (the train loop then
     stops without a further checkpoint and raises `BadStepsError`);
   * spike at step t: loss_t > factor * median(last W finite losses before t), once W are known; the losses of a
@@ -54,7 +55,7 @@ class Monitor:
     self.max_bad_steps, self.spike_factor = max_bad_steps, spike_factor
     self.window: collections.deque = collections.deque(maxlen=spike_window)
     self.skipped = self.spikes = self.bad_run = 0
-    self.bad_from = None  # first step of the current run of non-finite steps
+    self.bad_from = self.bad_last = None  # first and last step of the current run of non-finite steps
     self.flagged: dict[str, list[int]] = {"nonfinite": [], "spike": []}  # steps since the last `take`
     self._pending: list = []
 
@@ -62,16 +63,17 @@ class Monitor:
     """Queues the step's outputs (device scalars; nothing is read yet)."""
     self._pending.append((step, out["loss"], out["finite"]))
 
-  def flush(self):
-    """Reads and accounts every queued step, in one transfer."""
-    values = jax.device_get([p[1:] for p in self._pending])
-    for (step, *_), (loss, finite) in zip(self._pending, values):
+  def flush(self, keep: int = 0):
+    """Reads and accounts every queued step but the newest `keep`, in one transfer."""
+    done, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+    values = jax.device_get([p[1:] for p in done])
+    for (step, *_), (loss, finite) in zip(done, values):
       self.update(step, float(loss), bool(finite))
-    self._pending = []
 
   def update(self, step: int, loss: float, finite: bool):
     """Accounts one step."""
     if not finite:
+      self.bad_last = step
       self.skipped += 1
       self.bad_run += 1
       self.bad_from = step if self.bad_run == 1 else self.bad_from
@@ -102,20 +104,20 @@ class Monitor:
   def error(self, step: int, last_checkpoint: int | None) -> BadStepsError:
     kept = ("no checkpoint was saved" if last_checkpoint is None
             else f"its last checkpoint (step {last_checkpoint}) is kept")
-    return BadStepsError(f"{self.bad_run} non-finite steps in a row (steps {self.bad_from}-{step}, none applied; "
-                         f"--max-bad-steps {self.max_bad_steps}): stopped at step {step}, {kept}; lower --lr, "
+    return BadStepsError(f"{self.bad_run} non-finite steps in a row (steps {self.bad_from}-{self.bad_last}, none "
+                         f"applied; --max-bad-steps {self.max_bad_steps}): stopped at step {step}, {kept}; lower --lr, "
                          f"check the data at those steps, or raise --max-bad-steps")
 
   def state(self) -> dict:
     """What resuming needs to continue exactly (JSON, saved with each checkpoint)."""
-    return {"skipped": self.skipped, "spikes": self.spikes, "bad_run": self.bad_run, "bad_from": self.bad_from,
+    return {"skipped": self.skipped, "spikes": self.spikes, "bad_run": self.bad_run, "bad_from": self.bad_from, "bad_last": self.bad_last,
             "window": list(self.window), "flagged": self.flagged}
 
   def load(self, saved: dict | None):
     if not saved:
       return
     self.skipped, self.spikes = saved["skipped"], saved["spikes"]
-    self.bad_run, self.bad_from = saved["bad_run"], saved["bad_from"]
+    self.bad_run, self.bad_from, self.bad_last = saved["bad_run"], saved["bad_from"], saved.get("bad_last")
     self.window.clear()
     self.window.extend(x for x in saved["window"] if math.isfinite(x))
     self.flagged = {k: list(v) for k, v in saved["flagged"].items()}

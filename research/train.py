@@ -32,8 +32,8 @@ from models import PRESETS, HFError, MoEConfig, Transformer, cross_entropy, flop
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from models.config import ConfigError
 from optim import OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
-from research import adapters, init_from
-from research.checkpoint import Checkpointer, CheckpointError
+from research import adapters, init_from, preflight, rundir
+from research.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
 from research.health import BadStepsError, Monitor, keep_if_finite
 from research.pretrained import peft_settings
@@ -168,7 +168,10 @@ class TrainConfig:
       default_factory=adapters.PeftFlags)
   """Adapter settings (--peft.rank 8 --peft.alpha 16 --peft.targets REGEX ...); each method reads its own."""
   out: str = "runs/default"
-  """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed."""
+  """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed (one run at a time: it is locked)."""
+  amend: bool = False
+  """Resume although training settings (--lr, --steps, --seed, the data, ...) differ from the checkpoint's: the run
+  goes on with the new ones and config.json's `history` records the change (without it, such a resume is refused)."""
   eval_every: int = 25
   """Steps between evaluations on the held-out batches (and at the last step)."""
   eval_batches: int = 8
@@ -186,7 +189,8 @@ class TrainConfig:
   compile_cache: bool = True
   """Keep compiled programs in ~/.cache/optlab/jax ($OPTLAB_CACHE) so reruns and resumes start fast."""
   max_bad_steps: int = 5
-  """Non-finite steps (loss or gradients; their updates are skipped) in a row that stop the run (0 = never)."""
+  """Non-finite steps (loss, gradients or updated parameters; their updates are skipped) in a row that stop the run
+  (0 = never)."""
   spike_factor: float = 1.5
   """Flag a loss above this multiple of the median of the last --spike-window losses (0 = off)."""
   spike_window: int = 100
@@ -208,7 +212,7 @@ class RunError(ValueError):
 
 
 # Bad input of any kind: reported as one line and exit status 2 by the CLIs.
-USER_ERRORS = (RunError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError,
+USER_ERRORS = (RunError, preflight.PreflightError, rundir.RunDirError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError,
                DistributedError, PipelineError, init_from.InitError, HFError, peft.PEFTError)
 
 
@@ -338,7 +342,7 @@ def make_steps(graphdef, tx, shardings, batch_sh):
 
   A state with "prev_params" (`keep_prev_params`) also differentiates the loss at the previous parameters on
   the same batch and hands that gradient to the optimizer as `prev_grads=` (exact MARS / Muon-MVR2).
-  A step whose loss or gradient norm is not finite leaves the state unchanged but for "step", and reports
+  A step whose loss, gradient norm or update norm is not finite leaves the state unchanged but for "step", and reports
   finite=False (`research.health`).
   """
   exact = "prev_params" in shardings
@@ -371,7 +375,8 @@ def make_steps(graphdef, tx, shardings, batch_sh):
         new["buffers"] = update_router_bias(buffers, aux, rate)
       metrics = {"aux_loss": total - loss, **moe_summary(aux)}
     grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    # the update too: a NaN learning rate or an optimizer that divides by zero spoils finite gradients
+    ok = jnp.isfinite(total) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
     return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
@@ -429,32 +434,13 @@ def _check_resume(saved: dict, meta: dict, out: str):
   if changed:
     raise RunError(f"{out} holds a checkpoint of a different model/optimizer ({'; '.join(changed)}); "
                    f"use a new --out or the original settings")
+  settings = rundir.changed_settings(saved, meta)
+  if settings and not meta["train"]["amend"]:
+    raise RunError(f"{out} was trained with other settings ({rundir.describe(settings)}); rerun with the original "
+                   f"flags, or add --amend to go on with these (config.json's history records the change)")
   if saved["corpus"]["fingerprint"] != meta["corpus"]["fingerprint"]:
     print(f"warning: {out} was trained on other data (corpus fingerprint changed); continuing", file=sys.stderr)
-
-
-def _has_checkpoint(out: str) -> bool:
-  ckpt = os.path.join(out, "ckpt")
-  return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
-
-
-def _write_metrics(path: str, records: list[dict], indent: int | None = None):
-  tmp = path + ".tmp"  # written whole, then renamed: a crash leaves the old file or the new one
-  with open(tmp, "w") as f:
-    f.writelines(json.dumps(r, indent=indent) + "\n" for r in records)
-  os.replace(tmp, path)
-
-
-def _read_metrics(path: str) -> list[dict]:
-  """metrics.jsonl's records; a line cut short by a crash (SIGKILL while writing it) is dropped."""
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        pass
-  return records
+  return settings
 
 
 def _setup(cfg: TrainConfig):
@@ -464,12 +450,6 @@ def _setup(cfg: TrainConfig):
   corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
-  for name, n in (("steps", cfg.steps), ("batch_size", cfg.batch_size), ("seq_len", cfg.seq_len),
-                  ("log_every", cfg.log_every), ("eval_every", cfg.eval_every), ("ckpt_every", cfg.ckpt_every)):
-    if n <= 0:
-      raise RunError(f"--{name.replace('_', '-')} must be positive, got {n}")
-  if cfg.warmup_steps is not None and not 0 <= cfg.warmup_steps <= cfg.steps:
-    raise RunError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
   plan = _switch_plan(cfg)
   pipe = _pipeline_plan(mesh, mcfg, cfg.batch_size)
@@ -488,7 +468,7 @@ def _initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus):
   """(graphdef, state, shardings, report) at step 0, created sharded: random parameters, or --init-from's (unless the
   run has a checkpoint of its own to resume), or --peft's adapters on either, --freeze's report, and the exact
   modes' copy of the parameters. `report`: what config.json records of it (--peft's sizes) or {}."""
-  fresh_init_from = cfg.init_from and not _has_checkpoint(cfg.out)  # a resumed run restores its own state instead
+  fresh_init_from = cfg.init_from and not rundir.has_checkpoint(cfg.out)  # a resumed run restores its own state instead
   report = {}
   if cfg.peft:
     base = init_from.load_model(cfg.init_from, mcfg, mesh) if fresh_init_from else \
@@ -520,7 +500,7 @@ def _newest_readable(ckpt, meta: dict, state, shardings, switches, out: str):
   for s in reversed(ckpt.all_steps()):  # the newest readable checkpoint
     try:
       saved = ckpt.read_meta(s)
-      _check_resume(saved, meta, out)
+      settings = _check_resume(saved, meta, out)
       layout = [sw for at, sw in switches if at <= s]  # the mesh the run had switched to by then
       restored = ckpt.restore(s, state, layout[-1][1] if layout else shardings)
       error = None
@@ -530,6 +510,8 @@ def _newest_readable(ckpt, meta: dict, state, shardings, switches, out: str):
       start = s
       break
     damaged.append((s, error or CheckpointError(f"checkpoint {ckpt.directory}/{s} is unreadable on another process")))
+  if start is not None:
+    meta["history"] = rundir.amend_history(saved, settings, start)
   if damaged and start is None:
     raise CheckpointError(f"{damaged[0][1]}; no older checkpoint is readable: move {ckpt.directory} aside or use a "
                           f"new --out")
@@ -541,10 +523,17 @@ def _newest_readable(ckpt, meta: dict, state, shardings, switches, out: str):
 
 
 def run(cfg: TrainConfig) -> list[dict]:
-  """Trains (or resumes) and returns the metrics records of the whole run."""
+  """Trains (or resumes) and returns the metrics records of the whole run: the flags checked before anything starts,
+  the run directory locked for the run (and removed again if this run created it and failed before its first
+  checkpoint)."""
+  preflight.check(cfg)
   init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed)  # before any JAX use
   _setup_jax(cfg.devices, cfg.compile_cache)
+  with rundir.claim(cfg.out, lock=is_primary(), keep_on=(BadStepsError, CheckpointSaveError)):
+    return _train(cfg)
 
+
+def _train(cfg: TrainConfig) -> list[dict]:
   mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = _setup(cfg)
 
   tx, schedule = _optimizer(cfg)
@@ -553,7 +542,6 @@ def run(cfg: TrainConfig) -> list[dict]:
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
   switches = [(at, _switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]
 
-  os.makedirs(cfg.out, exist_ok=True)
   meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
           "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint,
                      "train_tokens": int(len(corpus.train)), "val_tokens": int(len(corpus.val))},
@@ -562,8 +550,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     meta["pipeline"] = pipe
   meta.update(report)
   ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every)
-  metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-  records: list[dict] = []
+  metrics = rundir.MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), enabled=is_primary())
   monitor = Monitor(cfg.max_bad_steps, cfg.spike_factor, cfg.spike_window)
   start, restored, saved = _newest_readable(ckpt, meta, state, shardings, switches, cfg.out)
   if start is not None:
@@ -571,15 +558,13 @@ def run(cfg: TrainConfig) -> list[dict]:
       mesh, shardings, batch_sh, val, train_step, eval_step = switches.pop(0)[1]
     state = restored
     monitor.load(saved.get("health"))
-    if os.path.exists(metrics_path):  # drop what the interrupted run logged past its checkpoint
-      records = [r for r in _read_metrics(metrics_path) if r["step"] <= start]
     print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
   start = start or 0
   peak = Peak(cfg.peak_flops)  # what MFU divides by, and how it was obtained (research/throughput.py)
   meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
+  records = metrics.open(start)  # what the interrupted run logged past its checkpoint is dropped
   if is_primary():  # one writer for the run's own files; orbax coordinates the checkpoint writes
-    _write_metrics(metrics_path, records)
-    _write_metrics(os.path.join(cfg.out, "config.json"), [meta], indent=2)
+    rundir.write_json_lines(os.path.join(cfg.out, "config.json"), [meta], indent=2)
 
   model_flops_per_token = flops_per_token(mcfg, cfg.seq_len)
   meter = Meter(cfg.batch_size * cfg.seq_len)
@@ -588,62 +573,66 @@ def run(cfg: TrainConfig) -> list[dict]:
     return float(np.mean([eval_step(state["params"], x, y, state.get("buffers", {})) for x, y in val]))
 
   progress = Progress(cfg.steps, start, enabled=cfg.progress and is_primary())
-  mf = open(metrics_path, "a") if is_primary() else None
   step = start
-  with _Stop() as stop, contextlib.ExitStack() as in_mesh:
-    in_mesh.enter_context(jax.set_mesh(mesh))
-    end = min(cfg.steps, cfg.stop_at or cfg.steps)
-    while step < end and stop.signum is None:
-      if switches and switches[0][0] == step:  # --switch-at: the new steps are compiled, only the state moves
-        t = time.perf_counter()
-        mesh, shardings, batch_sh, val, train_step, eval_step = switches.pop(0)[1]
-        state = jax.block_until_ready(reshard(state, shardings=shardings, donate=True))
-        in_mesh.close()
-        in_mesh.enter_context(jax.set_mesh(mesh))
-        print(f"step {step}: switched to mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.2f} s", file=sys.stderr)
-      state, out = train_step(state, *global_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
-                                                                cfg.seq_len), mesh))
-      step += 1
-      last = step == cfg.steps
-      if step == start + 1:  # the first step compiles: throughput is timed from its end
-        jax.block_until_ready(out)
-        meter.compiled(step)
-      monitor.push(step, out)
-      log = step % cfg.log_every == 0 or last or step % cfg.eval_every == 0
-      if log or step % cfg.ckpt_every == 0 or step == end or stop.signum is not None:
-        monitor.flush()  # the loss and finite flag of every step since the last flush, in one transfer
-      if log:
-        loss = float(out["loss"])  # waits for the step
-        rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(schedule(step - 1)),
-               **monitor.take()}
-        rate = meter.window(step)  # None until a whole step has run after compilation
-        if rate is not None:
-          rec["tokens_per_s"], rec["mfu"] = rate, peak.mfu(rate * model_flops_per_token)
-        if step == end and meter.average() is not None:  # the whole run's (this session's) averages
-          rec["run_tokens_per_s"] = meter.average()
-          rec["run_mfu"] = meter.average() * model_flops_per_token / peak.flops
-          rec["peak_source"] = peak.source
-        if step % cfg.eval_every == 0 or last:
-          rec["val_loss"] = evaluate(state)
-        rec.update(_router_metrics(out))
-        records.append(rec)
-        if mf is not None:
-          mf.write(json.dumps(rec) + "\n")
-          mf.flush()
-        progress.log(rec)
-        meter.restart()  # evaluation and logging are not training time
-      if monitor.failed:  # stop before saving: the newest checkpoint stays the last one before the bad steps
-        break
-      final = step == end or stop.signum is not None
-      # every --ckpt-every steps (no periodic save amid bad steps) and at the end; deciding here, not in orbax,
-      # keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked for)
-      if (monitor.bad_run == 0 and step % cfg.ckpt_every == 0) or final:
-        ckpt.save(step, state, {**meta, "health": monitor.state()}, force=True)
-      progress.advance()
-  if mf is not None:
-    mf.close()
-  progress.close()
-  ckpt.close()
+  try:
+    with _Stop() as stop, contextlib.ExitStack() as in_mesh:
+      in_mesh.enter_context(jax.set_mesh(mesh))
+      end = min(cfg.steps, cfg.stop_at or cfg.steps)
+      while step < end and stop.signum is None:
+        if switches and switches[0][0] == step:  # --switch-at: the new steps are compiled, only the state moves
+          t = time.perf_counter()
+          mesh, shardings, batch_sh, val, train_step, eval_step = switches.pop(0)[1]
+          state = jax.block_until_ready(reshard(state, shardings=shardings, donate=True))
+          in_mesh.close()
+          in_mesh.enter_context(jax.set_mesh(mesh))
+          print(f"step {step}: switched to mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.2f} s", file=sys.stderr)
+        state, out = train_step(state, *global_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
+                                                                  cfg.seq_len), mesh))
+        step += 1
+        last = step == cfg.steps
+        if step == start + 1:  # the first step compiles: throughput is timed from its end
+          jax.block_until_ready(out)
+          meter.compiled(step)
+        monitor.push(step, out)
+        ckpt.check()  # a failed background save stops the run here
+        log = step % cfg.log_every == 0 or last or step % cfg.eval_every == 0
+        if log or step % cfg.ckpt_every == 0 or step == end or stop.signum is not None:
+          monitor.flush()  # the loss and finite flag of every step since the last flush, in one transfer
+        else:  # the previous step's (done by now, this one queued behind it): every step is counted in time
+          monitor.flush(keep=1)
+        if log:
+          loss = float(out["loss"])  # waits for the step
+          rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(schedule(step - 1)),
+                 **monitor.take()}
+          rate = meter.window(step)  # None until a whole step has run after compilation
+          if rate is not None:
+            rec["tokens_per_s"], rec["mfu"] = rate, peak.mfu(rate * model_flops_per_token)
+          if step == end and meter.average() is not None:  # the whole run's (this session's) averages
+            rec["run_tokens_per_s"] = meter.average()
+            rec["run_mfu"] = meter.average() * model_flops_per_token / peak.flops
+            rec["peak_source"] = peak.source
+          if step % cfg.eval_every == 0 or last:
+            rec["val_loss"] = evaluate(state)
+          rec.update(_router_metrics(out))
+          records.append(rec)
+          metrics.write(rec)
+          progress.log(rec)
+          meter.restart()  # evaluation and logging are not training time
+        if monitor.failed:  # stop before saving: the newest checkpoint stays the last one before the bad steps
+          break
+        final = step == end or stop.signum is not None
+        # every --ckpt-every steps (no periodic save amid bad steps) and at the end; deciding here, not in orbax,
+        # keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked for)
+        if (monitor.bad_run == 0 and step % cfg.ckpt_every == 0) or final:
+          ckpt.save(step, state, {**meta, "health": monitor.state()}, force=True)
+        progress.advance()
+    progress.close()
+    ckpt.close()
+  except CheckpointSaveError:  # nothing past the newest committed checkpoint stays logged
+    metrics.cut(ckpt.latest_step())
+    raise
+  finally:
+    metrics.close()
 
   if monitor.failed:
     raise monitor.error(step, ckpt.manager.latest_step())
@@ -675,6 +664,15 @@ def main(argv=None):
   except BadStepsError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(3) from None
+  except OSError as e:  # the run directory's disk or permissions (a checkpoint's own failures are CheckpointErrors)
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    print(f"error: out of memory ({str(e).splitlines()[0][:200]}): lower --batch-size or --seq-len, add --remat, or "
+          f"shard over more devices", file=sys.stderr)
+    raise SystemExit(2) from None
   if records and is_primary():
     print(summary(records, cfg.out))
 

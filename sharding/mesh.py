@@ -50,6 +50,7 @@ def _parse_items(spec: str) -> tuple[dict[str, int], str | None]:
   """The axis sizes a spec names (others 1) and the axis given as -1, if any."""
   sizes = dict.fromkeys(AXES, 1)
   fill = None
+  seen = set()
   for item in filter(None, (s.strip() for s in spec.split(","))):
     name, sep, value = item.partition("=")
     name = name.strip()
@@ -57,6 +58,9 @@ def _parse_items(spec: str) -> tuple[dict[str, int], str | None]:
       raise MeshError(f"mesh spec item {item!r} is not of the form axis=size (spec {spec!r})")
     if name not in sizes:
       raise MeshError(f"unknown mesh axis {name!r} in {spec!r}; axes are {', '.join(AXES)}")
+    if name in seen:
+      raise MeshError(f"mesh axis {name!r} is given twice in {spec!r}")
+    seen.add(name)
     try:
       size = int(value)
     except ValueError:

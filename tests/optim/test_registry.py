@@ -24,6 +24,27 @@ def test_unknown_names_and_hyperparameters_are_refused():
     get_optimizer("lion", 1e-3, momentum=0.9)
 
 
+@pytest.mark.parametrize("name, hparams, message", [
+    ("muon", {"ns_steps": "abc"}, "ns_steps='abc' must be an integer"),
+    ("muon", {"ns_steps": 2.5}, "must be an integer"),
+    ("adamw", {"b1": 1.5}, r"b1=1.5 must lie in \[0, 1\]"),
+    ("adamw", {"eps": -1e-8}, "must lie in"),
+    ("adamw", {"weight_decay": float("nan")}, "must be finite"),
+    ("adamw", {"b2": True}, "must be a number"),
+    ("muon", {"nesterov": "yes"}, "must be true or false"),
+    ("muon", {"coeffs": 3}, "must be a string"),
+])
+def test_values_of_the_wrong_type_or_range_are_refused(name, hparams, message):
+  with pytest.raises(UnknownOptimizerError, match=message):
+    get_optimizer(name, 1e-3, **hparams)
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1.0])
+def test_a_learning_rate_that_is_not_finite_and_nonnegative_is_refused(lr):
+  with pytest.raises(UnknownOptimizerError, match="learning rate"):
+    get_optimizer("adamw", lr)
+
+
 def test_weight_decay_skips_norms_by_name():
   assert decay_mask(PARAMS) == {"blocks": {"wq": True, "attn_norm": False}, "embed": True, "final_norm": False}
 

@@ -141,6 +141,34 @@ def test_consecutive_bad_steps_stop_the_run_and_keep_its_last_good_checkpoint(po
     assert [(r["step"], r["skipped"]) for r in map(json.loads, f)][-1] == (5, 3)
 
 
+def test_nonfinite_parameters_after_an_update_are_a_bad_step_and_never_saved(monkeypatch, tmp_path, capsys):
+  """--lr nan gets past the flag checks here (they refuse it): the warmup's lr = nan * 0 spoils every update while
+  the loss and gradients stay finite; each such step is skipped and nothing NaN is checkpointed."""
+  monkeypatch.setattr(research.train.preflight, "check_numbers", lambda cfg: None)
+  with pytest.raises(SystemExit) as e:
+    main([f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"] +
+         ["--no-progress", "--max-bad-steps=3", "--lr=nan", f"--out={tmp_path}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 3 and err[-1].startswith("error: 3 non-finite steps in a row (steps 1-3"), err
+  assert "no checkpoint was saved" in err[-1]
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+  assert records[-1]["skipped"] == 3 and not os.listdir(tmp_path / "ckpt")
+
+
+def test_max_bad_steps_counts_every_step_not_only_logged_ones(poison, tmp_path, capsys):
+  """Logging every 10 steps, 3 bad steps in a row stop the run at once (one step later at most: the flags are read
+  one step behind), not at the next logged step."""
+  poison({s: "nan_loss" for s in range(3, 9)})
+  with pytest.raises(SystemExit) as e:
+    main([f"--{k.replace('_', '-')}={v}" for k, v in {**TINY, "log_every": 10, "eval_every": 10, "ckpt_every": 10}.items()
+          if k != "progress"] + ["--no-progress", "--max-bad-steps=3", f"--out={tmp_path}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 3 and len(err) == 1, err
+  assert err[0].startswith("error: 3 non-finite steps in a row (steps 3-5, none applied; --max-bad-steps 3): "
+                           "stopped at step 6, no checkpoint was saved"), err
+
+
 def reference_spikes(losses, factor, window):
   """Independent float64 NumPy statement of the rule: t spikes iff losses[t] > factor * median of the `window`
   finite losses before it (none until there are `window`)."""

@@ -66,11 +66,15 @@ def test_resume_refuses_a_shape_change_and_keeps_the_checkpoint(tmp_path):
   assert run(cfg(tmp_path, d_model=64, compute_dtype="float32"))[-1]["step"] == 8
 
 
-def bad(tmp_path, capsys, *args):
+def bad(tmp_path, capsys, *args, out=None):
+  """The one error line of a refused run; a run directory it would have created is not left behind."""
+  out = out or str(tmp_path / "run")
+  existed = os.path.exists(out)
   with pytest.raises(SystemExit) as e:
-    main([*args, "--out", str(tmp_path / "run"), "--model", "tiny", "--no-progress"])
+    main([*args, "--out", out, "--model", "tiny", "--no-progress"])
   err = capsys.readouterr().err.strip().splitlines()
   assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+  assert existed or not os.path.exists(out), f"a refused run left {out} behind"
   return err[0]
 
 
@@ -86,10 +90,61 @@ def bad(tmp_path, capsys, *args):
     (["--data", "/nonexistent/corpus.txt"], "data path does not exist: /nonexistent/corpus.txt"),
     (["--steps", "0"], "--steps must be positive"),
     (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps \\(50\\) must lie in"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "-1"], r"--lr must lie in \(0, inf\), got -1"),
+    (["--lr", "0"], r"--lr must lie in \(0, inf\)"),
+    (["--b2", "1.5"], r"--b2 must lie in \[0, 1\]"),
+    (["--grad-clip", "inf"], "--grad-clip must be a finite number"),
+    (["--devices", "0"], "--devices must be positive, got 0"),
+    (["--keep", "0"], "--keep must be positive"),
+    (["--optimizer", "muon", "--opt", "ns_steps=abc"], "ns_steps='abc' must be an integer"),
+    (["--opt", "b1=NaN"], "b1=nan must be finite"),
+    (["--mesh", "data=2,data=4"], "mesh axis 'data' is given twice"),
 ])
 def test_bad_input_gives_one_clear_line_and_exit_2(tmp_path, capsys, args, message):
   import re
   assert re.search(message, bad(tmp_path, capsys, *args))
+
+
+def test_an_out_that_cannot_be_a_run_directory_is_refused_and_left_alone(tmp_path, capsys):
+  file = tmp_path / "notes.txt"
+  file.write_text("keep me")
+  assert "is a file, not a run directory" in bad(tmp_path, capsys, out=str(file))
+  assert "cannot be created: " in bad(tmp_path, capsys, out=str(file / "run"))
+  assert file.read_text() == "keep me"
+
+
+def test_out_of_memory_is_one_line_and_leaves_no_run_directory(tmp_path, capsys):
+  """--seq-len 100000 asks the attention for terabytes: XLA refuses the allocation at the first step."""
+  assert "out of memory" in bad(tmp_path, capsys, "--seq-len", "100000", "--steps", "2", "--batch-size", "8")
+
+
+def test_a_run_directory_in_use_is_refused_without_touching_it(tmp_path, capsys):
+  from research import rundir
+  run(cfg(tmp_path / "run", stop_at=4))
+  before = sorted(os.listdir(tmp_path / "run" / "ckpt"))
+  with rundir.claim(str(tmp_path / "run")):  # another run holds the directory
+    assert "is in use by another run (pid " in bad(tmp_path, capsys, *_tiny_flags())
+  assert sorted(os.listdir(tmp_path / "run" / "ckpt")) == before
+  assert run(cfg(tmp_path / "run"))[-1]["step"] == 8  # free again once it ends
+
+
+def _tiny_flags():
+  return sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in TINY.items() if k not in ("model", "progress")), [])
+
+
+def test_resume_with_changed_settings_is_refused_or_recorded_with_amend(reference, tmp_path):
+  _, ref = reference
+  run(cfg(tmp_path, stop_at=4))
+  with pytest.raises(RunError, match=r"trained with other settings \(lr: 0.003 -> 0.001; steps: 8 -> 10\); "
+                                     r"rerun with the original flags, or add --amend"):
+    run(cfg(tmp_path, lr=1e-3, steps=10))
+  assert json.load(open(tmp_path / "config.json"))["train"]["lr"] == 3e-3  # the record is unchanged
+  resumed = run(cfg(tmp_path, lr=1e-3, amend=True))
+  assert trace(resumed)[:4] == trace(ref)[:4] and trace(resumed)[4:] != trace(ref)[4:]
+  meta = json.load(open(tmp_path / "config.json"))
+  assert meta["train"]["lr"] == 1e-3
+  assert meta["history"] == [{"from_step": 4, "changed": {"lr": [3e-3, 1e-3]}}]
 
 
 def test_sequence_longer_than_data_and_empty_data(tmp_path, capsys):
@@ -112,8 +167,7 @@ def test_corrupt_checkpoint_is_reported_and_left_alone(tmp_path, capsys):
   for v in victims:
     with open(v, "wb") as f:
       f.write(b"garbage")
-  msg = bad(tmp_path, capsys, *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in TINY.items()
-                                    if k not in ("model", "progress")), []))
+  msg = bad(tmp_path, capsys, *_tiny_flags())
   assert "checkpoint" in msg
   assert all(open(v, "rb").read() == b"garbage" for v in victims)  # nothing overwritten
 

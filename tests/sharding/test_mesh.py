@@ -24,6 +24,7 @@ def test_minus_one_takes_the_rest():
     ("data=3,fsdp=-1", "do not divide"),
     ("data", "not of the form axis=size"),
     ("data=two", "non-integer size"),
+    ("data=2,data=4", "given twice"),
 ])
 def test_bad_specs_say_what_is_wrong(spec, message):
   with pytest.raises(MeshError, match=message):

@@ -1,0 +1,67 @@
+"""Checks of the train CLI's flags that need nothing but the flags, run before JAX starts or anything is written:
+every count positive, every rate a finite number in its range, a run directory that can be created and written.
+Each failure is a `PreflightError` with one line naming the flag (the CLI prints it and exits 2)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+
+class PreflightError(ValueError):
+  """A flag value no run can use."""
+
+
+POSITIVE = ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep",
+            "devices", "spike_window")
+# flag: (low, high, whether low itself is allowed); every value must also be finite
+RANGES = {"lr": (0, None, False), "weight_decay": (0, None, True), "b1": (0, 1, True), "b2": (0, 1, True),
+          "min_lr_ratio": (0, 1, True), "grad_clip": (0, None, True), "spike_factor": (0, None, True),
+          "max_bad_steps": (0, None, True), "peak_flops": (0, None, False)}
+
+
+def _flag(name: str) -> str:
+  return "--" + name.replace("_", "-")
+
+
+def check_numbers(cfg):
+  """Counts positive; rates finite and in range (None = unset, which takes a default)."""
+  for name in POSITIVE:
+    if getattr(cfg, name) <= 0:
+      raise PreflightError(f"{_flag(name)} must be positive, got {getattr(cfg, name)}")
+  for name, (lo, hi, closed) in RANGES.items():
+    value = getattr(cfg, name)
+    if value is None:
+      continue
+    if not math.isfinite(value):
+      raise PreflightError(f"{_flag(name)} must be a finite number, got {value}")
+    if value < lo or (value == lo and not closed) or (hi is not None and value > hi):
+      low = "[" if closed else "("
+      raise PreflightError(f"{_flag(name)} must lie in {low}{lo}, {'inf)' if hi is None else f'{hi}]'}, got {value}")
+  if cfg.warmup_steps is not None and not 0 <= cfg.warmup_steps <= cfg.steps:
+    raise PreflightError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
+  if cfg.stop_at is not None and cfg.stop_at <= 0:
+    raise PreflightError(f"--stop-at must be positive, got {cfg.stop_at}")
+
+
+def check_out(out: str):
+  """A run directory that exists and is a writable directory, or whose nearest existing parent is one."""
+  path = os.path.abspath(out)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise PreflightError(f"--out {out} is a file, not a run directory")
+  parent = path
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise PreflightError(f"--out {out} cannot be created: {parent} is a file")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise PreflightError(f"--out {out} {'is not writable' if parent == path else f'cannot be created in {parent}'}")
+  for sub in ("ckpt", "metrics.jsonl", "config.json"):  # a resumed run writes into each
+    p = os.path.join(path, sub)
+    if os.path.exists(p) and not os.access(p, os.W_OK):
+      raise PreflightError(f"--out {out}: {p} is not writable")
+
+
+def check(cfg):
+  check_numbers(cfg)
+  check_out(cfg.out)

@@ -1,0 +1,162 @@
+"""A run directory's ownership and history: one writer at a time, no stray directory from a run that never started,
+and a record of every setting changed on resume.
+
+  claim(out)            creates --out if needed and locks it (`<out>/.lock`, an exclusive flock held until the run
+                        ends: a second run on the same directory is refused in one line); if this run created the
+                        directory and fails before its first checkpoint, the directory is removed again
+  changed_settings      the settings that change what the remaining steps compute, old -> new, between a
+                        checkpoint's config and this run's
+  amend_history         config.json's `history`: one segment per resume that changed settings (with --amend)
+  MetricsLog            metrics.jsonl: records up to the resumed step kept, one line appended (and flushed) per
+                        record, cut back to a committed step when a save fails
+
+What may differ on resume without --amend (it changes neither the math nor the data of the steps to come): where
+and how the run is laid out (mesh, devices, --zero1, --switch-at, remat, pipeline microbatches, processes), how it
+reports and saves (logging, evaluation, checkpoint cadence, keep, progress, cache, bad-step and spike limits, peak
+FLOP/s), --stop-at and --init-from (which only a fresh run reads). Model shapes and the optimizer are compared
+separately and never change (the state would not fit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+
+
+class RunDirError(ValueError):
+  """A run directory this run cannot own or resume as asked."""
+
+
+LAYOUT_AND_REPORTING = {
+    "out", "mesh", "devices", "zero1", "switch_at", "remat", "microbatches", "coordinator", "num_processes",
+    "process_id", "distributed", "eval_every", "eval_batches", "ckpt_every", "keep", "log_every", "progress",
+    "compile_cache", "max_bad_steps", "spike_factor", "spike_window", "peak_flops", "stop_at", "init_from", "amend"}
+# flags that only name model fields (compared through the resolved model config instead)
+MODEL_FLAGS = {"model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias",
+               "tie_embeddings", "compute_dtype", "moe"}
+
+
+def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
+  """{setting: [before, now]} for every training setting (and the model's compute dtype) that differs between a
+  checkpoint's config (`saved`) and this run's (`meta`)."""
+  skip = LAYOUT_AND_REPORTING | MODEL_FLAGS
+  old, new = saved["train"], json.loads(json.dumps(meta["train"]))  # as saved: tuples become lists
+  changed = {k: [old.get(k), v] for k, v in new.items() if k not in skip and old.get(k) != v}
+  dtype = [saved["model_config"].get("compute_dtype"), meta["model_config"].get("compute_dtype")]
+  if dtype[0] != dtype[1]:
+    changed["compute_dtype"] = dtype
+  return changed
+
+
+def amend_history(saved: dict, changed: dict, step: int) -> list[dict]:
+  """The history a resumed run records: the checkpoint's, plus a segment from `step` on if settings changed."""
+  history = list(saved.get("history", []))
+  if changed:
+    history.append({"from_step": step, "changed": changed})
+  return history
+
+
+def describe(changed: dict) -> str:
+  return "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+
+
+def has_checkpoint(out: str) -> bool:
+  ckpt = os.path.join(out, "ckpt")
+  return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
+
+
+@contextlib.contextmanager
+def claim(out: str, *, lock: bool = True, keep_on: tuple[type[BaseException], ...] = ()):
+  """Creates `out` if needed and holds its lock for the block. A directory this call created is removed if the
+  block raises (anything but `keep_on`) before a checkpoint exists in it: a failed start leaves nothing behind."""
+  try:
+    os.makedirs(out)  # atomic: of two runs starting on a new directory, one creates it
+    created = True
+  except FileExistsError:
+    created = False
+  handle = None
+  try:
+    if lock:
+      handle = open(os.path.join(out, ".lock"), "a+")
+      try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        handle = None
+        raise RunDirError(f"{out} is in use by another run ({holder}); wait for it to end or use another --out") \
+            from None
+      handle.seek(0)
+      handle.truncate()
+      handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+      handle.flush()
+    yield
+  except BaseException as e:
+    if created and not isinstance(e, keep_on) and not has_checkpoint(out):
+      shutil.rmtree(out, ignore_errors=True)
+    raise
+  finally:
+    if handle is not None:
+      handle.close()  # releases the lock
+
+
+def write_json_lines(path: str, records: list[dict], indent: int | None = None):
+  """Writes `records` one JSON object each, whole, then renames: a crash leaves the old file or the new one."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(json.dumps(r, indent=indent) + "\n" for r in records)
+  os.replace(tmp, path)
+
+
+def read_json_lines(path: str) -> list[dict]:
+  """A JSON-lines file's records; a line cut short by a crash (SIGKILL while writing it) is dropped."""
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        pass
+  return records
+
+
+class MetricsLog:
+  """A run's metrics.jsonl: `open(up_to)` keeps the records of steps <= up_to (what the resumed checkpoint had
+  logged), `write` appends one record, `cut(step)` truncates the file back to the records of steps <= step (in place:
+  it needs no free space, for a disk that filled up). `enabled=False` (other processes): writes nothing."""
+
+  def __init__(self, path: str, enabled: bool = True):
+    self.path, self.enabled = path, enabled
+    self.file = None
+    self.ends: list[tuple[int, int]] = []  # (step, file offset after its record)
+
+  def open(self, up_to: int | None) -> list[dict]:
+    records = []
+    if up_to is not None and os.path.exists(self.path):
+      records = [r for r in read_json_lines(self.path) if r["step"] <= up_to]
+    if self.enabled:
+      write_json_lines(self.path, records)
+      self.file = open(self.path, "a")
+      self.ends = [(0, self.file.tell())]
+    return records
+
+  def write(self, record: dict):
+    if self.file is not None:
+      self.file.write(json.dumps(record) + "\n")
+      self.file.flush()
+      self.ends.append((record["step"], self.file.tell()))
+
+  def cut(self, step: int | None):
+    if self.file is not None:
+      keep = max(end for s, end in self.ends if s <= (step or 0))
+      self.file.truncate(keep)
+      self.file.seek(keep)
+
+  def close(self):
+    if self.file is not None:
+      self.file.close()
+      self.file = None
