@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 
+import logging
 import re
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -76,7 +78,9 @@ class Checkpointer:
   def _save_error(self, e: Exception) -> CheckpointSaveError:
     last = self.manager.latest_step()
     kept = "no checkpoint was committed" if last is None else f"step {last} is the newest intact checkpoint"
-    return CheckpointSaveError(f"saving a checkpoint in {self.directory} failed: {_line(e)}; {kept} (free space or "
+    os_error = re.search(r"([^:\"]+?) \[os_error_code='?(\d+)", str(e))  # tensorstore's: the cause comes last
+    why = f"{os_error[1].strip()} [errno {os_error[2]}]" if os_error else _line(e)
+    return CheckpointSaveError(f"saving a checkpoint in {self.directory} failed: {why}; {kept} (free space or "
                                f"fix the directory, then rerun the same command to resume)")
 
   def read_meta(self, step: int) -> dict:
@@ -151,6 +155,30 @@ class Checkpointer:
       raise self._save_error(e) from None
     finally:
       self.manager.close()
+
+
+class _OrbaxErrors(logging.Filter):
+  """Orbax's error records, and asyncio's reports of orbax write tasks that failed after the save was abandoned."""
+
+  def filter(self, record):
+    return not (record.levelno >= logging.ERROR and (f"{os.sep}orbax{os.sep}" in record.pathname or (
+        record.name == "asyncio" and "orbax" in record.getMessage())))
+
+
+def quiet_orbax_errors():
+  """Drops orbax's own error logs (a failed background save logs each failing thread's traceback): the failure
+  reaches the caller as one CheckpointSaveError line instead. For CLIs; the library leaves logging alone."""
+  for logger in map(logging.getLogger, ("absl", "asyncio")):
+    if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
+      logger.addFilter(_OrbaxErrors())
+  if not getattr(sys.excepthook, "_optlab", False):  # nor the callbacks of its cancelled writes, printed by
+    hook = sys.excepthook                            # tensorstore through sys.excepthook once orbax's loop is closed
+
+    def excepthook(kind, value, tb):
+      if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+        hook(kind, value, tb)
+    excepthook._optlab = True
+    sys.excepthook = excepthook
 
 
 def _line(e: Exception) -> str:

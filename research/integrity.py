@@ -1,16 +1,18 @@
 """Content checksums of a train state that do not depend on how it is sharded.
 
 For an array x with n elements, its bits w_i (each element's bytes as an unsigned integer: float32 → uint32,
-bfloat16 → uint16, ...) and its flat (row-major) index i:
+bfloat16 → uint16, ...; widened to 32 bits) and its flat (row-major) index i:
 
-  F_k(x) = Σ_i w_i · m_k(i)  mod 2^32,   m_k(i) = fmix32(i ⊕ salt_k) | 1,   k = 1, 2
+  F_k(x) = Σ_i fmix32(w_i ⊕ fmix32(i ⊕ salt_k))  mod 2^32,   k = 1, 2
 
-(fmix32: MurmurHash3's 32-bit finalizer). A sum of integers modulo 2^32 is exact and order-free, so F is the same
-for every sharding, on every mesh and process count, and it is computed where the shards live (one pass over the
-state, one all-reduce of 2 words per array). One flipped bit changes w_i by ±2^b and F_k by ±2^b·m_k(i) ≠ 0
-mod 2^32 (m_k(i) is odd): every single-bit error is caught, in every element, by both words. Any other change (a
-truncated shard read back as zeros, another step's array in a swapped file) leaves both words unchanged with
-probability about 2^-64. Not a cryptographic hash: it detects accidents, not forgery.
+(fmix32: MurmurHash3's 32-bit finalizer, a bijection of the 32-bit integers). A sum of integers modulo 2^32 is
+exact and order-free, so F is the same for every sharding, on every mesh and process count, and it is computed
+where the shards live (one pass over the state, one all-reduce of 2 words per array). A change of one element (any
+of its bits: a flipped bit) changes that element's term, since fmix32 is a bijection, and no other term: it is
+always caught, by both words. Changes of several elements (a truncated shard read back as zeros, another step's
+array in a swapped file) go unnoticed only if both sums happen to agree, with probability about 2^-64 (a plain
+weighted sum Σ w_i·m(i) would miss two flipped sign bits: 2^31 + 2^31 ≡ 0). Not a cryptographic hash: it detects
+accidents, not forgery.
 
 The train loop stores `fingerprints(state)` with each checkpoint and compares them after restoring
 (research/checkpoint.py): a step whose bytes changed is refused like an unreadable one.
@@ -55,8 +57,7 @@ def _flat_index(shape) -> jax.Array:
 def _array_fingerprint(x) -> jax.Array:
   w = _words(x)
   index = _flat_index(w.shape)
-  return jnp.stack([jnp.sum(w * (_fmix32(index ^ jnp.uint32(salt)) | jnp.uint32(1)), dtype=jnp.uint32)
-                    for salt in SALTS])
+  return jnp.stack([jnp.sum(_fmix32(w ^ _fmix32(index ^ jnp.uint32(salt))), dtype=jnp.uint32) for salt in SALTS])
 
 
 @jax.jit

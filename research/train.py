@@ -33,7 +33,7 @@ from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from models.config import ConfigError
 from optim import OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
 from research import adapters, init_from, preflight, rundir
-from research.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
+from research.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, quiet_orbax_errors
 from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
 from research.health import BadStepsError, Monitor, keep_if_finite
 from research.pretrained import peft_settings
@@ -656,6 +656,7 @@ def optimizer_help() -> str:
 def main(argv=None):
   cfg = tyro.cli(TrainConfig, args=argv, prog="python -m research.train",
                  description=f"{TrainConfig.__doc__}\n\n{optimizer_help()}")
+  quiet_orbax_errors()  # a failed save is reported in one line of ours
   try:
     records = run(cfg)
   except USER_ERRORS as e:

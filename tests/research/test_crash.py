@@ -5,6 +5,7 @@ previous good one, moved aside byte for byte, never overwritten or deleted, also
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,3 +144,79 @@ def test_a_damaged_checkpoint_is_reported_skipped_and_kept(reference, tmp_path, 
   assert e.value.code == 2 and len(err) == 1, err
   assert err[0].startswith(f"error: checkpoint {ckpt}/8 could not be restored") and "no older checkpoint" in err[0]
   assert files(out) == before
+
+
+# Runs the train CLI with the commit of step $FAIL_AT failing with ENOSPC in orbax's background thread, as a full
+# disk makes it fail.
+FAIL_DRIVER = """
+import errno, os, sys
+from orbax.checkpoint._src.path import atomicity
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def finalize_or_fail(self):
+  if self._final_path.name == os.environ["FAIL_AT"]:
+    raise OSError(errno.ENOSPC, "No space left on device", str(self._final_path))
+  return await finalize(self)
+
+atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_fail
+from research.train import main
+main(sys.argv[1:])
+"""
+
+
+def tiny_args(out):
+  return [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"] + ["--no-progress",
+                                                                                        f"--out={out}"]
+
+
+def test_a_failed_background_save_stops_the_run_in_one_line_and_resumes_once_it_can(reference, tmp_path):
+  out, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt"
+  p = subprocess.run([sys.executable, "-c", FAIL_DRIVER, *tiny_args(out)], env={**os.environ, "FAIL_AT": "4"},
+                     capture_output=True, text=True, timeout=600)
+  err = p.stderr.strip().splitlines()
+  assert p.returncode == 2 and len(err) == 1, p.stderr
+  assert err[0].startswith(f"error: saving a checkpoint in {ckpt} failed: [Errno 28] No space left on device")
+  assert "step 2 is the newest intact checkpoint" in err[0]
+  assert "2" in listing(ckpt) and "4" not in listing(ckpt)
+  assert max(r["step"] for r in metrics(out)) <= 2  # nothing logged past the newest committed step
+  intact = files(ckpt / "2")
+  records = run(cfg(out))  # space is back
+  assert trace(records) == trace(reference) and trace(metrics(out)) == trace(reference)
+  assert files(ckpt.parent / "ckpt" / "2") == intact or "2" not in listing(ckpt)  # (keep-N may retire it now)
+
+
+NAMESPACE = shutil.which("unshare") and subprocess.run(
+    ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt || mount -t tmpfs -o size=1m tmpfs /tmp"],
+    capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not NAMESPACE, reason="needs a user and mount namespace (unshare -rm) to mount a small tmpfs; "
+                                          "the injected-ENOSPC test above covers the same code path")
+def test_a_real_full_disk_and_a_read_only_run_directory(reference, tmp_path):
+  """On a 2.5 MB tmpfs (a checkpoint of this run is ~1.1 MB) the third save fills the disk; the run stops with one
+  line and its two checkpoints; remounted read-only, the run is refused in one line and nothing changes; remounted
+  larger and writable, it resumes and ends with the uninterrupted losses."""
+  mnt, report = tmp_path / "mnt", tmp_path / "report"
+  mnt.mkdir(), report.mkdir()
+  train = " ".join([sys.executable, "-m", "research.train", *tiny_args(mnt / "run")])
+  script = f"""
+set -u
+mount -t tmpfs -o size=2500k tmpfs {mnt}
+{train} 2> {report}/full.err; echo $? > {report}/full.rc
+ls {mnt}/run/ckpt > {report}/full.ls
+mount -o remount,ro {mnt}
+{train} 2> {report}/ro.err; echo $? > {report}/ro.rc
+mount -o remount,rw,size=20m {mnt}
+{train} 2> {report}/again.err; echo $? > {report}/again.rc
+cp {mnt}/run/metrics.jsonl {report}/
+"""
+  subprocess.run(["unshare", "-rm", "sh", "-c", script], check=True, timeout=900, cwd=os.getcwd())
+  read = lambda name: (report / name).read_text().strip()  # noqa: E731
+  full = read("full.err").splitlines()
+  assert read("full.rc") == "2" and len(full) == 1 and full[0].startswith("error: "), full
+  assert "No space left on device" in full[0]
+  assert {"2", "4"} <= set(read("full.ls").split())
+  ro = read("ro.err").splitlines()
+  assert read("ro.rc") == "2" and len(ro) == 1 and "is not writable" in ro[0], ro
+  assert read("again.rc") == "0", read("again.err")
+  assert trace(metrics(report)) == trace(reference)

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import models
 import sharding
 from optim import get_optimizer
+import research.integrity
 from research.checkpoint import Checkpointer
 from research.train import TrainConfig, main, run
 
@@ -109,7 +110,9 @@ def test_checkpoint_restores_bit_exact_onto_another_mesh_and_device_count(tmp_pa
     target = sharding.state_shardings(abstract, names, new_mesh)
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
     restored = ckpt.restore(5, abstract, target)
-    assert ckpt.read_meta(5) == {"note": f"from {src}"}
+    meta = ckpt.read_meta(5)  # with the checksums of the state, verified by restore on this other mesh too
+    assert meta.pop("checksums").keys() == research.integrity.fingerprints(host).keys()
+    assert meta == {"note": f"from {src}"}
     ckpt.close()
     assert jax.tree.structure(restored) == jax.tree.structure(host)
     for h, x, s in zip(jax.tree.leaves(host), jax.tree.leaves(restored), jax.tree.leaves(target)):
