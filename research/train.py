@@ -11,12 +11,19 @@ exactly where the interrupted one would have been. SIGINT/SIGTERM save a checkpo
 
 from __future__ import annotations
 
+import signal
+
+_EARLY_SIGNALS: list[int] = []  # SIGINT/SIGTERM that came while the CLI was still importing (seconds)
+if __name__ == "__main__":  # the CLI only: importing this module changes no handler
+  for _signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signum, lambda signum, _frame: _EARLY_SIGNALS.append(signum))
+
+# the imports below take seconds: they come after the handlers on purpose
 import contextlib
 import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import time
 from typing import Annotated, Literal
@@ -393,6 +400,8 @@ class _Stop:
     self._old = {}
 
   def __enter__(self):
+    if _EARLY_SIGNALS:  # one came during the CLI's imports
+      self.signum = _EARLY_SIGNALS[0]
     for s in (signal.SIGINT, signal.SIGTERM):
       try:
         self._old[s] = signal.signal(s, self._handle)
@@ -527,13 +536,14 @@ def run(cfg: TrainConfig) -> list[dict]:
   the run directory locked for the run (and removed again if this run created it and failed before its first
   checkpoint)."""
   preflight.check(cfg)
-  init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed)  # before any JAX use
-  _setup_jax(cfg.devices, cfg.compile_cache)
-  with rundir.claim(cfg.out, lock=is_primary(), keep_on=(BadStepsError, CheckpointSaveError)):
-    return _train(cfg)
+  with _Stop() as stop:  # from here on SIGINT/SIGTERM stop the run cleanly, during start-up too
+    init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed)  # before any JAX use
+    _setup_jax(cfg.devices, cfg.compile_cache)
+    with rundir.claim(cfg.out, lock=is_primary(), keep_on=(BadStepsError, CheckpointSaveError)):
+      return _train(cfg, stop)
 
 
-def _train(cfg: TrainConfig) -> list[dict]:
+def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
   mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = _setup(cfg)
 
   tx, schedule = _optimizer(cfg)
@@ -575,7 +585,7 @@ def _train(cfg: TrainConfig) -> list[dict]:
   progress = Progress(cfg.steps, start, enabled=cfg.progress and is_primary())
   step = start
   try:
-    with _Stop() as stop, contextlib.ExitStack() as in_mesh:
+    with contextlib.ExitStack() as in_mesh:
       in_mesh.enter_context(jax.set_mesh(mesh))
       end = min(cfg.steps, cfg.stop_at or cfg.steps)
       while step < end and stop.signum is None:
@@ -637,7 +647,9 @@ def _train(cfg: TrainConfig) -> list[dict]:
   if monitor.failed:
     raise monitor.error(step, ckpt.manager.latest_step())
   if stop.signum is not None:
-    print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, rerun the same command to resume",
+    saved = ("checkpoint saved" if step > start else
+             "the checkpoint it resumed from is kept" if start else "nothing was saved")
+    print(f"stopped by signal {stop.signum} at step {step}; {saved}, rerun the same command to resume",
           file=sys.stderr)
     raise SystemExit(128 + stop.signum)
   return records
