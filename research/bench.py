@@ -6,6 +6,7 @@
   python -m research.bench comm --out research/results/bench_comm.md       # research/bench_comm.py
   python -m research.bench reshard --out research/results/bench_reshard.md # research/bench_reshard.py
   python -m research.bench moe --out research/results/bench_moe.md         # research/bench_moe.py
+  python -m research.bench ckpt --out research/results/bench_ckpt.md       # research/bench_ckpt.py
 
 `train` times the real train step of research/train.py (AdamW, grad clipping, fp32) and reports
 compile time, steady step time, tokens/s, model FLOP/s and MFU against a matmul rate measured in
@@ -28,6 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import ConfigError, Transformer, count_params, flops_per_token, preset
+from research.bench_ckpt import ckpt_bench
 from research.bench_comm import comm
 from research.bench_moe import moe
 from research.bench_optim import optim_step
@@ -175,7 +177,8 @@ def train(presets: tuple[str, ...] = ("small", "base"),
   return rows
 
 
-BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe}
+BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe,
+              "ckpt": ckpt_bench}
 
 
 def main(argv=None):
