@@ -54,7 +54,7 @@ def launcher() -> str | None:
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               mode: Literal["auto", "on", "off"] = "auto") -> bool:
+               mode: Literal["auto", "on", "off"] = "auto", heartbeat_timeout: int = 100) -> bool:
   """Starts `jax.distributed` when the arguments or the environment ask for several processes.
 
   Args:
@@ -62,6 +62,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     num_processes: processes in the run; default $JAX_NUM_PROCESSES (or the launcher's count).
     process_id: this process's index in [0, num_processes); default $JAX_PROCESS_ID (or the launcher's rank).
     mode: "auto" (see the module docstring), "on" (always, with JAX's cluster detection), "off" (never).
+    heartbeat_timeout: seconds after which JAX's coordination service declares a silent process dead and aborts
+      the others (JAX's default: 100).
 
   Returns:
     Whether this process is part of a multi-process run (also when an earlier call started it).
@@ -92,7 +94,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
     raise DistributedError(f"--process-id {process_id} must lie in [0, --num-processes={num_processes})")
   try:
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                               heartbeat_timeout_seconds=int(heartbeat_timeout))
   except RuntimeError as e:
     if "must be called before" in str(e):  # a library call started the backend first
       raise DistributedError("jax.distributed must start before JAX's backend: call research.distributed."

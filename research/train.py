@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Annotated, Literal
@@ -46,6 +47,7 @@ from research.health import BadStepsError, Monitor, keep_if_finite
 from research.pretrained import peft_settings
 from research.progress import Progress, summary
 from research.throughput import Meter, Peak
+from research.watchdog import EXIT_STATUS as WATCHDOG_EXIT, Watchdog
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from sharding import MeshError, ShardingError, batch_sharding, global_batch, init_train_state, make_mesh, mesh_spec
 from sharding import abstract_state, devices_for, logical_names, reshard, state_shardings
@@ -209,6 +211,10 @@ class TrainConfig:
   """Processes in a multi-process run (or $JAX_NUM_PROCESSES)."""
   process_id: int | None = None
   """This process's index, 0 .. --num-processes - 1 (or $JAX_PROCESS_ID)."""
+  peer_timeout: float = 300.0
+  """Multi-process runs: a process that sees no step complete for this many seconds (a peer died mid-collective)
+  exits with one error line and status 4; restarting every process resumes (compilation, the first step, is not
+  timed)."""
   distributed: Literal["auto", "on", "off"] = "auto"
   """auto: start jax.distributed when a coordinator is given or SLURM/Open MPI launched several tasks; on: always,
   with JAX's cluster detection (TPU pods, Kubernetes); off: never."""
@@ -537,7 +543,8 @@ def run(cfg: TrainConfig) -> list[dict]:
   checkpoint)."""
   preflight.check(cfg)
   with _Stop() as stop:  # from here on SIGINT/SIGTERM stop the run cleanly, during start-up too
-    init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed)  # before any JAX use
+    init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed,  # before any JAX use
+                     heartbeat_timeout=cfg.peer_timeout + 60)  # JAX's abort comes after ours, if ours is armed
     _setup_jax(cfg.devices, cfg.compile_cache)
     with rundir.claim(cfg.out, lock=is_primary(), keep_on=(BadStepsError, CheckpointSaveError)):
       return _train(cfg, stop)
@@ -584,8 +591,10 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
 
   progress = Progress(cfg.steps, start, enabled=cfg.progress and is_primary())
   step = start
+  watchdog = Watchdog(cfg.peer_timeout, f"after step {{step}} of a {jax.process_count()}-process run: a peer "
+                      f"process probably died; restart every process with the same command to resume")
   try:
-    with contextlib.ExitStack() as in_mesh:
+    with watchdog if jax.process_count() > 1 else contextlib.nullcontext(), contextlib.ExitStack() as in_mesh:
       in_mesh.enter_context(jax.set_mesh(mesh))
       end = min(cfg.steps, cfg.stop_at or cfg.steps)
       while step < end and stop.signum is None:
@@ -610,6 +619,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
           monitor.flush()  # the loss and finite flag of every step since the last flush, in one transfer
         else:  # the previous step's (done by now, this one queued behind it): every step is counted in time
           monitor.flush(keep=1)
+        watchdog.beat(step - 1)  # every process took part in the steps read back so far
         if log:
           loss = float(out["loss"])  # waits for the step
           rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(schedule(step - 1)),
@@ -665,27 +675,42 @@ def optimizer_help() -> str:
   return "\n".join(lines)
 
 
+COLLECTIVE_FAILED = r"Gloo|NCCL|[Cc]onnection (reset|closed) by peer|heartbeat"
+
+
+def _failure(e: Exception) -> tuple[int, str] | None:
+  """(exit status, error line) of a run that failed in a way the CLI reports in one line, or None (a bug: the
+  traceback is shown)."""
+  text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+  peers = jax.distributed.is_initialized() and jax.process_count() > 1
+  if peers and (isinstance(e, jax.errors.JaxRuntimeError) or re.search(COLLECTIVE_FAILED, str(e))):
+    # a collective failed (in a step, or in a checkpoint save's own collectives): a peer is gone
+    return WATCHDOG_EXIT, (f"a collective failed in a {jax.process_count()}-process run ({text}): a peer process "
+                           f"probably died; restart every process with the same command to resume")
+  if isinstance(e, USER_ERRORS) or isinstance(e, OSError):  # bad input; the run directory's disk or permissions
+    return 2, str(e)
+  if isinstance(e, BadStepsError):
+    return 3, str(e)
+  if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
+    return 2, f"out of memory ({text}): lower --batch-size or --seq-len, add --remat, or shard over more devices"
+  return None
+
+
 def main(argv=None):
   cfg = tyro.cli(TrainConfig, args=argv, prog="python -m research.train",
                  description=f"{TrainConfig.__doc__}\n\n{optimizer_help()}")
   quiet_orbax_errors()  # a failed save is reported in one line of ours
   try:
     records = run(cfg)
-  except USER_ERRORS as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
-  except BadStepsError as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(3) from None
-  except OSError as e:  # the run directory's disk or permissions (a checkpoint's own failures are CheckpointErrors)
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
-  except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" not in str(e):
+  except Exception as e:
+    failure = _failure(e)
+    if failure is None:
       raise
-    print(f"error: out of memory ({str(e).splitlines()[0][:200]}): lower --batch-size or --seq-len, add --remat, or "
-          f"shard over more devices", file=sys.stderr)
-    raise SystemExit(2) from None
+    print(f"error: {failure[1]}", file=sys.stderr, flush=True)
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
+      sys.stdout.flush()  # and not through jax.distributed's shutdown barrier: a dead peer would hold it until JAX's
+      os._exit(failure[0])  # heartbeat timeout, then abort this process with a stack trace
+    raise SystemExit(failure[0]) from None
   if records and is_primary():
     print(summary(records, cfg.out))
 

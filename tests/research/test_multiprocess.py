@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -67,6 +68,68 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
   assert_same_run(resumed, one)
 
 
+def two_processes(out, port, *extra):
+  args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"]
+  args += ["--no-progress", f"--out={out}", "--devices=4", f"--coordinator=localhost:{port}", "--num-processes=2",
+           *extra]
+  env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+  return [subprocess.Popen([sys.executable, "-m", "research.train", *args, f"--process-id={i}"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def test_a_dead_peer_ends_the_others_in_one_line_and_a_restart_resumes_exactly(tmp_path):
+  """Process 1 is SIGKILLed after step 8 of 24: process 0's next collective fails (Gloo sees the closed socket) and
+  it says so in one line and exits 4 at once, instead of waiting in jax.distributed's shutdown barrier for the
+  heartbeat timeout and aborting with a stack trace; both restarted, the run resumes from its last checkpoint and
+  logs what an uninterrupted two-process run logs, bit for bit. (A peer that hangs instead, as NCCL makes it: the
+  watchdog test below.)"""
+  flags = [f"--{k}={v}" for k, v in dict(steps=24, ckpt_every=4, eval_every=12).items()]
+  whole = two_processes(tmp_path / "whole", free_port(), *flags)
+  assert [p.communicate(timeout=600) and p.returncode for p in whole] == [0, 0]
+  out = tmp_path / "two"
+  procs = two_processes(out, free_port(), "--peer-timeout=15", *flags)
+  try:
+    metrics, deadline = out / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
+      time.sleep(0.05)
+    procs[1].kill()
+    killed = time.time()
+    _, err = procs[0].communicate(timeout=200)
+    waited = time.time() - killed
+  finally:
+    for p in procs:
+      p.kill()
+  lines = [line for line in err.strip().splitlines() if line.startswith("error")]
+  assert procs[0].returncode == 4, err[-2000:]
+  assert len(lines) == 1 and lines[0].startswith("error: a collective failed in a 2-process run (") and \
+      "a peer process probably died" in lines[0], err[-2000:]
+  assert waited < 15, waited  # not the watchdog's timeout, nor JAX's heartbeat timeout (75 s here)
+  procs = two_processes(out, free_port(), *flags)
+  logs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], logs[0][1][-2000:]
+  assert "resuming" in logs[0][1]
+  read = lambda path: [json.loads(line) for line in open(path)]  # noqa: E731
+  keys = ("step", "loss", "grad_norm", "lr", "val_loss")
+  assert [[r.get(k) for k in keys] for r in read(metrics)] == \
+      [[r.get(k) for k in keys] for r in read(tmp_path / "whole" / "metrics.jsonl")]
+
+
+WATCHED = """
+import sys, time
+from research.watchdog import Watchdog
+with Watchdog(float(sys.argv[1]), "after step {step}: stuck") as w:
+  w.beat(7)
+  time.sleep(30)  # a collective that never returns
+"""
+
+
+def test_the_watchdog_ends_a_stuck_process_in_one_line_after_the_timeout():
+  t = time.time()
+  p = subprocess.run([sys.executable, "-c", WATCHED, "1.5"], capture_output=True, text=True, timeout=60)
+  assert p.returncode == 4 and p.stderr.strip() == "error: no progress for 1.5 s after step 7: stuck", p.stderr
+  assert 1.5 <= time.time() - t < 20
+
+
 def test_when_jax_distributed_starts(monkeypatch):
   for name in ENV:
     monkeypatch.delenv(name, raising=False)
@@ -87,11 +150,12 @@ def test_when_jax_distributed_starts(monkeypatch):
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
   monkeypatch.setenv("JAX_PROCESS_ID", "1")
   assert distributed.initialize()
+  beat = {"heartbeat_timeout_seconds": 100}
   assert started == [
-      {"coordinator_address": "localhost:1234", "num_processes": 2, "process_id": 1},
-      {"coordinator_address": None, "num_processes": None, "process_id": None},
-      {"coordinator_address": None, "num_processes": None, "process_id": None},
-      {"coordinator_address": "10.0.0.1:555", "num_processes": 2, "process_id": 1}]
+      {"coordinator_address": "localhost:1234", "num_processes": 2, "process_id": 1, **beat},
+      {"coordinator_address": None, "num_processes": None, "process_id": None, **beat},
+      {"coordinator_address": None, "num_processes": None, "process_id": None, **beat},
+      {"coordinator_address": "10.0.0.1:555", "num_processes": 2, "process_id": 1, **beat}]
 
 
 @pytest.mark.parametrize("kw, message", [
