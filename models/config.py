@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 
@@ -51,6 +52,9 @@ class MoEConfig:
         raise ConfigError(f"moe.{f} must be >= 0, got {getattr(self, f)}")
 
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """A decoder-only LM. `n_kv_heads < n_heads` gives grouped-query attention."""
@@ -79,6 +83,12 @@ class TransformerConfig:
       object.__setattr__(self, "moe", MoEConfig(**self.moe))
     if self.moe is not None and self.moe.num_experts == 0:
       object.__setattr__(self, "moe", None)
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
+      if getattr(self, f) <= 0:
+        raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
+    for f in ("n_kv_heads", "head_dim"):
+      if getattr(self, f) is not None and getattr(self, f) <= 0:
+        raise ConfigError(f"{f} must be positive (or None), got {getattr(self, f)}")
     kv, hd = self.kv_heads, self.hd
     if self.n_heads % kv:
       raise ConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
@@ -86,9 +96,12 @@ class TransformerConfig:
       raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim")
     if hd % 2:
       raise ConfigError(f"head_dim={hd} must be even for RoPE")
-    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
-      if getattr(self, f) <= 0:
-        raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
+    if not (math.isfinite(self.norm_eps) and self.norm_eps > 0 and math.isfinite(self.rope_theta) and
+            self.rope_theta > 0):
+      raise ConfigError(f"norm_eps ({self.norm_eps}) and rope_theta ({self.rope_theta}) must be positive and finite")
+    for f in ("param_dtype", "compute_dtype"):
+      if getattr(self, f) not in FLOAT_DTYPES:
+        raise ConfigError(f"{f} must be one of {', '.join(FLOAT_DTYPES)}, got {getattr(self, f)!r}")
     if self.microbatches is not None and self.microbatches <= 0:
       raise ConfigError(f"microbatches must be positive (or None: one per pipeline stage), got {self.microbatches}")
 
