@@ -717,3 +717,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
   main()
+  for _signum in (signal.SIGINT, signal.SIGTERM):  # the run is complete and saved: a signal during the
+    signal.signal(_signum, signal.SIG_IGN)         # interpreter's teardown (which resets Python handlers) is moot
