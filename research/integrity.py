@@ -1,18 +1,18 @@
 """Content checksums of a train state that do not depend on how it is sharded.
 
 For an array x with n elements, its bits w_i (each element's bytes as an unsigned integer: float32 → uint32,
-bfloat16 → uint16, ...; widened to 32 bits) and its flat (row-major) index i:
+bfloat16 → uint16, ...; widened to 32 bits) and its flat (row-major) index i, each element is hashed once,
 
-  F_k(x) = Σ_i fmix32(w_i ⊕ fmix32(i ⊕ salt_k))  mod 2^32,   k = 1, 2
+  h_i = fmix32(w_i ⊕ (φ·i + salt))        (fmix32: MurmurHash3's 32-bit finalizer, a bijection; φ = 0x9E3779B1)
 
-(fmix32: MurmurHash3's 32-bit finalizer, a bijection of the 32-bit integers). A sum of integers modulo 2^32 is
-exact and order-free, so F is the same for every sharding, on every mesh and process count, and it is computed
-where the shards live (one pass over the state, one all-reduce of 2 words per array). A change of one element (any
-of its bits: a flipped bit) changes that element's term, since fmix32 is a bijection, and no other term: it is
-always caught, by both words. Changes of several elements (a truncated shard read back as zeros, another step's
-array in a swapped file) go unnoticed only if both sums happen to agree, with probability about 2^-64 (a plain
-weighted sum Σ w_i·m(i) would miss two flipped sign bits: 2^31 + 2^31 ≡ 0). Not a cryptographic hash: it detects
-accidents, not forgery.
+and the two words are sums modulo 2^32:  F_1 = Σ_i h_i,  F_2 = Σ_i (2i + 1)·h_i.
+Sums modulo 2^32 are exact and order-free, so F is the same for every sharding, on every mesh and process count,
+and it is computed where the shards live (one pass over the state, one all-reduce of 2 words per array). A change
+of one element (any of its bits: a flipped bit) changes h_i (a bijection of w_i) and nothing else, and both words
+(2i + 1 is odd, so invertible modulo 2^32): it is always caught. Changes of several elements (a truncated shard read
+back as zeros, another step's array in a swapped file) go unnoticed only if both sums happen to agree, with
+probability about 2^-64, as the h_i look random (a plain weighted sum of the w_i would miss two flipped sign bits:
+2^31 + 2^31 ≡ 0). Not a cryptographic hash: it detects accidents, not forgery.
 
 The train loop stores `fingerprints(state)` with each checkpoint and compares them after restoring
 (research/checkpoint.py): a step whose bytes changed is refused like an unreadable one.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-SALTS = (0x9E3779B9, 0x7F4A7C15)
+SALT = 0x7F4A7C15
 
 
 def _fmix32(h):
@@ -57,7 +57,9 @@ def _flat_index(shape) -> jax.Array:
 def _array_fingerprint(x) -> jax.Array:
   w = _words(x)
   index = _flat_index(w.shape)
-  return jnp.stack([jnp.sum(_fmix32(w ^ _fmix32(index ^ jnp.uint32(salt))), dtype=jnp.uint32) for salt in SALTS])
+  h = _fmix32(w ^ (index * jnp.uint32(0x9E3779B1) + jnp.uint32(SALT)))
+  return jnp.stack([jnp.sum(h, dtype=jnp.uint32), jnp.sum(h * (index * jnp.uint32(2) + jnp.uint32(1)),
+                                                          dtype=jnp.uint32)])
 
 
 @jax.jit
