@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -32,28 +33,35 @@ class UnknownOptimizerError(ValueError):
   """An optimizer name or hyperparameter the registry does not know, or a hyperparameter value it cannot use."""
 
 
-# Ranges of the hyperparameters whose meaning fixes them (closed intervals; None: unbounded). A value's type must
-# match its default's (an int where the default is an int, a finite number where it is a float, ...).
-_RANGES = {**dict.fromkeys(("b1", "b2", "adam_b1", "adam_b2", "b1_1d", "b2_1d", "beta", "momentum", "tau"), (0, 1)),
-           **dict.fromkeys(("eps", "adam_eps", "weight_decay", "adam_weight_decay", "weight_decay_1d", "gamma",
-                            "alpha", "floor"), (0, None)),
+# Ranges of the hyperparameters whose meaning fixes them (closed intervals; None: unbounded), checked where a
+# factory annotates the hyperparameter as a number. A value must match its annotation (`float`: a finite number,
+# `int`: an integer, `bool`, `str`, each optionally `| None`); unannotated ones (MGUP's tau, alpha, gamma, which
+# also take symbolic strings, dtypes, schedules) are the factory's to check.
+_RANGES = {**dict.fromkeys(("b1", "b2", "adam_b1", "adam_b2", "b1_1d", "b2_1d", "beta", "momentum"), (0, 1)),
+           **dict.fromkeys(("eps", "adam_eps", "weight_decay", "adam_weight_decay", "weight_decay_1d", "gamma"),
+                           (0, None)),
            "ns_steps": (0, None), "switch_every": (1, None)}
 
 
-def _check_value(name: str, key: str, value, default):
-  """Raises UnknownOptimizerError unless `value` suits hyperparameter `key` (default `default`) of `name`."""
+def _check_value(name: str, key: str, value, annotation):
+  """Raises UnknownOptimizerError unless `value` suits hyperparameter `key` of `name`, annotated `annotation`."""
   def refuse(why):
     raise UnknownOptimizerError(f"optimizer {name!r}: {key}={value!r} {why}")
-  number = isinstance(value, (int, float)) and not isinstance(value, bool)
-  if isinstance(default, bool) and not isinstance(value, bool):
+  kind, _, optional = str(annotation).partition(" | ")
+  if optional == "None" and value is None:
+    return
+  if hasattr(value, "dtype") and hasattr(value, "shape"):  # an array (inject_hyperparams, a traced value): as is
+    return
+  number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy scalars included
+  if kind == "bool" and not isinstance(value, bool):
     refuse("must be true or false")
-  if isinstance(default, int) and not isinstance(default, bool) and not (isinstance(value, int) and number):
+  if kind == "int" and not (isinstance(value, numbers.Integral) and number):
     refuse("must be an integer")
-  if isinstance(default, float) and not number:
+  if kind == "float" and not number:
     refuse("must be a number")
-  if isinstance(default, str) and not isinstance(value, str):
-    refuse(f"must be a string such as {default!r}")
-  if number:
+  if kind == "str" and not isinstance(value, str):
+    refuse("must be a string")
+  if kind in ("int", "float"):
     if not math.isfinite(value):
       refuse("must be finite")
     lo, hi = _RANGES.get(key, (None, None))
@@ -119,15 +127,15 @@ def get_optimizer(name: str, learning_rate, **hparams) -> optax.GradientTransfor
   if unknown:
     raise UnknownOptimizerError(f"optimizer {name!r} has no hyperparameter {', '.join(unknown)}; "
                                 f"it takes {', '.join(sorted(accepted))}")
-  defaults = {k: p.default for k, p in inspect.signature(factory).parameters.items()}
+  annotations = {k: p.annotation for k, p in inspect.signature(factory).parameters.items()}
   for key, value in hparams.items():
-    _check_value(name, key, value, defaults[key])
+    _check_value(name, key, value, annotations[key])
   if isinstance(learning_rate, (int, float)) and not (math.isfinite(learning_rate) and learning_rate >= 0):
     raise UnknownOptimizerError(f"optimizer {name!r}: learning rate {learning_rate!r} must be finite and >= 0")
   try:
     return factory(learning_rate, **hparams)
-  except (TypeError, ValueError) as e:  # a value of the right type that the factory itself refuses
-    raise UnknownOptimizerError(f"optimizer {name!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+  except TypeError as e:  # a value the factory cannot take (its own ValueErrors, e.g. AlignmentError, pass through)
+    raise UnknownOptimizerError(f"optimizer {name!r}: {str(e).splitlines()[0] if str(e) else 'TypeError'}") \
         from None
 
 

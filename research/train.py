@@ -278,7 +278,10 @@ def _optimizer(cfg: TrainConfig):
   hp = _opt_hparams(cfg)
   warmup = min(100, cfg.steps // 10) if cfg.warmup_steps is None else cfg.warmup_steps
   schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio)
-  tx = get_optimizer(cfg.optimizer, schedule, **hp)
+  try:
+    tx = get_optimizer(cfg.optimizer, schedule, **hp)
+  except ValueError as e:  # the registry's refusals, or a factory's own (MGUP's AlignmentError, BAdamError)
+    raise e if isinstance(e, UnknownOptimizerError) else RunError(f"--optimizer {cfg.optimizer}: {e}") from None
   if cfg.grad_clip > 0 and _exact(cfg):  # the clip also applies to prev_grads, each by its own global norm
     tx = with_global_norm_clip(tx, cfg.grad_clip)
   elif cfg.grad_clip > 0:

@@ -32,7 +32,7 @@ def test_unknown_names_and_hyperparameters_are_refused():
     ("adamw", {"weight_decay": float("nan")}, "must be finite"),
     ("adamw", {"b2": True}, "must be a number"),
     ("muon", {"nesterov": "yes"}, "must be true or false"),
-    ("muon", {"coeffs": 3}, "must be a string"),
+    ("muon", {"method": 3}, "must be a string"),
 ])
 def test_values_of_the_wrong_type_or_range_are_refused(name, hparams, message):
   with pytest.raises(UnknownOptimizerError, match=message):

@@ -95,6 +95,7 @@ def bad(tmp_path, capsys, *args, out=None):
     (["--optimizer", "muon", "--opt", "ns_steps=abc"], "ns_steps='abc' must be an integer"),
     (["--opt", "b1=NaN"], "b1=nan must be finite"),
     (["--mesh", "data=2,data=4"], "mesh axis 'data' is given twice"),
+    (["--optimizer", "mgup_adamw", "--opt", "tau=2"], r"--optimizer mgup_adamw: .*tau.*must lie in"),
 ])
 def test_bad_input_gives_one_clear_line_and_exit_2(tmp_path, capsys, args, message):
   import re
