@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import ConfigError, Transformer, count_params, flops_per_token, preset
 from research.bench_ckpt import ckpt_bench
+from research.bench_report import machine, publish, table
 from research.bench_comm import comm
 from research.bench_moe import moe
 from research.bench_optim import optim_step
@@ -129,7 +130,6 @@ def train(presets: tuple[str, ...] = ("small", "base"),
     preset(name)
   for spec in meshes:
     make_mesh(spec, devices=devices_for(spec))
-  dev = jax.devices()[0]
   # Median of several timings: on a shared VM one timing of a ~50 ms matmul varies by up to +-25%.
   peak = statistics.median(measure_matmul_flops(matmul_n, repeats=5) for _ in range(MATMUL_TRIALS))
   peak_mesh = {}
@@ -137,8 +137,7 @@ def train(presets: tuple[str, ...] = ("small", "base"),
     devs = devices_for(spec)
     if len(devs) > 1 and len(devs) not in peak_mesh:
       peak_mesh[len(devs)] = statistics.median(concurrent_matmul_flops(matmul_n, devs) for _ in range(MATMUL_TRIALS))
-  header = (f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} devices; "
-            f"fp32 {matmul_n}^3 matmul on device 0: {peak / 1e9:.1f} GFLOP/s"
+  header = (f"{machine()}; fp32 {matmul_n}^3 matmul on device 0: {peak / 1e9:.1f} GFLOP/s"
             + "".join(f"; split over {k} devices concurrently: {r / 1e9:.1f} GFLOP/s" for k, r in peak_mesh.items()))
   print(header, file=sys.stderr, flush=True)
 
@@ -157,23 +156,17 @@ def train(presets: tuple[str, ...] = ("small", "base"),
 
   cols = ["preset", "params", "mesh", "batch x seq", "lower+compile s", "step ms (min-max)", "tokens/s",
           "model GFLOP/s", "MFU", "MFU mesh", "CPU busy"]
-  lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  for r in rows:
-    lines.append("| " + " | ".join([
+  lines = [header, ""] + table(cols, [[
         r["preset"], f"{r['params'] / 1e6:.1f}M", r["mesh"], f"{r['batch']} x {r['seq']}",
         f"{r['lower_s'] + r['compile_s']:.1f}",
         f"{r['step_s'] * 1e3:.0f} ({r['step_min_s'] * 1e3:.0f}-{r['step_max_s'] * 1e3:.0f})",
         f"{r['tokens_per_s']:.0f}", f"{r['model_flops'] / 1e9:.1f}", f"{r['mfu']:.1%}", f"{r['mfu_mesh']:.1%}",
-        f"{r['cpu_busy']:.0%}"]) + " |")
+        f"{r['cpu_busy']:.0%}"] for r in rows])
   # The same matmul again: other processes on a shared machine show up as a drift between the two.
   peak_end = statistics.median(measure_matmul_flops(matmul_n, repeats=5) for _ in range(MATMUL_TRIALS))
   lines += ["", f"warmup {warmup}, timed {steps} (median); device-0 matmul re-measured at end: "
             f"{peak_end / 1e9:.1f} GFLOP/s; total wall time {time.perf_counter() - t_start:.0f} s"]
-  table = "\n".join(lines)
-  print(table)
-  if out:
-    with open(out, "w") as f:
-      f.write(table + "\n")
+  publish(lines, out)
   return rows
 
 

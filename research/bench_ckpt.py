@@ -15,7 +15,6 @@ restore. On the CPU the 8 devices are simulated and share the cores, and orbax w
 
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
 import time
@@ -28,7 +27,9 @@ from flax import nnx
 
 from models import Transformer, count_params
 from research import integrity
+from research.bench_report import machine, publish, table
 from research.checkpoint import Checkpointer
+from research.throughput import median_seconds
 from research.train import TrainConfig, _model_config, _optimizer
 from sharding import devices_for, init_train_state, make_mesh, mesh_spec
 
@@ -36,16 +37,6 @@ from sharding import devices_for, init_train_state, make_mesh, mesh_spec
 @jax.jit
 def _one_pass(leaves):
   return [jnp.sum(integrity._words(x), dtype=jnp.uint32) for x in leaves]
-
-
-def _median_s(f, rounds: int) -> float:
-  times = []
-  for i in range(rounds + 1):
-    t = time.perf_counter()
-    f()
-    if i:  # round 0 warms up (compilation, thread pools)
-      times.append(time.perf_counter() - t)
-  return statistics.median(times)
 
 
 def _time_preset(name: str, mesh_spec_: str, rounds: int, tmp_root: str) -> dict:
@@ -58,9 +49,10 @@ def _time_preset(name: str, mesh_spec_: str, rounds: int, tmp_root: str) -> dict
   host = [np.asarray(x) for x in leaves]
   row = {"preset": name, "params": count_params(mcfg), "mesh": mesh_spec(mesh), "arrays": len(leaves),
          "state_bytes": sum(h.nbytes for h in host)}
-  row["checksums_s"] = _median_s(lambda: integrity.fingerprints(state), rounds)
-  row["one_pass_s"] = _median_s(lambda: jax.device_get(_one_pass(leaves)), rounds)
-  row["crc32_s"] = _median_s(lambda: [zlib.crc32(memoryview(np.ascontiguousarray(h)).cast("B")) for h in host], rounds)
+  row["checksums_s"] = median_seconds(lambda: integrity.fingerprints(state), rounds)
+  row["one_pass_s"] = median_seconds(lambda: jax.device_get(_one_pass(leaves)), rounds)
+  row["crc32_s"] = median_seconds(lambda: [zlib.crc32(memoryview(np.ascontiguousarray(h)).cast("B")) for h in host],
+                                  rounds)
   counter = iter(range(10**6))
 
   def save():
@@ -68,11 +60,11 @@ def _time_preset(name: str, mesh_spec_: str, rounds: int, tmp_root: str) -> dict
     ckpt.save(1, state, {"preset": name}, force=True)
     ckpt.close()
     return ckpt
-  row["save_s"] = _median_s(save, rounds)
+  row["save_s"] = median_seconds(save, rounds)
   ckpt = Checkpointer(f"{tmp_root}/{name}-restore", keep=1, every=1)
   ckpt.save(1, state, {"preset": name}, force=True)
   ckpt.manager.wait_until_finished()
-  row["restore_s"] = _median_s(lambda: jax.block_until_ready(ckpt.restore(1, state, shardings)), rounds)
+  row["restore_s"] = median_seconds(lambda: ckpt.restore(1, state, shardings), rounds)
   restored = ckpt.restore(1, state, shardings)
   ckpt.close()
   if not all(np.array_equal(np.asarray(x), h) for x, h in zip(jax.tree.leaves(restored), host)):
@@ -93,7 +85,6 @@ def ckpt_bench(presets: tuple[str, ...] = ("small", "base"), mesh: str = "fsdp=8
   """
   t_start = time.perf_counter()
   make_mesh(mesh, devices=devices_for(mesh))  # a bad spec fails before minutes of measuring
-  dev = jax.devices()[0]
   rows = []
   with tempfile.TemporaryDirectory(dir=tmp_dir, prefix="bench_ckpt-") as tmp_root:
     for name in presets:
@@ -101,23 +92,16 @@ def ckpt_bench(presets: tuple[str, ...] = ("small", "base"), mesh: str = "fsdp=8
       rows.append(r)
       print(f"  {name}: checksums {r['checksums_s'] * 1e3:.0f} ms, save {r['save_s'] * 1e3:.0f} ms, restore "
             f"{r['restore_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
-  header = (f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} devices; AdamW train "
-            f"state on {rows[0]['mesh']}; medians of {rounds} rounds after 1 warm-up; orbax writes under "
-            f"{tmp_dir or tempfile.gettempdir()}")
+  header = (f"{machine()}; AdamW train state on {rows[0]['mesh']}; medians of {rounds} rounds after 1 warm-up; "
+            f"orbax writes under {tmp_dir or tempfile.gettempdir()}")
   cols = ["preset", "params", "arrays", "state MB", "checksums ms", "one pass (floor) ms", "checksums / floor",
           "host crc32 ms", "save ms", "checksums / save", "restore ms", "checksums / restore"]
-  lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  for r in rows:
-    lines.append("| " + " | ".join([
+  lines = [header, ""] + table(cols, [[
         r["preset"], f"{r['params'] / 1e6:.1f}M", str(r["arrays"]), f"{r['state_bytes'] / 1e6:.0f}",
         f"{r['checksums_s'] * 1e3:.0f}", f"{r['one_pass_s'] * 1e3:.0f}", f"{r['checksums_s'] / r['one_pass_s']:.1f}x",
         f"{r['crc32_s'] * 1e3:.0f}", f"{r['save_s'] * 1e3:.0f}", f"{r['checksums_s'] / r['save_s']:.1%}",
-        f"{r['restore_s'] * 1e3:.0f}", f"{r['checksums_s'] / r['restore_s']:.1%}"]) + " |")
+        f"{r['restore_s'] * 1e3:.0f}", f"{r['checksums_s'] / r['restore_s']:.1%}"] for r in rows])
   lines += ["", f"save and restore include the checksums (computed on save, verified on restore); total wall time "
             f"{time.perf_counter() - t_start:.0f} s"]
-  table = "\n".join(lines)
-  print(table)
-  if out:
-    with open(out, "w") as f:
-      f.write(table + "\n")
+  publish(lines, out)
   return rows

@@ -24,6 +24,8 @@ import time
 
 import tyro
 
+from research.bench_report import publish
+
 CHILD = r"""
 import json, os, resource, sys, time
 import jax
@@ -104,11 +106,7 @@ def main(argv=None):
   lines += ["| floor (the parameters themselves) | 1.00x | |", "",
             "Command: `" + " ".join(["python -m research.bench_hf", *(argv if argv is not None else sys.argv[1:])]) + "`",
             f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores."]
-  text = "\n".join(lines)
-  print(text)
-  if a.out:
-    with open(a.out, "w") as f:
-      f.write("# Hugging Face import: host memory\n\n" + text + "\n")
+  publish(lines, a.out, preface="# Hugging Face import: host memory\n\n")
 
 
 if __name__ == "__main__":

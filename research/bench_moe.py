@@ -56,6 +56,7 @@ from flax import nnx
 
 from models import ConfigError, Transformer, count_params, preset
 from research.bench_comm import _commit
+from research.bench_report import publish
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, _optimizer, _setup_jax, make_steps
 from sharding import batch_sharding, collectives, devices_for, init_train_state, make_mesh, mesh_spec, shard_batch
@@ -196,9 +197,5 @@ def moe(model: str = "moe_tiny", layouts: tuple[str, ...] = LAYOUTS, batch_size:
             f"step ms: median of {rounds} rounds after {warmup} warm-up rounds, layouts interleaved round-robin; "
             f"1-minute load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end; total wall time "
             f"{time.perf_counter() - t_start:.0f} s"]
-  text = "\n".join(lines)
-  print(text)
-  if out:
-    with open(out, "w") as f:
-      f.write(text + "\n")
+  publish(lines, out)
   return rows

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 import optim
+from research.bench_report import publish
 
 D, F, LAYERS, VOCAB, STEPS = 768, 3072, 6, 256, 5
 
@@ -143,12 +144,7 @@ def optim_step(repeats: int = 5, out: str | None = None) -> str:
     lines += _pytorch_optimizer_rows(x, polar)
   except ImportError as e:
     lines.append(f"| pytorch_optimizer not installed ({e}) | | |")
-  text = "\n".join(lines)
-  print(text)
-  if out:
-    with open(out, "w") as f:
-      f.write(f"Command: `python -m research.bench optim --out {out}`\n\n{text}\n")
-  return text
+  return publish(lines, out, preface=f"Command: `python -m research.bench optim --out {out}`\n\n")
 
 
 def _pytorch_optimizer_rows(x, polar):

@@ -27,6 +27,7 @@ from flax import nnx
 import models
 from models import quant
 from models.transformer import cross_entropy
+from research.bench_report import publish
 from research.throughput import median_seconds
 
 
@@ -81,11 +82,8 @@ def main(argv=None):
             f"qwix int8 × int8 dot_general {t8 / t32:.2f}×; dequantize then float32 {tdq / t32:.2f}×."]
   cmd = " ".join(["python -m research.bench_quant", *(argv if argv is not None else sys.argv[1:])])
   lines += ["", f"Command: `{cmd}`"]
-  text = "\n".join(lines)
-  print(text)
-  if a.out:
-    with open(a.out, "w") as fh:
-      fh.write("# Quantized evaluation speed vs float32\n\n" + __doc__.split("\n\n", 2)[2].strip() + "\n\n" + text + "\n")
+  publish(lines, a.out, preface="# Quantized evaluation speed vs float32\n\n" + __doc__.split("\n\n", 2)[2].strip()
+          + "\n\n")
 
 
 if __name__ == "__main__":

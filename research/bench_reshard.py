@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from models import Transformer, count_params
+from research.bench_report import machine, publish, table
 from research.checkpoint import Checkpointer
 from research.train import TrainConfig, _model_config, _optimizer, make_steps
 from sharding import (abstract_state, batch_sharding, devices_for, init_train_state, logical_names, make_mesh,
@@ -114,7 +115,6 @@ def reshard_bench(presets: tuple[str, ...] = ("small", "base"), src: str = "fsdp
   t_start = time.perf_counter()
   for spec in (src, dst):
     make_mesh(spec, devices=devices_for(spec))  # a bad spec fails before minutes of measuring
-  dev = jax.devices()[0]
   rows = []
   with tempfile.TemporaryDirectory(dir=tmp_dir, prefix="bench_reshard-") as tmp_root:
     for name in presets:
@@ -122,24 +122,17 @@ def reshard_bench(presets: tuple[str, ...] = ("small", "base"), src: str = "fsdp
       rows.append(r)
       print(f"  {name}: switch {r['switch_s'] * 1e3:.0f} ms, orbax {r['orbax_s'] * 1e3:.0f} ms "
             f"(x{r['ratio']:.0f})", file=sys.stderr, flush=True)
-  header = (f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} devices; "
-            f"AdamW train state moved {rows[0]['src']} -> {rows[0]['dst']}; medians of {rounds} rounds "
+  header = (f"{machine()}; AdamW train state moved {rows[0]['src']} -> {rows[0]['dst']}; medians of {rounds} rounds "
             f"after 1 warm-up; orbax writes under {tmp_dir or tempfile.gettempdir()}")
   cols = ["preset", "params", "state MB", "moved MB", "switch ms", "orbax save ms", "orbax restore ms",
           "orbax / switch", "compile new step s"]
-  lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  for r in rows:
-    lines.append("| " + " | ".join([
+  lines = [header, ""] + table(cols, [[
         r["preset"], f"{r['params'] / 1e6:.1f}M", f"{r['state_bytes'] / 1e6:.1f}", f"{r['moved_bytes'] / 1e6:.1f}",
         f"{r['switch_s'] * 1e3:.1f} ({min(r['switch_all']) * 1e3:.1f}-{max(r['switch_all']) * 1e3:.1f})",
         f"{r['save_s'] * 1e3:.0f}", f"{r['restore_s'] * 1e3:.0f}", f"{r['ratio']:.0f}x",
-        f"{r['compile_s']:.1f}" if "compile_s" in r else "-"]) + " |")
+        f"{r['compile_s']:.1f}" if "compile_s" in r else "-"] for r in rows])
   lines += ["", f"switch = sharding.reshard(donate=True) until ready (min-max over rounds); orbax = save (async, "
             f"waited for) + restore with the new shardings; values checked bit-exact after the switches; total "
             f"wall time {time.perf_counter() - t_start:.0f} s"]
-  table = "\n".join(lines)
-  print(table)
-  if out:
-    with open(out, "w") as f:
-      f.write(table + "\n")
+  publish(lines, out)
   return rows

@@ -21,6 +21,7 @@ from flax import nnx
 
 import models
 from models.generate import generate
+from research.bench_report import publish
 from research.throughput import median_seconds
 
 
@@ -66,11 +67,7 @@ def main(argv=None):
   lines += [f"| {n} | {c:,.0f} | {r:,.0f} | {s:.1f}x | {'yes' if same else 'NO'} |" for n, c, r, s, same in rows]
   cmd = " ".join(["python -m research.bench_sample", *(argv if argv is not None else sys.argv[1:])])
   lines += ["", f"Command: `{cmd}`"]
-  text = "\n".join(lines)
-  print(text)
-  if a.out:
-    with open(a.out, "w") as f:
-      f.write("# Sampling: KV cache vs re-running the prefix\n\n" + text + "\n")
+  publish(lines, a.out, preface="# Sampling: KV cache vs re-running the prefix\n\n")
 
 
 if __name__ == "__main__":

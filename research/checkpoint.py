@@ -23,9 +23,8 @@ are untouched (orbax deletes old steps only after a new one is committed).
 
 from __future__ import annotations
 
-import os
-
 import logging
+import os
 import re
 import sys
 

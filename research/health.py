@@ -110,8 +110,8 @@ class Monitor:
 
   def state(self) -> dict:
     """What resuming needs to continue exactly (JSON, saved with each checkpoint)."""
-    return {"skipped": self.skipped, "spikes": self.spikes, "bad_run": self.bad_run, "bad_from": self.bad_from, "bad_last": self.bad_last,
-            "window": list(self.window), "flagged": self.flagged}
+    return {"skipped": self.skipped, "spikes": self.spikes, "bad_run": self.bad_run, "bad_from": self.bad_from,
+            "bad_last": self.bad_last, "window": list(self.window), "flagged": self.flagged}
 
   def load(self, saved: dict | None):
     if not saved:

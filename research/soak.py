@@ -21,8 +21,8 @@ What is checked (every violation is listed in the report, and the exit status is
 Where each signal landed is classified from outside: before the life logged a step (start-up: imports, compilation,
 restore), while a checkpoint's temporary directory existed (a save), or between (steps, logging).
 
-Each finished round is appended to OUT/rounds_<signal>_<steps>steps_seed<seed>.jsonl at once: rerunning the same command continues from the rounds
-on disk (an unfinished round is redone from its start, with its own seed).
+Each finished round is appended to OUT/rounds_<signal>_<steps>steps_seed<seed>.jsonl at once: rerunning the same
+command continues from the rounds on disk (an unfinished round is redone from its start, with its own seed).
 """
 
 from __future__ import annotations

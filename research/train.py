@@ -225,8 +225,9 @@ class RunError(ValueError):
 
 
 # Bad input of any kind: reported as one line and exit status 2 by the CLIs.
-USER_ERRORS = (RunError, preflight.PreflightError, rundir.RunDirError, ConfigError, UnknownOptimizerError, CheckpointError, DataError, MeshError, ShardingError,
-               DistributedError, PipelineError, init_from.InitError, HFError, peft.PEFTError)
+USER_ERRORS = (RunError, preflight.PreflightError, rundir.RunDirError, ConfigError, UnknownOptimizerError,
+               CheckpointError, DataError, MeshError, ShardingError, DistributedError, PipelineError,
+               init_from.InitError, HFError, peft.PEFTError)
 
 
 def _setup_jax(devices: int, compile_cache: bool):

@@ -1,0 +1,26 @@
+"""How the benchmarks report: the machine line, a markdown table, and the text printed and (with --out) written."""
+
+from __future__ import annotations
+
+import jax
+
+
+def machine() -> str:
+  """"jax 0.10.2, cpu (cpu), 8 devices": what every table is measured on."""
+  dev = jax.devices()[0]
+  return f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} devices"
+
+
+def table(cols: list[str], rows: list[list[str]]) -> list[str]:
+  """A markdown table's lines: the header, its rule, one line per row of cells."""
+  return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def publish(lines: list[str], out: str | None, preface: str = "") -> str:
+  """Prints the lines as one text and, given `out`, writes `preface` + the text to that file; returns the text."""
+  text = "\n".join(lines)
+  print(text)
+  if out:
+    with open(out, "w") as f:
+      f.write(preface + text + "\n")
+  return text
