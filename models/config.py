@@ -76,6 +76,7 @@ class TransformerConfig:
   compute_dtype: str = "float32"  # "bfloat16" for bf16 matmuls (the loss stays fp32)
   remat: bool = False  # recompute each block in the backward pass
   microbatches: int | None = None  # pipeline microbatches when the mesh has stage > 1 (None: one per stage)
+  logit_stats: bool = False  # aux["max_logit"] (L, N): each head's largest attention logit per batch (MuonClip)
   moe: MoEConfig | None = None  # a mixture of experts instead of the dense SwiGLU in every block
 
   def __post_init__(self):

@@ -80,9 +80,18 @@ class Block(nnx.Module):
       self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), out_std, pd)
 
   def __call__(self, x_BTD):
-    """x_BTD -> (x_BTD, aux): aux holds float32 router statistics of an MoE block, {} for a dense one."""
-    x_BTD = x_BTD + self.attention(rms_norm(x_BTD, self.attn_norm[...], self.c.norm_eps))
-    return self.ffn(x_BTD)
+    """x_BTD -> (x_BTD, aux): aux holds float32 router statistics of an MoE block ({} for a dense one) and, with
+    `logit_stats`, "max_logit" (N,): each query head's largest attention logit over the batch."""
+    h_BTD = rms_norm(x_BTD, self.attn_norm[...], self.c.norm_eps)
+    if self.c.logit_stats:
+      q, k, v = self.qkv(h_BTD)
+      stats = {"max_logit": max_logits(q, k)}
+      x_BTD = x_BTD + self.out_proj(jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    else:
+      stats = {}
+      x_BTD = x_BTD + self.attention(h_BTD)
+    x_BTD, aux = self.ffn(x_BTD)
+    return x_BTD, {**aux, **stats}
 
   def ffn(self, x_BTD):
     """The residual FFN half: x + FFN(Norm(x)), and the MoE aux ({} for a dense block)."""
@@ -121,6 +130,19 @@ class Block(nnx.Module):
     gate, up = matmul(h_BTD, self.w_gate_DF, dt), matmul(h_BTD, self.w_up_DF, dt)
     a_BTF = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
     return matmul(a_BTF, self.w_down_FD, dt)
+
+
+def max_logits(q_BTNH, k_BSKH):
+  """(N,) float32: each query head's largest causal attention logit q·k/√H over the batch (no gradient), the
+  statistic MuonClip's QK-clip reads (Kimi K2, arXiv 2507.20534). Forms the B·N·T² logits once more: a diagnostic
+  switched on by `logit_stats`, not the attention itself."""
+  B, T, N, H = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  q = jax.lax.stop_gradient(q_BTNH).astype(jnp.float32).reshape(B, T, K, N // K, H)
+  k = jax.lax.stop_gradient(k_BSKH).astype(jnp.float32)
+  s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q, k) / jnp.sqrt(jnp.float32(H))
+  causal_TS = jnp.tril(jnp.ones((T, k.shape[1]), bool))
+  return jnp.max(jnp.where(causal_TS, s_BKGTS, -jnp.inf), axis=(0, 3, 4)).reshape(N)
 
 
 def run_blocks(blocks: Block, x_BTD, *, remat: bool = False):

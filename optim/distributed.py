@@ -73,15 +73,17 @@ def ns_flops_per_device(tree, devices: int, steps: int = 5, method: str = "stand
 
 
 def orthogonalize_distributed(tree, *, coeffs: str | Sequence = "quintic", steps: int = 5, eps: float = 1e-7,
-                              compute_dtype=None, method: str = "standard"):
+                              compute_dtype=None, method: str = "standard", fn=None):
   """`orthogonalize` of every leaf (a stack of matrices (..., m, n)), each matrix computed once in the mesh.
 
   Call inside `jax.jit` under `jax.set_mesh(mesh)` (Auto or Explicit axes). Returns the tree with each leaf in
   its own shape, dtype and sharding; numerically the per-leaf `orthogonalize` (same coefficients, steps, eps,
   compute dtype and method; see `optim.newton_schulz`). Without a mesh, on one device, or inside `shard_map`
-  (manual axes), it is exactly that per-leaf call.
+  (manual axes), it is exactly that per-leaf call. `fn`, any function of a matrix stack, replaces `orthogonalize`
+  (and its settings) and receives each device's whole matrices the same way (transposed to short × long).
   """
   kwargs = dict(coeffs=coeffs, steps=steps, eps=eps, compute_dtype=compute_dtype, method=method)
+  fn = fn or functools.partial(orthogonalize, **kwargs)
   leaves, treedef = jax.tree.flatten(tree)
   for x in leaves:
     if jnp.ndim(x) < 2:
@@ -90,8 +92,8 @@ def orthogonalize_distributed(tree, *, coeffs: str | Sequence = "quintic", steps
   mesh = jax.sharding.get_abstract_mesh()
   manual = not mesh.empty and AxisType.Manual in mesh.axis_types
   if mesh.empty or manual or not batch_axes(mesh) or not leaves:
-    return jax.tree.map(lambda x: orthogonalize(x, **kwargs), tree)
-  run = functools.partial(_distribute, axes=batch_axes(mesh), kwargs=kwargs)
+    return jax.tree.map(fn, tree)
+  run = functools.partial(_distribute, axes=batch_axes(mesh), fn=fn)
   explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
   if explicit:  # the partitioner plans the moves; each result is pinned to its leaf's type sharding
     specs = [jax.typeof(x).sharding.spec for x in leaves]
@@ -104,7 +106,7 @@ def _key(x) -> tuple:
   return (min(m, n), max(m, n), jnp.dtype(x.dtype).name)
 
 
-def _distribute(leaves: list, *, axes: tuple[str, ...], kwargs: dict) -> list:
+def _distribute(leaves: list, *, axes: tuple[str, ...], fn) -> list:
   mesh = jax.sharding.get_abstract_mesh()
   devices = math.prod(mesh.shape[a] for a in axes)
   groups: dict[tuple, list[int]] = {}
@@ -112,7 +114,7 @@ def _distribute(leaves: list, *, axes: tuple[str, ...], kwargs: dict) -> list:
     groups.setdefault(_key(x), []).append(i)
   out: list = [None] * len(leaves)
   batch_spec = P(axes, None, None)
-  local_ns = jax.shard_map(functools.partial(orthogonalize, **kwargs), in_specs=batch_spec, out_specs=batch_spec)
+  local_ns = jax.shard_map(fn, in_specs=batch_spec, out_specs=batch_spec)
   for (short, long, dtype), members in groups.items():
     stacks = [_as_wide_stack(leaves[i]) for i in members]
     total = sum(s.shape[0] for s in stacks)

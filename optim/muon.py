@@ -48,7 +48,7 @@ class MuonState(NamedTuple):
 def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool = True, coeffs="quintic",
                   ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight", ns_dtype=None,
                   method: str = "standard", mu_dtype=None, mask_fn=None, mask_at: str = "post",
-                  distributed: bool = False) -> optax.GradientTransformation:
+                  distributed: bool = False, orthogonalize=None, split=None) -> optax.GradientTransformation:
   """Momentum, then Newton–Schulz orthogonalization of each matrix, then a shape scale.
 
     ema:      M ← β·M + (1−β)·G;   U = β·M + (1−β)·G (Nesterov) or M      (KellerJordan/Muon, torch.optim.Muon)
@@ -64,6 +64,12 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
   (MGUP-Muon), `"pre"` returns scale·NS(φ ⊙ U) (C-Optim's Cautious-Muon).
   `distributed=True` hands each device whole matrices of equal-shape groups and runs one batched
   Newton–Schulz there instead of repeating every matrix on every device (`optim.distributed`).
+
+  Pluggable (`optim.orthogonalizers`): `orthogonalize`, any function of a matrix stack (..., m, n) -> same shape,
+  replaces Newton–Schulz (coeffs, ns_steps, eps, ns_dtype and method then go unused), distributed or not;
+  `split(path, shape) -> (axis, sizes) | None` cuts leaves into blocks that are orthogonalized and shape-scaled
+  as matrices of their own (`orthogonalizers.heads(head_dim)`: per-head; `orthogonalizers.fused(sizes)`: fused
+  QKV). Under `optax.inject_hyperparams` list both in `static_args` (injection calls any callable).
   """
   if momentum not in ("ema", "classic"):
     raise ValueError(f"momentum must be 'ema' or 'classic', got {momentum!r}")
@@ -87,8 +93,8 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
     if phi is not None and mask_at == "pre":
       u = jax.tree.map(lambda u_, f: u_ * f, u, phi)
     o = orthogonalize_tree(u, coeffs=coeffs, steps=ns_steps, eps=eps, compute_dtype=ns_dtype, method=method,
-                           distributed=distributed)
-    o = jax.tree.map(lambda o_: o_ * shape_scale(scale, o_.shape[-2], o_.shape[-1]), o)
+                           distributed=distributed, fn=orthogonalize, split=split,
+                           scale=lambda fan_in, fan_out: shape_scale(scale, fan_in, fan_out))
     if phi is not None and mask_at == "post":
       o = jax.tree.map(lambda o_, f: o_ * f, o, phi)
     return jax.tree.map(lambda o_, g: o_.astype(g.dtype), o, updates), MuonState(
@@ -101,14 +107,22 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
 
 
 def orthogonalize_tree(tree, *, coeffs="quintic", steps: int = 5, eps: float = 1e-7, compute_dtype=None,
-                       method: str = "standard", distributed: bool = False):
-  """`orthogonalize` on every leaf (each a stack of matrices), or, with `distributed`, the same
-  result computed once per matrix across the devices of the current mesh (`optim.distributed`)."""
+                       method: str = "standard", distributed: bool = False, fn=None, split=None, scale=None):
+  """`orthogonalize` (or `fn`, any function of a matrix stack) on every leaf (each a stack of matrices), or, with
+  `distributed`, the same result computed once per matrix across the devices of the current mesh
+  (`optim.distributed`). `split` cuts leaves into blocks orthogonalized on their own (`optim.orthogonalizers`);
+  `scale(fan_in, fan_out)` multiplies each matrix (each block) by a factor of its own shape."""
   kwargs = dict(coeffs=coeffs, steps=steps, eps=eps, compute_dtype=compute_dtype, method=method)
   if distributed:
     from optim.distributed import orthogonalize_distributed
-    return orthogonalize_distributed(tree, **kwargs)
-  return jax.tree.map(lambda x: orthogonalize(x, **kwargs), tree)
+    run = lambda t: orthogonalize_distributed(t, fn=fn, **kwargs)
+  else:
+    run = lambda t: jax.tree.map(fn or (lambda x: orthogonalize(x, **kwargs)), t)
+  scale = scale or (lambda fan_in, fan_out: 1.0)
+  if split is not None:
+    from optim.orthogonalizers import split_apply
+    return split_apply(tree, split, run, scale)
+  return jax.tree.map(lambda o: o * scale(o.shape[-2], o.shape[-1]), run(tree))
 
 
 def muon_labels(params) -> optax.Params:
@@ -127,7 +141,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_de
          nesterov: bool = True, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight",
          ns_dtype=None, method: str = "standard", mu_dtype=None, adam_learning_rate=None, adam_b1: float = 0.9,
          adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
-         labels=None, distributed: bool = False) -> optax.GradientTransformation:
+         labels=None, distributed: bool = False, orthogonalize=None, split=None) -> optax.GradientTransformation:
   """Muon on hidden matrices, AdamW on the rest (`optax.partition` by `labels`).
 
     Muon group: W ← W − lr·(scale·NS(U) + weight_decay·W)     (decay times the unscaled lr)
@@ -138,9 +152,12 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_de
   (default `muon_labels`) is a tree or a function of the params; under `optax.inject_hyperparams`
   list a function in `static_args`, since injection treats callables as schedules; `ns_steps` is a
   loop count and always goes there: `optax.inject_hyperparams(muon, static_args=("ns_steps",))`.
+  `orthogonalize` and `split` plug in another polar-factor method and per-head / fused-QKV blocks
+  (`scale_by_muon`, `optim.orthogonalizers`).
   """
   core = scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
-                       scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed)
+                       scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed,
+                       orthogonalize=orthogonalize, split=split)
   return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
                          adam_learning_rate=adam_learning_rate,
                          adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,

@@ -21,12 +21,16 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {}
 # name -> predicate on the resolved hyperparameters: True when the optimizer's update takes `prev_grads=`, the
 # gradient at the previous parameters on the current batch (exact MARS / Muon-MVR2; see `needs_prev_grads`).
 PREV_GRADS: dict[str, Callable[[dict], bool]] = {}
+# names whose update takes `max_logits=`, each attention head's largest logit in the step's forward pass (MuonClip)
+MAX_LOGITS: set[str] = set()
 
 
 # Hyperparameters that `optax.inject_hyperparams` must be told are static (`static_args=`): loop counts, which a
 # traced value cannot drive (optax's own tests list ns_steps the same way). Every other hyperparameter of every
 # registered factory is injectable as is (tests/optim/test_optax_suite.py checks the whole registry).
-STATIC_ARGS = ("ns_steps",)
+STATIC_ARGS = ("ns_steps", "rank_fraction",  # rank_fraction: Dion's rank fixes the shape of its state
+               "max_size_triangular",  # Kron: triangular or diagonal factors, fixed at init
+               "max_precondition_dim")  # SOAP: which sides get a factor, fixed at init
 
 
 class UnknownOptimizerError(ValueError):
@@ -40,7 +44,7 @@ class UnknownOptimizerError(ValueError):
 _RANGES = {**dict.fromkeys(("b1", "b2", "adam_b1", "adam_b2", "b1_1d", "b2_1d", "beta", "momentum"), (0, 1)),
            **dict.fromkeys(("eps", "adam_eps", "weight_decay", "adam_weight_decay", "weight_decay_1d", "gamma"),
                            (0, None)),
-           "ns_steps": (0, None), "switch_every": (1, None)}
+           "ns_steps": (0, None), "switch_every": (1, None), "clip_threshold": (0, None), "clip_alpha": (0, 1)}
 
 
 def _check_value(name: str, key: str, value, annotation):
@@ -69,11 +73,13 @@ def _check_value(name: str, key: str, value, annotation):
       refuse(f"must lie in [{lo}, {'inf' if hi is None else hi}]")
 
 
-def register(name: str, *, needs_prev_grads: Callable[[dict], bool] | None = None):
+def register(name: str, *, needs_prev_grads: Callable[[dict], bool] | None = None, needs_max_logits: bool = False):
   def add(factory):
     OPTIMIZERS[name] = factory
     if needs_prev_grads is not None:
       PREV_GRADS[name] = needs_prev_grads
+    if needs_max_logits:
+      MAX_LOGITS.add(name)
     return factory
   return add
 
@@ -153,3 +159,9 @@ def needs_prev_grads(name: str, hparams: dict | None = None) -> bool:
   loop then keeps the previous parameters and runs a second backward pass (research/train.py)."""
   predicate = PREV_GRADS.get(name)
   return predicate is not None and bool(predicate({**hyperparameters(name), **(hparams or {})}))
+
+
+def needs_max_logits(name: str) -> bool:
+  """Whether optimizer `name` wants `update(..., max_logits=)`: the model's per-head attention-logit maxima, stacked
+  like the blocks (`TransformerConfig(logit_stats=True)`; research/train.py passes them)."""
+  return name in MAX_LOGITS

@@ -88,3 +88,22 @@ def resolve_labels(labels, params, allowed: tuple[str, ...], owner: str) -> Any:
     raise ParameterTreeError(f"{owner}: unknown labels {sorted(map(str, used - set(allowed)))}; "
                              f"use {', '.join(map(repr, allowed))}")
   return full
+
+
+def replicated(x):
+  """x replicated on the current mesh (`jax.set_mesh`): each device then holds whole matrices, for the optimizers that
+  factor or rotate them (SOAP, Kron) as `orthogonalize` does; x itself off a mesh or on one device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  if jax.sharding.AxisType.Explicit in mesh.axis_types:
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
+
+
+def sharded_like(x, ref):
+  """x back in ref's sharding on an Explicit mesh (which types it); elsewhere the partitioner propagates it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return x
+  return jax.sharding.reshard(x, jax.typeof(ref).sharding.spec)

@@ -7,6 +7,7 @@
   python -m research.bench reshard --out research/results/bench_reshard.md # research/bench_reshard.py
   python -m research.bench moe --out research/results/bench_moe.md         # research/bench_moe.py
   python -m research.bench ckpt --out research/results/bench_ckpt.md       # research/bench_ckpt.py
+  python -m research.bench dion --out research/results/bench_dion_comm.md  # research/bench_dion_comm.py
 
 `train` times the real train step of research/train.py (AdamW, grad clipping, fp32) and reports
 compile time, steady step time, tokens/s, model FLOP/s and MFU against a matmul rate measured in
@@ -30,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import ConfigError, Transformer, count_params, flops_per_token, preset
 from research.bench_ckpt import ckpt_bench
+from research.bench_dion_comm import dion_comm
 from research.bench_report import machine, publish, table
 from research.bench_comm import comm
 from research.bench_moe import moe
@@ -171,7 +173,7 @@ def train(presets: tuple[str, ...] = ("small", "base"),
 
 
 BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe,
-              "ckpt": ckpt_bench}
+              "ckpt": ckpt_bench, "dion": dion_comm}
 
 
 def main(argv=None):

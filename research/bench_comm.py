@@ -26,7 +26,6 @@ from __future__ import annotations
 import inspect
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -39,6 +38,7 @@ from flax import nnx
 import optim
 from models import Transformer, count_params, preset
 from research.bench_optim import param_tree
+from research.bench_report import git_commit
 from research.train import make_steps
 from sharding import (analytic_bytes, batch_sharding, collectives, devices_for, init_params, init_train_state,
                       make_mesh, matmul_flops, mesh_spec, param_shardings, shardings_like_params)
@@ -165,13 +165,6 @@ def _update_gather_bytes(audit, mesh) -> float:
              if op.kind == "all-gather" and {tuple(sorted(g)) for g in op.groups} == data_groups)
 
 
-def _commit() -> str:
-  """HEAD's short hash, marked dirty when tracked files differ from it (the record of what was measured)."""
-  run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
-  head = run("rev-parse", "--short", "HEAD").strip() or "unknown"
-  return head + (" (dirty)" if run("status", "--porcelain", "--untracked-files=no").strip() else "")
-
-
 def _bytes_cells(audit) -> list[str]:
   s = audit.summary(fold_scatter=True)
   return [f"{s[k].count} / {s[k].wire_bytes / MIB:.1f}" if k in s else "–" for k in KINDS]
@@ -191,7 +184,7 @@ def comm(models: tuple[str, ...] = ("43m", "small"), meshes: tuple[str, ...] = (
   """
   t_start, load_start = time.perf_counter(), os.getloadavg()[0]
   dev = jax.devices()[0]
-  lines = [f"git {_commit()}; jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} "
+  lines = [f"git {git_commit()}; jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} "
            f"simulated devices on {os.cpu_count()} cores, fp32; "
            f"bytes are ring wire bytes per device per step (XLA:CPU all-reduce + dynamic-slice counted as "
            f"reduce-scatter); cells `count / MiB`; NS = Newton–Schulz, {NS_STEPS} steps", ""]

@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 
 from models import ConfigError, Transformer, count_params, preset
-from research.bench_comm import _commit
+from research.bench_report import git_commit
 from research.bench_report import publish
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, _optimizer, _setup_jax, make_steps
@@ -162,7 +162,7 @@ def moe(model: str = "moe_tiny", layouts: tuple[str, ...] = LAYOUTS, batch_size:
            f"{m.num_experts} experts of width {m.d_expert or mcfg.d_ff}, top-{m.top_k}, "
            f"{'dropless' if m.capacity_factor is None else f'capacity factor {m.capacity_factor}'}, "
            f"aux-loss-free bias rate {m.bias_rate}; batch {batch_size} x {seq_len}, AdamW (research/train.py "
-           f"make_steps), fp32; git {_commit()}, jax {jax.__version__}, {dev.platform}, {jax.device_count()} "
+           f"make_steps), fp32; git {git_commit()}, jax {jax.__version__}, {dev.platform}, {jax.device_count()} "
            f"simulated devices on {os.cpu_count()} cores", "",
            "| layout | step ms (min-max) | tokens/s | loss | compile s | " + " | ".join(KINDS) +
            " | EP a2a over expert: measured / as run / ideal | TP all-reduce over tensor: measured / compiled / "

@@ -7,7 +7,11 @@ On one device, in one run, for a tree of 6 transformer layers (d_model 768, a 76
   3. the standard NS FLOP floor of the tree at the measured matmul rates, and each step as a multiple;
   4. the Gram-space iteration: FLOPs and time vs the standard floor, fp32 accuracy vs the SVD polar
      factor next to standard NS and pytorch_optimizer's Gram Newton–Schulz;
-  5. peak temporary memory of each compiled step (memory_analysis).
+  5. peak temporary memory of each compiled step (memory_analysis) and the optimizer state's bytes; every step is
+     timed from the state after one step, and a periodic one over its period (`PERIOD`), per step;
+  6. the 2026 matrix optimizers (NorMuon, AdaMuon, Scion, Dion at rank 1 and 1/4, SOAP, PSGD-Kron) at their
+     registry defaults on the same tree, each step as a ratio to optax.adamw's and optim.muon's (MuonClip is Muon
+     plus one elementwise rescale of W_q, W_k: not timed here).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 import optax
 
 import optim
+from optim.trees import tree_bytes
 from research.bench_report import publish
 
 D, F, LAYERS, VOCAB, STEPS = 768, 3072, 6, 256, 5
@@ -56,16 +61,27 @@ def interleaved(cases: dict, repeats: int) -> dict:
   return {k: statistics.median(v) for k, v in times.items()}
 
 
-def step_fn(tx, params):
-  """A compiled update + apply, and its memory analysis."""
+# Optimizers whose work is periodic are timed over one period (a `lax.scan` of that many steps, reported per step):
+# SOAP refreshes its eigenbases every `precondition_frequency` (10) steps; Kron at update probability 1/10 fits its
+# preconditioner every 10th step (its default schedule is at 1 for the first 500 steps: the plain `kron` row).
+PERIOD = {"soap": 10, "kron (p = 1/10)": 10}
+
+
+def step_fn(tx, params, period: int = 1):
+  """A compiled update + apply (`period` of them in a `lax.scan`), its memory analysis, and its arguments: the state
+  after one step (SOAP's first step only builds its bases)."""
   grads = jax.tree.map(lambda p: jnp.sin(p * 7.0) * 0.01, params)
 
   def step(state, params, grads):
     u, state = tx.update(grads, state, params)
     return state, optax.apply_updates(params, u)
 
-  state = tx.init(params)
-  compiled = jax.jit(step).lower(state, params, grads).compile()
+  def steps(state, params, grads):
+    body = lambda carry, _: (step(*carry, grads), None)
+    return jax.lax.scan(body, (state, params), None, length=period)[0]
+
+  state, _ = jax.jit(step)(jax.jit(tx.init)(params), params, grads)
+  compiled = jax.jit(steps).lower(state, params, grads).compile()
   return compiled, (state, params, grads)
 
 
@@ -79,15 +95,25 @@ def optimizers():
       "optim.muon gram": optim.muon(1e-3, scale="keller", labels=labels, method="gram", **common),
       "optax.contrib.muon": optax.contrib.muon(1e-3, muon_weight_dimension_numbers=dims, **common),
       "optax.adamw": optax.adamw(1e-3),
+      # the 2026 set: the registry's factories at their defaults (their own parameter groups)
+      "normuon": optim.get_optimizer("normuon", 1e-3),
+      "adamuon": optim.get_optimizer("adamuon", 1e-3),
+      "scion": optim.get_optimizer("scion", 1e-3),
+      "dion (rank 1)": optim.get_optimizer("dion", 1e-3),
+      "dion (rank 1/4)": optim.get_optimizer("dion", 1e-3, rank_fraction=0.25),
+      "soap": optim.get_optimizer("soap", 1e-3),
+      "kron": optim.get_optimizer("kron", 1e-3),
+      "kron (p = 1/10)": optim.get_optimizer("kron", 1e-3, preconditioner_update_probability=0.1),
   }
 
 
-def optim_step(repeats: int = 5, out: str | None = None) -> str:
+def optim_step(repeats: int = 5, out: str | None = None, skip: tuple[str, ...] = ()) -> str:
   """Muon step vs optax.contrib.muon and the Newton-Schulz FLOP floor (one device, fp32).
 
   Args:
     repeats: timed rounds (each times every case once; medians reported).
     out: also write the tables (markdown) to this file.
+    skip: optimizer steps left out (e.g. soap kron, whose compiles are long on a GPU with little time).
   """
   params = param_tree()
   muon_shapes = [x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if is_muon(p, x)]
@@ -98,15 +124,19 @@ def optim_step(repeats: int = 5, out: str | None = None) -> str:
   # 1-3, 5: every case compiled first, then timed round-robin: the matmuls, the lone NS runs, the steps
   shapes = [(D, F), (D, D)]
   xs = {s: jax.random.normal(jax.random.key(1), s, jnp.float32) for s in shapes}
-  cases, memory = {}, {}
+  cases, memory, state = {}, {}, {}
   for s in shapes:
     cases[("matmul", s)] = (jax.jit(lambda a: a @ a.T), (xs[s],))
     cases[("ns", s)] = (jax.jit(lambda a: optim.orthogonalize(a, steps=STEPS)), (xs[s],))
   for name, tx in optimizers().items():
-    compiled, args = step_fn(tx, params)
+    if name in skip:
+      continue
+    compiled, args = step_fn(tx, params, PERIOD.get(name, 1))
     cases[("step", name)] = (compiled, args)
     memory[name] = compiled.memory_analysis().temp_size_in_bytes
+    state[name] = tree_bytes(args[0])
   t = interleaved(cases, repeats)
+  t.update({("step", name): t[("step", name)] / period for name, period in PERIOD.items() if ("step", name) in t})
 
   lines += ["| shape | matmul GFLOP/s | NS GFLOP/s | NS / matmul |", "|---|---|---|---|"]
   rate = {}
@@ -122,12 +152,14 @@ def optim_step(repeats: int = 5, out: str | None = None) -> str:
   std_flops = sum(optim.ns_flops(*s, STEPS) for s in muon_shapes)
   lines += ["", f"Standard NS floor of the tree: {std_flops / 1e9:.0f} GFLOP = {floor * 1e3:.0f} ms; "
             f"Gram-space FLOPs: {gram_flops / 1e9:.0f} GFLOP = {gram_flops / std_flops:.2f}x standard", "",
-            "| optimizer step | time (ms) | x NS floor | x optax.contrib.muon | peak temp memory (MiB) |",
-            "|---|---|---|---|---|"]
-  ref = t[("step", "optax.contrib.muon")]
+            "| optimizer step | time (ms) | x NS floor | x optax.contrib.muon | x optax.adamw | x optim.muon | "
+            "peak temp memory (MiB) | state (MiB) | state / params |", "|---|---|---|---|---|---|---|---|---|"]
+  ref, adamw, muon = (t[("step", k)] for k in ("optax.contrib.muon", "optax.adamw", "optim.muon"))
+  n_params = tree_bytes(params)
   for name in memory:
     ts = t[("step", name)]
-    lines.append(f"| {name} | {ts * 1e3:.1f} | {ts / floor:.2f} | {ts / ref:.2f} | {memory[name] / 2 ** 20:.1f} |")
+    lines.append(f"| {name} | {ts * 1e3:.1f} | {ts / floor:.2f} | {ts / ref:.2f} | {ts / adamw:.1f} | {ts / muon:.2f} | "
+                 f"{memory[name] / 2 ** 20:.1f} | {state[name] / 2 ** 20:.1f} | {state[name] / n_params:.2f} |")
 
   # 4. accuracy vs the SVD polar factor (fp32, one (768, 3072) matrix)
   lines += ["", "| NS on (768, 3072), fp32, 5 steps | max abs error vs SVD polar factor | max |σ - 1| |",
@@ -144,7 +176,8 @@ def optim_step(repeats: int = 5, out: str | None = None) -> str:
     lines += _pytorch_optimizer_rows(x, polar)
   except ImportError as e:
     lines.append(f"| pytorch_optimizer not installed ({e}) | | |")
-  return publish(lines, out, preface=f"Command: `python -m research.bench optim --out {out}`\n\n")
+  flags = f" --skip {' '.join(skip)}" if skip else ""
+  return publish(lines, out, preface=f"Command: `python -m research.bench optim --out {out}{flags}`\n\n")
 
 
 def _pytorch_optimizer_rows(x, polar):

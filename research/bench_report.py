@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import jax
 
 
@@ -9,6 +12,13 @@ def machine() -> str:
   """"jax 0.10.2, cpu (cpu), 8 devices": what every table is measured on."""
   dev = jax.devices()[0]
   return f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} devices"
+
+
+def git_commit() -> str:
+  """HEAD's short hash, marked dirty when tracked files differ from it (the record of what was measured)."""
+  run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
+  head = run("rev-parse", "--short", "HEAD").strip() or "unknown"
+  return head + (" (dirty)" if run("status", "--porcelain", "--untracked-files=no").strip() else "")
 
 
 def table(cols: list[str], rows: list[list[str]]) -> list[str]:

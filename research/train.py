@@ -39,7 +39,8 @@ from flax import nnx
 from models import PRESETS, HFError, MoEConfig, Transformer, cross_entropy, flops_per_token, peft, preset
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from models.config import ConfigError
-from optim import OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedule, needs_prev_grads, with_global_norm_clip
+from optim import (OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedule, needs_max_logits, needs_prev_grads,
+                   with_global_norm_clip)
 from research import adapters, init_from, preflight, rundir
 from research.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, quiet_orbax_errors
 from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
@@ -115,6 +116,8 @@ class TrainConfig:
   """Recompute each block in the backward pass (less memory, ~1/3 more compute)."""
   microbatches: int | None = None
   """Pipeline microbatches when the mesh has stage > 1 (unset: one per stage); the GPipe bubble is (S-1)/(M+S-1)."""
+  logit_stats: bool | None = None
+  """Log each step's largest attention logit (attn/max_logit, attn/max_logit_layer); on for --optimizer muonclip."""
   moe: MoEFlags = dataclasses.field(default_factory=MoEFlags)
   """Mixture of experts (--moe.num-experts 8 --moe.top-k 2 ...): each flag overrides one field of the preset's.
   Expert parallelism comes from an `expert` mesh axis; router metrics go to metrics.jsonl as moe/*."""
@@ -244,8 +247,11 @@ def _model_config(cfg: TrainConfig):
   """The preset (or --init-from's config) with every given flag overriding its one field (--moe.* fields of the
   MoE included)."""
   over = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm",
-                                       "qkv_bias", "tie_embeddings", "compute_dtype", "remat", "microbatches")
+                                       "qkv_bias", "tie_embeddings", "compute_dtype", "remat", "microbatches",
+                                       "logit_stats")
           if getattr(cfg, k) is not None}
+  if needs_max_logits(cfg.optimizer):  # MuonClip reads each head's max logit from the forward pass
+    over["logit_stats"] = True
   moe = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
   if cfg.init_from:
     return init_from.model_config(cfg, {**over, "moe": moe})
@@ -319,7 +325,7 @@ def _switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host)
   except ShardingError as e:
     raise ShardingError(f"--switch-at to {mesh_spec(mesh)}: {e}") from None
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
-  train, evaluate = make_steps(graphdef, tx, shardings, batch_sh)
+  train, evaluate = make_steps(graphdef, tx, shardings, batch_sh, max_logits=needs_max_logits(cfg.optimizer))
   x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32, sharding=batch_sh)
   t = time.perf_counter()
   with jax.set_mesh(mesh):
@@ -354,11 +360,12 @@ def keep_prev_params(state, shardings):
   return {**state, "prev_params": prev}, {**shardings, "prev_params": shardings["params"]}
 
 
-def make_steps(graphdef, tx, shardings, batch_sh):
+def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False):
   """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state.
 
   A state with "prev_params" (`keep_prev_params`) also differentiates the loss at the previous parameters on
-  the same batch and hands that gradient to the optimizer as `prev_grads=` (exact MARS / Muon-MVR2).
+  the same batch and hands that gradient to the optimizer as `prev_grads=` (exact MARS / Muon-MVR2). With
+  `max_logits`, the model's per-head attention-logit maxima (aux "max_logit") go to it as `max_logits=` (MuonClip).
   A step whose loss, gradient norm or update norm is not finite leaves the state unchanged but for "step", and reports
   finite=False (`research.health`).
   """
@@ -378,6 +385,8 @@ def make_steps(graphdef, tx, shardings, batch_sh):
     buffers = state.get("buffers", {})
     (total, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], x, y, buffers)
     extra = {"prev_grads": jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(state["prev_params"])} if exact else {}
+    if max_logits:
+      extra["max_logits"] = aux["max_logit"]
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"], **extra)
     params = optax.apply_updates(state["params"], updates)
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
@@ -386,11 +395,14 @@ def make_steps(graphdef, tx, shardings, batch_sh):
     if buffers:  # a router's selection bias, a PEFT run's frozen base
       new["buffers"] = buffers
     metrics = {}
-    if aux:  # MoE: aux-loss-free bias update from this step's loads (DeepSeek-V3), router metrics
+    if "load" in aux:  # MoE: aux-loss-free bias update from this step's loads (DeepSeek-V3), router metrics
       rate = nnx.merge(graphdef, state["params"], buffers).c.moe.bias_rate
       if buffers:
         new["buffers"] = update_router_bias(buffers, aux, rate)
       metrics = {"aux_loss": total - loss, **moe_summary(aux)}
+    if "max_logit" in aux:  # (L, N): the largest over heads and layers, and each layer's
+      metrics["attn/max_logit"] = jnp.max(aux["max_logit"])
+      metrics["attn/max_logit_layer"] = jnp.max(aux["max_logit"], axis=-1)
     grad_norm = optax.tree.norm(grads)
     # the update too: a NaN learning rate or an optimizer that divides by zero spoils finite gradients
     ok = jnp.isfinite(total) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
@@ -431,14 +443,16 @@ class _Stop:
 
 
 def _router_metrics(out: dict) -> dict:
-  """The MoE entries of a step's outputs as JSON numbers (the per-expert load as a list)."""
-  got = jax.device_get({k: v for k, v in out.items() if k.startswith("moe/") or k == "aux_loss"})
+  """The MoE and attention-logit entries of a step's outputs as JSON numbers (per-expert loads, per-layer maxima as
+  lists)."""
+  got = jax.device_get({k: v for k, v in out.items() if k.startswith(("moe/", "attn/")) or k == "aux_loss"})
   return {k: np.asarray(v).tolist() for k, v in got.items()}
 
 
 def _state_signature(meta: dict) -> dict:
   """What fixes the saved state's shapes and structure: the model's shape fields and the optimizer."""
-  model = {k: v for k, v in meta["model_config"].items() if k not in ("compute_dtype", "remat", "microbatches")}
+  model = {k: v for k, v in meta["model_config"].items()
+           if k not in ("compute_dtype", "remat", "microbatches", "logit_stats")}
   if model.get("moe"):  # the expert shapes and whether a selection bias is kept; not the routing or loss knobs
     m = model["moe"]
     model["moe"] = {k: m[k] for k in ("num_experts", "d_expert", "num_shared")} | {"bias": m["bias_rate"] > 0}
@@ -466,6 +480,9 @@ def _setup(cfg: TrainConfig):
   """Mesh, model config, data and held-out batches, with every check of the flags that needs them."""
   mesh = make_mesh(cfg.mesh)
   mcfg = _model_config(cfg)
+  if needs_max_logits(cfg.optimizer) and mcfg.qk_norm:
+    raise RunError(f"--optimizer {cfg.optimizer} clips W_q and W_k, which QK-norm undoes: --model {cfg.model} has "
+                   f"qk_norm; add --qk-norm False")
   corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
@@ -559,7 +576,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
 
   tx, schedule = _optimizer(cfg)
   graphdef, state, shardings, report = _initial_state(cfg, mcfg, mesh, tx, corpus)
-  train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh)
+  train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh, max_logits=needs_max_logits(cfg.optimizer))
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
   switches = [(at, _switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]
 

@@ -129,7 +129,8 @@ def pipeline(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], 
     names: logical axis names of x for the loop state's sharding constraints (default ("batch", None, ...)).
 
   Returns:
-    (y, aux): y shaped like x; aux leaves stacked (L, ...), each layer's aux averaged over the M microbatches. That
+    (y, aux): y shaped like x; aux leaves stacked (L, ...), each layer's aux averaged over the M microbatches (an
+    entry named max_*, the attention's max_logit, is the maximum over them). That
     is the sequential aux exactly when every entry is a mean over tokens (loads, mean router probabilities, z-loss);
     a product of batch means (a Switch loss f·P computed inside the layer) would become the mean of its
     per-microbatch values (gradient accumulation semantics, as in Megatron and MaxText), so form such products
@@ -161,8 +162,9 @@ def pipeline(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], 
     y_Sb = on_stage(y_Sb)
     mb_S = t - np.arange(S)  # the microbatch each stage holds; outside [0, M) a bubble
     live_S = (mb_S >= 0) & (mb_S < M)
-    aux = jax.tree.map(lambda a: jnp.where(live_S.reshape((S,) + (1,) * (a.ndim - 1)), a, 0), aux)
-    aux_SQ = aux if aux_SQ is None else jax.tree.map(jnp.add, aux_SQ, aux)
+    live = lambda a: live_S.reshape((S,) + (1,) * (a.ndim - 1))
+    aux = jax.tree_util.tree_map_with_path(lambda p, a: jnp.where(live(a), a, _empty(p, a)), aux)
+    aux_SQ = aux if aux_SQ is None else jax.tree_util.tree_map_with_path(_combine, aux_SQ, aux)
     if t >= S - 1:
       outs.append(y_Sb)  # stage S-1 has just finished microbatch t - S + 1
     if t < M + S - 2:
@@ -170,5 +172,19 @@ def pipeline(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], 
   # one gather from the last stage for the whole batch, rather than one per iteration
   y_Mb = constrain(jnp.stack(outs)[:, S - 1], (None,) + names)
   y = y_Mb.swapaxes(0, 1).reshape(x.shape)
-  aux_L = jax.tree.map(lambda a: (a / M).reshape(L, *a.shape[2:]), aux_SQ)
+  aux_L = jax.tree_util.tree_map_with_path(lambda p, a: (a if _is_max(p) else a / M).reshape(L, *a.shape[2:]),
+                                           aux_SQ)
   return constrain(y, names), aux_L
+
+
+def _is_max(path) -> bool:
+  """An aux entry named max_* (the attention's max_logit) is a maximum over microbatches, not a mean."""
+  return str(getattr(path[-1], "key", "")).startswith("max_")
+
+
+def _empty(path, a):
+  return jnp.full_like(a, -jnp.inf) if _is_max(path) else jnp.zeros_like(a)
+
+
+def _combine(path, total, a):
+  return jnp.maximum(total, a) if _is_max(path) else total + a

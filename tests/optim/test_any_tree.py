@@ -46,8 +46,8 @@ class Tiny(nnx.Module):
     return self.down(jax.nn.relu(self.norm(self.up(x))))
 
 
-def _batch():
-  x = _normal(11, (16, 4))
+def _batch(step=0):
+  x = _normal(11 + step, (16, 4))
   return x, jnp.stack([jnp.sin(x[:, 0]), jnp.cos(x[:, 1])], -1)
 
 
@@ -94,7 +94,6 @@ def test_any_parameter_tree(name, tree):
 def test_nnx_state_and_nnx_optimizer(name):
   """`flax.nnx.Optimizer(model, tx, wrt=nnx.Param)` trains with it, and its step equals the optimizer applied by
   hand to the plain parameter dict: NNX's State, its Variables and its paths reach the optimizer intact."""
-  x, y = _batch()
   model, ref = Tiny(nnx.Rngs(0)), Tiny(nnx.Rngs(0))  # trained by nnx.Optimizer / by hand
   tx = get_optimizer(name, 1e-2)
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -109,7 +108,8 @@ def test_nnx_state_and_nnx_optimizer(name):
   params = nnx.to_pure_dict(nnx.state(ref, nnx.Param))
   state = tx.init(params)
   losses = []
-  for _ in range(3):
+  for t in range(3):
+    x, y = _batch(t)  # a new batch per step: SOAP's step 2 would otherwise see step 1's gradient again
     grads = nnx.to_pure_dict(nnx.grad(_loss)(ref, x, y))
     updates, state = by_hand(params, state, grads)
     params = optax.apply_updates(params, updates)

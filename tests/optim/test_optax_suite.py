@@ -46,18 +46,46 @@ SETTINGS = {
     "mgup_muon": dict(learning_rate=1e-2, weight_decay=1e-4),
     "cautious_muon": dict(learning_rate=1e-2, weight_decay=1e-4),
     "muon_mvr": dict(learning_rate=1e-2, weight_decay=1e-4),
+    # Dion: microsoft/dion's lr 0.01 (= optax's muon case), full rank (its default), optax's default decay
+    "dion": dict(learning_rate=1e-2, weight_decay=1e-4),
     # MARS on every leaf (optimize_1d), so these vector problems test MARS itself, not its AdamW fallback
     "mars": dict(learning_rate=1e-1, weight_decay=1e-4, optimize_1d=True),
     # BAdam restarts Adam at every block switch; a restart's first step is lr·sign(g), so lr 1e-2 keeps it
     # inside optax's 3e-2 tolerance (any lr ≥ 3e-2 cannot pass at an unlucky final step)
     "badam": dict(learning_rate=1e-2, b2=0.999, weight_decay=1e-4),
+    # Scion's unconstrained mode (uSCG) with no decay: the constrained one (Frank–Wolfe, W ← (1−lr)W − lr·ρ·lmo)
+    # stays in the radius-ρ ball and cannot reach a minimum outside it (these problems' lie outside radius 1);
+    # radius 1 for matrices as for vectors; momentum 0.5, the Scion README's value for low-noise runs (these are
+    # noiseless). Every step has norm lr·ρ, so the iterate ends oscillating at ~lr: at lr 5e-3 the worst final
+    # error is 0.21 of optax's 3e-2 tolerance (Rosenbrock complex64), at lr 1e-2 0.84 (2.5 with momentum 0.1)
+    "scion": dict(learning_rate=5e-3, momentum=0.5, constrained=False, hidden_scale=1.0),
+    # NorMuon / AdaMuon: house defaults (the paper's RMS-0.2 update, Nesterov; AdaMuon with sign) as the other
+    # Muon variants, the lr of optax's muon case, optax's default decay 1e-4
+    "normuon": dict(learning_rate=1e-2, weight_decay=1e-4),
+    "adamuon": dict(learning_rate=1e-2, weight_decay=1e-4),
+    # SOAP: house defaults (the oracle's betas (0.95, 0.95), frequency 10), the lr of optax's case for its base
+    # (Adam), optax's default decay. Worst final error 3e-3 of the 3e-2 tolerance at lr 1e-1 (2e-4 at lr 1e-2)
+    "soap": dict(learning_rate=1e-1, weight_decay=1e-4),
+    # Kron: the oracle's defaults (b1 0.9, its update-probability schedule), optax's default decay. Its steps have
+    # RMS ≤ 1.1·lr and P grows as the gradient shrinks (P ≈ E[hhᵀ]^(-1/2)), so it ends oscillating at ~lr: worst
+    # final error 0.08 of the 3e-2 tolerance at lr 3e-3 (Rosenbrock, 10k steps), 0.45 at 1e-2, 1.16 at 3e-2
+    "kron": dict(learning_rate=3e-3, weight_decay=1e-4),
+    # MuonClip: muon's case; optax's problems have no attention, so no max_logits reach it and it is Muon here
+    # (its clip: tests/optim/test_muon_clip.py)
+    "muonclip": dict(learning_rate=1e-2, weight_decay=0.0, eps=1e-8, scale="keller", adam_b2=0.999),
 }
 NAMES = sorted(OPTIMIZERS)
 # Optimizers that refuse complex parameters at init (ParameterTreeError): sign- or mask-based updates have no
 # complex meaning. optax skips its sign-based ones (lion, signum, ...) on complex for the same reason. The masked
 # Muons refuse complex matrices only: their vectors go to plain AdamW, which takes complex numbers.
 NO_COMPLEX = {"lion", "mgup_adamw", "mgup_lion", "cautious_adamw", "cautious_lion"}
-NO_COMPLEX_MATRIX = {"mgup_muon", "cautious_muon"}
+# SOAP's eigenbases are real (eigh, QR of real factors); its oracle raises NoComplexParameterError the same way.
+NO_COMPLEX |= {"soap"}
+# Kron: its oracle (pytorch_optimizer's Kron) raises NoComplexParameterError; refused the same way.
+NO_COMPLEX |= {"kron"}
+# AdaMuon orthogonalizes sign(U) (sign=True, its default): complex matrices refused the same way.
+# Dion: its paper and reference are real (QR, Cholesky, column norms of real matrices): complex matrices refused.
+NO_COMPLEX_MATRIX = {"mgup_muon", "cautious_muon", "adamuon", "dion"}
 # Documented deviations from optax's cases (README, "optax conformance"): test -> {name: reason}.
 EXPECTED = {
     "optimization": {("mgup_lion", "rosenbrock", "float32"): (
@@ -333,7 +361,7 @@ def test_optimizers_accept_learning_rate_schedule(name):
 def test_static_args_are_only_loop_counts():
   """The documented exception to 'no static_args': loop counts, which a traced value cannot drive; without it
   the error says what to do."""
-  assert STATIC_ARGS == ("ns_steps",)
+  assert {"ns_steps", "rank_fraction"} <= set(STATIC_ARGS)  # and what fixes a state shape: Dion's rank
   tx = optax.inject_hyperparams(OPTIMIZERS["muon"])(learning_rate=1e-2)
   params = jnp.ones((3, 3))
   with pytest.raises(TypeError, match="static_args=\\('ns_steps',\\)"):

@@ -118,7 +118,8 @@ def test_shift_and_stage_run_equal_roll_and_vmap():
 
 # --- the transformer: pipelined on 8 devices == sequential on 1 ----------------------------------------------------
 
-CFG = models.preset("tiny", n_layers=4, tie_embeddings=False)
+# logit_stats: the dense model's aux is each head's max attention logit, a maximum over microbatches, not a mean
+CFG = models.preset("tiny", n_layers=4, tie_embeddings=False, logit_stats=True)
 MOE = models.preset("moe_tiny", n_layers=4, tie_embeddings=False)  # dropless routing: no layout-dependent drops
 OPTS = {"xla_backend_optimization_level": 0}  # LLVM -O0: half the compile time; the partitioned HLO is the same
 TOKENS = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
@@ -205,9 +206,9 @@ def test_pipelined_transformer_matches_one_device(model, spec, M, wq_spec, refer
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
                grads, ref_grads)
-  assert set(aux) == (set(moe.AUX_KEYS) if model == "moe" else set())
+  assert set(aux) == (set(moe.AUX_KEYS) if model == "moe" else {"max_logit"})
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
-               aux, ref_aux)  # per layer (L, ...): the microbatch average equals the whole batch's
+               aux, ref_aux)  # per layer (L, ...): the microbatch average (max_logit: maximum) equals the batch's
   # M + S - 2 shifts forward and their transposes backward (GSPMD adds permutes that bring the last stage's output
   # to the other stages); none inside a loop, where XLA:CPU can deadlock (see pipeline.py)
   permutes = collective_permutes(hlo)

@@ -1,0 +1,125 @@
+"""AdaMuon (Si, Zhang, Shen, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005): Newton–Schulz of the sign
+of the momentum, an element-wise Adam-style second moment on the orthogonalized update, and an RMS-aligned
+rescale that gives every matrix's update the RMS of Adam's (0.2), so AdamW's learning rate carries over.
+
+Three sources differ (tests/optim/test_adamuon.py checks each):
+  paper, Algorithm 1 (v3): M ← β·M + G; O = NS(sign(M)); V ← β·V + (1−β)·O⊙O; Ô = O ⊘ (√V + ε);
+                           W ← W − η·(0.2·√(mn)/‖Ô‖_F · Ô + λ·W)                      (one β for M and V)
+  authors' code (Chongjie-Si/AdaMuon, gpt2/models/optimizers/adamuon.py): the same with Nesterov EMA momentum,
+                           ε = 1e-8 also in ‖Ô‖_F + ε;  sign(EMA) = sign(M), so the two momenta agree
+  pytorch_optimizer 4.1.0 `AdaMuon`: no sign, no Nesterov, β1 = 0.9 and β2 = 0.95 apart, V bias-corrected
+                           (√(V/(1−β2^t)) + ε), ε = 1e-10; its `use_adjusted_lr=False` swaps 0.2·√max(m, n)
+                           for Keller's √max(1, fan_out/fan_in)
+Our defaults are the authors' code (sign, Nesterov, β2 = β = 0.95, ε = 1e-8, no bias correction).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optim.muon import muon_with_adamw, orthogonalize_tree, shape_scale
+from optim.normuon import check_matrix, frobenius, momentum_direction
+from optim.registry import register
+from optim.trees import reject_complex
+
+
+class AdaMuonState(NamedTuple):
+  count: jax.Array  # int32 step counter
+  mu: optax.Updates  # momentum, shaped (and sharded) like the parameters
+  nu: optax.Updates  # element-wise second moment of O, like the parameters (real dtype)
+
+
+def scale_by_adamuon(beta: float = 0.95, b2: float = 0.95, *, nesterov: bool = True, sign: bool = True,
+                     eps: float = 1e-8, bias_correction: bool = False, scale: str = "moonlight", coeffs="quintic",
+                     ns_steps: int = 5, ns_eps: float = 1e-7, ns_dtype=None, method: str = "standard",
+                     mu_dtype=None, distributed: bool = False) -> optax.GradientTransformation:
+  """Orthogonalized sign of the momentum, normalized by an element-wise second moment, RMS-aligned.
+
+    M ← β·M + (1−β)·G;  U = β·M + (1−β)·G (Nesterov) or M;  O = NS(sign(U)) (or NS(U) without `sign`)
+    V ← b2·V + (1−b2)·O⊙O;   V̂ = V/(1 − b2^t) with `bias_correction`, else V
+    Ô = O ⊘ (√V̂ + eps);      update = shape_scale(scale)·√min(m, n)·Ô / (‖Ô‖_F + eps)     (per matrix)
+
+  √min(m, n) is the Frobenius norm of an orthogonal m×n matrix: with scale "moonlight" (0.2·√max) the update
+  has Frobenius norm 0.2·√(mn), the paper's RMS alignment. Leaves must have ndim ≥ 2 (stacks of matrices, each
+  on its own). `ns_eps` is Newton–Schulz's eps; `coeffs`, `ns_steps`, `ns_dtype`, `method`, `distributed` go to
+  `orthogonalize_tree`. With `sign`, complex parameters are refused at init (a sign has no complex meaning).
+  """
+  shape_scale(scale, 1, 1)  # validates the name
+
+  def init(params):
+    def zeros(p, dtype):
+      check_matrix(p, "AdaMuon")
+      return jnp.zeros_like(p, dtype=dtype)
+    mu = jax.tree.map(lambda p: zeros(p, mu_dtype or p.dtype), params)
+    nu = jax.tree.map(lambda p: zeros(p, jnp.finfo(p.dtype).dtype), params)
+    return AdaMuonState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+  def update(updates, state, params=None):
+    del params
+    count = optax.safe_increment(state.count)
+    mu, u = momentum_direction(updates, state.mu, beta, nesterov)
+    jax.tree.map(lambda x: check_matrix(x, "AdaMuon"), u)
+    if sign:
+      u = jax.tree.map(jnp.sign, u)
+    o = orthogonalize_tree(u, coeffs=coeffs, steps=ns_steps, eps=ns_eps, compute_dtype=ns_dtype, method=method,
+                           distributed=distributed)
+
+    def normalize(o, v, g):
+      m, n = o.shape[-2:]
+      o = o.astype(jnp.promote_types(o.dtype, jnp.float32))
+      sq = jnp.real(o * jnp.conj(o))
+      v_new = b2 * v.astype(sq.dtype) + (1.0 - b2) * sq
+      v_hat = v_new / (1.0 - b2 ** count.astype(sq.dtype)) if bias_correction else v_new
+      o_hat = o / (jnp.sqrt(v_hat) + eps)
+      out = o_hat * (shape_scale(scale, m, n) * math.sqrt(min(m, n)) / (frobenius(o_hat) + eps))
+      return out.astype(g.dtype), v_new.astype(v.dtype)
+
+    pairs = jax.tree.map(normalize, o, state.nu, updates)
+    out = jax.tree.map(lambda _, pair: pair[0], updates, pairs)
+    nu = jax.tree.map(lambda _, pair: pair[1], updates, pairs)
+    return out, AdaMuonState(count=count, mu=mu, nu=nu)
+
+  tx = optax.GradientTransformation(init, update)
+  return reject_complex(tx, "AdaMuon with sign=True", "the sign of a complex number") if sign else tx
+
+
+@register("adamuon")
+def adamuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: float = 0.95,
+            weight_decay: float = 0.1, nesterov: bool = True, sign: bool = True, eps: float = 1e-8,
+            bias_correction: bool = False, scale: str = "moonlight", coeffs="quintic", ns_steps: int = 5,
+            ns_eps: float = 1e-7, ns_dtype=None, method: str = "standard", mu_dtype=None, adam_learning_rate=None,
+            adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
+            adam_weight_decay: float | None = None, labels=None,
+            distributed: bool = False) -> optax.GradientTransformation:
+  """AdaMuon (arXiv 2507.11005) on hidden matrices, AdamW on the rest (`muon_with_adamw`, `muon_labels`).
+
+    W ← W − lr·(shape_scale·√min(m, n)·Ô/(‖Ô‖_F + eps) + weight_decay·W)      (Ô: `scale_by_adamuon`)
+
+  Args:
+    learning_rate: a number or a schedule; the AdamW group's too unless `adam_learning_rate` is given.
+    beta: momentum β.  b2: the second moment's β (the paper uses β for both).  eps: in √V̂ + eps and ‖Ô‖_F + eps.
+    nesterov: U = β·M + (1−β)·G (the authors' code) or M (the paper's Algorithm 1, pytorch_optimizer).
+    sign: orthogonalize sign(U) (paper and authors' code) or U (pytorch_optimizer).
+    bias_correction: divide V by 1 − b2^t (pytorch_optimizer); the rescale cancels it up to eps.
+    scale: Muon's shape factor (`optim.muon.shape_scale`): "moonlight" 0.2·√max(m, n) (default, the paper's
+      RMS 0.2), "keller" √max(1, fan_out/fan_in) (pytorch_optimizer's use_adjusted_lr=False), ...
+    weight_decay: decoupled, times the unscaled lr.  coeffs, ns_steps, ns_eps, ns_dtype, method, distributed:
+      Newton–Schulz (`orthogonalize_tree`).  mu_dtype: the momentum's dtype (both groups).
+    adam_*: the AdamW group (`optim.muon.muon_with_adamw`).  labels: "muon"/"adam" per leaf (`muon_labels`).
+
+  pytorch_optimizer 4.1.0 `AdaMuon` with its defaults is beta=0.9, b2=0.95, nesterov=False, sign=False,
+  eps=1e-10, bias_correction=True, scale="moonlight" (module docstring); its Newton–Schulz runs in bfloat16 and
+  divides by max(‖X‖_F, 1e-7), ours in the parameter's dtype (`ns_dtype`) and by ‖X‖_F + ns_eps. Under
+  `optax.inject_hyperparams` list `ns_steps` (and a `labels` function) in `static_args`.
+  """
+  core = scale_by_adamuon(beta, b2, nesterov=nesterov, sign=sign, eps=eps, bias_correction=bias_correction,
+                          scale=scale, coeffs=coeffs, ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype,
+                          method=method, mu_dtype=mu_dtype, distributed=distributed)
+  return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
+                         adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
+                         adam_weight_decay=adam_weight_decay, labels=labels)

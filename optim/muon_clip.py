@@ -1,0 +1,114 @@
+"""MuonClip: Muon, then QK-clip (Kimi K2, arXiv 2507.20534 §2.1), against attention-logit blow-ups.
+
+After the update, every attention head h whose largest logit S_h = max q·k/√d in this step's forward pass exceeded τ
+has its query and key projections scaled down so the same inputs would give exactly τ:
+  η_h = min(1, τ / S_h);   W_q^h ← η_h^α · W_q^h,   W_k^h ← η_h^(1−α) · W_k^h      (α = 0.5)
+Heads at or below τ are untouched. Grouped-query attention (K kv heads shared by N/K query heads; Kimi K2's MLA has
+per-head keys, and pytorch_optimizer's MuonClip assumes them): the shared key of group g is scaled by
+s_g = min_{h∈g} η_h^(1−α), and each query head of the group by η_h / s_g, so every head's logits are multiplied by
+exactly η_h: offending heads end at τ, the others keep their logits (their queries grow by 1/s_g to make up for
+the shared key). RoPE is linear, so the logits scale as the weights do; q/k biases (Qwen2) are scaled with their
+weights. A model with QK-norm is refused: the norm undoes any scale on W_q and W_k.
+
+The per-head maxima come from the model (`TransformerConfig(logit_stats=True)`: aux["max_logit"], (L, N) stacked
+like the blocks) and reach `update` as the extra argument `max_logits`; without it the step is plain Muon.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optim.muon import muon
+from optim.registry import register
+from optim.trees import leaf_name
+
+QUERY, KEY = ("wq", "q_bias"), ("wk", "k_bias")
+
+
+class QKClipError(ValueError):
+  """A parameter tree or statistic QK-clip cannot use."""
+
+
+def _role(path) -> str | None:
+  name = leaf_name(path).lower()
+  if name.startswith(("q_norm", "k_norm")):
+    return "norm"
+  for role, names in (("q", QUERY), ("k", KEY)):
+    if any(name == n or name.startswith(n + "_") for n in names):
+      return role
+  return None
+
+
+def head_scales(max_logits, threshold, alpha, kv_heads: int):
+  """(s_q (..., N), s_k (..., K)): the query and key scales of the module docstring from max_logits (..., N)."""
+  S = jnp.asarray(max_logits, jnp.float32)
+  N = S.shape[-1]
+  eta = jnp.where(S > threshold, threshold / jnp.where(S > 0, S, 1.0), 1.0)  # min(1, τ/S); S ≤ τ: 1
+  eta_g = eta.reshape(S.shape[:-1] + (kv_heads, N // kv_heads))
+  s_k = jnp.min(eta_g ** (1.0 - alpha), axis=-1)
+  s_q = (eta_g / s_k[..., None]).reshape(S.shape)
+  return s_q, s_k
+
+
+def qk_clip(threshold: float = 100.0, alpha: float = 0.5) -> optax.GradientTransformationExtraArgs:
+  """QK-clip as an update transformation, last in a chain: with `update(..., params, max_logits=(..., N))` it turns
+  each query/key update u (leaves named wq*/q_bias*, wk*/k_bias*, stacked like `max_logits`) into s⊙(p+u) − p, so
+  the new parameters are the clipped ones; every other leaf, and every step without max_logits, passes through."""
+
+  def init(params):
+    del params
+    return optax.EmptyState()
+
+  def update(updates, state, params=None, *, max_logits=None, **extra):
+    del extra
+    if max_logits is None:
+      return updates, state
+    if params is None:
+      raise QKClipError("QK-clip needs the parameters: call update(updates, state, params, max_logits=...)")
+    roles = jax.tree_util.tree_map_with_path(lambda p, _: _role(p), params)
+    if "norm" in jax.tree.leaves(roles):
+      raise QKClipError("QK-clip rescales W_q and W_k, which QK-norm undoes: this model has q_norm/k_norm")
+    S = jnp.asarray(max_logits)
+    N = S.shape[-1]
+    flat = {r: [p for p, x in jax.tree_util.tree_leaves_with_path(params) if _role(p) == r] for r in "qk"}
+    if not flat["q"] or not flat["k"]:
+      raise QKClipError("QK-clip found no query/key projections (leaves named wq*, wk*)")
+    stacks = {r: [x for p, x in jax.tree_util.tree_leaves_with_path(params) if leaf_name(p).lower().startswith(r)]
+              for r in ("wq", "wk")}
+    if len(stacks["wq"]) != 1 or len(stacks["wk"]) != 1:
+      raise QKClipError(f"QK-clip expects one layer-stacked query and key projection (wq*, wk*), found "
+                        f"{len(stacks['wq'])} and {len(stacks['wk'])}")
+    wq, wk = stacks["wq"][0], stacks["wk"][0]
+    if wq.shape[-1] % N or wq.shape[:-2] != S.shape[:-1]:
+      raise QKClipError(f"max_logits {S.shape} does not fit the query projection {wq.shape}: expected "
+                        f"{wq.shape[:-2]} + (heads,) with heads dividing {wq.shape[-1]}")
+    H = wq.shape[-1] // N
+    s_q, s_k = head_scales(S, threshold, alpha, wk.shape[-1] // H)
+
+    def clip(role, u, p):
+      if role not in ("q", "k"):
+        return u
+      s = jnp.repeat(s_q if role == "q" else s_k, H, axis=-1)  # (..., heads·H), per column
+      if p.ndim == S.ndim + 1:  # a weight (..., D, heads·H): one scale per column
+        s = s[..., None, :]
+      # s⊙(p+u) − p written as u + (s−1)⊙(p+u): a head with s = 1 keeps its update bit for bit
+      return (u + (s - 1.0) * (p.astype(jnp.float32) + u.astype(jnp.float32))).astype(u.dtype)
+
+    return jax.tree.map(clip, roles, updates, params, is_leaf=lambda r: r is None or isinstance(r, str)), state
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+@register("muonclip", needs_max_logits=True)
+def muonclip(learning_rate: optax.ScalarOrSchedule, *, clip_threshold: float = 100.0, clip_alpha: float = 0.5,
+             beta: float = 0.95, weight_decay: float = 0.1, nesterov: bool = True, ns_steps: int = 5,
+             eps: float = 1e-7, scale: str = "moonlight", adam_b1: float = 0.9, adam_b2: float = 0.95,
+             labels=None, distributed: bool = False) -> optax.GradientTransformationExtraArgs:
+  """Muon (`optim.muon`, Moonlight scale: Kimi K2's) followed by `qk_clip(clip_threshold τ, clip_alpha α)`.
+  Kimi K2 uses τ = 100 and α = 0.5. The train CLI switches the model's `logit_stats` on and passes the step's
+  max_logits for this optimizer (`optim.registry.needs_max_logits`)."""
+  base = muon(learning_rate, beta=beta, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps, eps=eps,
+              scale=scale, adam_b1=adam_b1, adam_b2=adam_b2, labels=labels, distributed=distributed)
+  return optax.chain(base, qk_clip(clip_threshold, clip_alpha))

@@ -1,0 +1,36 @@
+"""The sharded == unsharded check the optimizer tests share: a few jitted steps on gradients sin((k+1)·W₀), on one
+device and on an 8-device mesh (fsdp=4, tensor=2, Explicit axes), the state keeping its dtypes and shardings."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import sharding
+
+
+def sine_grads(params, steps: int) -> list:
+  return [jax.tree.map(lambda p, k=k: jnp.sin(p * (k + 1)), params) for k in range(steps)]
+
+
+def run_steps(tx, params, grads):
+  """(last update, parameters, state) after one jitted step per gradient tree; asserts the state's dtypes and
+  shardings never change."""
+  state = tx.init(params)
+  kinds = jax.tree.map(lambda a: (a.dtype, a.sharding), state)
+  step = jax.jit(tx.update)
+  for g in grads:
+    u, state = step(g, state, params)
+    params = optax.apply_updates(params, u)
+  assert jax.tree.map(lambda a: (a.dtype, a.sharding), state) == kinds
+  return u, params, state
+
+
+def sharded_and_single(tx, params: dict, specs: dict, steps: int = 3, mesh: str = "fsdp=4,tensor=2"):
+  """((update, params, state) on the mesh with each leaf placed by `specs`, params after the same steps on one
+  device). The caller compares them and checks the shardings it cares about."""
+  grads = sine_grads(params, steps)
+  _, single, _ = run_steps(tx, params, grads)
+  m = sharding.make_mesh(mesh, explicit=True)
+  put = lambda t: {k: jax.device_put(v, jax.sharding.NamedSharding(m, specs[k])) for k, v in t.items()}
+  with jax.set_mesh(m):
+    return run_steps(tx, put(params), [put(g) for g in grads]), single
