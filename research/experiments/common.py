@@ -141,7 +141,7 @@ def evaluate(model: Transformer, batches) -> float:
 def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray, *, steps: int,
         batch_size: int = 16, seq_len: int = 128, seed: int = 0, val=None, eval_every: int | None = None,
         start: int = 0, opt_state=None, log_every: int = 1, metrics: Callable | None = None,
-        batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None) -> Fit:
+        batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None, max_logits: bool = False) -> Fit:
   """Trains `model` for `steps` steps of `get_batch(tokens, seed, start + i, ...)` with `tx`.
 
   Args:
@@ -151,6 +151,8 @@ def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray
     metrics: optional `f(grads, updates, params, aux) -> dict` of arrays, computed inside the step.
     batch_fn: optional `f(data_step) -> (x, y)` replacing `get_batch(tokens, seed, data_step, ...)` (e.g. windows
       drawn from one cluster); `tokens` is then unused.
+    max_logits: hand the model's per-head max attention logits (aux "max_logit"; `logit_stats`) to the optimizer's
+      update as `max_logits=` (QK-clip, `optim.muonclip`).
 
   Returns `Fit(model, opt_state, records)`; records hold "step", "loss" every `log_every` steps and "val_loss"
   at evaluations (step = number of updates done, `start` included).
@@ -162,9 +164,10 @@ def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray
   @jax.jit
   def step(params, buffers, opt_state, x, y):
     (_, (ce, aux)), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, params, buffers, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    extra = {"max_logits": aux["max_logit"]} if max_logits else {}
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
     new_params = optax.apply_updates(params, updates)
-    if aux and buffers:
+    if "load" in aux and buffers:
       buffers = update_router_bias(buffers, aux, rate)
     out = {"loss": ce}
     if metrics is not None:
@@ -291,4 +294,15 @@ def drop_partial(cfg):
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
            "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results", "tree_bytes", "mean_std", "pm",
            "train_tail", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
-           "smoke_compiles_quickly"]
+           "smoke_compiles_quickly", "past_edge"]
+
+
+def past_edge(val_by_lr: dict, factor: float = 3.0) -> float | None:
+  """The lr to add when the best of ≥ 2 tried lrs (lr -> val loss, inf if diverged) is the largest (×factor) or
+  the smallest (÷factor); None when it is interior, or nothing converged."""
+  finite = {lr: v for lr, v in val_by_lr.items() if np.isfinite(v)}
+  if len(val_by_lr) < 2 or not finite:
+    return None
+  best = min(finite, key=finite.get)
+  edge = best * factor if best == max(val_by_lr) else best / factor if best == min(val_by_lr) else None
+  return None if edge is None else float(f"{edge:.3g}")

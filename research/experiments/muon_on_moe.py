@@ -65,8 +65,10 @@ from jax.experimental.compilation_cache import compilation_cache
 import optim
 from models import Transformer, preset
 from research.experiments import common
+from research.experiments.common import past_edge
 
-ARMS = ("per_expert", "flat_stack", "moonlight_toy", "adamw_experts", "adam_at_muon_lr")
+ARMS = ("per_expert", "flat_stack", "moonlight_toy", "adamw_experts", "adam_at_muon_lr", "muonclip")
+DEFAULT_ARMS = ARMS[:5]  # muonclip needs a model without QK-norm: the stress setting's
 EXPERT_LEAVES = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")  # models/moe.py: (L, E, fan_in, fan_out) stacks
 INTENDED_RMS = 0.2  # Moonlight's target update RMS (arXiv 2502.16982, Lemma 1)
 
@@ -85,7 +87,7 @@ class Config:
   seeds: tuple[int, ...] = (0, 1, 2)
   lrs: tuple[float, ...] = (1e-2, 3e-2, 1e-1)
   extend_edge: bool = True  # one more lr (×3 or ÷3) for an arm whose best sits on the grid's edge
-  arms: tuple[str, ...] = ARMS
+  arms: tuple[str, ...] = DEFAULT_ARMS
   fallback_lr: float = 0.02  # adam_at_muon_lr: the experts' Adam lr (Keller/optax Muon default)
   weight_decay: float = 0.1
   spike_window: int = 50
@@ -93,12 +95,33 @@ class Config:
   eval_every: int = 50
   eval_batches: int = 8
   out: str = "research/results/muon_on_moe"
+  stress: bool = False
+  """The stress setting (`stress_config`): no QK-norm, higher lrs, longer; max attention logits logged; MuonClip."""
+  qk_norm: bool | None = None  # None: the preset's (moe_tiny: on)
+  logit_stats: bool = False  # log each step's max attention logit per layer (the model's aux "max_logit")
+  clip_threshold: float = 100.0  # muonclip's τ
 
 
 def smoke_config(cfg: Config) -> Config:
   """The same code path at a few steps: every arm, a one-point grid, 2 seeds."""
   return dataclasses.replace(cfg, steps=12, batch_size=4, seq_len=32, seeds=(0, 1), lrs=(1e-2,),
                              spike_window=4, eval_every=6, eval_batches=1)
+
+
+def stress_config(cfg: Config) -> Config:
+  """Where plain Muon's attention logits grow: moe_tiny without QK-norm (Kimi K2 has none: MLA), 5× the steps,
+  the grid moved up ×3 (3e-2 .. 3e-1), every step's max logit logged; arms: per-expert Muon, the same with
+  QK-clip at τ = `STRESS_TAU`, and AdamW on the experts."""
+  return dataclasses.replace(cfg, stress=False, steps=1000, lrs=(3e-2, 1e-1, 3e-1), qk_norm=False, logit_stats=True,
+                             arms=("per_expert", "muonclip", "adamw_experts"), clip_threshold=STRESS_TAU,
+                             eval_every=100, spike_window=50, out=cfg.out + "_stress")
+
+
+# τ for the stress setting: Kimi K2's 100. A pilot (seed 0, lr 0.1, per-expert Muon, no QK-norm) measured the max
+# logit at 36 after 40 steps, 378 after 120 and 790 within 400, so τ = 100 acts from about step 80 on; with
+# QK-clip at 100 the same run stayed at 100-108 from then on (the clip reads this step's logits, so the maximum
+# measured before a clip can exceed τ a little)
+STRESS_TAU = 100.0
 
 
 # --- the flattened-stack Muon variants -------------------------------------------------------------------------
@@ -158,7 +181,7 @@ def scale_by_flat_muon(mode: str, beta: float = 0.95, *, ns_steps: int = 5,
 
 EXPERT_RULES = ("per_expert", "flat_stack", "moonlight_toy", "adam")  # the arms' expert updates, by index
 RULE_OF_ARM = {"per_expert": "per_expert", "flat_stack": "flat_stack", "moonlight_toy": "moonlight_toy",
-               "adamw_experts": "adam", "adam_at_muon_lr": "adam"}
+               "adamw_experts": "adam", "adam_at_muon_lr": "adam", "muonclip": "per_expert"}
 
 
 class SelectState(NamedTuple):
@@ -210,14 +233,16 @@ def group(core, peak: float, steps: int, weight_decay: float, mask=None) -> opta
                      optax.inject_hyperparams(optax.scale)(step_size=peak))
 
 
-def make_tx(arm: str, lr: float, steps: int, *, weight_decay: float = 0.1,
-            fallback_lr: float = 0.02) -> optax.GradientTransformation:
+def make_tx(arm: str, lr: float, steps: int, *, weight_decay: float = 0.1, fallback_lr: float = 0.02,
+            clip_threshold: float = 100.0) -> optax.GradientTransformation:
   """clip_by_global_norm(1), then three `optax.partition` groups by `expert_labels`, each `group`:
     "muon"   (hidden matrices, router included): `optim.scale_by_muon` (Moonlight scale), peak lr
     "adam"   (embedding/head, norms): bias-corrected Adam (0.9, 0.95, 1e-8), no decay on norms, peak lr
     "expert" (routed expert stacks): the arm's rule, peak `expert_lr(arm)`.
   per_expert is `optim.muon` (the same groups and chains); the Adam arms' expert update is `optax.adamw`'s. The
-  tests check every arm against a float64 NumPy reference and the Adam arms against `optax.adamw`."""
+  tests check every arm against a float64 NumPy reference and the Adam arms against `optax.adamw`.
+  Last, `optim.qk_clip` with τ in state: `clip_threshold` for muonclip (per_expert + QK-clip = `optim.muonclip`'s
+  steps), ∞ for the others (a no-op, bit for bit), so every arm stays one program."""
   if arm not in ARMS:
     raise MuonMoEError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
   rules = [optim.scale_by_muon(), scale_by_flat_muon("flat_stack"), scale_by_flat_muon("moonlight_toy"),
@@ -228,7 +253,8 @@ def make_tx(arm: str, lr: float, steps: int, *, weight_decay: float = 0.1,
                                       optim.decay_mask),
                         "expert": group(expert, expert_lr(arm, lr, fallback_lr), steps, weight_decay)},
                        expert_labels)
-  return optax.chain(optax.clip_by_global_norm(1.0), tx)
+  tau = clip_threshold if arm == "muonclip" else math.inf
+  return optax.chain(optax.clip_by_global_norm(1.0), tx, optax.inject_hyperparams(optim.qk_clip)(threshold=tau))
 
 
 @contextlib.contextmanager
@@ -266,8 +292,11 @@ def expert_metrics(grads, updates, params, aux) -> dict:
   it, g the raw gradient), and the router's load f_e. `direction_rms` turns them into RMS(d)."""
   moe_u, moe_w, moe_g = updates["blocks"]["moe"], params["blocks"]["moe"], grads["blocks"]["moe"]
   tot = lambda f: sum(jnp.sum(f(k).astype(jnp.float32), axis=(-2, -1)) for k in EXPERT_LEAVES)
-  return {"u2_LE": tot(lambda k: moe_u[k] ** 2), "uw_LE": tot(lambda k: moe_u[k] * moe_w[k]),
-          "w2_LE": tot(lambda k: moe_w[k] ** 2), "g2_LE": tot(lambda k: moe_g[k] ** 2), "load_LE": aux["load"]}
+  out = {"u2_LE": tot(lambda k: moe_u[k] ** 2), "uw_LE": tot(lambda k: moe_u[k] * moe_w[k]),
+         "w2_LE": tot(lambda k: moe_w[k] ** 2), "g2_LE": tot(lambda k: moe_g[k] ** 2), "load_LE": aux["load"]}
+  if "max_logit" in aux:  # (L, N): the largest attention logit of each layer (over heads) in this step's batch
+    out["max_logit_L"] = jnp.max(aux["max_logit"], axis=-1)
+  return out
 
 
 def direction_rms(u2, uw, w2, lr: float, wd: float, n: int):
@@ -307,7 +336,11 @@ def summarize_run(records: list[dict], arm: str, lr: float, cfg: Config, n_elem:
   lo, hi = np.quantile(load_TLE, [0.1, 0.9])
   zero = load_TLE == 0  # experts the router sent no token this step: their update is momentum alone
   val_curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-  return {"final_val_loss": val_curve[-1][1], "val_curve": val_curve, "loss": losses, "spikes": spikes,
+  logit_T = np.array([max(r["max_logit_L"]) for r in records if "max_logit_L" in r])
+  logits = {} if not logit_T.size else {
+      "max_logit": float(logit_T.max()), "final_max_logit": float(logit_T[-1]), "logit_curve": logit_T.tolist(),
+      "steps_above_tau": int(np.sum(logit_T > cfg.clip_threshold))}
+  return {**logits, "final_val_loss": val_curve[-1][1], "val_curve": val_curve, "loss": losses, "spikes": spikes,
           "max_jump": max_jump,
           "rms_mean": float(rms_TLE.mean()), "rms_std_over_experts": float(rms_TLE.std(axis=(1, 2)).mean()),
           "rms_E": rms_TLE.mean(axis=(0, 1)).tolist(), "load_E": load_TLE.mean(axis=(0, 1)).tolist(),
@@ -319,43 +352,46 @@ def summarize_run(records: list[dict], arm: str, lr: float, cfg: Config, n_elem:
           "scatter": [load_TLE[::5].ravel().round(5).tolist(), rms_TLE[::5].ravel().round(5).tolist()]}
 
 
-def past_edge(val_by_lr: dict, factor: float = 3.0) -> float | None:
-  """The lr to add when the best of ≥ 2 tried lrs (lr -> val loss, inf if diverged) is the largest (×factor) or
-  the smallest (÷factor); None when it is interior, or nothing converged."""
-  finite = {lr: v for lr, v in val_by_lr.items() if np.isfinite(v)}
-  if len(val_by_lr) < 2 or not finite:
-    return None
-  best = min(finite, key=finite.get)
-  edge = best * factor if best == max(val_by_lr) else best / factor if best == min(val_by_lr) else None
-  return None if edge is None else float(f"{edge:.3g}")
+def model_config(cfg: Config):
+  """The preset with the stress setting's overrides (QK-norm, logit statistics)."""
+  over = {"logit_stats": cfg.logit_stats} | ({} if cfg.qk_norm is None else {"qk_norm": cfg.qk_norm})
+  return preset(cfg.model, **over)
 
 
 def run_arm(arm: str, lr: float, seed: int, cfg: Config, tokens, val) -> dict:
-  c = preset(cfg.model)
+  c = model_config(cfg)
   model = Transformer(c, rngs=nnx.Rngs(seed))
-  tx = make_tx(arm, lr, cfg.steps, weight_decay=cfg.weight_decay, fallback_lr=cfg.fallback_lr)
+  tx = make_tx(arm, lr, cfg.steps, weight_decay=cfg.weight_decay, fallback_lr=cfg.fallback_lr,
+               clip_threshold=cfg.clip_threshold)
   t0 = time.perf_counter()
   fitted = common.fit(model, tx, tokens, steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed,
-                      val=val, eval_every=cfg.eval_every, metrics=expert_metrics)
+                      val=val, eval_every=cfg.eval_every, metrics=expert_metrics, max_logits=c.logit_stats)
   d, f = c.d_model, c.moe.d_expert or c.d_ff
   out = {"arm": arm, "lr": lr, "seed": seed, "seconds": time.perf_counter() - t0,
          **summarize_run(fitted.records, arm, lr, cfg, n_elem=3 * d * f)}
   out["diverged"] = not (np.all(np.isfinite(out["loss"])) and np.isfinite(out["final_val_loss"]))
+  logit = f"  max logit {out['max_logit']:.1f}" if "max_logit" in out else ""
   print(f"{arm:>16} lr {lr:<6g} seed {seed}: val {out['final_val_loss']:.4f}  spikes {out['spikes']}  "
-        f"max jump {out['max_jump']:.2f}  expert RMS {out['rms_mean']:.4f}  ({out['seconds']:.0f} s)", flush=True)
+        f"max jump {out['max_jump']:.2f}  expert RMS {out['rms_mean']:.4f}{logit}  ({out['seconds']:.0f} s)",
+        flush=True)
   return out
 
 
 @common.smoke_compiles_quickly
 def main(cfg: Config) -> dict:
+  if cfg.stress:
+    cfg = stress_config(cfg)
   if cfg.smoke:
     cfg = smoke_config(cfg)
   for arm in cfg.arms:
     if arm not in ARMS:
       raise MuonMoEError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-  c = preset(cfg.model)
+  c = model_config(cfg)
   if c.moe is None:
     raise MuonMoEError(f"model {cfg.model!r} has no experts; use an MoE preset such as moe_tiny")
+  if "muonclip" in cfg.arms and (c.qk_norm or not c.logit_stats):
+    raise MuonMoEError("the muonclip arm needs --qk-norm False and --logit-stats (QK-norm undoes the clip; the clip "
+                       "reads the logits): use --stress")
   tokens, val = common.corpus_and_val(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
   t0, cpu0 = time.perf_counter(), time.process_time()
   score = lambda r: math.inf if r["diverged"] else r["final_val_loss"]
@@ -380,6 +416,10 @@ def main(cfg: Config) -> dict:
                  "corr_load_rms": stat("corr_load_rms"), "val_by_seed": [r["final_val_loss"] for r in rs],
                  "corr_gnorm_rms": stat("corr_gnorm_rms"), "predicted_rms": predicted_rms(arm, E, d, f),
                  "grid_spikes": sum(r["spikes"] for r in runs if r["arm"] == arm)}
+    if "max_logit" in rs[0]:
+      arms[arm] |= {"max_logit": stat("max_logit"), "final_max_logit": stat("final_max_logit"),
+                    "steps_above_tau": stat("steps_above_tau"),
+                    "grid_max_logit": float(max(r["max_logit"] for r in runs if r["arm"] == arm))}
   settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
   result = {"settings": settings, "tokens_per_run": cfg.steps * cfg.batch_size * cfg.seq_len, "arms": arms,
             "runs": runs, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu0,
@@ -395,7 +435,9 @@ def plot(result: dict):
   """Train loss per arm at its best lr (mean over seeds, 10-step moving average), val loss vs lr, and every
   expert's direction RMS vs its load (seed 0, best lr, every 5th step after warmup)."""
   import matplotlib.pyplot as plt
-  fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(15, 4.2))
+  logits = any("max_logit" in a for a in result["arms"].values())
+  fig, axes = plt.subplots(1, 4 if logits else 3, figsize=(20 if logits else 15, 4.2))
+  ax0, ax1, ax2 = axes[:3]
   colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
   for arm, a in result["arms"].items():
     rs = [r for r in result["runs"] if r["arm"] == arm and r["lr"] == a["best_lr"]]
@@ -408,6 +450,9 @@ def plot(result: dict):
     ax1.plot(*zip(*grid), "o-", color=colors[arm], label=arm)
     r0 = rs[0]
     ax2.scatter(*r0["scatter"], s=4, alpha=0.4, color=colors[arm], label=arm)
+    if logits:
+      axes[3].plot(np.arange(1, len(r0["logit_curve"]) + 1), r0["logit_curve"], color=colors[arm], lw=0.8,
+                   label=f"{arm} (lr {a['best_lr']:g}, seed {r0['seed']})")
   ax0.set(xlabel="step", ylabel="train loss (nats/byte), 10-step mean", title="loss at each arm's best lr")
   ax0.set_ylim(top=min(ax0.get_ylim()[1], 4.0))
   ax1.set(xscale="log", xlabel="peak lr", ylabel="final val loss", title="lr grid (seed 0)")
@@ -416,7 +461,11 @@ def plot(result: dict):
   ax2.axvline(1 / E, color="gray", lw=0.8, ls=":")
   ax2.set(xlabel="expert load f_e (share of top-k assignments)", ylabel="expert update RMS (lr, wd removed)",
           yscale="log", title="per-expert update size vs load")
-  for ax in (ax0, ax1, ax2):
+  if logits:
+    axes[3].axhline(result["settings"]["clip_threshold"], color="k", lw=0.8, ls="--", label="τ (muonclip)")
+    axes[3].set(xlabel="step", ylabel="max attention logit (over layers, heads, batch)", yscale="log",
+                title="attention logits at each arm's best lr")
+  for ax in axes:
     ax.legend(fontsize=7)
   fig.tight_layout()
   return fig
@@ -435,6 +484,14 @@ def table(result: dict) -> list[str]:
                  f"({a['load_rare'][0]:.3f} / {a['load_busy'][0]:.3f}) | {a['rms_zero'][0]:.4f} "
                  f"({a['zero_frac'][0]:.1%}) | {common.pm(a['corr_load_rms'], digits=2)} | "
                  f"{common.pm(a['corr_gnorm_rms'], digits=2)} |")
+  if any("max_logit" in a for a in result["arms"].values()):
+    tau = result["settings"]["clip_threshold"]
+    lines += ["", f"| arm | best lr | max attention logit over the run | final max logit | steps with max logit > "
+              f"τ = {tau:g} | max logit over the lr grid |", "|---|---|---|---|---|---|"]
+    for arm, a in result["arms"].items():
+      lines.append(f"| {arm} | {a['best_lr']:g} | {common.pm(a['max_logit'], digits=1)} | "
+                   f"{common.pm(a['final_max_logit'], digits=1)} | {common.pm(a['steps_above_tau'], digits=0)} | "
+                   f"{a['grid_max_logit']:.1f} |")
   lines += ["", "| arm | lr | seed | final val loss | spikes | max jump | expert RMS |",
             "|---|---|---|---|---|---|---|"]
   for r in sorted(result["runs"], key=lambda r: (ARMS.index(r["arm"]), r["lr"], r["seed"])):

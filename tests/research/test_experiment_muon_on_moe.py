@@ -3,6 +3,7 @@ quintic Newton–Schulz, Moonlight scale, Adam, clip, schedule, decoupled decay)
 and the Adam arms against `optax.adamw`, the analytic per-expert RMS claims against exact polar factors (SVD),
 the measurement helpers on hand-made inputs, and one smoke run of the whole experiment."""
 
+import dataclasses
 import math
 
 import jax
@@ -89,7 +90,9 @@ def np_trajectory(arm, lr, params, grads, fallback_lr=0.02, beta=0.95, b1=0.9, b
   W = {k: v.copy() for k, v in flat(params).items()}
   M = {k: np.zeros_like(v) for k, v in W.items()}
   V = {k: np.zeros_like(v) for k, v in W.items()}
-  rule = {"per_expert": "per_expert", "flat_stack": "flat_stack", "moonlight_toy": "moonlight_toy"}.get(arm, "adam")
+  # muonclip: per-expert Muon; its QK-clip acts only with max_logits, which these updates do not get (test_stress_*)
+  rule = {"per_expert": "per_expert", "flat_stack": "flat_stack", "moonlight_toy": "moonlight_toy",
+          "muonclip": "per_expert"}.get(arm, "adam")
   out = []
   for t, g_tree in enumerate(grads):
     g = flat(g_tree)
@@ -297,8 +300,8 @@ def test_smoke_run(smoke):
   result, out = smoke
   cfg = mm.smoke_config(mm.Config(smoke=True))
   assert not out.exists(), "the smoke size must not write results"
-  assert set(result["arms"]) == set(mm.ARMS)
-  assert len(result["runs"]) == len(mm.ARMS) * (len(cfg.lrs) + len(cfg.seeds) - 1)
+  assert set(result["arms"]) == set(mm.DEFAULT_ARMS)
+  assert len(result["runs"]) == len(mm.DEFAULT_ARMS) * (len(cfg.lrs) + len(cfg.seeds) - 1)
   assert result["tokens_per_run"] == cfg.steps * cfg.batch_size * cfg.seq_len
   for r in result["runs"]:  # equal tokens, finite, and learning: below ln 256 = 5.55 and falling
     assert len(r["loss"]) == cfg.steps and np.all(np.isfinite(r["loss"])) and not r["diverged"]
@@ -306,7 +309,7 @@ def test_smoke_run(smoke):
     assert last < first < 5.0 and last == r["final_val_loss"]
     assert np.mean(r["loss"][-3:]) < np.mean(r["loss"][:3]) - 0.5
   a = result["arms"]
-  for arm in mm.ARMS:
+  for arm in mm.DEFAULT_ARMS:
     assert a[arm]["seeds"] == list(cfg.seeds) and np.isfinite(a[arm]["val"][0]) and a[arm]["val"][1] > 0
   # the invariants the experiment relies on: per-expert Muon gives every expert the same size, 0.2 × NS's
   # singular-value RMS (quintic: σ in [0.68, 1.13]), whatever its load; the toy flattening ~5.7× smaller
@@ -323,5 +326,27 @@ def test_plot_and_table(smoke):
   fig = mm.plot(result)
   assert len(fig.axes) == 3 and all(ax.has_data() for ax in fig.axes)
   lines = mm.table(result)
-  assert sum(line.startswith("| ") for line in lines) == 1 + len(mm.ARMS) + 1 + len(result["runs"])
+  assert sum(line.startswith("| ") for line in lines) == 1 + len(mm.DEFAULT_ARMS) + 1 + len(result["runs"])
   assert len(mm.findings(result)) == 4
+
+
+def test_stress_setting_logs_logits_and_muonclip_caps_them():
+  """The stress setting at smoke size with a τ the logits cross within 12 steps: every run logs a max logit per step;
+  at the same lr and seed, after plain per-expert Muon first crosses τ, QK-clip's logits stay lower (max and mean)
+  and exceed τ on fewer steps. muonclip on a QK-norm model is refused."""
+  # τ = 0.1: at smoke size (lr 1e-2, 12 steps) plain Muon's max logit measured 0.09 at first, 0.12-0.15 from step 5
+  cfg = dataclasses.replace(mm.stress_config(mm.Config()), smoke=True, clip_threshold=0.1)
+  result = mm.main(cfg)
+  runs = {(r["arm"], r["seed"]): r for r in result["runs"]}
+  assert set(result["arms"]) == {"per_expert", "muonclip", "adamw_experts"}
+  plain, clipped = np.array(runs["per_expert", 0]["logit_curve"]), np.array(runs["muonclip", 0]["logit_curve"])
+  assert len(plain) == len(clipped) == mm.smoke_config(cfg).steps
+  first = int(np.argmax(plain > 0.1))
+  assert plain.max() > 0.1 and first < len(plain) - 3  # the clip has something to do
+  after_plain, after_clip = plain[first + 1:], clipped[first + 1:]
+  assert after_clip.max() < after_plain.max() and after_clip.mean() < after_plain.mean()
+  assert result["arms"]["muonclip"]["steps_above_tau"][0] < result["arms"]["per_expert"]["steps_above_tau"][0]
+  assert any(line.startswith("| arm | best lr | max attention logit") for line in mm.table(result))
+  assert len(mm.plot(result).axes) == 4
+  with pytest.raises(mm.MuonMoEError, match="muonclip arm needs"):
+    mm.main(mm.Config(smoke=True, arms=("muonclip",)))

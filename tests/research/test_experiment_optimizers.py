@@ -13,7 +13,11 @@ def result(notebooks):
 
 def test_stage_two_runs_every_contender_at_its_stage_one_best_lr_over_the_seeds(result):
   tune = {(r["label"], r["lr"]): r["final_val_loss"] for r in result["tune"]}
-  assert set(tune) == {("adamw", 3e-3), ("adamw", 1e-2), ("muon", 1e-2)} and all(r["seed"] == 0 for r in result["tune"])
+  # adamw's 2-point grid has its best at an edge, so one lr past it joins (÷3 below 3e-3, ×3 above 1e-2)
+  first = {lr: tune["adamw", lr] for lr in (3e-3, 1e-2)}
+  extra = 1e-3 if first[3e-3] < first[1e-2] else 3e-2
+  assert set(tune) == {("adamw", 3e-3), ("adamw", 1e-2), ("adamw", extra), ("muon", 1e-2)}
+  assert all(r["seed"] == 0 for r in result["tune"])
   for s in result["summary"]:
     assert s["best_lr"] == min((lr for lab, lr in tune if lab == s["label"]), key=lambda lr: tune[s["label"], lr])
     assert s["seeds"] == 2
@@ -38,3 +42,26 @@ def test_tables_flag_the_best_lr_and_an_edge(result):
   assert adamw.count("**") == 2 and "(edge)" in adamw  # a 2-point grid: the best is always at an edge
   rows = optimizers.summary_table(result["summary"], result["target"])
   assert len(rows) == 2 + 2 and "| adamw | " in "\n".join(rows) and "+0.0000" in "\n".join(rows)
+  rank = result["ranking"]
+  assert sorted(rank["half"]) == sorted(rank["end"]) == ["adamw", "muon"] and rank["half_step"] <= rank["end_step"] / 2
+
+
+def test_grid_extension_and_ranking_stability_on_hand_made_inputs():
+  tune = [{"label": "a", "lr": 1e-3, "final_val_loss": 2.0, "diverged": False},
+          {"label": "a", "lr": 3e-3, "final_val_loss": 2.1, "diverged": False},
+          {"label": "b", "lr": 1e-3, "final_val_loss": 2.2, "diverged": False},
+          {"label": "b", "lr": 3e-3, "final_val_loss": 2.1, "diverged": False},
+          {"label": "b", "lr": 1e-2, "final_val_loss": 2.3, "diverged": False},
+          {"label": "c", "lr": 1e-3, "final_val_loss": 2.3, "diverged": False},
+          {"label": "c", "lr": 3e-3, "final_val_loss": 9.9, "diverged": True}]
+  assert optimizers.extended_grid(("a=1e-3,3e-3", "b=1e-3,3e-3,1e-2", "c=1e-3,3e-3"), tune) == (
+      "a=1e-3,3e-3,0.000333", "b=1e-3,3e-3,1e-2", "c=1e-3,3e-3,0.000333")
+  assert optimizers.kendall_tau(list("abcd"), list("abcd")) == 1.0
+  assert optimizers.kendall_tau(list("abcd"), list("dcba")) == -1.0
+  assert optimizers.kendall_tau(list("abcd"), list("bacd")) == pytest.approx(4 / 6)
+  curve = lambda *v: [(10, v[0]), (20, v[1]), (30, v[2]), (40, v[3])]
+  summary = [{"label": "x", "curve": curve(3.0, 2.5, 2.2, 2.0)}, {"label": "y", "curve": curve(3.0, 2.4, 2.3, 2.1)},
+             {"label": "z", "curve": curve(3.0, 2.6, 2.4, 2.2)}]
+  rank = optimizers.ranking_stability(summary)
+  assert rank["half_step"] == 20 and rank["half"] == ["y", "x", "z"] and rank["end"] == ["x", "y", "z"]
+  assert rank["swaps"] == [("y", "x")] and rank["tau"] == pytest.approx(1 / 3)
