@@ -70,3 +70,14 @@ plt.show()
 
 # %%
 display(Markdown(common.full_results("muon_on_moe")))
+
+# %% [markdown]
+# ## The stress setting: attention logits and MuonClip
+#
+# `python -m research.experiments.muon_on_moe --stress`: `moe_tiny` without QK-norm (as Kimi K2, whose MLA has
+# none), 1000 steps, the lr grid ×3 higher, each step's largest attention logit logged, and a third arm, per-expert
+# Muon with QK-clip at τ = 100 (`optim.muonclip`'s step). Results in `research/results/muon_on_moe_stress/`.
+
+# %%
+display(Markdown(common.full_results("muon_on_moe_stress")))
+

@@ -132,3 +132,34 @@ def test_cli_trains_with_muonclip_and_logs_max_logits(tmp_path):
   with pytest.raises(SystemExit) as e:  # tiny has QK-norm: refused before anything starts
     main(["--model", "tiny", "--optimizer", "muonclip", "--steps", "3", "--out", str(tmp_path / "r2"), "--no-progress"])
   assert e.value.code == 2 and not (tmp_path / "r2").exists()
+
+
+def test_muonclip_sharded_equals_unsharded():
+  """3 steps with max logits above τ in some heads, on 8 devices (fsdp=4, tensor=2, Explicit axes) and on one: the
+  same parameters, each update in its parameter's sharding."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import sharding
+  specs = {"wq_DQ": P(None, "fsdp", "tensor"), "wk_DK": P(None, "fsdp", "tensor"), "w_up": P(None, "fsdp", "tensor")}
+  params = {"wq_DQ": RNG.standard_normal((2, 16, 32)), "wk_DK": RNG.standard_normal((2, 16, 16)),
+            "w_up": RNG.standard_normal((2, 16, 32))}
+  params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+  logits = [jnp.asarray(RNG.uniform(50, 200, (2, 4)), jnp.float32) for _ in range(3)]  # N = 4 heads of 8, K = 2
+  muon_only = lambda p: jax.tree.map(lambda _: "muon", p)
+  tx = optim.muonclip(1e-2, clip_threshold=100.0, labels=muon_only)
+
+  def run(params, tx=tx):
+    state, step = tx.init(params), jax.jit(tx.update)
+    for k, s in enumerate(logits):
+      u, state = step(jax.tree.map(lambda p: jnp.sin((k + 1) * p), params), state, params, max_logits=s)
+      params = optax.apply_updates(params, u)
+    return u, params
+
+  _, single = run(params)
+  mesh = sharding.make_mesh("fsdp=4,tensor=2", explicit=True)
+  with jax.set_mesh(mesh):
+    u, sharded = run({k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()})
+  for k, spec in specs.items():
+    assert u[k].sharding.spec == spec, k
+    np.testing.assert_allclose(np.asarray(sharded[k]), np.asarray(single[k]), atol=2e-6, err_msg=k)
+  plain = run(params, optim.muon(1e-2, labels=muon_only))[1]  # the clip acted: without it, other queries
+  assert np.abs(np.asarray(plain["wq_DQ"]) - np.asarray(single["wq_DQ"])).max() > 1e-2
