@@ -100,6 +100,8 @@ class Config:
   qk_norm: bool | None = None  # None: the preset's (moe_tiny: on)
   logit_stats: bool = False  # log each step's max attention logit per layer (the model's aux "max_logit")
   clip_threshold: float = 100.0  # muonclip's τ
+  also_lrs: tuple[float, ...] = ()
+  """Every arm also runs every seed at these lrs (the stress setting: 0.1, where plain Muon's logits grow)."""
 
 
 def smoke_config(cfg: Config) -> Config:
@@ -111,10 +113,11 @@ def smoke_config(cfg: Config) -> Config:
 def stress_config(cfg: Config) -> Config:
   """Where plain Muon's attention logits grow: moe_tiny without QK-norm (Kimi K2 has none: MLA), 5× the steps,
   the grid moved up ×3 (3e-2 .. 3e-1), every step's max logit logged; arms: per-expert Muon, the same with
-  QK-clip at τ = `STRESS_TAU`, and AdamW on the experts."""
+  QK-clip at τ = `STRESS_TAU`, and AdamW on the experts; besides each arm's best lr, all seeds at lr 0.1, where the
+  logits grow (at the tuned lrs they may stay below τ, and the clip then never acts)."""
   return dataclasses.replace(cfg, stress=False, steps=1000, lrs=(3e-2, 1e-1, 3e-1), qk_norm=False, logit_stats=True,
                              arms=("per_expert", "muonclip", "adamw_experts"), clip_threshold=STRESS_TAU,
-                             eval_every=100, spike_window=50, out=cfg.out + "_stress")
+                             also_lrs=(1e-1,), eval_every=100, spike_window=50, out=cfg.out + "_stress")
 
 
 # τ for the stress setting: Kimi K2's 100. A pilot (seed 0, lr 0.1, per-expert Muon, no QK-norm) measured the max
@@ -395,14 +398,25 @@ def main(cfg: Config) -> dict:
   tokens, val = common.corpus_and_val(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
   t0, cpu0 = time.perf_counter(), time.process_time()
   score = lambda r: math.inf if r["diverged"] else r["final_val_loss"]
+  done = {(r["arm"], r["lr"], r["seed"]): r for r in (common.load_partial(cfg) or {}).get("runs", [])}
+
+  def run(arm, lr, seed):  # each finished run is kept in OUT/partial.json: an interrupted study resumes
+    if (arm, lr, seed) not in done:
+      done[arm, lr, seed] = run_arm(arm, lr, seed, cfg, tokens, val)
+      if not cfg.smoke:
+        common.save_partial(cfg, runs=list(done.values()))
+    return done[arm, lr, seed]
+
   with compile_once():
-    runs = [run_arm(arm, lr, cfg.seeds[0], cfg, tokens, val) for arm in cfg.arms for lr in cfg.lrs]
+    runs = [run(arm, lr, cfg.seeds[0]) for arm in cfg.arms for lr in cfg.lrs]
     for arm in cfg.arms:
       edge = past_edge({r["lr"]: score(r) for r in runs if r["arm"] == arm}) if cfg.extend_edge else None
       if edge is not None:
-        runs.append(run_arm(arm, edge, cfg.seeds[0], cfg, tokens, val))
+        runs.append(run(arm, edge, cfg.seeds[0]))
     best = {arm: min((r for r in runs if r["arm"] == arm), key=score)["lr"] for arm in cfg.arms}
-    runs += [run_arm(arm, best[arm], seed, cfg, tokens, val) for arm in cfg.arms for seed in cfg.seeds[1:]]
+    runs += [run(arm, best[arm], seed) for arm in cfg.arms for seed in cfg.seeds[1:]]
+    runs += [run(arm, lr, seed) for arm in cfg.arms for lr in cfg.also_lrs for seed in cfg.seeds
+             if (arm, lr, seed) not in {(r["arm"], r["lr"], r["seed"]) for r in runs}]
   E, d, f = c.moe.num_experts, c.d_model, c.moe.d_expert or c.d_ff
   arms = {}
   for arm in cfg.arms:
@@ -416,6 +430,14 @@ def main(cfg: Config) -> dict:
                  "corr_load_rms": stat("corr_load_rms"), "val_by_seed": [r["final_val_loss"] for r in rs],
                  "corr_gnorm_rms": stat("corr_gnorm_rms"), "predicted_rms": predicted_rms(arm, E, d, f),
                  "grid_spikes": sum(r["spikes"] for r in runs if r["arm"] == arm)}
+    arms[arm]["at"] = {}
+    for lr in cfg.also_lrs:
+      at = [r for r in runs if r["arm"] == arm and r["lr"] == lr]
+      m = lambda k: common.mean_std(r[k] for r in at)
+      arms[arm]["at"][lr] = {"val": m("final_val_loss"), "spikes": sum(r["spikes"] for r in at),
+                             "val_by_seed": [r["final_val_loss"] for r in at],
+                             **({"max_logit": m("max_logit"), "steps_above_tau": m("steps_above_tau")}
+                                if "max_logit" in at[0] else {})}
     if "max_logit" in rs[0]:
       arms[arm] |= {"max_logit": stat("max_logit"), "final_max_logit": stat("final_max_logit"),
                     "steps_above_tau": stat("steps_above_tau"),
@@ -426,6 +448,7 @@ def main(cfg: Config) -> dict:
             "shape": {"E": E, "d_model": d, "d_expert": f}}
   if not cfg.smoke:
     write(cfg, result)
+    common.drop_partial(cfg)
   return result
 
 
@@ -492,6 +515,14 @@ def table(result: dict) -> list[str]:
       lines.append(f"| {arm} | {a['best_lr']:g} | {common.pm(a['max_logit'], digits=1)} | "
                    f"{common.pm(a['final_max_logit'], digits=1)} | {common.pm(a['steps_above_tau'], digits=0)} | "
                    f"{a['grid_max_logit']:.1f} |")
+  for lr in result["settings"]["also_lrs"]:
+    lines += ["", f"| arm at lr {lr:g} (all seeds) | final val loss | spikes | max attention logit over the run | "
+              f"steps with max logit > τ |", "|---|---|---|---|---|"]
+    for arm, a in result["arms"].items():
+      at = a["at"][str(lr)] if str(lr) in a["at"] else a["at"][lr]
+      logit = (f"{common.pm(at['max_logit'], digits=1)} | {common.pm(at['steps_above_tau'], digits=0)}"
+               if "max_logit" in at else "— | —")
+      lines.append(f"| {arm} | {common.pm(at['val'])} | {at['spikes']} | {logit} |")
   lines += ["", "| arm | lr | seed | final val loss | spikes | max jump | expert RMS |",
             "|---|---|---|---|---|---|---|"]
   for r in sorted(result["runs"], key=lambda r: (ARMS.index(r["arm"]), r["lr"], r["seed"])):
@@ -549,6 +580,16 @@ def findings(result: dict) -> list[str]:
              + ", ".join(f"{k} {ratio(k):.2f}×" for k in a) + " the busiest experts' update RMS"
              + (f"; experts that got no token at all in a step ({a[k0]['zero_frac'][0]:.1%} of {k0}'s expert-steps) "
                 f"still moved by RMS {zero}" if zero else "") + ".")
+  for lr in st["also_lrs"]:
+    at = {k: a[k]["at"][lr] for k in a}
+    logit = lambda k: f", max logit {at[k]['max_logit'][0]:.0f}" if "max_logit" in at[k] else ""
+    line = (f"Reading: at lr {lr:g} ({n} seeds each): "
+            + ", ".join(f"{k} val {common.pm(at[k]['val'], digits=3)}{logit(k)}, {at[k]['spikes']} spikes" for k in a))
+    if "muonclip" in at and "per_expert" in at:
+      diff = np.subtract(at["muonclip"]["val_by_seed"], at["per_expert"]["val_by_seed"])
+      line += (f"; muonclip − per_expert, paired by seed: {common.pm(common.mean_std(diff), sign=True, digits=3)} "
+               f"(lower in {int(np.sum(diff < 0))}/{len(diff)})")
+    out.append(line + ".")
   return out
 
 
@@ -557,11 +598,16 @@ QUESTION = ("How should Muon treat a stacked expert weight (L, E, d_in, d_out)? 
             "experts vs Adam at Muon's lr on the experts (old optax fallback), on `moe_tiny` (E=8, top-2).")
 
 
+STRESS_QUESTION = (" Stress setting (`--stress`): without QK-norm, at higher lrs and 5× the steps, do the attention "
+                   "logits grow under Muon, and does MuonClip's QK-clip (τ = 100) keep them bounded and the loss lower?")
+
+
 def write(cfg: Config, result: dict):
   import matplotlib
   matplotlib.use("Agg")
   lines = table(result)
-  common.write_results(cfg.out, "muon_on_moe", QUESTION, lines, findings=findings(result),
+  question = QUESTION + (STRESS_QUESTION if cfg.logit_stats else "")
+  common.write_results(cfg.out, "muon_on_moe", question, lines, findings=findings(result),
                        settings=result["settings"], data=result)
   fig = plot(result)
   fig.savefig(os.path.join(cfg.out, "muon_on_moe.png"), dpi=110)

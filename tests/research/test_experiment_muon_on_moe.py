@@ -346,7 +346,11 @@ def test_stress_setting_logs_logits_and_muonclip_caps_them():
   after_plain, after_clip = plain[first + 1:], clipped[first + 1:]
   assert after_clip.max() < after_plain.max() and after_clip.mean() < after_plain.mean()
   assert result["arms"]["muonclip"]["steps_above_tau"][0] < result["arms"]["per_expert"]["steps_above_tau"][0]
-  assert any(line.startswith("| arm | best lr | max attention logit") for line in mm.table(result))
+  lines = mm.table(result)
+  assert any(line.startswith("| arm | best lr | max attention logit") for line in lines)
+  assert any(line.startswith("| arm at lr 0.1 (all seeds)") for line in lines)  # the stress lr, every seed
+  assert all(len(a["at"][0.1]["val_by_seed"]) == 2 for a in result["arms"].values())
+  assert mm.findings(result)[-1].startswith("Reading: at lr 0.1 (2 seeds each)")
   assert len(mm.plot(result).axes) == 4
   with pytest.raises(mm.MuonMoEError, match="muonclip arm needs"):
     mm.main(mm.Config(smoke=True, arms=("muonclip",)))
