@@ -76,6 +76,9 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
   if mask_at not in ("pre", "post"):
     raise ValueError(f"mask_at must be 'pre' or 'post', got {mask_at!r}")
   shape_scale(scale, 1, 1)  # validates the name
+  for name, fn in (("orthogonalize", orthogonalize), ("split", split)):
+    if fn is not None and not callable(fn):
+      raise ValueError(f"{name} must be a function (optim.orthogonalizers), got {fn!r}")
 
   def init(params):
     mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)

@@ -161,3 +161,5 @@ def test_splits_that_do_not_fit_are_refused():
     orthogonalizers.heads(0)
   assert orthogonalizers.heads(H)("blocks/w_up", (L, D, 24)) is None
   assert orthogonalizers.heads(H)("blocks/wqkv", (L, D, 64)) is None  # "wq" does not match "wqkv"
+  with pytest.raises(ValueError, match="split must be a function"):
+    optim.muon(1e-2, split="heads")  # what `--opt split=heads` would hand it
