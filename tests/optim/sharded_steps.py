@@ -3,6 +3,7 @@ device and on an 8-device mesh (fsdp=4, tensor=2, Explicit axes), the state keep
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import sharding
@@ -12,10 +13,10 @@ def sine_grads(params, steps: int) -> list:
   return [jax.tree.map(lambda p, k=k: jnp.sin(p * (k + 1)), params) for k in range(steps)]
 
 
-def run_steps(tx, params, grads):
-  """(last update, parameters, state) after one jitted step per gradient tree; asserts the state's dtypes and
-  shardings never change."""
-  state = tx.init(params)
+def run_steps(tx, params, grads, state=None):
+  """(last update, parameters, state) after one jitted step per gradient tree from `state` (default `tx.init`);
+  asserts the state's dtypes and shardings never change."""
+  state = tx.init(params) if state is None else state
   kinds = jax.tree.map(lambda a: (a.dtype, a.sharding), state)
   step = jax.jit(tx.update)
   for g in grads:
@@ -23,6 +24,19 @@ def run_steps(tx, params, grads):
     params = optax.apply_updates(params, u)
   assert jax.tree.map(lambda a: (a.dtype, a.sharding), state) == kinds
   return u, params, state
+
+
+def assert_stack_is_separate(run, steps: int = 4):
+  """`run(params, grads) -> [params after each step]` on an (E, m, n) stack equals E runs on its matrices, exactly:
+  each expert has its own state (the repo's convention for stacked experts and layers)."""
+  rng = np.random.default_rng(2)
+  stack = {"w": rng.standard_normal((3, 6, 10))}
+  grads = [{"w": rng.standard_normal((3, 6, 10))} for _ in range(steps)]
+  got = run(stack, grads)
+  for e in range(3):
+    want = run({"w": stack["w"][e]}, [{"w": g["w"][e]} for g in grads])
+    for k in range(steps):
+      np.testing.assert_allclose(got[k]["w"][e], want[k]["w"], rtol=0, atol=1e-14, err_msg=f"expert {e} step {k}")
 
 
 def sharded_and_single(tx, params: dict, specs: dict, steps: int = 3, mesh: str = "fsdp=4,tensor=2"):

@@ -30,7 +30,7 @@ from pytorch_optimizer.optimizer.muon import adamuon as po_adamuon
 
 import sharding
 from optim import adamuon
-from sharded_steps import run_steps, sine_grads
+from sharded_steps import assert_stack_is_separate, run_steps, sine_grads
 
 RNG = np.random.default_rng(0)
 # w_up: a stack of two wide (fan_in 6 < fan_out 10) matrices, w_down: tall; head and bias go to AdamW
@@ -197,14 +197,7 @@ def test_the_settings_are_distinguishable():
 
 def test_a_stack_is_separate_matrices():
   """(E, m, n) experts: each matrix has its own momentum, sign, Newton–Schulz, V and norm."""
-  rng = np.random.default_rng(2)
-  stack = {"w": rng.standard_normal((3, 6, 10))}
-  grads = [{"w": rng.standard_normal((3, 6, 10))} for _ in range(4)]
-  got = run_ours(stack, grads)
-  for e in range(3):
-    want = run_ours({"w": stack["w"][e]}, [{"w": g["w"][e]} for g in grads])
-    for k in range(4):
-      np.testing.assert_allclose(got[k]["w"][e], want[k]["w"], rtol=0, atol=1e-14, err_msg=f"expert {e} step {k}")
+  assert_stack_is_separate(run_ours)
 
 
 def test_zero_gradients_stay_finite_and_leave_the_weights():

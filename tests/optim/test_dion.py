@@ -23,6 +23,7 @@ import sharding
 from optim import DionError, DionState, dion, dion_rank, right_factor_spec, scale_by_dion
 from optim.dion import _cholesky_qr2
 from research.bench_dion_comm import dion_expected_bytes, state_shardings, step_bytes
+from sharded_steps import run_steps
 
 RNG = np.random.default_rng(0)
 SHAPES = {"tall": (12, 5), "wide": (5, 12), "square": (8, 8), "stack": (3, 6, 10)}
@@ -189,13 +190,8 @@ def run_sharding_case(tx, params, grads, mesh=None, hlo=False):
     o_sh = state_shardings(tx, jax.eval_shape(lambda: params), jax.tree.map(lambda x: x.sharding, params), mesh)
     state = jax.jit(tx.init, out_shardings=o_sh)(params)
   q0 = dion_state(state).q
-  kinds = jax.tree.map(lambda a: (a.dtype, a.sharding), state)
-  step = jax.jit(tx.update)
-  for g in grads:
-    u, state = step(g, state, params)
-    params = optax.apply_updates(params, u)
-  assert jax.tree.map(lambda a: (a.dtype, a.sharding), state) == kinds
-  return u, params, q0, step.lower(grads[0], state, params).compile() if hlo else None
+  u, params, state = run_steps(tx, params, grads, state)
+  return u, params, q0, jax.jit(tx.update).lower(grads[0], state, params).compile() if hlo else None
 
 
 SHARDED_PARAMS = {k: jnp.asarray(RNG.standard_normal(s), d) for k, (s, d) in SHARDED.items()}
