@@ -53,6 +53,7 @@ class MoEConfig:
 
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+ATTENTION = ("auto", "xla", "flash", "cudnn", "ring", "allgather")  # models/attention.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,7 @@ class TransformerConfig:
   compute_dtype: str = "float32"  # "bfloat16" for bf16 matmuls (the loss stays fp32)
   remat: bool = False  # recompute each block in the backward pass
   microbatches: int | None = None  # pipeline microbatches when the mesh has stage > 1 (None: one per stage)
+  attention: str = "auto"  # models/attention.py: auto, xla, flash, cudnn, ring, allgather (context parallelism)
   logit_stats: bool = False  # aux["max_logit"] (L, N): each head's largest attention logit per batch (MuonClip)
   moe: MoEConfig | None = None  # a mixture of experts instead of the dense SwiGLU in every block
 
@@ -103,6 +105,8 @@ class TransformerConfig:
     for f in ("param_dtype", "compute_dtype"):
       if getattr(self, f) not in FLOAT_DTYPES:
         raise ConfigError(f"{f} must be one of {', '.join(FLOAT_DTYPES)}, got {getattr(self, f)!r}")
+    if self.attention not in ATTENTION:
+      raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
     if self.microbatches is not None and self.microbatches <= 0:
       raise ConfigError(f"microbatches must be positive (or None: one per pipeline stage), got {self.microbatches}")
 

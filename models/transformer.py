@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from models.attention import attend
 from models.config import TransformerConfig
+from sharding.context import check_context, from_zigzag, mesh_context, to_zigzag, zigzag_positions
 from sharding.pipeline import mesh_stages, pipeline
 from sharding.rules import constrain
 
@@ -41,11 +44,13 @@ def matmul(x, w, dt):
   return x @ w[...].astype(dt)
 
 
-def rope(x_BTNH, theta, offset=0):
-  """Rotary position embedding, rotate-half form, positions offset..offset+T-1 (offset may be traced)."""
+def rope(x_BTNH, theta, offset=0, positions=None):
+  """Rotary position embedding, rotate-half form, at positions offset..offset+T-1 (offset may be traced), or at the
+  given (T,) `positions` (the context-parallel layout's)."""
   T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
   freq = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
-  angle_TH = (offset + jnp.arange(T, dtype=jnp.float32))[:, None] * freq[None, :]
+  pos_T = offset + jnp.arange(T, dtype=jnp.float32) if positions is None else jnp.asarray(positions, jnp.float32)
+  angle_TH = pos_T[:, None] * freq[None, :]
   cos, sin = jnp.cos(angle_TH)[None, :, None, :], jnp.sin(angle_TH)[None, :, None, :]
   x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
@@ -83,13 +88,10 @@ class Block(nnx.Module):
     """x_BTD -> (x_BTD, aux): aux holds float32 router statistics of an MoE block ({} for a dense one) and, with
     `logit_stats`, "max_logit" (N,): each query head's largest attention logit over the batch."""
     h_BTD = rms_norm(x_BTD, self.attn_norm[...], self.c.norm_eps)
-    if self.c.logit_stats:
-      q, k, v = self.qkv(h_BTD)
-      stats = {"max_logit": max_logits(q, k)}
-      x_BTD = x_BTD + self.out_proj(jax.nn.dot_product_attention(q, k, v, is_causal=True))
-    else:
-      stats = {}
-      x_BTD = x_BTD + self.attention(h_BTD)
+    positions = zigzag_positions(h_BTD.shape[1], mesh_context())  # 0..T-1 without context parallelism
+    q, k, v = self.qkv(h_BTD, positions=positions)
+    stats = {"max_logit": max_logits(q, k, positions)} if self.c.logit_stats else {}
+    x_BTD = x_BTD + self.out_proj(attend(q, k, v, impl=self.c.attention))
     x_BTD, aux = self.ffn(x_BTD)
     return x_BTD, {**aux, **stats}
 
@@ -102,8 +104,8 @@ class Block(nnx.Module):
       y_BTD, aux = self.mlp(h), {}
     return x_BTD + constrain(y_BTD, ("batch", "seq", "act_embed")), aux
 
-  def qkv(self, h_BTD, offset=0):
-    """Rotated q_BTNH and k_BTKH, and v_BTKH, for tokens at positions offset..offset+T-1."""
+  def qkv(self, h_BTD, offset=0, positions=None):
+    """Rotated q_BTNH and k_BTKH, and v_BTKH, for tokens at positions offset..offset+T-1 (or `positions`)."""
     c, dt = self.c, jnp.dtype(self.c.compute_dtype)
     B, T, _ = h_BTD.shape
     heads = lambda y, n, names: constrain(y.reshape(B, T, n, c.hd), ("batch", "seq", names, "kv"))
@@ -113,17 +115,13 @@ class Block(nnx.Module):
     v = heads(proj(self.wv_DK, getattr(self, "v_bias_K", None)), c.kv_heads, "act_kv_heads")
     if c.qk_norm:
       q, k = rms_norm(q, self.q_norm[...], c.norm_eps), rms_norm(k, self.k_norm[...], c.norm_eps)
-    return rope(q, c.rope_theta, offset), rope(k, c.rope_theta, offset), v
+    return rope(q, c.rope_theta, offset, positions), rope(k, c.rope_theta, offset, positions), v
 
   def out_proj(self, o_BTNH):
     B, T = o_BTNH.shape[:2]
     o = constrain(o_BTNH, ("batch", "seq", "act_heads", "kv"))
     return constrain(matmul(o.reshape(B, T, -1), self.wo_QD, jnp.dtype(self.c.compute_dtype)),
                      ("batch", "seq", "act_embed"))
-
-  def attention(self, h_BTD):
-    q, k, v = self.qkv(h_BTD)
-    return self.out_proj(jax.nn.dot_product_attention(q, k, v, is_causal=True))  # GQA: K divides N
 
   def mlp(self, h_BTD):
     dt = jnp.dtype(self.c.compute_dtype)
@@ -132,16 +130,17 @@ class Block(nnx.Module):
     return matmul(a_BTF, self.w_down_FD, dt)
 
 
-def max_logits(q_BTNH, k_BSKH):
+def max_logits(q_BTNH, k_BSKH, positions=None):
   """(N,) float32: each query head's largest causal attention logit q·k/√H over the batch (no gradient), the
   statistic MuonClip's QK-clip reads (Kimi K2, arXiv 2507.20534). Forms the B·N·T² logits once more: a diagnostic
-  switched on by `logit_stats`, not the attention itself."""
+  switched on by `logit_stats`, not the attention itself. `positions` (T,): each slot's position (default 0..T-1)."""
   B, T, N, H = q_BTNH.shape
   K = k_BSKH.shape[2]
   q = jax.lax.stop_gradient(q_BTNH).astype(jnp.float32).reshape(B, T, K, N // K, H)
   k = jax.lax.stop_gradient(k_BSKH).astype(jnp.float32)
   s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q, k) / jnp.sqrt(jnp.float32(H))
-  causal_TS = jnp.tril(jnp.ones((T, k.shape[1]), bool))
+  pos = np.arange(T) if positions is None else np.asarray(positions)
+  causal_TS = pos[None, :] <= pos[:, None]
   return jnp.max(jnp.where(causal_TS, s_BKGTS, -jnp.inf), axis=(0, 3, 4)).reshape(N)
 
 
@@ -183,7 +182,9 @@ class Transformer(nnx.Module):
 
   def forward(self, tokens_BT):
     """tokens_BT -> (logits_BTV, aux), aux the blocks' router statistics stacked over layers ({} if dense)."""
-    x_BTD = self.embed(tokens_BT)
+    C = mesh_context()
+    check_context(tokens_BT.shape[1], C)
+    x_BTD = self.embed(to_zigzag(tokens_BT, C))  # context > 1: the sequence runs in zig-zag order (sharding/context.py)
     if mesh_stages() > 1:  # a `stage` mesh axis: the blocks run as a GPipe pipeline of microbatches
       graphdef, stacked = nnx.split(self.blocks)
       stage = lambda stage_blocks, x: run_blocks(nnx.merge(graphdef, stage_blocks), x, remat=self.c.remat)
@@ -191,7 +192,7 @@ class Transformer(nnx.Module):
                             names=("batch", "seq", "act_embed"))
     else:
       x_BTD, aux = run_blocks(self.blocks, x_BTD, remat=self.c.remat)
-    return self.unembed(x_BTD), aux
+    return self.unembed(from_zigzag(x_BTD, C)), aux
 
   def embed(self, tokens_BT):
     dt = jnp.dtype(self.c.compute_dtype)

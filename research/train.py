@@ -39,6 +39,7 @@ from flax import nnx
 from models import PRESETS, HFError, MoEConfig, Transformer, cross_entropy, flops_per_token, peft, preset
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from models.config import ConfigError
+from models.attention import AttentionError, check_attention
 from optim import (OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedule, needs_max_logits, needs_prev_grads,
                    with_global_norm_clip)
 from research import adapters, init_from, preflight, rundir
@@ -116,6 +117,8 @@ class TrainConfig:
   """Recompute each block in the backward pass (less memory, ~1/3 more compute)."""
   microbatches: int | None = None
   """Pipeline microbatches when the mesh has stage > 1 (unset: one per stage); the GPipe bubble is (S-1)/(M+S-1)."""
+  attention: Literal["auto", "xla", "flash", "cudnn", "ring", "allgather"] | None = None
+  """Attention implementation (models/attention.py); with a `context` mesh axis, ring or allgather (auto: ring)."""
   logit_stats: bool | None = None
   """Log each step's largest attention logit (attn/max_logit, attn/max_logit_layer); on for --optimizer muonclip."""
   moe: MoEFlags = dataclasses.field(default_factory=MoEFlags)
@@ -152,7 +155,7 @@ class TrainConfig:
   seed: int = 0
   """Seeds the initialization and the batch order."""
   mesh: str = "data=2,fsdp=2,tensor=2"
-  """Axis sizes over data, stage, fsdp, expert, tensor; omitted axes are 1, one may be -1."""
+  """Axis sizes over data, stage, fsdp, expert, context, tensor; omitted axes are 1, one may be -1."""
   switch_at: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
   """STEP:MESH, repeatable: after STEP steps move the whole state to MESH in-process and train on there (its step
   is compiled before training starts). MESH may use fewer devices than --mesh: the first ones it needs."""
@@ -230,7 +233,7 @@ class RunError(ValueError):
 # Bad input of any kind: reported as one line and exit status 2 by the CLIs.
 USER_ERRORS = (RunError, preflight.PreflightError, rundir.RunDirError, ConfigError, UnknownOptimizerError,
                CheckpointError, DataError, MeshError, ShardingError, DistributedError, PipelineError,
-               init_from.InitError, HFError, peft.PEFTError)
+               init_from.InitError, HFError, peft.PEFTError, AttentionError)
 
 
 def _setup_jax(devices: int, compile_cache: bool):
@@ -248,7 +251,7 @@ def _model_config(cfg: TrainConfig):
   MoE included)."""
   over = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm",
                                        "qkv_bias", "tie_embeddings", "compute_dtype", "remat", "microbatches",
-                                       "logit_stats")
+                                       "attention", "logit_stats")
           if getattr(cfg, k) is not None}
   if needs_max_logits(cfg.optimizer):  # MuonClip reads each head's max logit from the forward pass
     over["logit_stats"] = True
@@ -452,7 +455,7 @@ def _router_metrics(out: dict) -> dict:
 def _state_signature(meta: dict) -> dict:
   """What fixes the saved state's shapes and structure: the model's shape fields and the optimizer."""
   model = {k: v for k, v in meta["model_config"].items()
-           if k not in ("compute_dtype", "remat", "microbatches", "logit_stats")}
+           if k not in ("compute_dtype", "remat", "microbatches", "attention", "logit_stats")}
   if model.get("moe"):  # the expert shapes and whether a selection bias is kept; not the routing or loss knobs
     m = model["moe"]
     model["moe"] = {k: m[k] for k in ("num_experts", "d_expert", "num_shared")} | {"bias": m["bias_rate"] > 0}
@@ -489,8 +492,13 @@ def _setup(cfg: TrainConfig):
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
   plan = _switch_plan(cfg)
   pipe = _pipeline_plan(mesh, mcfg, cfg.batch_size)
-  for _, m in plan:  # a switch to a pipeline mesh must fit the model and batch too
-    _pipeline_plan(m, mcfg, cfg.batch_size)
+  for m in [mesh] + [m for _, m in plan]:  # a switch to a pipeline or context mesh must fit the model and batch too
+    if m is not mesh:
+      _pipeline_plan(m, mcfg, cfg.batch_size)
+    try:
+      check_attention(mcfg.attention, cfg.seq_len, m.shape["context"])
+    except AttentionError as e:
+      raise RunError(f"--mesh {mesh_spec(m)}: {e}") from None
   if cfg.peft and (cfg.freeze or cfg.switch_at or mesh.shape["stage"] > 1):
     raise RunError("--peft trains the adapters only and does not combine with --freeze, --switch-at or a pipeline "
                    "(stage) mesh")

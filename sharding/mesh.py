@@ -1,6 +1,6 @@
 """Device meshes from a spec string such as "data=2,fsdp=2,tensor=2".
 
-The mesh always has the five axes of AXES, in that order; omitted axes have size 1, and one
+The mesh always has the six axes of AXES, in that order; omitted axes have size 1, and one
 axis may be -1 to take the remaining devices. Axis types are always passed explicitly.
 """
 
@@ -11,9 +11,10 @@ import math
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "stage", "fsdp", "expert", "tensor")
+AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
 # Order matters: the last axes vary fastest over device ids, so `tensor` (the chattiest) groups
-# neighbouring devices and `data` (one all-reduce a step) spans the farthest ones.
+# neighbouring devices, `context` (a K/V ring hop per layer) the next nearest, and `data` (one
+# all-reduce a step) spans the farthest ones.
 
 DATA_AXES = ("data", "fsdp", "expert")  # the axes a global batch is split over
 

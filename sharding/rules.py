@@ -32,7 +32,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "expert": ("expert",),
     # activations
     "batch": ("data", "fsdp", "expert"),
-    "seq": (),
+    "seq": ("context",),  # context parallelism: each device holds T/C positions (zig-zag, sharding/context.py)
     "act_stage": ("stage",),  # the pipeline loop state: one microbatch slot per stage
     "act_embed": (),
     "act_heads": ("tensor",),

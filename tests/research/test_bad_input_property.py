@@ -17,7 +17,7 @@ from research.train import main
 from sharding import MeshError, make_mesh
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-AXES = ("data", "stage", "fsdp", "expert", "tensor", "model", "")
+AXES = ("data", "stage", "fsdp", "expert", "context", "tensor", "model", "")
 junk_number = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, -1e-9, 0.0, 1e30]) | st.floats()
 junk_int = st.integers(-10**6, 10**6)
 junk_text = st.text(st.characters(codec="ascii", exclude_characters="\x00"), max_size=24)

@@ -6,7 +6,7 @@ from sharding import AXES, MeshError, ShardingError, logical_to_spec, make_mesh,
 
 
 def test_spec_fills_omitted_axes_with_one():
-  assert parse_mesh_spec("data=2,fsdp=2,tensor=2", 8) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2}
+  assert parse_mesh_spec("data=2,fsdp=2,tensor=2", 8) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
 
 
 def test_minus_one_takes_the_rest():
@@ -35,7 +35,7 @@ def test_bad_specs_say_what_is_wrong(spec, message):
 def test_make_mesh_names_all_axes_with_explicit_types(explicit, kind):
   mesh = make_mesh("data=2,fsdp=2,tensor=2", explicit=explicit)
   assert mesh.axis_names == AXES
-  assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2}
+  assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   assert set(mesh.axis_types) == {kind}
   assert mesh_spec(mesh) == "data=2,fsdp=2,tensor=2"
 

@@ -1,0 +1,337 @@
+"""Context parallelism over the `context` mesh axis: the sequence split across devices, zig-zag balanced, with ring or
+all-gather attention.
+
+Shapes: B batch, T sequence, C context devices, h = T/(2C) positions per chunk, N query heads, K kv heads, G = N/K
+query heads per kv head, H head_dim.
+
+Layout (zig-zag, as Megatron-LM's context parallelism and ring-flash-attention): the sequence is cut into 2C chunks of
+h positions and device c holds chunks c and 2C-1-c, so under the causal mask every device has the same work: an early
+chunk that sees little and a late chunk that sees much (`balance` counts it). The model runs in this order: the
+transformer permutes the tokens once on the way in (`to_zigzag`) and the hidden states back once before the head
+(`from_zigzag`); every block in between is position-wise except attention, which reads each slot's global position
+(`zigzag_positions`: RoPE and the causal mask use those).
+
+Attention (`context_attention`, inside a `shard_map` manual over `context` only, so data / fsdp / tensor / expert and
+an enclosing pipeline stage stay as they are): device c computes its queries against every device's K/V block, one
+block per step, merging by online softmax (running max, sum and unnormalized output per query), never forming more
+than one (2h x 2h) block of scores:
+- step 0, its own block, under the causal mask of the global positions;
+- step s = 1..C-1, the block of device j = (c - s) mod C. Exactly half of it is needed, and it is computed as two
+  (h x h) products with no mask: the late queries on j's early keys (always visible), and either the early queries on
+  j's early keys (j < c) or the late queries on j's late keys (j > c); the other two pairs are masked out entirely.
+  The choice is a `jnp.where` on the device index, so every device runs the same program.
+Two ways to get block j (`algorithm`):
+- "ring" (Liu et al. 2023, arXiv 2310.01889): the K/V blocks travel around the ring with `ppermute`, C-1 hops forward;
+  the backward pass re-runs the ring, the K/V gradients travelling with their blocks (C hops) back to their owners. No
+  device holds more than two K/V blocks.
+- "allgather" (Llama 3, arXiv 2407.21783 §3.3.2): one all-gather of K and V, then the same steps on slices; its
+  backward all-gathers again and reduce-scatters the K/V gradients. Simpler, each device holds all of K/V for a layer.
+Both are `jax.custom_vjp`s whose residuals are the local q, k, v, the output and its log-sum-exp: the backward
+recomputes each block's scores, as flash attention does. Their steps are unrolled in Python: no collective inside a
+`while` body (XLA:CPU can deadlock there).
+
+`block_stats`, `merge`, `finish` and `block_grads` are the online-softmax kernel; models/attention.py builds the
+single-device blockwise (flash-style) attention from the same four.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+AXIS = "context"
+ALGORITHMS = ("ring", "allgather")
+
+
+class ContextError(ValueError):
+  """A sequence or mesh that the context-parallel layout cannot split."""
+
+
+def mesh_context() -> int:
+  """Size of the `context` axis of the current mesh (`jax.set_mesh`); 1 outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else mesh.shape.get(AXIS, 1)
+
+
+def check_context(seq_len: int, context: int):
+  """Raises ContextError, naming the fix, unless a `seq_len`-token sequence splits into 2·`context` zig-zag chunks."""
+  if context > 1 and seq_len % (2 * context):
+    raise ContextError(f"seq_len={seq_len} does not split into the 2*context={2 * context} zig-zag chunks of "
+                       f"context={context}; use a seq_len that is a multiple of {2 * context}")
+
+
+def zigzag_positions(seq_len: int, context: int) -> np.ndarray:
+  """(T,) int: the global position held in each slot of the zig-zag layout (device c: chunks c, 2C-1-c)."""
+  check_context(seq_len, context)
+  if context == 1:
+    return np.arange(seq_len)
+  h = seq_len // (2 * context)
+  chunks = np.stack([np.arange(context), 2 * context - 1 - np.arange(context)], axis=1).reshape(-1)
+  return (chunks[:, None] * h + np.arange(h)).reshape(-1)
+
+
+def to_zigzag(x, context: int, axis: int = 1):
+  """`x` with its sequence `axis` reordered into the zig-zag layout: out[..., i, ...] = x[..., positions[i], ...]."""
+  if context == 1:
+    return x
+  x = jnp.moveaxis(x, axis, 0)
+  halves = x.reshape(2, context, x.shape[0] // (2 * context), *x.shape[1:])
+  y = jnp.stack([halves[0], jnp.flip(halves[1], axis=0)], axis=1)  # (C, 2, h, ...)
+  return jnp.moveaxis(y.reshape(x.shape), 0, axis)
+
+
+def from_zigzag(x, context: int, axis: int = 1):
+  """The inverse of `to_zigzag`: the sequence `axis` back in position order."""
+  if context == 1:
+    return x
+  x = jnp.moveaxis(x, axis, 0)
+  y = x.reshape(context, 2, x.shape[0] // (2 * context), *x.shape[1:])
+  halves = jnp.stack([y[:, 0], jnp.flip(y[:, 1], axis=0)])  # (2, C, h, ...)
+  return jnp.moveaxis(halves.reshape(x.shape), 0, axis)
+
+
+def balance(seq_len: int, context: int) -> dict:
+  """Causal work per device: the (query, key) pairs under the mask each device owns, for the contiguous split (device
+  c: positions [cT/C, (c+1)T/C)) and for zig-zag, and what the zig-zag kernel computes (its own block whole, then
+  two half-chunk blocks per step). max/mean = 1 is perfect balance."""
+  T, C = seq_len, context
+  causal = lambda pos: int(np.sum(pos + 1))  # query p sees keys 0..p
+  contiguous = [causal(np.arange(c * T // C, (c + 1) * T // C)) for c in range(C)]
+  zz = zigzag_positions(T, C).reshape(C, -1)
+  zigzag = [causal(zz[c]) for c in range(C)]
+  h = T // (2 * C)
+  computed = [(2 * h) ** 2 + (C - 1) * 2 * h * h] * C
+  ratio = lambda w: max(w) / (sum(w) / len(w))
+  return {"contiguous": contiguous, "zigzag": zigzag, "zigzag_computed": computed,
+          "contiguous_max_over_mean": ratio(contiguous), "zigzag_max_over_mean": ratio(zigzag)}
+
+
+# --- the online-softmax kernel -------------------------------------------------------------------------------------
+# q_BQKGH (queries grouped by kv head), k_BSKH, v_BSKH; statistics (acc_BQKGH float32, m_BKGQ running max, l_BKGQ sum)
+
+
+def _scores(q, k, scale):
+  return jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+
+
+def block_stats(q, k, v, mask=None, *, scale):
+  """(acc, m, l) of q attending to one key block: the running statistics of a block alone. `mask` (Q, S) bool or
+  None (all visible); a row with no visible key has m = -inf, l = 0, acc = 0."""
+  s = _scores(q, k, scale)
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  p = jnp.exp(s - _finite(m)[..., None])
+  acc = jnp.einsum("bkgqs,bskh->bqkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return acc, m, jnp.sum(p, axis=-1)
+
+
+def merge(a, b):
+  """The statistics of the union of two key sets from each one's (acc, m, l)."""
+  (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
+  m = jnp.maximum(m_a, m_b)
+  wa, wb = jnp.exp(m_a - _finite(m)), jnp.exp(m_b - _finite(m))
+  q_major = lambda w: jnp.moveaxis(w, -1, 1)[..., None]  # (B, K, G, Q) -> (B, Q, K, G, 1)
+  return acc_a * q_major(wa) + acc_b * q_major(wb), m, l_a * wa + l_b * wb
+
+
+def finish(stats, dtype):
+  """(o_BQKGH in `dtype`, lse_BKGQ float32) from the statistics over all keys (every row sees at least one)."""
+  acc, m, l = stats
+  return (acc / jnp.moveaxis(l, -1, 1)[..., None]).astype(dtype), m + jnp.log(l)
+
+
+def block_grads(q, k, v, do, lse, delta, mask=None, *, scale):
+  """(dq, dk, dv) of one key block's share, given the final log-sum-exp `lse` and delta = rowsum(do · o) (both
+  B, K, G, Q; float32): the flash-attention backward, scores recomputed."""
+  p = jnp.exp(_scores(q, k, scale) - lse[..., None])
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
+  f32 = jnp.float32
+  dv = jnp.einsum("bkgqs,bqkgh->bskh", p, do, preferred_element_type=f32)
+  dp = jnp.einsum("bqkgh,bskh->bkgqs", do, v, preferred_element_type=f32)
+  ds = p * (dp - delta[..., None]) * scale
+  dq = jnp.einsum("bkgqs,bskh->bqkgh", ds, k, preferred_element_type=f32)
+  dk = jnp.einsum("bkgqs,bqkgh->bskh", ds, q, preferred_element_type=f32)
+  return dq, dk, dv
+
+
+def _finite(m):
+  return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def causal_mask(q_pos, k_pos):
+  return k_pos[None, :] <= q_pos[:, None]
+
+
+# --- context-parallel attention ------------------------------------------------------------------------------------
+
+
+def context_attention(q_BTNH, k_BTKH, v_BTKH, *, algorithm: str = "ring"):
+  """Causal attention of sequences laid out in zig-zag order over the mesh's `context` axis (T split C ways); equals
+  `jax.nn.dot_product_attention(..., is_causal=True)` on the sequences in position order. GQA: K divides N."""
+  if algorithm not in ALGORITHMS:
+    raise ContextError(f"unknown context-parallel attention {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+  C = mesh_context()
+  B, T, N, H = q_BTNH.shape
+  K = k_BTKH.shape[2]
+  check_context(T, C)
+  fn = _ring if algorithm == "ring" else _allgather
+  spec = P(None, AXIS)
+
+  def local(q, k, v):
+    o = fn(q.reshape(*q.shape[:2], K, N // K, H), k, v, C)
+    return o.reshape(q.shape)
+
+  # check_vma=False: as sharding/pipeline.py's run_stages, for a shard_map nested in the pipeline's
+  return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, axis_names={AXIS},
+                       check_vma=False)(q_BTNH, k_BTKH, v_BTKH)
+
+
+def _local_positions(h, C):
+  """(2h,) global positions of this device's slots: chunks c and 2C-1-c."""
+  c = jax.lax.axis_index(AXIS)
+  r = jnp.arange(h)
+  return jnp.concatenate([c * h + r, (2 * C - 1 - c) * h + r])
+
+
+def _halves(x, h):
+  return x[:, :h], x[:, h:]
+
+
+def _split_stats(st, h):
+  acc, m, l = st
+  return (acc[:, :h], m[..., :h], l[..., :h]), (acc[:, h:], m[..., h:], l[..., h:])
+
+
+def _where(pred, a, b):
+  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _forward(q, k, v, C, block_of):
+  """(o, lse) of the local queries against every device's block; `block_of(s)` -> (j, k_j, v_j) at step s >= 1."""
+  h, scale = q.shape[1] // 2, 1.0 / math.sqrt(q.shape[-1])
+  c = jax.lax.axis_index(AXIS)
+  pos = _local_positions(h, C)
+  early, late = _split_stats(block_stats(q, k, v, causal_mask(pos, pos), scale=scale), h)
+  q_e, q_l = _halves(q, h)
+  for s in range(1, C):
+    j, k_j, v_j = block_of(s)
+    (k_e, k_l), (v_e, v_l) = _halves(k_j, h), _halves(v_j, h)
+    late = merge(late, block_stats(q_l, k_e, v_e, scale=scale))
+    before = j < c  # j's early keys for the early queries, else j's late keys for the late queries
+    b = block_stats(jnp.where(before, q_e, q_l), jnp.where(before, k_e, k_l), jnp.where(before, v_e, v_l),
+                    scale=scale)
+    early, late = _where(before, merge(early, b), early), _where(before, late, merge(late, b))
+  stats = tuple(jnp.concatenate([e, l], axis=1 if i == 0 else -1) for i, (e, l) in enumerate(zip(early, late)))
+  return finish(stats, q.dtype)
+
+
+def _backward(q, k, v, o, lse, do, C, block_of, k_grads):
+  """dq, and through `k_grads(s, j, dk_j, dv_j)` each step's (2h) K/V gradient block for device j (s = 0: own)."""
+  h, scale = q.shape[1] // 2, 1.0 / math.sqrt(q.shape[-1])
+  c = jax.lax.axis_index(AXIS)
+  pos = _local_positions(h, C)
+  delta = jnp.moveaxis(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, -1)  # (B, K, G, 2h)
+  dq, dk, dv = block_grads(q, k, v, do, lse, delta, causal_mask(pos, pos), scale=scale)
+  k_grads(0, c, dk, dv)
+  (q_e, q_l), (do_e, do_l) = _halves(q, h), _halves(do, h)
+  (lse_e, lse_l), (d_e, d_l) = (lse[..., :h], lse[..., h:]), (delta[..., :h], delta[..., h:])
+  for s in range(1, C):
+    j, k_j, v_j = block_of(s)
+    (k_e, k_l), (v_e, v_l) = _halves(k_j, h), _halves(v_j, h)
+    dq_a, dk_a, dv_a = block_grads(q_l, k_e, v_e, do_l, lse_l, d_l, scale=scale)
+    before = j < c
+    sel = lambda e, l: jnp.where(before, e, l)
+    dq_b, dk_b, dv_b = block_grads(sel(q_e, q_l), sel(k_e, k_l), sel(v_e, v_l), sel(do_e, do_l), sel(lse_e, lse_l),
+                                   sel(d_e, d_l), scale=scale)
+    zero = jnp.zeros_like(dq_b)
+    dq = dq + jnp.concatenate([sel(dq_b, zero), dq_a + sel(zero, dq_b)], axis=1)
+    zero = jnp.zeros_like(dk_b)
+    dk_j = jnp.concatenate([dk_a + sel(dk_b, zero), sel(zero, dk_b)], axis=1)
+    dv_j = jnp.concatenate([dv_a + sel(dv_b, zero), sel(zero, dv_b)], axis=1)
+    k_grads(s, j, dk_j, dv_j)
+  return dq.astype(q.dtype)
+
+
+def _shift(x, C):
+  """Every device's block to the next device on the ring (c -> c+1)."""
+  return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % C) for i in range(C)])
+
+
+def _ring_blocks(k, v, C):
+  """block_of for the ring: step s holds the block of device c - s, one hop more than step s - 1."""
+  c = jax.lax.axis_index(AXIS)
+  held = {0: (k, v)}
+
+  def block_of(s):
+    if s not in held:
+      held[s] = _shift(held[s - 1], C)
+    return (c - s) % C, *held[s]
+  return block_of
+
+
+def _ring_fwd(q, k, v, C):
+  o, lse = _forward(q, k, v, C, _ring_blocks(k, v, C))
+  return o, (q, k, v, o, lse)
+
+
+def _ring_bwd(C, res, do):
+  q, k, v, o, lse = res
+  carried = {}  # the K/V gradient of the block held at the latest step, travelling with it
+
+  def k_grads(s, j, dk_j, dv_j):
+    if s == 0:
+      carried["g"] = (dk_j, dv_j)
+    else:
+      g = _shift(carried["g"], C)  # the gradient block of device c - s, from device c - 1
+      carried["g"] = (g[0] + dk_j, g[1] + dv_j)
+
+  dq = _backward(q, k, v, o, lse, do, C, _ring_blocks(k, v, C), k_grads)
+  dk, dv = _shift(carried["g"], C)  # the C-th hop: each block's gradient home
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring = jax.custom_vjp(lambda q, k, v, C: _ring_fwd(q, k, v, C)[0], nondiff_argnums=(3,))
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _gathered_blocks(k, v, C):
+  """block_of for all-gather: every device's block sliced from one all-gather of K and V."""
+  c = jax.lax.axis_index(AXIS)
+  k_all, v_all = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k, v))
+  n = k.shape[1]
+
+  def block_of(s):
+    j = (c - s) % C
+    return j, *(jax.lax.dynamic_slice_in_dim(x, j * n, n, axis=1) for x in (k_all, v_all))
+  return block_of
+
+
+def _allgather_fwd(q, k, v, C):
+  o, lse = _forward(q, k, v, C, _gathered_blocks(k, v, C))
+  return o, (q, k, v, o, lse)
+
+
+def _allgather_bwd(C, res, do):
+  q, k, v, o, lse = res
+  n = k.shape[1]
+  grads = {"k": jnp.zeros((k.shape[0], n * C) + k.shape[2:], jnp.float32)}
+  grads["v"] = grads["k"]
+
+  def k_grads(s, j, dk_j, dv_j):
+    for name, g in (("k", dk_j), ("v", dv_j)):
+      cur = jax.lax.dynamic_slice_in_dim(grads[name], j * n, n, axis=1)
+      grads[name] = jax.lax.dynamic_update_slice_in_dim(grads[name], cur + g, j * n, axis=1)
+
+  dq = _backward(q, k, v, o, lse, do, C, _gathered_blocks(k, v, C), k_grads)
+  dk, dv = (jax.lax.psum_scatter(grads[x], AXIS, scatter_dimension=1, tiled=True) for x in ("k", "v"))
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_allgather = jax.custom_vjp(lambda q, k, v, C: _allgather_fwd(q, k, v, C)[0], nondiff_argnums=(3,))
+_allgather.defvjp(_allgather_fwd, _allgather_bwd)
