@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ATTENTION
-from sharding.context import (ALGORITHMS as CONTEXT_ALGORITHMS, ContextError, block_grads, block_stats, causal_mask,
-                              check_context, context_attention, finish, merge, mesh_context)
+from sharding.context import (ALGORITHMS as CONTEXT_ALGORITHMS, ContextError, acc_dtype, block_grads, block_stats,
+                              causal_mask, check_context, context_attention, finish, head_major, merge, mesh_context,
+                              row_dot, token_major)
 
 IMPLEMENTATIONS = ATTENTION  # the names TransformerConfig.attention accepts
 BLOCK = 512  # flash's block: large enough for the products to run at the matmul rate on CPU, small enough to cache
@@ -88,24 +89,18 @@ def flash_block(seq_len: int, block: int = BLOCK) -> int:
 
 def flash(q_BTNH, k_BTKH, v_BTKH, *, block: int = BLOCK):
   """Blockwise causal attention (module docstring), equal to the reference."""
-  B, T, N, H = q_BTNH.shape
-  K = k_BTKH.shape[2]
-  o = _flash(q_BTNH.reshape(B, T, K, N // K, H), k_BTKH, v_BTKH, flash_block(T, block))
-  return o.reshape(B, T, N, H)
+  q, k, v = head_major(q_BTNH, k_BTKH, v_BTKH)
+  return token_major(_flash(q, k, v, flash_block(q_BTNH.shape[1], block)))
 
 
-def _blocks(x, nb):
-  """(B, T, ...) -> (B, nb, T/nb, ...)."""
-  return x.reshape(x.shape[0], nb, x.shape[1] // nb, *x.shape[2:])
+def _slice(x, i, blk, axis):
+  return jax.lax.dynamic_slice_in_dim(x, i * blk, blk, axis=axis)
 
 
-def _fold(x):
-  """(B, n, b, ...) -> (B·n, b, ...): a run of blocks as a batch of independent sequences."""
-  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
-def _unfold(x, B):
-  return x.reshape(B, x.shape[0] // B, *x.shape[1:])
+def _unstack(x, axis):
+  """Per-block results stacked on a leading axis back into one sequence `axis`: (nb, ..., b, ...) -> (..., nb·b, ...)."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
 
 
 def _diag_mask(b):
@@ -114,21 +109,20 @@ def _diag_mask(b):
 
 
 def _flash_fwd(q, k, v, blk):
-  B, T = q.shape[:2]
-  nb, scale = T // blk, 1.0 / math.sqrt(q.shape[-1])
-  qb, kb, vb = (_blocks(x, nb) for x in (q, k, v))
-  # statistics per query block: acc (B, nb, b, K, G, H); m, l (B, nb, K, G, b)
-  stats = None
-  for d in range(nb):  # query blocks d.. against key blocks ..nb-d: the d-th diagonal of the block triangle
-    st = block_stats(_fold(qb[:, d:]), _fold(kb[:, :nb - d]), _fold(vb[:, :nb - d]),
-                     _diag_mask(blk) if d == 0 else None, scale=scale)
-    if stats is None:
-      stats = tuple(_unfold(x, B) for x in st)
-    else:
-      head = merge(tuple(_fold(x[:, d:]) for x in stats), st)
-      stats = tuple(x.at[:, d:].set(_unfold(y, B)) for x, y in zip(stats, head))
-  o, lse = finish(tuple(_fold(x) for x in stats), q.dtype)
-  return _unfold(o, B).reshape(q.shape), _unfold(lse, B)
+  """(o_BKGTH, lse_BKGT): query block i (a `lax.map`) takes its diagonal block under the mask, then key blocks
+  0..i-1 whole in a `fori_loop`; one block of scores exists at a time."""
+  T = q.shape[3]
+  scale = 1.0 / math.sqrt(q.shape[-1])
+
+  def query_block(i):
+    q_i = _slice(q, i, blk, 3)
+    kv = lambda j: (_slice(k, j, blk, 2), _slice(v, j, blk, 2))
+    diagonal = block_stats(q_i, *kv(i), _diag_mask(blk), scale=scale)
+    return finish(jax.lax.fori_loop(0, i, lambda j, st: merge(st, block_stats(q_i, *kv(j), scale=scale)), diagonal),
+                  q.dtype)
+
+  o, lse = jax.lax.map(query_block, jnp.arange(T // blk))  # (nb, B, K, G, b, H), (nb, B, K, G, b)
+  return _unstack(o, 3), _unstack(lse, 3)
 
 
 def _flash_fwd_rule(q, k, v, blk):
@@ -137,20 +131,34 @@ def _flash_fwd_rule(q, k, v, blk):
 
 
 def _flash_bwd_rule(blk, res, do):
-  q, k, v, o, lse = res  # lse (B, nb, K, G, b)
-  B, T = q.shape[:2]
-  nb, scale = T // blk, 1.0 / math.sqrt(q.shape[-1])
-  delta = jnp.moveaxis(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, -1)  # (B, K, G, T)
-  delta = jnp.moveaxis(delta.reshape(*delta.shape[:3], nb, blk), 3, 1)  # (B, nb, K, G, b)
-  qb, kb, vb, dob = (_blocks(x, nb) for x in (q, k, v, do))
-  dq, dk, dv = (jnp.zeros(x.shape, jnp.float32) for x in (qb, kb, vb))
-  for d in range(nb):
-    g = block_grads(_fold(qb[:, d:]), _fold(kb[:, :nb - d]), _fold(vb[:, :nb - d]), _fold(dob[:, d:]),
-                    _fold(lse[:, d:]), _fold(delta[:, d:]), _diag_mask(blk) if d == 0 else None, scale=scale)
-    gq, gk, gv = (_unfold(x, B) for x in g)
-    dq = dq.at[:, d:].add(gq)
-    dk, dv = dk.at[:, :nb - d].add(gk), dv.at[:, :nb - d].add(gv)
-  return tuple(x.reshape(y.shape).astype(y.dtype) for x, y in ((dq, q), (dk, k), (dv, v)))
+  """Key block j (a `lax.scan` carrying dq): its diagonal under the mask, then query blocks j+1.. whole in a
+  `fori_loop` that adds into dq and the block's dk, dv."""
+  q, k, v, o, lse = res
+  T = q.shape[3]
+  scale = 1.0 / math.sqrt(q.shape[-1])
+  delta = row_dot(do, o)
+  rows = lambda i: (_slice(q, i, blk, 3), _slice(do, i, blk, 3), _slice(lse, i, blk, 3), _slice(delta, i, blk, 3))
+
+  def add_rows(dq, i, g):
+    return jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i, blk, 3) + g, i * blk, axis=3)
+
+  def key_block(dq, j):
+    k_j, v_j = _slice(k, j, blk, 2), _slice(v, j, blk, 2)
+    q_i, do_i, lse_i, d_i = rows(j)
+    g_q, dk, dv = block_grads(q_i, k_j, v_j, do_i, lse_i, d_i, _diag_mask(blk), scale=scale)
+
+    def later(i, carry):
+      dq, dk, dv = carry
+      q_i, do_i, lse_i, d_i = rows(i)
+      g_q, g_k, g_v = block_grads(q_i, k_j, v_j, do_i, lse_i, d_i, scale=scale)
+      return add_rows(dq, i, g_q), dk + g_k, dv + g_v
+
+    dq, dk, dv = jax.lax.fori_loop(j + 1, T // blk, later, (add_rows(dq, j, g_q), dk, dv))
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, acc_dtype(q)), jnp.arange(T // blk))
+  dk, dv = _unstack(dk, 2), _unstack(dv, 2)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _flash = jax.custom_vjp(lambda q, k, v, blk: _flash_fwd(q, k, v, blk)[0], nondiff_argnums=(3,))

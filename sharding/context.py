@@ -15,7 +15,8 @@ Attention (`context_attention`, inside a `shard_map` manual over `context` only,
 an enclosing pipeline stage stay as they are): device c computes its queries against every device's K/V block, one
 block per step, merging by online softmax (running max, sum and unnormalized output per query), never forming more
 than one (2h x 2h) block of scores:
-- step 0, its own block, under the causal mask of the global positions;
+- step 0, its own block, as three (h x h) products: early queries on early keys and late on late under the causal
+  mask, late on early whole;
 - step s = 1..C-1, the block of device j = (c - s) mod C. Exactly half of it is needed, and it is computed as two
   (h x h) products with no mask: the late queries on j's early keys (always visible), and either the early queries on
   j's early keys (j < c) or the late queries on j's late keys (j > c); the other two pairs are masked out entirely.
@@ -27,8 +28,9 @@ Two ways to get block j (`algorithm`):
 - "allgather" (Llama 3, arXiv 2407.21783 §3.3.2): one all-gather of K and V, then the same steps on slices; its
   backward all-gathers again and reduce-scatters the K/V gradients. Simpler, each device holds all of K/V for a layer.
 Both are `jax.custom_vjp`s whose residuals are the local q, k, v, the output and its log-sum-exp: the backward
-recomputes each block's scores, as flash attention does. Their steps are unrolled in Python: no collective inside a
-`while` body (XLA:CPU can deadlock there).
+recomputes each block's scores, as flash attention does. Their steps are unrolled in Python, so the schedule puts no
+collective inside a `while` body (XLA:CPU can deadlock there); in the model the layer `scan` around it is one, as it
+is for every per-layer collective of tensor and expert parallelism, and the tests train through it on XLA:CPU.
 
 `block_stats`, `merge`, `finish` and `block_grads` are the online-softmax kernel; models/attention.py builds the
 single-device blockwise (flash-style) attention from the same four.
@@ -96,26 +98,46 @@ def from_zigzag(x, context: int, axis: int = 1):
 
 def balance(seq_len: int, context: int) -> dict:
   """Causal work per device: the (query, key) pairs under the mask each device owns, for the contiguous split (device
-  c: positions [cT/C, (c+1)T/C)) and for zig-zag, and what the zig-zag kernel computes (its own block whole, then
-  two half-chunk blocks per step). max/mean = 1 is perfect balance."""
+  c: positions [cT/C, (c+1)T/C)) and for zig-zag, and what the zig-zag kernel computes (three of its own block's four
+  half-chunk pairs, then two per step). max/mean = 1 is perfect balance."""
   T, C = seq_len, context
   causal = lambda pos: int(np.sum(pos + 1))  # query p sees keys 0..p
   contiguous = [causal(np.arange(c * T // C, (c + 1) * T // C)) for c in range(C)]
   zz = zigzag_positions(T, C).reshape(C, -1)
   zigzag = [causal(zz[c]) for c in range(C)]
   h = T // (2 * C)
-  computed = [(2 * h) ** 2 + (C - 1) * 2 * h * h] * C
+  computed = [3 * h * h + (C - 1) * 2 * h * h] * C
   ratio = lambda w: max(w) / (sum(w) / len(w))
   return {"contiguous": contiguous, "zigzag": zigzag, "zigzag_computed": computed,
           "contiguous_max_over_mean": ratio(contiguous), "zigzag_max_over_mean": ratio(zigzag)}
 
 
 # --- the online-softmax kernel -------------------------------------------------------------------------------------
-# q_BQKGH (queries grouped by kv head), k_BSKH, v_BSKH; statistics (acc_BQKGH float32, m_BKGQ running max, l_BKGQ sum)
+# Head-major: q_BKGQH (queries grouped by kv head), k_BKSH, v_BKSH; statistics (acc_BKGQH, m_BKGQ running max, l_BKGQ
+# sum) in the accumulation dtype: float32, or float64 for float64 inputs.
+
+
+def head_major(q_BTNH, k_BTKH, v_BTKH):
+  """(q_BKGTH, k_BKTH, v_BKTH): the layout the kernel's products run in without transposes."""
+  B, T, N, H = q_BTNH.shape
+  K = k_BTKH.shape[2]
+  q = q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+  return q, k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
+
+
+def token_major(o_BKGTH):
+  """o_BTNH from the kernel's head-major output."""
+  B, K, G, T, H = o_BKGTH.shape
+  return o_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
+
+
+def acc_dtype(x):
+  """The dtype scores and statistics accumulate in for inputs like `x`: at least float32."""
+  return jnp.promote_types(x.dtype, jnp.float32)
 
 
 def _scores(q, k, scale):
-  return jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+  return jnp.einsum("bkgqh,bksh->bkgqs", q, k, preferred_element_type=acc_dtype(q)) * scale
 
 
 def block_stats(q, k, v, mask=None, *, scale):
@@ -126,7 +148,7 @@ def block_stats(q, k, v, mask=None, *, scale):
     s = jnp.where(mask, s, -jnp.inf)
   m = jnp.max(s, axis=-1)
   p = jnp.exp(s - _finite(m)[..., None])
-  acc = jnp.einsum("bkgqs,bskh->bqkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  acc = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), v, preferred_element_type=acc_dtype(v))
   return acc, m, jnp.sum(p, axis=-1)
 
 
@@ -135,29 +157,35 @@ def merge(a, b):
   (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
   m = jnp.maximum(m_a, m_b)
   wa, wb = jnp.exp(m_a - _finite(m)), jnp.exp(m_b - _finite(m))
-  q_major = lambda w: jnp.moveaxis(w, -1, 1)[..., None]  # (B, K, G, Q) -> (B, Q, K, G, 1)
-  return acc_a * q_major(wa) + acc_b * q_major(wb), m, l_a * wa + l_b * wb
+  return acc_a * wa[..., None] + acc_b * wb[..., None], m, l_a * wa + l_b * wb
 
 
 def finish(stats, dtype):
-  """(o_BQKGH in `dtype`, lse_BKGQ float32) from the statistics over all keys (every row sees at least one)."""
+  """(o_BKGQH in `dtype`, lse_BKGQ in the accumulation dtype) from the statistics over all keys (every row sees at
+  least one)."""
   acc, m, l = stats
-  return (acc / jnp.moveaxis(l, -1, 1)[..., None]).astype(dtype), m + jnp.log(l)
+  return (acc / l[..., None]).astype(dtype), m + jnp.log(l)
 
 
 def block_grads(q, k, v, do, lse, delta, mask=None, *, scale):
   """(dq, dk, dv) of one key block's share, given the final log-sum-exp `lse` and delta = rowsum(do · o) (both
-  B, K, G, Q; float32): the flash-attention backward, scores recomputed."""
+  B, K, G, Q; accumulation dtype): the flash-attention backward, scores recomputed."""
   p = jnp.exp(_scores(q, k, scale) - lse[..., None])
   if mask is not None:
     p = jnp.where(mask, p, 0.0)
-  f32 = jnp.float32
-  dv = jnp.einsum("bkgqs,bqkgh->bskh", p, do, preferred_element_type=f32)
-  dp = jnp.einsum("bqkgh,bskh->bkgqs", do, v, preferred_element_type=f32)
+  dt = acc_dtype(q)
+  dv = jnp.einsum("bkgqs,bkgqh->bksh", p, do, preferred_element_type=dt)
+  dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v, preferred_element_type=dt)
   ds = p * (dp - delta[..., None]) * scale
-  dq = jnp.einsum("bkgqs,bskh->bqkgh", ds, k, preferred_element_type=f32)
-  dk = jnp.einsum("bkgqs,bqkgh->bskh", ds, q, preferred_element_type=f32)
+  dq = jnp.einsum("bkgqs,bksh->bkgqh", ds, k, preferred_element_type=dt)
+  dk = jnp.einsum("bkgqs,bkgqh->bksh", ds, q, preferred_element_type=dt)
   return dq, dk, dv
+
+
+def row_dot(do, o):
+  """delta_BKGQ = Σ_h do·o per query, in the accumulation dtype: the backward's softmax correction."""
+  dt = acc_dtype(o)
+  return jnp.sum(do.astype(dt) * o.astype(dt), axis=-1)
 
 
 def _finite(m):
@@ -177,85 +205,88 @@ def context_attention(q_BTNH, k_BTKH, v_BTKH, *, algorithm: str = "ring"):
   if algorithm not in ALGORITHMS:
     raise ContextError(f"unknown context-parallel attention {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
   C = mesh_context()
-  B, T, N, H = q_BTNH.shape
-  K = k_BTKH.shape[2]
-  check_context(T, C)
+  check_context(q_BTNH.shape[1], C)
   fn = _ring if algorithm == "ring" else _allgather
   spec = P(None, AXIS)
 
   def local(q, k, v):
-    o = fn(q.reshape(*q.shape[:2], K, N // K, H), k, v, C)
-    return o.reshape(q.shape)
+    return token_major(fn(*head_major(q, k, v), C))
 
   # check_vma=False: as sharding/pipeline.py's run_stages, for a shard_map nested in the pipeline's
   return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, axis_names={AXIS},
                        check_vma=False)(q_BTNH, k_BTKH, v_BTKH)
 
 
-def _local_positions(h, C):
-  """(2h,) global positions of this device's slots: chunks c and 2C-1-c."""
-  c = jax.lax.axis_index(AXIS)
-  r = jnp.arange(h)
-  return jnp.concatenate([c * h + r, (2 * C - 1 - c) * h + r])
+# Inside the shard_map: q_BKGQH, k_BKSH, v_BKSH hold this device's 2h slots, its early chunk then its late one.
+
+def _q_halves(x, h):
+  return x[..., :h, :], x[..., h:, :]
 
 
-def _halves(x, h):
-  return x[:, :h], x[:, h:]
+def _kv_halves(x, h):
+  return x[:, :, :h], x[:, :, h:]
 
 
-def _split_stats(st, h):
+def _stat_halves(st, h):
   acc, m, l = st
-  return (acc[:, :h], m[..., :h], l[..., :h]), (acc[:, h:], m[..., h:], l[..., h:])
+  return (acc[..., :h, :], m[..., :h], l[..., :h]), (acc[..., h:, :], m[..., h:], l[..., h:])
 
 
 def _where(pred, a, b):
   return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
+def _diag(h):
+  r = np.arange(h)
+  return causal_mask(r, r)
+
+
 def _forward(q, k, v, C, block_of):
   """(o, lse) of the local queries against every device's block; `block_of(s)` -> (j, k_j, v_j) at step s >= 1."""
-  h, scale = q.shape[1] // 2, 1.0 / math.sqrt(q.shape[-1])
+  h, scale = q.shape[3] // 2, 1.0 / math.sqrt(q.shape[-1])
   c = jax.lax.axis_index(AXIS)
-  pos = _local_positions(h, C)
-  early, late = _split_stats(block_stats(q, k, v, causal_mask(pos, pos), scale=scale), h)
-  q_e, q_l = _halves(q, h)
+  (q_e, q_l), (k_e, k_l), (v_e, v_l) = _q_halves(q, h), _kv_halves(k, h), _kv_halves(v, h)
+  # step 0, the own block: early on early and late on late under the causal mask, late on early whole
+  early = block_stats(q_e, k_e, v_e, _diag(h), scale=scale)
+  late = merge(block_stats(q_l, k_e, v_e, scale=scale), block_stats(q_l, k_l, v_l, _diag(h), scale=scale))
   for s in range(1, C):
     j, k_j, v_j = block_of(s)
-    (k_e, k_l), (v_e, v_l) = _halves(k_j, h), _halves(v_j, h)
+    (k_e, k_l), (v_e, v_l) = _kv_halves(k_j, h), _kv_halves(v_j, h)
     late = merge(late, block_stats(q_l, k_e, v_e, scale=scale))
     before = j < c  # j's early keys for the early queries, else j's late keys for the late queries
     b = block_stats(jnp.where(before, q_e, q_l), jnp.where(before, k_e, k_l), jnp.where(before, v_e, v_l),
                     scale=scale)
     early, late = _where(before, merge(early, b), early), _where(before, late, merge(late, b))
-  stats = tuple(jnp.concatenate([e, l], axis=1 if i == 0 else -1) for i, (e, l) in enumerate(zip(early, late)))
-  return finish(stats, q.dtype)
+  (o_e, lse_e), (o_l, lse_l) = finish(early, q.dtype), finish(late, q.dtype)
+  return jnp.concatenate([o_e, o_l], axis=3), jnp.concatenate([lse_e, lse_l], axis=-1)
 
 
 def _backward(q, k, v, o, lse, do, C, block_of, k_grads):
   """dq, and through `k_grads(s, j, dk_j, dv_j)` each step's (2h) K/V gradient block for device j (s = 0: own)."""
-  h, scale = q.shape[1] // 2, 1.0 / math.sqrt(q.shape[-1])
+  h, scale = q.shape[3] // 2, 1.0 / math.sqrt(q.shape[-1])
   c = jax.lax.axis_index(AXIS)
-  pos = _local_positions(h, C)
-  delta = jnp.moveaxis(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, -1)  # (B, K, G, 2h)
-  dq, dk, dv = block_grads(q, k, v, do, lse, delta, causal_mask(pos, pos), scale=scale)
-  k_grads(0, c, dk, dv)
-  (q_e, q_l), (do_e, do_l) = _halves(q, h), _halves(do, h)
+  delta = row_dot(do, o)
+  (q_e, q_l), (do_e, do_l) = _q_halves(q, h), _q_halves(do, h)
   (lse_e, lse_l), (d_e, d_l) = (lse[..., :h], lse[..., h:]), (delta[..., :h], delta[..., h:])
+  early, late = (q_e, do_e, lse_e, d_e), (q_l, do_l, lse_l, d_l)
+  grads = lambda qs, k_, v_, mask=None: block_grads(qs[0], k_, v_, *qs[1:], mask, scale=scale)
+  (k_e, k_l), (v_e, v_l) = _kv_halves(k, h), _kv_halves(v, h)
+  dq_ee, dk_ee, dv_ee = grads(early, k_e, v_e, _diag(h))
+  dq_le, dk_le, dv_le = grads(late, k_e, v_e)
+  dq_ll, dk_ll, dv_ll = grads(late, k_l, v_l, _diag(h))
+  dq_e, dq_l = dq_ee, dq_le + dq_ll
+  k_grads(0, c, jnp.concatenate([dk_ee + dk_le, dk_ll], axis=2), jnp.concatenate([dv_ee + dv_le, dv_ll], axis=2))
   for s in range(1, C):
     j, k_j, v_j = block_of(s)
-    (k_e, k_l), (v_e, v_l) = _halves(k_j, h), _halves(v_j, h)
-    dq_a, dk_a, dv_a = block_grads(q_l, k_e, v_e, do_l, lse_l, d_l, scale=scale)
+    (k_e, k_l), (v_e, v_l) = _kv_halves(k_j, h), _kv_halves(v_j, h)
+    dq_a, dk_a, dv_a = grads(late, k_e, v_e)
     before = j < c
     sel = lambda e, l: jnp.where(before, e, l)
-    dq_b, dk_b, dv_b = block_grads(sel(q_e, q_l), sel(k_e, k_l), sel(v_e, v_l), sel(do_e, do_l), sel(lse_e, lse_l),
-                                   sel(d_e, d_l), scale=scale)
-    zero = jnp.zeros_like(dq_b)
-    dq = dq + jnp.concatenate([sel(dq_b, zero), dq_a + sel(zero, dq_b)], axis=1)
-    zero = jnp.zeros_like(dk_b)
-    dk_j = jnp.concatenate([dk_a + sel(dk_b, zero), sel(zero, dk_b)], axis=1)
-    dv_j = jnp.concatenate([dv_a + sel(dv_b, zero), sel(zero, dv_b)], axis=1)
-    k_grads(s, j, dk_j, dv_j)
-  return dq.astype(q.dtype)
+    dq_b, dk_b, dv_b = grads(jax.tree.map(sel, early, late), sel(k_e, k_l), sel(v_e, v_l))
+    dq_e, dq_l = dq_e + sel(dq_b, 0.0), dq_l + dq_a + sel(0.0, dq_b)
+    k_grads(s, j, jnp.concatenate([dk_a + sel(dk_b, 0.0), sel(0.0, dk_b)], axis=2),
+            jnp.concatenate([dv_a + sel(dv_b, 0.0), sel(0.0, dv_b)], axis=2))
+  return jnp.concatenate([dq_e, dq_l], axis=3).astype(q.dtype)
 
 
 def _shift(x, C):
@@ -303,12 +334,12 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def _gathered_blocks(k, v, C):
   """block_of for all-gather: every device's block sliced from one all-gather of K and V."""
   c = jax.lax.axis_index(AXIS)
-  k_all, v_all = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k, v))
-  n = k.shape[1]
+  k_all, v_all = (jax.lax.all_gather(x, AXIS, axis=2, tiled=True) for x in (k, v))
+  n = k.shape[2]
 
   def block_of(s):
     j = (c - s) % C
-    return j, *(jax.lax.dynamic_slice_in_dim(x, j * n, n, axis=1) for x in (k_all, v_all))
+    return j, *(jax.lax.dynamic_slice_in_dim(x, j * n, n, axis=2) for x in (k_all, v_all))
   return block_of
 
 
@@ -319,17 +350,17 @@ def _allgather_fwd(q, k, v, C):
 
 def _allgather_bwd(C, res, do):
   q, k, v, o, lse = res
-  n = k.shape[1]
-  grads = {"k": jnp.zeros((k.shape[0], n * C) + k.shape[2:], jnp.float32)}
+  n = k.shape[2]
+  grads = {"k": jnp.zeros(k.shape[:2] + (n * C,) + k.shape[3:], acc_dtype(k))}
   grads["v"] = grads["k"]
 
   def k_grads(s, j, dk_j, dv_j):
     for name, g in (("k", dk_j), ("v", dv_j)):
-      cur = jax.lax.dynamic_slice_in_dim(grads[name], j * n, n, axis=1)
-      grads[name] = jax.lax.dynamic_update_slice_in_dim(grads[name], cur + g, j * n, axis=1)
+      cur = jax.lax.dynamic_slice_in_dim(grads[name], j * n, n, axis=2)
+      grads[name] = jax.lax.dynamic_update_slice_in_dim(grads[name], cur + g, j * n, axis=2)
 
   dq = _backward(q, k, v, o, lse, do, C, _gathered_blocks(k, v, C), k_grads)
-  dk, dv = (jax.lax.psum_scatter(grads[x], AXIS, scatter_dimension=1, tiled=True) for x in ("k", "v"))
+  dk, dv = (jax.lax.psum_scatter(grads[x], AXIS, scatter_dimension=2, tiled=True) for x in ("k", "v"))
   return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
