@@ -8,6 +8,7 @@
   python -m research.bench moe --out research/results/bench_moe.md         # research/bench_moe.py
   python -m research.bench ckpt --out research/results/bench_ckpt.md       # research/bench_ckpt.py
   python -m research.bench dion --out research/results/bench_dion_comm.md  # research/bench_dion_comm.py
+  python -m research.bench attention --out research/results/bench_attention.md  # research/bench_attention.py
 
 `train` times the real train step of research/train.py (AdamW, grad clipping, fp32) and reports
 compile time, steady step time, tokens/s, model FLOP/s and MFU against a matmul rate measured in
@@ -21,15 +22,19 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models import ConfigError, Transformer, count_params, flops_per_token, preset
+from models import ConfigError, Transformer, TransformerConfig, count_params, flops_per_token, preset
+from models.attention import AttentionError
+from research.bench_attention import attention
 from research.bench_ckpt import ckpt_bench
 from research.bench_dion_comm import dion_comm
 from research.bench_report import machine, publish, table
@@ -66,15 +71,35 @@ def concurrent_matmul_flops(n: int, devices, repeats: int = 5) -> float:
   return 2 * m * n * n * repeats / (time.perf_counter() - t)
 
 
-def _time_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int, warmup: int, steps: int,
-                     corpus) -> dict:
-  cfg = TrainConfig(model=preset_name, batch_size=batch_size, seq_len=seq_len, mesh=spec)
+class TrainStep(NamedTuple):
+  """A train step as research/train.py builds it, not yet compiled."""
+  cfg: TrainConfig
+  mcfg: TransformerConfig
+  mesh: Mesh
+  state: dict  # created sharded on `mesh`
+  step: Callable  # make_steps' jitted train step (donates the state)
+  batch_sh: NamedSharding
+
+
+def build_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int, **flags) -> TrainStep:
+  """The real train step (research/train.py: `_model_config`, `_optimizer`, `init_train_state`, `make_steps`) of a
+  preset on the mesh `spec`; `flags` are further TrainConfig fields (e.g. attention="flash", n_layers=2)."""
+  cfg = TrainConfig(model=preset_name, batch_size=batch_size, seq_len=seq_len, mesh=spec, **flags)
   mcfg = _model_config(cfg)
   mesh = make_mesh(spec, devices=devices_for(spec))
   tx, _ = _optimizer(cfg)
   graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh)
   batch_sh = batch_sharding(mesh, (batch_size, seq_len))
   train_step, _ = make_steps(graphdef, tx, shardings, batch_sh)
+  return TrainStep(cfg, mcfg, mesh, state, train_step, batch_sh)
+
+
+def time_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int, warmup: int, steps: int, corpus,
+                    max_bytes: float | None = None, **flags) -> dict:
+  """Compile times, median step time, tokens/s and model FLOP/s of `build_train_step(...)` over `warmup` untimed and
+  `steps` timed steps on the corpus's first batches; with the compiled step's temp and argument bytes per device.
+  A step whose temp + argument + output bytes exceed `max_bytes` is not run: the row then has "skipped" (why)."""
+  cfg, mcfg, mesh, state, train_step, batch_sh = build_train_step(preset_name, spec, batch_size, seq_len, **flags)
   batches = [tuple(jax.device_put(a, batch_sh) for a in get_batch(corpus.train, cfg.seed, s, batch_size, seq_len))
              for s in range(warmup + steps)]
   with jax.set_mesh(mesh):
@@ -83,6 +108,13 @@ def _time_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int,
     t1 = time.perf_counter()
     step = lowered.compile()
     t2 = time.perf_counter()
+    mem = step.memory_analysis()
+    row = {"preset": preset_name, "params": count_params(mcfg), "mesh": mesh_spec(mesh), "devices": mesh.size,
+           "batch": batch_size, "seq": seq_len, "lower_s": t1 - t0, "compile_s": t2 - t1,
+           "temp_bytes": mem.temp_size_in_bytes, "argument_bytes": mem.argument_size_in_bytes}
+    need = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+    if max_bytes is not None and need > max_bytes:
+      return {**row, "skipped": f"needs {need / 2 ** 30:.1f} GiB > budget {max_bytes / 2 ** 30:.1f} GiB"}
     times, cpu = [], 0.0
     for i, (x, y) in enumerate(batches):
       t, c = time.perf_counter(), time.process_time()
@@ -96,9 +128,7 @@ def _time_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int,
     raise SystemExit(f"error: {preset_name} on {spec} gave a non-finite loss {loss}")
   step_s = statistics.median(times)
   tokens_per_s = batch_size * seq_len / step_s
-  return {"preset": preset_name, "params": count_params(mcfg), "mesh": mesh_spec(mesh), "devices": mesh.size,
-          "batch": batch_size, "seq": seq_len, "lower_s": t1 - t0, "compile_s": t2 - t1, "step_s": step_s,
-          "step_min_s": min(times), "step_max_s": max(times), "tokens_per_s": tokens_per_s,
+  return {**row, "step_s": step_s, "step_min_s": min(times), "step_max_s": max(times), "tokens_per_s": tokens_per_s,
           "cpu_busy": cpu / sum(times) / os.cpu_count(),
           "model_flops": flops_per_token(mcfg, seq_len) * tokens_per_s, "loss": loss}
 
@@ -149,7 +179,7 @@ def train(presets: tuple[str, ...] = ("small", "base"),
     b, t = DEFAULT_SHAPES.get(name, (16, 128))
     b, t = batch_size or b, seq_len or t
     for spec in meshes:
-      r = _time_train_step(name, spec, b, t, warmup, steps, corpus)
+      r = time_train_step(name, spec, b, t, warmup, steps, corpus)
       r["mfu"] = r["model_flops"] / peak
       r["mfu_mesh"] = r["model_flops"] / peak_mesh[r["devices"]] if r["devices"] > 1 else r["mfu"]
       rows.append(r)
@@ -173,7 +203,7 @@ def train(presets: tuple[str, ...] = ("small", "base"),
 
 
 BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe,
-              "ckpt": ckpt_bench, "dion": dion_comm}
+              "ckpt": ckpt_bench, "dion": dion_comm, "attention": attention}
 
 
 def main(argv=None):
@@ -183,7 +213,7 @@ def main(argv=None):
     pass
   try:
     tyro.extras.subcommand_cli_from_dict(BENCHMARKS, args=argv)
-  except (ConfigError, MeshError, ShardingError) as e:
+  except (ConfigError, MeshError, ShardingError, AttentionError) as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
 

@@ -38,7 +38,7 @@ from flax import nnx
 import optim
 from models import Transformer, count_params, preset
 from research.bench_optim import param_tree
-from research.bench_report import git_commit
+from research.bench_report import Progress, git_commit
 from research.train import make_steps
 from sharding import (analytic_bytes, batch_sharding, collectives, devices_for, init_params, init_train_state,
                       make_mesh, matmul_flops, mesh_spec, param_shardings, shardings_like_params)
@@ -184,19 +184,12 @@ def comm(models: tuple[str, ...] = ("43m", "small"), meshes: tuple[str, ...] = (
   """
   t_start, load_start = time.perf_counter(), os.getloadavg()[0]
   dev = jax.devices()[0]
-  lines = [f"git {git_commit()}; jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} "
-           f"simulated devices on {os.cpu_count()} cores, fp32; "
-           f"bytes are ring wire bytes per device per step (XLA:CPU all-reduce + dynamic-slice counted as "
-           f"reduce-scatter); cells `count / MiB`; NS = Newton–Schulz, {NS_STEPS} steps", ""]
-  printed = 0
-
-  def emit():  # each finished section at once, and the file so far (a long run keeps what it measured)
-    nonlocal printed
-    print("\n".join(lines[printed:]), flush=True)
-    printed = len(lines)
-    if out:
-      with open(out, "w") as f:
-        f.write(f"Command: `python -m research.bench comm --out {out}`\n\n" + "\n".join(lines) + "\n")
+  report = Progress(f"python -m research.bench comm --out {out}", out, [
+      f"git {git_commit()}; jax {jax.__version__}, {dev.platform} ({dev.device_kind}), {jax.device_count()} "
+      f"simulated devices on {os.cpu_count()} cores, fp32; "
+      f"bytes are ring wire bytes per device per step (XLA:CPU all-reduce + dynamic-slice counted as "
+      f"reduce-scatter); cells `count / MiB`; NS = Newton–Schulz, {NS_STEPS} steps", ""])
+  lines, emit = report.lines, report.emit  # each finished section at once, and the file so far
 
   for model in models:
     for spec in meshes:

@@ -34,3 +34,18 @@ def publish(lines: list[str], out: str | None, preface: str = "") -> str:
     with open(out, "w") as f:
       f.write(preface + text + "\n")
   return text
+
+
+class Progress:
+  """A long benchmark's report as it grows: `emit()` prints the lines added since the last call and rewrites `out`
+  (command + all lines so far), so a run that is stopped keeps every finished section."""
+
+  def __init__(self, command: str, out: str | None, lines: list[str] | None = None):
+    self.command, self.out, self.lines, self.printed = command, out, list(lines or []), 0
+
+  def emit(self):
+    print("\n".join(self.lines[self.printed:]), flush=True)
+    self.printed = len(self.lines)
+    if self.out:
+      with open(self.out, "w") as f:
+        f.write(f"Command: `{self.command}`\n\n" + "\n".join(self.lines) + "\n")

@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from research import bench, bench_optim
+from research import bench, bench_attention, bench_optim
 
 
 def test_benchmarks_are_registered():
@@ -29,3 +29,31 @@ def test_bad_mesh_exits_with_one_line(capsys):
   with pytest.raises(SystemExit) as e:
     bench.main(["train", "--presets", "tiny", "--meshes", "data=3"])
   assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_attention_bench_flash_equals_xla_and_context_traffic_is_analytic(tmp_path):
+  """Smoke size: flash's output and gradients equal xla's; the context-parallel collectives the compiled train step
+  sends are exactly the analytic bytes of its algorithm; the activation memory per device falls with C."""
+  assert bench.BENCHMARKS["attention"] is bench_attention.attention
+  out = tmp_path / "a.md"
+  # the train-step section (research.bench.time_train_step, as `bench train`) is left out: two more compiles
+  r = bench.BENCHMARKS["attention"](kernel_model="tiny", kernel_seqs=(1024,), repeats=1, train_seq=None,
+                                    context_model="tiny", context_seq=256, contexts=(1, 2), context_reference=None,
+                                    matmul_n=256, out=str(out))
+  xla, flash = r["kernel"]
+  assert (xla["impl"], flash["impl"]) == ("xla", "flash") and flash["max_diff"] < 1e-4  # fp32, O(1) inputs
+  # tiny: N=4, H=16; 1024 = two of flash's 512-blocks, so its blockwise path runs
+  assert all(0 < k["time_s"] < 60 and k["flops"] == 7 * 1024 ** 2 * 4 * 16 for k in r["kernel"])
+  rows = {(c["impl"], c["context"]): c for c in r["context"]}
+  assert set(rows) == {("flash", 1), ("ring", 2), ("allgather", 2)}
+  for algo in ("ring", "allgather"):
+    c = rows[algo, 2]
+    # tiny: L=2, K=2, H=16; blk = 256/2 * 2 * 16 = 4096 elements; fwd 2L(C-1) blocks, bwd + 2LC (ring) / 2L(C-1)
+    assert c["analytic"]["fwd"] == 2 * 2 * 4096 * 4
+    assert c["analytic"]["bwd"] == 2 * (2 * 4096 * 4 + 2 * (2 if algo == "ring" else 1) * 4096 * 4)
+    assert (c["fwd"], c["bwd"]) == (c["analytic"]["fwd"], c["analytic"]["bwd"])
+    assert c["temp_bytes"] < 0.6 * rows["flash", 1]["temp_bytes"]
+    assert c["argument_bytes"] == rows["flash", 1]["argument_bytes"]  # the state is replicated over context
+  text = out.read_text()
+  assert text.startswith("Command: `python -m research.bench attention --kernel-model tiny --kernel-seqs 1024 ")
+  assert "| 1024 | flash |" in text and "| ring | 2 | collective-permute 16 / " in text
