@@ -1,11 +1,11 @@
 """The one causal attention the model calls, `attend`, with its implementations chosen by name.
 
 - "xla": `jax.nn.dot_product_attention(implementation="xla")`, the reference: it forms the B·N·T·T scores.
-- "flash": a blockwise pure-JAX kernel (Dao et al. 2022, arXiv 2205.14135): queries and keys in blocks of `block`
-  positions, an online softmax over the key blocks, only the causal triangle computed, and a `custom_vjp` whose
-  backward recomputes each block's scores from the saved log-sum-exp, so nothing T·T is ever held. The blocks run
-  by diagonal: step d pairs every query block i >= d with key block i - d as one batched product (T/block steps, the
-  triangle's T²/2 scores in all), and only step 0 needs the mask.
+- "flash": a blockwise pure-JAX kernel (Dao et al. 2022, arXiv 2205.14135; `sharding.context.pair_stats` and
+  `pair_grads`): queries and keys in tiles of `block` positions, a `lax.map` over query tiles, each an online softmax
+  over the key tiles at or before it (a `fori_loop`; only the causal triangle is computed, only the diagonal tile
+  masked), and a `custom_vjp` whose backward (a `scan` over key tiles) recomputes each tile's scores from the saved
+  log-sum-exp: one tile of scores exists at a time, nothing T·T is ever held.
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, the fused kernel on NVIDIA GPUs.
 - "ring", "allgather": context parallelism over the mesh's `context` axis (sharding/context.py); on a mesh without
   one they are "flash", which they equal.
@@ -20,16 +20,12 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from models.config import ATTENTION
-from sharding.context import (ALGORITHMS as CONTEXT_ALGORITHMS, ContextError, acc_dtype, block_grads, block_stats,
-                              causal_mask, check_context, context_attention, finish, head_major, merge, mesh_context,
-                              row_dot, token_major)
+from sharding.context import (ALGORITHMS as CONTEXT_ALGORITHMS, BLOCK, ContextError, check_context, context_attention,
+                              finish, head_major, mesh_context, pair_grads, pair_stats, row_dot, token_major)
 
 IMPLEMENTATIONS = ATTENTION  # the names TransformerConfig.attention accepts
-BLOCK = 512  # flash's block: large enough for the products to run at the matmul rate on CPU, small enough to cache
 
 
 class AttentionError(ValueError):
@@ -51,7 +47,7 @@ def check_attention(impl: str, seq_len: int, context: int = 1, block: int = BLOC
   `seq_len` over `context` devices, and flash's block (which the context-parallel ones run on one device)."""
   check_implementation(impl, context)
   try:
-    check_context(seq_len, context)
+    check_context(seq_len, context, block)
   except ContextError as e:
     raise AttentionError(str(e)) from None
   if impl in ("flash",) + CONTEXT_ALGORITHMS and context == 1:
@@ -66,8 +62,9 @@ def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
   if impl == "auto":
     impl = "ring" if C > 1 else "xla"
   if impl in CONTEXT_ALGORITHMS:
-    return context_attention(q_BTNH, k_BTKH, v_BTKH, algorithm=impl) if C > 1 else flash(q_BTNH, k_BTKH, v_BTKH,
-                                                                                          block=block)
+    if C > 1:
+      return context_attention(q_BTNH, k_BTKH, v_BTKH, algorithm=impl, block=block)
+    return flash(q_BTNH, k_BTKH, v_BTKH, block=block)
   if impl == "flash":
     return flash(q_BTNH, k_BTKH, v_BTKH, block=block)
   if impl == "cudnn" and jax.default_backend() != "gpu":
@@ -93,73 +90,16 @@ def flash(q_BTNH, k_BTKH, v_BTKH, *, block: int = BLOCK):
   return token_major(_flash(q, k, v, flash_block(q_BTNH.shape[1], block)))
 
 
-def _slice(x, i, blk, axis):
-  return jax.lax.dynamic_slice_in_dim(x, i * blk, blk, axis=axis)
-
-
-def _unstack(x, axis):
-  """Per-block results stacked on a leading axis back into one sequence `axis`: (nb, ..., b, ...) -> (..., nb·b, ...)."""
-  x = jnp.moveaxis(x, 0, axis)
-  return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
-
-
-def _diag_mask(b):
-  r = np.arange(b)
-  return causal_mask(r, r)
-
-
 def _flash_fwd(q, k, v, blk):
-  """(o_BKGTH, lse_BKGT): query block i (a `lax.map`) takes its diagonal block under the mask, then key blocks
-  0..i-1 whole in a `fori_loop`; one block of scores exists at a time."""
-  T = q.shape[3]
-  scale = 1.0 / math.sqrt(q.shape[-1])
-
-  def query_block(i):
-    q_i = _slice(q, i, blk, 3)
-    kv = lambda j: (_slice(k, j, blk, 2), _slice(v, j, blk, 2))
-    diagonal = block_stats(q_i, *kv(i), _diag_mask(blk), scale=scale)
-    return finish(jax.lax.fori_loop(0, i, lambda j, st: merge(st, block_stats(q_i, *kv(j), scale=scale)), diagonal),
-                  q.dtype)
-
-  o, lse = jax.lax.map(query_block, jnp.arange(T // blk))  # (nb, B, K, G, b, H), (nb, B, K, G, b)
-  return _unstack(o, 3), _unstack(lse, 3)
-
-
-def _flash_fwd_rule(q, k, v, blk):
-  o, lse = _flash_fwd(q, k, v, blk)
+  o, lse = finish(pair_stats(q, k, v, causal=True, scale=1.0 / math.sqrt(q.shape[-1]), block=blk), q.dtype)
   return o, (q, k, v, o, lse)
 
 
-def _flash_bwd_rule(blk, res, do):
-  """Key block j (a `lax.scan` carrying dq): its diagonal under the mask, then query blocks j+1.. whole in a
-  `fori_loop` that adds into dq and the block's dk, dv."""
+def _flash_bwd(blk, res, do):
   q, k, v, o, lse = res
-  T = q.shape[3]
-  scale = 1.0 / math.sqrt(q.shape[-1])
-  delta = row_dot(do, o)
-  rows = lambda i: (_slice(q, i, blk, 3), _slice(do, i, blk, 3), _slice(lse, i, blk, 3), _slice(delta, i, blk, 3))
-
-  def add_rows(dq, i, g):
-    return jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i, blk, 3) + g, i * blk, axis=3)
-
-  def key_block(dq, j):
-    k_j, v_j = _slice(k, j, blk, 2), _slice(v, j, blk, 2)
-    q_i, do_i, lse_i, d_i = rows(j)
-    g_q, dk, dv = block_grads(q_i, k_j, v_j, do_i, lse_i, d_i, _diag_mask(blk), scale=scale)
-
-    def later(i, carry):
-      dq, dk, dv = carry
-      q_i, do_i, lse_i, d_i = rows(i)
-      g_q, g_k, g_v = block_grads(q_i, k_j, v_j, do_i, lse_i, d_i, scale=scale)
-      return add_rows(dq, i, g_q), dk + g_k, dv + g_v
-
-    dq, dk, dv = jax.lax.fori_loop(j + 1, T // blk, later, (add_rows(dq, j, g_q), dk, dv))
-    return dq, (dk, dv)
-
-  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, acc_dtype(q)), jnp.arange(T // blk))
-  dk, dv = _unstack(dk, 2), _unstack(dv, 2)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  grads = pair_grads(q, k, v, do, lse, row_dot(do, o), causal=True, scale=1.0 / math.sqrt(q.shape[-1]), block=blk)
+  return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 _flash = jax.custom_vjp(lambda q, k, v, blk: _flash_fwd(q, k, v, blk)[0], nondiff_argnums=(3,))
-_flash.defvjp(_flash_fwd_rule, _flash_bwd_rule)
+_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -13,8 +13,7 @@ transformer permutes the tokens once on the way in (`to_zigzag`) and the hidden 
 
 Attention (`context_attention`, inside a `shard_map` manual over `context` only, so data / fsdp / tensor / expert and
 an enclosing pipeline stage stay as they are): device c computes its queries against every device's K/V block, one
-block per step, merging by online softmax (running max, sum and unnormalized output per query), never forming more
-than one (2h x 2h) block of scores:
+block per step, merging by online softmax (running max, sum and unnormalized output per query):
 - step 0, its own block, as three (h x h) products: early queries on early keys and late on late under the causal
   mask, late on early whole;
 - step s = 1..C-1, the block of device j = (c - s) mod C. Exactly half of it is needed, and it is computed as two
@@ -32,8 +31,10 @@ recomputes each block's scores, as flash attention does. Their steps are unrolle
 collective inside a `while` body (XLA:CPU can deadlock there); in the model the layer `scan` around it is one, as it
 is for every per-layer collective of tensor and expert parallelism, and the tests train through it on XLA:CPU.
 
-`block_stats`, `merge`, `finish` and `block_grads` are the online-softmax kernel; models/attention.py builds the
-single-device blockwise (flash-style) attention from the same four.
+`block_stats`, `merge`, `finish` and `block_grads` are the online-softmax kernel, and `pair_stats` / `pair_grads`
+run it tile by tile (tiles of `BLOCK` positions, one tile of scores at a time), so no device forms more than one
+(BLOCK x BLOCK) tile of scores per head whatever T/C is; models/attention.py's single-device `flash` is the same
+`pair_stats` / `pair_grads` on the whole causal sequence.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 AXIS = "context"
 ALGORITHMS = ("ring", "allgather")
+BLOCK = 512  # attention tiles: large enough for their products to run near the matmul rate on CPU, small enough to cache
 
 
 class ContextError(ValueError):
@@ -59,11 +61,16 @@ def mesh_context() -> int:
   return 1 if mesh.empty else mesh.shape.get(AXIS, 1)
 
 
-def check_context(seq_len: int, context: int):
+def check_context(seq_len: int, context: int, block: int = BLOCK):
   """Raises ContextError, naming the fix, unless a `seq_len`-token sequence splits into 2·`context` zig-zag chunks."""
   if context > 1 and seq_len % (2 * context):
     raise ContextError(f"seq_len={seq_len} does not split into the 2*context={2 * context} zig-zag chunks of "
                        f"context={context}; use a seq_len that is a multiple of {2 * context}")
+  h = seq_len // (2 * context)
+  if context > 1 and h > block and h % block:
+    raise ContextError(f"seq_len={seq_len} gives zig-zag chunks of {h} positions, which the attention's tiles of "
+                       f"{block} do not divide; use a seq_len that is a multiple of {2 * context * block} (or at most "
+                       f"{2 * context * block})")
 
 
 def zigzag_positions(seq_len: int, context: int) -> np.ndarray:
@@ -196,21 +203,103 @@ def causal_mask(q_pos, k_pos):
   return k_pos[None, :] <= q_pos[:, None]
 
 
+def _diag(n):
+  r = np.arange(n)
+  return causal_mask(r, r)
+
+
+# --- blockwise: the same statistics and gradients, one (block x block) tile of scores at a time ---------------------
+
+
+
+def sub_block(n: int, block: int = BLOCK) -> int:
+  """The tile size for `n` positions: all of them when n <= block, else `block`, which must divide n."""
+  if n <= block:
+    return n
+  if n % block:
+    raise ContextError(f"{n} positions do not split into attention tiles of {block}; use a length that is a multiple "
+                       f"of {block} (or at most {block})")
+  return block
+
+
+def _tile(x, i, b, axis):
+  return jax.lax.dynamic_slice_in_dim(x, i * b, b, axis=axis)
+
+
+def _unstack(x, axis):
+  """Per-tile results stacked on a leading axis back into one sequence `axis`: (n, ..., b, ...) -> (..., n·b, ...)."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+
+
+def pair_stats(q, k, v, *, causal: bool, scale, block: int = BLOCK):
+  """(acc, m, l) of q (Q positions) on k, v (S positions) tile by tile: a `lax.map` over query tiles, each a
+  `fori_loop` over the key tiles it sees. `causal`: Q == S, aligned (query i sees keys <= i: the diagonal tile under
+  the mask, the earlier ones whole, the later ones skipped); else every key is visible."""
+  Q, S = q.shape[3], k.shape[2]
+  bq, bk = sub_block(Q, block), sub_block(S, block)
+  if bq == Q and bk == S:
+    return block_stats(q, k, v, _diag(Q) if causal else None, scale=scale)
+
+  def query_tile(i):
+    q_i = _tile(q, i, bq, 3)
+    kv = lambda j: (_tile(k, j, bk, 2), _tile(v, j, bk, 2))
+    first = block_stats(q_i, *kv(i if causal else 0), _diag(bq) if causal else None, scale=scale)
+    later = lambda j, st: merge(st, block_stats(q_i, *kv(j), scale=scale))
+    return jax.lax.fori_loop(0 if causal else 1, i if causal else S // bk, later, first)
+
+  acc, m, l = jax.lax.map(query_tile, jnp.arange(Q // bq))
+  return _unstack(acc, 3), _unstack(m, 3), _unstack(l, 3)
+
+
+def pair_grads(q, k, v, do, lse, delta, *, causal: bool, scale, block: int = BLOCK):
+  """(dq, dk, dv) of `pair_stats`'s pairs, in the accumulation dtype, tile by tile: a `lax.scan` over key tiles
+  carrying dq, each a `fori_loop` over the query tiles that see it."""
+  Q, S = q.shape[3], k.shape[2]
+  bq, bk = sub_block(Q, block), sub_block(S, block)
+  if bq == Q and bk == S:
+    return block_grads(q, k, v, do, lse, delta, _diag(Q) if causal else None, scale=scale)
+  dt = acc_dtype(q)
+  rows = lambda i: (_tile(q, i, bq, 3), _tile(do, i, bq, 3), _tile(lse, i, bq, 3), _tile(delta, i, bq, 3))
+  add_rows = lambda dq, i, g: jax.lax.dynamic_update_slice_in_dim(dq, _tile(dq, i, bq, 3) + g, i * bq, axis=3)
+
+  def key_tile(dq, j):
+    k_j, v_j = _tile(k, j, bk, 2), _tile(v, j, bk, 2)
+
+    def later(i, carry):
+      dq, dk, dv = carry
+      q_i, do_i, lse_i, d_i = rows(i)
+      g_q, g_k, g_v = block_grads(q_i, k_j, v_j, do_i, lse_i, d_i, scale=scale)
+      return add_rows(dq, i, g_q), dk + g_k, dv + g_v
+
+    if causal:
+      q_j, do_j, lse_j, d_j = rows(j)
+      g_q, dk, dv = block_grads(q_j, k_j, v_j, do_j, lse_j, d_j, _diag(bq), scale=scale)
+      carry, lo = (add_rows(dq, j, g_q), dk, dv), j + 1
+    else:
+      carry, lo = (dq, jnp.zeros(k_j.shape, dt), jnp.zeros(v_j.shape, dt)), 0
+    dq, dk, dv = jax.lax.fori_loop(lo, Q // bq, later, carry)
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(key_tile, jnp.zeros(q.shape, dt), jnp.arange(S // bk))
+  return dq, _unstack(dk, 2), _unstack(dv, 2)
+
+
 # --- context-parallel attention ------------------------------------------------------------------------------------
 
 
-def context_attention(q_BTNH, k_BTKH, v_BTKH, *, algorithm: str = "ring"):
+def context_attention(q_BTNH, k_BTKH, v_BTKH, *, algorithm: str = "ring", block: int = BLOCK):
   """Causal attention of sequences laid out in zig-zag order over the mesh's `context` axis (T split C ways); equals
   `jax.nn.dot_product_attention(..., is_causal=True)` on the sequences in position order. GQA: K divides N."""
   if algorithm not in ALGORITHMS:
     raise ContextError(f"unknown context-parallel attention {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
   C = mesh_context()
-  check_context(q_BTNH.shape[1], C)
+  check_context(q_BTNH.shape[1], C, block)
   fn = _ring if algorithm == "ring" else _allgather
   spec = P(None, AXIS)
 
   def local(q, k, v):
-    return token_major(fn(*head_major(q, k, v), C))
+    return token_major(fn(*head_major(q, k, v), (C, block)))
 
   # check_vma=False: as sharding/pipeline.py's run_stages, for a shard_map nested in the pipeline's
   return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, axis_names={AXIS},
@@ -236,32 +325,27 @@ def _where(pred, a, b):
   return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def _diag(h):
-  r = np.arange(h)
-  return causal_mask(r, r)
-
-
-def _forward(q, k, v, C, block_of):
+def _forward(q, k, v, C, block, block_of):
   """(o, lse) of the local queries against every device's block; `block_of(s)` -> (j, k_j, v_j) at step s >= 1."""
   h, scale = q.shape[3] // 2, 1.0 / math.sqrt(q.shape[-1])
   c = jax.lax.axis_index(AXIS)
   (q_e, q_l), (k_e, k_l), (v_e, v_l) = _q_halves(q, h), _kv_halves(k, h), _kv_halves(v, h)
+  pair = lambda q_, k_, v_, causal=False: pair_stats(q_, k_, v_, causal=causal, scale=scale, block=block)
   # step 0, the own block: early on early and late on late under the causal mask, late on early whole
-  early = block_stats(q_e, k_e, v_e, _diag(h), scale=scale)
-  late = merge(block_stats(q_l, k_e, v_e, scale=scale), block_stats(q_l, k_l, v_l, _diag(h), scale=scale))
+  early = pair(q_e, k_e, v_e, causal=True)
+  late = merge(pair(q_l, k_e, v_e), pair(q_l, k_l, v_l, causal=True))
   for s in range(1, C):
     j, k_j, v_j = block_of(s)
     (k_e, k_l), (v_e, v_l) = _kv_halves(k_j, h), _kv_halves(v_j, h)
-    late = merge(late, block_stats(q_l, k_e, v_e, scale=scale))
+    late = merge(late, pair(q_l, k_e, v_e))
     before = j < c  # j's early keys for the early queries, else j's late keys for the late queries
-    b = block_stats(jnp.where(before, q_e, q_l), jnp.where(before, k_e, k_l), jnp.where(before, v_e, v_l),
-                    scale=scale)
+    b = pair(jnp.where(before, q_e, q_l), jnp.where(before, k_e, k_l), jnp.where(before, v_e, v_l))
     early, late = _where(before, merge(early, b), early), _where(before, late, merge(late, b))
   (o_e, lse_e), (o_l, lse_l) = finish(early, q.dtype), finish(late, q.dtype)
   return jnp.concatenate([o_e, o_l], axis=3), jnp.concatenate([lse_e, lse_l], axis=-1)
 
 
-def _backward(q, k, v, o, lse, do, C, block_of, k_grads):
+def _backward(q, k, v, o, lse, do, C, block, block_of, k_grads):
   """dq, and through `k_grads(s, j, dk_j, dv_j)` each step's (2h) K/V gradient block for device j (s = 0: own)."""
   h, scale = q.shape[3] // 2, 1.0 / math.sqrt(q.shape[-1])
   c = jax.lax.axis_index(AXIS)
@@ -269,11 +353,12 @@ def _backward(q, k, v, o, lse, do, C, block_of, k_grads):
   (q_e, q_l), (do_e, do_l) = _q_halves(q, h), _q_halves(do, h)
   (lse_e, lse_l), (d_e, d_l) = (lse[..., :h], lse[..., h:]), (delta[..., :h], delta[..., h:])
   early, late = (q_e, do_e, lse_e, d_e), (q_l, do_l, lse_l, d_l)
-  grads = lambda qs, k_, v_, mask=None: block_grads(qs[0], k_, v_, *qs[1:], mask, scale=scale)
+  grads = lambda qs, k_, v_, causal=False: pair_grads(qs[0], k_, v_, *qs[1:], causal=causal, scale=scale,
+                                                      block=block)
   (k_e, k_l), (v_e, v_l) = _kv_halves(k, h), _kv_halves(v, h)
-  dq_ee, dk_ee, dv_ee = grads(early, k_e, v_e, _diag(h))
+  dq_ee, dk_ee, dv_ee = grads(early, k_e, v_e, causal=True)
   dq_le, dk_le, dv_le = grads(late, k_e, v_e)
-  dq_ll, dk_ll, dv_ll = grads(late, k_l, v_l, _diag(h))
+  dq_ll, dk_ll, dv_ll = grads(late, k_l, v_l, causal=True)
   dq_e, dq_l = dq_ee, dq_le + dq_ll
   k_grads(0, c, jnp.concatenate([dk_ee + dk_le, dk_ll], axis=2), jnp.concatenate([dv_ee + dv_le, dv_ll], axis=2))
   for s in range(1, C):
@@ -306,12 +391,14 @@ def _ring_blocks(k, v, C):
   return block_of
 
 
-def _ring_fwd(q, k, v, C):
-  o, lse = _forward(q, k, v, C, _ring_blocks(k, v, C))
+def _ring_fwd(q, k, v, layout):
+  C, block = layout  # context size, tile
+  o, lse = _forward(q, k, v, C, block, _ring_blocks(k, v, C))
   return o, (q, k, v, o, lse)
 
 
-def _ring_bwd(C, res, do):
+def _ring_bwd(layout, res, do):
+  C, block = layout
   q, k, v, o, lse = res
   carried = {}  # the K/V gradient of the block held at the latest step, travelling with it
 
@@ -322,12 +409,12 @@ def _ring_bwd(C, res, do):
       g = _shift(carried["g"], C)  # the gradient block of device c - s, from device c - 1
       carried["g"] = (g[0] + dk_j, g[1] + dv_j)
 
-  dq = _backward(q, k, v, o, lse, do, C, _ring_blocks(k, v, C), k_grads)
+  dq = _backward(q, k, v, o, lse, do, C, block, _ring_blocks(k, v, C), k_grads)
   dk, dv = _shift(carried["g"], C)  # the C-th hop: each block's gradient home
   return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-_ring = jax.custom_vjp(lambda q, k, v, C: _ring_fwd(q, k, v, C)[0], nondiff_argnums=(3,))
+_ring = jax.custom_vjp(lambda q, k, v, layout: _ring_fwd(q, k, v, layout)[0], nondiff_argnums=(3,))
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
@@ -343,12 +430,14 @@ def _gathered_blocks(k, v, C):
   return block_of
 
 
-def _allgather_fwd(q, k, v, C):
-  o, lse = _forward(q, k, v, C, _gathered_blocks(k, v, C))
+def _allgather_fwd(q, k, v, layout):
+  C, block = layout
+  o, lse = _forward(q, k, v, C, block, _gathered_blocks(k, v, C))
   return o, (q, k, v, o, lse)
 
 
-def _allgather_bwd(C, res, do):
+def _allgather_bwd(layout, res, do):
+  C, block = layout
   q, k, v, o, lse = res
   n = k.shape[2]
   grads = {"k": jnp.zeros(k.shape[:2] + (n * C,) + k.shape[3:], acc_dtype(k))}
@@ -359,10 +448,10 @@ def _allgather_bwd(C, res, do):
       cur = jax.lax.dynamic_slice_in_dim(grads[name], j * n, n, axis=2)
       grads[name] = jax.lax.dynamic_update_slice_in_dim(grads[name], cur + g, j * n, axis=2)
 
-  dq = _backward(q, k, v, o, lse, do, C, _gathered_blocks(k, v, C), k_grads)
+  dq = _backward(q, k, v, o, lse, do, C, block, _gathered_blocks(k, v, C), k_grads)
   dk, dv = (jax.lax.psum_scatter(grads[x], AXIS, scatter_dimension=2, tiled=True) for x in ("k", "v"))
   return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-_allgather = jax.custom_vjp(lambda q, k, v, C: _allgather_fwd(q, k, v, C)[0], nondiff_argnums=(3,))
+_allgather = jax.custom_vjp(lambda q, k, v, layout: _allgather_fwd(q, k, v, layout)[0], nondiff_argnums=(3,))
 _allgather.defvjp(_allgather_fwd, _allgather_bwd)

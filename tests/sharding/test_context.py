@@ -28,11 +28,11 @@ def objective(attn):
   return lambda q, k, v: jnp.sum(jnp.sin(attn(q, k, v)) * jnp.arange(1, H + 1))
 
 
-def in_context_order(algorithm, C):
+def in_context_order(algorithm, C, block=cx.BLOCK):
   """Attention on sequences given in position order, computed in the zig-zag layout over `context`."""
   def attn(q, k, v):
     z = lambda x: cx.to_zigzag(x, C)
-    return cx.from_zigzag(cx.context_attention(z(q), z(k), z(v), algorithm=algorithm), C)
+    return cx.from_zigzag(cx.context_attention(z(q), z(k), z(v), algorithm=algorithm, block=block), C)
   return attn
 
 
@@ -65,11 +65,12 @@ def test_zigzag_balances_the_causal_work_that_a_contiguous_split_does_not(seq, C
   assert [w - z for w, z in zip(b["zigzag_computed"], b["zigzag"])] == [h * h - h] * C
 
 
-@pytest.mark.parametrize("spec, algorithm", [("context=8", "ring"), ("context=8", "allgather"),
-                                             ("context=2,tensor=2,data=2", "ring"), ("context=4,fsdp=2", "allgather")])
-def test_context_attention_equals_the_reference_in_value_and_gradient(qkv, spec, algorithm):
+@pytest.mark.parametrize("spec, algorithm, block", [  # block 8: each device's 2·8 chunk positions in 8-tiles
+    ("context=8", "ring", cx.BLOCK), ("context=8", "allgather", cx.BLOCK), ("context=2,tensor=2,data=2", "ring", 8),
+    ("context=4,fsdp=2", "allgather", 4)])
+def test_context_attention_equals_the_reference_in_value_and_gradient(qkv, spec, algorithm, block):
   mesh = sharding.make_mesh(spec)
-  attn = in_context_order(algorithm, mesh.shape["context"])
+  attn = in_context_order(algorithm, mesh.shape["context"], block)
   with jax.set_mesh(mesh):
     out = jax.jit(attn)(*qkv)
     grads = jax.jit(jax.grad(objective(attn), argnums=(0, 1, 2)))(*qkv)
@@ -117,6 +118,9 @@ def test_bad_input_names_the_fix():
   with pytest.raises(cx.ContextError, match="seq_len=60 does not split into the 2\\*context=16 zig-zag chunks"):
     cx.check_context(60, 8)
   cx.check_context(60, 1)
+  with pytest.raises(cx.ContextError, match="seq_len=96 gives zig-zag chunks of 24 positions, which the attention's "
+                                            "tiles of 16 do not divide; use a seq_len that is a multiple of 64"):
+    cx.check_context(96, 2, block=16)
   with pytest.raises(cx.ContextError, match="unknown context-parallel attention 'striped'; choose one of ring"):
     cx.context_attention(*[jnp.zeros((1, 8, 2, 4))] * 3, algorithm="striped")
   mesh = sharding.make_mesh("context=8")
