@@ -170,14 +170,23 @@ def quiet_orbax_errors():
   for logger in map(logging.getLogger, ("absl", "asyncio")):
     if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
       logger.addFilter(_OrbaxErrors())
-  if not getattr(sys.excepthook, "_optlab", False):  # nor the callbacks of its cancelled writes, printed by
-    hook = sys.excepthook                            # tensorstore through sys.excepthook once orbax's loop is closed
+  if not getattr(sys.excepthook, "_optlab", False):  # nor the callbacks of its cancelled writes, which tensorstore
+    hook, unraisable = sys.excepthook, sys.unraisablehook  # reports once orbax's loop is closed: through
+                                                           # sys.excepthook, or as unraisable with no object
 
     def excepthook(kind, value, tb):
-      if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+      if not _loop_closed(value):
         hook(kind, value, tb)
+
+    def unraisablehook(report):
+      if not _loop_closed(report.exc_value):
+        unraisable(report)
     excepthook._optlab = True
-    sys.excepthook = excepthook
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
+def _loop_closed(e) -> bool:
+  return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
 
 
 def _line(e: Exception) -> str:
