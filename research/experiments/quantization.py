@@ -164,9 +164,13 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
       continue
     x, y = get_batch(corpus.train, seed, 0, cfg.calib, cfg.seq_len)
     calib = [(x[i:i + cfg.batch_size], y[i:i + cfg.batch_size]) for i in range(0, len(x), cfg.batch_size)]
-    out = {"fp_calib": ev(fp, calib), "budgets": {}, "mixed": {}}
+    # a seed of `base` takes hours: its finished budgets persist (partial.json) before the seed does
+    out = rec.setdefault("unfinished", {}).setdefault(str(seed), {"fp_calib": ev(fp, calib), "budgets": {},
+                                                                   "mixed": {}})
     losses = lambda m: {"val": ev(m, val), "calib": ev(m, calib), "bytes": size(m)}
     for budget in cfg.budgets:
+      if budget in out["budgets"]:
+        continue
       cands = {a: _spec(budget, a) for a in ALGORITHMS}
       b = {"uniform": {a: losses(quantized(fp, quant.uniform_plan(fp, s), x)) for a, s in cands.items()}}
       for by in ("cka", "mse"):
@@ -184,6 +188,7 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
           "mse_vs_oracle": float(np.mean([c == o for c, o in zip(b["mse"]["chosen"], chosen)])),
           "spearman_cka_delta": float(spearmanr(cka, dl)[0]) if len(set(cka)) > 1 and len(set(dl)) > 1 else None}
       out["budgets"][budget] = b
+      save()
       _say(cfg, f"{name} seed {seed} {budget}: " + ", ".join(f"{k} {b[k]['val'] - rec['fp_val']:+.4f}"
                                                           for k in ("cka", "mse", "oracle")))
     sens = quant_mixed.sensitivity(fp, x, y)
@@ -202,9 +207,11 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
                    "layout_bytes": quant_mixed.layout_bytes(sens, choice), "budget_bytes": budget,
                    "bits": [sens.bits[k] for k in choice]}
           for layout, choice in layouts.items()}
-    rec["seeds"][str(seed)] = out
+    rec["seeds"][str(seed)] = rec["unfinished"].pop(str(seed))
     save()
     _say(cfg, f"{name} seed {seed}: mixed precision done")
+  if not rec.get("unfinished", True):
+    del rec["unfinished"]
   if "speed" not in rec:
     x = get_batch(corpus.train, cfg.seeds[0], 0, cfg.calib, cfg.seq_len)[0]
     t_fp = ev.seconds(fp, val)
