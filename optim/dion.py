@@ -24,6 +24,8 @@ orth(P) is the Q factor of P's thin QR with R's diagonal positive (unique for P 
   machine epsilon) moves a full-rank P's result by O(u); where Cholesky still fails (P rank-deficient), the pass
   is redone with s = √u·tr(G), which every positive semi-definite Gram survives. The two passes end in the
   QR factor with positive diagonal, so the two methods agree to rounding (times P's condition number).
+On the CPU both run their LAPACK kernels on one matrix of a stack at a time (`optim.linalg.per_matrix`): jaxlib 0.10's
+batched kernels can deadlock a step on several simulated devices.
 State sharding: M as its parameter; Q may be sharded any way (each output keeps its input's sharding), its natural
 spec, `right_factor_spec`, splits Q's rows like the parameter's shorter side and needs no extra collective (a
 replicated Q costs one all-gather of R per step). Axes the parameter is replicated over (data) carry nothing.
@@ -47,6 +49,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, PartitionSpec as P
 
+from optim.linalg import per_matrix
 from optim.muon import muon_with_adamw, shape_scale
 from optim.registry import UnknownOptimizerError, register
 from optim.trees import path_name, reject_complex
@@ -83,24 +86,30 @@ def _swap(x):
 
 def _householder(p):
   """Thin QR's Q factor of p (..., L, r) with the signs that make R's diagonal non-negative; zero flag."""
-  q, r = jnp.linalg.qr(p)
+  q, r = per_matrix(jnp.linalg.qr, p)
   d = jnp.diagonal(r, axis1=-2, axis2=-1)
   q = q * jnp.where(d < 0, -1, 1).astype(q.dtype)[..., None, :]
   zero = jnp.sum(p * p, axis=(-2, -1), keepdims=True) == 0
   return jnp.where(zero, 0, q), zero
 
 
-def _cholesky_pass(p, gram_spec):
-  g = _constrain(jnp.einsum("...li,...lj->...ij", p, p), gram_spec)  # (..., r, r): a reduction over p's rows
+def _inverse_cholesky_factor(g, t):
+  """L⁻¹ for L Lᵀ = g + s·I of Grams g (..., r, r) with traces t (..., 1, 1) (the module docstring's shifts; I where
+  t = 0)."""
   r = g.shape[-1]
-  t = jnp.trace(g, axis1=-2, axis2=-1)[..., None, None]
   eye = jnp.eye(r, dtype=g.dtype)
   u = jnp.finfo(g.dtype).eps
   chol = lambda shift: jnp.linalg.cholesky(jnp.where(t > 0, g + shift * eye, eye))
   low = chol(u * t / r)
   fine = jnp.all(jnp.isfinite(low), axis=(-2, -1), keepdims=True)
   low = jnp.where(fine, low, chol(jnp.sqrt(u) * t))
-  low_inv = jax.scipy.linalg.solve_triangular(low, jnp.broadcast_to(eye, low.shape), lower=True)
+  return jax.scipy.linalg.solve_triangular(low, jnp.broadcast_to(eye, low.shape), lower=True)
+
+
+def _cholesky_pass(p, gram_spec):
+  g = _constrain(jnp.einsum("...li,...lj->...ij", p, p), gram_spec)  # (..., r, r): a reduction over p's rows
+  t = jnp.trace(g, axis1=-2, axis2=-1)[..., None, None]
+  low_inv = per_matrix(_inverse_cholesky_factor, g, t)  # r×r work, repeated on every device
   return p @ _swap(low_inv), t == 0  # p L⁻ᵀ: local on p's rows
 
 

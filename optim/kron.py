@@ -6,7 +6,8 @@ Each matrix G (m, n) gets upper-triangular factors Q_L (m, m), Q_R (n, n) and th
 P = Q_Lᵀ Q_L ⊗ Q_Rᵀ Q_R, applied as P·G = Q_Lᵀ Q_L G Q_Rᵀ Q_R. A factor whose dimension exceeds `max_size_triangular`
 or has size 1 (or that `memory_save_mode` picks) is diagonal, q (d,), acting as q²; a vector (ndim 1) has one
 diagonal factor, as in the oracle; a scalar is a vector of length 1. Leaves with ndim ≥ 3 are stacks (..., m, n):
-every matrix has its own factors (stored as (..., m, m) / (..., m)), fitted and applied per matrix (vmapped) — the
+every matrix has its own factors (stored as (..., m, m) / (..., m)), fitted and applied per matrix (vmapped; on the
+CPU the fit, whose triangular solves batched can deadlock, maps one matrix at a time: `optim.linalg.map_stack`) — the
 oracle would instead give such a tensor one factor per dimension, the repo's convention is per layer / expert.
 
 Fitting Q (one step of Li's Lie-group update, normalized step size `precond_lr`), from h = the debiased momentum
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim.linalg import map_stack
 from optim.registry import UnknownOptimizerError, decay_mask, register
 from optim.trees import reject_complex, replicated, sharded_like
 
@@ -157,14 +159,6 @@ def _balance(qs):
   return tuple(q * (mean / n) for q, n in zip(qs, norms))
 
 
-def _per_matrix(fn, stack, *trees):
-  """fn on every matrix of a stack: leaves of `trees` are (*stack, ...); vmapped over the flattened stack."""
-  size = math.prod(stack)
-  flat = jax.tree.map(lambda x: x.reshape((size,) + x.shape[len(stack):]), trees)
-  out = jax.vmap(fn)(*flat)
-  return jax.tree.map(lambda x: x.reshape(stack + x.shape[1:]), out)
-
-
 def scale_by_kron(b1: float = 0.9, *, preconditioner_update_probability=None, max_size_triangular: int = 8192,
                   memory_save_mode: str | None = None, precond_lr: float = 0.1, precond_init_scale: float = 1.0,
                   balance_prob: float = 0.01, momentum_into_precond_update: bool = True, mu_dtype=None,
@@ -230,8 +224,9 @@ def scale_by_kron(b1: float = 0.9, *, preconditioner_update_probability=None, ma
         stack, core = _split(h.shape)
         h, v = h.reshape(stack + core), replicated(v.astype(h.dtype)).reshape(stack + core)
         if len(core) == 2:
-          qs = jax.tree.map(lambda a, b: jnp.where(do_balance, a, b), _per_matrix(_balance, stack, qs), qs)
-        new.append(_per_matrix(lambda q, hh, vv, tri=tri: _fit(q, tri, hh, vv, precond_lr), stack, qs, h, v))
+          qs = jax.tree.map(lambda a, b: jnp.where(do_balance, a, b), map_stack(_balance, stack, qs, lapack=False), qs)
+        # one matrix at a time on the CPU: `_fit`'s triangular solves, batched, can deadlock there (optim.linalg)
+        new.append(map_stack(lambda q, hh, vv, tri=tri: _fit(q, tri, hh, vv, precond_lr), stack, qs, h, v))
       return tuple(new)
 
     qs_all = jax.lax.cond(do_update, fit, lambda qs_all: qs_all, tuple(qs_in))
@@ -243,7 +238,7 @@ def scale_by_kron(b1: float = 0.9, *, preconditioner_update_probability=None, ma
         u = _precondition(q, tri, x)
         return u * jnp.minimum(1.1 / (jnp.sqrt(jnp.mean(u * u)) + 1e-6), 1.0)
 
-      u = _per_matrix(direction, stack, qs, h.reshape(stack + core))
+      u = map_stack(direction, stack, qs, h.reshape(stack + core), lapack=False)
       out.append(sharded_like(u.reshape(g.shape).astype(g.dtype), g))
     q_r = [qs[1] if len(qs) > 1 else r for qs, r in zip(qs_all, treedef.flatten_up_to(state.q_r))]
     state = KronState(count=count, key=state.key, update_counter=jnp.where(do_update, 0, counter), mu=mu,

@@ -21,15 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optim.linalg import per_matrix
 from optim.trees import path_name
 
 Split = Callable[[str, tuple], "tuple[int, tuple[int, ...]] | None"]
 
 
 def svd_polar(x: jax.Array) -> jax.Array:
-  """The exact polar factor U Vᵀ of each matrix of x (..., m, n), by SVD in at least float32 (0 maps to 0)."""
+  """The exact polar factor U Vᵀ of each matrix of x (..., m, n), by SVD in at least float32 (0 maps to 0); on the CPU
+  one matrix of a stack at a time (`optim.linalg.per_matrix`: jaxlib 0.10's batched SVD can deadlock a multi-device
+  step)."""
   acc = jnp.promote_types(x.dtype, jnp.float32)
-  u, s, vt = jnp.linalg.svd(x.astype(acc), full_matrices=False)
+  u, s, vt = per_matrix(lambda a: jnp.linalg.svd(a, full_matrices=False), x.astype(acc))
   keep = (s > s[..., :1] * jnp.finfo(acc).eps * max(x.shape[-2:])).astype(acc)  # rank-deficient: U_r V_rᵀ
   return ((u * keep[..., None, :]) @ vt).astype(x.dtype)
 

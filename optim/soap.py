@@ -29,7 +29,9 @@ norm scales, biases, named vectors (`soap_labels`) and leaves with ndim ≤ 1 ge
 i.e. Adam that skips step 1 — the oracle's `precondition_1d=False`. Embeddings and the head are matrices: rotated on
 their model dimension, and on the vocabulary too when it is ≤ `max_precondition_dim` (the oracle, which sees every
 parameter, does the same). On a mesh every device computes each matrix's rotation whole (factors and bases
-replicated, as `optim.newton_schulz.orthogonalize`); moments and updates keep the parameters' shardings.
+replicated, as `optim.newton_schulz.orthogonalize`); moments and updates keep the parameters' shardings. On the CPU
+a stack's eigh and QR run one matrix at a time (`optim.linalg.per_matrix`: jaxlib 0.10's batched kernels can
+deadlock a step on several simulated devices).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim.linalg import per_matrix
 from optim.registry import UnknownOptimizerError, decay_mask, register
 from optim.trees import is_named_vector, path_name, reject_complex, replicated, resolve_labels, sharded_like
 
@@ -97,12 +100,12 @@ def _eigenbasis(f):
   continuous in f. A factor of full numerical rank gets exactly eigh's columns."""
   d = f.shape[-1]
   eye = jnp.eye(d, dtype=f.dtype)
-  w, q = jnp.linalg.eigh(f + 1e-30 * eye)
+  w, q = per_matrix(jnp.linalg.eigh, f + 1e-30 * eye)
   w, q = w[..., ::-1], q[..., ::-1]
   kept = w > _NULL * jnp.finfo(f.dtype).eps * w[..., :1]  # a prefix of the columns
   qk = q * kept[..., None, :].astype(f.dtype)
   c = eye - _mm(qk, _T(qk))
-  _, n = jnp.linalg.eigh(_mm(c * jnp.arange(d, 0, -1, dtype=f.dtype), c))
+  _, n = per_matrix(jnp.linalg.eigh, _mm(c * jnp.arange(d, 0, -1, dtype=f.dtype), c))
   shift = (jnp.arange(d) - jnp.sum(kept, axis=-1, keepdims=True)) % d  # the null space's columns after the kept
   n = jnp.take_along_axis(n[..., ::-1], shift[..., None, :], axis=-1)
   return jnp.where(kept[..., None, :], q, n)
@@ -114,7 +117,7 @@ def _power_step(f, q, v, axis: int):
   fq = _mm(f, q)
   order = jnp.argsort(-jnp.sum(q * fq, axis=-2), axis=-1, stable=True)  # (..., d)
   v = jnp.take_along_axis(v, order[..., :, None] if axis == -2 else order[..., None, :], axis=axis)
-  q, _ = jnp.linalg.qr(jnp.take_along_axis(fq, order[..., None, :], axis=-1))
+  q, _ = per_matrix(jnp.linalg.qr, jnp.take_along_axis(fq, order[..., None, :], axis=-1))
   return q, v
 
 

@@ -1,5 +1,9 @@
 """The sharded == unsharded check the optimizer tests share: a few jitted steps on gradients sin((k+1)·W₀), on one
-device and on an 8-device mesh (fsdp=4, tensor=2, Explicit axes), the state keeping its dtypes and shardings."""
+device and on an 8-device mesh (fsdp=4, tensor=2, Explicit axes), the state keeping its dtypes and shardings; and the
+compiled step's check for two patterns that hang a step on 8 simulated devices (`assert_no_hang_patterns`)."""
+
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -48,3 +52,36 @@ def sharded_and_single(tx, params: dict, specs: dict, steps: int = 3, mesh: str 
   put = lambda t: {k: jax.device_put(v, jax.sharding.NamedSharding(m, specs[k])) for k, v in t.items()}
   with jax.set_mesh(m):
     return run_steps(tx, put(params), [put(g) for g in grads]), single
+
+
+def lapack_calls(compiled) -> list[tuple[str, int]]:
+  """(kernel, matrices per call) of every LAPACK custom call of a compiled program (its HLO text): the product of the
+  leading axes of the call's (first) result."""
+  calls = []
+  for line in compiled.as_text().splitlines():
+    target = re.search(r'custom_call_target="(lapack_\w+)"', line)
+    if target:
+      dims = re.search(r"= \(?\w+\[([\d,]*)\]", line).group(1)
+      calls.append((target.group(1), math.prod(int(d) for d in dims.split(",")[:-2] if d)))
+  return calls
+
+
+def compile_update(tx, params: dict, specs: dict, mesh: str = "data=2,fsdp=4", explicit: bool = False):
+  """tx.update compiled (not run) on a mesh of the 8 devices, each leaf placed by `specs`, the state from a jitted
+  init; Auto axes by default, as the train CLI builds its mesh."""
+  m = sharding.make_mesh(mesh, explicit=explicit)
+  put = lambda t: {k: jax.device_put(v, jax.sharding.NamedSharding(m, specs[k])) for k, v in t.items()}
+  with jax.set_mesh(m):
+    params = put(params)
+    state = jax.jit(tx.init)(params)
+    return jax.jit(tx.update).lower(params, state, params).compile()
+
+
+def assert_no_hang_patterns(compiled):
+  """Two patterns that hang a step on XLA:CPU's simulated devices for good are absent from a compiled program that
+  has LAPACK calls and collectives (else the check would be void): a LAPACK call on a batch of matrices (jaxlib 0.10
+  splits it over the thread pool and blocks: `optim.linalg`) and a collective inside a loop (`sharding.audit`)."""
+  calls = lapack_calls(compiled)
+  assert calls and all(n == 1 for _, n in calls), calls
+  ops = sharding.collectives(compiled).ops
+  assert ops and not any(op.in_loop for op in ops), [(op.kind, op.computation) for op in ops if op.in_loop]

@@ -23,7 +23,7 @@ import sharding
 from optim import DionError, DionState, dion, dion_rank, right_factor_spec, scale_by_dion
 from optim.dion import _cholesky_qr2
 from research.bench_dion_comm import dion_expected_bytes, state_shardings, step_bytes
-from sharded_steps import run_steps
+from sharded_steps import assert_no_hang_patterns, compile_update, run_steps
 
 RNG = np.random.default_rng(0)
 SHAPES = {"tall": (12, 5), "wide": (5, 12), "square": (8, 8), "stack": (3, 6, 10)}
@@ -229,6 +229,20 @@ def test_sharded_updates_equal_unsharded_and_keep_shardings(distributed):
     np.testing.assert_allclose(np.asarray(p_sh[k], np.float32), np.asarray(p_ref[k], np.float32), atol=atol, err_msg=k)
   if distributed:
     assert set(sharding.collectives(compiled).summary()) == {"all-reduce"}
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("distributed", [False, True], ids=["householder", "cholesky_qr2"])
+def test_no_batched_lapack_call_or_collective_in_a_loop(distributed, explicit):
+  """The train CLI hung at its first step with Dion on data=2,fsdp=4 (tiny preset): every device ran the batched QR
+  of a layer stack, and jaxlib 0.10's LAPACK kernel split it over XLA:CPU's thread pool and blocked on it, on every
+  pool thread at once (optim/linalg.py). Compiled only (a hang cannot fail a test, it stops the suite): on the CLI's
+  mesh, stacks with either side split over fsdp, each QR / Cholesky / triangular solve takes one matrix, and no
+  collective sits in a loop (the map over the stack gathers before it)."""
+  params = {"w_up": jnp.ones((2, 16, 8)), "w_down": jnp.ones((3, 8, 16)), "wo": jnp.ones((16, 8)), "ln": jnp.ones(8)}
+  specs = {"w_up": P(None, "fsdp", None), "w_down": P(None, None, "fsdp"), "wo": P("fsdp", None), "ln": P(None)}
+  compiled = compile_update(dion(1e-2, rank_fraction=0.5, distributed=distributed), params, specs, explicit=explicit)
+  assert_no_hang_patterns(compiled)
 
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["householder", "cholesky_qr2"])

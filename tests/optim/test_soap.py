@@ -45,7 +45,7 @@ import optim
 from optim import SoapError, soap, soap_labels
 from optim.soap import _eigenbasis, _power_step
 from optim.registry import STATIC_ARGS
-from sharded_steps import sharded_and_single
+from sharded_steps import assert_no_hang_patterns, compile_update, lapack_calls, sharded_and_single
 
 RNG = np.random.default_rng(0)
 SHAPES = {"w": (2, 6, 4), "wide": (4, 7), "attn_norm": (7,), "big": (4, 12)}
@@ -258,3 +258,15 @@ def test_sharded_updates_equal_unsharded_and_keep_shardings():
   assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(factors))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6),
                p_sharded, p_ref)
+
+
+def test_no_batched_lapack_call_or_collective_in_a_loop():
+  """The train CLI hung at its first step with SOAP on data=2,fsdp=2,tensor=2 (tiny preset): the batched eigh of a
+  layer stack's factors blocked every thread of XLA:CPU's pool (optim/linalg.py). Compiled only, on the CLI's kind of
+  mesh (Auto axes), stacks split over fsdp: each eigh and QR (both branches of the step) takes one matrix, and no
+  collective sits in a loop."""
+  params = {"w_up": jnp.ones((2, 16, 8)), "w_down": jnp.ones((3, 8, 16)), "attn_norm": jnp.ones((2, 8))}
+  specs = {"w_up": P(None, "fsdp", None), "w_down": P(None, None, "fsdp"), "attn_norm": P(None, None)}
+  compiled = compile_update(soap(1e-2), params, specs)
+  assert {kernel for kernel, _ in lapack_calls(compiled)} >= {"lapack_ssyevd_ffi", "lapack_sgeqrf_ffi"}
+  assert_no_hang_patterns(compiled)
