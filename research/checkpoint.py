@@ -29,6 +29,7 @@ import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from research import integrity
@@ -60,6 +61,7 @@ class Checkpointer:
   def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
     """Starts an async save if `step` is due (or `force`), with the state's checksums in its meta; returns whether
     it saved."""
+    state = _without_empty(state)
     meta = {**meta, "checksums": integrity.fingerprints(state)}
     try:
       return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -92,11 +94,13 @@ class Checkpointer:
     """The state at `step`, each array created with the given sharding (so any mesh works)."""
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
     try:
-      state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+      state = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(_without_empty(target))))["state"]
     except Exception as e:
       raise CheckpointError(f"checkpoint {self.directory}/{step} could not be restored: {_line(e)}") from None
     self._verify(step, state)
-    return state
+    empty = lambda t: jax.device_put(jnp.zeros(t.shape, t.dtype), t.sharding)
+    return jax.tree.map(lambda t, x: empty(t) if t.size == 0 else x, target, state)
 
   def _verify(self, step: int, state):
     """Refuses `state` (read from `step`) unless every array's checksum equals the one saved with it."""
@@ -154,6 +158,12 @@ class Checkpointer:
       raise self._save_error(e) from None
     finally:
       self.manager.close()
+
+
+def _without_empty(tree):
+  """The tree with each zero-size array (an optimizer's placeholder, as SOAP's for a side it does not rotate) replaced
+  by None: orbax cannot save one, and `restore` rebuilds it from the abstract state's shape, dtype and sharding."""
+  return jax.tree.map(lambda x: None if getattr(x, "size", 1) == 0 else x, tree)
 
 
 class _OrbaxErrors(logging.Filter):
