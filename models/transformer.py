@@ -212,6 +212,10 @@ class Transformer(nnx.Module):
 
 
 def cross_entropy(logits_BTV, targets_BT):
-  """Mean next-token cross entropy in nats."""
-  logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets_BT[..., None], axis=-1))
+  """Mean next-token cross entropy in nats. The target's log-probability is picked by a masked sum over the vocabulary
+  (exact: one term is non-zero), not a gather: with the vocabulary split over `tensor` each device sums its own slice
+  and GSPMD all-reduces (B, T) numbers, and XLA's partitioner aborts on the gather inside a shard_map manual over
+  `data` with fsdp and tensor both split (sharding/replicas.py)."""
+  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+  hit_BTV = jnp.arange(logp_BTV.shape[-1]) == targets_BT[..., None]
+  return -jnp.mean(jnp.sum(jnp.where(hit_BTV, logp_BTV, 0.0), axis=-1))

@@ -5,7 +5,8 @@ weight's `embed` dimension is split over `fsdp` (ZeRO-3), while an activation's 
 over every data axis and its `act_embed` stays whole.
 
 Resolution (`logical_to_spec`): each logical name takes the mesh axes of its rule that are
-larger than 1 and not already used by an earlier dimension of the same array; a dimension
+larger than 1, not manual (inside a shard_map, e.g. `sharding.replicas`) and not already used
+by an earlier dimension of the same array; a dimension
 whose size does not divide by the product of its mesh axes is an error, never a silent
 replication.
 """
@@ -49,7 +50,7 @@ class ShardingError(ValueError):
 def logical_to_spec(names: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None,
                     rules: dict[str, tuple[str, ...]] = RULES) -> P:
   """PartitionSpec for an array whose dimensions carry logical `names` (None = replicated)."""
-  used: set[str] = set()
+  used: set[str] = set(getattr(mesh, "manual_axes", ()))  # inside a shard_map: its manual axes are not GSPMD's
   spec = []
   for dim, name in enumerate(names):
     if name is None:
