@@ -42,7 +42,7 @@ from models.config import ConfigError
 from models.attention import AttentionError, check_attention
 from optim import (OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedule, needs_max_logits, needs_prev_grads,
                    with_global_norm_clip)
-from research import adapters, init_from, preflight, rundir
+from research import adapters, init_from, preflight, rundir, sync
 from research.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, quiet_orbax_errors
 from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
 from research.health import BadStepsError, Monitor, keep_if_finite
@@ -163,6 +163,14 @@ class TrainConfig:
   """Simulated devices when running on the CPU (ignored on accelerators)."""
   zero1: bool = False
   """ZeRO-1: split the optimizer state over the data axis as well (the parameters stay replicated there)."""
+  sync: str = "allreduce"
+  """How the replicas on the data axis agree (research/sync.py): allreduce (every step's gradients averaged),
+  local:H (local SGD / DiLoCo: H steps apart, then an outer step), gossip[:ring|complete|FILE] (decentralized: each
+  step, average with the neighbours), stale:TAU[:random] (gradients TAU steps old: simulated asynchronous workers)."""
+  outer_lr: float = 0.7
+  """--sync local:H: the outer optimizer's learning rate (DiLoCo's 0.7)."""
+  outer_momentum: float = 0.9
+  """--sync local:H: the outer optimizer's Nesterov momentum (DiLoCo's 0.9; 0 = plain SGD)."""
   data: str | None = None
   """A text file, a directory of text files, or a .npy/.bin token array (unset: the stdlib corpus)."""
   tokenizer: str | None = None
@@ -363,6 +371,17 @@ def keep_prev_params(state, shardings):
   return {**state, "prev_params": prev}, {**shardings, "prev_params": shardings["params"]}
 
 
+def lm_loss(graphdef):
+  """loss_fn(params, x, y, buffers) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)), aux the
+  model's (per-layer router stats, attention-logit maxima)."""
+  def loss_fn(params, x, y, buffers):
+    model = nnx.merge(graphdef, params, buffers)
+    logits, aux = model.forward(x)
+    ce = cross_entropy(logits, y)
+    return ce + aux_loss(aux, model.c), (ce, aux)
+  return loss_fn
+
+
 def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False):
   """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state.
 
@@ -373,13 +392,7 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False):
   finite=False (`research.health`).
   """
   exact = "prev_params" in shardings
-
-  def loss_fn(params, x, y, buffers):
-    """(cross entropy + weighted MoE aux losses, (cross entropy, per-layer router stats))."""
-    model = nnx.merge(graphdef, params, buffers)
-    logits, aux = model.forward(x)
-    ce = cross_entropy(logits, y)
-    return ce + aux_loss(aux, model.c), (ce, aux)
+  loss_fn = lm_loss(graphdef)
 
   def eval_fn(params, x, y, buffers):
     return loss_fn(params, x, y, buffers)[1][0]
@@ -483,6 +496,7 @@ def _setup(cfg: TrainConfig):
   """Mesh, model config, data and held-out batches, with every check of the flags that needs them."""
   mesh = make_mesh(cfg.mesh)
   mcfg = _model_config(cfg)
+  _check_sync(cfg, mesh, mcfg)
   if needs_max_logits(cfg.optimizer) and mcfg.qk_norm:
     raise RunError(f"--optimizer {cfg.optimizer} clips W_q and W_k, which QK-norm undoes: --model {cfg.model} has "
                    f"qk_norm; add --qk-norm False")
@@ -506,6 +520,27 @@ def _setup(cfg: TrainConfig):
   val_host = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
   val = [global_batch(b, mesh) for b in val_host]
   return mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val
+
+
+def _check_sync(cfg: TrainConfig, mesh, mcfg):
+  """--sync parsed and checked against the rest of the run (RunError)."""
+  try:
+    mode = sync.parse(cfg.sync)
+    if mode.kind == "gossip":
+      sync.mixing_matrix(mode, mesh.shape["data"])
+  except sync.SyncError as e:
+    raise RunError(str(e)) from None
+  if mode.kind == "allreduce":
+    return
+  clash = [flag for flag, on in (("--peft", cfg.peft), ("--switch-at", cfg.switch_at), ("--zero1", cfg.zero1),
+                                 ("a pipeline (stage) mesh", mesh.shape["stage"] > 1), ("a MoE model", mcfg.moe),
+                                 (f"--optimizer {cfg.optimizer}'s exact mode", _exact(cfg))) if on]
+  if clash:
+    raise RunError(f"--sync {cfg.sync} keeps a copy of the parameters per data replica and does not combine with "
+                   f"{', '.join(clash)}")
+  if mesh.shape["data"] == 1:
+    print(f"warning: --sync {cfg.sync} on a mesh with data=1 has one replica: it trains as --sync allreduce would "
+          f"(add data=R to --mesh for R replicas)", file=sys.stderr)
 
 
 def _initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus):
@@ -585,6 +620,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
   tx, schedule = _optimizer(cfg)
   graphdef, state, shardings, report = _initial_state(cfg, mcfg, mesh, tx, corpus)
   train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh, max_logits=needs_max_logits(cfg.optimizer))
+  state, shardings, syncer = _sync_steps(cfg, graphdef, tx, state, shardings, batch_sh, train_step)
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
   switches = [(at, _switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]
 
@@ -602,6 +638,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
   if start is not None:
     while switches and switches[0][0] <= start:  # resume on the mesh the run had switched to by then
       mesh, shardings, batch_sh, val, train_step, eval_step = switches.pop(0)[1]
+      syncer.switched(train_step)
     state = restored
     monitor.load(saved.get("health"))
     print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
@@ -615,8 +652,9 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
   model_flops_per_token = flops_per_token(mcfg, cfg.seq_len)
   meter = Meter(cfg.batch_size * cfg.seq_len)
 
-  def evaluate(state):
-    return float(np.mean([eval_step(state["params"], x, y, state.get("buffers", {})) for x, y in val]))
+  def evaluate(state):  # the model: --sync gossip's is the replicas' mean
+    params = syncer.model(state)["params"]
+    return float(np.mean([eval_step(params, x, y, state.get("buffers", {})) for x, y in val]))
 
   progress = Progress(cfg.steps, start, enabled=cfg.progress and is_primary())
   step = start
@@ -630,13 +668,15 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
         if switches and switches[0][0] == step:  # --switch-at: the new steps are compiled, only the state moves
           t = time.perf_counter()
           mesh, shardings, batch_sh, val, train_step, eval_step = switches.pop(0)[1]
+          syncer.switched(train_step)
           state = jax.block_until_ready(reshard(state, shardings=shardings, donate=True))
           in_mesh.close()
           in_mesh.enter_context(jax.set_mesh(mesh))
           print(f"step {step}: switched to mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.2f} s", file=sys.stderr)
-        state, out = train_step(state, *global_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
-                                                                  cfg.seq_len), mesh))
+        state, out = syncer.step(state, *global_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
+                                                                   cfg.seq_len), mesh))
         step += 1
+        state = syncer.after(state, step)  # --sync local:H: the outer step every H steps
         last = step == cfg.steps
         if step == start + 1:  # the first step compiles: throughput is timed from its end
           jax.block_until_ready(out)
@@ -663,6 +703,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
           if step % cfg.eval_every == 0 or last:
             rec["val_loss"] = evaluate(state)
           rec.update(_router_metrics(out))
+          rec.update(syncer.metrics(state, step, out))
           records.append(rec)
           metrics.write(rec)
           progress.log(rec)
@@ -673,6 +714,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
         # every --ckpt-every steps (no periodic save amid bad steps) and at the end; deciding here, not in orbax,
         # keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked for)
         if (monitor.bad_run == 0 and step % cfg.ckpt_every == 0) or final:
+          state = syncer.model(state)  # gossip: "params" (what export and sampling read) = the replicas' mean
           ckpt.save(step, state, {**meta, "health": monitor.state()}, force=True)
         progress.advance()
     progress.close()
@@ -692,6 +734,18 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
           file=sys.stderr)
     raise SystemExit(128 + stop.signum)
   return records
+
+
+def _sync_steps(cfg: TrainConfig, graphdef, tx, state, shardings, batch_sh, train_step):
+  """(state, shardings, sync.Steps) of --sync: the state laid out for it and its programs (allreduce: the plain
+  `train_step`, audited for its bytes)."""
+  mode = sync.parse(cfg.sync)
+  outer_tx = sync.outer_optimizer(cfg.outer_lr, cfg.outer_momentum)
+  state, shardings = sync.init_state(mode, state, shardings, outer_tx)
+  steps = sync.Steps(mode, lm_loss(graphdef), tx, outer_tx, shardings, batch_sh, seed=cfg.seed,
+                     max_logits=needs_max_logits(cfg.optimizer), mixing=sync.mixing_matrix(mode, batch_sh.mesh.shape[
+                         "data"]) if mode.kind == "gossip" else None, plain=train_step)
+  return state, shardings, steps
 
 
 def optimizer_help() -> str:

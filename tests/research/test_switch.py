@@ -12,7 +12,8 @@ import sharding
 from optim import get_optimizer
 import research.integrity
 from research.checkpoint import Checkpointer
-from research.train import TrainConfig, main, run
+import refusals
+from research.train import TrainConfig, run
 
 # test_train's tiny run (its compiled programs are shared through the session's cache), evaluated at the end only
 TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=8, ckpt_every=4,
@@ -49,14 +50,9 @@ def test_switching_equals_resuming_on_the_new_mesh(tmp_path, capfd):
   assert trace(b) == trace(a)
 
 
-def bad(tmp_path, capsys, *args):
-  with pytest.raises(SystemExit) as e:
-    main([*args, "--out", str(tmp_path / "run"), "--no-progress", *[f"--{k.replace('_', '-')}={v}" for k, v in
-                                                                    TINY.items() if k != "progress"]])
-  err = capsys.readouterr().err.strip().splitlines()
-  assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-  assert not (tmp_path / "run").exists()  # refused before the run directory, let alone training, began
-  return err[0]
+def bad(tmp_path, capsys, *args):  # refused before the run directory, let alone training, began
+  return refusals.bad(tmp_path, capsys, *args, *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()
+                                                 if k != "progress"])
 
 
 @pytest.mark.parametrize("args, message", [

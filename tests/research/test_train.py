@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from research.train import RunError, TrainConfig, main, run
+from refusals import bad
+from research.train import RunError, TrainConfig, run
 
 TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=4,
             warmup_steps=2, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2")
@@ -72,18 +73,6 @@ def test_resume_refuses_a_shape_change_and_keeps_the_checkpoint(tmp_path):
   assert before == after
   # the same shapes spelled out explicitly (and a compute dtype, which is not in the state) resume fine
   assert run(cfg(tmp_path, d_model=64, compute_dtype="float32"))[-1]["step"] == 8
-
-
-def bad(tmp_path, capsys, *args, out=None):
-  """The one error line of a refused run; a run directory it would have created is not left behind."""
-  out = out or str(tmp_path / "run")
-  existed = os.path.exists(out)
-  with pytest.raises(SystemExit) as e:
-    main([*args, "--out", out, "--model", "tiny", "--no-progress"])
-  err = capsys.readouterr().err.strip().splitlines()
-  assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-  assert existed or not os.path.exists(out), f"a refused run left {out} behind"
-  return err[0]
 
 
 @pytest.mark.parametrize("args, message", [
