@@ -112,17 +112,28 @@ def default_cache_dir() -> str:
   return os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
 
 
-def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int,
-              seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Random training windows, a pure function of (seed, step).
+ORDERS = ("random", "sequential")
 
-  Returns (x, y), int32 of shape (batch_size, seq_len): windows of seq_len + 1 tokens whose
-  starts are uniform in [0, len - seq_len - 1]; x is the window's head, y its tail (the next
-  token at every position). rng = default_rng([seed, step]), so a resumed run replays exactly.
+
+def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int,
+              seq_len: int, order: str = "random") -> tuple[np.ndarray, np.ndarray]:
+  """Training windows, a pure function of (seed, step), so a resumed run replays exactly.
+
+  Returns (x, y), int32 of shape (batch_size, seq_len): windows of seq_len + 1 tokens; x is the window's head, y its
+  tail (the next token at every position). `order` "random": starts uniform in [0, len - seq_len - 1], rng =
+  default_rng([seed, step]). "sequential": the data read as a stream from a seed-chosen offset, window after window
+  (row i of step t is window t·batch_size + i, wrapping around): consecutive rows, and the rows of consecutive steps,
+  are adjacent text of the same file (the sampling order of an unshuffled, file-ordered dataset).
   """
   _check_windows(tokens, batch_size, seq_len)
-  rng = np.random.default_rng([seed, step])
-  starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size, endpoint=True)
+  span = len(tokens) - seq_len - 1
+  if order == "sequential":
+    offset = np.random.default_rng([seed]).integers(0, span, endpoint=True)
+    starts = (offset + (step * batch_size + np.arange(batch_size, dtype=np.int64)) * seq_len) % (span + 1)
+  elif order == "random":
+    starts = np.random.default_rng([seed, step]).integers(0, span, size=batch_size, endpoint=True)
+  else:
+    raise DataError(f"sampling order must be one of {', '.join(ORDERS)}, got {order!r}")
   return _gather(tokens, starts, seq_len)
 
 

@@ -173,6 +173,9 @@ class TrainConfig:
   """--sync local:H: the outer optimizer's Nesterov momentum (DiLoCo's 0.9; 0 = plain SGD)."""
   data: str | None = None
   """A text file, a directory of text files, or a .npy/.bin token array (unset: the stdlib corpus)."""
+  sampling: Literal["random", "sequential"] = "random"
+  """Training windows drawn uniformly at random each step, or read in order as a stream (adjacent text in a batch and
+  across steps: an unshuffled dataset)."""
   tokenizer: str | None = None
   """Encode the text with this Hugging Face tokenizer.json (or a directory holding one) instead of bytes; the tokens
   are cached once (research/tokenized.py)."""
@@ -674,7 +677,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
           in_mesh.enter_context(jax.set_mesh(mesh))
           print(f"step {step}: switched to mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.2f} s", file=sys.stderr)
         state, out = syncer.step(state, *global_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
-                                                                   cfg.seq_len), mesh))
+                                                                   cfg.seq_len, cfg.sampling), mesh))
         step += 1
         state = syncer.after(state, step)  # --sync local:H: the outer step every H steps
         last = step == cfg.steps

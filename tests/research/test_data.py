@@ -252,6 +252,23 @@ def test_get_batch_offsets_reach_both_ends():
   np.testing.assert_array_equal(y, np.broadcast_to(np.arange(1, 8), (4, 7)))
 
 
+def test_sequential_sampling_reads_the_data_as_a_stream():
+  """Row i of step t is window t·B + i of the stream that starts at the seed's offset, wrapping at the end."""
+  tokens = np.arange(1000, dtype=np.int32)
+  span = 1000 - 16 - 1
+  offset = np.random.default_rng([3]).integers(0, span, endpoint=True)
+  for step in (0, 1, 40):
+    x, y = get_batch(tokens, 3, step, 8, 16, order="sequential")
+    expect = (offset + (step * 8 + np.arange(8)) * 16) % (span + 1)
+    np.testing.assert_array_equal(x[:, 0], expect)
+    np.testing.assert_array_equal(x, x[:, :1] + np.arange(16))
+    np.testing.assert_array_equal(y, x + 1)
+  a, b = get_batch(tokens, 3, 0, 8, 16, "sequential")[0], get_batch(tokens, 3, 1, 8, 16, "sequential")[0]
+  assert b[0, 0] == (a[-1, 0] + 16) % (span + 1)  # the next step goes on where this one ended
+  with pytest.raises(DataError, match="sampling order"):
+    get_batch(tokens, 3, 0, 8, 16, "shuffled")
+
+
 def test_get_batch_on_the_cached_memmap(stdlib):
   val = stdlib["hit"].val
   x, y = get_batch(val, 1, 2, 4, 128)
