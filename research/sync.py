@@ -14,7 +14,8 @@
 State (checkpointed whole, so a resumed run continues exactly): local and gossip add "replicas" = {"params",
 "opt_state"}, each leaf (R, ...) split over `data`; local keeps the outer parameters in "params" and the outer
 optimizer's state in "outer_state"; gossip's "params" is the replicas' mean, refreshed before every save and
-evaluation (what export, sampling and --init-from read); stale adds "history", the last TAU + 1 parameter versions.
+evaluation (what export, sampling and --init-from read); stale adds "history", the last TAU + 1 parameter versions
+(and with :random "delay_key", the delays' PRNG key).
 
 Metrics: each replica's loss ("replica_loss"), the consensus distance sqrt((1/R) sum_i ||x_i - x_bar||^2)
 ("consensus", at logged steps, by a program of its own that the byte count leaves out), and the collective bytes per
@@ -103,8 +104,9 @@ def outer_optimizer(lr: float, momentum: float) -> optax.GradientTransformation:
   return optax.sgd(lr, momentum=momentum or None, nesterov=bool(momentum))
 
 
-def init_state(sync: Sync, state: dict, shardings: dict, outer_tx) -> tuple[dict, dict]:
-  """The plain train state ({"step", "params", "opt_state"[, "buffers"]}) and its shardings laid out for `sync`."""
+def init_state(sync: Sync, state: dict, shardings: dict, outer_tx, seed: int = 0) -> tuple[dict, dict]:
+  """The plain train state ({"step", "params", "opt_state"[, "buffers"]}) and its shardings laid out for `sync`
+  (`seed`: stale:TAU:random's delays, kept in the state as "delay_key")."""
   state, shardings = dict(state), dict(shardings)
   p_sh = shardings["params"]
   if sync.replicated:
@@ -119,6 +121,10 @@ def init_state(sync: Sync, state: dict, shardings: dict, outer_tx) -> tuple[dict
     h_sh = jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), p_sh)
     copies = lambda p: jax.tree.map(lambda x: jnp.broadcast_to(x, (sync.tau + 1,) + x.shape), p)
     state["history"], shardings["history"] = jax.jit(copies, out_shardings=h_sh)(state["params"]), h_sh
+    if sync.random:
+      replicated = NamedSharding(jax.tree.leaves(p_sh)[0].mesh, P())
+      key = jax.random.key_data(jax.random.key(seed))
+      state["delay_key"], shardings["delay_key"] = jax.device_put(key, replicated), replicated
   return state, shardings
 
 
@@ -130,16 +136,14 @@ class Steps:
     loss_fn: (params, x, y, buffers) -> (total loss, (cross entropy, aux)), research/train.py's.
     tx: the per-replica (local, gossip) or global (stale) optimizer; outer_tx: DiLoCo's outer one.
     shardings: of the state `init_state` laid out; batch_sh: of a batch (the rows split over `data`).
-    seed: stale:TAU:random's delays.
     max_logits: hand the model's attention-logit maxima to the optimizer (MuonClip).
     mixing: gossip's W (`mixing_matrix`; None: the ring).
     plain: allreduce's step, research/train.py `make_steps`'s.
   """
 
-  def __init__(self, sync: Sync, loss_fn: Callable, tx, outer_tx, shardings: dict, batch_sh, *, seed: int = 0,
+  def __init__(self, sync: Sync, loss_fn: Callable, tx, outer_tx, shardings: dict, batch_sh, *,
                max_logits: bool = False, mixing: np.ndarray | None = None, plain: Callable | None = None):
-    self.sync, self.loss_fn, self.tx, self.max_logits = sync, loss_fn, tx, max_logits
-    self.mixing, self.key = mixing, jax.random.key(seed)
+    self.sync, self.loss_fn, self.tx, self.max_logits, self.mixing = sync, loss_fn, tx, max_logits, mixing
     self.mesh, self.r = batch_sh.mesh, rep.replica_count(batch_sh.mesh)
     self.bytes: dict[str, float] = {}
     self.counting = True  # comm_bytes is logged while every step ran one known program
@@ -187,7 +191,8 @@ class Steps:
 
   def _stale_step(self, state, x, y):
     step, buffers = state["step"], state.get("buffers", {})
-    delay = rep.delays(self.key, step, self.r, self.sync.tau, self.sync.random)
+    key = jax.random.wrap_key_data(state["delay_key"]) if self.sync.random else None
+    delay = rep.delays(key, step, self.r, self.sync.tau, self.sync.random)
 
     def worker(history, d, step, x, y, buffers):  # one replica: the gradient at its stale parameters
       params = rep.stale_params(history, step, d)

@@ -744,8 +744,8 @@ def _sync_steps(cfg: TrainConfig, graphdef, tx, state, shardings, batch_sh, trai
   `train_step`, audited for its bytes)."""
   mode = sync.parse(cfg.sync)
   outer_tx = sync.outer_optimizer(cfg.outer_lr, cfg.outer_momentum)
-  state, shardings = sync.init_state(mode, state, shardings, outer_tx)
-  steps = sync.Steps(mode, lm_loss(graphdef), tx, outer_tx, shardings, batch_sh, seed=cfg.seed,
+  state, shardings = sync.init_state(mode, state, shardings, outer_tx, seed=cfg.seed)
+  steps = sync.Steps(mode, lm_loss(graphdef), tx, outer_tx, shardings, batch_sh,
                      max_logits=needs_max_logits(cfg.optimizer), mixing=sync.mixing_matrix(mode, batch_sh.mesh.shape[
                          "data"]) if mode.kind == "gossip" else None, plain=train_step)
   return state, shardings, steps

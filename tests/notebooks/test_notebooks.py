@@ -63,6 +63,7 @@ def test_pretrained_path_executes_end_to_end(notebooks):
 def test_every_experiment_has_a_notebook():
   experiments = pathlib.Path(__file__).resolve().parents[2] / "research" / "experiments"
   names = {p.stem for p in experiments.glob("*.py")} - {"__init__", "common"}
+  names |= {p.name for p in experiments.iterdir() if (p / "__init__.py").exists()}  # an experiment as a folder
   assert names <= set(EXPERIMENTS), f"experiments without a notebook: {sorted(names - set(EXPERIMENTS))}"
 
 

@@ -1,0 +1,81 @@
+"""research/experiments/scalability: the smoke run's invariants (as notebooks/scalability.ipynb ran it), the
+speedup arithmetic, and the LM datasets' construction."""
+
+import numpy as np
+import pytest
+
+from research.data import load_corpus
+from research.experiments import scalability
+from research.experiments.scalability import convex, study
+
+
+@pytest.fixture(scope="module")
+def result(notebooks):
+  return notebooks.run("scalability").result
+
+
+def test_steps_to_interpolates_between_evaluations():
+  curve = [(0, 2.0), (10, 1.0), (20, 0.5)]
+  assert scalability.steps_to(curve, 1.5) == 5.0
+  assert scalability.steps_to(curve, 1.0) == 10.0
+  assert scalability.steps_to(curve, 0.75) == 15.0
+  assert scalability.steps_to(curve, 0.4) is None
+  assert scalability.steps_to([(0, 2.0), (10, 3.0), (20, 1.0)], 2.0) == 15.0  # the first crossing after a rise
+
+
+def test_predicted_speedup_limits():
+  assert scalability.predicted_speedup(5.0, 8, 1) == 1
+  assert scalability.predicted_speedup(1e-9, 8, 8) == pytest.approx(1)  # no noise: a bigger batch buys nothing
+  assert scalability.predicted_speedup(1e9, 8, 8) == pytest.approx(8, rel=1e-6)  # all noise: linear
+  assert scalability.predicted_speedup(8.0, 8, 4) == pytest.approx(2 / 1.25)
+
+
+def test_sync_flags():
+  cfg = scalability.Config()
+  assert [scalability.sync_flag(a, 4, cfg) for a in scalability.ALGORITHMS] == \
+      ["allreduce", "local:8", "gossip", "stale:3:random"]
+  assert {scalability.sync_flag(a, 1, cfg) for a in scalability.ALGORITHMS} == {"allreduce"}
+
+
+def test_smoke_runs_every_cell_and_counts_bytes(result):
+  s = scalability.SMOKE
+  for variant in s["convex_variants"]:
+    runs = result["convex"][variant]["runs"]
+    assert set(runs) == {"allreduce/W1"} | {f"{a}/W2" for a in scalability.ALGORITHMS}
+    for key, run in runs.items():
+      curve, sent = run["seeds"]["0"]["curve"], run["seeds"]["0"]["bytes"]
+      assert [t for t, _ in curve] == list(range(0, s["convex_steps"] + 1, 8)) == [t for t, _ in sent]
+      assert all(b1 >= b0 for (_, b0), (_, b1) in zip(sent, sent[1:]))
+      assert (sent[-1][1] == 0) == (key == "allreduce/W1")  # one worker sends nothing; two always do
+    last = {k: r["seeds"]["0"]["bytes"][-1][1] for k, r in runs.items()}
+    assert last["local/W2"] < last["allreduce/W2"]  # averaging every H = 2 steps, not every step
+    assert "noise_scale" in runs["allreduce/W1"]["gradients"]
+  lm = result["lm"]["stdlib"]["runs"]
+  assert set(lm) == {"allreduce/W1", "allreduce/W2", "local/W2"}
+  lm_sent = {k: r["seeds"]["0"]["bytes"][-1][1] for k, r in lm.items()}
+  assert lm_sent["allreduce/W1"] == 0 < lm_sent["local/W2"] < lm_sent["allreduce/W2"]
+  assert result["lm"]["stdlib"]["gradients"]["noise_scale"] > 0
+  assert set(result["sweep"]) == {"2"}
+
+
+def test_the_convex_variants_change_the_characters_they_are_built_for():
+  c = {v: convex.characters(convex.digits(v)) for v in convex.VARIANTS}
+  assert c["sorted"]["similarity"] > c["shuffled"]["similarity"] + 0.05  # consecutive samples of one class
+  assert c["binary"]["sparsity"] > c["shuffled"]["sparsity"] + 0.1
+  data = convex.digits("repeated")
+  assert len(np.unique(data.x, axis=0)) <= len(data.x) // 10 + 1
+  assert np.array_equal(convex.digits("sorted").val_x, convex.digits("shuffled").val_x)  # one held-out set
+
+
+@pytest.mark.parametrize("name", ["repeated", "mixed"])
+def test_lm_datasets_hold_out_exactly_the_stdlib_val_split(tmp_path, name):
+  path, sampling = study.lm_data(name, str(tmp_path))
+  built, stdlib = load_corpus(path), load_corpus()
+  assert sampling == "random" and np.array_equal(built.val, stdlib.val)
+  assert len(built.train) == 19 * len(stdlib.val)
+  chunks = np.asarray(built.train[:len(built.train) // study.CHUNK * study.CHUNK]).reshape(-1, study.CHUNK)
+  distinct = len({c.tobytes() for c in chunks})
+  if name == "repeated":
+    assert distinct <= len(chunks) // 10 + 2
+  else:  # every other chunk is package-description prose: far more letters and spaces than Python source
+    assert distinct > len(chunks) // 2
