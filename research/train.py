@@ -252,9 +252,21 @@ def _setup_jax(devices: int, compile_cache: bool):
     jax.config.update("jax_num_cpu_devices", devices)
   except RuntimeError:  # backend already up (a test or notebook set it): keep what is there
     pass
+  one_blas_thread()
   if compile_cache and not jax.config.jax_compilation_cache_dir:  # reruns and resumes skip compilation
     root = os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
     jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))
+
+
+def one_blas_thread():
+  """One thread for each BLAS library loaded (numpy's and scipy's OpenBLAS, which jaxlib's CPU LAPACK kernels call):
+  with several simulated devices running those kernels at once, each call's own spinning thread pool oversubscribed
+  the cores (a Kron step on 8 devices ran ~10x slower: 72 vs 704 tokens/s on the tiny preset, 2 cores). XLA's own
+  matmuls do not use them."""
+  import scipy.linalg
+  import threadpoolctl
+  del scipy.linalg  # imported to load scipy's OpenBLAS, so that the limit reaches it
+  threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
 def _model_config(cfg: TrainConfig):

@@ -9,6 +9,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="optlab-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# one OpenBLAS thread per LAPACK call (subprocesses, kernels inherit it): 8 simulated devices each running jaxlib's
+# LAPACK kernels (SOAP's eigh, Dion's QR, Kron's solves) with a spinning pool apiece oversubscribe the CPU ~10x
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
