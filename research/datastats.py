@@ -19,7 +19,6 @@ G the mean gradient and Σ the per-sample gradients' covariance: mini-batch SGD'
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -65,9 +64,4 @@ def gradient_stats(loss_fn, params, xs, ys) -> dict[str, float]:
           "grad_norm": float(np.linalg.norm(mean)), "samples": n}
 
 
-def sequence_loss(model_loss):
-  """A one-sample loss for `gradient_stats` from a batched LM loss(params, x (B, T), y (B, T))."""
-  return lambda params, x, y: model_loss(params, jnp.asarray(x)[None], jnp.asarray(y)[None])
-
-
-__all__ = ["characters", "gradient_stats", "sequence_loss", "token_features"]
+__all__ = ["characters", "gradient_stats", "token_features"]

@@ -40,11 +40,15 @@ MODEL_FLAGS = {"model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", 
                "tie_embeddings", "compute_dtype", "moe"}
 
 
+# settings added after runs were saved: a saved config without one trained as its default did
+LATER_DEFAULTS = {"sync": "allreduce", "outer_lr": 0.7, "outer_momentum": 0.9, "sampling": "random"}
+
+
 def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
   """{setting: [before, now]} for every training setting (and the model's compute dtype) that differs between a
   checkpoint's config (`saved`) and this run's (`meta`)."""
   skip = LAYOUT_AND_REPORTING | MODEL_FLAGS
-  old, new = saved["train"], json.loads(json.dumps(meta["train"]))  # as saved: tuples become lists
+  old, new = {**LATER_DEFAULTS, **saved["train"]}, json.loads(json.dumps(meta["train"]))  # as saved: tuples -> lists
   changed = {k: [old.get(k), v] for k, v in new.items() if k not in skip and old.get(k) != v}
   dtype = [saved["model_config"].get("compute_dtype"), meta["model_config"].get("compute_dtype")]
   if dtype[0] != dtype[1]:

@@ -4,12 +4,14 @@
                    train step of research/train.py, not this module)
   local:H          local SGD / DiLoCo: every replica takes H steps of --optimizer on its own rows of the batch with
                    its own optimizer state, then the outer step (Nesterov SGD, --outer-lr, --outer-momentum) on the
-                   mean change; H = 1 with --outer-lr 1 --outer-momentum 0 and SGD inside is data parallelism
+                   mean change, and after the run's last step; H = 1 with --outer-lr 1 --outer-momentum 0 and SGD
+                   inside is data parallelism. Evaluated between outer steps, the model is the last outer one
   gossip[:W]       decentralized SGD: a step apart, then each replica averages with its neighbours; W is `ring`
                    (default, two ppermutes), `complete` (everyone's mean) or a file with an (R, R) doubly stochastic
                    matrix (.npy, or text rows)
   stale:TAU[:random]  one copy; replica w's gradient is taken at the parameters TAU steps old (or, with `random`, a
-                   delay drawn per replica and step from {0..TAU} with --seed); TAU = 0 is synchronous
+                   delay drawn per replica and step from {0..TAU} with --seed), the mean of the replicas' delayed
+                   gradients applied synchronously (delayed / stale-synchronous SGD); TAU = 0 is synchronous
 
 State (checkpointed whole, so a resumed run continues exactly): local and gossip add "replicas" = {"params",
 "opt_state"}, each leaf (R, ...) split over `data`; local keeps the outer parameters in "params" and the outer
@@ -76,7 +78,7 @@ def parse(text: str) -> Sync:
     return Sync("gossip", mixing=rest or "ring")
   if kind == "stale":
     tau, _, how = rest.partition(":")
-    if not tau.isdigit() or how not in ("", "random"):
+    if not tau.isdigit() or how not in ("", "random") or rest.endswith(":"):
       raise SyncError(f"--sync {text!r}: stale:TAU needs a whole number of steps TAU >= 0, then optionally :random")
     return Sync("stale", tau=int(tau), random=how == "random")
   raise bad
@@ -100,7 +102,12 @@ def mixing_matrix(sync: Sync, r: int) -> np.ndarray | None:
 
 
 def outer_optimizer(lr: float, momentum: float) -> optax.GradientTransformation:
-  """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD at momentum 0)."""
+  """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD at momentum 0); SyncError unless 0 <= lr < inf
+  and 0 <= momentum < 1."""
+  if not (np.isfinite(lr) and lr >= 0):
+    raise SyncError(f"--outer-lr must be a finite number >= 0, got {lr}")
+  if not 0 <= momentum < 1:
+    raise SyncError(f"--outer-momentum must lie in [0, 1), got {momentum}")
   return optax.sgd(lr, momentum=momentum or None, nesterov=bool(momentum))
 
 
@@ -147,6 +154,7 @@ class Steps:
     self.mesh, self.r = batch_sh.mesh, rep.replica_count(batch_sh.mesh)
     self.bytes: dict[str, float] = {}
     self.counting = True  # comm_bytes is logged while every step ran one known program
+    self.drift = None  # local: (step, consensus distance before that step's outer averaging)
     if sync.kind == "allreduce":
       self.train = plain
       return
@@ -207,9 +215,8 @@ class Steps:
     params = optax.apply_updates(state["params"], updates)
     grad_norm = optax.tree.norm(grads)
     ok = jnp.all(jnp.isfinite(out["total"])) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
-    new = {**state, "step": step + 1, "params": params, "opt_state": opt_state,
-           "history": rep.record(state["history"], step, params)}
-    new = keep_if_finite(ok, new, state)
+    new = keep_if_finite(ok, {**state, "step": step + 1, "params": params, "opt_state": opt_state}, state)
+    new["history"] = rep.record(state["history"], step, new["params"])  # a skipped step's version is the old one
     return new, {"loss": jnp.mean(out["loss"]), "grad_norm": grad_norm, "finite": ok, "replica_loss": out["loss"],
                  "delay": delay}
 
@@ -229,9 +236,12 @@ class Steps:
     """allreduce's step on the mesh --switch-at moved to; comm_bytes is no longer logged (two programs' mix)."""
     self.train, self.counting = plain, False
 
-  def after(self, state, step: int):
-    """The state after `step` (1-based) is done: DiLoCo's outer step every H steps."""
-    if self.sync.kind == "local" and step % self.sync.period == 0:
+  def after(self, state, step: int, last: bool = False):
+    """The state after `step` (1-based) is done: DiLoCo's outer step every H steps and after the run's `last` step
+    (so a run whose length H does not divide ends on averaged parameters). The replicas' consensus distance just
+    before the outer step is kept for `metrics` (after it, it is 0)."""
+    if self.sync.kind == "local" and (step % self.sync.period == 0 or last):
+      self.drift = (step, self.consensus(state))
       state = self.outer(state)
     return state
 
@@ -239,19 +249,22 @@ class Steps:
     """The state with "params" the model (gossip: the replicas' mean; else already so)."""
     return {**state, "params": self.mean(state)} if self.sync.kind == "gossip" else state
 
-  def comm_bytes(self, step: int) -> tuple[float, float]:
-    """Collective wire bytes per device of steps 1..`step` (each program's bytes times its runs): (all, those that
-    cross replicas)."""
-    runs = {"step": step, "outer": step // self.sync.period if self.sync.kind == "local" else 0}
+  def comm_bytes(self, step: int, last: bool = False) -> tuple[float, float]:
+    """Collective wire bytes per device of steps 1..`step` (each program's bytes times its runs; `last`: `step` ended
+    the run, with its outer step): (all, those that cross replicas)."""
+    outer = step // self.sync.period + (last and step % self.sync.period > 0) if self.sync.kind == "local" else 0
+    runs = {"step": step, "outer": outer}
     return tuple(sum(runs[k] * b[i] for k, b in self.bytes.items()) for i in (0, 1))
 
-  def metrics(self, state, step: int, out) -> dict:
-    """A logged step's record entries: replica losses, consensus distance, cumulative collective bytes."""
-    rec = dict(zip(("comm_bytes", "comm_bytes_replicas"), self.comm_bytes(step))) if self.counting else {}
+  def metrics(self, state, step: int, out, last: bool = False) -> dict:
+    """A logged step's record entries: replica losses, consensus distance (local: at an outer step, the replicas'
+    distance just before they were averaged), cumulative collective bytes."""
+    rec = dict(zip(("comm_bytes", "comm_bytes_replicas"), self.comm_bytes(step, last))) if self.counting else {}
     if "replica_loss" in out:
       rec["replica_loss"] = [float(v) for v in np.asarray(out["replica_loss"])]
     if self.sync.replicated:
-      rec["consensus"] = float(self.consensus(state))
+      drift = self.drift[1] if self.drift is not None and self.drift[0] == step else self.consensus(state)
+      rec["consensus"] = float(drift)
     if "delay" in out:
       rec["delay"] = [int(v) for v in np.asarray(out["delay"])]
     return rec

@@ -262,10 +262,11 @@ def one_blas_thread():
   """One thread for each BLAS library loaded (numpy's and scipy's OpenBLAS, which jaxlib's CPU LAPACK kernels call):
   with several simulated devices running those kernels at once, each call's own spinning thread pool oversubscribed
   the cores (a Kron step on 8 devices ran ~10x slower: 72 vs 704 tokens/s on the tiny preset, 2 cores). XLA's own
-  matmuls do not use them."""
-  import scipy.linalg
+  matmuls do not use them. The limit holds for the rest of the process (an experiment's NumPy included)."""
+  import importlib
+
   import threadpoolctl
-  del scipy.linalg  # imported to load scipy's OpenBLAS, so that the limit reaches it
+  importlib.import_module("scipy.linalg")  # loads scipy's OpenBLAS, so that the limit reaches it
   threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
@@ -488,8 +489,11 @@ def _state_signature(meta: dict) -> dict:
     m = model["moe"]
     model["moe"] = {k: m[k] for k in ("num_experts", "d_expert", "num_shared")} | {"bias": m["bias_rate"] > 0}
   train = meta["train"]
+  mode = sync.parse(train.get("sync", "allreduce"))
+  replicas = re.search(r"(?:^|,)data=(\d+)", meta["mesh"])
   return {**model, "optimizer": train["optimizer"], "opt": list(train["opt"]), "freeze": train.get("freeze"),
-          "peft": peft_settings(meta)}
+          "peft": peft_settings(meta), "sync": train.get("sync", "allreduce"),  # per-replica state, delays' draws
+          **({"replicas": int(replicas[1]) if replicas else 1} if mode.replicated or mode.random else {})}
 
 
 def _check_resume(saved: dict, meta: dict, out: str):
@@ -543,6 +547,7 @@ def _check_sync(cfg: TrainConfig, mesh, mcfg):
     mode = sync.parse(cfg.sync)
     if mode.kind == "gossip":
       sync.mixing_matrix(mode, mesh.shape["data"])
+    sync.outer_optimizer(cfg.outer_lr, cfg.outer_momentum)
   except sync.SyncError as e:
     raise RunError(str(e)) from None
   if mode.kind == "allreduce":
@@ -554,8 +559,8 @@ def _check_sync(cfg: TrainConfig, mesh, mcfg):
     raise RunError(f"--sync {cfg.sync} keeps a copy of the parameters per data replica and does not combine with "
                    f"{', '.join(clash)}")
   if mesh.shape["data"] == 1:
-    print(f"warning: --sync {cfg.sync} on a mesh with data=1 has one replica: it trains as --sync allreduce would "
-          f"(add data=R to --mesh for R replicas)", file=sys.stderr)
+    print(f"warning: --sync {cfg.sync} on a mesh with data=1 has a single replica (add data=R to --mesh for R)",
+          file=sys.stderr)
 
 
 def _initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus):
@@ -691,7 +696,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
         state, out = syncer.step(state, *global_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
                                                                    cfg.seq_len, cfg.sampling), mesh))
         step += 1
-        state = syncer.after(state, step)  # --sync local:H: the outer step every H steps
+        state = syncer.after(state, step, last=step == cfg.steps)  # --sync local:H: the outer step every H steps
         last = step == cfg.steps
         if step == start + 1:  # the first step compiles: throughput is timed from its end
           jax.block_until_ready(out)
@@ -718,7 +723,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
           if step % cfg.eval_every == 0 or last:
             rec["val_loss"] = evaluate(state)
           rec.update(_router_metrics(out))
-          rec.update(syncer.metrics(state, step, out))
+          rec.update(syncer.metrics(state, step, out, last=step == cfg.steps))
           records.append(rec)
           metrics.write(rec)
           progress.log(rec)

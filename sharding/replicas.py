@@ -7,9 +7,12 @@ slice):
 
   local SGD / DiLoCo   H steps apart, then an outer step on the mean change (`outer_step`, Douillard et al. 2023)
   gossip               a step apart, then each replica averages with its neighbours: x_i <- sum_j W_ij x_j, W doubly
-                       stochastic (`ring` by `ppermute`, or any given matrix), Lian et al. 2017 (D-PSGD)
-  stale                one copy; replica w's gradient is taken at the parameters of d_w steps ago (`delays`): the
-                       synchronous simulation of asynchronous workers (Hogwild!, Recht et al. 2011; stale-synchronous SGD)
+                       stochastic (`ring` by `ppermute`, or any given matrix); adapt then combine, x_i <- sum_j W_ij
+                       (x_j - lr g_j), the variant of decentralized SGD (D-PSGD, Lian et al. 2017) whose replica mean
+                       moves as plain SGD's with the mean gradient
+  stale                one copy; replica w's gradient is taken at the parameters of d_w steps ago (`delays`) and the
+                       mean of the delayed gradients applied: delayed SGD, the synchronous model of asynchronous workers
+                       whose updates land d_w steps late (stale-synchronous parallel, Ho et al. 2013)
 
 `map_replicas` runs a function on every replica's own copy and rows of the batch: a `shard_map` manual over `data`
 only, so fsdp / tensor (and the model's own shard_maps) stay as they are inside. GSPMD cannot say "these R copies do
