@@ -217,5 +217,8 @@ def cross_entropy(logits_BTV, targets_BT):
   and GSPMD all-reduces (B, T) numbers, and XLA's partitioner aborts on the gather inside a shard_map manual over
   `data` with fsdp and tensor both split (sharding/replicas.py)."""
   logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-  hit_BTV = jnp.arange(logp_BTV.shape[-1]) == targets_BT[..., None]
-  return -jnp.mean(jnp.sum(jnp.where(hit_BTV, logp_BTV, 0.0), axis=-1))
+  V = logp_BTV.shape[-1]
+  t_BT = jnp.where(targets_BT < 0, targets_BT + V, targets_BT)  # negative ids count from the end, as in a gather
+  picked_BT = jnp.sum(jnp.where(jnp.arange(V) == t_BT[..., None], logp_BTV, 0.0), axis=-1)
+  # a target outside the vocabulary makes the loss NaN (as the gather's fill did): bad data is a bad step, not a 0
+  return -jnp.mean(jnp.where((t_BT >= 0) & (t_BT < V), picked_BT, jnp.nan))

@@ -136,3 +136,19 @@ def test_bad_configs_raise_clear_errors(bad, message):
     preset("tiny", **bad)
   with pytest.raises(ConfigError, match="unknown model preset 'huge'"):
     preset("huge")
+
+
+def test_cross_entropy_equals_float64_numpy_and_is_nan_for_a_target_outside_the_vocabulary():
+  """The masked-sum pick (models/transformer.py) against log-softmax and indexing in float64 NumPy; negative ids
+  count from the end; an id outside [-V, V) makes the loss NaN and leaves the other positions' gradient finite."""
+  rng = np.random.default_rng(0)
+  logits, targets = rng.normal(size=(3, 5, 11)) * 4, rng.integers(-11, 11, size=(3, 5))
+  logp = logits - logits.max(-1, keepdims=True)
+  logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+  expect = -np.mean(np.take_along_axis(logp, (targets % 11)[..., None], -1))
+  got = models.cross_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(targets))
+  np.testing.assert_allclose(float(got), expect, rtol=1e-6)
+  bad = jnp.asarray(targets).at[0, 0].set(11)
+  assert np.isnan(float(models.cross_entropy(jnp.asarray(logits, jnp.float32), bad)))
+  grad = jax.grad(models.cross_entropy)(jnp.asarray(logits, jnp.float32), bad)
+  assert np.isfinite(np.asarray(grad)).all()

@@ -35,9 +35,9 @@ def poisoned_batches(marks: dict[int, str], order=None):
   """get_batch whose batch for (1-based) step s is spoiled as marks[s] says: "nan_loss" (row 0's targets past the
   vocabulary), "nan_all" (row 0's inputs past it), "spike" (every target 0xFD); `order` maps this run's step
   index to the step whose batch it replays."""
-  def get(tokens, seed, step, batch_size, seq_len):
+  def get(tokens, seed, step, batch_size, seq_len, sampling="random"):
     step = order[step] - 1 if order else step
-    x, y = get_batch(tokens, seed, step, batch_size, seq_len)
+    x, y = get_batch(tokens, seed, step, batch_size, seq_len, sampling)
     x, y, mark = x.copy(), y.copy(), marks.get(step + 1)
     if mark == "nan_loss":
       y[0] = VOCAB
