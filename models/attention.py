@@ -23,7 +23,8 @@ import jax
 
 from models.config import ATTENTION
 from sharding.context import (ALGORITHMS as CONTEXT_ALGORITHMS, BLOCK, ContextError, check_context, context_attention,
-                              finish, head_major, mesh_context, pair_grads, pair_stats, row_dot, token_major)
+                              finish, head_major, mesh_context, pair_grads, pair_stats, row_dot, sub_block,
+                              token_major)
 
 IMPLEMENTATIONS = ATTENTION  # the names TransformerConfig.attention accepts
 
@@ -74,14 +75,12 @@ def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
 
 
 def flash_block(seq_len: int, block: int = BLOCK) -> int:
-  """The block flash uses for `seq_len` positions: `block`, or the whole sequence when shorter; raises
-  AttentionError when `block` does not divide a longer sequence."""
-  if seq_len <= block:
-    return seq_len
-  if seq_len % block:
-    raise AttentionError(f"flash attention splits T={seq_len} into blocks of {block}, which does not divide it; "
-                         f"use a sequence length that is a multiple of {block}")
-  return block
+  """The block flash uses for `seq_len` positions: `block`, or the whole sequence when shorter (the tiles of
+  `sharding.context.sub_block`); raises AttentionError when `block` does not divide a longer sequence."""
+  try:
+    return sub_block(seq_len, block)
+  except ContextError as e:
+    raise AttentionError(f"flash attention: {e}") from None
 
 
 def flash(q_BTNH, k_BTKH, v_BTKH, *, block: int = BLOCK):

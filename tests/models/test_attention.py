@@ -68,8 +68,8 @@ def test_bad_choices_are_one_line_errors():
   x = qkv(64)
   with pytest.raises(AttentionError, match="unknown attention 'sdpa'; choose one of auto, xla, flash, cudnn, ring"):
     attend(*x, impl="sdpa")
-  with pytest.raises(AttentionError, match="blocks of 48, which does not divide it; use a sequence length that is a "
-                                           "multiple of 48"):
+  with pytest.raises(AttentionError, match="flash attention: 64 positions do not split into attention tiles of 48; use "
+                                           "a length that is a multiple of 48"):
     flash(*x, block=48)
   if jax.default_backend() != "gpu":
     with pytest.raises(AttentionError, match="attention 'cudnn' needs an NVIDIA GPU, this backend is cpu"):
