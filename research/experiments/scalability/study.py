@@ -84,14 +84,14 @@ class Config:
   convex_variants: tuple[str, ...] = cv.VARIANTS
   convex_steps: int = 400
   convex_batch: int = 8
-  convex_lrs: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0)
+  convex_lrs: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0)
   convex_eval: int = 8
   lm_datasets: tuple[str, ...] = LM_DATASETS
   lm_algorithms: tuple[str, ...] = ALGORITHMS
   lm_steps: int = 256
   lm_batch: int = 8
   seq_len: int = 64
-  lm_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+  lm_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
   lm_eval: int = 16
   eval_batches: int = 4
   h_sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
