@@ -30,10 +30,17 @@ import statistics
 
 import jax
 import jax.numpy as jnp
+import optax
 
 
 class BadStepsError(RuntimeError):
   """Too many non-finite steps in a row: the run stopped; its checkpoints hold only finite states."""
+
+
+def step_ok(loss, grad_norm, updates) -> jax.Array:
+  """The step's finite flag: loss, gradient norm and the update all finite (the update too: a NaN learning rate or an
+  optimizer that divides by zero spoils finite gradients). `loss` may be per replica (all must be finite)."""
+  return jnp.all(jnp.isfinite(loss)) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
 
 
 def keep_if_finite(ok, new: dict, old: dict) -> dict:

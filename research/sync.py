@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from research.health import keep_if_finite
+from research.health import keep_if_finite, step_ok
 from sharding import collectives, replicas as rep, shardings_like_params
 from sharding.replicas import ReplicaError
 
@@ -116,12 +116,12 @@ def init_state(sync: Sync, state: dict, shardings: dict, outer_tx, seed: int = 0
   (`seed`: stale:TAU:random's delays, kept in the state as "delay_key")."""
   state, shardings = dict(state), dict(shardings)
   p_sh = shardings["params"]
+  mesh = jax.tree.leaves(p_sh)[0].mesh
   if sync.replicated:
     stacked, stacked_sh = rep.stack({"params": state["params"], "opt_state": state.pop("opt_state")},
                                     {"params": p_sh, "opt_state": shardings.pop("opt_state")})
     state["replicas"], shardings["replicas"] = stacked, stacked_sh
   if sync.kind == "local":
-    mesh = jax.tree.leaves(p_sh)[0].mesh
     o_sh = shardings_like_params(jax.eval_shape(outer_tx.init, state["params"]), state["params"], p_sh, mesh)
     state["outer_state"], shardings["outer_state"] = jax.jit(outer_tx.init, out_shardings=o_sh)(state["params"]), o_sh
   if sync.kind == "stale":
@@ -129,7 +129,7 @@ def init_state(sync: Sync, state: dict, shardings: dict, outer_tx, seed: int = 0
     copies = lambda p: jax.tree.map(lambda x: jnp.broadcast_to(x, (sync.tau + 1,) + x.shape), p)
     state["history"], shardings["history"] = jax.jit(copies, out_shardings=h_sh)(state["params"]), h_sh
     if sync.random:
-      replicated = NamedSharding(jax.tree.leaves(p_sh)[0].mesh, P())
+      replicated = NamedSharding(mesh, P())
       key = jax.random.key_data(jax.random.key(seed))
       state["delay_key"], shardings["delay_key"] = jax.device_put(key, replicated), replicated
   return state, shardings
@@ -179,7 +179,7 @@ class Steps:
     extra = {"max_logits": aux["max_logit"]} if self.max_logits else {}
     updates, new_opt = self.tx.update(grads, opt_state, params, **extra)
     grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(total) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+    ok = step_ok(total, grad_norm, updates)
     new = keep_if_finite(ok, {"params": optax.apply_updates(params, updates), "opt_state": new_opt},
                          {"params": params, "opt_state": opt_state})
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok}
@@ -214,7 +214,7 @@ class Steps:
     updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"], **extra)
     params = optax.apply_updates(state["params"], updates)
     grad_norm = optax.tree.norm(grads)
-    ok = jnp.all(jnp.isfinite(out["total"])) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+    ok = step_ok(out["total"], grad_norm, updates)
     new = keep_if_finite(ok, {**state, "step": step + 1, "params": params, "opt_state": opt_state}, state)
     new["history"] = rep.record(state["history"], step, new["params"])  # a skipped step's version is the old one
     return new, {"loss": jnp.mean(out["loss"]), "grad_norm": grad_norm, "finite": ok, "replica_loss": out["loss"],

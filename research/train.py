@@ -45,14 +45,14 @@ from optim import (OPTIMIZERS, UnknownOptimizerError, get_optimizer, make_schedu
 from research import adapters, init_from, preflight, rundir, sync
 from research.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, quiet_orbax_errors
 from research.distributed import DistributedError, all_agree, initialize as init_distributed, is_primary
-from research.health import BadStepsError, Monitor, keep_if_finite
+from research.health import BadStepsError, Monitor, keep_if_finite, step_ok
 from research.pretrained import peft_settings
 from research.progress import Progress, summary
 from research.throughput import Meter, Peak
 from research.watchdog import EXIT_STATUS as WATCHDOG_EXIT, Watchdog
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from sharding import MeshError, ShardingError, batch_sharding, global_batch, init_train_state, make_mesh, mesh_spec
-from sharding import abstract_state, devices_for, logical_names, reshard, state_shardings
+from sharding import abstract_state, devices_for, logical_names, parse_mesh_spec, reshard, state_shardings
 from sharding.mesh import DATA_AXES
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
 
@@ -436,8 +436,7 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False):
       metrics["attn/max_logit"] = jnp.max(aux["max_logit"])
       metrics["attn/max_logit_layer"] = jnp.max(aux["max_logit"], axis=-1)
     grad_norm = optax.tree.norm(grads)
-    # the update too: a NaN learning rate or an optimizer that divides by zero spoils finite gradients
-    ok = jnp.isfinite(total) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+    ok = step_ok(total, grad_norm, updates)
     return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
@@ -489,11 +488,12 @@ def _state_signature(meta: dict) -> dict:
     m = model["moe"]
     model["moe"] = {k: m[k] for k in ("num_experts", "d_expert", "num_shared")} | {"bias": m["bias_rate"] > 0}
   train = meta["train"]
-  mode = sync.parse(train.get("sync", "allreduce"))
-  replicas = re.search(r"(?:^|,)data=(\d+)", meta["mesh"])
+  flag = train.get("sync", "allreduce")
+  mode = sync.parse(flag)
+  replicas = parse_mesh_spec(meta["mesh"], len(meta["devices"]))["data"]
   return {**model, "optimizer": train["optimizer"], "opt": list(train["opt"]), "freeze": train.get("freeze"),
-          "peft": peft_settings(meta), "sync": train.get("sync", "allreduce"),  # per-replica state, delays' draws
-          **({"replicas": int(replicas[1]) if replicas else 1} if mode.replicated or mode.random else {})}
+          "peft": peft_settings(meta), "sync": flag,  # per-replica state, the delays' draws
+          **({"replicas": replicas} if mode.replicated or mode.random else {})}
 
 
 def _check_resume(saved: dict, meta: dict, out: str):
@@ -696,8 +696,8 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
         state, out = syncer.step(state, *global_batch(get_batch(corpus.train, cfg.seed, step, cfg.batch_size,
                                                                    cfg.seq_len, cfg.sampling), mesh))
         step += 1
-        state = syncer.after(state, step, last=step == cfg.steps)  # --sync local:H: the outer step every H steps
         last = step == cfg.steps
+        state = syncer.after(state, step, last)  # --sync local:H: the outer step every H steps
         if step == start + 1:  # the first step compiles: throughput is timed from its end
           jax.block_until_ready(out)
           meter.compiled(step)
@@ -723,7 +723,7 @@ def _train(cfg: TrainConfig, stop: _Stop) -> list[dict]:
           if step % cfg.eval_every == 0 or last:
             rec["val_loss"] = evaluate(state)
           rec.update(_router_metrics(out))
-          rec.update(syncer.metrics(state, step, out, last=step == cfg.steps))
+          rec.update(syncer.metrics(state, step, out, last))
           records.append(rec)
           metrics.write(rec)
           progress.log(rec)

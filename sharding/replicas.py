@@ -123,7 +123,6 @@ def mix(stacked, w):
   """x_i <- sum_j W_ij x_j for every stacked leaf (R, ...), W (R, R) doubly stochastic (`check_mixing`): an einsum over
   the replica axis; GSPMD gathers the replicas' copies (an all-gather over `data`)."""
   w = jnp.asarray(w, jnp.float32)
-
   return jax.tree.map(lambda x: on_replicas(jnp.einsum("ij,j...->i...", w, x.astype(jnp.float32)).astype(x.dtype)),
                       stacked)
 

@@ -150,7 +150,9 @@ def convex_part(cfg: Config, done: dict, save) -> dict:
     runs = {}
     for alg, w in grid(cfg.workers, cfg.algorithms):
       key = (sync_flag(alg, w, cfg), w)
-      runner = runners.setdefault(key, cv.Runner(key[0], w, cfg.convex_batch))
+      if key not in runners:  # one set of compiled programs per (algorithm, W), reused across variants
+        runners[key] = cv.Runner(key[0], w, cfg.convex_batch)
+      runner = runners[key]
       tune = {lr: runner.run(data, lr, cfg.tune_seed, cfg.convex_steps, cfg.convex_eval) for lr in cfg.convex_lrs}
       lr = min(tune, key=lambda v: tune[v]["curve"][-1][1])
       seeds = {str(s): tune[lr] if s == cfg.tune_seed else runner.run(data, lr, s, cfg.convex_steps, cfg.convex_eval)
