@@ -13,6 +13,11 @@ its input: what the layer adds to the residual stream; the stream itself would p
 calibration set is compared with the full-precision block's update on the same input. The best candidate (largest
 CKA, or smallest MSE) is kept, and its quantized layer gives layer l+1 its input, as `quant.quantize` calibrates.
 Returns the plan (for `quant.quantize`, or to save with `quant.write_plan`) and every layer's scores.
+
+`one_layer_losses(model, candidates, tokens, batches)` measures what the selection scores stand in for: the mean
+loss on `batches` with one layer quantized by one candidate and every other layer in full precision, for every
+(layer, candidate) — the choice an oracle that sees the held-out loss would make, one layer at a time. The residual
+stream at each layer's input is computed once and kept, so layer l's candidates run layers l…L−1 only.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import quant
+from models.transformer import cross_entropy, run_blocks
 
 
 def linear_cka(x, y) -> jax.Array:
@@ -49,6 +55,17 @@ def pick(full, outputs: dict, by: str = "cka") -> tuple[str, dict[str, float]]:
   return best(scores, key=scores.get), scores
 
 
+def _layers(model: nnx.Module, candidates: dict[str, quant.Spec], pattern: str):
+  """(target paths, their names in a block, the blocks' graphdef and layer-stacked state), after checking that every
+  candidate applies to every target."""
+  if not candidates:
+    raise quant.QuantError("no candidate algorithms to choose from")
+  paths = list(quant.targets(model, pattern))
+  for spec in candidates.values():
+    quant.check_plan(model, quant.uniform_plan(model, spec, pattern))
+  return paths, [p[len("blocks/"):] for p in paths], *nnx.split(model.blocks)
+
+
 def choose(model: nnx.Module, candidates: dict[str, quant.Spec], tokens_NT, by: str = "cka",
            pattern: str = quant.DEFAULT_TARGETS) -> tuple[quant.Plan, list[dict[str, float]]]:
   """(plan, scores): per layer, the candidate (name → spec, applied to every target projection of the layer) whose
@@ -56,13 +73,7 @@ def choose(model: nnx.Module, candidates: dict[str, quant.Spec], tokens_NT, by: 
   The model is not changed."""
   if by not in SCORES:
     raise quant.QuantError(f"unknown selection score {by!r}; choose one of {', '.join(SCORES)}")
-  if not candidates:
-    raise quant.QuantError("no candidate algorithms to choose from")
-  paths = list(quant.targets(model, pattern))
-  for spec in candidates.values():
-    quant.check_plan(model, quant.uniform_plan(model, spec, pattern))
-  names = [p[len("blocks/"):] for p in paths]
-  graphdef, state = nnx.split(model.blocks)
+  paths, names, graphdef, state = _layers(model, candidates, pattern)
   n_layers = jax.tree.leaves(state)[0].shape[0]
   layer_state = lambda layer: jax.tree.map(lambda a: a[layer], state)
   x = model.embed(jnp.asarray(tokens_NT))
@@ -80,3 +91,39 @@ def choose(model: nnx.Module, candidates: dict[str, quant.Spec], tokens_NT, by: 
     x = outputs[name]
   plan = {p: [candidates[c] for c in chosen] for p in paths}
   return plan, table
+
+
+def one_layer_losses(model: nnx.Module, candidates: dict[str, quant.Spec], tokens_NT, batches,
+                     pattern: str = quant.DEFAULT_TARGETS) -> tuple[float, list[dict[str, float]]]:
+  """(full-precision loss, losses[l][name]): mean cross entropy over `batches` [(tokens_BT, targets_BT), ...] of the
+  model with layer l's target projections quantized by candidate `name` (calibrated on `tokens_NT` through the
+  full-precision layers before it, as `quant.quantize` calibrates a plan that quantizes layer l alone) and every other
+  layer in full precision. The model is not changed."""
+  _, names, graphdef, state = _layers(model, candidates, pattern)
+  n_layers = jax.tree.leaves(state)[0].shape[0]
+  layer_state = lambda layer: jax.tree.map(lambda a: a[layer], state)
+  model_def, model_state = nnx.split(model)
+
+  @jax.jit
+  def tail_loss(model_state, tail, x_BTD, targets_BT):  # layers l+1…L−1 (tail's leading axis), head, loss
+    x_BTD, _ = run_blocks(nnx.merge(graphdef, tail), x_BTD)
+    return cross_entropy(nnx.merge(model_def, model_state).unembed(x_BTD), targets_BT)
+
+  one_block = jax.jit(lambda block_def, block_state, x: nnx.merge(block_def, block_state)(x)[0], static_argnums=0)
+  run = lambda block, x: one_block(*nnx.split(block), x)
+  mean_loss = lambda tail, xs: sum(float(tail_loss(model_state, tail, x, y)) for x, (_, y) in zip(xs, batches)) / len(xs)
+  xs = [model.embed(jnp.asarray(t)) for t, _ in batches]  # the held-out residual stream at layer l's input
+  calib = model.embed(jnp.asarray(tokens_NT))  # the calibration stream at layer l's input
+  full = mean_loss(state, xs)
+  table = []
+  for layer in range(n_layers):
+    tail = jax.tree.map(lambda a: a[layer + 1:], state)
+    row = {}
+    for name, spec in candidates.items():
+      block = nnx.merge(graphdef, layer_state(layer))
+      quant.quantize_layer(block, {n: spec for n in names}, calib)
+      row[name] = mean_loss(tail, [run(block, x) for x in xs])
+    table.append(row)
+    block = nnx.merge(graphdef, layer_state(layer))
+    xs, calib = [run(block, x) for x in xs], block(calib)[0]
+  return full, table

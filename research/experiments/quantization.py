@@ -139,15 +139,6 @@ def size(model) -> int:
     return quant_store.stored_bytes(quant_store.save(model, os.path.join(tmp, "q")))
 
 
-def one_layer_models(fp, paths, layer: int, spec: quant.Spec, x):
-  """`fp` with layer `layer` of every target quantized by `spec` (calibrated on the float32 prefix's output), every
-  other layer left in float32."""
-  n_layers = fp.c.n_layers
-  keep = quant.Spec(bits=32)
-  plan = {p: [spec if i == layer else keep for i in range(n_layers)] for p in paths}
-  return quantized(fp, plan, x)
-
-
 def _say(cfg: Config, text: str):
   if not cfg.smoke:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
@@ -176,8 +167,8 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
       for by in ("cka", "mse"):
         plan, table = quant_select.choose(fp, cands, x, by=by)
         b[by] = {**losses(quantized(fp, plan, x)), "chosen": [s.algorithm for s in plan[paths[0]]], "scores": table}
-      delta = [{a: ev(one_layer_models(fp, paths, layer, s, x), val) - rec["fp_val"] for a, s in cands.items()}
-               for layer in range(config.n_layers)]
+      full, one_layer = quant_select.one_layer_losses(fp, cands, x, val)  # the prefix once per layer, not per candidate
+      delta = [{a: loss - full for a, loss in row.items()} for row in one_layer]
       chosen = [min(d, key=d.get) for d in delta]
       plan = {p: [cands[a] for a in chosen] for p in paths}
       b["oracle"] = {**losses(quantized(fp, plan, x)), "chosen": chosen, "one_layer_delta": delta}

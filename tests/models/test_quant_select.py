@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 from scipy.stats import ortho_group
 
-from models import Transformer, preset, quant
-from models.quant_select import choose, linear_cka, pick
+from models import Transformer, cross_entropy, preset, quant
+from models.quant_select import choose, linear_cka, one_layer_losses, pick
 
 _spec = importlib.util.spec_from_file_location("quant_reference", pathlib.Path(__file__).with_name("quant_reference.py"))
 ref = importlib.util.module_from_spec(_spec)
@@ -66,6 +66,24 @@ def test_calm_picks_per_layer_the_best_scoring_candidate_and_the_plan_applies(by
   assert model.blocks.wq_DQ.specs == tuple(plan["blocks/wq_DQ"])
 
 
+def test_one_layer_losses_equal_quantizing_that_layer_alone_and_evaluating_the_whole_model():
+  """The oracle's cached-prefix measurement against the plain way: a plan that quantizes layer l only (the others
+  kept at 32 bits), `quant.quantize`, and the whole model's forward on every batch."""
+  model = Transformer(preset("tiny", vocab_size=256, n_layers=3), rngs=nnx.Rngs(1))
+  batches = [(TOKENS[i:i + 2], np.roll(TOKENS[i:i + 2], -1, axis=1)) for i in (0, 2)]
+  loss = lambda m: np.mean([float(cross_entropy(m(x), y)) for x, y in batches])
+  full, table = one_layer_losses(model, CANDIDATES, TOKENS, batches)
+  np.testing.assert_allclose(full, loss(model), rtol=1e-6)
+  keep = quant.Spec(bits=32)
+  assert len(table) == 3 and all(set(t) == set(CANDIDATES) for t in table)
+  for layer, row in enumerate(table):
+    for name, spec in CANDIDATES.items():
+      plan = {p: [spec if i == layer else keep for i in range(3)] for p in quant.targets(model)}
+      np.testing.assert_allclose(row[name], loss(quant.quantize(nnx.clone(model), plan, TOKENS)), rtol=1e-6)
+      assert row[name] != full  # 3-bit weights move the loss
+  assert isinstance(model.blocks.wq_DQ, nnx.Param)  # measuring changes nothing
+
+
 def test_bad_selection_settings_are_refused():
   model = Transformer(preset("tiny", vocab_size=256), rngs=nnx.Rngs(0))
   with pytest.raises(quant.QuantError, match="unknown selection score"):
@@ -74,3 +92,7 @@ def test_bad_selection_settings_are_refused():
     choose(model, {}, TOKENS)
   with pytest.raises(quant.QuantError, match="does not divide"):
     choose(model, {"g": quant.Spec("rtn", 4, group=48)}, TOKENS)
+  with pytest.raises(quant.QuantError, match="no candidate"):
+    one_layer_losses(model, {}, TOKENS, [])
+  with pytest.raises(quant.QuantError, match="does not divide"):
+    one_layer_losses(model, {"g": quant.Spec("rtn", 4, group=48)}, TOKENS, [])
