@@ -109,21 +109,31 @@ def notebooks(tmp_path_factory):
 
 # ---- workers: `make test` runs the suite in 2 processes (pytest-xdist, --dist loadgroup) ------------------------------
 # A unit of work goes to one worker whole: a test module (its module fixtures run once), or all the tests that read one
-# notebook's run (the notebook's own test and its experiment's tests), so each notebook still executes once.
+# notebook's run (the notebook's own tests and its experiment's tests), so each notebook still executes once. The units
+# come from our own scheduler, not from `xdist_group` marks: xdist 3.8 passes a mark's group to its scheduler by
+# appending it to the test's node id, which pytest 9.2's structured node ids ignore (pytest-dev/pytest-xdist#1386), so
+# the marks were silently dropped and every notebook and module fixture ran once per worker.
 
 
-def _work_unit(item) -> str:
-  module = item.path.stem
+def work_unit(nodeid: str) -> str:
+  """The unit of work of a test, from its node id ("tests/research/test_experiment_peft.py::test_protocol")."""
+  path = nodeid.split("::")[0]
+  module = pathlib.PurePosixPath(path).stem
   if module.startswith("test_experiment_") and (NOTEBOOKS / f"{module[len('test_experiment_'):]}.py").exists():
     return "notebook-" + module[len("test_experiment_"):]
-  params = getattr(item, "callspec", None)
-  if module == "test_notebooks" and params is not None and "name" in params.params:
-    return "notebook-" + params.params["name"]
-  return str(item.path.relative_to(NOTEBOOKS.parent))
+  param = nodeid[nodeid.index("[") + 1:-1] if nodeid.endswith("]") and "[" in nodeid else None
+  if module == "test_notebooks" and param is not None and (NOTEBOOKS / f"{param}.py").exists():
+    return "notebook-" + param
+  return path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
-def pytest_collection_modifyitems(items):
-  for item in items:
-    if item.get_closest_marker("xdist_group") is None:
-      item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
+def pytest_xdist_make_scheduler(config, log):
+  if config.getvalue("dist") != "loadgroup":
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class WorkUnits(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return work_unit(nodeid)
+
+  return WorkUnits(config, log)
