@@ -133,7 +133,19 @@ def pytest_xdist_make_scheduler(config, log):
   from xdist.scheduler import LoadScopeScheduling
 
   class WorkUnits(LoadScopeScheduling):
+    ordered = False
+
     def _split_scope(self, nodeid: str) -> str:
       return work_unit(nodeid)
+
+    def _assign_work_unit(self, node):
+      # the longest units first, so no worker is left with a long one at the end: xdist orders units by their number
+      # of tests, which puts a notebook (3–6 tests, each up to minutes) behind every module of small tests
+      if not self.ordered:
+        for scope in sorted(self.workqueue, key=lambda unit: (not unit.startswith("notebook-"),
+                                                               not unit.startswith("tests/research/"))):
+          self.workqueue.move_to_end(scope)
+        self.ordered = True
+      super()._assign_work_unit(node)
 
   return WorkUnits(config, log)
