@@ -117,13 +117,13 @@ def one_layer_losses(model: nnx.Module, candidates: dict[str, quant.Spec], token
   full = mean_loss(state, xs)
   table = []
   for layer in range(n_layers):
-    tail = jax.tree.map(lambda a: a[layer + 1:], state)
+    here, tail = layer_state(layer), jax.tree.map(lambda a: a[layer + 1:], state)
     row = {}
     for name, spec in candidates.items():
-      block = nnx.merge(graphdef, layer_state(layer))
+      block = nnx.merge(graphdef, here)  # quantize_layer replaces the merged block's weights, not `here`
       quant.quantize_layer(block, {n: spec for n in names}, calib)
       row[name] = mean_loss(tail, [run(block, x) for x in xs])
     table.append(row)
-    block = nnx.merge(graphdef, layer_state(layer))
+    block = nnx.merge(graphdef, here)
     xs, calib = [run(block, x) for x in xs], block(calib)[0]
   return full, table
