@@ -46,7 +46,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from scipy.optimize import linear_sum_assignment
 
 from models.config import MoEConfig
 from models.transformer import Transformer
@@ -78,6 +77,7 @@ def balanced_kmeans(x_ND, k: int, *, seed: int = 0, iters: int = 100) -> np.ndar
     c.append(x[rng.choice(N, p=d2 / d2.sum())] if d2.sum() > 0 else x[rng.integers(N)])
   c = np.asarray(c)
   labels = None
+  from scipy.optimize import linear_sum_assignment  # here: scipy.optimize adds ~0.3 s to every `import models`
   for _ in range(iters):
     cost_NK = ((x[:, None] - c[None]) ** 2).sum(-1)
     rows, slots = linear_sum_assignment(np.repeat(cost_NK, N // k, axis=1))

@@ -112,7 +112,10 @@ def test_split_with_newton_schulz_equals_newton_schulz_of_each_block():
     blocks = np.split(np.asarray(g[name]), np.cumsum(sizes)[:-1], axis=axis)
     ns = [np.asarray(optim.orthogonalize(jnp.asarray(b))) for b in blocks]
     want = np.concatenate([moonlight(b * 1.0) for b in ns], axis=axis)
-    np.testing.assert_allclose(np.asarray(u[name]), want, atol=1e-6, err_msg=name)
+    # float32 Newton–Schulz of the same block compiled two ways (inside the jitted split, and alone) differs by up to
+    # ~1e-6 (measured 0.7–1.25e-6, XLA:CPU at -O0 and -O2); orthogonalizing the whole matrix instead is off by > 0.2
+    np.testing.assert_allclose(np.asarray(u[name]), want, atol=1e-5, err_msg=name)
+    assert np.abs(np.asarray(u[name]) - moonlight(np.asarray(optim.orthogonalize(g[name])))).max() > 0.1
 
 
 def test_distributed_split_and_custom_orthogonalizer_equal_single_device():
