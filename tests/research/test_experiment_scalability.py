@@ -34,7 +34,8 @@ def test_sync_flags():
   cfg = scalability.Config()
   assert [scalability.sync_flag(a, 4, cfg) for a in scalability.ALGORITHMS] == \
       ["allreduce", "local:8", "gossip", "stale:3:random"]
-  assert {scalability.sync_flag(a, 1, cfg) for a in scalability.ALGORITHMS} == {"allreduce"}
+  assert {scalability.sync_flag(a, 1, cfg) for a in scalability.LM_ALGORITHMS} == {"allreduce"}
+  assert scalability.sync_flag("diloco", 4, cfg) == "local:8"  # the same sync, DiLoCo's outer step instead of a mean
 
 
 def test_smoke_runs_every_cell_and_counts_bytes(result):

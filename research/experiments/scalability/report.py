@@ -31,7 +31,7 @@ def speedup_table(part: dict, summary: dict, workers, algorithms) -> list[str]:
     noise = row.get("noise_scale")
     head = [dataset, *[f"{chars[c]:.4g}" for c in CHARACTERS], "—" if noise is None else f"{noise:.1f}",
             f"{row['target']:.4f}"]
-    for i, alg in enumerate(algorithms):
+    for i, alg in enumerate(a for a in algorithms if any(f"{a}/W{w}" in row["cells"] for w in ws)):
       cells = [row["cells"].get(f"{alg}/W{w}") for w in ws]
       last = cells[-1]
       mib = "—" if not last or "bytes" not in last else f"{last['bytes'][0] / 2**20:.2f}"
@@ -72,7 +72,7 @@ def findings(result: dict) -> list[str]:
   """Statements computed from the numbers: does B_noise order the datasets as the measured synchronous speedup
   does, and which algorithm loses most where consecutive samples are alike."""
   out = []
-  for part in ("convex", "lm"):
+  for part, algorithms in (("convex", result["settings"]["algorithms"]), ("lm", result["settings"]["lm_algorithms"])):
     rows = result["summary"][part]
     w = max(result["settings"]["workers"])
     pairs = [(r["noise_scale"], r["cells"][f"allreduce/W{w}"]["speedup"][0]) for r in rows.values()
@@ -82,7 +82,7 @@ def findings(result: dict) -> list[str]:
       out.append(f"{part}: across {len(pairs)} datasets, Spearman ρ between B_noise and the measured synchronous "
                  f"speedup at W={w} is {rho:+.2f} (the noise-scale model says it should be positive).")
     for dataset, row in rows.items():
-      got = {a: row["cells"].get(f"{a}/W{w}", {}).get("speedup", (None,))[0] for a in result["settings"]["algorithms"]}
+      got = {a: row["cells"].get(f"{a}/W{w}", {}).get("speedup", (None,))[0] for a in algorithms}
       got = {a: v for a, v in got.items() if v is not None}
       if len(set(got.values())) > 1:
         best, worst = max(got, key=got.get), min(got, key=got.get)

@@ -7,12 +7,17 @@ the gradient noise scale they feed) predict.
 
 Algorithms (research/sync.py; every worker takes `batch` samples a step, so W workers see W times the data):
   allreduce   synchronous mini-batch SGD: the mean gradient of W·batch samples every step
-  local       local SGD / model averaging, H = `local_period` steps apart (convex: plain averaging; LM: DiLoCo's
-              outer Nesterov step, lr 0.7, momentum 0.9)
+  local       local SGD / model averaging (the paper's model-averaging mini-batch SGD): H = `local_period` steps
+              apart, the replicas' parameters are replaced by their mean (LM: --outer-lr 1 --outer-momentum 0)
   gossip      decentralized SGD on a ring
   stale       W asynchronous workers, simulated: each gradient taken at parameters up to W − 1 steps old (a random
               delay per worker and step), the staleness W workers updating one copy in turn would see (Hogwild!'s
               setting), the delayed gradients averaged synchronously (delayed SGD)
+  diloco      (LM, `diloco_datasets` only) local SGD with DiLoCo's outer Nesterov step on the averaged delta (lr 0.7,
+              momentum 0.9, the paper's values, untuned). A first pass ran it as the LM's `local`: over 256 steps
+              (32 outer steps) it never reached the 1-worker target at any W, while plain averaging did (W = 4, lr
+              3e-3: 2.206 vs 2.441 for DiLoCo's tuned lr); DiLoCo's regime is hundreds of inner steps per round and
+              many rounds, so it is kept as its own row, and the H sweep is DiLoCo's
 
 Speedup(W) = (steps W = 1 needs to reach the target held-out loss) / (steps W workers need), the target being the
 worst final held-out loss of W = 1 over the seeds (so every W = 1 seed reaches it); steps between evaluations are
@@ -34,7 +39,8 @@ Parts:
           --sampling sequential), repeated (a tenth of the training text, in chunks of 4 KiB, ×10), mixed (half the
           training text replaced by the package-description corpus); AdamW; each run a CLI process with W
           devices on mesh data=W, so every collective is between workers
-  sweep   DiLoCo's H ∈ `h_sweep` on the LM with W = `h_workers`: bytes between replicas against held-out loss
+  sweep   DiLoCo's H ∈ `h_sweep` on the LM with W = `h_workers` at `diloco`'s tuned lr: bytes between replicas
+          against held-out loss
 
   python -m research.experiments.scalability            # full size: writes research/results/scalability/
   python -m research.experiments.scalability --smoke    # a minute; writes nothing (the tests run this)
@@ -62,6 +68,9 @@ QUESTION = ("Do a dataset's characters (feature variance, sparsity, diversity, s
             "predict how far synchronous SGD, local SGD / DiLoCo, gossip and stale-gradient SGD scale with the number "
             "of workers, and what does DiLoCo's sync period H trade between communication and loss?")
 ALGORITHMS = ("allreduce", "local", "gossip", "stale")
+LM_ALGORITHMS = ALGORITHMS + ("diloco",)
+AVERAGING = {"outer_lr": 1.0, "outer_momentum": 0.0}
+"""The `local` algorithm's outer step on the LM: the averaged parameters replace every replica's."""
 LM_DATASETS = ("stdlib", "sequential", "repeated", "mixed")
 CHUNK = 4096  # bytes per repeated chunk of the `repeated` LM dataset
 
@@ -87,7 +96,9 @@ class Config:
   convex_lrs: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0)
   convex_eval: int = 8
   lm_datasets: tuple[str, ...] = LM_DATASETS
-  lm_algorithms: tuple[str, ...] = ALGORITHMS
+  lm_algorithms: tuple[str, ...] = LM_ALGORITHMS
+  diloco_datasets: tuple[str, ...] = ("stdlib",)
+  """The LM datasets `diloco` runs on (its 1-worker target and characters are those of the same dataset)."""
   lm_steps: int = 256
   lm_batch: int = 8
   seq_len: int = 64
@@ -107,8 +118,8 @@ def sync_flag(algorithm: str, workers: int, cfg: Config) -> str:
   """The --sync value of an algorithm at W workers (W = 1: every algorithm is synchronous SGD)."""
   if workers == 1:
     return "allreduce"
-  return {"allreduce": "allreduce", "local": f"local:{cfg.local_period}", "gossip": "gossip",
-          "stale": f"stale:{workers - 1}:random"}[algorithm]
+  return {"allreduce": "allreduce", "local": f"local:{cfg.local_period}", "diloco": f"local:{cfg.local_period}",
+          "gossip": "gossip", "stale": f"stale:{workers - 1}:random"}[algorithm]
 
 
 def steps_to(curve, target: float) -> float | None:
@@ -202,15 +213,18 @@ def lm_data(name: str, work: str) -> tuple[str | None, str]:
   return path, "random"
 
 
-def lm_run(cfg: Config, work: str, dataset: str, sync: str, workers: int, lr: float, seed: int) -> dict:
+def lm_run(cfg: Config, work: str, dataset: str, sync: str, workers: int, lr: float, seed: int,
+           outer: dict | None = None) -> dict:
   """One train CLI run in a process of its own with W devices on mesh data=W (so every collective between devices
-  is between workers), reused when finished: its held-out curve and cumulative bytes between replicas."""
+  is between workers), reused when finished: its held-out curve and cumulative bytes between replicas. `outer`:
+  --outer-lr/--outer-momentum of a local:H run other than DiLoCo's defaults (plain averaging: a "-avg" run)."""
   data, sampling = lm_data(dataset, work)
-  out = os.path.join(work, "runs", f"{dataset}_{sync.replace(':', '-')}_W{workers}_lr{lr:g}_s{seed}")
+  tag = sync.replace(':', '-') + ("-avg" if outer == AVERAGING else "")
+  out = os.path.join(work, "runs", f"{dataset}_{tag}_W{workers}_lr{lr:g}_s{seed}")
   flags = dict(model="tiny", steps=cfg.lm_steps, batch_size=cfg.lm_batch * workers, seq_len=cfg.seq_len, lr=lr,
                seed=seed, devices=workers, mesh=f"data={workers}", sync=sync, sampling=sampling,
                eval_every=cfg.lm_eval, log_every=cfg.lm_eval, eval_batches=cfg.eval_batches, ckpt_every=cfg.lm_steps,
-               keep=1, out=out, **({"data": data} if data else {}))
+               keep=1, out=out, **({"data": data} if data else {}), **(outer or {}))
   cmd = [sys.executable, "-m", "research.train", "--no-progress",
          *[a for k, v in flags.items() for a in (f"--{k.replace('_', '-')}", str(v))]]
   p = subprocess.run(cmd, capture_output=True, text=True)
@@ -256,12 +270,14 @@ def lm_part(cfg: Config, done: dict, save, work: str) -> dict:
     if "characters" not in rec:
       rec["characters"] = lm_characters(cfg, dataset, work)
     for alg, w in grid(cfg.workers, cfg.lm_algorithms):
+      if alg == "diloco" and dataset not in cfg.diloco_datasets:
+        continue
       key = f"{alg}/W{w}"
       if key in rec["runs"] and len(rec["runs"][key]["seeds"]) == len(cfg.seeds):
         continue
-      flag = sync_flag(alg, w, cfg)
+      flag, outer = sync_flag(alg, w, cfg), AVERAGING if alg == "local" and w > 1 else None
       if key not in lrs:  # tuned on the first dataset, reused on the others
-        tune = {lr: lm_run(cfg, work, cfg.lm_datasets[0], flag, w, lr, cfg.tune_seed) for lr in cfg.lm_lrs}
+        tune = {lr: lm_run(cfg, work, cfg.lm_datasets[0], flag, w, lr, cfg.tune_seed, outer) for lr in cfg.lm_lrs}
         lrs[key] = {"lr": min(tune, key=lambda v: tune[v]["curve"][-1][1]),
                     "tune": {str(v): r["curve"][-1][1] for v, r in tune.items()}}
         save()
@@ -269,7 +285,7 @@ def lm_part(cfg: Config, done: dict, save, work: str) -> dict:
       run = rec["runs"].setdefault(key, {"lr": lr, "seeds": {}})
       for s in cfg.seeds:
         if str(s) not in run["seeds"]:
-          r = lm_run(cfg, work, dataset, flag, w, lr, s)
+          r = lm_run(cfg, work, dataset, flag, w, lr, s, outer)
           run["seeds"][str(s)] = {"curve": r["curve"], "bytes": r["bytes"]}
           if key == "allreduce/W1" and s == cfg.seeds[0]:
             rec["gradients"] = lm_gradients(cfg, r["dir"], dataset, work)
@@ -281,7 +297,7 @@ def lm_part(cfg: Config, done: dict, save, work: str) -> dict:
 def sweep_part(cfg: Config, done: dict, save, work: str) -> dict:
   out = done.setdefault("sweep", {})
   w = cfg.h_workers
-  lr = done["lm"]["lr"].get(f"local/W{w}", {}).get("lr", cfg.lm_lrs[len(cfg.lm_lrs) // 2])
+  lr = done["lm"]["lr"].get(f"diloco/W{w}", {}).get("lr", cfg.lm_lrs[len(cfg.lm_lrs) // 2])
   for h in cfg.h_sweep:
     rec = out.setdefault(str(h), {"lr": lr, "seeds": {}})
     for s in cfg.seeds:
@@ -347,7 +363,8 @@ def main(cfg: Config) -> dict:
     cfg = dataclasses.replace(cfg, **SMOKE)
   from research.train import _setup_jax
   _setup_jax(8, compile_cache=True)
-  unknown = set(cfg.algorithms) - set(ALGORITHMS) or set(cfg.lm_datasets) - set(LM_DATASETS) or \
+  unknown = set(cfg.algorithms) - set(ALGORITHMS) or set(cfg.lm_algorithms) - set(LM_ALGORITHMS) or \
+      set(cfg.lm_datasets) - set(LM_DATASETS) or \
       set(cfg.convex_variants) - set(cv.VARIANTS)
   if unknown or any(8 % w for w in cfg.workers) or not cfg.seeds:
     raise SystemExit(f"error: algorithms are {ALGORITHMS}, LM datasets {LM_DATASETS}, convex variants "
