@@ -80,3 +80,34 @@ def test_lm_datasets_hold_out_exactly_the_stdlib_val_split(tmp_path, name):
     assert distinct <= len(chunks) // 10 + 2
   else:  # every other chunk is package-description prose: far more letters and spaces than Python source
     assert distinct > len(chunks) // 2
+
+
+def test_an_lm_best_lr_on_the_grid_edge_gets_one_more_lr_and_displaced_seeds_rerun(monkeypatch):
+  """lm_part with the CLI runs replaced by a loss that falls with lr up to 0.05: the best of (1e-3, 1e-2) is the
+  edge 1e-2, so 3e-2 is tried once (not again on a rerun) and wins; seeds finished at the displaced 1e-2 are
+  dropped and rerun at 3e-2; `summarize` flags an lr on the edge of the lrs actually tried."""
+  calls = []
+
+  def fake_run(cfg, work, dataset, sync, workers, lr, seed, outer=None):
+    calls.append((dataset, workers, lr, seed))
+    loss = 2.0 + abs(np.log(lr / 0.05))
+    return {"curve": [(0, 5.0), (4, loss)], "bytes": [(0, 0.0), (4, 0.0)], "dir": ""}
+
+  monkeypatch.setattr(study, "lm_run", fake_run)
+  monkeypatch.setattr(study, "lm_characters", lambda cfg, dataset, work: {})
+  monkeypatch.setattr(study, "lm_gradients", lambda cfg, run_dir, dataset, work: {"noise_scale": 1.0})
+  cfg = study.Config(workers=(1,), seeds=(0, 1), lm_datasets=("stdlib",), lm_algorithms=("allreduce",),
+                     lm_lrs=(1e-3, 1e-2))
+  stale = {"curve": [(0, 5.0), (4, 9.0)], "bytes": [(0, 0.0)]}
+  done = {"lm": {"lr": {"allreduce/W1": {"lr": 1e-2, "tune": {"0.001": 6.6, "0.01": 3.6}}},
+                 "stdlib": {"characters": {}, "runs": {"allreduce/W1": {"lr": 1e-2, "seeds": {"0": stale}}}}}}
+  study.lm_part(cfg, done, lambda: None, "unused")
+  assert calls == [("stdlib", 1, 0.03, cfg.tune_seed), ("stdlib", 1, 0.03, 0), ("stdlib", 1, 0.03, 1)]
+  assert done["lm"]["lr"]["allreduce/W1"]["lr"] == 0.03
+  assert set(done["lm"]["stdlib"]["runs"]["allreduce/W1"]["seeds"]) == {"0", "1"}
+  assert done["lm"]["stdlib"]["runs"]["allreduce/W1"]["lr"] == 0.03
+  calls.clear()
+  study.lm_part(cfg, done, lambda: None, "unused")  # finished: nothing runs again
+  assert calls == []
+  cell = study.summarize(done, cfg)["lm"]["stdlib"]["cells"]["allreduce/W1"]
+  assert cell["lr"] == 0.03 and cell["lr_edge"]  # 3e-2 is the end of what was tried (0.001, 0.01, 0.03)

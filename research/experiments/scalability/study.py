@@ -24,7 +24,8 @@ worst final held-out loss of W = 1 over the seeds (so every W = 1 seed reaches i
 interpolated linearly; a run that never reaches it has no speedup ("—"). The bytes each run's replicas sent each other
 until then come from the compiled programs (comm_bytes_replicas). The learning rate is tuned per (dataset, algorithm,
 W) on `tune_seed` (not one of the reported seeds) over `*_lrs` by the final held-out loss (the LM's per (algorithm,
-W) on `stdlib` only, and reused: its grid costs most), grid edges flagged; then `seeds` seeds. Held-out data: a fixed
+W) on `stdlib` only, and reused: its grid costs most; where the best sits on the grid's end, one more lr past it
+(`extend_edge`)), a best still at an edge flagged; then `seeds` seeds. Held-out data: a fixed
 20% of the images (convex), the stdlib corpus's val split (LM, every dataset: the same questions for all).
 
 Predicted speedup of synchronous SGD (McCandlish et al. 2018): steps(B) ≈ S_min (1 + B_noise / B), so
@@ -103,6 +104,8 @@ class Config:
   lm_batch: int = 8
   seq_len: int = 64
   lm_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
+  extend_edge: bool = True
+  """LM: one more lr past the grid's end (×3 or ÷3, tune seed) for an (algorithm, W) whose best sits on it."""
   lm_eval: int = 16
   eval_batches: int = 4
   h_sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
@@ -273,15 +276,23 @@ def lm_part(cfg: Config, done: dict, save, work: str) -> dict:
       if alg == "diloco" and dataset not in cfg.diloco_datasets:
         continue
       key = f"{alg}/W{w}"
-      if key in rec["runs"] and len(rec["runs"][key]["seeds"]) == len(cfg.seeds):
-        continue
       flag, outer = sync_flag(alg, w, cfg), AVERAGING if alg == "local" and w > 1 else None
       if key not in lrs:  # tuned on the first dataset, reused on the others
         tune = {lr: lm_run(cfg, work, cfg.lm_datasets[0], flag, w, lr, cfg.tune_seed, outer) for lr in cfg.lm_lrs}
         lrs[key] = {"lr": min(tune, key=lambda v: tune[v]["curve"][-1][1]),
                     "tune": {str(v): r["curve"][-1][1] for v, r in tune.items()}}
         save()
+      tried = {float(v): loss for v, loss in lrs[key]["tune"].items()}
+      past = common.past_edge(tried) if cfg.extend_edge and len(tried) == len(cfg.lm_lrs) else None
+      if past is not None:  # one lr past the grid's end where the best sits on it (a best still there is flagged)
+        tried[past] = lm_run(cfg, work, cfg.lm_datasets[0], flag, w, past, cfg.tune_seed, outer)["curve"][-1][1]
+        lrs[key] = {"lr": min(tried, key=tried.get), "tune": {str(v): loss for v, loss in tried.items()}}
+        save()
       lr = lrs[key]["lr"]
+      if rec["runs"].get(key, {}).get("lr", lr) != lr:  # seeds run at the lr the extension displaced
+        del rec["runs"][key]
+      if key in rec["runs"] and len(rec["runs"][key]["seeds"]) == len(cfg.seeds):
+        continue
       run = rec["runs"].setdefault(key, {"lr": lr, "seeds": {}})
       for s in cfg.seeds:
         if str(s) not in run["seeds"]:
@@ -312,9 +323,9 @@ def sweep_part(cfg: Config, done: dict, save, work: str) -> dict:
 # summary
 
 
-def speedups(part: dict, workers, algorithms, batch: int, lrs) -> dict:
+def speedups(part: dict, workers, algorithms, batch: int, tried) -> dict:
   """Per dataset: the target, and per (algorithm, W) the speedup and bytes to target (mean, std over seeds, None
-  where a seed never reached it), and the predicted synchronous speedup."""
+  where a seed never reached it), and the predicted synchronous speedup. `tried(key, run)`: the lrs tuned over."""
   out = {}
   for dataset, rec in part.items():
     if not isinstance(rec, dict) or "runs" not in rec or "allreduce/W1" not in rec["runs"]:
@@ -331,8 +342,9 @@ def speedups(part: dict, workers, algorithms, batch: int, lrs) -> dict:
       if run is None:
         continue
       reach = [steps_to(r["curve"], target) for r in run["seeds"].values()]
+      grid_lrs = tried(f"{alg}/W{w}", run)
       cell = {"reached": sum(x is not None for x in reach), "seeds": len(reach), "lr": run["lr"],
-              "lr_edge": run["lr"] in (min(lrs), max(lrs)) and len(lrs) > 1,
+              "lr_edge": run["lr"] in (min(grid_lrs), max(grid_lrs)) and len(grid_lrs) > 1,
               "final": common.mean_std([r["curve"][-1][1] for r in run["seeds"].values()])}
       if all(x is not None for x in reach) and base_steps > 0 and min(reach) > 0:
         cell["speedup"] = common.mean_std([base_steps / x for x in reach])
@@ -345,9 +357,11 @@ def speedups(part: dict, workers, algorithms, batch: int, lrs) -> dict:
 
 
 def summarize(done: dict, cfg: Config) -> dict:
-  s = {"convex": speedups(done.get("convex", {}), cfg.workers, cfg.algorithms, cfg.convex_batch, cfg.convex_lrs),
+  lm_lrs = done.get("lm", {}).get("lr", {})
+  s = {"convex": speedups(done.get("convex", {}), cfg.workers, cfg.algorithms, cfg.convex_batch,
+                          lambda key, run: [float(v) for v in run["tune"]]),
        "lm": speedups({k: v for k, v in done.get("lm", {}).items() if k != "lr"}, cfg.workers, cfg.lm_algorithms,
-                      cfg.lm_batch, cfg.lm_lrs)}
+                      cfg.lm_batch, lambda key, run: [float(v) for v in lm_lrs[key]["tune"]])}
   sweep = {}
   for h, rec in done.get("sweep", {}).items():
     runs = list(rec["seeds"].values())
