@@ -6,7 +6,10 @@ import os
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="optlab-jax-cache-"))
+# created by the first process only (xdist workers inherit it) and removed when that process ends
+OWN_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="optlab-jax-cache-")
+if OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # one OpenBLAS thread per LAPACK call (subprocesses, kernels inherit it): 8 simulated devices each running jaxlib's
@@ -162,3 +165,9 @@ class _Scheduler:
 def pytest_configure(config):
   if config.pluginmanager.hasplugin("xdist"):
     config.pluginmanager.register(_Scheduler(), "optlab-scheduler")
+
+
+def pytest_unconfigure(config):
+  if OWN_CACHE:
+    import shutil
+    shutil.rmtree(OWN_CACHE, ignore_errors=True)
