@@ -56,7 +56,9 @@ def test_smoke_runs_every_cell_and_counts_bytes(result):
   lm_sent = {k: r["seeds"]["0"]["bytes"][-1][1] for k, r in lm.items()}
   assert lm_sent["allreduce/W1"] == 0 < lm_sent["local/W2"] < lm_sent["allreduce/W2"]
   assert result["lm"]["stdlib"]["gradients"]["noise_scale"] > 0
-  assert set(result["sweep"]) == {"2"}
+  assert set(result["sweep"]) == {"local"} and set(result["sweep"]["local"]) == {"2"}
+  # the sweep's H = 2 run of plain averaging at W = 2 is the grid's local/W2 run: the same curve
+  assert result["sweep"]["local"]["2"]["seeds"]["0"]["curve"] == lm["local/W2"]["seeds"]["0"]["curve"]
 
 
 def test_the_convex_variants_change_the_characters_they_are_built_for():

@@ -43,9 +43,10 @@ def speedup_table(part: dict, summary: dict, workers, algorithms) -> list[str]:
 
 
 def sweep_table(sweep: dict) -> list[str]:
-  lines = ["| H | held-out loss | MiB between replicas per device |", "|---|---|---|"]
-  for h, row in sorted(sweep.items(), key=lambda kv: int(kv[0])):
-    lines.append(f"| {h} | {common.pm(row['final'])} | {row['bytes'][0] / 2**20:.2f} |")
+  lines = ["| outer step | lr | H | held-out loss | MiB between replicas per device |", "|---|---|---|---|---|"]
+  for alg, hs in sweep.items():
+    for h, row in sorted(hs.items(), key=lambda kv: int(kv[0])):
+      lines.append(f"| {alg} | {row['lr']:g} | {h} | {common.pm(row['final'])} | {row['bytes'][0] / 2**20:.2f} |")
   return lines
 
 
@@ -63,7 +64,8 @@ def tables(result: dict) -> list[str]:
   lines += speedup_table({k: v for k, v in result["lm"].items() if k != "lr"}, s["lm"], cfg["workers"],
                          cfg["lm_algorithms"])
   if s["sweep"]:
-    lines += ["", f"## DiLoCo's sync period H (W = {cfg['h_workers']}, `{cfg['lm_datasets'][0]}`)", ""]
+    lines += ["", f"## The sync period H of local SGD (W = {cfg['h_workers']}, `{cfg['lm_datasets'][0]}`; diloco: "
+              "DiLoCo's outer Nesterov step, local: plain averaging)", ""]
     lines += sweep_table(s["sweep"])
   return lines
 
@@ -109,12 +111,14 @@ def plot(result: dict):
     ax.legend(fontsize=6, ncol=2)
   if s["sweep"]:
     ax = axes[0][-1]
-    hs = sorted(s["sweep"], key=int)
-    ax.errorbar([s["sweep"][h]["bytes"][0] / 2**20 for h in hs], [s["sweep"][h]["final"][0] for h in hs],
-                yerr=[s["sweep"][h]["final"][1] for h in hs], marker="o")
-    for h in hs:
-      ax.annotate(f"H={h}", (s["sweep"][h]["bytes"][0] / 2**20, s["sweep"][h]["final"][0]), fontsize=7)
-    ax.set(xscale="log", xlabel="MiB between replicas per device", ylabel="held-out loss", title="DiLoCo H sweep")
+    for alg, sweep in s["sweep"].items():
+      hs = sorted(sweep, key=int)
+      ax.errorbar([sweep[h]["bytes"][0] / 2**20 for h in hs], [sweep[h]["final"][0] for h in hs],
+                  yerr=[sweep[h]["final"][1] for h in hs], marker="o", label=alg)
+      for h in hs:
+        ax.annotate(f"H={h}", (sweep[h]["bytes"][0] / 2**20, sweep[h]["final"][0]), fontsize=7)
+    ax.set(xscale="log", xlabel="MiB between replicas per device", ylabel="held-out loss", title="local SGD: H sweep")
+    ax.legend(fontsize=7)
   fig.tight_layout()
   return fig
 

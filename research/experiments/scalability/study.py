@@ -40,8 +40,8 @@ Parts:
           --sampling sequential), repeated (a tenth of the training text, in chunks of 4 KiB, ×10), mixed (half the
           training text replaced by the package-description corpus); AdamW; each run a CLI process with W
           devices on mesh data=W, so every collective is between workers
-  sweep   DiLoCo's H ∈ `h_sweep` on the LM with W = `h_workers` at `diloco`'s tuned lr: bytes between replicas
-          against held-out loss
+  sweep   H ∈ `h_sweep` on the LM with W = `h_workers`, for DiLoCo's outer step and for plain averaging, each at its
+          tuned lr: bytes between replicas against held-out loss
 
   python -m research.experiments.scalability            # full size: writes research/results/scalability/
   python -m research.experiments.scalability --smoke    # a minute; writes nothing (the tests run this)
@@ -110,11 +110,14 @@ class Config:
   eval_batches: int = 4
   h_sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
   h_workers: int = 8
+  sweep_algorithms: tuple[str, ...] = ("diloco", "local")
+  """The H sweep's outer steps: DiLoCo's Nesterov step, and plain averaging (each at its tuned W = h_workers lr)."""
 
 
 SMOKE = dict(workers=(1, 2), seeds=(0,), tune_seed=0, local_period=2, convex_variants=("shuffled", "sorted"), convex_steps=16,
              convex_lrs=(1.0,), lm_datasets=("stdlib",), lm_algorithms=("allreduce", "local"), lm_steps=4, lm_batch=8,
-             seq_len=32, lm_lrs=(3e-3,), lm_eval=2, eval_batches=1, h_sweep=(2,), h_workers=2)
+             seq_len=32, lm_lrs=(3e-3,), lm_eval=2, eval_batches=1, h_sweep=(2,), h_workers=2,
+             sweep_algorithms=("local",))
 
 
 def sync_flag(algorithm: str, workers: int, cfg: Config) -> str:
@@ -306,17 +309,19 @@ def lm_part(cfg: Config, done: dict, save, work: str) -> dict:
 
 
 def sweep_part(cfg: Config, done: dict, save, work: str) -> dict:
-  out = done.setdefault("sweep", {})
+  """Per algorithm of `sweep_algorithms` (diloco, local: its outer step), per H: the runs at its W = h_workers lr."""
   w = cfg.h_workers
-  lr = done["lm"]["lr"].get(f"diloco/W{w}", {}).get("lr", cfg.lm_lrs[len(cfg.lm_lrs) // 2])
-  for h in cfg.h_sweep:
-    rec = out.setdefault(str(h), {"lr": lr, "seeds": {}})
-    for s in cfg.seeds:
-      if str(s) not in rec["seeds"]:
-        r = lm_run(cfg, work, cfg.lm_datasets[0], f"local:{h}", w, lr, s)
-        rec["seeds"][str(s)] = {"curve": r["curve"], "bytes": r["bytes"]}
-        save()
-  return out
+  for alg in cfg.sweep_algorithms:
+    out = done.setdefault("sweep", {}).setdefault(alg, {})
+    lr = done["lm"]["lr"].get(f"{alg}/W{w}", {}).get("lr", cfg.lm_lrs[len(cfg.lm_lrs) // 2])
+    for h in cfg.h_sweep:
+      rec = out.setdefault(str(h), {"lr": lr, "seeds": {}})
+      for s in cfg.seeds:
+        if str(s) not in rec["seeds"]:
+          r = lm_run(cfg, work, cfg.lm_datasets[0], f"local:{h}", w, lr, s, AVERAGING if alg == "local" else None)
+          rec["seeds"][str(s)] = {"curve": r["curve"], "bytes": r["bytes"]}
+          save()
+  return done.get("sweep", {})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -362,12 +367,10 @@ def summarize(done: dict, cfg: Config) -> dict:
                           lambda key, run: [float(v) for v in run["tune"]]),
        "lm": speedups({k: v for k, v in done.get("lm", {}).items() if k != "lr"}, cfg.workers, cfg.lm_algorithms,
                       cfg.lm_batch, lambda key, run: [float(v) for v in lm_lrs[key]["tune"]])}
-  sweep = {}
-  for h, rec in done.get("sweep", {}).items():
-    runs = list(rec["seeds"].values())
-    sweep[h] = {"final": common.mean_std([r["curve"][-1][1] for r in runs]),
-                "bytes": common.mean_std([r["bytes"][-1][1] for r in runs])}
-  s["sweep"] = sweep
+  s["sweep"] = {alg: {h: {"final": common.mean_std([r["curve"][-1][1] for r in rec["seeds"].values()]),
+                          "bytes": common.mean_std([r["bytes"][-1][1] for r in rec["seeds"].values()]), "lr": rec["lr"]}
+                      for h, rec in hs.items()}
+                for alg, hs in done.get("sweep", {}).items()}
   return s
 
 
