@@ -199,8 +199,8 @@ def write(cfg: Config, result: dict):
                                            *summary_table(summary, result["target"]),
                                            "", "Curves: `curves.png` (stage 2, min–max band over seeds); "
                                            "lr sweep: `tune/lr.png`; every run: `results.csv`, `tune/results.csv`. "
-                                           "tokens/s were measured while other jobs shared the 2 cores: not a speed "
-                                           "comparison (`python -m research.bench optim` is)."],
+                                           "tokens/s were measured with other runs sharing the machine: not a "
+                                           "speed comparison (`python -m research.bench optim` is)."],
                 findings=findings, settings=result["train"],
                 data={"summary": [{k: v for k, v in s.items() if k != "spread"} for s in summary],
                       "tune": result["tune"], "rows": result["rows"]})
