@@ -17,7 +17,7 @@ Algorithms (research/sync.py; every worker takes `batch` samples a step, so W wo
               momentum 0.9, the paper's values, untuned). A first pass ran it as the LM's `local`: over 256 steps
               (32 outer steps) it never reached the 1-worker target at any W, while plain averaging did (W = 4, lr
               3e-3: 2.206 vs 2.441 for DiLoCo's tuned lr); DiLoCo's regime is hundreds of inner steps per round and
-              many rounds, so it is kept as its own row, and the H sweep is DiLoCo's
+              many rounds, so it is kept as its own row (and swept over H beside averaging)
 
 Speedup(W) = (steps W = 1 needs to reach the target held-out loss) / (steps W workers need), the target being the
 worst final held-out loss of W = 1 over the seeds (so every W = 1 seed reaches it); steps between evaluations are
@@ -146,6 +146,12 @@ def at_step(points, step: float) -> float:
 def predicted_speedup(noise_scale: float, batch: int, workers: int) -> float:
   """(1 + B/b) / (1 + B/(W b)): synchronous SGD's speedup from W b over b samples a step (McCandlish et al.)."""
   return (1 + noise_scale / batch) / (1 + noise_scale / (workers * batch))
+
+
+def outer_flags(algorithm: str) -> dict | None:
+  """--outer-lr/--outer-momentum of an algorithm's local:H runs: plain averaging for `local`, DiLoCo's defaults
+  (None) for `diloco`; None for the others, which take no outer step."""
+  return AVERAGING if algorithm == "local" else None
 
 
 def grid(workers, algorithms) -> list[tuple[str, int]]:
@@ -279,7 +285,7 @@ def lm_part(cfg: Config, done: dict, save, work: str) -> dict:
       if alg == "diloco" and dataset not in cfg.diloco_datasets:
         continue
       key = f"{alg}/W{w}"
-      flag, outer = sync_flag(alg, w, cfg), AVERAGING if alg == "local" and w > 1 else None
+      flag, outer = sync_flag(alg, w, cfg), outer_flags(alg)
       if key not in lrs:  # tuned on the first dataset, reused on the others
         tune = {lr: lm_run(cfg, work, cfg.lm_datasets[0], flag, w, lr, cfg.tune_seed, outer) for lr in cfg.lm_lrs}
         lrs[key] = {"lr": min(tune, key=lambda v: tune[v]["curve"][-1][1]),
@@ -318,7 +324,7 @@ def sweep_part(cfg: Config, done: dict, save, work: str) -> dict:
       rec = out.setdefault(str(h), {"lr": lr, "seeds": {}})
       for s in cfg.seeds:
         if str(s) not in rec["seeds"]:
-          r = lm_run(cfg, work, cfg.lm_datasets[0], f"local:{h}", w, lr, s, AVERAGING if alg == "local" else None)
+          r = lm_run(cfg, work, cfg.lm_datasets[0], f"local:{h}", w, lr, s, outer_flags(alg))
           rec["seeds"][str(s)] = {"curve": r["curve"], "bytes": r["bytes"]}
           save()
   return done.get("sweep", {})
