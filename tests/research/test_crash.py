@@ -71,8 +71,14 @@ def files(root):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-  return run(cfg(tmp_path_factory.mktemp("ref")))  # also fills the compile cache the subprocesses use
+def reference_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("ref")
+  return out, run(cfg(out))  # also fills the compile cache the subprocesses use
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+  return reference_run[1]
 
 
 def killed_run(out, how, at):
@@ -192,21 +198,34 @@ NAMESPACE = shutil.which("unshare") and subprocess.run(
 
 @pytest.mark.skipif(not NAMESPACE, reason="needs a user and mount namespace (unshare -rm) to mount a small tmpfs; "
                                           "the injected-ENOSPC test above covers the same code path")
-def test_a_real_full_disk_and_a_read_only_run_directory(reference, tmp_path):
-  """On a 2.5 MB tmpfs (a checkpoint of this run is ~1.1 MB) the third save fills the disk; the run stops with one
-  line and its two checkpoints; remounted read-only, the run is refused in one line and nothing changes; remounted
-  larger and writable, it resumes and ends with the uninterrupted losses."""
+def test_a_real_full_disk_and_a_read_only_run_directory(reference_run, tmp_path):
+  """On a tmpfs with room for the run's files, two checkpoints and half of a third, the third save fills the disk; the
+  run stops with one line and its two checkpoints; remounted read-only, the run is refused in one line and nothing
+  changes; remounted larger and writable, it resumes and ends with the uninterrupted losses.
+
+  The size is measured, not assumed: a checkpoint's footprint on tmpfs depends on the page size and on how orbax
+  batched the writes into files (CI's machine once needed > 1.25 MB where this one needs 0.85 MB), so the reference
+  run's directory is first copied into the same tmpfs and its use read back with du."""
+  ref, reference = reference_run
   mnt, report = tmp_path / "mnt", tmp_path / "report"
   mnt.mkdir(), report.mkdir()
+  n_ckpt = len(listing(ref / "ckpt"))
   train = " ".join([sys.executable, "-m", "research.train", *tiny_args(mnt / "run")])
   script = f"""
-set -u
-mount -t tmpfs -o size=2500k tmpfs {mnt}
+set -eu
+mount -t tmpfs -o size=64m tmpfs {mnt}
+cp -r {ref} {mnt}/probe
+all=$(du -sk {mnt}/probe | cut -f1); ckpts=$(du -sk {mnt}/probe/ckpt | cut -f1)
+rm -rf {mnt}/probe
+size=$(( all - ckpts + ckpts * 5 / (2 * {n_ckpt}) ))
+echo $all $ckpts $size > {report}/sizes
+mount -o remount,size=${{size}}k {mnt}
+set +e
 {train} 2> {report}/full.err; echo $? > {report}/full.rc
 ls {mnt}/run/ckpt > {report}/full.ls
 mount -o remount,ro {mnt}
 {train} 2> {report}/ro.err; echo $? > {report}/ro.rc
-mount -o remount,rw,size=20m {mnt}
+mount -o remount,rw,size=64m {mnt}
 {train} 2> {report}/again.err; echo $? > {report}/again.rc
 cp {mnt}/run/metrics.jsonl {report}/
 """
@@ -215,7 +234,7 @@ cp {mnt}/run/metrics.jsonl {report}/
   full = read("full.err").splitlines()
   assert read("full.rc") == "2" and len(full) == 1 and full[0].startswith("error: "), full
   assert "No space left on device" in full[0]
-  assert {"2", "4"} <= set(read("full.ls").split())
+  assert {"2", "4"} <= set(read("full.ls").split()), (read("full.ls"), read("sizes"))
   ro = read("ro.err").splitlines()
   assert read("ro.rc") == "2" and len(ro) == 1 and "is not writable" in ro[0], ro
   assert read("again.rc") == "0", read("again.err")
