@@ -134,6 +134,21 @@ def quantized(fp, plan, x) -> nnx.Module:
   return quant.quantize(nnx.clone(fp), plan, x)
 
 
+class Judged:
+  """`measure(fp quantized by plan)` for each plan, calibrated on `x`; a plan met before is neither quantized nor
+  measured again (CALM's choice is often one algorithm in every layer, i.e. a uniform plan; a greedy knapsack layout
+  often equals the exact one): quantizing and evaluating are deterministic, so the numbers are the same."""
+
+  def __init__(self, fp, x, measure):
+    self.fp, self.x, self.measure, self.memo = fp, x, measure, {}
+
+  def __call__(self, plan: quant.Plan) -> dict:
+    key = tuple((p, tuple(specs)) for p, specs in sorted(plan.items()))
+    if key not in self.memo:
+      self.memo[key] = self.measure(quantized(self.fp, plan, self.x))
+    return dict(self.memo[key])
+
+
 def size(model) -> int:
   with tempfile.TemporaryDirectory() as tmp:
     return quant_store.stored_bytes(quant_store.save(model, os.path.join(tmp, "q")))
@@ -158,20 +173,20 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
     # a seed of `base` takes hours: its finished budgets persist (partial.json) before the seed does
     out = rec.setdefault("unfinished", {}).setdefault(str(seed), {"fp_calib": ev(fp, calib), "budgets": {},
                                                                    "mixed": {}})
-    losses = lambda m: {"val": ev(m, val), "calib": ev(m, calib), "bytes": size(m)}
+    judged = Judged(fp, x, lambda m: {"val": ev(m, val), "calib": ev(m, calib), "bytes": size(m)})
     for budget in cfg.budgets:
       if budget in out["budgets"]:
         continue
       cands = {a: _spec(budget, a) for a in ALGORITHMS}
-      b = {"uniform": {a: losses(quantized(fp, quant.uniform_plan(fp, s), x)) for a, s in cands.items()}}
+      b = {"uniform": {a: judged(quant.uniform_plan(fp, s)) for a, s in cands.items()}}
       for by in ("cka", "mse"):
         plan, table = quant_select.choose(fp, cands, x, by=by)
-        b[by] = {**losses(quantized(fp, plan, x)), "chosen": [s.algorithm for s in plan[paths[0]]], "scores": table}
+        b[by] = {**judged(plan), "chosen": [s.algorithm for s in plan[paths[0]]], "scores": table}
       full, one_layer = quant_select.one_layer_losses(fp, cands, x, val)  # the prefix once per layer, not per candidate
       delta = [{a: loss - full for a, loss in row.items()} for row in one_layer]
       chosen = [min(d, key=d.get) for d in delta]
       plan = {p: [cands[a] for a in chosen] for p in paths}
-      b["oracle"] = {**losses(quantized(fp, plan, x)), "chosen": chosen, "one_layer_delta": delta}
+      b["oracle"] = {**judged(plan), "chosen": chosen, "one_layer_delta": delta}
       cka = [b["cka"]["scores"][layer][a] for layer in range(config.n_layers) for a in ALGORITHMS]
       dl = [delta[layer][a] for layer in range(config.n_layers) for a in ALGORITHMS]
       b["diagnostics"] = {
@@ -192,7 +207,7 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
                  "first+hessian exact": quant_mixed.exact(sens.cost("first_plus_hessian"), sens.bytes, budget),
                  f"uniform {bits}": np.full(len(sens.units), sens.bits.index(bits))}
       out["mixed"][str(bits)] = {
-          layout: {**losses(quantized(fp, quant_mixed.plan_of(sens, choice), x)),
+          layout: {**judged(quant_mixed.plan_of(sens, choice)),
                    "predicted_first_order": quant_mixed.predicted(sens, choice, "first_order"),
                    "predicted_hessian": quant_mixed.predicted(sens, choice, "hessian"),
                    "layout_bytes": quant_mixed.layout_bytes(sens, choice), "budget_bytes": budget,

@@ -34,6 +34,9 @@ def test_each_choice_is_the_best_of_its_own_scores(result):
       assert b["mse"]["chosen"] == [min(s, key=s.get) for s in b["mse"]["scores"]]
       assert b["oracle"]["chosen"] == [min(d, key=d.get) for d in b["oracle"]["one_layer_delta"]]
       assert all(0.0 < v <= 1.0 + 1e-6 for s in b["cka"]["scores"] for v in s.values())
+      for by in ("cka", "mse", "oracle"):  # one algorithm in every layer is that uniform plan, with its numbers
+        if len(set(b[by]["chosen"])) == 1:
+          assert {k: b[by][k] for k in ("val", "calib", "bytes")} == b["uniform"][b[by]["chosen"][0]]
 
 
 def test_sizes_follow_the_widths(result):
@@ -59,3 +62,16 @@ def test_mixed_layouts_fit_their_budget_and_exact_is_optimal(result):
 def test_speed_is_measured(result):
   speed = result["models"]["tiny"]["speed"]
   assert speed["float32_s"] > 0 and speed["w3g64 rtn"] > 0 and speed["w8a8 smoothquant"] > 0
+
+
+def test_a_plan_met_again_is_not_quantized_or_measured_again(monkeypatch):
+  made = []
+  monkeypatch.setattr(quantization, "quantized", lambda fp, plan, x: made.append(plan) or len(made))
+  judged = quantization.Judged("fp", "x", lambda model: {"val": float(model)})
+  spec = lambda bits: quantization.quant.Spec("rtn", bits, 64)  # noqa: E731
+  first = judged({"a": [spec(3), spec(4)], "b": [spec(3), spec(3)]})
+  again = judged({"b": [spec(3)] * 2, "a": [spec(3), spec(4)]})  # equal specs, other objects and order
+  other = judged({"a": [spec(3), spec(3)], "b": [spec(3), spec(3)]})
+  assert first == again == {"val": 1.0} and other == {"val": 2.0} and len(made) == 2
+  first["val"] = -1.0  # callers extend what they get; the memo keeps its own
+  assert judged({"a": [spec(3), spec(4)], "b": [spec(3), spec(3)]}) == {"val": 1.0}
