@@ -267,7 +267,7 @@ def summarize(models: dict) -> dict:
           k: {"delta_val": [r["val"] - rec["fp_val"] for r in v], "bytes": v[0]["bytes"]} for k, v in rows.items()}
       diag = [sd["budgets"][budget]["diagnostics"] for sd in seeds]
       s["budgets"][budget]["diagnostics"] = {k: [d[k] for d in diag] for k in diag[0]}
-    pred, meas = [], []
+    pred, meas, distinct = [], [], {}
     for bits in seeds[0]["mixed"]:
       s["mixed"][bits] = {}
       for layout in seeds[0]["mixed"][bits]:
@@ -278,7 +278,12 @@ def summarize(models: dict) -> dict:
                                     "bytes": rs[0]["bytes"]}
         pred += [r["predicted_first_order"] for r in rs]
         meas += [r["val"] - rec["fp_val"] for r in rs]
+        # RTN needs no calibration data: equal widths are the same model whichever seed or layout chose them
+        distinct.update({tuple(r["bits"]): r["val"] - rec["fp_val"] for r in rs})
+    below = [d for d in distinct.values() if d < 0]
     s["claim"] = {"layouts": len(meas), "held_out_below_fp": int(sum(m < 0 for m in meas)),
+                  "distinct_models": len(distinct), "distinct_below_fp": len(below),
+                  "most_below_fp": float(min(below)) if below else None,
                   "pearson_pred_meas": float(pearsonr(pred, meas)[0]) if len(meas) > 2 else None,
                   "spearman_pred_meas": float(spearmanr(pred, meas)[0]) if len(meas) > 2 else None}
     out[name] = s
@@ -290,6 +295,12 @@ def summarize(models: dict) -> dict:
 def _pm(xs, digits=4) -> str:
   xs = [x for x in xs if x is not None]
   return common.pm(common.mean_std(xs), sign=True, digits=digits) if xs else "—"
+
+
+def _distinct(claim: dict) -> str:
+  """How many different quantized models the layouts below float32 are, and by how much the best one is below."""
+  most = "" if claim["most_below_fp"] is None else f", the lowest {claim['most_below_fp']:+.1e}"
+  return f"{claim['distinct_below_fp']} of {claim['distinct_models']} distinct models{most}"
 
 
 def tables(result: dict) -> list[str]:
@@ -321,7 +332,8 @@ def tables(result: dict) -> list[str]:
                      f"{_pm(v['predicted'])} | {v['bytes'] / 2**20:.2f} MiB |")
     c = s["claim"]
     r = lambda v: "—" if v is None else f"{v:.2f}"
-    lines += ["", f"Layouts with held-out ΔL < 0: {c['held_out_below_fp']} of {c['layouts']}; predicted (first order, "
+    lines += ["", f"Layouts with held-out ΔL < 0: {c['held_out_below_fp']} of {c['layouts']} ({_distinct(c)}); "
+              "predicted (first order, "
               f"calibration) vs measured held-out ΔL over the layouts and seeds: Pearson {r(c['pearson_pred_meas'])}, "
               f"Spearman {r(c['spearman_pred_meas'])}.", ""]
     sp = rec.get("speed")
@@ -343,7 +355,7 @@ def findings(result: dict) -> list[str]:
                  f"{mean['mse']:+.4f}; oracle {mean['oracle']:+.4f}.")
     c = s["claim"]
     out.append(f"Reading ({name}, lower loss than float32): {c['held_out_below_fp']} of {c['layouts']} mixed layouts "
-               "are below float32 on held-out data.")
+               f"are below float32 on held-out data ({_distinct(c)}).")
   return out
 
 

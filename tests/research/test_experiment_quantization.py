@@ -75,3 +75,18 @@ def test_a_plan_met_again_is_not_quantized_or_measured_again(monkeypatch):
   assert first == again == {"val": 1.0} and other == {"val": 2.0} and len(made) == 2
   first["val"] = -1.0  # callers extend what they get; the memo keeps its own
   assert judged({"a": [spec(3), spec(4)], "b": [spec(3), spec(3)]}) == {"val": 1.0}
+
+
+def test_layouts_below_float32_are_counted_as_distinct_models():
+  """Two seeds choosing the same RTN widths are one model measured twice: the claim counts it once."""
+  def layout(val, bits):
+    return {"val": val, "calib": 1.0, "predicted_first_order": val - 2.0, "bytes": 10, "bits": bits}
+  seeds = {str(s): {"fp_calib": 1.0, "budgets": {}, "mixed": {"4": {"first_order exact": layout(1.9, [4, 8]),
+                                                                     "uniform 4": layout(2.1, [4, 4])}}}
+           for s in (0, 1)}
+  seeds["1"]["mixed"]["4"]["first_order exact"] = layout(1.95, [2, 8])
+  claim = quantization.summarize({"m": {"fp_val": 2.0, "seeds": seeds}})["m"]["claim"]
+  assert (claim["layouts"], claim["held_out_below_fp"]) == (4, 2)
+  assert (claim["distinct_models"], claim["distinct_below_fp"]) == (3, 2)
+  assert claim["most_below_fp"] == pytest.approx(-0.1)
+  assert "2 of 3 distinct models, the lowest -1.0e-01" in quantization._distinct(claim)
