@@ -41,6 +41,8 @@ and activations fake-quantized (the arithmetic qwix's int8 dot_general equals, t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import tempfile
 import time
@@ -52,6 +54,7 @@ from flax import nnx
 from scipy.stats import pearsonr, spearmanr
 
 from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
+from research import integrity
 from research.data import eval_batches, get_batch, load_corpus
 from research.experiments import common
 from research.pretrained import load_run
@@ -159,11 +162,32 @@ def _say(cfg: Config, text: str):
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
+def model_id(model) -> str:
+  """16 hex digits of the parameters' bits (research/integrity's checksums, hashed together)."""
+  sums = integrity.fingerprints(nnx.state(model, nnx.Param))
+  return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def seed_record(unfinished: dict, seed: int, ident: str, start) -> tuple[dict, str | None]:
+  """The half-done record of `seed` if it was measured on model `ident`, else a new one, `start()`; and the id of
+  the model a dropped record was measured on (None if nothing was dropped)."""
+  dropped = None
+  if str(seed) in unfinished and unfinished[str(seed)].get("model_id") != ident:
+    dropped = str(unfinished.pop(str(seed)).get("model_id"))
+  if str(seed) not in unfinished:
+    unfinished[str(seed)] = start()
+  return unfinished[str(seed)], dropped
+
+
 def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, save) -> dict:
+  """A pretrained model's seeds, resumed from `done`. The pretraining is rerun on a machine without its run directory:
+  another CPU's arithmetic can give other bits, so each seed records the model it measured (`model_id`) and its own
+  float32 losses, and a half-done seed whose model differs from today's starts over instead of mixing two models."""
   fp, config, _ = load_run(source)
   ev = Evaluator()
   paths = list(quant.targets(fp))
-  rec = done.setdefault(name, {"fp_val": ev(fp, val), "params": int(sum(x.size for x in jax.tree.leaves(
+  fp_val, ident = ev(fp, val), model_id(fp)
+  rec = done.setdefault(name, {"fp_val": fp_val, "params": int(sum(x.size for x in jax.tree.leaves(
       nnx.state(fp, nnx.Param)))), "float32_bytes": quant_store.full_bytes(config), "seeds": {}})
   for seed in cfg.seeds:
     if str(seed) in rec["seeds"]:
@@ -171,8 +195,11 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
     x, y = get_batch(corpus.train, seed, 0, cfg.calib, cfg.seq_len)
     calib = [(x[i:i + cfg.batch_size], y[i:i + cfg.batch_size]) for i in range(0, len(x), cfg.batch_size)]
     # a seed of `base` takes hours: its finished budgets persist (partial.json) before the seed does
-    out = rec.setdefault("unfinished", {}).setdefault(str(seed), {"fp_calib": ev(fp, calib), "budgets": {},
-                                                                   "mixed": {}})
+    out, dropped = seed_record(rec.setdefault("unfinished", {}), seed, ident, lambda: {
+        "model_id": ident, "fp_val": fp_val, "fp_calib": ev(fp, calib), "budgets": {}, "mixed": {}})
+    if dropped:
+      _say(cfg, f"{name} seed {seed}: its saved budgets were measured on another pretraining of {name} (model "
+                f"{dropped}, now {ident}); the seed starts over")
     judged = Judged(fp, x, lambda m: {"val": ev(m, val), "calib": ev(m, calib), "bytes": size(m)})
     for budget in cfg.budgets:
       if budget in out["budgets"]:
@@ -195,7 +222,7 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
           "spearman_cka_delta": float(spearmanr(cka, dl)[0]) if len(set(cka)) > 1 and len(set(dl)) > 1 else None}
       out["budgets"][budget] = b
       save()
-      _say(cfg, f"{name} seed {seed} {budget}: " + ", ".join(f"{k} {b[k]['val'] - rec['fp_val']:+.4f}"
+      _say(cfg, f"{name} seed {seed} {budget}: " + ", ".join(f"{k} {b[k]['val'] - out['fp_val']:+.4f}"
                                                           for k in ("cka", "mse", "oracle")))
     sens = quant_mixed.sensitivity(fp, x, y)
     quant_mixed.add_hessian(sens, fp, x, y, samples=cfg.hessian_samples, seed=seed)
@@ -259,12 +286,13 @@ def summarize(models: dict) -> dict:
   out = {}
   for name, rec in models.items():
     seeds = list(rec["seeds"].values())
-    s = {"budgets": {}, "mixed": {}}
+    fp = [sd.get("fp_val", rec["fp_val"]) for sd in seeds]  # each seed's ΔL against the model it quantized
+    s = {"budgets": {}, "mixed": {}, "models": len({sd.get("model_id") for sd in seeds})}
     for budget in seeds[0]["budgets"]:
       rows = {f"uniform {a}": [sd["budgets"][budget]["uniform"][a] for sd in seeds] for a in ALGORITHMS}
       rows.update({k: [sd["budgets"][budget][k] for sd in seeds] for k in ("cka", "mse", "oracle")})
       s["budgets"][budget] = {
-          k: {"delta_val": [r["val"] - rec["fp_val"] for r in v], "bytes": v[0]["bytes"]} for k, v in rows.items()}
+          k: {"delta_val": [r["val"] - f for r, f in zip(v, fp)], "bytes": v[0]["bytes"]} for k, v in rows.items()}
       diag = [sd["budgets"][budget]["diagnostics"] for sd in seeds]
       s["budgets"][budget]["diagnostics"] = {k: [d[k] for d in diag] for k in diag[0]}
     pred, meas, distinct = [], [], {}
@@ -272,14 +300,15 @@ def summarize(models: dict) -> dict:
       s["mixed"][bits] = {}
       for layout in seeds[0]["mixed"][bits]:
         rs = [sd["mixed"][bits][layout] for sd in seeds]
-        s["mixed"][bits][layout] = {"delta_val": [r["val"] - rec["fp_val"] for r in rs],
+        s["mixed"][bits][layout] = {"delta_val": [r["val"] - f for r, f in zip(rs, fp)],
                                     "delta_calib": [r["calib"] - sd["fp_calib"] for r, sd in zip(rs, seeds)],
                                     "predicted": [r["predicted_first_order"] for r in rs],
                                     "bytes": rs[0]["bytes"]}
         pred += [r["predicted_first_order"] for r in rs]
-        meas += [r["val"] - rec["fp_val"] for r in rs]
-        # RTN needs no calibration data: equal widths are the same model whichever seed or layout chose them
-        distinct.update({tuple(r["bits"]): r["val"] - rec["fp_val"] for r in rs})
+        meas += [r["val"] - f for r, f in zip(rs, fp)]
+        # RTN needs no calibration data: equal widths of one pretrained model are one quantized model, whichever
+        # seed or layout chose them
+        distinct.update({(sd.get("model_id"), tuple(r["bits"])): r["val"] - f for r, sd, f in zip(rs, seeds, fp)})
     below = [d for d in distinct.values() if d < 0]
     s["claim"] = {"layouts": len(meas), "held_out_below_fp": int(sum(m < 0 for m in meas)),
                   "distinct_models": len(distinct), "distinct_below_fp": len(below),
@@ -312,6 +341,11 @@ def tables(result: dict) -> list[str]:
     s = result["summary"][name]
     lines += [f"### `{name}` ({rec['params']:,} parameters, float32 held-out loss {rec['fp_val']:.4f}, "
               f"{rec['float32_bytes'] / 2**20:.2f} MiB)", ""]
+    if s["models"] > 1:  # pretrained again on another machine between seeds (see study_model)
+      losses = sorted({f"{sd['fp_val']:.4f}" for sd in rec["seeds"].values() if "fp_val" in sd})
+      lines += [f"The seeds quantized {s['models']} bitwise-different pretrainings of `{name}` (the same run on "
+                f"different machines; float32 held-out losses {', '.join(losses)}); each seed's ΔL is against its own.",
+                ""]
     for budget, rows in s["budgets"].items():
       lines += [f"{budget}:", "", "| method | held-out ΔL | size on disk |", "|---|---:|---:|"]
       for k, v in rows.items():

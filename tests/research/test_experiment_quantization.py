@@ -90,3 +90,20 @@ def test_layouts_below_float32_are_counted_as_distinct_models():
   assert (claim["distinct_models"], claim["distinct_below_fp"]) == (3, 2)
   assert claim["most_below_fp"] == pytest.approx(-0.1)
   assert "2 of 3 distinct models, the lowest -1.0e-01" in quantization._distinct(claim)
+  # seed 1 quantized another pretraining (another machine's bits), 0.05 lower in float32: ΔL against its own
+  seeds["0"]["model_id"] = "one"
+  seeds["1"].update(model_id="other", fp_val=1.95)
+  s = quantization.summarize({"m": {"fp_val": 2.0, "seeds": seeds}})["m"]
+  assert s["models"] == 2 and s["mixed"]["4"]["uniform 4"]["delta_val"] == pytest.approx([0.1, 0.15])
+  assert s["mixed"]["4"]["first_order exact"]["delta_val"] == pytest.approx([-0.1, 0.0])
+  assert (s["claim"]["distinct_models"], s["claim"]["distinct_below_fp"]) == (4, 1)
+
+
+def test_a_half_done_seed_of_another_pretraining_starts_over():
+  unfinished = {"0": {"model_id": "a", "budgets": {"w3g64": 1}}, "1": {"budgets": {"w3g64": 2}}}  # 1: no id saved
+  fresh = lambda: {"model_id": "a", "budgets": {}}  # noqa: E731
+  assert quantization.seed_record(unfinished, 0, "a", fresh) == ({"model_id": "a", "budgets": {"w3g64": 1}}, None)
+  assert quantization.seed_record(unfinished, 1, "a", fresh) == ({"model_id": "a", "budgets": {}}, "None")
+  out, dropped = quantization.seed_record(unfinished, 0, "b", lambda: {"model_id": "b", "budgets": {}})
+  assert (out, dropped) == ({"model_id": "b", "budgets": {}}, "a") and unfinished["0"] is out
+  assert quantization.seed_record(unfinished, 2, "b", fresh)[1] is None and set(unfinished) == {"0", "1", "2"}
