@@ -11,6 +11,8 @@ corpus (the standard library's Python source, bytes) by the train CLI, one run. 
 of `seq_len` bytes drawn with seed s ∈ `seeds` (3 calibration sets); everything is judged on the same held-out
 windows of the corpus' val split (files never trained on), and on the calibration windows themselves where the claim
 is about them. Targets: the 7 attention and MLP projections of every layer (embeddings, head, norms stay float32).
+`--models` also takes a model directory (a Hugging Face model, with its tokenizer if it has one, or an optlab run):
+the tests run a random tiny Llama built by `transformers` through the whole study at smoke size.
 
   uniform      every layer by one algorithm: rtn, gptq, awq, smoothquant (models/quant.py) at the budget's width
   calm         per layer, the candidate whose block update keeps the highest linear CKA with full precision
@@ -57,7 +59,8 @@ from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
 from research import integrity
 from research.data import eval_batches, get_batch, load_corpus
 from research.experiments import common
-from research.pretrained import load_run
+from research.pretrained import LOAD_ERRORS, load_model
+from research.tokenized import tokenize_corpus
 from research.throughput import median_seconds
 from research.train import TrainConfig
 
@@ -80,6 +83,8 @@ class Config:
   work: str = "runs/experiments/quantization"
   """Pretraining run directories (a finished run is reused)."""
   models: tuple[str, ...] = ("small", "base")
+  """Presets (tiny, small, base) are pretrained here; anything else is a directory taken as it is: a Hugging Face
+  model (its tokenizer.json, if any, re-encodes the corpus; else bytes) or an optlab run."""
   n_layers: int | None = None
   pretrain_steps: int = 600
   pretrain_batch: int = 16
@@ -179,16 +184,36 @@ def seed_record(unfinished: dict, seed: int, ident: str, start) -> tuple[dict, s
   return unfinished[str(seed)], dropped
 
 
+def source_of(cfg: Config, model: str, work: str) -> str:
+  """The directory holding `model`: a preset pretrained here (a finished run reused), else `model` itself."""
+  if model in PRETRAIN_LR:
+    return pretrain(cfg, model, work)
+  if not os.path.exists(os.path.join(model, "config.json")):
+    raise SystemExit(f"error: --models {model}: neither a preset ({', '.join(PRETRAIN_LR)}) nor a model directory "
+                     "(no config.json)")
+  return model
+
+
+def corpus_for(source: str, corpus):
+  """The byte corpus, or its re-encoding by the model's own tokenizer when the directory has one."""
+  tok = os.path.join(source, "tokenizer.json")
+  return tokenize_corpus(corpus, tok) if os.path.exists(tok) else corpus
+
+
 def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, save) -> dict:
   """A pretrained model's seeds, resumed from `done`. The pretraining is rerun on a machine without its run directory:
   another CPU's arithmetic can give other bits, so each seed records the model it measured (`model_id`) and its own
   float32 losses, and a half-done seed whose model differs from today's starts over instead of mixing two models."""
-  fp, config, _ = load_run(source)
+  try:
+    fp, config, _ = load_model(source)
+  except LOAD_ERRORS as e:
+    raise SystemExit(f"error: {source}: {e}") from None
   ev = Evaluator()
   paths = list(quant.targets(fp))
   fp_val, ident = ev(fp, val), model_id(fp)
   rec = done.setdefault(name, {"fp_val": fp_val, "params": int(sum(x.size for x in jax.tree.leaves(
       nnx.state(fp, nnx.Param)))), "float32_bytes": quant_store.full_bytes(config), "seeds": {}})
+  rec.setdefault("corpus_fingerprint", corpus.fingerprint)
   for seed in cfg.seeds:
     if str(seed) in rec["seeds"]:
       continue
@@ -257,8 +282,8 @@ def study_model(cfg: Config, name: str, source: str, val, corpus, done: dict, sa
 
 @common.smoke_compiles_quickly
 def main(cfg: Config) -> dict:
-  if cfg.smoke:
-    cfg = dataclasses.replace(cfg, **SMOKE)
+  if cfg.smoke:  # smoke sizes; models named on the command line are kept (`--smoke --models DIR`)
+    cfg = dataclasses.replace(cfg, **{**SMOKE, **({"models": cfg.models} if cfg.models != Config.models else {})})
   unknown = set(cfg.budgets) - set(BUDGETS)
   if unknown or not cfg.seeds:
     raise SystemExit(f"error: budgets come from {', '.join(BUDGETS)} and --seeds needs a value")
@@ -267,9 +292,13 @@ def main(cfg: Config) -> dict:
   with tempfile.TemporaryDirectory(prefix="optlab-quant-") as tmp:
     work = tmp if cfg.smoke else cfg.work
     corpus = load_corpus()
-    val = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     save = (lambda: None) if cfg.smoke else (lambda: common.save_partial(cfg, **done))
-    models = {m: study_model(cfg, m, pretrain(cfg, m, work), val, corpus, done, save) for m in cfg.models}
+    models = {}
+    for m in cfg.models:
+      source = source_of(cfg, m, work)
+      data = corpus_for(source, corpus)
+      val = eval_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+      models[m] = study_model(cfg, m, source, val, data, done, save)
   result = {"settings": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "work")},
                          "budgets_specs": {b: dataclasses.asdict(BUDGETS[b]) for b in cfg.budgets},
                          "corpus_fingerprint": corpus.fingerprint},

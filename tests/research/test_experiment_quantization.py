@@ -107,3 +107,34 @@ def test_a_half_done_seed_of_another_pretraining_starts_over():
   out, dropped = quantization.seed_record(unfinished, 0, "b", lambda: {"model_id": "b", "budgets": {}})
   assert (out, dropped) == ({"model_id": "b", "budgets": {}}, "a") and unfinished["0"] is out
   assert quantization.seed_record(unfinished, 2, "b", fresh)[1] is None and set(unfinished) == {"0", "1", "2"}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+  """A random tiny Llama saved by transformers (no tokenizer: the study reads bytes, so its vocabulary is 256)."""
+  import torch
+  import transformers
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=128)
+  path = tmp_path_factory.mktemp("llama")
+  transformers.LlamaForCausalLM(config).save_pretrained(path)
+  return str(path)
+
+
+def test_an_imported_hugging_face_llama_runs_through_the_study(llama):
+  result = quantization.main(quantization.Config(smoke=True, models=(llama,)))
+  rec = result["models"][llama]
+  assert result["settings"]["pretrain_steps"] == quantization.SMOKE["pretrain_steps"]  # smoke sizes, our model
+  assert rec["params"] == 2 * (4 * 64 * 64 - 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 2 * 256 * 64 + 64
+  for seed in rec["seeds"].values():
+    for b in seed["budgets"].values():
+      assert all(np.isfinite(v["val"]) for v in b["uniform"].values())
+      assert b["cka"]["chosen"] == [max(s, key=s.get) for s in b["cka"]["scores"]] and len(b["cka"]["chosen"]) == 2
+    for layouts in seed["mixed"].values():
+      assert all(v["layout_bytes"] <= v["budget_bytes"] for v in layouts.values())
+
+
+def test_a_model_that_is_neither_a_preset_nor_a_directory_is_one_line(tmp_path):
+  with pytest.raises(SystemExit, match=r"^error: --models nope: neither a preset .* nor a model directory"):
+    quantization.main(quantization.Config(smoke=True, models=("nope",)))
