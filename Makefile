@@ -33,7 +33,7 @@ run: $(RUN_STAMP)
 	$(BIN)/python -m research.train $(ARGS)
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup --durations=25 $(ARGS)
 
 bench: $(TEST_STAMP)
 	$(BIN)/python -m research.bench $(ARGS)
