@@ -135,6 +135,6 @@ def test_an_imported_hugging_face_llama_runs_through_the_study(llama):
       assert all(v["layout_bytes"] <= v["budget_bytes"] for v in layouts.values())
 
 
-def test_a_model_that_is_neither_a_preset_nor_a_directory_is_one_line(tmp_path):
+def test_a_model_that_is_neither_a_preset_nor_a_directory_is_one_line():
   with pytest.raises(SystemExit, match=r"^error: --models nope: neither a preset .* nor a model directory"):
     quantization.main(quantization.Config(smoke=True, models=("nope",)))
