@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import optim
 import sharding
 from optim import DionError, DionState, dion, dion_rank, right_factor_spec, scale_by_dion
-from optim.dion import _cholesky_qr2
+from optim.dion import _cholesky_qr2, _inverse_cholesky_factor
 from research.bench_dion_comm import dion_expected_bytes, state_shardings, step_bytes
 from sharded_steps import assert_no_hang_patterns, compile_update, run_steps
 
@@ -269,14 +269,26 @@ def test_zero_and_rank_deficient_gradients(distributed):
 
 
 def test_cholesky_qr2_survives_a_singular_gram():
+  """A rank-1 P (its Gram singular, and indefinite after rounding on some CPUs) still gives a finite orthonormal Q."""
   v, c = RNG.standard_normal((40, 1)), RNG.standard_normal((1, 8))
   p = jnp.asarray(v @ c, jnp.float32)  # rank 1
-  g = p.T @ p
-  first = jnp.linalg.cholesky(g + jnp.finfo(jnp.float32).eps * jnp.trace(g) / 8 * jnp.eye(8))
-  assert not bool(jnp.isfinite(first).all())  # the premise: the small shift alone gives NaN here
   q, zero = _cholesky_qr2(p, None)
   assert bool(jnp.isfinite(q).all()) and not bool(zero.any())
   np.testing.assert_allclose(q[:, 0], np.sign(c[0, 0]) * v[:, 0] / np.linalg.norm(v), atol=1e-6)
+
+
+def test_an_indefinite_gram_falls_back_to_the_larger_shift():
+  """A Gram whose rounding left an eigenvalue below -u·t/r (here -1e-6 against u·t/r ≈ 3e-8) fails the small shift
+  for certain; the factor is then L⁻¹ of g + √u·t·I, finite (whether a rank-1 Gram rounds that way depends on the
+  CPU, so the fallback is tested on a Gram built indefinite)."""
+  r = 4
+  g = jnp.diag(jnp.asarray([1.0, 0.5, 0.25, -1e-6], jnp.float32))
+  t = jnp.trace(g)[None, None]
+  u = float(jnp.finfo(jnp.float32).eps)
+  assert not bool(jnp.isfinite(jnp.linalg.cholesky(g + u * t / r * jnp.eye(r))).all())  # certain: -1e-6 + 3e-8 < 0
+  got = np.asarray(_inverse_cholesky_factor(g, t), np.float64)
+  want = np.linalg.inv(np.linalg.cholesky(np.asarray(g, np.float64) + np.sqrt(u) * float(t[0, 0]) * np.eye(r)))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_inject_hyperparams():
