@@ -289,6 +289,7 @@ def main(cfg: Config) -> dict:
     raise SystemExit(f"error: budgets come from {', '.join(BUDGETS)} and --seeds needs a value")
   t0, cpu0 = time.perf_counter(), time.process_time()
   done = common.load_partial(cfg) or {}
+  resumed = bool(done)
   with tempfile.TemporaryDirectory(prefix="optlab-quant-") as tmp:
     work = tmp if cfg.smoke else cfg.work
     corpus = load_corpus()
@@ -304,6 +305,7 @@ def main(cfg: Config) -> dict:
                          "corpus_fingerprint": corpus.fingerprint},
             "models": models, "summary": summarize(models)}
   result["wall_s"], result["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
+  result["resumed"] = resumed
   if not cfg.smoke:
     write(cfg, result)
     common.drop_partial(cfg)
@@ -413,7 +415,8 @@ def findings(result: dict) -> list[str]:
     for budget, rows in s["budgets"].items():
       mean = {k: float(np.mean(v["delta_val"])) for k, v in rows.items() if k != "diagnostics"}
       best_uniform = min((k for k in mean if k.startswith("uniform")), key=mean.get)
-      out.append(f"Reading ({name}, {budget}): best uniform {best_uniform} {mean[best_uniform]:+.4f}; CALM "
+      out.append(f"Reading ({name}, {budget}): best uniform algorithm {best_uniform.removeprefix('uniform ')} "
+                 f"{mean[best_uniform]:+.4f}; CALM "
                  f"{mean['cka']:+.4f} ({'better' if mean['cka'] < mean[best_uniform] else 'not better'}); MSE choice "
                  f"{mean['mse']:+.4f}; oracle {mean['oracle']:+.4f}.")
     c = s["claim"]
@@ -423,31 +426,44 @@ def findings(result: dict) -> list[str]:
 
 
 def plot(result: dict):
-  """Held-out ΔL against size on disk, per model: every uniform method, CALM, MSE, oracle and mixed layout."""
+  """Held-out ΔL against size on disk, per model: every uniform method, CALM, MSE, oracle and mixed layout (colour:
+  the method; marker: the budget, or ^ / v for an exact / greedy mixed-precision layout; one legend outside)."""
   from matplotlib.figure import Figure
   names = list(result["summary"])
-  fig = Figure(figsize=(5.5 * len(names), 4))
+  fig = Figure(figsize=(5 * len(names) + 2, 4.2), layout="constrained")
   axes = np.atleast_1d(fig.subplots(1, len(names)))
+  colours, markers, seen = {}, {}, {}
+
+  def point(ax, x, y, method, marker, label):
+    colour = colours.setdefault(method, f"C{len(colours) % 10}" if len(colours) < 10 else "k")
+    h = ax.scatter(x, y, color=colour, marker=marker, s=28, alpha=0.85, edgecolors="none")
+    seen.setdefault(label, h)
+
   for ax, name in zip(axes, names):
     s = result["summary"][name]
     for budget, rows in s["budgets"].items():
+      marker = markers.setdefault(budget, "os"[len(markers) % 2])
       for k, v in rows.items():
         if k != "diagnostics":
-          ax.scatter(v["bytes"] / 2**20, np.mean(v["delta_val"]), marker="o" if k.startswith("uniform") else "*",
-                     label=f"{budget} {k}")
+          method = k.removeprefix("uniform ")
+          point(ax, v["bytes"] / 2**20, np.mean(v["delta_val"]), method, marker, f"{budget}: {k}")
     for bits, layouts in s["mixed"].items():
-      for k, v in layouts.items():
-        ax.scatter(v["bytes"] / 2**20, np.mean(v["delta_val"]), marker="^", label=f"mixed {bits}: {k}")
+      for k, v in layouts.items():  # "first_order exact", "hessian greedy", "uniform 4", ...
+        criterion, search = k.split(" ")
+        method = "rtn" if criterion == "uniform" else f"mixed {criterion}"
+        point(ax, v["bytes"] / 2**20, np.mean(v["delta_val"]), method, "v" if search == "greedy" else "^",
+              "mixed: uniform RTN" if criterion == "uniform" else f"mixed: {k}")
     ax.axhline(0, color="k", lw=0.5)
-    ax.set(xlabel="size on disk (MiB)", ylabel="held-out ΔL (nats/byte)", title=name)
-    ax.legend(fontsize=5)
-  fig.tight_layout()
+    ax.set(xlabel="size on disk (MiB)", ylabel="held-out ΔL (nats/byte), mean over seeds", title=name)
+  fig.legend(list(seen.values()), list(seen), loc="outside right center", fontsize=6, frameon=False)
   return fig
 
 
 def write(cfg: Config, result: dict, cmd: str | None = None):
-  table = tables(result) + ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine; "
-                            f"{result['cpu_s']:.0f} s of CPU in this process. Plot: `quantization.png`."]
+  resumed = (" (it resumed what earlier invocations had finished from partial.json: the study took longer)"
+             if result.get("resumed") else "")
+  table = tables(result) + ["", f"Time of this invocation{resumed}: {result['wall_s']:.0f} s wall on a 2-core "
+                            f"machine; {result['cpu_s']:.0f} s of CPU in this process. Plot: `quantization.png`."]
   common.write_results(cfg.out, NAME, QUESTION, table, findings=findings(result), settings=result["settings"],
                        data=result, cmd=cmd)
   plot(result).savefig(os.path.join(cfg.out, "quantization.png"), dpi=120)

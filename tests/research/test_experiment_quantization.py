@@ -138,3 +138,19 @@ def test_an_imported_hugging_face_llama_runs_through_the_study(llama):
 def test_a_model_that_is_neither_a_preset_nor_a_directory_is_one_line():
   with pytest.raises(SystemExit, match=r"^error: --models nope: neither a preset .* nor a model directory"):
     quantization.main(quantization.Config(smoke=True, models=("nope",)))
+
+
+def test_write_reports_tables_readings_a_resumed_run_and_the_plot(result, tmp_path):
+  """What the full run writes, from the smoke result: the tables, one reading per model and budget naming the best
+  uniform algorithm, the time said to be this invocation's (and that it resumed, when it did), and the plot."""
+  cfg = quantization.Config(out=str(tmp_path))
+  quantization.write(cfg, {**result, "resumed": True}, cmd="python -m research.experiments.quantization")
+  md = (tmp_path / "results.md").read_text()
+  assert "### `tiny`" in md and "| uniform gptq |" in md
+  best = min(quantization.ALGORITHMS, key=lambda a: np.mean(result["summary"]["tiny"]["budgets"]["w3g64"]
+                                                                [f"uniform {a}"]["delta_val"]))
+  assert f"Reading (tiny, w3g64): best uniform algorithm {best} " in md
+  assert "Time of this invocation (it resumed what earlier invocations had finished" in md
+  assert (tmp_path / "quantization.png").read_bytes()[:4] == b"\x89PNG"
+  quantization.write(cfg, {**result, "resumed": False}, cmd="python -m research.experiments.quantization")
+  assert "Time of this invocation: " in (tmp_path / "results.md").read_text()
