@@ -435,7 +435,7 @@ def plot(result: dict):
   colours, markers, seen = {}, {}, {}
 
   def point(ax, x, y, method, marker, label):
-    colour = colours.setdefault(method, f"C{len(colours) % 10}" if len(colours) < 10 else "k")
+    colour = colours.setdefault(method, f"C{len(colours)}" if len(colours) < 10 else "k")  # 10 distinct, then black
     h = ax.scatter(x, y, color=colour, marker=marker, s=28, alpha=0.85, edgecolors="none")
     seen.setdefault(label, h)
 
