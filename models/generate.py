@@ -3,7 +3,7 @@
 Shapes: B batch, P prompt length, S = P + new tokens (the cache length), L layers, K kv heads, H head_dim,
 V vocab. The cache holds every layer's rotated keys and values, (L, B, S, K, H) each, in the compute dtype; step t
 writes position t and attends to positions ≤ t through a mask, so each new token costs one token's forward pass
-instead of a re-run of the whole prefix (`research/bench_sample.py` measures the ratio). The whole loop is one
+instead of a re-run of the whole prefix (`research/bench/sample.py` measures the ratio). The whole loop is one
 jitted program (prefill + `lax.fori_loop`). Dense and MoE models; not the pipeline (`stage`) layout.
 """
 

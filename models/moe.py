@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import TransformerConfig
-from models.transformer import _param
+from models.params import param
 from sharding import experts
 from sharding.rules import constrain
 
@@ -90,17 +90,17 @@ class MoE(nnx.Module):
     D, E, F = c.d_model, m.num_experts, m.d_expert or c.d_ff
     out_std = c.init_std / (2 * c.n_layers) ** 0.5
     self.c = c
-    self.router_DE = _param(rngs, (D, E), ("embed", None), c.init_std, pd)
-    self.w_gate_EDF = _param(rngs, (E, D, F), ("expert", "embed", "mlp"), c.init_std, pd)
-    self.w_up_EDF = _param(rngs, (E, D, F), ("expert", "embed", "mlp"), c.init_std, pd)
-    self.w_down_EFD = _param(rngs, (E, F, D), ("expert", "mlp", "embed"), out_std, pd)
+    self.router_DE = param(rngs, (D, E), ("embed", None), c.init_std, pd)
+    self.w_gate_EDF = param(rngs, (E, D, F), ("expert", "embed", "mlp"), c.init_std, pd)
+    self.w_up_EDF = param(rngs, (E, D, F), ("expert", "embed", "mlp"), c.init_std, pd)
+    self.w_down_EFD = param(rngs, (E, F, D), ("expert", "mlp", "embed"), out_std, pd)
     if m.num_shared:
       S = m.d_shared or m.num_shared * F
-      self.shared_gate_DS = _param(rngs, (D, S), ("embed", "mlp"), c.init_std, pd)
-      self.shared_up_DS = _param(rngs, (D, S), ("embed", "mlp"), c.init_std, pd)
-      self.shared_down_SD = _param(rngs, (S, D), ("mlp", "embed"), out_std, pd)
+      self.shared_gate_DS = param(rngs, (D, S), ("embed", "mlp"), c.init_std, pd)
+      self.shared_up_DS = param(rngs, (D, S), ("embed", "mlp"), c.init_std, pd)
+      self.shared_down_SD = param(rngs, (S, D), ("mlp", "embed"), out_std, pd)
       if m.shared_gate:
-        self.shared_router_D1 = _param(rngs, (D, 1), ("embed", None), c.init_std, pd)
+        self.shared_router_D1 = param(rngs, (D, 1), ("embed", None), c.init_std, pd)
     if m.bias_rate > 0:
       self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=(None,), eager_sharding=False)
 

@@ -17,17 +17,11 @@ from flax import nnx
 
 from models.attention import attend
 from models.config import TransformerConfig
+from models.moe import MoE
+from models.params import param
 from sharding.context import check_context, from_zigzag, mesh_context, to_zigzag, zigzag_positions
 from sharding.pipeline import mesh_stages, pipeline
 from sharding.rules import constrain
-
-
-def _param(rngs: nnx.Rngs, shape, names, std, dtype):
-  """A Param with logical axis `names`: truncated normal of `std`, ones for std 0 (norm scales), zeros for None
-  (biases)."""
-  init = (nnx.initializers.zeros if std is None else
-          nnx.initializers.truncated_normal(std) if std else nnx.initializers.ones)
-  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
 
 
 def rms_norm(x, scale, eps):
@@ -63,26 +57,25 @@ class Block(nnx.Module):
     D, N, K, H, F, pd = c.d_model, c.n_heads, c.kv_heads, c.hd, c.d_ff, c.param_dtype
     out_std = c.init_std / (2 * c.n_layers) ** 0.5  # GPT-2: residual projections scaled by depth
     self.c = c
-    self.attn_norm = _param(rngs, (D,), ("norm",), 0, pd)
-    self.wq_DQ = _param(rngs, (D, N * H), ("embed", "heads"), c.init_std, pd)
-    self.wk_DK = _param(rngs, (D, K * H), ("embed", "kv_heads"), c.init_std, pd)
-    self.wv_DK = _param(rngs, (D, K * H), ("embed", "kv_heads"), c.init_std, pd)
-    self.wo_QD = _param(rngs, (N * H, D), ("heads", "embed"), out_std, pd)
+    self.attn_norm = param(rngs, (D,), ("norm",), 0, pd)
+    self.wq_DQ = param(rngs, (D, N * H), ("embed", "heads"), c.init_std, pd)
+    self.wk_DK = param(rngs, (D, K * H), ("embed", "kv_heads"), c.init_std, pd)
+    self.wv_DK = param(rngs, (D, K * H), ("embed", "kv_heads"), c.init_std, pd)
+    self.wo_QD = param(rngs, (N * H, D), ("heads", "embed"), out_std, pd)
     if c.qkv_bias:
-      self.q_bias_Q = _param(rngs, (N * H,), ("heads",), None, pd)
-      self.k_bias_K = _param(rngs, (K * H,), ("kv_heads",), None, pd)
-      self.v_bias_K = _param(rngs, (K * H,), ("kv_heads",), None, pd)
+      self.q_bias_Q = param(rngs, (N * H,), ("heads",), None, pd)
+      self.k_bias_K = param(rngs, (K * H,), ("kv_heads",), None, pd)
+      self.v_bias_K = param(rngs, (K * H,), ("kv_heads",), None, pd)
     if c.qk_norm:
-      self.q_norm = _param(rngs, (H,), ("norm",), 0, pd)
-      self.k_norm = _param(rngs, (H,), ("norm",), 0, pd)
-    self.mlp_norm = _param(rngs, (D,), ("norm",), 0, pd)
+      self.q_norm = param(rngs, (H,), ("norm",), 0, pd)
+      self.k_norm = param(rngs, (H,), ("norm",), 0, pd)
+    self.mlp_norm = param(rngs, (D,), ("norm",), 0, pd)
     if c.moe is not None:
-      from models.moe import MoE  # moe.py builds its weights with _param
       self.moe = MoE(c, rngs=rngs)
     else:
-      self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
-      self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
-      self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), out_std, pd)
+      self.w_gate_DF = param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
+      self.w_up_DF = param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
+      self.w_down_FD = param(rngs, (F, D), ("mlp", "embed"), out_std, pd)
 
   def __call__(self, x_BTD):
     """x_BTD -> (x_BTD, aux): aux holds float32 router statistics of an MoE block ({} for a dense one) and, with
@@ -165,7 +158,7 @@ class Transformer(nnx.Module):
 
   def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
     self.c = c
-    self.embed_VD = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype)
+    self.embed_VD = param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), c.init_std, c.param_dtype)
 
     @nnx.split_rngs(splits=c.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -173,9 +166,9 @@ class Transformer(nnx.Module):
       return Block(c, rngs=r)
 
     self.blocks = make_blocks(rngs)
-    self.final_norm = _param(rngs, (c.d_model,), ("norm",), 0, c.param_dtype)
+    self.final_norm = param(rngs, (c.d_model,), ("norm",), 0, c.param_dtype)
     if not c.tie_embeddings:
-      self.head_DV = _param(rngs, (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
+      self.head_DV = param(rngs, (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
 
   def __call__(self, tokens_BT):
     return self.forward(tokens_BT)[0]

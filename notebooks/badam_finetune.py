@@ -19,7 +19,7 @@
 # BAdam (Luo, Yu & Li, arXiv 2404.02827) is a fine-tuning method: one transformer layer trains at a time with Adam,
 # the embedding and head stay frozen. Experiment 6 ran it from random init; here it runs in its own regime. A 6-layer
 # `tiny` is pretrained on the standard library's Python source, then fine-tuned with `--init-from` on a second
-# corpus, the package descriptions of optlab's runtime dependencies (`research/docs_corpus.py`: English prose and
+# corpus, the package descriptions of optlab's runtime dependencies (`research/data/docs_corpus.py`: English prose and
 # markup). Learning is the held-out loss on the new corpus, forgetting the held-out loss on the old one. The
 # full-size protocol (an lr grid at one seed, three seeds at each one's best lr) is in
 # `research/experiments/badam_finetune.py`; its results are in

@@ -20,7 +20,7 @@
 # and five adapters from `models/peft.py` at an equal trainable budget: LoRA, DoRA, Pre-Diag and SORA (Chang et al.,
 # "Calibrating and Rotating", AAAI 2026) and a SNIP-pruned sparse adapter (He et al., SparseAdapter). Each run is
 # the train CLI with `--init-from` (and `--peft METHOD` for the adapters). Learning is the held-out loss on the new
-# corpus (the package descriptions of `research/docs_corpus.py`), forgetting the held-out loss on the pretraining
+# corpus (the package descriptions of `research/data/docs_corpus.py`), forgetting the held-out loss on the pretraining
 # corpus (the standard library's Python source). The paper's claim is about the update ΔW = W_final − W_pretrained:
 # DoRA raises its singular-value entropy toward full fine-tuning's, and Pre-Diag and SORA keep that more cheaply;
 # the last table measures it. The full protocol (`small` pretrained, an lr grid per contender at one seed, three

@@ -7,7 +7,7 @@ Both replace the gradient g = ∇f(x_t, ξ_t) by a corrected, clipped one before
 
   approx (MARS-approx, MVR1): g̃ = ∇f(x_{t−1}, ξ_{t−1}), the previous gradient, kept in the state (+1 params copy).
   exact  (MARS-exact, MVR2):  g̃ = ∇f(x_{t−1}, ξ_t), the previous parameters on the *current* batch, passed to
-                              `update(..., prev_grads=g̃)`; research/train.py computes it (a second backward pass).
+                              `update(..., prev_grads=g̃)`; research/train/ computes it (a second backward pass).
 
 At the first step g̃ = 0 in both modes, so c₁ = (1 + γβ/(1−β))·g₁ before the clip: the reference code (AGI-Arena
 MARS and MARS-M, MaeChd's MuonMVR) and pytorch_optimizer all start `last_grad` at zero, and the exact loop of
@@ -76,7 +76,7 @@ def mars_correction(gamma: float = 0.025, beta: float = 0.95, *, mode: str = "ap
     if mode == "exact":
       if prev_grads is None:
         raise MarsError("exact MARS/MVR needs update(..., prev_grads=...): the gradient at the previous parameters "
-                        "on the current batch (research/train.py computes it), or use mode='approx'")
+                        "on the current batch (research/train/ computes it), or use mode='approx'")
       started = state.count > 0  # the reference's g̃ is zero at the first step
       prev = jax.tree.map(lambda p, g: jnp.where(started, p, jnp.zeros_like(p)).astype(g.dtype), prev_grads, updates)
     else:

@@ -156,12 +156,12 @@ def hyperparameters(name: str) -> dict[str, Any]:
 def needs_prev_grads(name: str, hparams: dict | None = None) -> bool:
   """Whether optimizer `name` with these hyperparameters (the rest at their defaults) wants
   `update(..., prev_grads=)`: the gradient at the previous parameters on the current batch. The train
-  loop then keeps the previous parameters and runs a second backward pass (research/train.py)."""
+  loop then keeps the previous parameters and runs a second backward pass (research/train/)."""
   predicate = PREV_GRADS.get(name)
   return predicate is not None and bool(predicate({**hyperparameters(name), **(hparams or {})}))
 
 
 def needs_max_logits(name: str) -> bool:
   """Whether optimizer `name` wants `update(..., max_logits=)`: the model's per-head attention-logit maxima, stacked
-  like the blocks (`TransformerConfig(logit_stats=True)`; research/train.py passes them)."""
+  like the blocks (`TransformerConfig(logit_stats=True)`; research/train/ passes them)."""
   return name in MAX_LOGITS

@@ -21,7 +21,7 @@ import sys
 import tyro
 
 from models import HFError, peft, to_hf, to_hf_peft
-from research.pretrained import LOAD_ERRORS, init_source, load_run
+from research.train.pretrained import LOAD_ERRORS, init_source, load_run
 
 
 @dataclasses.dataclass

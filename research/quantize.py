@@ -31,7 +31,7 @@ from flax import nnx
 
 from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
 from research.data import DataError, eval_batches, get_batch, load_corpus
-from research.pretrained import LOAD_ERRORS, load_model
+from research.train.pretrained import LOAD_ERRORS, load_model
 from sharding.mesh import make_mesh
 from sharding.state import place_variables
 

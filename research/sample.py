@@ -12,8 +12,8 @@ import sys
 import tyro
 
 from models import generate
-from research.pretrained import LOAD_ERRORS, load_model
-from research.tokenizer import TokenizerError
+from research.data.tokenizer import TokenizerError
+from research.train.pretrained import LOAD_ERRORS, load_model
 
 
 @dataclasses.dataclass

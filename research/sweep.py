@@ -36,7 +36,8 @@ from multiprocessing import get_context
 import numpy as np
 import tyro
 
-from research.train import USER_ERRORS, TrainConfig
+from research.train.cli import USER_ERRORS
+from research.train.config import TrainConfig
 
 _ENTRY = re.compile(r"^(\w+)(?:\[(.*)\])?=([^=\[\]]+)$")
 
@@ -119,8 +120,8 @@ def budget_steps(cfg: SweepConfig) -> int:
     steps = cfg.tokens // tokens_per_step
   elif cfg.flops is not None:
     from models import flops_per_token
-    from research.train import _model_config
-    steps = int(cfg.flops // (flops_per_token(_model_config(cfg.train), cfg.train.seq_len) * tokens_per_step))
+    from research.train.build import model_config
+    steps = int(cfg.flops // (flops_per_token(model_config(cfg.train), cfg.train.seq_len) * tokens_per_step))
   else:
     steps = cfg.train.steps
   if steps < 1:
@@ -129,10 +130,10 @@ def budget_steps(cfg: SweepConfig) -> int:
 
 
 def _run_one(train_kwargs: dict) -> None:
-  """One training run; a run that diverges (research.health stops it after --max-bad-steps non-finite steps)
+  """One training run; a run that diverges (research.train.health stops it after --max-bad-steps non-finite steps)
   is recorded as diverged in its directory instead of ending the sweep."""
-  from research.health import BadStepsError
-  from research.train import run
+  from research.train.health import BadStepsError
+  from research.train.loop import run
   try:
     run(TrainConfig(**train_kwargs))
   except BadStepsError as e:

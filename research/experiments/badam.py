@@ -49,7 +49,7 @@ from models.config import TransformerConfig
 from optim import block_index
 from research.experiments import common
 from research.sweep import SweepConfig, run_grid
-from research.train import TrainConfig
+from research.train.config import TrainConfig
 
 NAME = "badam"
 QUESTION = ("At equal steps, how much optimizer-state memory does BAdam (one block trained at a time, Adam state "

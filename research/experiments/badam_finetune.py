@@ -10,7 +10,7 @@ paper starts.
 
 Setup. Pretraining: the `tiny` preset with `n_layers` = 6, AdamW from random init on the default corpus (the standard
 library's Python source, bytes) by the train CLI, one run (seed 0). Fine-tuning: `--init-from` that run, on the second
-corpus (`research.docs_corpus`: the package descriptions of optlab's runtime dependencies, English prose and markup,
+corpus (`research.data.docs_corpus`: the package descriptions of optlab's runtime dependencies, English prose and markup,
 split by package), by the same CLI (warmup + cosine schedule, clip 1.0, weight decay 0.1, one device). Contenders:
   adamw  full AdamW on every parameter.
   badam  `badam` with the reference's defaults: the 6 layers as blocks in descending order, K = `switch_every`
@@ -37,13 +37,13 @@ import jax
 import numpy as np
 import tyro
 
-from research import docs_corpus
-from research.data import eval_batches, load_corpus
 from optim.trees import path_name
+from research.data import docs_corpus
+from research.data import eval_batches, load_corpus
 from research.experiments import badam, common
-from research.pretrained import load_run
 from research.sweep import Run, SweepConfig, run_grid
-from research.train import TrainConfig
+from research.train.config import TrainConfig
+from research.train.pretrained import load_run
 
 NAME = "badam_finetune"
 QUESTION = ("Fine-tuning a pretrained model on a second corpus at equal steps: how close does BAdam (one layer "

@@ -70,8 +70,8 @@ from flax import nnx
 from models import MoEConfig, Transformer, preset
 from models.surgery import OUT_PROJECTIONS, upcycle
 from research.experiments import common
-from research.pretrained import load_run
-from research.train import TrainConfig
+from research.train.config import TrainConfig
+from research.train.pretrained import load_run
 
 ARMS = ("e2e", "disco", "disco_random", "disco_size")
 LABELS = {"e2e": "end-to-end MoE", "disco": "DisCo (k-means)", "disco_random": "DisCo (random partition)",

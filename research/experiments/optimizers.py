@@ -47,7 +47,7 @@ import tyro
 
 from research.experiments.common import past_edge, smoke_compiles_quickly, write_results
 from research.sweep import SweepConfig, draw_curves, run_grid, summarize
-from research.train import TrainConfig
+from research.train.config import TrainConfig
 
 GRID = ("adamw=3e-4,1e-3,3e-3", "mgup_adamw=3e-4,1e-3,3e-3", "cautious_adamw=3e-4,1e-3,3e-3",
         "mars[weight_decay=0.1]=3e-4,1e-3,3e-3,1e-2", "muon=3e-3,1e-2,3e-2", "mgup_muon=3e-3,1e-2,3e-2",

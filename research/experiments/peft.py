@@ -9,7 +9,7 @@ matches or beats a dense one at the same budget.
 
 Setup. Pretraining: the `small` preset (d 256, 4 layers) with AdamW from random init on the default corpus (the
 standard library's Python source, bytes) by the train CLI, one run (seed 0). Fine-tuning: `--init-from` that run on
-the second corpus (`research.docs_corpus`: package descriptions, split by package), by the same CLI (warmup + cosine,
+the second corpus (`research.data.docs_corpus`: package descriptions, split by package), by the same CLI (warmup + cosine,
 clip 1.0, the optimizer's default weight decay, one device), at equal steps and tokens for every contender:
   adamw, muon        full fine-tuning, every parameter.
   badam              BAdam with the reference defaults (one layer at a time, embedding and final norm frozen).
@@ -48,13 +48,14 @@ import numpy as np
 import tyro
 from flax import nnx
 
-from research import docs_corpus
-from research.adapters import PeftFlags
+from research.data import docs_corpus
 from research.data import eval_batches, load_corpus
 from research.experiments import common
-from research.pretrained import load_run
 from research.sweep import Run, SweepConfig, parse_grid, run_grid
-from research.train import TrainConfig, _optimizer
+from research.train.adapters import PeftFlags
+from research.train.build import make_optimizer
+from research.train.config import TrainConfig
+from research.train.pretrained import load_run
 
 NAME = "peft"
 QUESTION = ("Fine-tuning a pretrained model on a second corpus at equal steps: how do the five adapters (LoRA, DoRA, "
@@ -154,7 +155,7 @@ def delta_entropies(model, before: dict) -> dict[str, list[list[float]]]:
 
 def state_bytes(tc: TrainConfig, params) -> int:
   """Optimizer-state bytes the CLI's tx keeps for `params` (full fine-tuning: every parameter)."""
-  tx = _optimizer(tc)[0]
+  tx = make_optimizer(tc)[0]
   return common.tree_bytes(jax.eval_shape(tx.init, params))
 
 

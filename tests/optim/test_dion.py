@@ -19,10 +19,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import optim
-import sharding
 from optim import DionError, DionState, dion, dion_rank, right_factor_spec, scale_by_dion
 from optim.dion import _cholesky_qr2, _inverse_cholesky_factor
-from research.bench_dion_comm import dion_expected_bytes, state_shardings, step_bytes
+from research.bench.dion import dion_expected_bytes, state_shardings, step_bytes
+import sharding
 from sharded_steps import assert_no_hang_patterns, compile_update, run_steps
 
 RNG = np.random.default_rng(0)
@@ -325,7 +325,7 @@ def test_inject_hyperparams():
 
 
 def test_fewer_bytes_than_distributed_muon_at_rank_quarter():
-  """One compiled step on fsdp=4,tensor=2 (research/bench_dion_comm.py's tree at D=32, F=128, 4 layers): Dion
+  """One compiled step on fsdp=4,tensor=2 (research/bench/dion.py's tree at D=32, F=128, 4 layers): Dion
   distributed at rank 0.25 sends fewer bytes per device than distributed Muon (measured 0.46x), and exactly the
   all-reduces its model predicts (P, PᵀP twice, R, R's column norms: `dion_expected_bytes`). The margin is Muon's
   resharding on this mesh (all-gathers, permutes beside its all-to-alls): against the all-to-alls alone Dion sends

@@ -17,11 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import research.train
 from models import Transformer, cross_entropy
 from research.data import get_batch, load_corpus
-from research.health import Monitor
-from research.train import TrainConfig, main, run
+from research.train import TrainConfig, main, make_steps, run
+from research.train.build import make_optimizer, model_config
+from research.train.health import Monitor
+import research.train.loop
+import research.train.preflight
+import research.train.step
 from sharding import batch_sharding, init_train_state, make_mesh
 
 # The programs of tests/research/test_crash.py and test_multiprocess.py (same model, optimizer, schedule, mesh):
@@ -51,7 +54,7 @@ def poisoned_batches(marks: dict[int, str], order=None):
 
 @pytest.fixture
 def poison(monkeypatch):
-  return lambda *args, **kw: monkeypatch.setattr(research.train, "get_batch", poisoned_batches(*args, **kw))
+  return lambda *args, **kw: monkeypatch.setattr(research.train.loop, "get_batch", poisoned_batches(*args, **kw))
 
 
 @jax.custom_vjp
@@ -72,12 +75,12 @@ def cfg(out, **kw):
 
 
 def test_a_skipped_step_leaves_params_and_optimizer_state_bit_for_bit(monkeypatch):
-  monkeypatch.setattr(research.train, "cross_entropy", nan_grads_cross_entropy)
+  monkeypatch.setattr(research.train.step, "cross_entropy", nan_grads_cross_entropy)
   c = cfg("unused")
-  mesh, tx = make_mesh(c.mesh), research.train._optimizer(c)[0]
-  model = lambda: Transformer(research.train._model_config(c), rngs=nnx.Rngs(0))  # noqa: E731
+  mesh, tx = make_mesh(c.mesh), make_optimizer(c)[0]
+  model = lambda: Transformer(model_config(c), rngs=nnx.Rngs(0))  # noqa: E731
   graphdef, state, shardings = init_train_state(model, tx, mesh)
-  train_step, _ = research.train.make_steps(graphdef, tx, shardings, batch_sharding(mesh, (8, 32)))
+  train_step, _ = make_steps(graphdef, tx, shardings, batch_sharding(mesh, (8, 32)))
   tokens = load_corpus().train
 
   def batch(s):

@@ -3,7 +3,8 @@
 import jax
 import pytest
 
-from research import bench, bench_attention, bench_optim
+from research.bench import attention as bench_attention, cli as bench, optim as bench_optim
+from research.bench.ckpt import ckpt_bench
 
 
 def test_benchmarks_are_registered():
@@ -11,8 +12,8 @@ def test_benchmarks_are_registered():
 
 
 def test_ckpt_bench_times_checksums_against_save_and_restore(tmp_path):
-  row, = bench.ckpt_bench(presets=("tiny",), mesh="fsdp=4", rounds=1, tmp_dir=str(tmp_path),
-                          out=str(tmp_path / "t.md"))
+  row, = ckpt_bench(presets=("tiny",), mesh="fsdp=4", rounds=1, tmp_dir=str(tmp_path),
+                    out=str(tmp_path / "t.md"))
   assert row["arrays"] > 10 and row["state_bytes"] > 1e5
   assert 0 < row["one_pass_s"] and 0 < row["checksums_s"] < row["save_s"] and row["checksums_s"] < row["restore_s"]
   assert "| tiny | 0.1M |" in (tmp_path / "t.md").read_text()
@@ -36,7 +37,7 @@ def test_attention_bench_flash_equals_xla_and_context_traffic_is_analytic(tmp_pa
   sends are exactly the analytic bytes of its algorithm; the activation memory per device falls with C."""
   assert bench.BENCHMARKS["attention"] is bench_attention.attention
   out = tmp_path / "a.md"
-  # the train-step section (research.bench.time_train_step, as `bench train`) is left out: two more compiles
+  # the train-step section (research.bench.timing.time_train_step, as `bench train`) is left out: two more compiles
   r = bench.BENCHMARKS["attention"](kernel_model="tiny", kernel_seqs=(1024,), repeats=1, train_seq=None,
                                     context_model="tiny", context_seq=256, contexts=(1, 2), context_reference=None,
                                     matmul_n=256, out=str(out))

@@ -1,12 +1,12 @@
-"""research.checkpoint.Checkpointer on states the train CLI's tests do not reach by themselves."""
+"""research.train.checkpoint.Checkpointer on states the train CLI's tests do not reach by themselves."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from research.train.checkpoint import Checkpointer
 import sharding
-from research.checkpoint import Checkpointer
 
 
 def test_zero_size_arrays_round_trip_with_their_shape_dtype_and_sharding(tmp_path):

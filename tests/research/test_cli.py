@@ -10,7 +10,9 @@ import pytest
 
 from models import PRESETS
 from optim import OPTIMIZERS
-from research.train import MoEFlags, RunError, TrainConfig, _model_config, main
+from research.train import RunError, TrainConfig, main
+from research.train.build import model_config
+from research.train.config import MoEFlags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,7 +45,7 @@ def options(help_text):
 
 def test_help_describes_every_flag_and_lists_the_registries(help_text):
   assert help_text.startswith("usage: python -m research.train")
-  assert REPO not in help_text and "/research/train.py" not in help_text  # no machine paths
+  assert REPO not in help_text and "/research/train/" not in help_text  # no machine paths
   opts = options(help_text)
   assert len(opts) >= 60
   undocumented = [k for k, v in opts.items() if len(v.split()) < 2 and k != "--help"]
@@ -56,15 +58,15 @@ def test_help_describes_every_flag_and_lists_the_registries(help_text):
 
 def test_moe_flags_override_single_fields_of_the_preset():
   base = PRESETS["moe_tiny"].moe
-  c = _model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=4)))
+  c = model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=4)))
   assert (c.moe.num_experts, c.moe.d_expert, c.moe.top_k) == (4, base.d_expert, base.top_k)
-  c = _model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(router="sigmoid", bias_rate=1e-3)))
+  c = model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(router="sigmoid", bias_rate=1e-3)))
   assert (c.moe.router, c.moe.bias_rate, c.moe.num_experts, c.moe.d_expert) == ("sigmoid", 1e-3, 8, base.d_expert)
-  assert _model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=0))).moe is None
-  c = _model_config(TrainConfig(model="tiny", d_ff=96, moe=MoEFlags(num_experts=4, top_k=1)))
+  assert model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=0))).moe is None
+  c = model_config(TrainConfig(model="tiny", d_ff=96, moe=MoEFlags(num_experts=4, top_k=1)))
   assert (c.moe.num_experts, c.moe.top_k, c.d_ff, c.d_model) == (4, 1, 96, PRESETS["tiny"].d_model)
   with pytest.raises(RunError, match="--model tiny is dense: give --moe.num-experts"):
-    _model_config(TrainConfig(model="tiny", moe=MoEFlags(top_k=1)))
+    model_config(TrainConfig(model="tiny", moe=MoEFlags(top_k=1)))
   assert set(MoEFlags.__dataclass_fields__) == set(PRESETS["moe_tiny"].moe.__dataclass_fields__)
 
 

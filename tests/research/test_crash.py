@@ -24,9 +24,9 @@ TMP = ".orbax-checkpoint-tmp"
 DRIVER = """
 import os, signal, sys
 from orbax.checkpoint._src.path import atomicity
-import research.checkpoint
+import research.train.checkpoint
 at, how = os.environ["KILL_AT"], os.environ["KILL_HOW"]
-finalize, save = atomicity.AtomicRenameTemporaryPath.finalize, research.checkpoint.Checkpointer.save
+finalize, save = atomicity.AtomicRenameTemporaryPath.finalize, research.train.checkpoint.Checkpointer.save
 
 async def finalize_then_die(self):
   if how == "commit" and self._final_path.name == at:
@@ -42,7 +42,7 @@ def save_then_die(self, step, *args, **kwargs):
   return started
 
 atomicity.AtomicRenameTemporaryPath.finalize = finalize_then_die
-research.checkpoint.Checkpointer.save = save_then_die
+research.train.checkpoint.Checkpointer.save = save_then_die
 from research.train import main
 main(sys.argv[1:])
 """

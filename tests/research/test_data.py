@@ -1,4 +1,4 @@
-"""Tests for research/data.py: the corpus build, its cache, the split rule and the samplers.
+"""Tests for research/data/ (corpus.py, batches.py): the corpus build, its cache, the split rule and the samplers.
 
 Expected values are recomputed here from the written spec (file walk, sha256 split rule,
 window arithmetic), not taken from the module.
@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from research import data
+from research.data import corpus
 from research.data import DataError, eval_batches, get_batch, load_corpus
 
 
@@ -74,7 +74,7 @@ def test_default_corpus_second_load_is_cache_hit(stdlib, monkeypatch):
   def no_reads(*args):
     raise AssertionError("a cache hit must not re-read the stdlib")
 
-  monkeypatch.setattr(data, "_read", no_reads)
+  monkeypatch.setattr(corpus, "_read", no_reads)
   again = load_corpus(cache_dir=str(stdlib["cache"]))
   assert again.fingerprint == hit.fingerprint
 

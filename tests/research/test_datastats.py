@@ -1,11 +1,11 @@
-"""research/datastats.py against direct NumPy loops over small arrays, and the characters' limiting cases."""
+"""research/data/datastats.py against direct NumPy loops over small arrays, and the characters' limiting cases."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from research import datastats
+from research.data import datastats
 
 RNG = np.random.default_rng(0)
 

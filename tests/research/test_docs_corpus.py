@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from research import docs_corpus
+from research.data import docs_corpus
 from research.data import DataError, _is_val, load_corpus
 
 

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from research import distributed
-from research.distributed import DistributedError
+from research.train import distributed
 from research.train import TrainConfig, run
+from research.train.distributed import DistributedError
 
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
             warmup_steps=1, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12)
@@ -116,7 +116,7 @@ def test_a_dead_peer_ends_the_others_in_one_line_and_a_restart_resumes_exactly(t
 
 WATCHED = """
 import sys, time
-from research.watchdog import Watchdog
+from research.train.watchdog import Watchdog
 with Watchdog(float(sys.argv[1]), "after step {step}: stuck") as w:
   w.beat(7)
   time.sleep(30)  # a collective that never returns

@@ -13,10 +13,10 @@ from flax import nnx
 
 import models
 from research import export, sample
-from research.pretrained import load_model, load_run
-from research.checkpoint import CheckpointError
-from research.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError
+from research.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError
 from research.train import TrainConfig, run
+from research.train.checkpoint import CheckpointError
+from research.train.pretrained import load_model, load_run
 
 TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=4,
             warmup_steps=1, eval_batches=1, progress=False, mesh="data=-1")

@@ -2,7 +2,7 @@
 on scikit-learn's handwritten digits (1,797 8×8 images shipped in the package, 10 classes), trained by W workers with
 each --sync algorithm of the train CLI, on dataset variants whose characters differ.
 
-Every run goes through the CLI's own programs (`research.sync.Steps` on a mesh `data=W` of W devices, the plain
+Every run goes through the CLI's own programs (`research.train.sync.Steps` on a mesh `data=W` of W devices, the plain
 step below for allreduce): per-worker batch `batch` rows, plain SGD with a constant learning rate (inside the workers
 for local SGD, with outer plain averaging: model-averaging SGD, outer lr 1, no momentum), `steps` steps.
 
@@ -24,8 +24,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from research.data import datastats
+from research.train import sync
 import sharding
-from research import datastats, sync
 
 VARIANTS = ("shuffled", "sorted", "repeated", "binary")
 
@@ -70,13 +71,13 @@ def rows(data: Data, seed: int, step: int, batch: int) -> np.ndarray:
 
 
 def characters(data: Data, seed: int = 0, samples: int = 1024) -> dict:
-  """The dataset's characters (research/datastats.py) on `samples` rows in its sampling order."""
+  """The dataset's characters (research/data/datastats.py) on `samples` rows in its sampling order."""
   idx = np.concatenate([rows(data, seed, s, 64) for s in range(samples // 64)])
   return datastats.characters(data.x[idx])
 
 
 def loss_fn(params, x, y, buffers):
-  """Mean cross entropy of softmax(x W + b): the research/sync.py loss signature (total, (loss, aux))."""
+  """Mean cross entropy of softmax(x W + b): the research/train/sync.py loss signature (total, (loss, aux))."""
   logits = x @ params["w"] + params["b"]
   ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=-1))
   return ce, (ce, {})

@@ -55,7 +55,7 @@ def tables(result: dict) -> list[str]:
   lines = ["## Convex: logistic regression on digits (plain SGD)", "",
            f"Speedup in steps to the target held-out loss over 1 worker, mean ± std over {len(cfg['seeds'])} seeds "
            "(† the tuned learning rate is at its grid's edge; — (k/n): only k of n seeds reached the target). "
-           "Characters of the samples in sampling order (research/datastats.py), B_noise at the 1-worker run's "
+           "Characters of the samples in sampling order (research/data/datastats.py), B_noise at the 1-worker run's "
            f"final parameters; per-worker batch {cfg['convex_batch']}.", ""]
   lines += speedup_table(result["convex"], s["convex"], cfg["workers"], cfg["algorithms"])
   lines += ["", "## Language model: `tiny` on bytes (AdamW)", "",
@@ -123,9 +123,9 @@ def plot(result: dict):
   return fig
 
 
-def write(cfg, result: dict, cmd: str | None = None):
-  from research.experiments.scalability.study import NAME, QUESTION
-  common.write_results(cfg.out, NAME, QUESTION, tables(result), findings=findings(result),
+def write(cfg, result: dict, name: str, question: str, cmd: str | None = None):
+  """results.md (the study's `name` and `question`, tables, findings), results.json and speedup.png in cfg.out."""
+  common.write_results(cfg.out, name, question, tables(result), findings=findings(result),
                        settings=result["settings"], data=result, cmd=cmd)
   fig = plot(result)
   fig.savefig(os.path.join(cfg.out, "speedup.png"), dpi=120)

@@ -5,7 +5,7 @@ algorithm's scalability ceiling. Here four algorithms of the train CLI's --sync 
 datasets built to differ in those characters, and the speedup each reaches is set beside what the characters (and
 the gradient noise scale they feed) predict.
 
-Algorithms (research/sync.py; every worker takes `batch` samples a step, so W workers see W times the data):
+Algorithms (research/train/sync.py; every worker takes `batch` samples a step, so W workers see W times the data):
   allreduce   synchronous mini-batch SGD: the mean gradient of W·batch samples every step
   local       local SGD / model averaging (the paper's model-averaging mini-batch SGD): H = `local_period` steps
               apart, the replicas' parameters are replaced by their mean (LM: --outer-lr 1 --outer-momentum 0)
@@ -30,7 +30,7 @@ W) on `stdlib` only, and reused: its grid costs most; where the best sits on the
 
 Predicted speedup of synchronous SGD (McCandlish et al. 2018): steps(B) ≈ S_min (1 + B_noise / B), so
 speedup(W) ≈ (1 + B_noise/b) / (1 + B_noise/(W b)), with B_noise = tr Σ / ‖G‖² of per-sample gradients at the
-W = 1 run's final parameters (research/datastats.py `gradient_stats`) and b the per-worker batch.
+W = 1 run's final parameters (research/data/datastats.py `gradient_stats`) and b the per-worker batch.
 
 Parts:
   convex  multinomial logistic regression on scikit-learn's digits, plain SGD (research/experiments/
@@ -59,10 +59,10 @@ import time
 
 import numpy as np
 
-from research import datastats
+from research.data import datastats
 from research.data import get_batch, load_corpus
 from research.experiments import common
-from research.experiments.scalability import convex as cv
+from research.experiments.scalability import convex as cv, report
 
 NAME = "scalability"
 QUESTION = ("Do a dataset's characters (feature variance, sparsity, diversity, similarity along the sampling order) "
@@ -212,7 +212,7 @@ def lm_data(name: str, work: str) -> tuple[str | None, str]:
       keep = np.random.default_rng(0).choice(len(chunks), max(1, len(chunks) // 10), replace=False)
       body = np.resize(np.repeat(chunks[keep], 10, axis=0).ravel(), n_train)
     else:  # mixed: every other 4 KiB chunk from the package descriptions
-      from research import docs_corpus
+      from research.data import docs_corpus
       docs = np.asarray(load_corpus(docs_corpus.build()).train)
       body = np.resize(train, n_train).copy()
       prose = np.resize(docs, n_train)
@@ -263,7 +263,7 @@ def lm_gradients(cfg: Config, run_dir: str, dataset: str, work: str, samples: in
   from flax import nnx
 
   from models import cross_entropy
-  from research.pretrained import load_run
+  from research.train.pretrained import load_run
   model, _, _ = load_run(run_dir)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   data, sampling = lm_data(dataset, work)
@@ -384,8 +384,8 @@ def summarize(done: dict, cfg: Config) -> dict:
 def main(cfg: Config) -> dict:
   if cfg.smoke:
     cfg = dataclasses.replace(cfg, **SMOKE)
-  from research.train import _setup_jax
-  _setup_jax(8, compile_cache=True)
+  from research.train.runtime import setup_jax
+  setup_jax(8, compile_cache=True)
   unknown = set(cfg.algorithms) - set(ALGORITHMS) or set(cfg.lm_algorithms) - set(LM_ALGORITHMS) or \
       set(cfg.lm_datasets) - set(LM_DATASETS) or \
       set(cfg.convex_variants) - set(cv.VARIANTS)
@@ -404,8 +404,7 @@ def main(cfg: Config) -> dict:
             "convex": done["convex"], "lm": done["lm"], "sweep": done["sweep"], "summary": summarize(done, cfg),
             "wall_s": time.perf_counter() - t0}
   if not cfg.smoke:
-    from research.experiments.scalability.report import write
-    write(cfg, result)
+    report.write(cfg, result, NAME, QUESTION)
     common.drop_partial(cfg)
   return result
 

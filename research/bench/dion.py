@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 
 import optim
 from optim.dion import DionState, dion_rank, right_factor_spec
-from research.bench_report import git_commit, machine, publish, table
+from research.bench.report import git_commit, machine, publish, table
 from sharding import collectives, logical_to_spec, make_mesh, shardings_like_params
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")

@@ -21,6 +21,7 @@ import optax
 from models import TransformerConfig, from_hf
 from models.hf import config_from_hf
 from optim.trees import path_name, tree_bytes
+from research.train.pretrained import hf_path, load_run
 
 SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias", "tie_embeddings")
 FREE_FLAGS = ("compute_dtype", "remat", "microbatches")  # may differ from the checkpoint's
@@ -28,10 +29,6 @@ FREE_FLAGS = ("compute_dtype", "remat", "microbatches")  # may differ from the c
 
 class InitError(ValueError):
   """An --init-from or --freeze that cannot be used."""
-
-
-def hf_path(source: str) -> str | None:
-  return source[3:] if source.startswith("hf:") else None
 
 
 def source_config(source: str) -> TransformerConfig:
@@ -65,7 +62,6 @@ def model_config(cfg, flags: dict) -> TransformerConfig:
 
 def load_model(source: str, config: TransformerConfig, mesh):
   """The source's model (a PEFT run's merged), each array on its shards of `mesh` (the model's logical rules)."""
-  from research.pretrained import load_run
   path = hf_path(source)
   return from_hf(path, mesh=mesh, dtype=config.param_dtype)[0] if path else load_run(source, mesh=mesh)[0]
 

@@ -26,7 +26,7 @@ import optax
 
 import optim
 from optim.trees import tree_bytes
-from research.bench_report import publish
+from research.bench.report import publish
 
 D, F, LAYERS, VOCAB, STEPS = 768, 3072, 6, 256, 5
 

@@ -1,6 +1,6 @@
 """Sampling speed: `models.generate` (KV cache) against re-running the whole sequence for every new token.
 
-  python -m research.bench_sample --out research/results/bench_sample.md
+  python -m research.bench sample --out research/results/bench_sample.md
 
 Both greedy, both one jitted program per run (the peer runs the full padded sequence through the model once per
 new token inside a `lax.fori_loop`, its causal attention making the padding harmless), same random model, same
@@ -12,7 +12,6 @@ the length.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +20,8 @@ from flax import nnx
 
 import models
 from models.generate import generate
-from research.bench_report import publish
-from research.throughput import median_seconds
+from research.bench.report import command, publish
+from research.train.throughput import median_seconds
 
 
 @dataclasses.dataclass
@@ -47,8 +46,8 @@ def _rerun(graphdef, state, seq_BS, start):
   return jax.lax.fori_loop(start - 1, seq_BS.shape[1] - 1, step, seq_BS)
 
 
-def main(argv=None):
-  a = tyro.cli(Args, args=argv)
+def sample(a: tyro.conf.OmitArgPrefixes[Args]):
+  """Sampling speed: the KV cache against re-running the prefix (see the module docstring)."""
   config = models.preset(a.preset)
   model = models.Transformer(config, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -65,10 +64,7 @@ def main(argv=None):
            f"{a.repeats} after a warm-up.", "",
            "| new tokens | KV cache tokens/s | re-run prefix tokens/s | speedup | same tokens |", "|---|---|---|---|---|"]
   lines += [f"| {n} | {c:,.0f} | {r:,.0f} | {s:.1f}x | {'yes' if same else 'NO'} |" for n, c, r, s, same in rows]
-  cmd = " ".join(["python -m research.bench_sample", *(argv if argv is not None else sys.argv[1:])])
+  cmd = command("sample", a)
   lines += ["", f"Command: `{cmd}`"]
   publish(lines, a.out, preface="# Sampling: KV cache vs re-running the prefix\n\n")
 
-
-if __name__ == "__main__":
-  main()

@@ -1,6 +1,6 @@
 """A text corpus re-encoded with a Hugging Face tokenizer, built once and cached on disk.
 
-`tokenize_corpus(corpus, tokenizer_path)` takes the byte corpus of `research.data` (documents joined by the
+`tokenize_corpus(corpus, tokenizer_path)` takes the byte corpus of `research.data.corpus` (documents joined by the
 separator byte), encodes every document with the tokenizer (`tokenizers`, batched, in the library's threads) and
 joins them with the tokenizer's end-of-text token when it has one. The token arrays are stored as uint16 when the
 vocabulary fits (≤ 65,536 ids), else uint32, in `<cache>/tokens-<key>/`, where the key hashes the byte corpus's
@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from research.data import SEPARATOR, Corpus, DataError, _fingerprint, _write_atomic, default_cache_dir
+from research.data.corpus import SEPARATOR, Corpus, DataError, corpus_fingerprint, default_cache_dir, write_atomic
 
 _VERSION = 1
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -58,13 +58,13 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None =
   for name, part in (("train", train), ("val", val)):
     if len(part) == 0:
       raise DataError(f"the {name} split of {corpus.source} encodes to no tokens")
-  meta = dict(fingerprint=_fingerprint(train, val), train_tokens=len(train), val_tokens=len(val),
+  meta = dict(fingerprint=corpus_fingerprint(train, val), train_tokens=len(train), val_tokens=len(val),
               dtype=np.dtype(dtype).name, vocab_size=vocab, end_of_text=eot, text=corpus.fingerprint,
               tokenizer=os.path.realpath(file))
   os.makedirs(folder, exist_ok=True)
-  _write_atomic(folder, "train.bin", train.tobytes())
-  _write_atomic(folder, "val.bin", val.tobytes())
-  _write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the cache valid
+  write_atomic(folder, "train.bin", train.tobytes())
+  write_atomic(folder, "val.bin", val.tobytes())
+  write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the cache valid
   return _corpus(_read(folder, dtype), vocab, source)
 
 

@@ -4,12 +4,12 @@ Question: does our distributed Muon keep Moonlight's bounds on a sharded model, 
 AdamW step's and Newton–Schulz FLOPs per device ≤ 1.25× (total / devices), where Muon left to the partitioner
 repeats every matrix's iteration on every device?
 
-For each model (the ≈43M-parameter tree of research/bench_optim.py, the `small` preset) and mesh (`fsdp=8`,
+For each model (the ≈43M-parameter tree of research/bench/optim.py, the `small` preset) and mesh (`fsdp=8`,
 `data=2,fsdp=4`), in one run: the optimizer update + apply, with gradients and optimizer state sharded like the
 parameters (sharding/rules.py), compiled under the mesh for
   (a) AdamW, (b) optax.contrib.muon left to the partitioner (routed like ours: hidden matrices to Muon, embeddings
   and norms to its AdamW), (c) optim.muon, (d) optim.muon(distributed=True);
-and for `small` the whole train step (research/train.py `make_steps`) as well. Reported per device:
+and for `small` the whole train step (research/train/step.py `make_steps`) as well. Reported per device:
 - collective bytes by kind, read from the compiled HLO by `sharding.collectives` (ring wire bytes; XLA:CPU's
   all-reduce + dynamic-slice counted as the reduce-scatter it stands for);
 - Newton–Schulz FLOPs: `sharding.matmul_flops` of the compiled optimizer step (its only matmuls are Newton–Schulz
@@ -37,9 +37,9 @@ from flax import nnx
 
 import optim
 from models import Transformer, count_params, preset
-from research.bench_optim import param_tree
-from research.bench_report import Progress, git_commit
-from research.train import make_steps
+from research.bench.optim import param_tree
+from research.bench.report import Progress, git_commit
+from research.train.step import make_steps
 from sharding import (analytic_bytes, batch_sharding, collectives, devices_for, init_params, init_train_state,
                       make_mesh, matmul_flops, mesh_spec, param_shardings, shardings_like_params)
 
@@ -175,7 +175,7 @@ def comm(models: tuple[str, ...] = ("43m", "small"), meshes: tuple[str, ...] = (
   """Collective bytes by kind and Newton–Schulz FLOPs per device of one optimizer step on a sharded model.
 
   Args:
-    models: "43m" (research/bench_optim.py's tree) and/or model presets.
+    models: "43m" (research/bench/optim.py's tree) and/or model presets.
     meshes: mesh specs (each uses the first prod(sizes) devices).
     repeats: timed calls per case (median reported) after one warm-up call.
     train_step: also compile, audit and time the whole train step of preset models.

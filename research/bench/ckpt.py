@@ -1,13 +1,13 @@
-"""`python -m research.bench ckpt`: what the checkpoint checksums (research/integrity.py) cost next to the save and
+"""`python -m research.bench ckpt`: what the checkpoint checksums (research/train/integrity.py) cost next to the save and
 restore they guard.
 
-For each preset, in one process: the AdamW train state of research/train.py on `mesh`, then, per round,
+For each preset, in one process: the AdamW train state of research/train/ on `mesh`, then, per round,
   checksums:  integrity.fingerprints(state): two 32-bit words per array, computed where the shards live, read back;
   one pass:   the floor of any checksum that reads every byte once: a jitted sum of every array's 32-bit words
               (the same reads, the least arithmetic), read back;
   crc32:      zlib.crc32 over every array's bytes already on the host (the peer: a file-level checksum of what was
               written; the device-to-host copy is not counted, in its favour);
-  save:       research.checkpoint.Checkpointer.save (its checksums included) until the async write is committed;
+  save:       research.train.checkpoint.Checkpointer.save (its checksums included) until the async write is committed;
   restore:    Checkpointer.restore onto the same shardings (its verification included).
 Reported: medians over the rounds (after one warm-up round), and the checksums' share of the save and of the
 restore. On the CPU the 8 devices are simulated and share the cores, and orbax writes to the local disk.
@@ -26,11 +26,12 @@ import numpy as np
 from flax import nnx
 
 from models import Transformer, count_params
-from research import integrity
-from research.bench_report import machine, publish, table
-from research.checkpoint import Checkpointer
-from research.throughput import median_seconds
-from research.train import TrainConfig, _model_config, _optimizer
+from research.bench.report import machine, publish, table
+from research.train import integrity
+from research.train.build import model_config, make_optimizer
+from research.train.checkpoint import Checkpointer
+from research.train.config import TrainConfig
+from research.train.throughput import median_seconds
 from sharding import devices_for, init_train_state, make_mesh, mesh_spec
 
 
@@ -41,8 +42,8 @@ def _one_pass(leaves):
 
 def _time_preset(name: str, mesh_spec_: str, rounds: int, tmp_root: str) -> dict:
   cfg = TrainConfig(model=name)
-  mcfg = _model_config(cfg)
-  tx, _ = _optimizer(cfg)
+  mcfg = model_config(cfg)
+  tx, _ = make_optimizer(cfg)
   mesh = make_mesh(mesh_spec_, devices=devices_for(mesh_spec_))
   _, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
   leaves = jax.tree.leaves(state)
@@ -77,7 +78,7 @@ def ckpt_bench(presets: tuple[str, ...] = ("small", "base"), mesh: str = "fsdp=8
   """Checkpoint checksums against save, restore, one pass over the state and host crc32, AdamW train state.
 
   Args:
-    presets: model presets (research/train.py's AdamW state: fp32 params and two moments).
+    presets: model presets (research/train/'s AdamW state: fp32 params and two moments).
     mesh: the mesh the state is sharded over.
     rounds: timed rounds (medians reported) after one warm-up round.
     tmp_dir: where orbax writes (default: the system temp dir).

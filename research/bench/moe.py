@@ -5,7 +5,7 @@ step on the simulated mesh, and do the expert all-to-alls and tensor all-reduces
 analytic count?
 
 For one model (default the `moe_tiny` preset: 2 blocks, D = 64, 8 SwiGLU experts of width 32, top-2, dropless) and
-batch, per layout: the real train step of research/train.py (`make_steps`: AdamW, clipping, aux losses) is compiled
+batch, per layout: the real train step of research/train/ (`make_steps`: AdamW, clipping, aux losses) is compiled
 for the layout; its collectives are read from the compiled HLO (`sharding.collectives`) and each is attributed to the
 mesh axes its replica groups span; the steps of all layouts are then run round-robin (one step of each layout per
 round, so load on the shared machine hits them alike) and the median is reported.
@@ -55,10 +55,13 @@ import numpy as np
 from flax import nnx
 
 from models import ConfigError, Transformer, count_params, preset
-from research.bench_report import git_commit
-from research.bench_report import publish
+from research.bench.report import git_commit
+from research.bench.report import publish
 from research.data import get_batch, load_corpus
-from research.train import TrainConfig, _optimizer, _setup_jax, make_steps
+from research.train.build import make_optimizer
+from research.train.config import TrainConfig
+from research.train.runtime import setup_jax
+from research.train.step import make_steps
 from sharding import batch_sharding, collectives, devices_for, init_train_state, make_mesh, mesh_spec, shard_batch
 
 LAYOUTS = ("data=1", "data=8", "expert=8", "data=2,expert=2,tensor=2", "expert=4,fsdp=2", "stage=2,data=2,expert=2")
@@ -131,7 +134,7 @@ def moe(model: str = "moe_tiny", layouts: tuple[str, ...] = LAYOUTS, batch_size:
     out: also write the table (markdown) to this file.
   """
   t_start, load_start = time.perf_counter(), os.getloadavg()[0]
-  _setup_jax(8, True)  # the persistent compilation cache: a rerun skips the minutes of compiling
+  setup_jax(8, True)  # the persistent compilation cache: a rerun skips the minutes of compiling
   mcfg = preset(model)
   if mcfg.moe is None:
     raise ConfigError(f"bench moe needs a mixture-of-experts preset (e.g. moe_tiny), got {model!r}")
@@ -139,7 +142,7 @@ def moe(model: str = "moe_tiny", layouts: tuple[str, ...] = LAYOUTS, batch_size:
     mcfg = dataclasses.replace(mcfg, moe=dataclasses.replace(mcfg.moe, bias_rate=bias_rate))
   for spec in layouts:  # a bad mesh fails before minutes of compiling
     make_mesh(spec, devices=devices_for(spec))
-  tx, _ = _optimizer(TrainConfig(model=model, steps=warmup + rounds))
+  tx, _ = make_optimizer(TrainConfig(model=model, steps=warmup + rounds))
   corpus = load_corpus()
   batches = [get_batch(corpus.train, 0, s, batch_size, seq_len) for s in range(warmup + rounds)]
   runs = []
@@ -161,7 +164,7 @@ def moe(model: str = "moe_tiny", layouts: tuple[str, ...] = LAYOUTS, batch_size:
   lines = [f"`{model}`: {count_params(mcfg) / 1e6:.2f}M params, {mcfg.n_layers} blocks, D={mcfg.d_model}, "
            f"{m.num_experts} experts of width {m.d_expert or mcfg.d_ff}, top-{m.top_k}, "
            f"{'dropless' if m.capacity_factor is None else f'capacity factor {m.capacity_factor}'}, "
-           f"aux-loss-free bias rate {m.bias_rate}; batch {batch_size} x {seq_len}, AdamW (research/train.py "
+           f"aux-loss-free bias rate {m.bias_rate}; batch {batch_size} x {seq_len}, AdamW (research/train/ "
            f"make_steps), fp32; git {git_commit()}, jax {jax.__version__}, {dev.platform}, {jax.device_count()} "
            f"simulated devices on {os.cpu_count()} cores", "",
            "| layout | step ms (min-max) | tokens/s | loss | compile s | " + " | ".join(KINDS) +
@@ -191,7 +194,7 @@ def moe(model: str = "moe_tiny", layouts: tuple[str, ...] = LAYOUTS, batch_size:
   lines += ["", "Collective cells: `count / MiB` sent per device per step (ring wire bytes; XLA:CPU's all-reduce + "
             "dynamic-slice counted as reduce-scatter). EP / TP columns in MiB: the all-to-alls whose groups span only "
             "`expert`, the all-reduces whose groups span only `tensor`, next to the analytic counts of the module "
-            "docstring of research/bench_moe.py (as run = fixed-capacity dropless buffers; compiled = per-projection "
+            "docstring of research/bench/moe.py (as run = fixed-capacity dropless buffers; compiled = per-projection "
             "backward all-reduces; ideal / textbook = exact-size all-to-all / Megatron's 4 per block). Loss: after "
             f"{warmup + rounds} steps on the same batches (dropless routing: layout-independent up to fp32 rounding).",
             f"step ms: median of {rounds} rounds after {warmup} warm-up rounds, layouts interleaved round-robin; "

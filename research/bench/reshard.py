@@ -4,10 +4,10 @@ Question (DynaTrain, arXiv 2605.18815, §4 of shared/reference/methods.md): how 
 train state to a new layout in memory (`sharding.reshard`, one `jax.device_put` of every leaf) than the
 checkpoint path a restart would take (orbax save to disk, then restore with the new mesh's shardings)?
 
-For each preset, in one process and one run: the AdamW train state of research/train.py (fp32 params, two
+For each preset, in one process and one run: the AdamW train state of research/train/ (fp32 params, two
 moments, counters) is created on mesh `src`, then, alternately in each round,
   switch:  reshard(state, dst) with donate=True, until every leaf is ready; then back to `src` (untimed);
-  orbax:   research.checkpoint.Checkpointer save (async write, waited for) + restore onto `dst`'s shardings,
+  orbax:   research.train.checkpoint.Checkpointer save (async write, waited for) + restore onto `dst`'s shardings,
            in a fresh temporary directory each round (so no old step is deleted during the timing).
 The ratio is median(orbax) / median(switch). Also reported: the state's bytes, the bytes the switch must move
 between devices (`sharding.moved_bytes`, the box-intersection lower bound) and the lower+compile time of the
@@ -28,9 +28,11 @@ import numpy as np
 from flax import nnx
 
 from models import Transformer, count_params
-from research.bench_report import machine, publish, table
-from research.checkpoint import Checkpointer
-from research.train import TrainConfig, _model_config, _optimizer, make_steps
+from research.bench.report import machine, publish, table
+from research.train.checkpoint import Checkpointer
+from research.train.config import TrainConfig
+from research.train.build import model_config, make_optimizer
+from research.train.step import make_steps
 from sharding import (abstract_state, batch_sharding, devices_for, init_train_state, logical_names, make_mesh,
                       mesh_spec, moved_bytes, reshard, state_shardings)
 
@@ -47,8 +49,8 @@ def _check(state, host, shardings, what: str):
 
 def _time_preset(name: str, src: str, dst: str, rounds: int, compile_step: bool, tmp_root: str) -> dict:
   cfg = TrainConfig(model=name)
-  mcfg = _model_config(cfg)
-  tx, _ = _optimizer(cfg)
+  mcfg = model_config(cfg)
+  tx, _ = make_optimizer(cfg)
   model_fn = lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
   mesh_a = make_mesh(src, devices=devices_for(src))
   mesh_b = make_mesh(dst, devices=devices_for(dst))
@@ -104,7 +106,7 @@ def reshard_bench(presets: tuple[str, ...] = ("small", "base"), src: str = "fsdp
   """In-process switch (sharding.reshard) vs orbax save + restore onto the new mesh, AdamW train state.
 
   Args:
-    presets: model presets (research/train.py's AdamW with clipping; its default batch 16 x 128 for the compile).
+    presets: model presets (research/train/'s AdamW with clipping; its default batch 16 x 128 for the compile).
     src: mesh the state starts on.
     dst: mesh it moves to; a spec with fixed sizes uses the first devices it needs (e.g. fsdp=4: 4 of 8).
     rounds: timed rounds (medians reported) after one warm-up round.

@@ -6,7 +6,7 @@ and it is a domain shift from the default corpus (`research.data`, the standard 
 prose with Markdown/reST markup, install commands, changelog entries and URLs, against indented code. A model
 pretrained on the standard library starts it at a clearly higher loss (research/results/badam_finetune/).
 
-    python -m research.docs_corpus             # builds it (once) and prints the directory to pass to --data
+    python -m research.data.docs_corpus             # builds it (once) and prints the directory to pass to --data
 
 One file per distribution, `<name>.md`, holding "name version: summary" and the description; distributions whose
 description is shorter than `MIN_CHARS` (a one-line placeholder) are left out. The set is the transitive closure of
@@ -28,7 +28,7 @@ import tempfile
 
 from packaging.requirements import Requirement
 
-from research.data import DataError, default_cache_dir
+from research.data.corpus import DataError, default_cache_dir
 
 ROOT = "optlab"
 MIN_CHARS = 500
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
   from research.data import load_corpus
   args = sys.argv[1:] if argv is None else argv
   if len(args) > 1 or (args and args[0].startswith("-")):
-    print("usage: python -m research.docs_corpus [CACHE_DIR]", file=sys.stderr)
+    print("usage: python -m research.data.docs_corpus [CACHE_DIR]", file=sys.stderr)
     return 2
   path = build(args[0] if args else None)
   corpus = load_corpus(path)

@@ -1,7 +1,7 @@
 """The train CLI's `--sync`: how the replicas on the `data` axis agree (sharding/replicas.py has the algorithms).
 
   allreduce        one copy of the parameters, every step's gradient averaged over `data` (the default; the plain
-                   train step of research/train.py, not this module)
+                   train step of research/train/, not this module)
   local:H          local SGD / DiLoCo: every replica takes H steps of --optimizer on its own rows of the batch with
                    its own optimizer state, then the outer step (Nesterov SGD, --outer-lr, --outer-momentum) on the
                    mean change, and after the run's last step; H = 1 with --outer-lr 1 --outer-momentum 0 and SGD
@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from research.health import keep_if_finite, step_ok
+from research.train.health import keep_if_finite, step_ok
 from sharding import collectives, replicas as rep, shardings_like_params
 from sharding.replicas import ReplicaError
 
@@ -140,12 +140,12 @@ class Steps:
   state with "params" the model to evaluate and save), `metrics`, and the bytes each program moves.
 
   Args:
-    loss_fn: (params, x, y, buffers) -> (total loss, (cross entropy, aux)), research/train.py's.
+    loss_fn: (params, x, y, buffers) -> (total loss, (cross entropy, aux)), research/train/'s.
     tx: the per-replica (local, gossip) or global (stale) optimizer; outer_tx: DiLoCo's outer one.
     shardings: of the state `init_state` laid out; batch_sh: of a batch (the rows split over `data`).
     max_logits: hand the model's attention-logit maxima to the optimizer (MuonClip).
     mixing: gossip's W (`mixing_matrix`; None: the ring).
-    plain: allreduce's step, research/train.py `make_steps`'s.
+    plain: allreduce's step, research/train/step.py `make_steps`'s.
   """
 
   def __init__(self, sync: Sync, loss_fn: Callable, tx, outer_tx, shardings: dict, batch_sh, *,

@@ -1,6 +1,6 @@
 """Host memory of a Hugging Face import: `models.from_hf` against a plain full load, and the floor.
 
-  python -m research.bench_hf --out research/results/bench_hf_import.md
+  python -m research.bench hf --out research/results/bench_hf_import.md
 
 Writes a random Llama-shaped checkpoint (`--d-model`, `--n-layers`, `--vocab`; fp32 safetensors via `models.to_hf`)
 once, then loads it in a fresh process per row and reads that process's peak resident memory (ru_maxrss) minus
@@ -24,7 +24,7 @@ import time
 
 import tyro
 
-from research.bench_report import publish
+from research.bench.report import command, publish
 
 CHILD = r"""
 import json, os, resource, sys, time
@@ -88,8 +88,8 @@ def _checkpoint(a: Args) -> tuple[str, int]:
   return path, os.path.getsize(os.path.join(path, "model.safetensors"))
 
 
-def main(argv=None):
-  a = tyro.cli(Args, args=argv)
+def hf(a: tyro.conf.OmitArgPrefixes[Args]):
+  """Host memory of a Hugging Face import against a plain full load and the floor (see the module docstring)."""
   path, size = _checkpoint(a)
   rows = []
   for label, mode in (("from_hf, 1 device", "one"), ("from_hf, fsdp=8", "fsdp=8"), ("full load (peer)", "full")):
@@ -104,10 +104,7 @@ def main(argv=None):
            "| loader | peak host memory / checkpoint bytes | seconds |", "|---|---|---|"]
   lines += [f"| {label} | {ratio:.2f}x | {sec:.1f} |" for label, ratio, sec in rows]
   lines += ["| floor (the parameters themselves) | 1.00x | |", "",
-            "Command: `" + " ".join(["python -m research.bench_hf", *(argv if argv is not None else sys.argv[1:])]) + "`",
+            "Command: `" + command("hf", a) + "`",
             f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores."]
   publish(lines, a.out, preface="# Hugging Face import: host memory\n\n")
 
-
-if __name__ == "__main__":
-  main()

@@ -1,6 +1,6 @@
 """Evaluation speed of quantized models against float32, side by side in one run.
 
-  python -m research.bench_quant --out research/results/bench_quant.md
+  python -m research.bench quant --out research/results/bench_quant.md
 
 Model level: the held-out loss's forward (logits and cross entropy, jitted, compile excluded) of a random `small` and
 `base`, float32 against the same model quantized by `models/quant.py`: weights-only W4 and W3g64 (RTN; the weight is
@@ -15,7 +15,6 @@ float32's; XLA on CPU has no low-bit kernels, so this measures what the code doe
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +26,8 @@ from flax import nnx
 import models
 from models import quant
 from models.transformer import cross_entropy
-from research.bench_report import publish
-from research.throughput import median_seconds
+from research.bench.report import command, publish
+from research.train.throughput import median_seconds
 
 
 @dataclasses.dataclass
@@ -51,8 +50,8 @@ SPECS = {"W4 (RTN, per channel)": quant.Spec("rtn", 4), "W3g64 (RTN)": quant.Spe
          "W8A8 (SmoothQuant)": quant.Spec("smoothquant", 8, act_bits=8)}
 
 
-def main(argv=None):
-  a = tyro.cli(Args, args=argv)
+def quant(a: tyro.conf.OmitArgPrefixes[Args]):
+  """Evaluation speed of quantized models against float32, side by side in one run (see the module docstring)."""
   lines = [f"{jax.devices()[0].platform} ({len(jax.devices())} device(s) visible, 1 used), batch {a.batch} × "
            f"{a.seq} tokens, median of {a.repeats} after a warm-up; time relative to float32 (below 1: faster).", "",
            "| model | float32 ms | " + " | ".join(SPECS) + " |", "|---|---:|" + "---:|" * len(SPECS)]
@@ -80,11 +79,8 @@ def main(argv=None):
   tdq = median_seconds(lambda: fdq(xq, wq), a.repeats)
   lines += ["", f"One ({n} × {d}) × ({d} × {f}) product (`{a.presets[-1]}`'s MLP shape): float32 {1e3 * t32:.1f} ms; "
             f"qwix int8 × int8 dot_general {t8 / t32:.2f}×; dequantize then float32 {tdq / t32:.2f}×."]
-  cmd = " ".join(["python -m research.bench_quant", *(argv if argv is not None else sys.argv[1:])])
+  cmd = command("quant", a)
   lines += ["", f"Command: `{cmd}`"]
   publish(lines, a.out, preface="# Quantized evaluation speed vs float32\n\n" + __doc__.split("\n\n", 2)[2].strip()
           + "\n\n")
 
-
-if __name__ == "__main__":
-  main()

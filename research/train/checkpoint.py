@@ -10,7 +10,7 @@ A step that is listed but cannot be read (damaged later: truncated or garbled fi
 rename, to `<directory>.corrupt/<step>` (`quarantine`), so it is never overwritten, deleted or counted by keep-N
 garbage collection, and stays there for inspection.
 
-Integrity: each step's meta holds a content checksum of every array of the state (`research.integrity`: two
+Integrity: each step's meta holds a content checksum of every array of the state (`research.train.integrity`: two
 32-bit words per array, the same on any sharding), computed on the devices when the save starts; `restore` and
 `restore_params` recompute them for what they read and refuse (CheckpointError) a step whose bytes changed since
 (a flipped bit that still decodes, a truncated shard, a file swapped with another step's), so the caller can fall
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from research import integrity
+from research.train import integrity
 
 
 class CheckpointError(ValueError):

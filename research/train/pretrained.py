@@ -10,12 +10,16 @@ import os
 from flax import nnx
 
 from models import HFError, Transformer, TransformerConfig, from_hf, peft, quant, quant_store
-from research import adapters
-from research.checkpoint import Checkpointer, CheckpointError
-from research.init_from import hf_path
-from research.tokenizer import ByteTokenizer, HFTokenizer, check_fits
+from research.data.tokenizer import ByteTokenizer, HFTokenizer, check_fits
+from research.train import adapters
+from research.train.checkpoint import Checkpointer, CheckpointError
 from sharding import logical_names
 from sharding.state import param_shardings, variable_shardings
+
+
+def hf_path(source: str) -> str | None:
+  """The directory of an `hf:PATH` source (--init-from), or None for an optlab run directory."""
+  return source[3:] if source.startswith("hf:") else None
 
 
 def _config_json(path: str) -> dict:

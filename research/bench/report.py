@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shlex
 import subprocess
 
 import jax
@@ -19,6 +21,21 @@ def git_commit() -> str:
   run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
   head = run("rev-parse", "--short", "HEAD").strip() or "unknown"
   return head + (" (dirty)" if run("status", "--porcelain", "--untracked-files=no").strip() else "")
+
+
+def command(name: str, args) -> str:
+  """The command line that reruns benchmark `name` with the dataclass `args`: `python -m research.bench NAME` and
+  each field that differs from its default as `--field-name VALUE` (a sequence as its items)."""
+  parts = ["python -m research.bench", name]
+  for f in dataclasses.fields(args):
+    value = getattr(args, f.name)
+    if f.default is not dataclasses.MISSING and value == f.default:
+      continue
+    if f.default_factory is not dataclasses.MISSING and value == f.default_factory():
+      continue
+    values = value if isinstance(value, (tuple, list)) else [value]
+    parts += ["--" + f.name.replace("_", "-"), *(shlex.quote(str(v)) for v in values)]
+  return " ".join(parts)
 
 
 def table(cols: list[str], rows: list[list[str]]) -> list[str]:

@@ -1,14 +1,11 @@
-"""The byte-level training corpus (vocab 256, or a tokenizer's: `research.tokenized`) and its stateless batch
-sampler.
+"""The byte-level corpus: files, token arrays or the standard library read into a train/val `Corpus`.
 
-`load_corpus()` with no path builds the default corpus from the running interpreter's own
+`read_corpus()` with no path builds the default corpus from the running interpreter's own
 standard library (every `*.py` file, site-packages excluded), so a fresh checkout trains with
 no download; the build is cached on disk and memory-mapped afterwards. A user path may be a
 directory of text files, one text file, a 1-D integer `.npy`, or a nanoGPT-style uint16 `.bin`.
 
-`get_batch` is a pure function of (seed, step): resuming a run needs no iterator state.
-`eval_batches` is seed-independent, so every evaluation sees the same held-out windows.
-Pure numpy; imports no jax.
+Tokenizing it is `research.data.tokenized`; `research.data.load_corpus` does both. Pure numpy; imports no jax.
 """
 
 import dataclasses
@@ -41,27 +38,12 @@ class Corpus:
   source: str  # "stdlib:<dir>" or the resolved user path
 
 
-def load_corpus(path: str | None = None, *, cache_dir: str | None = None, val_fraction: float = 0.05,
-                tokenizer: str | None = None) -> Corpus:
-  """Loads the default stdlib corpus (path=None) or a user corpus, split into train and val.
-
-  Args:
-    path: None for the stdlib corpus; else a directory, a text file, a `.npy` or a `.bin`.
-    cache_dir: where the stdlib corpus is cached; default `$OPTLAB_CACHE` or ~/.cache/optlab.
-    tokenizer: a Hugging Face tokenizer.json (or a directory with one) to encode the text with instead of bytes;
-      the tokens are cached under cache_dir (`research.tokenized`).
-    val_fraction: share held out. Multi-file corpora split by document: a file is val iff
-      int(sha256(relpath)) % 10_000 < val_fraction * 10_000, so the split does not move when
-      files are added. Single arrays/files split by position: the last ceil(n*val_fraction)
-      tokens are val.
-  """
+def read_corpus(path: str | None = None, *, cache_dir: str | None = None, val_fraction: float = 0.05) -> Corpus:
+  """The byte corpus `load_corpus` starts from (no tokenizer): the stdlib corpus (path=None) or a user path, split
+  into train and val; the arguments are `load_corpus`'s."""
   if not 0.0 < val_fraction < 1.0:
     raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-  corpus = _load_stdlib(cache_dir, val_fraction) if path is None else _load_path(path, val_fraction)
-  if tokenizer is None:
-    return corpus
-  from research.tokenized import tokenize_corpus  # imports this module
-  return tokenize_corpus(corpus, tokenizer, cache_dir)
+  return _load_stdlib(cache_dir, val_fraction) if path is None else _load_path(path, val_fraction)
 
 
 def _load_path(path, val_fraction) -> Corpus:
@@ -104,63 +86,12 @@ def _load_path(path, val_fraction) -> Corpus:
       raise DataError(f"data file is empty: {path}")
     train, val = _split_by_position(data, val_fraction, path)
     vocab = 256
-  return Corpus(train, val, vocab, _fingerprint(train, val), source)
+  return Corpus(train, val, vocab, corpus_fingerprint(train, val), source)
 
 
 def default_cache_dir() -> str:
   """Where built corpora and token caches live: `$OPTLAB_CACHE`, else ~/.cache/optlab."""
   return os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
-
-
-ORDERS = ("random", "sequential")
-
-
-def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int,
-              seq_len: int, order: str = "random") -> tuple[np.ndarray, np.ndarray]:
-  """Training windows, a pure function of (seed, step), so a resumed run replays exactly.
-
-  Returns (x, y), int32 of shape (batch_size, seq_len): windows of seq_len + 1 tokens; x is the window's head, y its
-  tail (the next token at every position). `order` "random": starts uniform in [0, len - seq_len - 1], rng =
-  default_rng([seed, step]). "sequential": the data read as a stream from a seed-chosen offset, window after window
-  (row i of step t is window t·batch_size + i, wrapping around): consecutive rows, and the rows of consecutive steps,
-  are adjacent text of the same file (the sampling order of an unshuffled, file-ordered dataset).
-  """
-  _check_windows(tokens, batch_size, seq_len)
-  span = len(tokens) - seq_len - 1
-  if order == "sequential":
-    offset = np.random.default_rng([seed]).integers(0, span, endpoint=True)
-    starts = (offset + (step * batch_size + np.arange(batch_size, dtype=np.int64)) * seq_len) % (span + 1)
-  elif order == "random":
-    starts = np.random.default_rng([seed, step]).integers(0, span, size=batch_size, endpoint=True)
-  else:
-    raise DataError(f"sampling order must be one of {', '.join(ORDERS)}, got {order!r}")
-  return _gather(tokens, starts, seq_len)
-
-
-def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
-                 num_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
-  """Fixed held-out batches: num_batches*batch_size windows evenly spaced over the data."""
-  _check_windows(tokens, batch_size, seq_len)
-  if num_batches < 1:
-    raise DataError(f"num_batches must be >= 1, got {num_batches}")
-  starts = np.linspace(0, len(tokens) - seq_len - 1, num_batches * batch_size).astype(np.int64)
-  x, y = _gather(tokens, starts, seq_len)
-  return [(x[i:i + batch_size], y[i:i + batch_size])
-          for i in range(0, num_batches * batch_size, batch_size)]
-
-
-def _check_windows(tokens, batch_size, seq_len):
-  if batch_size < 1 or seq_len < 1:
-    raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-  if len(tokens) < seq_len + 1:
-    raise DataError(f"sequence length {seq_len} is longer than the data ({len(tokens)} tokens)"
-                    f"; a window needs seq_len + 1 = {seq_len + 1} tokens")
-
-
-def _gather(tokens, starts, seq_len):
-  # One fancy-index gather (B, L+1): no Python loop per row; works on a memmap too.
-  windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
-  return windows[:, :-1], windows[:, 1:]
 
 
 def _split_tokens(arr, val_fraction, path):
@@ -224,7 +155,7 @@ def _split_by_document(root, relpaths, val_fraction):
   return train, val
 
 
-def _fingerprint(train, val):
+def corpus_fingerprint(train, val):
   h = hashlib.sha256()
   for part in (train, val):
     h.update(np.ascontiguousarray(part).data)
@@ -248,15 +179,15 @@ def _load_stdlib(cache_dir, val_fraction):
   if cached is not None:
     return Corpus(*cached, source=source)
   train, val = _split_by_document(root, relpaths, val_fraction)
-  fingerprint = _fingerprint(train, val)
+  fingerprint = corpus_fingerprint(train, val)
   meta = dict(fingerprint=fingerprint, train_bytes=len(train), val_bytes=len(val),
               n_files=len(relpaths), n_val_files=sum(_is_val(r, val_fraction) for r in relpaths),
               source=source, python=sys.version)
   try:
     os.makedirs(folder, exist_ok=True)
-    _write_atomic(folder, "train.bin", train.tobytes())
-    _write_atomic(folder, "val.bin", val.tobytes())
-    _write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks valid
+    write_atomic(folder, "train.bin", train.tobytes())
+    write_atomic(folder, "val.bin", val.tobytes())
+    write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks valid
   except OSError as e:  # a read-only home should not stop training; it only costs a rebuild
     warnings.warn(f"could not cache the stdlib corpus in {folder}: {e}")
     return Corpus(train, val, 256, fingerprint, source)
@@ -279,7 +210,7 @@ def _read_cache(folder):
   return (*(np.memmap(p, dtype=np.uint8, mode="r") for p in paths), 256, fingerprint)
 
 
-def _write_atomic(folder, name, data: bytes):
+def write_atomic(folder, name, data: bytes):
   # Temp file in the same folder, then rename: readers see the old file or the whole new one.
   fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
   try:

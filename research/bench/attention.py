@@ -16,8 +16,8 @@ All in one run, as ratios of numbers measured side by side:
        backward 2.5× the forward (scores recomputed, dV, dP, dQ, dK: 5 matmuls against 2), in all 7·B·T²·N·H.
    `xla` computes the whole T² square and masks it, so its useful rate is at most half its raw rate. Every
    implementation's output and gradients are compared with the first's (max |difference|).
-2. Train step. The real step of research/train.py (AdamW, clipping, fp32), built and timed by
-   `research.bench.time_train_step` exactly as `python -m research.bench train` does, for one preset at one long
+2. Train step. The real step of research/train/ (AdamW, clipping, fp32), built and timed by
+   `research.bench.timing.time_train_step` exactly as `python -m research.bench train` does, for one preset at one long
    sequence on one device with each attention: step time, tokens/s, model FLOP/s (`models.flops_per_token`, whose
    attention term 12·L·N·H·T per token ignores the causal half: the same numerator for every implementation) and MFU
    against the same matmul rate.
@@ -59,10 +59,11 @@ import jax.numpy as jnp
 
 from models import count_params, preset
 from models.attention import attend, check_attention
-from research.bench_report import Progress, git_commit, machine, table
+from research.bench.report import Progress, git_commit, machine, table
+from research.bench.timing import build_train_step, time_train_step
 from research.data import load_corpus
-from research.throughput import measure_matmul_flops
-from research.train import _setup_jax
+from research.train.runtime import setup_jax
+from research.train.throughput import measure_matmul_flops
 from sharding import collectives
 from sharding.audit import Audit
 from sharding.context import ALGORITHMS, balance
@@ -154,7 +155,6 @@ def _kernel(model: str, seqs, batch: int, impls, repeats: int, budget_gib, say) 
 
 def _train(model: str, seq: int, batch: int, impls, warmup: int, steps: int, budget_gib, say) -> list[dict]:
   """Section 2: the train step on one device per attention implementation."""
-  from research.bench import time_train_step  # here: research.bench imports this module
   corpus = load_corpus()
   rows = []
   for impl in impls:
@@ -168,7 +168,6 @@ def _train(model: str, seq: int, batch: int, impls, warmup: int, steps: int, bud
 def _context(model: str, layers: int | None, seq: int, batch: int, contexts, algorithms, reference, say) -> list[dict]:
   """Sections 3 and 4: the train step compiled on `context=C` per algorithm (and `reference` at C = 1); memory and
   collectives."""
-  from research.bench import build_train_step  # here: research.bench imports this module
   cases = ([(reference, 1)] if reference else []) + ([("flash", 1)] if 1 in contexts else [])
   cases += [(a, C) for a in algorithms for C in contexts if C > 1]
   flags = {"n_layers": layers} if layers else {}
@@ -245,7 +244,7 @@ def attention(kernel_model: str = "base", kernel_seqs: tuple[int, ...] = (512, 2
   """
   args = dict(locals())
   t_start, load_start = time.perf_counter(), os.getloadavg()[0]
-  _setup_jax(8, True)  # the persistent compilation cache: a rerun skips the compiling
+  setup_jax(8, True)  # the persistent compilation cache: a rerun skips the compiling
   for impl in impls:  # bad input fails in one line before minutes of measuring
     for T in tuple(kernel_seqs) + ((train_seq,) if train_seq else ()):
       check_attention(impl, T)
@@ -292,7 +291,7 @@ def attention(kernel_model: str = "base", kernel_seqs: tuple[int, ...] = (512, 2
     ref = rows[0]
     ratio = lambda r, key: f"{r[key] / ref[key]:.2f}" if key in r and key in ref else "–"
     lines += [f"### 2. Train step: `{train_model}` ({rows[0]['params'] / 1e6:.1f}M params), batch {train_batch} x "
-              f"{train_seq}, one device (research/train.py make_steps: AdamW, clipping, fp32)", ""]
+              f"{train_seq}, one device (research/train/step.py make_steps: AdamW, clipping, fp32)", ""]
     lines += table(["attention", "step ms (min-max)", f"step / {impls[0]}", "tokens/s", "model GFLOP/s", "MFU",
                     "temp GiB", f"temp / {impls[0]}", "loss"], [[
         r["impl"], f"{r['step_s'] * 1e3:.0f} ({r['step_min_s'] * 1e3:.0f}-{r['step_max_s'] * 1e3:.0f})"

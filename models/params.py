@@ -1,0 +1,13 @@
+"""Parameters with logical axis names: the one constructor the dense and MoE blocks build their weights with."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs, shape, names, std, dtype):
+  """A Param with logical axis `names`: truncated normal of `std`, ones for std 0 (norm scales), zeros for None
+  (biases)."""
+  init = (nnx.initializers.zeros if std is None else
+          nnx.initializers.truncated_normal(std) if std else nnx.initializers.ones)
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)

@@ -1,0 +1,3 @@
+from research.bench.cli import main
+
+main()

@@ -1,0 +1,40 @@
+"""`python -m research.bench NAME [FLAGS]`: the benchmark registry and its command line (bad input: one line, exit 2)."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import tyro
+
+from models import ConfigError
+from models.attention import AttentionError
+from research.bench.attention import attention
+from research.bench.ckpt import ckpt_bench
+from research.bench.comm import comm
+from research.bench.dion import dion_comm
+from research.bench.hf import hf
+from research.bench.moe import moe
+from research.bench.optim import optim_step
+from research.bench.quant import quant
+from research.bench.reshard import reshard_bench
+from research.bench.sample import sample
+from research.bench.train import train
+from sharding import MeshError, ShardingError
+
+NUM_CPU_DEVICES = 8
+BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe,
+              "ckpt": ckpt_bench, "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant,
+              "sample": sample}
+
+
+def main(argv=None):
+  try:
+    jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)  # before any device use
+  except RuntimeError:  # backend already up (a test or notebook set it): keep what is there
+    pass
+  try:
+    tyro.extras.subcommand_cli_from_dict(BENCHMARKS, args=argv, prog="python -m research.bench")
+  except (ConfigError, MeshError, ShardingError, AttentionError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None

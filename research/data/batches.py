@@ -1,0 +1,60 @@
+"""Batches from a token array: training windows as a pure function of (seed, step), fixed held-out windows.
+
+`get_batch` is a pure function of (seed, step): resuming a run needs no iterator state.
+`eval_batches` is seed-independent, so every evaluation sees the same held-out windows.
+Pure numpy; imports no jax.
+"""
+
+import numpy as np
+
+from research.data.corpus import DataError
+
+ORDERS = ("random", "sequential")
+
+
+def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int,
+              seq_len: int, order: str = "random") -> tuple[np.ndarray, np.ndarray]:
+  """Training windows, a pure function of (seed, step), so a resumed run replays exactly.
+
+  Returns (x, y), int32 of shape (batch_size, seq_len): windows of seq_len + 1 tokens; x is the window's head, y its
+  tail (the next token at every position). `order` "random": starts uniform in [0, len - seq_len - 1], rng =
+  default_rng([seed, step]). "sequential": the data read as a stream from a seed-chosen offset, window after window
+  (row i of step t is window t·batch_size + i, wrapping around): consecutive rows, and the rows of consecutive steps,
+  are adjacent text of the same file (the sampling order of an unshuffled, file-ordered dataset).
+  """
+  _check_windows(tokens, batch_size, seq_len)
+  span = len(tokens) - seq_len - 1
+  if order == "sequential":
+    offset = np.random.default_rng([seed]).integers(0, span, endpoint=True)
+    starts = (offset + (step * batch_size + np.arange(batch_size, dtype=np.int64)) * seq_len) % (span + 1)
+  elif order == "random":
+    starts = np.random.default_rng([seed, step]).integers(0, span, size=batch_size, endpoint=True)
+  else:
+    raise DataError(f"sampling order must be one of {', '.join(ORDERS)}, got {order!r}")
+  return _gather(tokens, starts, seq_len)
+
+
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
+                 num_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Fixed held-out batches: num_batches*batch_size windows evenly spaced over the data."""
+  _check_windows(tokens, batch_size, seq_len)
+  if num_batches < 1:
+    raise DataError(f"num_batches must be >= 1, got {num_batches}")
+  starts = np.linspace(0, len(tokens) - seq_len - 1, num_batches * batch_size).astype(np.int64)
+  x, y = _gather(tokens, starts, seq_len)
+  return [(x[i:i + batch_size], y[i:i + batch_size])
+          for i in range(0, num_batches * batch_size, batch_size)]
+
+
+def _check_windows(tokens, batch_size, seq_len):
+  if batch_size < 1 or seq_len < 1:
+    raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+  if len(tokens) < seq_len + 1:
+    raise DataError(f"sequence length {seq_len} is longer than the data ({len(tokens)} tokens)"
+                    f"; a window needs seq_len + 1 = {seq_len + 1} tokens")
+
+
+def _gather(tokens, starts, seq_len):
+  # One fancy-index gather (B, L+1): no Python loop per row; works on a memmap too.
+  windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
+  return windows[:, :-1], windows[:, 1:]

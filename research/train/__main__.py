@@ -1,0 +1,15 @@
+"""`python -m research.train`: the handlers for SIGINT/SIGTERM go up first (a signal during the seconds of imports is
+kept in `signals.EARLY_SIGNALS` and stops the run at its start), then the CLI (`research/train/cli.py`) runs."""
+
+import signal
+
+from research.train.signals import EARLY_SIGNALS  # standard library only: nothing slow is imported before this
+
+for _signum in (signal.SIGINT, signal.SIGTERM):
+  signal.signal(_signum, lambda signum, _frame: EARLY_SIGNALS.append(signum))
+
+from research.train.cli import main  # noqa: E402  (the imports that take seconds, after the handlers on purpose)
+
+main()
+for _signum in (signal.SIGINT, signal.SIGTERM):  # the run is complete and saved: a signal during the
+  signal.signal(_signum, signal.SIG_IGN)         # interpreter's teardown (which resets Python handlers) is moot

@@ -1,0 +1,70 @@
+"""What the flags build: the model config (a preset or --init-from's, with single fields overridden) and the optimizer
+(the registry's, with the schedule, clipping and --freeze)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import optax
+
+from models import PRESETS, MoEConfig, preset
+from optim import UnknownOptimizerError, get_optimizer, make_schedule, needs_max_logits, needs_prev_grads, \
+    with_global_norm_clip
+from research.train import init_from
+from research.train.config import RunError, TrainConfig
+
+
+def model_config(cfg: TrainConfig):
+  """The preset (or --init-from's config) with every given flag overriding its one field (--moe.* fields of the
+  MoE included)."""
+  over = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm",
+                                       "qkv_bias", "tie_embeddings", "compute_dtype", "remat", "microbatches",
+                                       "attention", "logit_stats")
+          if getattr(cfg, k) is not None}
+  if needs_max_logits(cfg.optimizer):  # MuonClip reads each head's max logit from the forward pass
+    over["logit_stats"] = True
+  moe = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
+  if cfg.init_from:
+    return init_from.model_config(cfg, {**over, "moe": moe})
+  if moe:
+    base = PRESETS[cfg.model].moe if cfg.model in PRESETS else None
+    if base is None and "num_experts" not in moe:
+      raise RunError(f"--model {cfg.model} is dense: give --moe.num-experts to make it a mixture of experts")
+    over["moe"] = dataclasses.replace(base or MoEConfig(), **moe)
+  return preset(cfg.model, **over)
+
+
+def opt_hparams(cfg: TrainConfig) -> dict:
+  hp = {k: getattr(cfg, k) for k in ("weight_decay", "b1", "b2") if getattr(cfg, k) is not None}
+  for item in cfg.opt:
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise RunError(f"--opt {item!r} is not KEY=VALUE")
+    try:
+      hp[key] = json.loads(value)
+    except json.JSONDecodeError:
+      hp[key] = value
+  return hp
+
+
+def exact_mode(cfg: TrainConfig) -> bool:
+  """Whether the optimizer runs in an exact variance-reduction mode (MARS mode=exact, Muon-MVR mode=mvr2)."""
+  return needs_prev_grads(cfg.optimizer, opt_hparams(cfg))
+
+
+def make_optimizer(cfg: TrainConfig):
+  hp = opt_hparams(cfg)
+  warmup = min(100, cfg.steps // 10) if cfg.warmup_steps is None else cfg.warmup_steps
+  schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio)
+  try:
+    tx = get_optimizer(cfg.optimizer, schedule, **hp)
+  except ValueError as e:  # the registry's refusals, or a factory's own (MGUP's AlignmentError, BAdamError)
+    raise e if isinstance(e, UnknownOptimizerError) else RunError(f"--optimizer {cfg.optimizer}: {e}") from None
+  if cfg.grad_clip > 0 and exact_mode(cfg):  # the clip also applies to prev_grads, each by its own global norm
+    tx = with_global_norm_clip(tx, cfg.grad_clip)
+  elif cfg.grad_clip > 0:
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+  if cfg.freeze and exact_mode(cfg):
+    raise RunError("--freeze does not combine with the exact MARS / Muon-MVR2 modes (prev_grads)")
+  return init_from.freeze(tx, cfg.freeze)[0], schedule

@@ -1,0 +1,82 @@
+"""`python -m research.train`: the flags parsed, the run, and every failure the CLI reports as one line with its exit
+status (2 bad input, 3 non-finite steps, 4 a dead peer) instead of a traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import jax
+import tyro
+
+from models import HFError, peft
+from models.attention import AttentionError
+from models.config import ConfigError
+from optim import UnknownOptimizerError
+from research.data import DataError
+from research.train import init_from, preflight, rundir
+from research.train.checkpoint import CheckpointError, quiet_orbax_errors
+from research.train.config import RunError, TrainConfig
+from research.train.distributed import DistributedError, is_primary
+from research.train.health import BadStepsError
+from research.train.loop import run
+from research.train.progress import summary
+from research.train.watchdog import EXIT_STATUS as WATCHDOG_EXIT
+from sharding import MeshError, ShardingError
+from sharding.pipeline import PipelineError
+
+
+USER_ERRORS = (RunError, preflight.PreflightError, rundir.RunDirError, ConfigError, UnknownOptimizerError,
+               CheckpointError, DataError, MeshError, ShardingError, DistributedError, PipelineError,
+               init_from.InitError, HFError, peft.PEFTError, AttentionError)
+
+
+def optimizer_help() -> str:
+  """Every registered optimizer with its hyperparameters and defaults (shown by --help)."""
+  from optim import OPTIMIZERS, hyperparameters
+  lines = ["optimizers (--optimizer NAME; any hyperparameter below by --opt KEY=VALUE, or --weight-decay/--b1/--b2):"]
+  for name in sorted(OPTIMIZERS):
+    hp = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in hyperparameters(name).items())
+    lines.append(f"  {name}: {hp}")
+  return "\n".join(lines)
+
+
+COLLECTIVE_FAILED = r"Gloo|NCCL|[Cc]onnection (reset|closed) by peer|heartbeat"
+
+
+def failure(e: Exception) -> tuple[int, str] | None:
+  """(exit status, error line) of a run that failed in a way the CLI reports in one line, or None (a bug: the
+  traceback is shown)."""
+  text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+  peers = jax.distributed.is_initialized() and jax.process_count() > 1
+  if peers and (isinstance(e, jax.errors.JaxRuntimeError) or re.search(COLLECTIVE_FAILED, str(e))):
+    # a collective failed (in a step, or in a checkpoint save's own collectives): a peer is gone
+    return WATCHDOG_EXIT, (f"a collective failed in a {jax.process_count()}-process run ({text}): a peer process "
+                           f"probably died; restart every process with the same command to resume")
+  if isinstance(e, USER_ERRORS) or isinstance(e, OSError):  # bad input; the run directory's disk or permissions
+    return 2, str(e)
+  if isinstance(e, BadStepsError):
+    return 3, str(e)
+  if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
+    return 2, f"out of memory ({text}): lower --batch-size or --seq-len, add --remat, or shard over more devices"
+  return None
+
+
+def main(argv=None):
+  cfg = tyro.cli(TrainConfig, args=argv, prog="python -m research.train",
+                 description=f"{TrainConfig.__doc__}\n\n{optimizer_help()}")
+  quiet_orbax_errors()  # a failed save is reported in one line of ours
+  try:
+    records = run(cfg)
+  except Exception as e:
+    failed = failure(e)
+    if failed is None:
+      raise
+    print(f"error: {failed[1]}", file=sys.stderr, flush=True)
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
+      sys.stdout.flush()  # and not through jax.distributed's shutdown barrier: a dead peer would hold it until JAX's
+      os._exit(failed[0])  # heartbeat timeout, then abort this process with a stack trace
+    raise SystemExit(failed[0]) from None
+  if records and is_primary():
+    print(summary(records, cfg.out))

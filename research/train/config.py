@@ -1,0 +1,196 @@
+"""The trainer's flags: `TrainConfig` (every `python -m research.train` flag, with its help) and `MoEFlags`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Literal
+
+import tyro
+
+from models import PRESETS, peft
+from optim import OPTIMIZERS
+from research.train import adapters
+
+
+@dataclasses.dataclass
+class MoEFlags:
+  """Mixture of experts in every block: each flag overrides one field of the preset's MoE (see models.MoEConfig).
+  On a dense preset, --moe.num-experts turns it into an MoE; --moe.num-experts 0 makes an MoE preset dense."""
+  num_experts: int | None = None
+  """Routed experts per block (0: a dense FFN)."""
+  top_k: int | None = None
+  """Experts each token is sent to."""
+  d_expert: int | None = None
+  """Each expert's SwiGLU hidden width (unset: --d-ff)."""
+  num_shared: int | None = None
+  """Always-on shared experts (DeepSeekMoE), fused into one SwiGLU."""
+  d_shared: int | None = None
+  """The fused shared SwiGLU's width (unset: num_shared x d_expert)."""
+  shared_gate: bool | None = None
+  """Scale the shared output by a per-token sigmoid gate (Qwen2-MoE)."""
+  router: Literal["softmax", "sigmoid"] | None = None
+  """Router scores: softmax, or sigmoid (always renormalised over the top-k)."""
+  normalize_top_k: bool | None = None
+  """Softmax router: renormalise the k selected probabilities to sum 1 (Mixtral)."""
+  capacity_factor: float | None = None
+  """Slots per expert = ceil(cf x tokens x k / E), the rest dropped (unset: dropless)."""
+  lb_weight: float | None = None
+  """Load-balancing loss weight."""
+  z_weight: float | None = None
+  """Router z-loss weight."""
+  bias_rate: float | None = None
+  """Aux-loss-free balancing step (DeepSeek-V3: 1e-3; 0: none)."""
+  ragged_a2a: bool | None = None
+  """Expert parallelism with ragged_all_to_all (GPU/TPU only)."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Train a decoder-only transformer on a named device mesh."""
+
+  model: Annotated[str, tyro.conf.arg(help=f"Size preset: {', '.join(PRESETS)}. The flags below override single "
+                                           "fields of it.")] = "small"
+  d_model: int | None = None
+  """Model width (residual stream)."""
+  n_layers: int | None = None
+  """Transformer blocks."""
+  n_heads: int | None = None
+  """Query heads."""
+  n_kv_heads: int | None = None
+  """Key/value heads; fewer than query heads = grouped-query attention."""
+  d_ff: int | None = None
+  """SwiGLU hidden width."""
+  qk_norm: bool | None = None
+  """RMSNorm on queries and keys (Qwen3)."""
+  qkv_bias: bool | None = None
+  """Biases on the q, k, v projections (Qwen2)."""
+  tie_embeddings: bool | None = None
+  """Share the input embedding and the output head."""
+  compute_dtype: Literal["float32", "bfloat16"] | None = None
+  """Matmul dtype (the loss stays float32)."""
+  remat: bool | None = None
+  """Recompute each block in the backward pass (less memory, ~1/3 more compute)."""
+  microbatches: int | None = None
+  """Pipeline microbatches when the mesh has stage > 1 (unset: one per stage); the GPipe bubble is (S-1)/(M+S-1)."""
+  attention: Literal["auto", "xla", "flash", "cudnn", "ring", "allgather"] | None = None
+  """Attention implementation (models/attention.py); with a `context` mesh axis, ring or allgather (auto: ring)."""
+  logit_stats: bool | None = None
+  """Log each step's largest attention logit (attn/max_logit, attn/max_logit_layer); on for --optimizer muonclip."""
+  moe: MoEFlags = dataclasses.field(default_factory=MoEFlags)
+  """Mixture of experts (--moe.num-experts 8 --moe.top-k 2 ...): each flag overrides one field of the preset's.
+  Expert parallelism comes from an `expert` mesh axis; router metrics go to metrics.jsonl as moe/*."""
+  optimizer: Annotated[str, tyro.conf.arg(help=f"One of {', '.join(sorted(OPTIMIZERS))} (their hyperparameters "
+                                               "are listed above); unset hyperparameters take its defaults.")] = "adamw"
+  lr: float = 3e-3
+  """Peak learning rate."""
+  weight_decay: float | None = None
+  """Optimizer weight decay (unset: the optimizer's default)."""
+  b1: float | None = None
+  """First-moment decay, for optimizers that have b1 (unset: its default)."""
+  b2: float | None = None
+  """Second-moment decay, for optimizers that have b2 (unset: its default)."""
+  opt: tuple[str, ...] = ()
+  """More optimizer hyperparameters as KEY=VALUE (VALUE parsed as JSON), e.g. --opt nesterov=false."""
+  schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+  """Learning-rate schedule after the linear warmup (wsd = warmup-stable-decay)."""
+  warmup_steps: int | None = None
+  """Linear warmup steps (unset: 10% of --steps, at most 100)."""
+  min_lr_ratio: float = 0.1
+  """Final learning rate as a fraction of the peak (cosine, wsd)."""
+  grad_clip: float = 1.0
+  """Clip the global gradient norm to this (0 = off)."""
+  steps: int = 200
+  """Training steps (optimizer updates) in the whole run."""
+  stop_at: int | None = None
+  """Stop after this step with a checkpoint, as if preempted; rerunning resumes the same schedule."""
+  batch_size: int = 16
+  """Global batch (sequences per step), split over the data axes of the mesh."""
+  seq_len: int = 128
+  """Tokens per sequence (bytes, on a text corpus)."""
+  seed: int = 0
+  """Seeds the initialization and the batch order."""
+  mesh: str = "data=2,fsdp=2,tensor=2"
+  """Axis sizes over data, stage, fsdp, expert, context, tensor; omitted axes are 1, one may be -1."""
+  switch_at: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+  """STEP:MESH, repeatable: after STEP steps move the whole state to MESH in-process and train on there (its step
+  is compiled before training starts). MESH may use fewer devices than --mesh: the first ones it needs."""
+  devices: int = 8
+  """Simulated devices when running on the CPU (ignored on accelerators)."""
+  zero1: bool = False
+  """ZeRO-1: split the optimizer state over the data axis as well (the parameters stay replicated there)."""
+  sync: str = "allreduce"
+  """How the replicas on the data axis agree (research/train/sync.py): allreduce (every step's gradients averaged),
+  local:H (local SGD / DiLoCo: H steps apart, then an outer step), gossip[:ring|complete|FILE] (decentralized: each
+  step, average with the neighbours), stale:TAU[:random] (gradients TAU steps old: simulated asynchronous workers)."""
+  outer_lr: float = 0.7
+  """--sync local:H: the outer optimizer's learning rate (DiLoCo's 0.7)."""
+  outer_momentum: float = 0.9
+  """--sync local:H: the outer optimizer's Nesterov momentum (DiLoCo's 0.9; 0 = plain SGD)."""
+  data: str | None = None
+  """A text file, a directory of text files, or a .npy/.bin token array (unset: the stdlib corpus)."""
+  sampling: Literal["random", "sequential"] = "random"
+  """Training windows drawn uniformly at random each step, or read in order as a stream (adjacent text in a batch and
+  across steps: an unshuffled dataset)."""
+  tokenizer: str | None = None
+  """Encode the text with this Hugging Face tokenizer.json (or a directory holding one) instead of bytes; the tokens
+  are cached once (research/data/tokenized.py)."""
+  init_from: str | None = None
+  """Start from pretrained parameters: hf:PATH (a Hugging Face model directory) or an optlab RUN_DIR (its newest
+  checkpoint). The model config is the checkpoint's (a conflicting model flag is an error); the optimizer starts
+  fresh. Resuming this run later resumes it, not the source."""
+  freeze: str | None = None
+  """Keep the parameters whose path matches this regular expression fixed (no optimizer state, no update), e.g.
+  'embed|norm' or 'blocks/(wq|wk)'."""
+  peft: Literal[peft.METHODS] | None = None
+  """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
+  base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes
+  it merged or (LoRA, DoRA) as a PEFT adapter."""
+  peft_options: Annotated[adapters.PeftFlags, tyro.conf.arg(name="peft")] = dataclasses.field(
+      default_factory=adapters.PeftFlags)
+  """Adapter settings (--peft.rank 8 --peft.alpha 16 --peft.targets REGEX ...); each method reads its own."""
+  out: str = "runs/default"
+  """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed (one run at a time: it is locked)."""
+  amend: bool = False
+  """Resume although training settings (--lr, --steps, --seed, the data, ...) differ from the checkpoint's: the run
+  goes on with the new ones and config.json's `history` records the change (without it, such a resume is refused)."""
+  eval_every: int = 25
+  """Steps between evaluations on the held-out batches (and at the last step)."""
+  eval_batches: int = 8
+  """Held-out batches per evaluation (the same ones every time)."""
+  ckpt_every: int = 100
+  """Steps between checkpoints (and one at the end, or when stopped)."""
+  keep: int = 3
+  """Checkpoints kept (the newest)."""
+  log_every: int = 10
+  """Steps between records in metrics.jsonl and lines or bar updates on the console."""
+  peak_flops: float | None = None
+  """FLOP/s that MFU is relative to (unset: the best fp32 matmul rate this machine has shown, see README)."""
+  progress: bool = True
+  """Console output: a progress bar on a terminal, plain lines otherwise (--no-progress: only the final line)."""
+  compile_cache: bool = True
+  """Keep compiled programs in ~/.cache/optlab/jax ($OPTLAB_CACHE) so reruns and resumes start fast."""
+  max_bad_steps: int = 5
+  """Non-finite steps (loss, gradients or updated parameters; their updates are skipped) in a row that stop the run
+  (0 = never)."""
+  spike_factor: float = 1.5
+  """Flag a loss above this multiple of the median of the last --spike-window losses (0 = off)."""
+  spike_window: int = 100
+  """Finite losses the spike detector's median looks back over."""
+  coordinator: str | None = None
+  """HOST:PORT of process 0 in a multi-process run (or $JAX_COORDINATOR_ADDRESS); every process runs the same
+  command with its own --process-id (see README, Multi-host)."""
+  num_processes: int | None = None
+  """Processes in a multi-process run (or $JAX_NUM_PROCESSES)."""
+  process_id: int | None = None
+  """This process's index, 0 .. --num-processes - 1 (or $JAX_PROCESS_ID)."""
+  peer_timeout: float = 300.0
+  """Multi-process runs: a process that sees no step complete for this many seconds (a peer died mid-collective)
+  exits with one error line and status 4; restarting every process resumes (compilation, the first step, is not
+  timed)."""
+  distributed: Literal["auto", "on", "off"] = "auto"
+  """auto: start jax.distributed when a coordinator is given or SLURM/Open MPI launched several tasks; on: always,
+  with JAX's cluster detection (TPU pods, Kubernetes); off: never."""
+
+
+class RunError(ValueError):
+  """A run that cannot start as configured."""

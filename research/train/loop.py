@@ -1,0 +1,259 @@
+"""The training loop: `run(cfg)` trains (or resumes) a run directory and returns its metrics records.
+
+`_train` is the story: build the run (mesh, data, state, compiled steps, resumed if it can be), then step until the
+end, a signal or too many bad steps, each step logged, evaluated and checkpointed on its schedule. Every concern it
+calls lives in its own module of this package (the step in `step.py`, the state in `state.py`, resuming in
+`resume.py`, checkpoints in `checkpoint.py`, ...). The batch at step s is a pure function of (seed, s), so a resumed
+run continues exactly where the interrupted one would have been.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from models import Transformer, flops_per_token
+from optim import needs_max_logits
+from research.data import Corpus, get_batch
+from research.train import preflight, rundir, sync
+from research.train.build import make_optimizer
+from research.train.checkpoint import Checkpointer, CheckpointSaveError
+from research.train.config import TrainConfig
+from research.train.distributed import initialize as init_distributed, is_primary
+from research.train.health import BadStepsError, Monitor
+from research.train.progress import Progress
+from research.train.resume import newest_readable
+from research.train.runtime import setup_jax
+from research.train.signals import Stop
+from research.train.startup import setup
+from research.train.state import initial_state, sync_steps
+from research.train.step import make_steps, router_metrics
+from research.train.switch import Layout, switch_layout
+from research.train.throughput import Meter, Peak
+from research.train.watchdog import Watchdog
+from sharding import global_batch, logical_names, mesh_spec, reshard
+
+
+def run(cfg: TrainConfig) -> list[dict]:
+  """Trains (or resumes) and returns the metrics records of the whole run: the flags checked before anything starts,
+  the run directory locked for the run (and removed again if this run created it and failed before its first
+  checkpoint)."""
+  preflight.check(cfg)
+  with Stop() as stop:  # from here on SIGINT/SIGTERM stop the run cleanly, during start-up too
+    init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed,  # before any JAX use
+                     heartbeat_timeout=cfg.peer_timeout + 60)  # JAX's abort comes after ours, if ours is armed
+    setup_jax(cfg.devices, cfg.compile_cache)
+    with rundir.claim(cfg.out, lock=is_primary(), keep_on=(BadStepsError, CheckpointSaveError)):
+      return _train(cfg, stop)
+
+
+def _train(cfg: TrainConfig, stop: Stop) -> list[dict]:
+  r = _start(cfg)  # mesh, data, state and compiled steps; resumed from the newest readable checkpoint if any
+  try:
+    with _watchdog(r), contextlib.ExitStack() as in_mesh:
+      in_mesh.enter_context(jax.set_mesh(r.layout.mesh))
+      while r.step < r.end and stop.signum is None:
+        if r.switches and r.switches[0][0] == r.step:  # --switch-at: the new steps are compiled, only the state moves
+          _switch(r, in_mesh)
+        out = _advance(r)  # one optimizer step (and --sync's outer step when due)
+        logged = _logged(r, r.step)
+        if logged or _saves(r, r.step, stop):
+          r.monitor.flush()  # the loss and finite flag of every step since the last flush, in one transfer
+        else:  # the previous step's (done by now, this one queued behind it): every step is counted in time
+          r.monitor.flush(keep=1)
+        r.watchdog.beat(r.step - 1)  # every process took part in the steps read back so far
+        if logged:
+          _log(r, out)
+        if r.monitor.failed:  # stop before saving: the newest checkpoint stays the last one before the bad steps
+          break
+        _checkpoint(r, stop)
+        r.progress.advance()
+    r.progress.close()
+    r.ckpt.close()
+  except CheckpointSaveError:  # nothing past the newest committed checkpoint stays logged
+    r.metrics.cut(r.ckpt.latest_step())
+    raise
+  finally:
+    r.metrics.close()
+  _finish(r, stop)
+  return r.records
+
+
+@dataclasses.dataclass
+class _Run:
+  """What the loop carries from step to step."""
+  cfg: TrainConfig
+  corpus: Corpus
+  layout: Layout  # the mesh trained on now: its shardings, held-out batches and compiled steps
+  switches: list[tuple[int, Layout]]  # --switch-at's layouts still to come
+  syncer: sync.Steps  # the step programs of --sync (allreduce: the plain train step)
+  state: dict
+  start: int  # the step this session started from (0, or the checkpoint it resumed)
+  schedule: Callable
+  meta: dict  # config.json; each checkpoint's metadata
+  ckpt: Checkpointer
+  metrics: rundir.MetricsLog
+  monitor: Monitor
+  records: list[dict]
+  peak: Peak
+  meter: Meter
+  progress: Progress
+  watchdog: Watchdog
+  model_flops_per_token: float
+  step: int = dataclasses.field(init=False)  # steps done so far
+  end: int = dataclasses.field(init=False)  # the step this session stops after (--steps, or --stop-at)
+
+  def __post_init__(self):
+    self.step = self.start
+    self.end = min(self.cfg.steps, self.cfg.stop_at or self.cfg.steps)
+
+
+def _start(cfg: TrainConfig) -> _Run:
+  """The run built and, when it has a readable checkpoint, resumed; config.json written."""
+  mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = setup(cfg)
+  tx, schedule = make_optimizer(cfg)
+  graphdef, state, shardings, report = initial_state(cfg, mcfg, mesh, tx, corpus)
+  train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh, max_logits=needs_max_logits(cfg.optimizer))
+  state, shardings, syncer = sync_steps(cfg, graphdef, tx, state, shardings, batch_sh, train_step)
+  names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
+  switches = [(at, switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]
+  layout = Layout(mesh, shardings, batch_sh, val, train_step, eval_step)
+  meta = _meta(cfg, mcfg, mesh, corpus, pipe, report)
+
+  ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every)
+  metrics = rundir.MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), enabled=is_primary())
+  monitor = Monitor(cfg.max_bad_steps, cfg.spike_factor, cfg.spike_window)
+  start, restored, saved = newest_readable(ckpt, meta, state, shardings, switches, cfg.out)
+  if start is not None:
+    while switches and switches[0][0] <= start:  # resume on the mesh the run had switched to by then
+      layout = switches.pop(0)[1]
+      syncer.switched(layout.train_step)
+    state = restored
+    monitor.load(saved.get("health"))
+    print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
+  start = start or 0
+  peak = Peak(cfg.peak_flops)  # what MFU divides by, and how it was obtained (research/train/throughput.py)
+  meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
+  records = metrics.open(start)  # what the interrupted run logged past its checkpoint is dropped
+  if is_primary():  # one writer for the run's own files; orbax coordinates the checkpoint writes
+    rundir.write_json_lines(os.path.join(cfg.out, "config.json"), [meta], indent=2)
+  watchdog = Watchdog(cfg.peer_timeout, f"after step {{step}} of a {jax.process_count()}-process run: a peer "
+                      f"process probably died; restart every process with the same command to resume")
+  return _Run(cfg=cfg, corpus=corpus, layout=layout, switches=switches, syncer=syncer, state=state, start=start,
+              schedule=schedule, meta=meta, ckpt=ckpt, metrics=metrics, monitor=monitor, records=records, peak=peak,
+              meter=Meter(cfg.batch_size * cfg.seq_len),
+              progress=Progress(cfg.steps, start, enabled=cfg.progress and is_primary()), watchdog=watchdog,
+              model_flops_per_token=flops_per_token(mcfg, cfg.seq_len))
+
+
+def _meta(cfg: TrainConfig, mcfg, mesh, corpus: Corpus, pipe: dict | None, report: dict) -> dict:
+  """What config.json records: the resolved flags and model config, the mesh, the corpus, versions and devices."""
+  meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
+          "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint,
+                     "train_tokens": int(len(corpus.train)), "val_tokens": int(len(corpus.val))},
+          "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
+  if pipe:
+    meta["pipeline"] = pipe
+  meta.update(report)
+  return meta
+
+
+def _watchdog(r: _Run):
+  """The peer watchdog of a multi-process run (a no-op context in a single process)."""
+  return r.watchdog if jax.process_count() > 1 else contextlib.nullcontext()
+
+
+def _switch(r: _Run, in_mesh: contextlib.ExitStack):
+  """Moves the live state onto the next --switch-at layout, whose steps are already compiled."""
+  t = time.perf_counter()
+  r.layout = r.switches.pop(0)[1]
+  r.syncer.switched(r.layout.train_step)
+  r.state = jax.block_until_ready(reshard(r.state, shardings=r.layout.shardings, donate=True))
+  in_mesh.close()
+  in_mesh.enter_context(jax.set_mesh(r.layout.mesh))
+  print(f"step {r.step}: switched to mesh {mesh_spec(r.layout.mesh)} in {time.perf_counter() - t:.2f} s",
+        file=sys.stderr)
+
+
+def _advance(r: _Run) -> dict:
+  """One step on the batch of (seed, step); returns the step's outputs (still on the device)."""
+  cfg = r.cfg
+  batch = get_batch(r.corpus.train, cfg.seed, r.step, cfg.batch_size, cfg.seq_len, cfg.sampling)
+  r.state, out = r.syncer.step(r.state, *global_batch(batch, r.layout.mesh))
+  r.step += 1
+  r.state = r.syncer.after(r.state, r.step, r.step == cfg.steps)  # --sync local:H: the outer step every H steps
+  if r.step == r.start + 1:  # the first step compiles: throughput is timed from its end
+    jax.block_until_ready(out)
+    r.meter.compiled(r.step)
+  r.monitor.push(r.step, out)
+  r.ckpt.check()  # a failed background save stops the run here
+  return out
+
+
+def _logged(r: _Run, step: int) -> bool:
+  """Whether `step` writes a metrics record (every --log-every and --eval-every steps, and the last)."""
+  return step % r.cfg.log_every == 0 or step == r.cfg.steps or step % r.cfg.eval_every == 0
+
+
+def _saves(r: _Run, step: int, stop: Stop) -> bool:
+  """Whether `step` may save a checkpoint (so the health of every step up to it is read back first)."""
+  return step % r.cfg.ckpt_every == 0 or step == r.end or stop.signum is not None
+
+
+def _log(r: _Run, out: dict):
+  """The step's metrics record: loss, grad norm, lr, health, throughput (once a whole step has run after
+  compilation), the held-out loss when due, router and --sync metrics; written and shown."""
+  cfg, step, last = r.cfg, r.step, r.step == r.cfg.steps
+  loss = float(out["loss"])  # waits for the step
+  rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(r.schedule(step - 1)),
+         **r.monitor.take()}
+  rate = r.meter.window(step)  # None until a whole step has run after compilation
+  if rate is not None:
+    rec["tokens_per_s"], rec["mfu"] = rate, r.peak.mfu(rate * r.model_flops_per_token)
+  if step == r.end and r.meter.average() is not None:  # the whole run's (this session's) averages
+    rec["run_tokens_per_s"] = r.meter.average()
+    rec["run_mfu"] = r.meter.average() * r.model_flops_per_token / r.peak.flops
+    rec["peak_source"] = r.peak.source
+  if step % cfg.eval_every == 0 or last:
+    rec["val_loss"] = _evaluate(r)
+  rec.update(router_metrics(out))
+  rec.update(r.syncer.metrics(r.state, step, out, last))
+  r.records.append(rec)
+  r.metrics.write(rec)
+  r.progress.log(rec)
+  r.meter.restart()  # evaluation and logging are not training time
+
+
+def _evaluate(r: _Run) -> float:
+  """Mean held-out loss of the model (--sync gossip's: the replicas' mean) over the fixed held-out batches."""
+  params = r.syncer.model(r.state)["params"]
+  return float(np.mean([r.layout.eval_step(params, x, y, r.state.get("buffers", {})) for x, y in r.layout.val]))
+
+
+def _checkpoint(r: _Run, stop: Stop):
+  """Saves every --ckpt-every steps (not amid bad steps) and at the end or a stop. Deciding here, not in orbax,
+  keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked for)."""
+  final = r.step == r.end or stop.signum is not None
+  if (r.monitor.bad_run == 0 and r.step % r.cfg.ckpt_every == 0) or final:
+    r.state = r.syncer.model(r.state)  # gossip: "params" (what export and sampling read) = the replicas' mean
+    r.ckpt.save(r.step, r.state, {**r.meta, "health": r.monitor.state()}, force=True)
+
+
+def _finish(r: _Run, stop: Stop):
+  """Raises what ended the run early: too many bad steps (exit 3), or a signal (a checkpoint saved, exit 128 + n)."""
+  if r.monitor.failed:
+    raise r.monitor.error(r.step, r.ckpt.manager.latest_step())
+  if stop.signum is not None:
+    saved = ("checkpoint saved" if r.step > r.start else
+             "the checkpoint it resumed from is kept" if r.start else "nothing was saved")
+    print(f"stopped by signal {stop.signum} at step {r.step}; {saved}, rerun the same command to resume",
+          file=sys.stderr)
+    raise SystemExit(128 + stop.signum)

@@ -1,0 +1,73 @@
+"""Resuming a run: the newest checkpoint every process can read (damaged ones moved aside, never deleted), refused when
+it holds another model or optimizer, or other training settings without --amend."""
+
+from __future__ import annotations
+
+import sys
+
+from research.train import rundir, sync
+from research.train.checkpoint import CheckpointError
+from research.train.config import RunError
+from research.train.distributed import all_agree, is_primary
+from research.train.pretrained import peft_settings
+from sharding import parse_mesh_spec
+
+
+def state_signature(meta: dict) -> dict:
+  """What fixes the saved state's shapes and structure: the model's shape fields and the optimizer."""
+  model = {k: v for k, v in meta["model_config"].items()
+           if k not in ("compute_dtype", "remat", "microbatches", "attention", "logit_stats")}
+  if model.get("moe"):  # the expert shapes and whether a selection bias is kept; not the routing or loss knobs
+    m = model["moe"]
+    model["moe"] = {k: m[k] for k in ("num_experts", "d_expert", "num_shared")} | {"bias": m["bias_rate"] > 0}
+  train = meta["train"]
+  flag = train.get("sync", "allreduce")
+  mode = sync.parse(flag)
+  replicas = parse_mesh_spec(meta["mesh"], len(meta["devices"]))["data"]
+  return {**model, "optimizer": train["optimizer"], "opt": list(train["opt"]), "freeze": train.get("freeze"),
+          "peft": peft_settings(meta), "sync": flag,  # per-replica state, the delays' draws
+          **({"replicas": replicas} if mode.replicated or mode.random else {})}
+
+
+def check_resume(saved: dict, meta: dict, out: str):
+  old, new = state_signature(saved), state_signature(meta)
+  changed = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
+  if changed:
+    raise RunError(f"{out} holds a checkpoint of a different model/optimizer ({'; '.join(changed)}); "
+                   f"use a new --out or the original settings")
+  settings = rundir.changed_settings(saved, meta)
+  if settings and not meta["train"]["amend"]:
+    raise RunError(f"{out} was trained with other settings ({rundir.describe(settings)}); rerun with the original "
+                   f"flags, or add --amend to go on with these (config.json's history records the change)")
+  if saved["corpus"]["fingerprint"] != meta["corpus"]["fingerprint"]:
+    print(f"warning: {out} was trained on other data (corpus fingerprint changed); continuing", file=sys.stderr)
+  return settings
+
+
+def newest_readable(ckpt, meta: dict, state, shardings, switches, out: str):
+  """(step, restored state, its meta) of the newest checkpoint every process can read, or (None, None, None);
+  unreadable newer ones are moved aside (never deleted), and none readable among several is an error."""
+  start, damaged = None, []
+  for s in reversed(ckpt.all_steps()):  # the newest readable checkpoint
+    try:
+      saved = ckpt.read_meta(s)
+      settings = check_resume(saved, meta, out)
+      layout = [sw for at, sw in switches if at <= s]  # the mesh the run had switched to by then
+      restored = ckpt.restore(s, state, layout[-1][1] if layout else shardings)
+      error = None
+    except CheckpointError as e:
+      error = e
+    if all_agree(error is None):
+      start = s
+      break
+    damaged.append((s, error or CheckpointError(f"checkpoint {ckpt.directory}/{s} is unreadable on another process")))
+  if start is not None:
+    meta["history"] = rundir.amend_history(saved, settings, start)
+  if damaged and start is None:
+    raise CheckpointError(f"{damaged[0][1]}; no older checkpoint is readable: move {ckpt.directory} aside or use a "
+                          f"new --out")
+  for s, e in damaged:  # kept byte for byte, out of orbax's sight (no overwrite, no keep-N deletion)
+    moved = ckpt.quarantine(s)
+    if is_primary():
+      print(f"warning: {e}; moved to {moved}, resuming from step {start}", file=sys.stderr)
+  return (start, restored, saved) if start is not None else (None, None, None)

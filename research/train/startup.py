@@ -1,0 +1,87 @@
+"""Everything checked and built before the state: the mesh, the model config, the data and held-out batches, the
+pipeline plan, --switch-at's meshes and --sync's mode, each refused in one line when it does not fit."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from models.attention import AttentionError, check_attention
+from optim import needs_max_logits
+from research.data import eval_batches, get_batch, load_corpus
+from research.train import sync
+from research.train.build import exact_mode, model_config
+from research.train.config import RunError, TrainConfig
+from research.train.switch import switch_plan
+from sharding import batch_sharding, global_batch, make_mesh, mesh_spec
+from sharding.mesh import DATA_AXES
+from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
+
+
+def setup(cfg: TrainConfig):
+  """Mesh, model config, data and held-out batches, with every check of the flags that needs them."""
+  mesh = make_mesh(cfg.mesh)
+  mcfg = model_config(cfg)
+  check_sync(cfg, mesh, mcfg)
+  if needs_max_logits(cfg.optimizer) and mcfg.qk_norm:
+    raise RunError(f"--optimizer {cfg.optimizer} clips W_q and W_k, which QK-norm undoes: --model {cfg.model} has "
+                   f"qk_norm; add --qk-norm False")
+  corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
+  if mcfg.vocab_size < corpus.vocab_size:
+    raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
+  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  plan = switch_plan(cfg)
+  pipe = pipeline_plan(mesh, mcfg, cfg.batch_size)
+  for m in [mesh] + [m for _, m in plan]:  # a switch to a pipeline or context mesh must fit the model and batch too
+    if m is not mesh:
+      pipeline_plan(m, mcfg, cfg.batch_size)
+    try:
+      check_attention(mcfg.attention, cfg.seq_len, m.shape["context"])
+    except AttentionError as e:
+      raise RunError(f"--mesh {mesh_spec(m)}: {e}") from None
+  if cfg.peft and (cfg.freeze or cfg.switch_at or mesh.shape["stage"] > 1):
+    raise RunError("--peft trains the adapters only and does not combine with --freeze, --switch-at or a pipeline "
+                   "(stage) mesh")
+  get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
+  val_host = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+  val = [global_batch(b, mesh) for b in val_host]
+  return mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val
+
+
+def pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
+  """The GPipe pipeline a mesh with stage > 1 runs (printed, and saved in config.json); None without one."""
+  S = mesh.shape["stage"]
+  if S == 1:
+    return None
+  M = mcfg.microbatches or S
+  try:
+    check_pipeline(mcfg.n_layers, batch_size, S, M, math.prod(mesh.shape[a] for a in DATA_AXES))
+  except PipelineError as e:
+    raise RunError(f"--mesh {mesh_spec(mesh)}: {e}") from None
+  plan = {"schedule": "gpipe", "stages": S, "layers_per_stage": mcfg.n_layers // S, "microbatches": M,
+          "bubble_fraction": bubble_fraction(S, M)}
+  print(f"pipeline: {S} stages x {mcfg.n_layers // S} layers, {M} microbatches of {batch_size // M} sequences, "
+        f"GPipe bubble (S-1)/(M+S-1) = {plan['bubble_fraction']:.1%}", file=sys.stderr)
+  return plan
+
+
+def check_sync(cfg: TrainConfig, mesh, mcfg):
+  """--sync parsed and checked against the rest of the run (RunError)."""
+  try:
+    mode = sync.parse(cfg.sync)
+    if mode.kind == "gossip":
+      sync.mixing_matrix(mode, mesh.shape["data"])
+    sync.outer_optimizer(cfg.outer_lr, cfg.outer_momentum)
+  except sync.SyncError as e:
+    raise RunError(str(e)) from None
+  if mode.kind == "allreduce":
+    return
+  clash = [flag for flag, on in (("--peft", cfg.peft), ("--switch-at", cfg.switch_at), ("--zero1", cfg.zero1),
+                                 ("a pipeline (stage) mesh", mesh.shape["stage"] > 1), ("a MoE model", mcfg.moe),
+                                 (f"--optimizer {cfg.optimizer}'s exact mode", exact_mode(cfg))) if on]
+  if clash:
+    raise RunError(f"--sync {cfg.sync} keeps a copy of the parameters per data replica and does not combine with "
+                   f"{', '.join(clash)}")
+  if mesh.shape["data"] == 1:
+    print(f"warning: --sync {cfg.sync} on a mesh with data=1 has a single replica (add data=R to --mesh for R)",
+          file=sys.stderr)

@@ -1,0 +1,86 @@
+"""The train step: the loss (cross entropy + MoE aux losses), its gradients, the optimizer update, the non-finite guard,
+and the eval step; jitted with the state's shardings pinned."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from models import cross_entropy
+from models.moe import aux_loss, summarize as moe_summary, update_router_bias
+from research.train.health import keep_if_finite, step_ok
+
+
+def keep_prev_params(state, shardings):
+  """(state, shardings) of an exact variance-reduced run plus "prev_params": the parameters before the last
+  update (at first a copy of the initial ones), sharded like the parameters."""
+  prev = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings["params"])(state["params"])
+  return {**state, "prev_params": prev}, {**shardings, "prev_params": shardings["params"]}
+
+
+def lm_loss(graphdef):
+  """loss_fn(params, x, y, buffers) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)), aux the
+  model's (per-layer router stats, attention-logit maxima)."""
+  def loss_fn(params, x, y, buffers):
+    model = nnx.merge(graphdef, params, buffers)
+    logits, aux = model.forward(x)
+    ce = cross_entropy(logits, y)
+    return ce + aux_loss(aux, model.c), (ce, aux)
+  return loss_fn
+
+
+def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False):
+  """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state.
+
+  A state with "prev_params" (`keep_prev_params`) also differentiates the loss at the previous parameters on
+  the same batch and hands that gradient to the optimizer as `prev_grads=` (exact MARS / Muon-MVR2). With
+  `max_logits`, the model's per-head attention-logit maxima (aux "max_logit") go to it as `max_logits=` (MuonClip).
+  A step whose loss, gradient norm or update norm is not finite leaves the state unchanged but for "step", and reports
+  finite=False (`research.train.health`).
+  """
+  exact = "prev_params" in shardings
+  loss_fn = lm_loss(graphdef)
+
+  def eval_fn(params, x, y, buffers):
+    return loss_fn(params, x, y, buffers)[1][0]
+
+  def train_step(state, x, y):
+    buffers = state.get("buffers", {})
+    (total, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], x, y, buffers)
+    extra = {"prev_grads": jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(state["prev_params"])} if exact else {}
+    if max_logits:
+      extra["max_logits"] = aux["max_logit"]
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"], **extra)
+    params = optax.apply_updates(state["params"], updates)
+    new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    if exact:
+      new["prev_params"] = state["params"]
+    if buffers:  # a router's selection bias, a PEFT run's frozen base
+      new["buffers"] = buffers
+    metrics = {}
+    if "load" in aux:  # MoE: aux-loss-free bias update from this step's loads (DeepSeek-V3), router metrics
+      rate = nnx.merge(graphdef, state["params"], buffers).c.moe.bias_rate
+      if buffers:
+        new["buffers"] = update_router_bias(buffers, aux, rate)
+      metrics = {"aux_loss": total - loss, **moe_summary(aux)}
+    if "max_logit" in aux:  # (L, N): the largest over heads and layers, and each layer's
+      metrics["attn/max_logit"] = jnp.max(aux["max_logit"])
+      metrics["attn/max_logit_layer"] = jnp.max(aux["max_logit"], axis=-1)
+    grad_norm = optax.tree.norm(grads)
+    ok = step_ok(total, grad_norm, updates)
+    return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
+
+  train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
+                  donate_argnums=0)
+  evaluate = jax.jit(eval_fn, in_shardings=(shardings["params"], batch_sh, batch_sh, shardings.get("buffers", {})))
+  return train, evaluate
+
+
+def router_metrics(out: dict) -> dict:
+  """The MoE and attention-logit entries of a step's outputs as JSON numbers (per-expert loads, per-layer maxima as
+  lists)."""
+  got = jax.device_get({k: v for k, v in out.items() if k.startswith(("moe/", "attn/")) or k == "aux_loss"})
+  return {k: np.asarray(v).tolist() for k, v in got.items()}

@@ -1,0 +1,66 @@
+"""--switch-at: the plan of (step, mesh) and, for each, a `Layout` (shardings, batches and steps compiled ahead of time)
+the loop moves the live state onto."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optim import needs_max_logits
+from research.train.config import RunError, TrainConfig
+from research.train.step import make_steps
+from sharding import ShardingError, abstract_state, batch_sharding, devices_for, global_batch, make_mesh, mesh_spec
+from sharding import state_shardings
+
+
+class Layout(NamedTuple):
+  """What training on one mesh needs: the mesh, the state's shardings, the batch sharding, the held-out batches
+  placed there, and the jitted train and eval steps for those shardings."""
+  mesh: jax.sharding.Mesh
+  shardings: Any
+  batch_sh: jax.sharding.NamedSharding
+  val: list
+  train_step: Callable
+  eval_step: Callable
+
+
+def switch_plan(cfg: TrainConfig) -> list[tuple[int, jax.sharding.Mesh]]:
+  """--switch-at as (step, mesh) in step order; a mesh spec with fixed sizes takes the first devices it needs."""
+  plan = {}
+  for item in cfg.switch_at:
+    at, sep, spec = item.partition(":")
+    if not (sep and at.strip().isdigit()):
+      raise RunError(f"--switch-at {item!r} is not STEP:MESH, e.g. --switch-at 100:fsdp=4,tensor=2")
+    if not 0 < int(at) < cfg.steps:
+      raise RunError(f"--switch-at {item!r}: STEP must lie in [1, --steps={cfg.steps})")
+    if int(at) in plan:
+      raise RunError(f"--switch-at names step {int(at)} twice")
+    plan[int(at)] = make_mesh(spec, devices=devices_for(spec))
+    try:  # the batch must split over the new mesh's data axes
+      batch_sharding(plan[int(at)], (cfg.batch_size, cfg.seq_len))
+    except ShardingError as e:
+      raise ShardingError(f"--switch-at {item!r}: the batch: {e}") from None
+  return sorted(plan.items(), key=lambda item: item[0])
+
+
+def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
+  """What training on `mesh` needs: (mesh, state shardings, batch sharding, held-out batches there, train and
+  eval steps compiled ahead of time (`.lower(...).compile()`) for those shardings)."""
+  try:
+    shardings = state_shardings(state, names, mesh, zero1=cfg.zero1)
+  except ShardingError as e:
+    raise ShardingError(f"--switch-at to {mesh_spec(mesh)}: {e}") from None
+  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  train, evaluate = make_steps(graphdef, tx, shardings, batch_sh, max_logits=needs_max_logits(cfg.optimizer))
+  x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32, sharding=batch_sh)
+  t = time.perf_counter()
+  with jax.set_mesh(mesh):
+    train = train.lower(abstract_state(state, shardings), x, x).compile()
+    evaluate = evaluate.lower(abstract_state(state["params"], shardings["params"]), x, x,
+                              abstract_state(state.get("buffers", {}), shardings.get("buffers", {}))).compile()
+  print(f"compiled the steps for mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+  return Layout(mesh, shardings, batch_sh, [global_batch(b, mesh) for b in val_host], train, evaluate)

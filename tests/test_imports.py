@@ -1,0 +1,163 @@
+"""The architecture holds: no import circle anywhere, the layers import one way, the trainer stays small.
+
+The import graph is read from the source (`ast`), not from what happens to be imported at run time: every `import`
+and `from ... import` of a project module counts, inside functions too (a circle hidden in a function-level import
+is still a circle). `from package import name` counts as an import of the submodule `package.name` when there is
+one, else of the package.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("optim", "models", "sharding", "research")
+
+# Which rooms each room may import (besides itself). A room is a top-level package, or a folder of research/;
+# research's single-file command-line tools (sample, export, quantize, plot, sweep, soak) are the room "tools".
+LIBRARY = {"optim", "sharding", "models"}
+ALLOWED = {
+    "optim": set(),
+    "sharding": set(),
+    "models": {"sharding", "optim"},
+    "research.data": set(LIBRARY),
+    "research.train": LIBRARY | {"research.data"},
+    "research.bench": LIBRARY | {"research.data", "research.train"},
+    "tools": LIBRARY | {"research.data", "research.train"},
+    "research.experiments": LIBRARY | {"research.data", "research.train", "tools"},
+}
+
+
+def modules() -> dict[str, str]:
+  """{dotted module name: file path} of every module of the project's packages."""
+  out = {}
+  for package in PACKAGES:
+    for folder, _, files in os.walk(os.path.join(ROOT, package)):
+      for f in files:
+        if f.endswith(".py"):
+          parts = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].split(os.sep)
+          out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(folder, f)
+  return out
+
+
+def import_graph() -> dict[str, set[str]]:
+  """{module: the project modules it imports}."""
+  mods = modules()
+
+  def resolve(name: str) -> str | None:
+    while name and name not in mods:
+      name = name.rpartition(".")[0]
+    return name or None
+
+  graph = {}
+  for name, path in mods.items():
+    is_package = path.endswith("__init__.py")
+    targets = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+      if isinstance(node, ast.Import):
+        targets |= {resolve(a.name) for a in node.names}
+      elif isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: from the package this module is in
+          base = name.split(".") if is_package else name.split(".")[:-1]
+          base = base[:len(base) - node.level + 1]
+          source = ".".join(base + ([node.module] if node.module else []))
+        else:
+          source = node.module
+        targets |= {resolve(f"{source}.{a.name}") for a in node.names}
+    graph[name] = {t for t in targets if t and t != name}
+  return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan), each sorted."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in graph[v]:
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def room(module: str) -> str:
+  parts = module.split(".")
+  if parts[0] != "research":
+    return parts[0]
+  if len(parts) > 1 and os.path.isdir(os.path.join(ROOT, "research", parts[1])):
+    return f"research.{parts[1]}"
+  return "tools" if len(parts) > 1 else "research"
+
+
+def test_the_graph_sees_the_imports_it_must():
+  graph = import_graph()
+  assert "research.train.step" in graph["research.train.loop"]
+  assert "research.train.checkpoint" in graph["research.train.resume"]  # a `from X import Name`
+  assert "research.train.adapters" in graph["research.train.state"]  # a `from package import submodule`
+  assert "research.data.tokenized" in graph["research.data"]
+  assert "models.moe" in graph["models.transformer"] and "models.params" in graph["models.moe"]
+
+
+def test_no_import_circle():
+  assert circles(import_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+  assert circles(graph) == [["a", "b", "c"]]
+  assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_layers_import_one_way():
+  wrong = sorted(f"{m} -> {t}" for m, targets in import_graph().items() for t in targets
+                 if room(t) != room(m) and room(t) not in ALLOWED[room(m)])
+  assert wrong == []
+
+
+def test_every_room_is_in_the_table():
+  assert {room(m) for m in modules()} - {"research"} == set(ALLOWED)
+
+
+def test_the_train_cli_imports_nothing_slow_before_its_signal_handlers():
+  """`python -m research.train` imports the package and its signals module before it sets the SIGINT/SIGTERM
+  handlers; a signal in the seconds of JAX's import must find them set (research/train/__main__.py)."""
+  code = "import sys, research.train, research.train.signals; print(sorted({'jax', 'numpy', 'flax'} & set(sys.modules)))"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+  assert out.strip() == "[]"
+
+
+def test_the_trainer_stays_readable():
+  """Every trainer file ≤ 300 lines, every function in it ≤ 60, the loop's story `_train` among them."""
+  folder = os.path.join(ROOT, "research", "train")
+  long_files, long_functions = [], []
+  for f in sorted(os.listdir(folder)):
+    if f.endswith(".py"):
+      src = open(os.path.join(folder, f)).read()
+      if len(src.splitlines()) > 300:
+        long_files.append(f)
+      long_functions += [f"{f}:{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(src))
+                         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and n.end_lineno - n.lineno + 1 > 60]
+  assert long_files == [] and long_functions == []
+  loop = ast.parse(open(os.path.join(folder, "loop.py")).read())
+  assert any(isinstance(n, ast.FunctionDef) and n.name == "_train" for n in loop.body)
