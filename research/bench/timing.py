@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import Transformer, TransformerConfig, count_params, flops_per_token
 from research.data import get_batch
-from research.train.build import make_optimizer, model_config
+from research.train.build import make_optimizer, model_config, step_options
 from research.train.config import TrainConfig
 from research.train.step import make_steps
 from sharding import batch_sharding, devices_for, init_train_state, make_mesh, mesh_spec
@@ -60,7 +60,7 @@ def build_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int,
   tx, _ = make_optimizer(cfg)
   graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh)
   batch_sh = batch_sharding(mesh, (batch_size, seq_len))
-  train_step, _ = make_steps(graphdef, tx, shardings, batch_sh)
+  train_step, _ = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
   return TrainStep(cfg, mcfg, mesh, state, train_step, batch_sh)
 
 

@@ -11,7 +11,7 @@ import optax
 from models import PRESETS, MoEConfig, preset
 from optim import UnknownOptimizerError, get_optimizer, make_schedule, needs_max_logits, needs_prev_grads, \
     with_global_norm_clip
-from research.train import init_from
+from research.train import frozen, init_from
 from research.train.config import RunError, TrainConfig
 
 
@@ -67,4 +67,9 @@ def make_optimizer(cfg: TrainConfig):
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
   if cfg.freeze and exact_mode(cfg):
     raise RunError("--freeze does not combine with the exact MARS / Muon-MVR2 modes (prev_grads)")
-  return init_from.freeze(tx, cfg.freeze)[0], schedule
+  return frozen.freeze(tx, cfg.freeze)[0], schedule
+
+
+def step_options(cfg: TrainConfig) -> dict:
+  """`make_steps`' keyword arguments the flags decide: MuonClip's logit maxima, --freeze's mask."""
+  return {"max_logits": needs_max_logits(cfg.optimizer), "frozen": frozen.frozen_mask(cfg.freeze)}

@@ -15,7 +15,7 @@ from models.attention import AttentionError
 from models.config import ConfigError
 from optim import UnknownOptimizerError
 from research.data import DataError
-from research.train import init_from, preflight, rundir
+from research.train import frozen, init_from, preflight, rundir
 from research.train.checkpoint import CheckpointError, quiet_orbax_errors
 from research.train.config import RunError, TrainConfig
 from research.train.distributed import DistributedError, is_primary
@@ -29,7 +29,7 @@ from sharding.pipeline import PipelineError
 
 USER_ERRORS = (RunError, preflight.PreflightError, rundir.RunDirError, ConfigError, UnknownOptimizerError,
                CheckpointError, DataError, MeshError, ShardingError, DistributedError, PipelineError,
-               init_from.InitError, HFError, peft.PEFTError, AttentionError)
+               init_from.InitError, frozen.FreezeError, HFError, peft.PEFTError, AttentionError)
 
 
 def optimizer_help() -> str:

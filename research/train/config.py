@@ -139,8 +139,11 @@ class TrainConfig:
   checkpoint). The model config is the checkpoint's (a conflicting model flag is an error); the optimizer starts
   fresh. Resuming this run later resumes it, not the source."""
   freeze: str | None = None
-  """Keep the parameters whose path matches this regular expression fixed (no optimizer state, no update), e.g.
-  'embed|norm' or 'blocks/(wq|wk)'."""
+  """Keep the parameters whose path matches this regular expression fixed (no gradient, no optimizer state, no
+  update), e.g. 'embed|norm' or 'blocks/(wq|wk)'."""
+  frozen_dtype: Literal["bfloat16", "float32"] | None = None
+  """The dtype --freeze's parameters are stored in (unset: bfloat16 when fine-tuning, i.e. with --init-from; else
+  float32). They are read in the compute dtype; bfloat16 halves their memory."""
   peft: Literal[peft.METHODS] | None = None
   """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
   base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes

@@ -1,10 +1,9 @@
-"""Where a run's initial parameters come from, and which of them train.
+"""Where a run's initial parameters come from (--init-from).
 
 - `--init-from hf:PATH` (a Hugging Face directory, `models.from_hf`) or `--init-from RUN_DIR` (an optlab run: the
   parameters of its newest checkpoint): the model config is the checkpoint's, a model flag that disagrees with it is
   an error (dtype, remat and microbatches may still be set), and the optimizer state starts fresh.
-- `--freeze REGEX`: parameters whose path (`blocks/wq_DQ`, `embed_VD`, ...) matches keep their values, get no
-  optimizer state and no update (`optax.partition` with `optax.set_to_zero`); their gradients are still computed.
+- `--freeze REGEX` (which of them train) is `research/train/frozen.py`.
 """
 
 from __future__ import annotations
@@ -12,15 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
-
-import jax
-import numpy as np
-import optax
 
 from models import TransformerConfig, from_hf
 from models.hf import config_from_hf
-from optim.trees import path_name, tree_bytes
 from research.train.pretrained import hf_path, load_run
 
 SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias", "tie_embeddings")
@@ -28,7 +21,7 @@ FREE_FLAGS = ("compute_dtype", "remat", "microbatches")  # may differ from the c
 
 
 class InitError(ValueError):
-  """An --init-from or --freeze that cannot be used."""
+  """An --init-from that cannot be used."""
 
 
 def source_config(source: str) -> TransformerConfig:
@@ -70,32 +63,3 @@ def load_params(source: str, config: TransformerConfig, mesh) -> dict:
   """The source's parameters as a plain dict, each array on its shards of `mesh`."""
   from flax import nnx
   return nnx.to_pure_dict(nnx.state(load_model(source, config, mesh), nnx.Param))
-
-
-def freeze(tx: optax.GradientTransformation, regex: str | None):
-  """(tx, labels): `tx` on the parameters whose path does not match `regex`, `set_to_zero` (no state) on the rest."""
-  if not regex:
-    return tx, None
-  try:
-    pattern = re.compile(regex)
-  except re.error as e:
-    raise InitError(f"--freeze {regex!r} is not a regular expression ({e})") from None
-
-  def labels(params):
-    return jax.tree_util.tree_map_with_path(lambda p, _: "frozen" if pattern.search(path_name(p)) else "train",
-                                            params)
-
-  return optax.partition({"train": tx, "frozen": optax.set_to_zero()}, labels), labels
-
-
-def frozen_summary(params: dict, labels, tx_plain: optax.GradientTransformation, tx_frozen) -> str:
-  """One line: what --freeze froze and the optimizer-state bytes it saved (state with and without freezing)."""
-  lab = jax.tree.leaves(labels(params))
-  sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(params)]
-  n = sum(s for s, l in zip(sizes, lab) if l == "frozen")
-  if not n:
-    raise InitError("--freeze matches no parameter (paths look like blocks/wq_DQ, embed_VD, final_norm)")
-  nbytes = lambda tx: tree_bytes(jax.eval_shape(tx.init, params))
-  saved = nbytes(tx_plain) - nbytes(tx_frozen)
-  return (f"froze {n:,} of {sum(sizes):,} parameters ({lab.count('frozen')} arrays); optimizer state "
-          f"{saved / 2**20:.1f} MiB smaller")

@@ -21,10 +21,9 @@ import numpy as np
 from flax import nnx
 
 from models import Transformer, flops_per_token
-from optim import needs_max_logits
 from research.data import Corpus, get_batch
 from research.train import preflight, rundir, sync
-from research.train.build import make_optimizer
+from research.train.build import make_optimizer, step_options
 from research.train.checkpoint import Checkpointer, CheckpointSaveError
 from research.train.config import TrainConfig
 from research.train.distributed import initialize as init_distributed, is_primary
@@ -121,7 +120,7 @@ def _start(cfg: TrainConfig) -> _Run:
   mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = setup(cfg)
   tx, schedule = make_optimizer(cfg)
   graphdef, state, shardings, report = initial_state(cfg, mcfg, mesh, tx, corpus)
-  train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh, max_logits=needs_max_logits(cfg.optimizer))
+  train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
   state, shardings, syncer = sync_steps(cfg, graphdef, tx, state, shardings, batch_sh, train_step)
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
   switches = [(at, switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 from flax import nnx
 
 from models import HFError, Transformer, TransformerConfig, from_hf, peft, quant, quant_store
 from research.data.tokenizer import ByteTokenizer, HFTokenizer, check_fits
-from research.train import adapters
+from research.train import adapters, frozen
 from research.train.checkpoint import Checkpointer, CheckpointError
 from sharding import logical_names
 from sharding.state import param_shardings, variable_shardings
@@ -61,7 +62,8 @@ def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = Tru
       return (peft.merge(model) if merge else model), config, step
     graphdef, abstract, names = logical_names(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     shardings = param_shardings(abstract, names, mesh)
-    params = ckpt.restore_params(step, abstract, shardings)
+    params = ckpt.restore_params(step, frozen.as_stored(abstract, meta.get("train", {})), shardings)
+    params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)  # --freeze's bfloat16: the model's dtype
   finally:
     ckpt.close()
   return nnx.merge(graphdef, params), config, step

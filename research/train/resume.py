@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from research.train import rundir, sync
+from research.train.frozen import saved_frozen_dtype
 from research.train.checkpoint import CheckpointError
 from research.train.config import RunError
 from research.train.distributed import all_agree, is_primary
@@ -24,7 +25,8 @@ def state_signature(meta: dict) -> dict:
   flag = train.get("sync", "allreduce")
   mode = sync.parse(flag)
   replicas = parse_mesh_spec(meta["mesh"], len(meta["devices"]))["data"]
-  return {**model, "optimizer": train["optimizer"], "opt": list(train["opt"]), "freeze": train.get("freeze"),
+  stored = {"frozen_dtype": saved_frozen_dtype(train)} if train.get("freeze") else {}  # the frozen leaves' dtype
+  return {**model, **stored, "optimizer": train["optimizer"], "opt": list(train["opt"]), "freeze": train.get("freeze"),
           "peft": peft_settings(meta), "sync": flag,  # per-replica state, the delays' draws
           **({"replicas": replicas} if mode.replicated or mode.random else {})}
 

@@ -12,7 +12,7 @@ from flax import nnx
 from models import Transformer
 from optim import needs_max_logits
 from research.data import get_batch
-from research.train import adapters, init_from, rundir, sync
+from research.train import adapters, frozen, init_from, rundir, sync
 from research.train.build import exact_mode, make_optimizer
 from research.train.config import TrainConfig
 from research.train.distributed import is_primary
@@ -41,8 +41,10 @@ def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus):
                                                   zero1=cfg.zero1)
     if fresh_init_from:
       state["params"] = init_from.load_params(cfg.init_from, mcfg, mesh)
+  if cfg.freeze:  # stored in --frozen-dtype; the step differentiates the other parameters only
+    state["params"] = frozen.store_frozen(state["params"], shardings["params"], cfg.freeze, frozen.frozen_dtype(cfg))
   if cfg.freeze and is_primary():
-    print(init_from.frozen_summary(state["params"], init_from.freeze(tx, cfg.freeze)[1], make_optimizer(
+    print(frozen.frozen_summary(state["params"], frozen.freeze(tx, cfg.freeze)[1], make_optimizer(
         dataclasses.replace(cfg, freeze=None))[0], tx), file=sys.stderr)
   if exact_mode(cfg):  # exact MARS / Muon-MVR2: one more copy of the parameters, a second backward pass per step
     state, shardings = keep_prev_params(state, shardings)

@@ -32,8 +32,32 @@ def lm_loss(graphdef):
   return loss_fn
 
 
-def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False):
+def value_and_grad_trained(loss_fn, params, frozen, *args):
+  """`jax.value_and_grad(loss_fn, has_aux=True)(params, *args)` taken w.r.t. the leaves whose `frozen` flag is False
+  only: the frozen ones enter the loss as constants, so XLA computes no gradient (no weight-gradient dot) for them.
+  Their entries of the returned gradient tree are zeros of their shape (free: nothing computes them), so the
+  optimizer sees the whole tree; `frozen` is a tree of Python bools like `params` (None: nothing frozen)."""
+  if frozen is None:
+    return jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
+  leaves, treedef = jax.tree.flatten(params)
+  flags = jax.tree.leaves(frozen)
+
+  def loss_of_trained(trained):
+    it = iter(trained)
+    return loss_fn(treedef.unflatten([leaf if f else next(it) for leaf, f in zip(leaves, flags)]), *args)
+
+  value, grads = jax.value_and_grad(loss_of_trained, has_aux=True)([x for x, f in zip(leaves, flags) if not f])
+  it = iter(grads)
+  return value, treedef.unflatten([jnp.zeros(x.shape, x.dtype) if f else next(it) for x, f in zip(leaves, flags)])
+
+
+def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, frozen=None):
   """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state.
+
+  `frozen` (--freeze): a function of the parameter tree giving a Python bool per leaf; the gradient is taken w.r.t.
+  the other leaves only (`value_and_grad_trained`), the frozen ones are neither differentiated nor written (the
+  optimizer gives them no state, `research.train.frozen.freeze`), and the gradient norm (the one logged, and the
+  one --grad-clip clips by) is the trained parameters'.
 
   A state with "prev_params" (`keep_prev_params`) also differentiates the loss at the previous parameters on
   the same batch and hands that gradient to the optimizer as `prev_grads=` (exact MARS / Muon-MVR2). With
@@ -49,12 +73,15 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False):
 
   def train_step(state, x, y):
     buffers = state.get("buffers", {})
-    (total, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], x, y, buffers)
+    flags = None if frozen is None else frozen(state["params"])
+    (total, (loss, aux)), grads = value_and_grad_trained(loss_fn, state["params"], flags, x, y, buffers)
     extra = {"prev_grads": jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(state["prev_params"])} if exact else {}
     if max_logits:
       extra["max_logits"] = aux["max_logit"]
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"], **extra)
     params = optax.apply_updates(state["params"], updates)
+    if flags is not None:  # a frozen leaf is passed through as it is (its zero update is never computed)
+      params = jax.tree.map(lambda f, old, new: old if f else new, flags, state["params"], params)
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     if exact:
       new["prev_params"] = state["params"]

@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optim import needs_max_logits
+from research.train.build import step_options
 from research.train.config import RunError, TrainConfig
 from research.train.step import make_steps
 from sharding import ShardingError, abstract_state, batch_sharding, devices_for, global_batch, make_mesh, mesh_spec
@@ -55,7 +55,7 @@ def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
   except ShardingError as e:
     raise ShardingError(f"--switch-at to {mesh_spec(mesh)}: {e}") from None
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
-  train, evaluate = make_steps(graphdef, tx, shardings, batch_sh, max_logits=needs_max_logits(cfg.optimizer))
+  train, evaluate = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
   x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32, sharding=batch_sh)
   t = time.perf_counter()
   with jax.set_mesh(mesh):

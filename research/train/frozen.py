@@ -1,0 +1,101 @@
+"""--freeze REGEX: the parameters whose path (`blocks/wq_DQ`, `embed_VD`, ...) matches stay fixed, and cost nothing
+but their storage.
+
+- No gradient: the train step differentiates the other parameters only (`frozen_mask` →
+  `research.train.step.value_and_grad_trained`), so XLA computes no frozen weight's gradient (no weight-gradient dot
+  in the backward; activation gradients still flow through them to the layers below).
+- No optimizer state and no update: `freeze(tx)` is `optax.partition` with `optax.set_to_zero` on them.
+- Stored in --frozen-dtype (`store_frozen`): bfloat16 by default when fine-tuning (with --init-from), else float32;
+  the forward reads them in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optim.trees import path_name, tree_bytes
+
+
+class FreezeError(ValueError):
+  """A --freeze that cannot be used."""
+
+
+def _pattern(regex: str) -> re.Pattern:
+  try:
+    return re.compile(regex)
+  except re.error as e:
+    raise FreezeError(f"--freeze {regex!r} is not a regular expression ({e})") from None
+
+
+def frozen_mask(regex: str | None):
+  """A function of a parameter tree giving True for each leaf whose path matches `regex` (frozen), or None."""
+  if not regex:
+    return None
+  pattern = _pattern(regex)
+  return lambda params: jax.tree_util.tree_map_with_path(lambda p, _: bool(pattern.search(path_name(p))), params)
+
+
+def freeze(tx: optax.GradientTransformation, regex: str | None):
+  """(tx, labels): `tx` on the parameters whose path does not match `regex`, `set_to_zero` (no state) on the rest."""
+  mask = frozen_mask(regex)
+  if mask is None:
+    return tx, None
+
+  def labels(params):
+    return jax.tree.map(lambda f: "frozen" if f else "train", mask(params))
+
+  return optax.partition({"train": tx, "frozen": optax.set_to_zero()}, labels), labels
+
+
+def store_frozen(params: dict, shardings: dict, regex: str | None, dtype) -> dict:
+  """`params` with the leaves `regex` freezes cast to `dtype` (their storage: they are read, never updated), each
+  kept on its sharding."""
+  mask = frozen_mask(regex)
+  if mask is None:
+    return params
+  cast = lambda ps: jax.tree.map(lambda f, x: x.astype(dtype) if f else x, mask(ps), ps)
+  return jax.jit(cast, out_shardings=shardings)(params)
+
+
+def frozen_summary(params: dict, labels, tx_plain: optax.GradientTransformation, tx_frozen) -> str:
+  """One line: what --freeze froze and the optimizer-state bytes it saved (state with and without freezing)."""
+  lab = jax.tree.leaves(labels(params))
+  sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(params)]
+  n = sum(s for s, l in zip(sizes, lab) if l == "frozen")
+  if not n:
+    raise FreezeError("--freeze matches no parameter (paths look like blocks/wq_DQ, embed_VD, final_norm)")
+  nbytes = lambda tx: tree_bytes(jax.eval_shape(tx.init, params))
+  saved = nbytes(tx_plain) - nbytes(tx_frozen)
+  frozen = [x for x, l in zip(jax.tree.leaves(params), lab) if l == "frozen"]
+  dtypes = "/".join(sorted({str(x.dtype) for x in frozen}))
+  return (f"froze {n:,} of {sum(sizes):,} parameters ({lab.count('frozen')} arrays, stored as {dtypes}: "
+          f"{tree_bytes(frozen) / 2**20:.1f} MiB, no gradient); optimizer state {saved / 2**20:.1f} MiB smaller")
+
+
+def frozen_dtype(cfg):
+  """The storage dtype of --freeze's parameters: --frozen-dtype, else bfloat16 when fine-tuning (--init-from), else
+  float32."""
+  return jnp.dtype(cfg.frozen_dtype or ("bfloat16" if cfg.init_from else "float32"))
+
+
+def saved_frozen_dtype(train: dict) -> str:
+  """`frozen_dtype` of a run's recorded flags (config.json's "train"); runs from before --frozen-dtype stored float32."""
+  if "frozen_dtype" not in train:
+    return "float32"
+  return train["frozen_dtype"] or ("bfloat16" if train.get("init_from") else "float32")
+
+
+def as_stored(abstract_params: dict, train: dict) -> dict:
+  """The abstract parameters of a run as its checkpoints hold them: --freeze's leaves in their stored dtype (a
+  restore reads them as written, so their checksums verify); `train` is config.json's "train"."""
+  mask = frozen_mask(train.get("freeze"))
+  if mask is None:
+    return abstract_params
+  dtype = jnp.dtype(saved_frozen_dtype(train))
+  return jax.tree.map(lambda f, a: jax.ShapeDtypeStruct(a.shape, dtype) if f else a, mask(abstract_params),
+                      abstract_params)
