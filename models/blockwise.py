@@ -1,0 +1,86 @@
+"""Backprop that stops at one layer: the loss as a function of layer b's weights alone (BAdam's active block), so
+that its gradient computes no other layer's weight gradient and no activation gradient below layer b.
+
+The blocks are stacked (leading axis L) and scanned; b is traced, so one compiled program serves every block (BAdam
+switches blocks without recompiling). `active_layer_loss` runs the forward in three pieces:
+
+  below   h_b = layers 0 .. b−1: a scan over all L layers whose step is `lax.cond(l < b, layer, identity)`, its input
+          and weights under stop_gradient (nothing below b is differentiated; the scan is never transposed);
+  active  h_{b+1} = layer(w, h_b), w the variable differentiated (its gradient is layer b's weight gradient);
+  above   h_L = the scan again with `lax.cond(l > b, layer, identity)`, the stacked weights constants: its backward
+          carries the activation gradient down to layer b and computes no weight gradient.
+
+At run time the conds take one branch, so each layer's forward runs once, each layer above b runs one activation
+backward (~1× its forward FLOPs instead of 2× with weight gradients) and the layers below b none. Per step, in units of
+one layer's forward F (the embedding/head work aside): forward L·F, backward 2F (layer b) + (L − 1 − b)·F, against
+L·F + 2L·F for full backprop; averaged over a cycle of the L blocks: L·F + 2F + (L − 1)F/2 ≈ 1.5·L·F vs 3·L·F, i.e.
+≈ 0.5× (+ the head's share). XLA's static cost analysis counts both branches of each cond, so measure this at run
+time (or compile a step per block with the split made static, `static_split=True`, which gives the exact per-block
+cost analysis).
+
+The MoE aux losses of every layer are kept (their router statistics above b depend on w through h), so the loss and
+gradient equal full backprop's restricted to layer b. Not for the pipeline (`stage`) or context-parallel layouts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sharding.context import mesh_context
+from sharding.pipeline import mesh_stages
+
+
+class BlockwiseError(ValueError):
+  """A model layout the active-layer backward does not run on."""
+
+
+def layer_weights(model, b):
+  """Layer b's slice of the stacked block state (an nnx State of one layer; b may be traced)."""
+  _, stacked = nnx.split(model.blocks)
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, b, 0, keepdims=False), stacked)
+
+
+def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
+  """(logits_BTV, aux) of `model` with layer b's weights replaced by `w` (a `layer_weights` slice), differentiable
+  w.r.t. `w` only. `static_split`: b is a Python int and the stack is sliced statically (one program per block)."""
+  if mesh_stages() > 1 or mesh_context() > 1:
+    raise BlockwiseError("the active-layer backward (BAdam's truncated backprop) runs without a pipeline (stage) "
+                         "or context-parallel mesh axis")
+  graphdef, stacked = nnx.split(model.blocks)
+  remat = model.c.remat
+
+  def layer(x, state):
+    return nnx.merge(graphdef, state)(x)
+
+  if remat:
+    layer = jax.checkpoint(layer, prevent_cse=False)
+  frozen = jax.lax.stop_gradient(stacked)
+  x_BTD = jax.lax.stop_gradient(model.embed(tokens_BT))
+  aux_shape = jax.eval_shape(lambda x, s: layer(x, s)[1], x_BTD, w)
+  L = jax.tree.leaves(stacked)[0].shape[0]
+  if static_split:
+    x_BTD, aux_below = jax.lax.scan(layer, x_BTD, jax.tree.map(lambda a: a[:b], frozen))
+    x_BTD = jax.lax.stop_gradient(x_BTD)
+    x_BTD, aux_b = layer(x_BTD, w)
+    x_BTD, aux_above = jax.lax.scan(layer, x_BTD, jax.tree.map(lambda a: a[b + 1:], frozen))
+    aux = jax.tree.map(lambda lo, mid, hi: jnp.concatenate([lo, mid[None], hi]), aux_below, aux_b, aux_above)
+    return model.unembed(x_BTD), aux
+
+  def masked(run):  # a scan step that applies layer l where run(l), else passes x on with zero aux
+    def step(x, inputs):
+      state, l = inputs
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+      return jax.lax.cond(run(l), lambda: layer(x, state), lambda: (x, zeros))
+    return step
+
+  ls = jnp.arange(L)
+  x_BTD, aux_below = jax.lax.scan(masked(lambda l: l < b), x_BTD, (frozen, ls))
+  x_BTD, aux_b = layer(jax.lax.stop_gradient(x_BTD), w)
+  x_BTD, aux_above = jax.lax.scan(masked(lambda l: l > b), x_BTD, (frozen, ls))
+  here = (ls == b)
+  aux = jax.tree.map(lambda lo, mid, hi: jax.lax.stop_gradient(lo) + hi +
+                     jnp.where(here.reshape((L,) + (1,) * mid.ndim), mid[None], jnp.zeros_like(mid)[None]),
+                     aux_below, aux_b, aux_above)
+  return model.unembed(x_BTD), aux
