@@ -9,6 +9,7 @@ from optim.distributed import DistributedError, orthogonalize_distributed
 from optim.mars import MarsError, MarsState, mars, mars_correction, mars_labels, muon_mvr, with_global_norm_clip
 from optim.trees import ParameterTreeError, leaf_name, path_name, reject_complex, resolve_labels
 from optim.badam import BAdamError, BAdamState, badam, badam_adamw, badam_labels, block_index
+from optim.bread import BreadError, BreadState, bread, bread_adamw
 from optim.alignment import (AlignmentError, cautious_mask, cautious_mgup_mask, cautious_policy, mgup_mask,
                              mgup_policy, topk_mask, with_alignment_mask)
 from optim.mgup import mgup_adamw, mgup_lion, mgup_muon, scale_by_reference_adam
@@ -23,7 +24,8 @@ from optim.adamuon import AdaMuonState, adamuon, scale_by_adamuon
 from optim.scion import ScionError, ScionState, lmo_direction, scale_by_scion, scion, scion_labels
 
 __all__ = ["adamuon", "AdaMuonState", "AlignmentError", "badam", "badam_adamw", "badam_labels", "BAdamError",
-           "BAdamState", "block_index", "cautious_adamw", "cautious_lion", "cautious_mask", "cautious_mgup_mask",
+           "BAdamState", "block_index", "bread", "bread_adamw", "BreadError", "BreadState", "cautious_adamw",
+           "cautious_lion", "cautious_mask", "cautious_mgup_mask",
            "cautious_muon", "cautious_policy", "coefficient_table", "COEFFICIENTS", "decay_mask", "dion",
            "dion_rank", "DionError", "DionState", "DistributedError", "get_optimizer", "head_scales",
            "hyperparameters", "kron", "kron_draws", "KronError", "KronState", "leaf_name", "lmo_direction",

@@ -30,7 +30,8 @@ MAX_LOGITS: set[str] = set()
 # registered factory is injectable as is (tests/optim/test_optax_suite.py checks the whole registry).
 STATIC_ARGS = ("ns_steps", "rank_fraction",  # rank_fraction: Dion's rank fixes the shape of its state
                "max_size_triangular",  # Kron: triangular or diagonal factors, fixed at init
-               "max_precondition_dim")  # SOAP: which sides get a factor, fixed at init
+               "max_precondition_dim",  # SOAP: which sides get a factor, fixed at init
+               "rank")  # BREAD: the low-rank factors' shapes
 
 
 class UnknownOptimizerError(ValueError):

@@ -85,3 +85,16 @@ def assert_no_hang_patterns(compiled):
   assert calls and all(n == 1 for _, n in calls), calls
   ops = sharding.collectives(compiled).ops
   assert ops and not any(op.in_loop for op in ops), [(op.kind, op.computation) for op in ops if op.in_loop]
+
+
+def flat(tree):
+  """{"a/b": array} of a tree's leaves by path (the NumPy references' parameter dicts)."""
+  return {jax.tree_util.keystr(k, simple=True, separator="/"): np.asarray(x)
+          for k, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def unflat(like, d):
+  """The tree shaped like `like` whose leaves are `d`'s entries by path (`flat`'s inverse)."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+  return jax.tree_util.tree_unflatten(treedef, [d[jax.tree_util.keystr(k, simple=True, separator="/")]
+                                                for k, _ in paths])

@@ -15,6 +15,7 @@ import models
 import optim
 import sharding
 from optim.badam import BAdamError, badam, badam_adamw, badam_labels, block_index
+from sharded_steps import flat, unflat
 
 RNG = np.random.default_rng(0)
 LR, B1, B2, EPS, WD = 0.05, 0.9, 0.95, 1e-8, 0.1
@@ -65,17 +66,6 @@ def np_badam(params, grad_fn, blocks, always, sched, steps):
     sched.after_update()
     out.append({k: x.copy() for k, x in p.items()})
   return out
-
-
-def flat(tree):
-  return {jax.tree_util.keystr(k, simple=True, separator="/"): np.asarray(x)
-          for k, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def unflat(like, d):
-  paths, treedef = jax.tree_util.tree_flatten_with_path(like)
-  return jax.tree_util.tree_unflatten(treedef, [d[jax.tree_util.keystr(k, simple=True, separator="/")]
-                                                for k, _ in paths])
 
 
 STACKED = {"blocks": {"w_DF": (3, 4, 5), "attn_norm": (3, 4)}, "embed_VD": (6, 4), "head_DV": (4, 6),

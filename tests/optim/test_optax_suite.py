@@ -53,6 +53,7 @@ SETTINGS = {
     # BAdam restarts Adam at every block switch; a restart's first step is lr·sign(g), so lr 1e-2 keeps it
     # inside optax's 3e-2 tolerance (any lr ≥ 3e-2 cannot pass at an unlucky final step)
     "badam": dict(learning_rate=1e-2, b2=0.999, weight_decay=1e-4),
+    "bread": dict(learning_rate=1e-2, b2=0.999, weight_decay=1e-4),
     # Scion's unconstrained mode (uSCG) with no decay: the constrained one (Frank–Wolfe, W ← (1−lr)W − lr·ρ·lmo)
     # stays in the radius-ρ ball and cannot reach a minimum outside it (these problems' lie outside radius 1);
     # radius 1 for matrices as for vectors; momentum 0.5, the Scion README's value for low-noise runs (these are
@@ -94,7 +95,9 @@ EXPECTED = {
         "and the other damped to γ = 0.1, which slows the walk along the valley; lr 3e-3 .. 3e-2 are no better")},
     "tree_map_params": {"badam": "BAdam's state is one block's view (slices of stacked layers, shared slots), not a "
                                  "tree shaped like the params, so optax.tree.map_params cannot map it: init on the "
-                                 "placeholder raises BAdamError saying so"},
+                                 "placeholder raises BAdamError saying so",
+                        "bread": "BREAD's state is BAdam's block view plus low-rank factors, not a tree shaped like "
+                                 "the params: init on the placeholder raises BAdamError, as badam's"},
 }
 
 

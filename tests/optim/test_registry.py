@@ -17,7 +17,7 @@ def test_registry_has_the_starting_optimizers_and_their_defaults():
 
 def test_unknown_names_and_hyperparameters_are_refused():
   names = ", ".join(sorted(OPTIMIZERS))
-  assert names.startswith("adamuon, adamw, badam, cautious_adamw")  # every registered name is listed, sorted
+  assert names.startswith("adamuon, adamw, badam, bread, cautious_adamw")  # every registered name is listed, sorted
   with pytest.raises(UnknownOptimizerError, match=f"unknown optimizer .adam.; registered: {names}$"):
     get_optimizer("adam", 1e-3)
   with pytest.raises(UnknownOptimizerError, match="'lion' has no hyperparameter momentum"):
