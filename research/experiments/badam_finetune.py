@@ -86,8 +86,11 @@ def labels(switch_every: int) -> dict[str, str]:
 
 
 def _run_config(cfg: Config, **kw) -> TrainConfig:
+  # frozen_dtype float32: BAdam's parameters stored as the pretrained ones (the blockwise step would store them in
+  # bfloat16 when fine-tuning), so the study measures the algorithm, and "changed" means trained, not rounded
   return TrainConfig(seq_len=cfg.seq_len, eval_every=cfg.eval_every, log_every=cfg.eval_every,
-                     eval_batches=cfg.eval_batches, devices=1, mesh="data=-1", progress=False, keep=1, **kw)
+                     eval_batches=cfg.eval_batches, devices=1, mesh="data=-1", progress=False, keep=1,
+                     frozen_dtype="float32", **kw)
 
 
 def pretrain(cfg: Config, work: str) -> str:

@@ -142,8 +142,9 @@ class TrainConfig:
   """Keep the parameters whose path matches this regular expression fixed (no gradient, no optimizer state, no
   update), e.g. 'embed|norm' or 'blocks/(wq|wk)'."""
   frozen_dtype: Literal["bfloat16", "float32"] | None = None
-  """The dtype --freeze's parameters are stored in (unset: bfloat16 when fine-tuning, i.e. with --init-from; else
-  float32). They are read in the compute dtype; bfloat16 halves their memory."""
+  """The dtype the parameters a step does not train are stored in: --freeze's, and with --optimizer badam every
+  parameter (the active layer trains on a float32 master copy). Unset: bfloat16 when fine-tuning (with --init-from),
+  else float32. They are read in the compute dtype; bfloat16 halves their memory."""
   peft: Literal[peft.METHODS] | None = None
   """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
   base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes

@@ -90,9 +90,14 @@ def saved_frozen_dtype(train: dict) -> str:
   return train["frozen_dtype"] or ("bfloat16" if train.get("init_from") else "float32")
 
 
-def as_stored(abstract_params: dict, train: dict) -> dict:
-  """The abstract parameters of a run as its checkpoints hold them: --freeze's leaves in their stored dtype (a
-  restore reads them as written, so their checksums verify); `train` is config.json's "train"."""
+def as_stored(abstract_params: dict, meta: dict) -> dict:
+  """The abstract parameters of a run as its checkpoints hold them (a restore reads them as written, so their
+  checksums verify): --freeze's leaves in their stored dtype, or every leaf in the blockwise BAdam step's; `meta` is
+  the run's config.json."""
+  train = meta.get("train", {})
+  if meta.get("blockwise_badam"):
+    dtype = jnp.dtype(meta["blockwise_badam"]["dtype"])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params)
   mask = frozen_mask(train.get("freeze"))
   if mask is None:
     return abstract_params

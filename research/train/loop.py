@@ -23,6 +23,7 @@ from flax import nnx
 from models import Transformer, flops_per_token
 from research.data import Corpus, get_batch
 from research.train import preflight, rundir, sync
+from research.train.blockstep import blockwise_parts, make_block_steps
 from research.train.build import make_optimizer, step_options
 from research.train.checkpoint import Checkpointer, CheckpointSaveError
 from research.train.config import TrainConfig
@@ -119,8 +120,10 @@ def _start(cfg: TrainConfig) -> _Run:
   """The run built and, when it has a readable checkpoint, resumed; config.json written."""
   mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = setup(cfg)
   tx, schedule = make_optimizer(cfg)
-  graphdef, state, shardings, report = initial_state(cfg, mcfg, mesh, tx, corpus)
-  train_step, eval_step = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
+  parts = blockwise_parts(cfg, mcfg, mesh, schedule)  # --optimizer badam as BlockOptimizers runs it, or None
+  graphdef, state, shardings, report = initial_state(cfg, mcfg, mesh, tx, corpus, parts)
+  train_step, eval_step = (make_block_steps(graphdef, parts, shardings, batch_sh) if parts else
+                           make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg)))
   state, shardings, syncer = sync_steps(cfg, graphdef, tx, state, shardings, batch_sh, train_step)
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
   switches = [(at, switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]

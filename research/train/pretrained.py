@@ -62,8 +62,8 @@ def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = Tru
       return (peft.merge(model) if merge else model), config, step
     graphdef, abstract, names = logical_names(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     shardings = param_shardings(abstract, names, mesh)
-    params = ckpt.restore_params(step, frozen.as_stored(abstract, meta.get("train", {})), shardings)
-    params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)  # --freeze's bfloat16: the model's dtype
+    params = ckpt.restore_params(step, frozen.as_stored(abstract, meta), shardings)
+    params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)  # stored bfloat16: the model's dtype
   finally:
     ckpt.close()
   return nnx.merge(graphdef, params), config, step

@@ -12,7 +12,7 @@ from flax import nnx
 from models import Transformer
 from optim import needs_max_logits
 from research.data import get_batch
-from research.train import adapters, frozen, init_from, rundir, sync
+from research.train import adapters, blockstep, frozen, init_from, rundir, sync
 from research.train.build import exact_mode, make_optimizer
 from research.train.config import TrainConfig
 from research.train.distributed import is_primary
@@ -20,10 +20,11 @@ from research.train.step import keep_prev_params, lm_loss
 from sharding import global_batch, init_train_state
 
 
-def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus):
+def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise=None):
   """(graphdef, state, shardings, report) at step 0, created sharded: random parameters, or --init-from's (unless the
-  run has a checkpoint of its own to resume), or --peft's adapters on either, --freeze's report, and the exact
-  modes' copy of the parameters. `report`: what config.json records of it (--peft's sizes) or {}."""
+  run has a checkpoint of its own to resume), or --peft's adapters on either, --freeze's report, the exact
+  modes' copy of the parameters, or the blockwise BAdam state (`blockwise`: its `blockstep.Parts`). `report`: what
+  config.json records of it (--peft's sizes, the blockwise step's storage dtype) or {}."""
   fresh_init_from = cfg.init_from and not rundir.has_checkpoint(cfg.out)  # a resumed run restores its own state instead
   report = {}
   if cfg.peft:
@@ -48,6 +49,15 @@ def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus):
         dataclasses.replace(cfg, freeze=None))[0], tx), file=sys.stderr)
   if exact_mode(cfg):  # exact MARS / Muon-MVR2: one more copy of the parameters, a second backward pass per step
     state, shardings = keep_prev_params(state, shardings)
+  if blockwise is not None:  # parameters in the storage dtype, the active layer's float32 master and AdamW state
+    dtype = frozen.frozen_dtype(cfg)
+    state, shardings = blockstep.init_state(state, shardings, blockwise, dtype)
+    report = {**report, "blockwise_badam": {"dtype": str(dtype)}}
+    if is_primary():
+      sizes = blockstep.state_bytes(state)
+      print(f"badam: blockwise step, parameters stored as {dtype} ({sizes['params'] / 2**20:.1f} MiB), the active "
+            f"layer's float32 master {sizes['master'] / 2**20:.1f} MiB and AdamW state {sizes['adam'] / 2**20:.1f} "
+            f"MiB", file=sys.stderr)
   return graphdef, state, shardings, report
 
 

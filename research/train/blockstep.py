@@ -1,0 +1,183 @@
+"""--optimizer badam as BlockOptimizers runs it (Luo, Yu & Li, NeurIPS 2024; the `badam` package's BlockOptimizer):
+only the active layer has a float32 master copy, Adam moments and a gradient, and backprop stops at it.
+
+State (`init_state`): "params", every parameter in the storage dtype (`frozen.frozen_dtype`: bfloat16 when fine-tuning
+with --init-from, else float32); "master", the active layer's slice in float32; "opt_state" = {"count", "block",
+"inner"}: the update count, the active layer, and AdamW's moments over the master alone. A step (`make_block_steps`):
+
+  g = ∂L/∂master by `models.blockwise` (no other weight gradient, no activation gradient below the layer),
+      clipped by its own global norm (the reference clips the parameters that have gradients: this block's);
+  master ← master − lr_t · AdamW(g) (moments, bias correction and weight decay over the block; lr_t the schedule at
+      the update count), written into "params" (cast to the storage dtype) at the active layer;
+  at a switch (the timing and orders of `optim.badam.block_index`): the next layer's slice is read into a fresh
+      float32 master and AdamW's state restarts — inside the same compiled program (the layer index is traced).
+
+With storage float32 and --grad-clip 0 this is `optim.badam_adamw` with full backprop, update for update (tested).
+Memory: 2 bytes per parameter (bfloat16) + 16 per active-layer parameter (master, m, v, gradient), ≈ 2 + 16/L.
+Runs the default BAdam (layer blocks; the embedding, head and final norm frozen) on meshes without `stage` or
+`context`, with --sync allreduce; other settings use the optax transform over full gradients (`eligible`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models import cross_entropy
+from models.blockwise import active_layer_forward, layer_weights
+from models.moe import aux_loss, summarize as moe_summary, update_router_bias
+from optim import block_index, decay_mask, hyperparameters
+from research.train.build import opt_hparams
+from research.train.distributed import is_primary
+from research.train.health import keep_if_finite, step_ok
+from sharding.state import shardings_like_params
+
+BLOCKWISE_DEFAULTS = {"include_embedding": False, "include_head": False, "always_active": ()}
+
+
+def eligible(cfg, hp: dict, mesh) -> str | None:
+  """None when the blockwise step runs this --optimizer badam configuration, else why not (one phrase)."""
+  if cfg.optimizer != "badam":
+    return "not BAdam"
+  for key, default in BLOCKWISE_DEFAULTS.items():
+    if key in hp and hp[key] not in (default, list(default) if isinstance(default, tuple) else default):
+      return f"--opt {key}={hp[key]}"
+  clashes = {"a stage mesh": mesh.shape["stage"] > 1, "a context mesh": mesh.shape["context"] > 1,
+             f"--sync {cfg.sync}": cfg.sync != "allreduce", "--freeze": bool(cfg.freeze), "--peft": bool(cfg.peft),
+             "--zero1": cfg.zero1, "--switch-at": bool(cfg.switch_at)}
+  named = [k for k, on in clashes.items() if on]
+  return ", ".join(named) if named else None
+
+
+def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
+  """The blockwise step's `Parts` for this run, or None (not BAdam, or a setting it does not run: said in one line)."""
+  hp = opt_hparams(cfg)
+  why = eligible(cfg, hp, mesh)
+  if why is None:
+    return Parts(schedule, hp, mcfg.n_layers, cfg.grad_clip)
+  if why != "not BAdam" and is_primary():
+    print(f"note: --optimizer badam with {why} runs optim.badam over full gradients (every gradient computed, every "
+          f"parameter kept in float32), not the blockwise step", file=sys.stderr)
+  return None
+
+
+class Parts:
+  """BAdam's pieces for the blockwise step, from the registry's badam defaults and the run's hyperparameters."""
+
+  def __init__(self, schedule, hp: dict, num_layers: int, grad_clip: float):
+    hp = {**hyperparameters("badam"), **hp}
+    self.schedule, self.num_layers, self.grad_clip = schedule, num_layers, grad_clip
+    self.switch_every, self.order, self.seed, self.start_block = (hp["switch_every"], hp["order"], hp["seed"],
+                                                                  hp["start_block"])
+    self.inner = optax.chain(optax.scale_by_adam(b1=hp["b1"], b2=hp["b2"], eps=hp["eps"]),
+                             optax.add_decayed_weights(hp["weight_decay"], decay_mask))
+
+  def block(self, count):
+    return block_index(count, self.num_layers, switch_every=self.switch_every, order=self.order, seed=self.seed,
+                       start_block=self.start_block)
+
+  def switches(self, count):
+    """Switches before update `count` (as optim.badam counts them)."""
+    return (count + 1) // self.switch_every - 1 // self.switch_every
+
+
+def _layer(params: dict, b) -> dict:
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, b, 0, keepdims=False).astype(jnp.float32),
+                      params["blocks"])
+
+
+def _write(params: dict, master: dict, b) -> dict:
+  blocks = jax.tree.map(lambda a, m: jax.lax.dynamic_update_index_in_dim(a, m.astype(a.dtype), b, 0),
+                        params["blocks"], master)
+  return {**params, "blocks": blocks}
+
+
+def _layer_sharding(sh: NamedSharding) -> NamedSharding:
+  return NamedSharding(sh.mesh, P(*tuple(sh.spec)[1:]))
+
+
+def init_state(state: dict, shardings: dict, parts: Parts, dtype):
+  """(state, shardings) of the blockwise step from a plain train state ({"step", "params", ...}): the parameters in
+  `dtype`, the first block's float32 master, AdamW's state over it (the plain state's "opt_state" is dropped)."""
+  m_sh = jax.tree.map(_layer_sharding, shardings["params"]["blocks"])
+  replicated = NamedSharding(jax.tree.leaves(shardings["params"])[0].mesh, P())
+  b0 = parts.block(jnp.int32(0)).astype(jnp.int32)
+
+  def build(params):
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    master = _layer(params, b0)
+    return params, master, parts.inner.init(master)
+
+  _, abstract_master, abstract_inner = jax.eval_shape(build, state["params"])
+  i_sh = shardings_like_params(abstract_inner, abstract_master, m_sh, replicated.mesh)
+  params, master, inner = jax.jit(build, out_shardings=(shardings["params"], m_sh, i_sh))(state["params"])
+  opt = {"count": jnp.zeros([], jnp.int32), "block": jnp.asarray(b0, jnp.int32), "inner": inner}
+  opt_sh = {"count": replicated, "block": replicated, "inner": i_sh}
+  new = {**{k: v for k, v in state.items() if k != "opt_state"}, "params": params, "master": master,
+         "opt_state": jax.device_put(opt, opt_sh)}
+  new_sh = {**{k: v for k, v in shardings.items() if k != "opt_state"}, "master": m_sh, "opt_state": opt_sh}
+  return new, new_sh
+
+
+def make_block_steps(graphdef, parts: Parts, shardings, batch_sh):
+  """Jitted (train_step, eval_step) of the blockwise BAdam state; train_step donates the state."""
+
+  def model_of(params, buffers):
+    return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
+
+  def eval_fn(params, x, y, buffers):
+    logits, _ = model_of(params, buffers).forward(x)
+    return cross_entropy(logits, y)
+
+  def train_step(state, x, y):
+    params, master, opt = state["params"], state["master"], state["opt_state"]
+    buffers, b = state.get("buffers", {}), opt["block"]
+
+    def loss_of(m):
+      model = model_of(params, buffers)
+      w = layer_weights(model, b)
+      nnx.replace_by_pure_dict(w, m)
+      logits, aux = active_layer_forward(model, x, w, b)
+      ce = cross_entropy(logits, y)
+      return ce + aux_loss(aux, model.c), (ce, aux)
+
+    (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+    grad_norm = optax.tree.norm(grads)
+    if parts.grad_clip > 0:
+      grads = optax.clip_by_global_norm(parts.grad_clip).update(grads, optax.EmptyState())[0]
+    updates, inner = parts.inner.update(grads, opt["inner"], master)
+    updates = jax.tree.map(lambda u: -parts.schedule(opt["count"]) * u, updates)
+    master = optax.apply_updates(master, updates)
+    params = _write(params, master, b)
+    count = opt["count"] + 1
+    nxt = parts.block(count).astype(jnp.int32)
+    switch = parts.switches(count) != parts.switches(opt["count"])
+    fresh = parts.inner.init(jax.tree.map(jnp.zeros_like, master))
+    inner = jax.tree.map(lambda f, s: jnp.where(switch, f, s), fresh, inner)
+    master = jax.tree.map(lambda nxt_m, m: jnp.where(switch, nxt_m, m), _layer(params, nxt), master)
+    new = {**state, "step": state["step"] + 1, "params": params, "master": master,
+           "opt_state": {"count": count, "block": nxt, "inner": inner}}
+    metrics = {}
+    if "load" in aux:  # MoE: the aux-loss-free bias update and router metrics, as the plain step
+      if buffers:
+        new["buffers"] = update_router_bias(buffers, aux, model_of(params, buffers).c.moe.bias_rate)
+      metrics = {"aux_loss": total - loss, **moe_summary(aux)}
+    ok = step_ok(total, grad_norm, updates)
+    return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
+
+  train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
+                  donate_argnums=0)
+  evaluate = jax.jit(eval_fn, in_shardings=(shardings["params"], batch_sh, batch_sh, shardings.get("buffers", {})))
+  return train, evaluate
+
+
+def state_bytes(state: dict) -> dict[str, int]:
+  """Bytes of the blockwise state's parts: the stored parameters, the master, AdamW's state."""
+  size = lambda tree: int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+  return {"params": size(state["params"]), "master": size(state["master"]), "adam": size(state["opt_state"]["inner"])}
