@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import TransformerConfig
-from models.params import param
+from models.params import matmul, param
 from sharding import experts
 from sharding.rules import constrain
 
@@ -120,12 +120,12 @@ class MoE(nnx.Module):
                                    num_experts=m.num_experts, grouped=swiglu_grouped, dense=swiglu_dense,
                                    capacity_factor=m.capacity_factor, ragged=m.ragged_a2a)
     if m.num_shared:
-      g = h_BTD.astype(dt) @ self.shared_gate_DS[...].astype(dt)
-      u = h_BTD.astype(dt) @ self.shared_up_DS[...].astype(dt)
+      # a weight with a product of its own (an adapter's factorized one, a quantized weight's) computes it
+      g, u = matmul(h_BTD.astype(dt), self.shared_gate_DS, dt), matmul(h_BTD.astype(dt), self.shared_up_DS, dt)
       a_BTS = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
-      shared_BTD = a_BTS @ self.shared_down_SD[...].astype(dt)
+      shared_BTD = matmul(a_BTS, self.shared_down_SD, dt)
       if m.shared_gate:
-        shared_BTD = jax.nn.sigmoid(h_BTD.astype(dt) @ self.shared_router_D1[...].astype(dt)) * shared_BTD
+        shared_BTD = jax.nn.sigmoid(matmul(h_BTD.astype(dt), self.shared_router_D1, dt)) * shared_BTD
       y_BTD = y_BTD + shared_BTD
     return y_BTD.astype(h_BTD.dtype), router_stats(logits_BTE.reshape(B * T, -1), scores, idx, keep.reshape(B * T, K))
 

@@ -1,8 +1,9 @@
 """Parameter-efficient fine-tuning: low-rank adapters and weight conditioning on the transformer's stacked weights.
 
 `apply(model, method, ...)` replaces each target weight W0 (a `Param` of shape (..., fan_in, fan_out): leading axes
-are the layer stack and, for MoE experts, the expert axis) by an adapter module whose `[...]` is the effective weight,
-so the model's own forward (`x @ w[...]`) runs unchanged, under `lax.scan` over layers and on any mesh. Every other
+are the layer stack and, for MoE experts, the expert axis) by an adapter module whose `[...]` is the effective weight
+and whose `matmul(x, dt)` is the product by it in factorized form (below), so the model's own forward (`matmul(x, w,
+dt)`, or `w[...]` for MoE experts) runs unchanged, under `lax.scan` over layers and on any mesh. Every other
 parameter becomes `Frozen` (not an `nnx.Param`): `nnx.state(model, nnx.Param)` is the adapters alone, so a train step
 that differentiates Params keeps no gradient and no optimizer state for the base. `merge(model)` folds the adapters
 back into plain `Param`s.
@@ -29,7 +30,33 @@ Methods, in this file's (fan_in, fan_out) layout (a Hugging Face / PEFT weight i
 Only the projections' weights are adapted; a target with a bias (Qwen2's q/k/v) keeps its bias as it is, which is
 PEFT's LoRA and DoRA. The reference Pre-Diag/SORA scale and rotate the bias with the output, so `prediag` and `sora`
 refuse a biased target (`PEFTError`) rather than compute something else.
-Shapes: ... leading axes (layers, experts), I fan_in, O fan_out, R rank, P r_p.
+
+Factorized products. A dense projection calls `matmul(x, w, dt)` (models/transformer.py; MoE shared experts likewise),
+which an adapter answers with `matmul(x, dt)` in factorized form: y = x W is computed without forming W, so neither W
+nor dL/dW (I, O) exists in a train step (the gradient reaches A, B through the rank-r products). For a row x (I,):
+  lora, sparse_adapter  y = x W0 + s·(x A') B'                   A' = A ⊙ M_A, B' = B ⊙ M_B (M = 1 for lora)
+  dora                  y = (x W0 + s·(x A) B) ⊙ m / n,          n² = ‖W0‖²_col + 2s·diag((W0ᵀA) B) + s²·diag(Bᵀ(AᵀA) B)
+                        (colsum(W0 ⊙ AB) = diag((W0ᵀA)B), ‖AB‖²_col = diag(Bᵀ(AᵀA)B); n is a constant of the backward,
+                        as in the merged form. ‖W0‖_col is recomputed each step, not cached: I·O flops, 1/N of x W0's,
+                        and no cache to go stale when w0 is cast (`base_dtype`) or set again)
+  prediag               y' = (x W0) ⊙ d + s·(x A) B
+  sora                  y = y' + s_p·((y' C) Dᵀ − (y' D) Cᵀ) = y'(I + S)
+FLOPs (a multiply-add is 2) of one projection in a train step of N rows: forward, the input's gradient and the
+adapters' gradients (the frozen W0 gets none); per row, then per step (independent of N):
+  full fine-tuning      6IO                                       (x W, G Wᵀ, dL/dW = Xᵀ G)
+  merged adapters       6IO;  + 6IOr per step                     (the same three, and W = W0 + sAB, dA = s dW Bᵀ,
+                                                                  dB = s Aᵀ dW: two (I, O) arrays per matrix)
+  lora, sparse_adapter  4IO + 6r(I + O)                           (x W0, G W0ᵀ; xA, (xA)B, GBᵀ, (GBᵀ)Aᵀ, Xᵀ(GBᵀ),
+                                                                  (XA)ᵀG)
+  dora                  4IO + 6r(I + O);  + 2IO(r + 1) + 2r²(I + O) per step   (the norm n: W0ᵀA, an (R, O) result,
+                                                                  ‖W0‖²_col, AᵀA, (AᵀA)B; no backward)
+  prediag               4IO + 6r(I + O)
+  sora                  4IO + 6r(I + O) + 24·O·r_p;  + 4O·r_p per step (s_p)
+each plus a few O of elementwise work per row. Against the merged form a row saves 2IO − 6r(I + O) (a third of the
+dense products' flops when r ≪ I, O) and a step 6IOr more. `weight()` (`[...]`) still forms W: `merge`, the PEFT
+export and the tests read it, and so do the MoE experts, whose dispatch (sharding/experts.py) takes whole expert
+stacks: adapters on routed experts run merged (their W formed, dL/dW projected), as before.
+Shapes: ... leading axes (layers, experts), N rows of x (any leading shape), I fan_in, O fan_out, R rank, P r_p.
 """
 
 from __future__ import annotations
@@ -106,6 +133,19 @@ class Adapter(nnx.Module):
   def __getitem__(self, index):
     return self.weight()[index]
 
+  def matmul(self, x_NI, dt) -> jax.Array:
+    """x @ weight() in compute dtype `dt`, factorized: x W0 + s·(x A) B. With leading axes, x_NI has them too."""
+    return self.base_matmul(x_NI, dt) + self.low_rank(x_NI, dt)
+
+  def base_matmul(self, x_NI, dt) -> jax.Array:
+    """x W0, the frozen weight read as `base()` does (adapter dtype), then in `dt`."""
+    return x_NI @ self.base().astype(dt)
+
+  def low_rank(self, x_NI, dt) -> jax.Array:
+    """s·(x A) B: two rank-R products, never A B."""
+    a_IR, b_RO = self.factors()
+    return self.scale * ((x_NI @ a_IR.astype(dt)) @ b_RO.astype(dt))
+
 
 class LoRA(Adapter):
   pass
@@ -122,6 +162,21 @@ class DoRA(Adapter):
     norm = jax.lax.stop_gradient(jnp.linalg.norm(v, axis=-2, keepdims=True))
     return v * (self.m_O[...][..., None, :] / norm)
 
+  def column_norm(self) -> jax.Array:
+    """(..., O) ‖W0 + s·A B‖_col without A B, a constant of the backward:
+    n² = ‖W0‖²_col + 2s·diag((W0ᵀA) B) + s²·diag(Bᵀ(AᵀA) B)."""
+    w0_IO = self.base()
+    a_IR, b_RO = (jax.lax.stop_gradient(f) for f in self.factors())
+    cross_O = jnp.sum(jnp.einsum("...io,...ir->...ro", w0_IO, a_IR) * b_RO, axis=-2)  # (W0ᵀA)ᵀ: (R, O), not AB
+    gram_RR = jnp.einsum("...ir,...is->...rs", a_IR, a_IR)
+    square_O = jnp.sum((gram_RR @ b_RO) * b_RO, axis=-2)
+    n2_O = jnp.sum(jnp.square(w0_IO), axis=-2) + 2 * self.scale * cross_O + self.scale ** 2 * square_O
+    return jax.lax.stop_gradient(jnp.sqrt(jnp.maximum(n2_O, 0.0)))  # ≥ 0 up to rounding
+
+  def matmul(self, x_NI, dt):
+    """(x W0 + s·(x A) B) ⊙ m / n."""
+    return super().matmul(x_NI, dt) * (self.m_O[...] / self.column_norm())[..., None, :].astype(dt)
+
 
 class PreDiag(Adapter):
   def __init__(self, w0, rank, alpha, key, dtype):
@@ -131,6 +186,10 @@ class PreDiag(Adapter):
 
   def weight(self):
     return self.base() * self.d_O[...][..., None, :] + self.delta()
+
+  def matmul(self, x_NI, dt):
+    """(x W0) ⊙ d + s·(x A) B."""
+    return self.base_matmul(x_NI, dt) * self.d_O[...][..., None, :].astype(dt) + self.low_rank(x_NI, dt)
 
 
 class SORA(PreDiag):
@@ -153,6 +212,15 @@ class SORA(PreDiag):
     c, d = self.c_OP[...], self.d_OP[...]
     ws = jnp.einsum("...io,...op,...qp->...iq", w, c, d) - jnp.einsum("...io,...op,...qp->...iq", w, d, c)
     return w + self.s_p()[..., None, None] * ws
+
+  def matmul(self, x_NI, dt):
+    """y' + s_p·((y' C) Dᵀ − (y' D) Cᵀ) = y'(I + S), y' Pre-Diag's x W'. The two terms are formed apart (not as
+    (y'[C D]) [D −C]ᵀ, the same flops) so that they cancel exactly while C = D: the identity at init is exact."""
+    y_NO = super().matmul(x_NI, dt)
+    c_OP, d_OP = self.c_OP[...].astype(dt), self.d_OP[...].astype(dt)
+    t = lambda m: jnp.swapaxes(m, -1, -2)
+    rotated_NO = (y_NO @ c_OP) @ t(d_OP) - (y_NO @ d_OP) @ t(c_OP)
+    return y_NO + self.s_p()[..., None, None].astype(dt) * rotated_NO
 
 
 class SparseAdapter(Adapter):

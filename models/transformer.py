@@ -18,7 +18,7 @@ from flax import nnx
 from models.attention import attend
 from models.config import TransformerConfig
 from models.moe import MoE
-from models.params import param
+from models.params import matmul, param
 from sharding.context import check_context, from_zigzag, mesh_context, to_zigzag, zigzag_positions
 from sharding.pipeline import mesh_stages, pipeline
 from sharding.rules import constrain
@@ -28,14 +28,6 @@ def rms_norm(x, scale, eps):
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def matmul(x, w, dt):
-  """x @ w for a weight variable `w` in compute dtype `dt`. A weight that computes its own product (a quantized weight
-  of models/quant.py, which may quantize x too) is asked to; any other is read whole (`w[...]`: a Param, an adapter)."""
-  if hasattr(w, "matmul"):
-    return w.matmul(x, dt)
-  return x @ w[...].astype(dt)
 
 
 def rope(x_BTNH, theta, offset=0, positions=None):
