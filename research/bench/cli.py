@@ -13,6 +13,7 @@ from research.bench.attention import attention
 from research.bench.ckpt import ckpt_bench
 from research.bench.comm import comm
 from research.bench.dion import dion_comm
+from research.bench.finetune import finetune
 from research.bench.hf import hf
 from research.bench.moe import moe
 from research.bench.optim import optim_step
@@ -25,7 +26,7 @@ from sharding import MeshError, ShardingError
 NUM_CPU_DEVICES = 8
 BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe,
               "ckpt": ckpt_bench, "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant,
-              "sample": sample}
+              "sample": sample, "finetune": finetune}
 
 
 def main(argv=None):

@@ -58,3 +58,29 @@ def test_attention_bench_flash_equals_xla_and_context_traffic_is_analytic(tmp_pa
   text = out.read_text()
   assert text.startswith("Command: `python -m research.bench attention --kernel-model tiny --kernel-seqs 1024 ")
   assert "| 1024 | flash |" in text and "| ring | 2 | collective-permute 16 / " in text
+
+
+def test_finetune_bench_smoke(tmp_path):
+  """Smoke size (tiny, batch 2 x 32, compile only): one table with AdamW's row first and every method beside it; LoRA's
+  state holds fewer bytes per parameter than AdamW's 12 (float32 weights + two moments), --freeze skips the frozen
+  weights' gradient matmuls, and AdamW's counted matmul FLOPs are the analytic 6·N·tokens + attention."""
+  from models import count_params, flops_per_token, preset
+  from research.bench.finetune import finetune
+  out = tmp_path / "f.md"
+  r = bench.BENCHMARKS["finetune"](shapes=("tiny",), methods=("freeze", "lora"), batch_size=2, seq_len=32,
+                                   rss_shapes=(), badam_blocks=0, out=str(out))
+  assert bench.BENCHMARKS["finetune"] is finetune
+  rows = {row["method"]: row for row in r["tiny"]["rows"]}
+  assert list(rows) == ["adamw", "freeze", "lora"] and not any("error" in row for row in rows.values())
+  adamw, lora, freeze = rows["adamw"], rows["lora"], rows["freeze"]
+  assert adamw["matmul_flops"] == flops_per_token(preset("tiny"), 32) * 2 * 32
+  n = count_params(preset("tiny"))
+  assert 12 * n < adamw["state_bytes"] <= 12 * n + 16  # float32 weights, m, v; the step and the optimizer's counts
+  assert lora["state_bytes"] / n < 0.5 * adamw["state_bytes"] / n and freeze["matmul_flops"] < adamw["matmul_flops"]
+  assert 0 < adamw["temp"] and adamw["argument"] >= adamw["state_bytes"]
+  text = out.read_text()
+  assert text.startswith("Command: `python -m research.bench finetune --shapes tiny --methods freeze lora ")
+  lines = [line for line in text.splitlines() if line.startswith("| ")]
+  assert lines[0].startswith("| method | trains |") and [line.split(" | ")[0] for line in lines[1:]] == \
+      ["| adamw", "| freeze", "| lora"]
+  assert "| 12.00 |" in lines[1]  # AdamW: 4 + 8 bytes of state per float32 parameter
