@@ -48,6 +48,12 @@ def _matches(params, patterns) -> Any:
   return jax.tree_util.tree_map_with_path(lambda p, _: any(s in path_name(p) for s in patterns), params)
 
 
+def switches_before(step, switch_every):
+  """j = ⌊(t+1)/K⌋ − ⌊1/K⌋: the block switches before update number t (0-based), K = `switch_every` (`block_index`);
+  update t ends with a switch when switches_before(t + 1) != switches_before(t)."""
+  return (step + 1) // switch_every - 1 // switch_every
+
+
 def badam_labels(params, *, stacked: str | Callable = "blocks", include_embedding: bool = False,
                  include_head: bool = False, always_active: Sequence[str] | Callable = ()) -> Any:
   """What `badam(blocks="layers")` does with each leaf: one of LABELS.
@@ -92,7 +98,7 @@ def block_index(step, num_blocks: int, *, switch_every=50, order: str = "descend
     fixed:      s (needs `start_block`; the reference fails without it)
   """
   step = jnp.asarray(step, jnp.int32)
-  j = (step + 1) // switch_every - 1 // switch_every
+  j = switches_before(step, switch_every)
   if order == "descending":
     return ((num_blocks - 1 if start_block is None else start_block) - j) % num_blocks
   if order == "ascending":
@@ -140,7 +146,8 @@ def _each_leaf(tree, include_embedding, always_active):
   return jax.tree_util.tree_unflatten(treedef, ids)
 
 
-def _plan(tree, blocks, stacked, include_embedding, include_head, always_active) -> _Plan:
+def block_plan(tree, blocks, stacked, include_embedding, include_head, always_active) -> _Plan:
+  """The static block layout of a parameter tree (`badam`'s arguments; BREAD builds on it)."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   paths, leaves = [p for p, _ in flat], [x for _, x in flat]
   if not leaves:
@@ -308,7 +315,7 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto
     raise BAdamError("start_block applies to ascending/descending/fixed orders; 'random' draws every block-epoch")
 
   def plan_of(tree):
-    plan = _plan(tree, blocks, stacked, include_embedding, include_head, always_active)
+    plan = block_plan(tree, blocks, stacked, include_embedding, include_head, always_active)
     if isinstance(start_block, (int, np.integer)) and not 0 <= start_block < plan.num_blocks:
       raise BAdamError(f"start_block={start_block} is outside the {plan.num_blocks} blocks")
     return plan
@@ -332,8 +339,7 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto
     view_u, inner_state = inner.update(_gather(plan, grads, state.block), state.inner_state, view_p)
     count = optax.safe_increment(state.count)
     nxt = index(count, plan).astype(jnp.int32)
-    j = lambda t: (t + 1) // switch_every - 1 // switch_every  # switches before update t (see block_index)
-    switch = j(count) != j(state.count)  # the reference: (global_step + 1) % K == 0 after global_step += 1
+    switch = switches_before(count, switch_every) != switches_before(state.count, switch_every)  # the reference: (global_step + 1) % K == 0 after global_step += 1
     inner_state = jax.tree.map(lambda f, s: jnp.where(switch, f, s), fresh(plan, grads), inner_state)
     return _scatter(plan, view_u, grads, state.block), BAdamState(count, nxt, inner_state)
 

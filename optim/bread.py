@@ -72,7 +72,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, PartitionSpec as P
 
-from optim.badam import BAdamError, BAdamState, _plan, badam
+from optim.badam import BAdamError, BAdamState, badam, block_plan, switches_before
 from optim.registry import decay_mask, register
 from optim.trees import path_name
 
@@ -195,14 +195,14 @@ def bread(inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSche
     return out
 
   def init(params):
-    plan = _plan(params, *plan_args)
+    plan = block_plan(params, *plan_args)
     factors = factors_of(params, plan.treedef.flatten_up_to(params), plan)
     factor_state = () if mode == "sgd" else inner.init(factors)
     return BreadState(core.init(params), factors, factor_state)
 
   def update(updates, state, params=None, **extra_args):
     del extra_args  # optax's contract: arguments a transform does not use are ignored
-    plan = _plan(updates, *plan_args)
+    plan = block_plan(updates, *plan_args)
     grads = plan.treedef.flatten_up_to(updates)
     count, active = state.badam.count, state.badam.block
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
@@ -237,8 +237,7 @@ def bread(inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSche
       factors[name] = {"a_IR": a2, "b_RO": b2}
       dw = (s * (_matmul(da, f["b_RO"]) + _matmul(a2, db))).astype(out[i].dtype)  # s·(A'B' − AB)
       out[i] = out[i].at[lo:].add(dw) if i in plan.stacked and lo else out[i] + dw
-    j = lambda t: (t + 1) // switch_every - 1 // switch_every  # BAdam's switch count before update t (block_index)
-    switch = j(badam_state.count) != j(count)
+    switch = switches_before(badam_state.count, switch_every) != switches_before(count, switch_every)
     fresh = inner.init(jax.tree.map(jnp.zeros_like, factors))
     factor_state = jax.tree.map(lambda f, x, old: _keep_layout(jnp.where(switch, f, x), old), fresh, factor_state,
                                 state.factor_state)

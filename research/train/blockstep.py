@@ -33,6 +33,7 @@ from models import cross_entropy
 from models.blockwise import active_layer_forward, layer_weights
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from optim import block_index, decay_mask, hyperparameters
+from optim.badam import switches_before
 from research.train.build import opt_hparams
 from research.train.config import RunError
 from research.train.distributed import is_primary
@@ -87,7 +88,7 @@ class Parts:
 
   def switches(self, count):
     """Switches before update `count` (as optim.badam counts them)."""
-    return (count + 1) // self.switch_every - 1 // self.switch_every
+    return switches_before(count, self.switch_every)
 
 
 def _layer(params: dict, b) -> dict:
