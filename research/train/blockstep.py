@@ -35,7 +35,6 @@ from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from optim import block_index, decay_mask, hyperparameters
 from optim.badam import switches_before
 from research.train.build import opt_hparams
-from research.train.config import RunError
 from research.train.distributed import is_primary
 from research.train.health import keep_if_finite, step_ok
 from sharding.state import shardings_like_params
@@ -63,8 +62,6 @@ def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
   why = eligible(cfg, hp, mesh)
   if why is None:
     return Parts(schedule, hp, mcfg.n_layers, cfg.grad_clip)
-  if why != "not BAdam" and cfg.frozen_dtype and not cfg.freeze:
-    raise RunError(f"--frozen-dtype with --optimizer badam needs the blockwise step, which does not run with {why}")
   if why != "not BAdam" and is_primary():
     print(f"note: --optimizer badam with {why} runs optim.badam over full gradients (every gradient computed, every "
           f"parameter kept in float32), not the blockwise step", file=sys.stderr)

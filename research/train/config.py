@@ -144,7 +144,8 @@ class TrainConfig:
   frozen_dtype: Literal["bfloat16", "float32"] | None = None
   """The dtype the parameters a step does not train are stored in: --freeze's, and with --optimizer badam every
   parameter (the active layer trains on a float32 master copy). Unset: bfloat16 when fine-tuning (with --init-from),
-  else float32. They are read in the compute dtype; bfloat16 halves their memory."""
+  else float32. They are read in the compute dtype; bfloat16 halves their memory. Runs with neither use no such
+  storage and ignore it (as a study sharing one config over several optimizers needs)."""
   peft: Literal[peft.METHODS] | None = None
   """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
   base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes

@@ -39,9 +39,6 @@ def setup(cfg: TrainConfig):
       check_attention(mcfg.attention, cfg.seq_len, m.shape["context"])
     except AttentionError as e:
       raise RunError(f"--mesh {mesh_spec(m)}: {e}") from None
-  if cfg.frozen_dtype and not cfg.freeze and cfg.optimizer != "badam":
-    raise RunError("--frozen-dtype sets how the parameters a step does not train are stored: it needs --freeze REGEX "
-                   "or --optimizer badam")
   if cfg.peft and (cfg.freeze or cfg.switch_at or mesh.shape["stage"] > 1):
     raise RunError("--peft trains the adapters only and does not combine with --freeze, --switch-at or a pipeline "
                    "(stage) mesh")

@@ -1,8 +1,6 @@
 """The blockwise BAdam step (research/train/blockstep.py) equals optim.badam_adamw with full backprop (the trainer's
 step before it), update for update across block switches; with bfloat16 storage only the active layer moves."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +8,6 @@ import pytest
 from flax import nnx
 
 from models import Transformer
-from refusals import bad
 from research.train import TrainConfig, make_steps
 from research.train.blockstep import Parts, eligible, init_state, make_block_steps
 from research.train.build import make_optimizer, model_config, opt_hparams
@@ -88,12 +85,3 @@ def test_settings_the_blockwise_step_does_not_run_are_named():
   c = TrainConfig(model="tiny", optimizer="badam", freeze="embed")
   assert eligible(c, {}, mesh) == "--freeze"
   assert eligible(TrainConfig(model="tiny"), {}, mesh) == "not BAdam"
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--frozen-dtype", "bfloat16"], "--frozen-dtype .* needs --freeze REGEX or --optimizer badam"),
-    (["--optimizer", "badam", "--opt", "include_embedding=true", "--frozen-dtype", "bfloat16"],
-     "--frozen-dtype with --optimizer badam needs the blockwise step, which does not run with --opt include_embedding"),
-])
-def test_a_frozen_dtype_nothing_uses_is_refused(tmp_path, capsys, args, message):
-  assert re.search(message, bad(tmp_path, capsys, *args, "--steps", "2", "--batch-size", "8", "--seq-len", "32"))

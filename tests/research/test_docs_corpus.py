@@ -7,7 +7,8 @@ import os
 import pytest
 
 from research.data import docs_corpus
-from research.data import DataError, _is_val, load_corpus
+from research.data import DataError, load_corpus
+from research.data.corpus import _is_val
 
 
 @pytest.fixture(scope="module")

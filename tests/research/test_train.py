@@ -82,7 +82,7 @@ def test_resume_refuses_a_shape_change_and_keeps_the_checkpoint(tmp_path):
     (["--batch-size", "6", "--mesh", "data=8"], "size 6.*does not divide"),
     (["--n-heads", "3", "--mesh", "fsdp=4,tensor=2"], "n_heads=3 must be a multiple of n_kv_heads=2"),
     (["--d-ff", "99", "--mesh", "data=4,tensor=2"], "size 99.*does not divide by mesh axes \\('tensor',\\)"),
-    (["--optimizer", "adamax"], "unknown optimizer .adamax.; registered: adamuon, adamw, badam, cautious_adamw, "),
+    (["--optimizer", "adamax"], "unknown optimizer .adamax.; registered: adamuon, adamw, badam, bread, cautious_adamw, "),
     (["--opt", "beta1=0.8"], "optimizer 'adamw' has no hyperparameter beta1"),
     (["--data", "/nonexistent/corpus.txt"], "data path does not exist: /nonexistent/corpus.txt"),
     (["--steps", "0"], "--steps must be positive"),
