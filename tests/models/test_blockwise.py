@@ -46,7 +46,7 @@ def test_the_active_layer_gradient_is_full_backprops(name):
   traced = jax.jit(jax.value_and_grad(active_loss))  # one program for every b
   per_block = jax.jit(jax.value_and_grad(active_loss), static_argnums=(6, 7))
   for b in range(3):
-    for static in (False, True):
+    for static in ((False, True) if b == 1 else (False,)):  # the static split compiles per block: one is enough
       w = layer_weights(model, b)
       run = per_block if static else traced
       value, g = run(w, graphdef, params, rest, x, y, b if static else jnp.int32(b), *((True,) if static else ()))
