@@ -37,6 +37,7 @@ from optim.badam import switches_before
 from research.train.build import opt_hparams
 from research.train.distributed import is_primary
 from research.train.health import keep_if_finite, step_ok
+from research.train.step import jit_steps, lm_loss
 from sharding.state import shardings_like_params
 
 BLOCKWISE_DEFAULTS = {"include_embedding": False, "include_head": False, "always_active": ()}
@@ -133,8 +134,7 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh):
     return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
 
   def eval_fn(params, x, y, buffers):
-    logits, _ = model_of(params, buffers).forward(x)
-    return cross_entropy(logits, y)
+    return lm_loss(graphdef)(params, x, y, buffers)[1][0]
 
   def train_step(state, x, y):
     params, master, opt = state["params"], state["master"], state["opt_state"]
@@ -172,10 +172,7 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh):
     ok = step_ok(total, grad_norm, updates)
     return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
-  train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
-                  donate_argnums=0)
-  evaluate = jax.jit(eval_fn, in_shardings=(shardings["params"], batch_sh, batch_sh, shardings.get("buffers", {})))
-  return train, evaluate
+  return jit_steps(train_step, eval_fn, shardings, batch_sh)
 
 
 def state_bytes(state: dict) -> dict[str, int]:

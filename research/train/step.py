@@ -100,6 +100,12 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, f
     ok = step_ok(total, grad_norm, updates)
     return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
+  return jit_steps(train_step, eval_fn, shardings, batch_sh)
+
+
+def jit_steps(train_step, eval_fn, shardings, batch_sh):
+  """(train_step, eval_fn) jitted with the state's shardings pinned; train_step donates the state, eval_fn takes
+  (params, x, y, buffers)."""
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
                   donate_argnums=0)
   evaluate = jax.jit(eval_fn, in_shardings=(shardings["params"], batch_sh, batch_sh, shardings.get("buffers", {})))
