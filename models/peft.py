@@ -320,7 +320,9 @@ def trainable_count(model: nnx.Module) -> int:
   total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   for _, a in adapters(model):
     if isinstance(a, SparseAdapter):
-      total -= int(a.mask_a.size - jnp.sum(a.mask_a[...])) + int(a.mask_b.size - jnp.sum(a.mask_b[...]))
+      pruned = a.mask_a.size - jnp.sum(a.mask_a[...]) + a.mask_b.size - jnp.sum(a.mask_b[...])
+      if not isinstance(pruned, jax.core.Tracer):  # traced (shapes only, jax.eval_shape): the count before pruning
+        total -= int(pruned)
   return total
 
 

@@ -26,7 +26,7 @@
 # the last table measures it. The full protocol (`small` pretrained, an lr grid per contender at one seed, three
 # seeds at each one's best) is in `research/experiments/peft.py`; its results are in
 # [`research/results/peft/`](../research/results/peft/results.md). Here the same steps run at smoke size: a
-# one-layer `tiny`, a few steps, one lr, one seed.
+# one-layer `tiny`, a few steps, one lr, one seed, AdamW and the five adapters.
 
 # %%
 import os

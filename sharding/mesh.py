@@ -95,3 +95,12 @@ def mesh_spec(mesh: Mesh) -> str:
   """The compact spec of a mesh: only axes larger than 1 ("data=1" for a single device)."""
   parts = [f"{a}={n}" for a, n in mesh.shape.items() if n > 1]
   return ",".join(parts) or "data=1"
+
+
+def mesh_scope(mesh: Mesh):
+  """`jax.set_mesh(mesh)`, or inside a trace (where set_mesh is refused: `jax.eval_shape` of a state's construction,
+  say) `jax.sharding.use_abstract_mesh`, which gives the traced code the same axes for its sharding hints."""
+  from jax._src import core  # trace_state_clean: the one test of "not inside a trace"; no public equivalent
+  if core.trace_state_clean():
+    return jax.set_mesh(mesh)
+  return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sharding.mesh import mesh_scope
 from sharding.rules import logical_to_spec
 
 PyTree = Any
@@ -77,7 +78,7 @@ def init_params(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> tuple[nnx.Gra
   """(graphdef, params, shardings): the parameters created directly with their shardings."""
   graphdef, abstract, names = logical_names(model_fn)
   shardings = param_shardings(abstract, names, mesh)
-  with jax.set_mesh(mesh):
+  with mesh_scope(mesh):
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_fn(), nnx.Param)), out_shardings=shardings)()
   return graphdef, params, shardings
 
@@ -91,7 +92,7 @@ def init_buffers(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> dict:
   if not jax.tree.leaves(abstract):
     return {}
   replicated = NamedSharding(mesh, P())
-  with jax.set_mesh(mesh):
+  with mesh_scope(mesh):
     return jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_fn(), nnx.Not(nnx.Param))),
                    out_shardings=replicated)()
 
@@ -169,7 +170,7 @@ def _with_optimizer(params, p_sh, tx, mesh: Mesh, zero1: bool):
   o_sh = shardings_like_params(abstract_opt, params, p_sh, mesh)
   if zero1:
     o_sh = zero1_shardings(o_sh, abstract_opt)
-  with jax.set_mesh(mesh):
+  with mesh_scope(mesh):
     opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
   replicated = NamedSharding(mesh, P())
   state = {"step": jax.device_put(np.int32(0), replicated), "params": params, "opt_state": opt_state}

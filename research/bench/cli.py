@@ -14,6 +14,7 @@ from research.bench.ckpt import ckpt_bench
 from research.bench.comm import comm
 from research.bench.dion import dion_comm
 from research.bench.finetune import finetune
+from research.bench.finetune_3b import finetune_3b
 from research.bench.hf import hf
 from research.bench.moe import moe
 from research.bench.optim import optim_step
@@ -26,7 +27,7 @@ from sharding import MeshError, ShardingError
 NUM_CPU_DEVICES = 8
 BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe,
               "ckpt": ckpt_bench, "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant,
-              "sample": sample, "finetune": finetune}
+              "sample": sample, "finetune": finetune, "finetune-3b": finetune_3b}
 
 
 def main(argv=None):

@@ -6,8 +6,8 @@ in state bytes per parameter, in activation / intermediate bytes, and in FLOPs?
 For each model shape and method the trainer's own pieces build the train state and the train step exactly as
 `research.train` does (`build.make_optimizer`, `state.initial_state` — random base, no --init-from —,
 `blockstep.blockwise_parts` / `make_block_steps` or `step.make_steps` with `build.step_options`), but abstractly: the
-state is `jax.eval_shape` of `initial_state` (so a 3B model's AdamW state is never allocated), its leaves given their
-one-device shardings, and the step is `jit(...).lower(abstract state, x, y).compile()`d. From the compiled program:
+state is `state.abstract_initial_state` (`jax.eval_shape` of the state's construction: a 3B model's AdamW state is
+never allocated), and the step is `jit(...).lower(abstract state, x, y).compile()`d. From the compiled program:
 
   XLA FLOPs        `compiled.cost_analysis()["flops"]`, XLA's static count, and its ratio to AdamW's. It counts a
                    while loop's body ONCE (measured: tiny's AdamW step gives 52.2M FLOPs at 2 layers, 54.3M at 4),
@@ -18,7 +18,8 @@ one-device shardings, and the step is `jit(...).lower(abstract state, x, y).comp
   argument bytes   `memory_analysis().argument_size_in_bytes`: the train state + the (B, T) int32 batch;
   temp bytes       activations kept for the backward, gradients and other intermediates;
   output bytes     the new state + metrics; the state is donated, so `alias` of them reuse the arguments' buffers;
-  peak estimate    argument + temp + output − alias bytes;
+  peak estimate    argument + temp + output − alias bytes: the per-device number the trainer's memory pre-flight
+                   (research/train/memory.py) checks every run against, beside the measured RSS where it is run;
   state B/param    the abstract state's bytes / the model's parameter count (`models.count_params`). Anchors: AdamW
                    with float32 parameters 4 + 8 (moments) = 12 (its gradients are temp), LoRA ≤ 2.3, BAdam ≤ 3.0,
                    BREAD ≤ 3.5 (the last three with a bfloat16 base).
@@ -34,9 +35,9 @@ Methods (rows):
   badam    --optimizer badam run by the blockwise step (`research.train.blockstep`), storage bfloat16. Its layer
            scans are cond-masked (only the layers below / above the active one run): a static count takes each
            cond's costly branch, i.e. every layer run, and over-counts. The row "badam (per block)" counts the same
-           step with `models.blockwise.active_layer_forward(..., static_split=True)` patched in at block b (traced
-           per b) for `badam_blocks` evenly spaced blocks (first and last included), averaged: the cost over a block
-           cycle (the per-block cost is linear in b, so first/middle/last average to the cycle's mean).
+           step split statically at block b (`blockstep.make_block_steps(..., static_block=b)`: one trace per b)
+           for `badam_blocks` evenly spaced blocks (first and last included), averaged: the cost over a block cycle
+           (the per-block cost is linear in b, so first/middle/last average to the cycle's mean).
   bread    --optimizer bread: the optax transform (low-rank mode) over FULL gradients, the plain step — not blockwise.
 
 Shapes: `base` (the preset, byte vocabulary 256, tied), `llama-1b` (TinyLlama-1.1B: d 2048, 22 layers, 32 heads / 4
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import io
 import json
 import os
@@ -57,20 +57,18 @@ import subprocess
 import sys
 import time
 import types
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models import TransformerConfig, count_params, preset
-from models.blockwise import active_layer_forward
-from research.bench.report import Progress, machine, table
-from research.train import blockstep, frozen
+from research.bench.report import Progress, call_command, machine, table
+from research.train import blockstep, frozen, memory
 from research.train.adapters import PeftFlags
 from research.train.build import make_optimizer, step_options
 from research.train.config import TrainConfig
-from research.train.state import initial_state
+from research.train.state import abstract_initial_state, initial_state
 from research.train.step import make_steps
 from sharding import batch_sharding, devices_for, make_mesh
 
@@ -105,33 +103,23 @@ def train_config(method: str, mcfg: TransformerConfig, batch_size: int, seq_len:
                      optimizer=flags.pop("optimizer", "adamw"), **flags)
 
 
-def build(method: str, mcfg, batch_size: int, seq_len: int, rank: int, abstract: bool = True):
+def build(method: str, mcfg, batch_size: int, seq_len: int, rank: int, abstract: bool = True,
+          static_block: int | None = None):
   """(state, train_step, batch sharding, mesh) of `method` as research/train/loop.py builds them; `abstract`: the
-  state as ShapeDtypeStructs with their shardings (`jax.eval_shape` of `initial_state`), nothing allocated."""
+  state as ShapeDtypeStructs with their shardings (`state.abstract_initial_state`), nothing allocated;
+  `static_block`: the blockwise BAdam step split at that block in the program (`make_block_steps`)."""
   cfg = train_config(method, mcfg, batch_size, seq_len, rank)
   mesh = make_mesh(MESH, devices=devices_for(MESH))
   tx, schedule = make_optimizer(cfg)
   parts = blockstep.blockwise_parts(cfg, mcfg, mesh, schedule)
   corpus = types.SimpleNamespace(train=np.arange(4 * batch_size * (seq_len + 1)) % mcfg.vocab_size)  # SNIP's batch
-  box = {}
-
-  def make():
-    with contextlib.redirect_stderr(io.StringIO()):  # initial_state's one-line reports
-      graphdef, state, shardings, _ = initial_state(cfg, mcfg, mesh, tx, corpus, parts)
-    box.update(graphdef=graphdef, shardings=shardings)
-    return state
-
-  if abstract:  # `jax.set_mesh` refuses to open inside a trace: its blocks in `initial_state` set the abstract mesh
-    with mock.patch.object(jax, "set_mesh", lambda m: jax.sharding.use_abstract_mesh(m.abstract_mesh)):
-      state = jax.eval_shape(make)
-  else:
-    state = make()
-  shardings = box["shardings"]
-  if abstract:
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+  with contextlib.redirect_stderr(io.StringIO()):  # blockwise_parts' note on a non-eligible config, the reports
+    graphdef, state, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
+    if not abstract:
+      state = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings)[0]
   batch_sh = batch_sharding(mesh, (batch_size, seq_len))
-  step = (blockstep.make_block_steps(box["graphdef"], parts, shardings, batch_sh)[0] if parts else
-          make_steps(box["graphdef"], tx, shardings, batch_sh, **step_options(cfg))[0])
+  step = (blockstep.make_block_steps(graphdef, parts, shardings, batch_sh, static_block)[0] if parts else
+          make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))[0])
   return state, step, batch_sh, mesh
 
 
@@ -196,12 +184,10 @@ def measure(method: str, mcfg, batch_size: int, seq_len: int, rank: int) -> dict
   t = time.perf_counter()
   state, step, batch_sh, mesh = build(method, mcfg, batch_size, seq_len, rank)
   compiled = _compile(step, state, batch_sh, mesh, batch_size, seq_len)
-  mem = compiled.memory_analysis()
+  mem = memory.StepBytes.of(compiled)  # the trainer's memory pre-flight reads the same four numbers
   return {"method": method, "flops": _flops(compiled), "matmul_flops": _traced_flops(step, state, batch_sh, mesh,
                                                                                    batch_size, seq_len),
-          "state_bytes": _bytes(state),
-          "trainable": _trainable(method, state), "argument": mem.argument_size_in_bytes,
-          "temp": mem.temp_size_in_bytes, "output": mem.output_size_in_bytes, "alias": mem.alias_size_in_bytes,
+          "state_bytes": _bytes(state), "trainable": _trainable(method, state), **dataclasses.asdict(mem),
           "compile_s": time.perf_counter() - t}
 
 
@@ -212,10 +198,8 @@ def badam_block_flops(mcfg, batch_size: int, seq_len: int, rank: int, n_blocks: 
   blocks = list(range(L)) if L <= n_blocks else sorted({round(i * (L - 1) / (n_blocks - 1)) for i in range(n_blocks)})
   flops = []
   for b in blocks:
-    split = lambda model, x, w, _traced, b=b: active_layer_forward(model, x, w, b, static_split=True)
-    with mock.patch.object(blockstep, "active_layer_forward", split):
-      state, step, batch_sh, mesh = build("badam", mcfg, batch_size, seq_len, rank)
-      flops.append(_traced_flops(step, state, batch_sh, mesh, batch_size, seq_len))
+    state, step, batch_sh, mesh = build("badam", mcfg, batch_size, seq_len, rank, static_block=b)
+    flops.append(_traced_flops(step, state, batch_sh, mesh, batch_size, seq_len))
   return {"blocks": blocks, "flops": flops, "mean": float(np.mean(flops))}
 
 
@@ -263,7 +247,7 @@ def shape_table(name: str, mcfg, rows: list[dict], block: dict | None, with_rss:
   cols = ["method", "trains", "trainable params", "state MiB", "state B/param", "argument MiB", "temp MiB",
           "output MiB", "peak est. MiB", "peak / adamw", "matmul GFLOP", "matmul / adamw", "XLA GFLOP (scan once)",
           "XLA / adamw"]
-  cols += ["RSS peak MiB (2 steps)", "RSS / adamw"] if with_rss else []
+  cols += ["RSS peak MiB (2 steps)", "RSS / adamw", "peak est. / RSS"] if with_rss else []
   out = []
   for r in rows:
     label = TRAINS.get(r["method"], f"adapters r={r.get('rank', '')}, base bf16")
@@ -280,8 +264,8 @@ def shape_table(name: str, mcfg, rows: list[dict], block: dict | None, with_rss:
              _ratio(r["flops"], ref["flops"])]
     if with_rss:
       rss, ref_rss = r.get("rss", {}), ref.get("rss", {})
-      cells += ([f"{rss['rss'] / MIB:.0f}", _ratio(rss["rss"], ref_rss.get("rss"))] if "rss" in rss else
-                [f"failed: {rss.get('error', 'not run')}", ""])
+      cells += ([f"{rss['rss'] / MIB:.0f}", _ratio(rss["rss"], ref_rss.get("rss")), _ratio(peak, rss["rss"])]
+                if "rss" in rss else [f"failed: {rss.get('error', 'not run')}", "", ""])
     out.append(cells)
     if r["method"] == "badam" and block is not None:
       where = ", ".join(map(str, block["blocks"]))
@@ -315,7 +299,7 @@ def finetune(shapes: tuple[str, ...] = ("base", "llama-1b", "llama-3b"), methods
   if unknown:
     raise SystemExit(f"error: unknown methods {unknown}; choose from {', '.join(METHODS)}")
   t0 = time.perf_counter()
-  progress = Progress(_command(args), out, [
+  progress = Progress(call_command("finetune", finetune, args), out, [
       f"Fine-tuning methods' train steps compiled on one device ({machine()}), batch {batch_size} x seq "
       f"{seq_len}, PEFT rank {rank}. Bytes from XLA's compiled program (memory_analysis); matmul FLOPs counted in the "
       f"step's jaxpr (scan bodies x length); XLA GFLOP = cost_analysis, which counts each scan body once (not a "
@@ -347,12 +331,3 @@ def finetune(shapes: tuple[str, ...] = ("base", "llama-1b", "llama-3b"), methods
   progress.emit()
   return result
 
-
-def _command(args: dict) -> str:
-  """The command line that reproduces a call with these arguments (the ones that differ from the defaults)."""
-  params = inspect.signature(finetune).parameters
-  parts = ["python -m research.bench finetune"]
-  for name, value in args.items():
-    if value != params[name].default:
-      parts += ["--" + name.replace("_", "-"), *map(str, value if isinstance(value, tuple) else (value,))]
-  return " ".join(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import shlex
 import subprocess
@@ -21,6 +22,17 @@ def git_commit() -> str:
   run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
   head = run("rev-parse", "--short", "HEAD").strip() or "unknown"
   return head + (" (dirty)" if run("status", "--porcelain", "--untracked-files=no").strip() else "")
+
+
+def call_command(name: str, fn, args: dict) -> str:
+  """The command line that reruns benchmark `name`, the function `fn` called with `args` ({parameter: value}):
+  `python -m research.bench NAME` and each argument that differs from `fn`'s default as `--name VALUE...`."""
+  params = inspect.signature(fn).parameters
+  parts = ["python -m research.bench", name]
+  for key, value in args.items():
+    if value != params[key].default:
+      parts += ["--" + key.replace("_", "-"), *map(str, value if isinstance(value, tuple) else (value,))]
+  return " ".join(parts)
 
 
 def command(name: str, args) -> str:

@@ -100,9 +100,11 @@ class Config:
   contenders: tuple[str, ...] = tuple(TITLES)
 
 
+# the smoke run keeps AdamW (the reference) and the five adapters; Muon and BAdam are the same full-fine-tuning path
+# with another optimizer (the badam and optimizers notebooks smoke-test those)
 SMOKE = dict(n_layers=1, model="tiny", pretrain_steps=4, pretrain_batch=8, steps=4, batch_size=8, seq_len=32,
              eval_every=2, eval_batches=2, switch_every=2, rank=4, r_p=2, full_lrs=(3e-3,), adapter_lrs=(1e-2,),
-             seeds=(0,))
+             seeds=(0,), contenders=("adamw", "lora", "dora", "prediag", "sora", "sparse_adapter"))
 
 
 def contender(cfg: Config, name: str) -> tuple[str, str | None, PeftFlags | None]:

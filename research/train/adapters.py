@@ -64,6 +64,25 @@ def random_base(config: TransformerConfig, mesh, seed: int) -> nnx.Module:
   return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
 
 
+def with_arrays(base: nnx.Module, params: dict, buffers: dict) -> nnx.Module:
+  """`base` with its parameters and other variables replaced by these plain dicts' arrays (--init-from's), each cast
+  to the dtype `base` has (a bfloat16 checkpoint read into a float32 model)."""
+  graphdef, p, rest = nnx.split(base, nnx.Param, ...)
+  nnx.replace_by_pure_dict(p, jax.tree.map(lambda new, old: new.astype(old.dtype), params, nnx.to_pure_dict(p)))
+  if buffers:
+    nnx.replace_by_pure_dict(rest, jax.tree.map(lambda new, old: new.astype(old.dtype), buffers,
+                                                nnx.to_pure_dict(rest)))
+  return nnx.merge(graphdef, p, rest)
+
+
+def recount(report: dict, graphdef, state: dict) -> dict:
+  """`report` with the trainable count of the built state (a sparse adapter's pruned entries known only once SNIP
+  ran on the real batch; a traced construction counts them as trainable)."""
+  model = nnx.merge(graphdef, state["params"], state.get("buffers", {}))
+  trainable = peft.trainable_count(model)
+  return {**report, "trainable": trainable, "trainable_share": trainable / report["base_params"]}
+
+
 def initial_state(base: nnx.Module, method: str, flags: PeftFlags, seed: int, tx, mesh, batch, zero1: bool = False):
   """(graphdef, state, shardings, report) of a PEFT run at step 0: `base` adapted, a sparse adapter pruned by SNIP on
   `batch` (x, y), the state placed on `mesh`. `report`: the trainable and frozen counts and the optimizer-state

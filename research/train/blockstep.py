@@ -127,8 +127,10 @@ def init_state(state: dict, shardings: dict, parts: Parts, dtype):
   return new, new_sh
 
 
-def make_block_steps(graphdef, parts: Parts, shardings, batch_sh):
-  """Jitted (train_step, eval_step) of the blockwise BAdam state; train_step donates the state."""
+def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: int | None = None):
+  """Jitted (train_step, eval_step) of the blockwise BAdam state; train_step donates the state. `static_block`: the
+  forward split at this block in the program itself (`active_layer_forward(..., static_split=True)`: one program
+  per block, for counting one block's FLOPs; the trainer's step reads the block from the state)."""
 
   def model_of(params, buffers):
     return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
@@ -144,7 +146,8 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh):
       model = model_of(params, buffers)
       w = layer_weights(model, b)
       nnx.replace_by_pure_dict(w, m)
-      logits, aux = active_layer_forward(model, x, w, b)
+      logits, aux = (active_layer_forward(model, x, w, b) if static_block is None else
+                     active_layer_forward(model, x, w, static_block, static_split=True))
       ce = cross_entropy(logits, y)
       return ce + aux_loss(aux, model.c), (ce, aux)
 

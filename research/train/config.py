@@ -116,6 +116,9 @@ class TrainConfig:
   is compiled before training starts). MESH may use fewer devices than --mesh: the first ones it needs."""
   devices: int = 8
   """Simulated devices when running on the CPU (ignored on accelerators)."""
+  memory_limit: float | None = None
+  """GiB the run may use per device (CPU: the whole process, host RAM): replaces the detected limit the memory
+  pre-flight checks its estimate against (research/train/memory.py); 0 prints the estimate and checks nothing."""
   zero1: bool = False
   """ZeRO-1: split the optimizer state over the data axis as well (the parameters stay replicated there)."""
   sync: str = "allreduce"

@@ -22,7 +22,7 @@ from flax import nnx
 
 from models import Transformer, flops_per_token
 from research.data import Corpus, get_batch
-from research.train import preflight, rundir, sync
+from research.train import memory, preflight, rundir, sync
 from research.train.blockstep import blockwise_parts, make_block_steps
 from research.train.build import make_optimizer, step_options
 from research.train.checkpoint import Checkpointer, CheckpointSaveError
@@ -34,7 +34,7 @@ from research.train.resume import newest_readable
 from research.train.runtime import setup_jax
 from research.train.signals import Stop
 from research.train.startup import setup
-from research.train.state import initial_state, sync_steps
+from research.train.state import abstract_initial_state, initial_state, sync_steps
 from research.train.step import make_steps, router_metrics
 from research.train.switch import Layout, switch_layout
 from research.train.throughput import Meter, Peak
@@ -121,24 +121,30 @@ def _start(cfg: TrainConfig) -> _Run:
   mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = setup(cfg)
   tx, schedule = make_optimizer(cfg)
   parts = blockwise_parts(cfg, mcfg, mesh, schedule)  # --optimizer badam as BlockOptimizers runs it, or None
-  graphdef, state, shardings, report = initial_state(cfg, mcfg, mesh, tx, corpus, parts)
+  graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
   train_step, eval_step = (make_block_steps(graphdef, parts, shardings, batch_sh) if parts else
                            make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg)))
-  state, shardings, syncer = sync_steps(cfg, graphdef, tx, state, shardings, batch_sh, train_step)
+  syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
+  _memory(cfg, syncer.train, abstract, batch_sh, mesh)  # compiled before anything is allocated; may refuse
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
-  switches = [(at, switch_layout(m, state, names, graphdef, tx, cfg, val_host)) for at, m in plan]
+  switches = [(at, switch_layout(m, abstract, names, graphdef, tx, cfg, val_host)) for at, m in plan]
   layout = Layout(mesh, shardings, batch_sh, val, train_step, eval_step)
+  state = None
+  if not rundir.has_checkpoint(cfg.out):  # a new run's state, created sharded (--init-from read here)
+    state, report = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings)
   meta = _meta(cfg, mcfg, mesh, corpus, pipe, report)
 
   ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every)
   metrics = rundir.MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), enabled=is_primary())
   monitor = Monitor(cfg.max_bad_steps, cfg.spike_factor, cfg.spike_window)
-  start, restored, saved = newest_readable(ckpt, meta, state, shardings, switches, cfg.out)
-  if start is not None:
+  start, restored, saved = newest_readable(ckpt, meta, abstract, shardings, switches, cfg.out)
+  if start is not None:  # restored into the abstract state's shapes and shardings
     while switches and switches[0][0] <= start:  # resume on the mesh the run had switched to by then
       layout = switches.pop(0)[1]
       syncer.switched(layout.train_step)
     state = restored
+    if "peft" in saved:  # the adapters' report as the run measured it (a sparse adapter's count after pruning)
+      meta["peft"] = saved["peft"]
     monitor.load(saved.get("health"))
     print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
   start = start or 0
@@ -154,6 +160,15 @@ def _start(cfg: TrainConfig) -> _Run:
               meter=Meter(cfg.batch_size * cfg.seq_len),
               progress=Progress(cfg.steps, start, enabled=cfg.progress and is_primary()), watchdog=watchdog,
               model_flops_per_token=flops_per_token(mcfg, cfg.seq_len))
+
+
+def _memory(cfg: TrainConfig, train_step, abstract, batch_sh, mesh):
+  """The memory pre-flight (research/train/memory.py): the step's bytes per device printed, a run that cannot fit
+  refused (RunError) before its state exists."""
+  est = memory.estimate(train_step, abstract, (cfg.batch_size, cfg.seq_len), batch_sh, mesh)
+  memory.check(est, cfg.memory_limit, cfg)
+  if is_primary():  # on stdout with the run's other lines: stderr is for what went wrong
+    print(est.line(), flush=True)
 
 
 def _meta(cfg: TrainConfig, mcfg, mesh, corpus: Corpus, pipe: dict | None, report: dict) -> dict:

@@ -17,7 +17,8 @@ POSITIVE = ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_b
 # flag: (low, high, whether low itself is allowed); every value must also be finite
 RANGES = {"lr": (0, None, True), "weight_decay": (0, None, True), "b1": (0, 1, True), "b2": (0, 1, True),
           "min_lr_ratio": (0, 1, True), "grad_clip": (0, None, True), "spike_factor": (0, None, True),
-          "max_bad_steps": (0, None, True), "peak_flops": (0, None, False), "peer_timeout": (0, None, False)}
+          "max_bad_steps": (0, None, True), "peak_flops": (0, None, False), "peer_timeout": (0, None, False),
+          "memory_limit": (0, None, True)}
 
 
 def _flag(name: str) -> str:

@@ -17,57 +17,101 @@ from research.train.build import exact_mode, make_optimizer
 from research.train.config import TrainConfig
 from research.train.distributed import is_primary
 from research.train.step import keep_prev_params, lm_loss
-from sharding import global_batch, init_train_state
+from sharding import global_batch, init_train_state, mesh_scope
 
 
-def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise=None):
-  """(graphdef, state, shardings, report) at step 0, created sharded: random parameters, or --init-from's (unless the
-  run has a checkpoint of its own to resume), or --peft's adapters on either, --freeze's report, the exact
-  modes' copy of the parameters, or the blockwise BAdam state (`blockwise`: its `blockstep.Parts`). `report`: what
-  config.json records of it (--peft's sizes, the blockwise step's storage dtype) or {}."""
-  fresh_init_from = cfg.init_from and not rundir.has_checkpoint(cfg.out)  # a resumed run restores its own state instead
-  report = {}
+def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings) -> tuple[dict, dict]:
+  """(state, report) at step 0: random parameters, or --init-from's (unless the run has a checkpoint of its own to
+  resume), or --peft's adapters on either, --freeze's frozen leaves in their dtype, the exact modes' copy of the
+  parameters, or the blockwise BAdam state (`blockwise`: its `blockstep.Parts`), laid out for --sync; `report`: what
+  config.json records of it (--peft's sizes, the blockwise step's storage dtype) or {}.
+
+  The whole construction is one compiled program with `shardings` (`abstract_initial_state`'s) as its outputs', so
+  only the state's own buffers are allocated: a model stored in bfloat16 never exists in float32 beside it, and
+  --init-from's arrays (read in the checkpoint's own dtype) are donated to it. Its one-line reports (--peft's sizes,
+  --freeze's, the blockwise step's) are printed once it exists."""
+  fresh_init_from = cfg.init_from and not rundir.has_checkpoint(cfg.out)  # a resumed run restores its own state
+  source = init_from.load_arrays(cfg.init_from, mcfg, mesh) if fresh_init_from else None
+  box = {}
+
+  def build(source):
+    graphdef, state, _, box["report"], box["lines"] = _build(cfg, mcfg, mesh, tx, corpus, blockwise, source)
+    box["graphdef"] = graphdef
+    return state
+
+  state = jax.jit(build, out_shardings=shardings, donate_argnums=0)(source)  # no mesh context: its parts set theirs
+  report, lines = box["report"], box["lines"]
+  if "peft" in report:  # counted on the state itself: a sparse adapter's pruned entries are known now
+    report["peft"] = adapters.recount(report["peft"], box["graphdef"], state)
+    lines.insert(0, adapters.report_line(report["peft"]))
+  if is_primary():
+    for line in lines:
+      print(line, file=sys.stderr)
+  return state, report
+
+
+def abstract_initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise=None):
+  """(graphdef, state, shardings, report) of `initial_state` with the state's leaves `jax.ShapeDtypeStruct`s carrying
+  their shardings: nothing allocated, --init-from not read (its parameters have the random ones' shapes), nothing
+  printed; every check of the flags that needs the model (--freeze matching nothing, say) done. What the memory
+  pre-flight compiles the step against (`research/train/memory.py`) and a resumed run restores into. Its report has
+  the shapes' numbers (a sparse adapter's trainable count before pruning)."""
+  box = {}
+
+  def build():
+    graphdef, state, box["shardings"], box["report"], _ = _build(cfg, mcfg, mesh, tx, corpus, blockwise, None)
+    box["graphdef"] = graphdef
+    return state
+
+  state = jax.eval_shape(build)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, box["shardings"])
+  return box["graphdef"], state, box["shardings"], box["report"]
+
+
+def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
+  """The state's construction, traced (by `initial_state`'s jit or `abstract_initial_state`'s eval_shape):
+  (graphdef, state, shardings, report, lines to print). `source`: --init-from's (params, buffers), or None."""
+  report, lines = {}, []
   if cfg.peft:
-    base = init_from.load_model(cfg.init_from, mcfg, mesh) if fresh_init_from else \
-        adapters.random_base(mcfg, mesh, cfg.seed)
+    base = adapters.random_base(mcfg, mesh, cfg.seed)
+    if source is not None:
+      base = adapters.with_arrays(base, *source)
     first = global_batch(get_batch(corpus.train, cfg.seed, 0, cfg.batch_size, cfg.seq_len), mesh)  # SNIP's batch
-    with jax.set_mesh(mesh):
+    with mesh_scope(mesh):
       graphdef, state, shardings, report = adapters.initial_state(base, cfg.peft, cfg.peft_options, cfg.seed, tx,
                                                                   mesh, first, cfg.zero1)
-    if is_primary():
-      print(adapters.report_line(report), file=sys.stderr)
     report = {"peft": report}
   else:
     graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
                                                   zero1=cfg.zero1)
-    if fresh_init_from:
-      state["params"] = init_from.load_params(cfg.init_from, mcfg, mesh)
+    if source is not None:  # in the parameters' dtype (the checkpoint's may be narrower)
+      state["params"] = jax.tree.map(lambda x, a: x.astype(a.dtype), source[0], state["params"])
   if cfg.freeze:  # stored in --frozen-dtype; the step differentiates the other parameters only
     state["params"] = frozen.store_frozen(state["params"], shardings["params"], cfg.freeze, frozen.frozen_dtype(cfg))
-  if cfg.freeze and is_primary():
-    print(frozen.frozen_summary(state["params"], frozen.freeze(tx, cfg.freeze)[1], make_optimizer(
-        dataclasses.replace(cfg, freeze=None))[0], tx), file=sys.stderr)
+    lines.append(frozen.frozen_summary(state["params"], frozen.freeze(tx, cfg.freeze)[1], make_optimizer(
+        dataclasses.replace(cfg, freeze=None))[0], tx))
   if exact_mode(cfg):  # exact MARS / Muon-MVR2: one more copy of the parameters, a second backward pass per step
     state, shardings = keep_prev_params(state, shardings)
   if blockwise is not None:  # parameters in the storage dtype, the active layer's float32 master and AdamW state
     dtype = frozen.frozen_dtype(cfg)
     state, shardings = blockstep.init_state(state, shardings, blockwise, dtype)
     report = {**report, "blockwise_badam": {"dtype": str(dtype)}}
-    if is_primary():
-      sizes = blockstep.state_bytes(state)
-      print(f"badam: blockwise step, parameters stored as {dtype} ({sizes['params'] / 2**20:.1f} MiB), the active "
-            f"layer's float32 master {sizes['master'] / 2**20:.1f} MiB and AdamW state {sizes['adam'] / 2**20:.1f} "
-            f"MiB", file=sys.stderr)
-  return graphdef, state, shardings, report
+    sizes = blockstep.state_bytes(state)
+    lines.append(f"badam: blockwise step, parameters stored as {dtype} ({sizes['params'] / 2**20:.1f} MiB), the "
+                 f"active layer's float32 master {sizes['master'] / 2**20:.1f} MiB and AdamW state "
+                 f"{sizes['adam'] / 2**20:.1f} MiB")
+  state, shardings = sync.init_state(sync.parse(cfg.sync), state, shardings, _outer_tx(cfg), seed=cfg.seed)
+  return graphdef, state, shardings, report, lines
 
 
-def sync_steps(cfg: TrainConfig, graphdef, tx, state, shardings, batch_sh, train_step):
-  """(state, shardings, sync.Steps) of --sync: the state laid out for it and its programs (allreduce: the plain
-  `train_step`, audited for its bytes)."""
+def _outer_tx(cfg: TrainConfig):
+  return sync.outer_optimizer(cfg.outer_lr, cfg.outer_momentum)
+
+
+def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step) -> sync.Steps:
+  """The programs of --sync for a state laid out for it (`shardings`; allreduce: the plain `train_step`, audited for
+  its bytes)."""
   mode = sync.parse(cfg.sync)
-  outer_tx = sync.outer_optimizer(cfg.outer_lr, cfg.outer_momentum)
-  state, shardings = sync.init_state(mode, state, shardings, outer_tx, seed=cfg.seed)
-  steps = sync.Steps(mode, lm_loss(graphdef), tx, outer_tx, shardings, batch_sh,
-                     max_logits=needs_max_logits(cfg.optimizer), mixing=sync.mixing_matrix(mode, batch_sh.mesh.shape[
-                         "data"]) if mode.kind == "gossip" else None, plain=train_step)
-  return state, shardings, steps
+  return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(cfg), shardings, batch_sh,
+                    max_logits=needs_max_logits(cfg.optimizer), mixing=sync.mixing_matrix(mode, batch_sh.mesh.shape[
+                        "data"]) if mode.kind == "gossip" else None, plain=train_step)

@@ -84,3 +84,24 @@ def test_finetune_bench_smoke(tmp_path):
   assert lines[0].startswith("| method | trains |") and [line.split(" | ")[0] for line in lines[1:]] == \
       ["| adamw", "| freeze", "| lora"]
   assert "| 12.00 |" in lines[1]  # AdamW: 4 + 8 bytes of state per float32 parameter
+
+
+def test_finetune_3b_driver_at_smoke_size(tmp_path):
+  """The 3B demonstration's driver on the same family at smoke size: transformers writes the HF model, each method
+  trains in its own process from --init-from hf:, its pre-flight line, losses and peak RSS are recorded, and a rerun
+  reads finished methods back instead of training them again."""
+  from research.bench.finetune_3b import estimate_gib, finetune_3b
+  out, work = tmp_path / "r.md", str(tmp_path / "work")
+  kw = dict(methods=("badam", "lora"), steps=2, seq_len=16, shape="llama-tiny", work=work, out=str(out))
+  rows = bench.BENCHMARKS["finetune-3b"](**kw)
+  assert bench.BENCHMARKS["finetune-3b"] is finetune_3b
+  assert [r["method"] for r in rows] == ["badam", "lora"] and [r["exit"] for r in rows] == [0, 0], rows
+  for r in rows:
+    assert len(r["losses"]) == 2 and r["val_loss"] is not None and r["peak_rss"] > 2 ** 20
+    assert r["memory_line"].startswith("memory: the step needs an estimated ") and estimate_gib(r["memory_line"])
+  text = out.read_text()
+  assert text.startswith("Command: `python -m research.bench finetune-3b --methods badam lora --steps 2 ")
+  assert "| badam | trained |" in text and "| lora | trained |" in text
+  assert finetune_3b(**kw) == rows  # read back from results.json (the wall times too): nothing ran again
+  assert estimate_gib("memory: ... x 1 devices + 0.5 GiB in use = 9.87 GiB; host RAM has 23.5 GiB") == 9.87
+  assert estimate_gib("memory: ... = 512.0 MiB; host RAM has 23.5 GiB") == 0.5

@@ -75,7 +75,8 @@ def test_console_output_is_plain_lines_off_a_terminal(tmp_path, capsys):
         "--log-every", "2", "--eval-every", "3", "--out", str(tmp_path)])
   out = capsys.readouterr().out
   assert "\r" not in out
-  lines = out.strip().splitlines()
+  memory, *lines = out.strip().splitlines()
+  assert memory.startswith("memory: the step needs an estimated "), memory  # the pre-flight's line, first
   assert [ln.split(" |")[0] for ln in lines[:-1]] == ["step 2/6", "step 3/6", "step 4/6", "step 6/6"]
   assert "val_loss" in lines[1] and "val_loss" in lines[3] and "val_loss" not in lines[0]
   assert "tokens/s" in lines[0]  # the window to step 2 holds one whole step after the compiling one

@@ -116,8 +116,10 @@ def test_an_out_that_cannot_be_a_run_directory_is_refused_and_left_alone(tmp_pat
 
 
 def test_out_of_memory_is_one_line_and_leaves_no_run_directory(tmp_path, capsys):
-  """--seq-len 100000 asks the attention for terabytes: XLA refuses the allocation at the first step."""
-  assert "out of memory" in bad(tmp_path, capsys, "--seq-len", "100000", "--steps", "2", "--batch-size", "8")
+  """--seq-len 100000 asks the attention for terabytes: with the memory pre-flight off (--memory-limit 0; it refuses
+  this run before it starts, tests/research/test_memory.py) XLA refuses the allocation at the first step."""
+  assert "out of memory" in bad(tmp_path, capsys, "--seq-len", "100000", "--steps", "2", "--batch-size", "8",
+                                "--memory-limit", "0")
 
 
 def test_a_run_directory_in_use_is_refused_without_touching_it(tmp_path, capsys):

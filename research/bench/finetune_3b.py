@@ -1,0 +1,161 @@
+"""`python -m research.bench finetune-3b`: the BlockOptimizers papers' memory claim transposed to this machine.
+
+BAdam (NeurIPS 2024) fine-tunes Llama-3-8B on one 24 GB GPU, where AdamW needs ~16 bytes per parameter. Here: a
+Llama-3.2-3B-shaped model (d 3072, 28 layers, 24 / 8 heads, d_ff 8192, vocab 128256, tied; 3.2B parameters) with
+random weights is written in the Hugging Face format by `transformers` itself (bfloat16, as the real model ships;
+once, kept in `work`), then each method fine-tunes it through the train CLI from `--init-from hf:DIR`, in a fresh
+child process each, on one CPU device of this machine: `steps` steps of `batch_size` x `seq_len` tokens of the default
+corpus. Recorded per method: the exit status, the memory pre-flight's line (or its refusal), the losses, and the
+child's peak RSS (`os.wait4`'s `ru_maxrss`: loading, compiling, training, evaluating and the final checkpoint).
+
+Methods: `adamw` (full fine-tuning: refused by the pre-flight when it cannot fit), `badam` (the blockwise step:
+bfloat16 storage, one layer's float32 master and AdamW state), `lora` (rank-`rank` adapters on a bfloat16 base), and
+`bread` (`optim.bread` over full gradients: not yet blockwise, so it needs AdamW-sized gradients). Finished methods are
+kept in `work/results.json`, so a rerun continues with the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+from research.bench.report import Progress, call_command, machine, table
+
+LLAMA_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                num_attention_heads=24, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+                tie_word_embeddings=True, max_position_embeddings=8192)
+# the same family at smoke size (the tests run the whole driver on it)
+SHAPES = {"llama-3b": LLAMA_3B, "llama-tiny": {**LLAMA_3B, "vocab_size": 512, "hidden_size": 64,
+                                               "intermediate_size": 128, "num_hidden_layers": 2,
+                                               "num_attention_heads": 4, "num_key_value_heads": 2}}
+WRITER = """
+import json, sys, torch, transformers
+torch.manual_seed(0)
+torch.set_default_dtype(torch.bfloat16)  # created in bfloat16: the float32 model (13 GB) never exists
+config = transformers.LlamaConfig(**json.loads(sys.argv[2]), torch_dtype="bfloat16")
+transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1], safe_serialization=True)
+"""
+METHODS = ("adamw", "badam", "lora", "bread")
+GIB = 2 ** 30
+
+
+def method_flags(method: str, rank: int) -> list[str]:
+  return {"adamw": [], "badam": ["--optimizer", "badam"], "bread": ["--optimizer", "bread"],
+          "lora": ["--peft", "lora", "--peft.rank", str(rank), "--peft.alpha", str(2 * rank),
+                   "--peft.base-dtype", "bfloat16"]}[method]
+
+
+def write_model(path: str, shape: str = "llama-3b") -> float:
+  """The random model of `shape` (`SHAPES`) in the HF format at `path` (written once); the seconds it took."""
+  if os.path.exists(os.path.join(path, "config.json")):
+    return 0.0
+  t = time.perf_counter()
+  res = subprocess.run([sys.executable, "-c", WRITER, path + ".partial", json.dumps(SHAPES[shape])],
+                       capture_output=True, text=True)
+  if res.returncode:
+    raise SystemExit(f"error: writing the model failed: {(res.stderr.strip().splitlines() or ['?'])[-1]}")
+  os.replace(path + ".partial", path)
+  return time.perf_counter() - t
+
+
+def run_method(method: str, model: str, run_dir: str, steps: int, batch_size: int, seq_len: int, rank: int,
+               lr: float) -> dict:
+  """One fine-tuning run in a fresh child process: its exit status, console lines, losses and peak RSS."""
+  cmd = [sys.executable, "-m", "research.train", "--init-from", f"hf:{model}", "--out", run_dir, "--steps",
+         str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--mesh", "data=1", "--devices", "1",
+         "--lr", str(lr), "--warmup-steps", "0", "--eval-every", str(steps), "--eval-batches", "1", "--log-every", "1",
+         "--ckpt-every", str(steps), "--keep", "1", *method_flags(method, rank)]
+  t = time.perf_counter()
+  logs = {k: run_dir + f".{k}.log" for k in ("stdout", "stderr")}  # beside the run directory (its log, kept)
+  os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+  with open(logs["stdout"], "w") as out, open(logs["stderr"], "w") as err:
+    child = subprocess.Popen(cmd, stdout=out, stderr=err)
+    _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage (its peak RSS), not all children's
+  child.returncode = code = os.waitstatus_to_exitcode(status)
+  stdout, stderr = (open(logs[k]).read() for k in ("stdout", "stderr"))
+  records = []
+  if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+  memory = next((l for l in stdout.splitlines() if l.startswith("memory: ")), None)
+  return {"method": method, "command": " ".join(["python", "-m", "research.train"] + cmd[3:]), "exit": code,
+          "memory_line": memory, "error": stderr.strip().splitlines()[-1] if code and stderr.strip() else None,
+          "stderr_tail": stderr.strip().splitlines()[-6:], "stdout": stdout.strip().splitlines(),
+          "losses": [r["loss"] for r in records if "loss" in r],
+          "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
+          "peak_rss": usage.ru_maxrss * 1024, "wall_s": time.perf_counter() - t}
+
+
+def estimate_gib(line: str | None) -> float | None:
+  """The pre-flight's total (GiB) from its line ("... = 9.87 GiB; host RAM has ...")."""
+  m = re.search(r"= ([\d.]+) (GiB|MiB);", line or "")
+  return None if m is None else float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1)
+
+
+def finetune_3b(methods: tuple[str, ...] = ("adamw", "badam", "lora", "bread"), steps: int = 4, batch_size: int = 1,
+                seq_len: int = 64, rank: int = 8, lr: float = 1e-3, budget_gib: float = 16.0,
+                work: str = "runs/finetune-3b", out: str | None = None, shape: str = "llama-3b") -> list[dict]:
+  """Fine-tunes the 3B shape with each method in a fresh process and tabulates peak RSS against `budget_gib`.
+
+  Args:
+    methods: from `METHODS`.
+    steps, batch_size, seq_len, lr: each run's; one CPU device (mesh data=1).
+    rank: LoRA's.
+    budget_gib: the peak RSS each method should stay within (the issue's 16 GiB on this 24 GiB machine).
+    work: the model, the runs and results.json (finished methods are not rerun).
+    out: markdown file for the table.
+    shape: "llama-3b", or "llama-tiny" (the same family at smoke size).
+  """
+  unknown = [m for m in methods if m not in METHODS]
+  if unknown or shape not in SHAPES:
+    raise SystemExit(f"error: unknown methods {unknown} or shape {shape!r}; choose from {', '.join(METHODS)} and "
+                     f"{', '.join(SHAPES)}")
+  os.makedirs(work, exist_ok=True)
+  model = os.path.join(work, f"hf-{shape}")
+  written = write_model(model, shape)
+  saved = os.path.join(work, "results.json")
+  done = {r["method"]: r for r in json.load(open(saved))} if os.path.exists(saved) else {}
+  args = {k: v for k, v in locals().items() if k in ("methods", "steps", "batch_size", "seq_len", "rank", "lr",
+                                                       "budget_gib", "work", "shape")}
+  progress = Progress(call_command("finetune-3b", finetune_3b, args), out, [
+      f"A random {'Llama-3.2-3B-shaped model (3.2B parameters, ' if shape == 'llama-3b' else shape + ' model ('}"
+      f"bfloat16, written by transformers in "
+      f"{written:.0f} s this run, or earlier) fine-tuned from `--init-from hf:` by the train CLI, one fresh process "
+      f"per method on one CPU device ({machine()}; {os.cpu_count()} cores), {steps} steps of {batch_size} x "
+      f"{seq_len} tokens. Peak RSS: the child's ru_maxrss (load, compile, train, evaluate, checkpoint). Estimate: "
+      f"the memory pre-flight's total (its line below).", ""])
+  rows = []
+  for method in methods:
+    if method not in done:
+      print(f"[finetune-3b] {method} ...", file=sys.stderr, flush=True)
+      run_dir = os.path.join(work, "runs", method)
+      if os.path.exists(run_dir):  # an interrupted attempt: start it again
+        shutil.rmtree(run_dir)
+      done[method] = run_method(method, model, run_dir, steps, batch_size, seq_len, rank, lr)
+      json.dump(list(done.values()), open(saved + ".tmp", "w"), indent=1)
+      os.replace(saved + ".tmp", saved)
+    rows.append(done[method])
+  cells = []
+  for r in rows:
+    est = estimate_gib(r["memory_line"])
+    rss = r["peak_rss"] / GIB
+    outcome = ("refused by the pre-flight" if r["exit"] == 2 and "estimated" in (r["error"] or "") else
+               "trained" if r["exit"] == 0 else f"exit {r['exit']}")
+    cells.append([r["method"], outcome, " → ".join(f"{x:.3f}" for x in r["losses"]) or "-",
+                  f"{r['val_loss']:.3f}" if r["val_loss"] is not None else "-", f"{rss:.2f}",
+                  ("yes" if rss <= budget_gib else "NO") if r["exit"] == 0 else "-",
+                  f"{est:.2f}" if est else "-", f"{est / rss:.2f}" if est and r["exit"] == 0 else "-",
+                  f"{r['wall_s']:.0f}"])
+  progress.lines += table(["method", "outcome", "train loss per step", "val loss", "peak RSS GiB",
+                           f"≤ {budget_gib:g} GiB", "pre-flight estimate GiB", "estimate / RSS", "wall s"], cells)
+  progress.lines += [""] + [f"- `{r['method']}`: `{r['command']}`" for r in rows] + [""]
+  for r in rows:
+    progress.lines += [f"`{r['method']}` pre-flight: {r['memory_line'] or '-'}"] + (
+        [f"`{r['method']}` refusal: {r['error']}"] if r["error"] else []) + [""]
+  progress.emit()
+  return rows
+

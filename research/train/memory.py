@@ -1,0 +1,164 @@
+"""The memory pre-flight: every run's bytes per device estimated from its own compiled train step before anything is
+allocated, printed at start-up, and a run that cannot fit refused in one line that names the estimate and the fix.
+
+The train step is compiled against the abstract state (`state.abstract_initial_state`: shapes, dtypes and shardings,
+no arrays), and XLA's `memory_analysis` of that program gives the bytes one device holds while it runs:
+
+  arguments (the train state's shard and the batch) + outputs (the new state, metrics) − aliased (the donated state's
+  buffers the outputs reuse) + temporaries (activations kept for the backward, gradients, optimizer intermediates)
+
+The compiled program is the one the run then calls (JAX's jit cache is keyed on the same shapes and shardings), so the
+estimate costs no second compilation. The limit it is checked against: an accelerator's own memory
+(`memory_stats()["bytes_limit"]`); on the CPU, host RAM (the smaller of physical memory and the cgroup's limit),
+which every simulated device and the process itself share, so there the estimate is the process's resident memory
+now (JAX, the data) plus the per-device bytes times the local devices. What it does not see: a --init-from
+checkpoint's host copy while it loads, and the held-out evaluation (its temporaries are below the train step's).
+`--memory-limit GIB` replaces the limit (0: print the estimate, check nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from research.train.config import RunError
+from sharding import mesh_scope
+
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+  """One device's bytes while the compiled step runs (XLA's memory_analysis)."""
+  argument: int
+  output: int
+  alias: int
+  temp: int
+
+  @property
+  def peak(self) -> int:
+    return self.argument + self.output - self.alias + self.temp
+
+  @classmethod
+  def of(cls, compiled) -> "StepBytes":
+    m = compiled.memory_analysis()
+    return cls(int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
+               int(m.temp_size_in_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  step: StepBytes  # per device
+  state: int  # the train state's bytes per device (part of step.argument)
+  devices: int  # devices that share `limit` (the CPU's simulated devices share host RAM; an accelerator: 1)
+  host: int  # bytes the process holds already and keeps (CPU: resident memory before the state exists), else 0
+  limit: int | None  # bytes available to those devices; None: unknown
+  where: str  # what `limit` is, e.g. "host RAM" or "cuda:0"
+
+  @property
+  def total(self) -> int:
+    return self.host + self.devices * self.step.peak
+
+  def line(self) -> str:
+    s = self.step
+    per = (f"{size(s.peak)} per device (train state {size(self.state)}, activations, gradients and temporaries "
+           f"{size(s.temp)})")
+    shared = f" x {self.devices} devices + {size(self.host)} in use = {size(self.total)}" \
+        if self.host or self.devices > 1 else ""
+    return f"memory: the step needs an estimated {per}{shared}; {self.where} has {size(self.limit)}"
+
+
+def size(n: int | None) -> str:
+  """Bytes for a reader: GiB, or MiB below a tenth of one."""
+  if n is None:
+    return "an unknown amount"
+  return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def host_ram() -> int | None:
+  """Bytes of RAM this process may use: physical memory, or the cgroup's limit if lower; None if neither is known."""
+  sizes = []
+  try:
+    sizes.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+  except (ValueError, OSError):
+    pass
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(path) as f:
+        text = f.read().strip()
+    except OSError:
+      continue
+    if text.isdigit() and int(text) < 2 ** 60:  # "max" or a huge number: no limit
+      sizes.append(int(text))
+  return min(sizes) if sizes else None
+
+
+def resident_bytes() -> int:
+  """This process's resident memory now (Linux /proc; 0 where it is not readable)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return 0
+
+
+def device_limit(mesh) -> tuple[int | None, int, str, bool]:
+  """(bytes available, devices sharing them, description, host-shared) for the mesh's devices on this process."""
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  device = local[0]
+  if device.platform == "cpu":
+    return host_ram(), len(local), "host RAM", True
+  stats = device.memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return (int(limit) if limit else None), 1, f"{device.platform}:{device.id}", False
+
+
+def estimate(train_step, state, batch_shape: tuple[int, int], batch_sh, mesh) -> Estimate:
+  """The compiled `train_step`'s bytes at the abstract `state` (ShapeDtypeStructs with shardings) and an int32 batch
+  of `batch_shape` placed by `batch_sh`, against what the mesh's devices have."""
+  x = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sh)
+  with mesh_scope(mesh):
+    compiled = train_step.lower(state, x, x).compile()
+  step = StepBytes.of(compiled)
+  state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(state))
+  limit, devices, where, shared = device_limit(mesh)
+  return Estimate(step, state_bytes, devices, resident_bytes() if shared else 0, limit, where)
+
+
+def _shard_bytes(a) -> int:
+  shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+  size = 1
+  for n in shape:
+    size *= n
+  return size * jnp.dtype(a.dtype).itemsize
+
+
+def check(est: Estimate, override: float | None, cfg) -> None:
+  """Refuses (RunError, one line) a run whose estimate exceeds the limit: `override` GiB replaces it, 0 checks
+  nothing."""
+  if override == 0:
+    return
+  limit = int(override * GIB) if override is not None else est.limit
+  if limit is None or est.total <= limit:
+    return
+  where = f"--memory-limit {override:g} GiB" if override is not None else f"{est.where} ({size(limit)})"
+  raise RunError(f"the run needs an estimated {size(est.total)} (train state {size(est.state)} and step "
+                 f"temporaries {size(est.step.temp)} per device{f' x {est.devices} devices' if est.devices > 1 else ''}"
+                 f"{f', {size(est.host)} already in use' if est.host else ''}) but {where} holds less: "
+                 f"{fix(est, cfg)}; or --memory-limit GIB (0: no check) if you know better")
+
+
+def fix(est: Estimate, cfg) -> str:
+  """What would make the run fit, by what dominates it: the state (with the gradients and update temporaries of its
+  size, about half the step's temporaries when the state dominates) or the activations."""
+  state_bound = 2 * est.state >= est.step.temp
+  if state_bound and not (cfg.peft or cfg.optimizer == "badam"):
+    return ("fine-tune fewer bytes (--optimizer badam stores the model in bfloat16 and trains one layer at a time; "
+            "--peft lora trains adapters on a bfloat16 base; --freeze) or shard the state over more devices "
+            "(--mesh fsdp=N)")
+  if state_bound:
+    return "shard the state over more devices (--mesh fsdp=N) or choose a smaller model"
+  return "lower --batch-size or --seq-len, or recompute activations in the backward (--remat)"

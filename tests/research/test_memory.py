@@ -1,0 +1,108 @@
+"""The memory pre-flight (research/train/memory.py): every run prints its estimate from its own compiled step before
+its state exists; a run over the limit is refused in one line naming the estimate and the fix, with nothing written
+and nothing of an existing run touched; the estimate is XLA's per-device bytes of the step the run then executes."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from refusals import bad
+from research.train import TrainConfig, memory, run
+from research.train.build import make_optimizer, model_config, step_options
+from research.train.state import abstract_initial_state
+from research.train.step import make_steps
+from sharding import batch_sharding, devices_for, make_mesh
+
+TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=2, eval_every=4, ckpt_every=2,
+            eval_batches=1, progress=False, mesh="data=2,fsdp=2,tensor=2")
+
+
+def _estimate(mesh_spec: str, **kw) -> memory.Estimate:
+  cfg = TrainConfig(**{**TINY, "mesh": mesh_spec, **kw})
+  mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
+  mcfg = model_config(cfg)
+  tx, _ = make_optimizer(cfg)
+  graphdef, abstract, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, None)
+  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  step = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))[0]
+  return memory.estimate(step, abstract, (cfg.batch_size, cfg.seq_len), batch_sh, mesh)
+
+
+def test_a_run_prints_its_estimate_and_compiles_its_step_once(tmp_path, capsys, caplog):
+  """The line is on stdout before training; the step the run calls is the program the estimate compiled (JAX lowers
+  train_step once in the whole run: the call hits the jit cache the estimate filled)."""
+  with jax.log_compiles(True), caplog.at_level("WARNING"):
+    records = run(TrainConfig(out=str(tmp_path / "run"), **TINY))
+  out = capsys.readouterr().out
+  line = next(l for l in out.splitlines() if l.startswith("memory: "))
+  assert "MiB per device" in line and "x 8 devices" in line and "host RAM has" in line, line
+  assert records[-1]["step"] == 4
+  lowered = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling jit(train_step)")]
+  assert len(lowered) == 1, lowered
+
+
+def test_the_estimate_is_xlas_per_device_bytes_of_the_step():
+  """argument bytes = the state's shard on one device + the batch's rows there (x and y, int32); sharding the
+  parameters and AdamW's moments over fsdp=8 cuts the per-device state ~8x against data=8, which replicates it."""
+  rep, split = _estimate("data=8"), _estimate("fsdp=8")
+  for est, rows in ((rep, 1), (split, 1)):
+    assert est.step.argument == est.state + 2 * rows * TINY["seq_len"] * 4
+    assert est.step.alias > 0.9 * est.state  # the donated state is reused by the new one
+    assert est.step.peak == est.step.argument + est.step.output - est.step.alias + est.step.temp
+  assert 6 < rep.state / split.state <= 8  # small leaves (norms, the step counter) stay replicated
+  assert rep.devices == split.devices == 8 and rep.where == "host RAM" and rep.limit > 2 ** 30
+  assert rep.total == rep.host + 8 * rep.step.peak
+
+
+def test_a_run_over_the_limit_is_refused_before_it_writes_anything(tmp_path, capsys):
+  """`small`'s shape with AdamW replicated on 8 devices: ~55 MiB of state each, the state dominates the step."""
+  msg = bad(tmp_path, capsys, "--memory-limit", "0.2", "--steps", "2", "--batch-size", "8", "--seq-len", "32",
+            "--mesh", "data=8", "--d-model", "256", "--n-layers", "4", "--d-ff", "768")
+  assert "the run needs an estimated" in msg and "--memory-limit 0.2 GiB" in msg and "x 8 devices" in msg, msg
+  assert "--optimizer badam" in msg and "--peft lora" in msg, msg
+
+
+def test_activations_that_do_not_fit_are_refused_naming_the_fix_for_them(tmp_path, capsys):
+  """--seq-len 100000 asks the attention for terabytes: refused before a byte is allocated, remat named."""
+  msg = bad(tmp_path, capsys, "--seq-len", "100000", "--steps", "2", "--batch-size", "8")
+  assert "the run needs an estimated" in msg and "host RAM" in msg and "--batch-size or --seq-len" in msg, msg
+  assert "TiB" not in msg and " GiB (train state" in msg
+
+
+def test_a_refused_resume_leaves_the_run_as_it_was(tmp_path, capsys):
+  out = tmp_path / "run"
+  run(TrainConfig(out=str(out), stop_at=2, **TINY))
+  files = {p: (out / p).read_bytes() for p in ("metrics.jsonl", "config.json")}
+  ckpts = sorted(os.listdir(out / "ckpt"))
+  flags = sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in TINY.items() if k not in ("model", "progress")), [])
+  msg = bad(tmp_path, capsys, *flags, "--memory-limit", "0.01", out=str(out))
+  assert "the run needs an estimated" in msg
+  assert {p: (out / p).read_bytes() for p in files} == files and sorted(os.listdir(out / "ckpt")) == ckpts
+  assert run(TrainConfig(out=str(out), **TINY))[-1]["step"] == 4  # and it resumes as before
+  assert json.load(open(out / "config.json"))["train"]["memory_limit"] is None
+
+
+def test_memory_limit_zero_checks_nothing_and_the_flag_is_not_a_training_setting(tmp_path, capsys):
+  out = tmp_path / "run"
+  run(TrainConfig(out=str(out), stop_at=2, memory_limit=0, **TINY))
+  assert "memory: the step needs" in capsys.readouterr().out
+  assert run(TrainConfig(out=str(out), memory_limit=100, **TINY))[-1]["step"] == 4  # no --amend needed
+
+
+@pytest.mark.parametrize("limit", ["-1", "nan"])
+def test_a_bad_memory_limit_is_one_line(tmp_path, capsys, limit):
+  assert "--memory-limit" in bad(tmp_path, capsys, "--memory-limit", limit)
+
+
+def test_the_fix_follows_what_dominates():
+  step = memory.StepBytes(argument=10, output=10, alias=10, temp=1)
+  cfg = TrainConfig(**TINY)
+  assert "--optimizer badam" in memory.fix(memory.Estimate(step, 10, 1, 0, 1, "x"), cfg)
+  assert memory.size(3 * 2**30) == "3.00 GiB" and memory.size(5 * 2**20) == "5.0 MiB"
+  assert "--mesh fsdp=N" in memory.fix(memory.Estimate(step, 10, 1, 0, 1, "x"), TrainConfig(**TINY, peft="lora"))
+  hot = memory.StepBytes(argument=10, output=10, alias=10, temp=21)
+  assert "--remat" in memory.fix(memory.Estimate(hot, 10, 1, 0, 1, "x"), cfg)
+  assert np.isclose(memory.Estimate(hot, 10, 4, 5, None, "x").total, 5 + 4 * 31)
