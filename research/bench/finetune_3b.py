@@ -9,9 +9,11 @@ corpus. Recorded per method: the exit status, the memory pre-flight's line (or i
 child's peak RSS (`os.wait4`'s `ru_maxrss`: loading, compiling, training, evaluating and the final checkpoint).
 
 Methods: `adamw` (full fine-tuning: refused by the pre-flight when it cannot fit), `badam` (the blockwise step:
-bfloat16 storage, one layer's float32 master and AdamW state), `lora` (rank-`rank` adapters on a bfloat16 base), and
-`bread` (`optim.bread` over full gradients: not yet blockwise, so it needs AdamW-sized gradients). Finished methods are
-kept in `work/results.json`, so a rerun continues with the others.
+bfloat16 storage, one layer's float32 master and AdamW state), `badam-f32` (the same with --frozen-dtype float32:
+on XLA:CPU a bfloat16 stack read inside the layer scan is converted to a float32 copy of the whole stack, so there
+float32 storage needs less), `lora` (rank-`rank` adapters on a bfloat16 base), and `bread` (`optim.bread` over full
+gradients: not yet blockwise, so it needs AdamW-sized gradients). Finished methods are kept in `work/results.json`,
+so a rerun continues with the others.
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ torch.set_default_dtype(torch.bfloat16)  # created in bfloat16: the float32 mode
 config = transformers.LlamaConfig(**json.loads(sys.argv[2]), torch_dtype="bfloat16")
 transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1], safe_serialization=True)
 """
-METHODS = ("adamw", "badam", "lora", "bread")
+METHODS = ("adamw", "badam", "badam-f32", "lora", "bread")
 GIB = 2 ** 30
 
 
 def method_flags(method: str, rank: int) -> list[str]:
   return {"adamw": [], "badam": ["--optimizer", "badam"], "bread": ["--optimizer", "bread"],
+          "badam-f32": ["--optimizer", "badam", "--frozen-dtype", "float32"],
           "lora": ["--peft", "lora", "--peft.rank", str(rank), "--peft.alpha", str(2 * rank),
                    "--peft.base-dtype", "bfloat16"]}[method]
 
@@ -64,12 +67,12 @@ def write_model(path: str, shape: str = "llama-3b") -> float:
 
 
 def run_method(method: str, model: str, run_dir: str, steps: int, batch_size: int, seq_len: int, rank: int,
-               lr: float) -> dict:
+               lr: float, remat: bool) -> dict:
   """One fine-tuning run in a fresh child process: its exit status, console lines, losses and peak RSS."""
   cmd = [sys.executable, "-m", "research.train", "--init-from", f"hf:{model}", "--out", run_dir, "--steps",
          str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--mesh", "data=1", "--devices", "1",
          "--lr", str(lr), "--warmup-steps", "0", "--eval-every", str(steps), "--eval-batches", "1", "--log-every", "1",
-         "--ckpt-every", str(steps), "--keep", "1", *method_flags(method, rank)]
+         "--ckpt-every", str(steps), "--keep", "1", *(["--remat", "True"] if remat else []), *method_flags(method, rank)]
   t = time.perf_counter()
   logs = {k: run_dir + f".{k}.log" for k in ("stdout", "stderr")}  # beside the run directory (its log, kept)
   os.makedirs(os.path.dirname(run_dir), exist_ok=True)
@@ -91,19 +94,26 @@ def run_method(method: str, model: str, run_dir: str, steps: int, batch_size: in
 
 
 def estimate_gib(line: str | None) -> float | None:
-  """The pre-flight's total (GiB) from its line ("... = 9.87 GiB; host RAM has ...")."""
-  m = re.search(r"= ([\d.]+) (GiB|MiB);", line or "")
+  """The pre-flight's total (GiB) from its line ("... = 9.87 GiB; host RAM has ...", or on one accelerator "...
+  estimated 1.2 GiB per device ...") or its refusal ("error: the run needs an estimated 25.65 GiB (...")."""
+  line = line or ""
+  m = (re.search(r"= ([\d.]+) (GiB|MiB);", line)
+       or re.search(r"^error: the run needs an estimated ([\d.]+) (GiB|MiB)", line)
+       or re.search(r"estimated ([\d.]+) (GiB|MiB) per device", line))  # one accelerator: its own memory only
   return None if m is None else float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1)
 
 
-def finetune_3b(methods: tuple[str, ...] = ("adamw", "badam", "lora", "bread"), steps: int = 4, batch_size: int = 1,
-                seq_len: int = 64, rank: int = 8, lr: float = 1e-3, budget_gib: float = 16.0,
-                work: str = "runs/finetune-3b", out: str | None = None, shape: str = "llama-3b") -> list[dict]:
+def finetune_3b(methods: tuple[str, ...] = ("adamw", "badam", "badam-f32", "lora", "bread"), steps: int = 4,
+                batch_size: int = 1, seq_len: int = 64, rank: int = 8, lr: float = 1e-3, remat: bool = True,
+                budget_gib: float = 16.0, work: str = "runs/finetune-3b", out: str | None = None,
+                shape: str = "llama-3b") -> list[dict]:
   """Fine-tunes the 3B shape with each method in a fresh process and tabulates peak RSS against `budget_gib`.
 
   Args:
     methods: from `METHODS`.
     steps, batch_size, seq_len, lr: each run's; one CPU device (mesh data=1).
+    remat: --remat (each layer recomputed in the backward: without it the layer scan keeps every layer's
+      float32-cast weights as residuals for the backward, ~23 GiB of temporaries at 3B).
     rank: LoRA's.
     budget_gib: the peak RSS each method should stay within (the issue's 16 GiB on this 24 GiB machine).
     work: the model, the runs and results.json (finished methods are not rerun).
@@ -120,7 +130,7 @@ def finetune_3b(methods: tuple[str, ...] = ("adamw", "badam", "lora", "bread"), 
   saved = os.path.join(work, "results.json")
   done = {r["method"]: r for r in json.load(open(saved))} if os.path.exists(saved) else {}
   args = {k: v for k, v in locals().items() if k in ("methods", "steps", "batch_size", "seq_len", "rank", "lr",
-                                                       "budget_gib", "work", "shape")}
+                                                       "budget_gib", "work", "shape", "remat")}
   progress = Progress(call_command("finetune-3b", finetune_3b, args), out, [
       f"A random {'Llama-3.2-3B-shaped model (3.2B parameters, ' if shape == 'llama-3b' else shape + ' model ('}"
       f"bfloat16, written by transformers in "
@@ -135,13 +145,13 @@ def finetune_3b(methods: tuple[str, ...] = ("adamw", "badam", "lora", "bread"), 
       run_dir = os.path.join(work, "runs", method)
       if os.path.exists(run_dir):  # an interrupted attempt: start it again
         shutil.rmtree(run_dir)
-      done[method] = run_method(method, model, run_dir, steps, batch_size, seq_len, rank, lr)
+      done[method] = run_method(method, model, run_dir, steps, batch_size, seq_len, rank, lr, remat)
       json.dump(list(done.values()), open(saved + ".tmp", "w"), indent=1)
       os.replace(saved + ".tmp", saved)
     rows.append(done[method])
   cells = []
   for r in rows:
-    est = estimate_gib(r["memory_line"])
+    est = estimate_gib(r["memory_line"] or r["error"])
     rss = r["peak_rss"] / GIB
     outcome = ("refused by the pre-flight" if r["exit"] == 2 and "estimated" in (r["error"] or "") else
                "trained" if r["exit"] == 0 else f"exit {r['exit']}")

@@ -161,4 +161,5 @@ def fix(est: Estimate, cfg) -> str:
             "(--mesh fsdp=N)")
   if state_bound:
     return "shard the state over more devices (--mesh fsdp=N) or choose a smaller model"
-  return "lower --batch-size or --seq-len, or recompute activations in the backward (--remat)"
+  remat = "" if cfg.remat else ", or recompute activations in the backward (--remat True)"
+  return f"lower --batch-size or --seq-len{remat}"

@@ -105,3 +105,5 @@ def test_finetune_3b_driver_at_smoke_size(tmp_path):
   assert finetune_3b(**kw) == rows  # read back from results.json (the wall times too): nothing ran again
   assert estimate_gib("memory: ... x 1 devices + 0.5 GiB in use = 9.87 GiB; host RAM has 23.5 GiB") == 9.87
   assert estimate_gib("memory: ... = 512.0 MiB; host RAM has 23.5 GiB") == 0.5
+  assert estimate_gib("error: the run needs an estimated 25.65 GiB (train state 7.11 GiB ...") == 25.65
+  assert estimate_gib("memory: the step needs an estimated 1.2 GiB per device (...); cuda:0 has 79.1 GiB") == 1.2

@@ -105,4 +105,6 @@ def test_the_fix_follows_what_dominates():
   assert "--mesh fsdp=N" in memory.fix(memory.Estimate(step, 10, 1, 0, 1, "x"), TrainConfig(**TINY, peft="lora"))
   hot = memory.StepBytes(argument=10, output=10, alias=10, temp=21)
   assert "--remat" in memory.fix(memory.Estimate(hot, 10, 1, 0, 1, "x"), cfg)
+  remat = memory.fix(memory.Estimate(hot, 10, 1, 0, 1, "x"), TrainConfig(**TINY, remat=True))
+  assert "--batch-size" in remat and "--remat" not in remat  # not a fix it already has
   assert np.isclose(memory.Estimate(hot, 10, 4, 5, None, "x").total, 5 + 4 * 31)
