@@ -57,6 +57,11 @@ def tree_bytes(tree) -> int:
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def cast_like(tree, like):
+  """`tree` with each leaf cast to the dtype of the matching leaf of `like` (same structure)."""
+  return jax.tree.map(lambda x, ref: x.astype(ref.dtype), tree, like)
+
+
 def reject_complex(tx: optax.GradientTransformation, name: str, why: str) -> optax.GradientTransformation:
   """`tx` whose init raises ParameterTreeError on complex parameters (instead of NaN or a silent wrong answer
   later); the state and update are `tx`'s, unchanged."""

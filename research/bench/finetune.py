@@ -123,12 +123,6 @@ def build(method: str, mcfg, batch_size: int, seq_len: int, rank: int, abstract:
   return state, step, batch_sh, mesh
 
 
-def _compile(step, state, batch_sh, mesh, batch_size: int, seq_len: int):
-  x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sh)
-  with jax.set_mesh(mesh):
-    return step.lower(state, x, x).compile()
-
-
 def _flops(compiled) -> float:
   cost = compiled.cost_analysis()
   return float((cost[0] if isinstance(cost, list) else cost)["flops"])
@@ -183,7 +177,7 @@ def measure(method: str, mcfg, batch_size: int, seq_len: int, rank: int) -> dict
   """The compiled step's FLOPs and bytes and the state's bytes of `method` (see the module docstring)."""
   t = time.perf_counter()
   state, step, batch_sh, mesh = build(method, mcfg, batch_size, seq_len, rank)
-  compiled = _compile(step, state, batch_sh, mesh, batch_size, seq_len)
+  compiled = memory.compile_step(step, state, (batch_size, seq_len), batch_sh, mesh)
   mem = memory.StepBytes.of(compiled)  # the trainer's memory pre-flight reads the same four numbers
   return {"method": method, "flops": _flops(compiled), "matmul_flops": _traced_flops(step, state, batch_sh, mesh,
                                                                                    batch_size, seq_len),
@@ -236,6 +230,10 @@ def _rss(shape_name: str, method: str, batch_size: int, seq_len: int, rank: int,
   return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _step_bytes(row: dict) -> memory.StepBytes:
+  return memory.StepBytes(**{f.name: row[f.name] for f in dataclasses.fields(memory.StepBytes)})
+
+
 def _ratio(x, ref) -> str:
   return f"{x / ref:.2f}x" if ref else "n/a"
 
@@ -254,8 +252,7 @@ def shape_table(name: str, mcfg, rows: list[dict], block: dict | None, with_rss:
     if "error" in r:
       out.append([r["method"], label, f"failed: {r['error']}"] + [""] * (len(cols) - 3))
       continue
-    peak = r["argument"] + r["temp"] + r["output"] - r["alias"]
-    ref_peak = ref["argument"] + ref["temp"] + ref["output"] - ref["alias"]
+    peak, ref_peak = (_step_bytes(x).peak for x in (r, ref))
     flops = f"{r['matmul_flops'] / 1e9:.4g}" + (" (every layer: cond)" if r["method"] == "badam" else "")
     cells = [r["method"], label, f"{r['trainable'] / 1e6:.2f}M ({r['trainable'] / n:.2%})",
              f"{r['state_bytes'] / MIB:.1f}", f"{r['state_bytes'] / n:.2f}", f"{r['argument'] / MIB:.1f}",

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from models import Transformer, TransformerConfig, cross_entropy, peft
-from optim.trees import tree_bytes
+from optim.trees import cast_like, tree_bytes
 from sharding import init_buffers, init_params, train_state_of
 
 
@@ -68,10 +68,9 @@ def with_arrays(base: nnx.Module, params: dict, buffers: dict) -> nnx.Module:
   """`base` with its parameters and other variables replaced by these plain dicts' arrays (--init-from's), each cast
   to the dtype `base` has (a bfloat16 checkpoint read into a float32 model)."""
   graphdef, p, rest = nnx.split(base, nnx.Param, ...)
-  nnx.replace_by_pure_dict(p, jax.tree.map(lambda new, old: new.astype(old.dtype), params, nnx.to_pure_dict(p)))
+  nnx.replace_by_pure_dict(p, cast_like(params, nnx.to_pure_dict(p)))
   if buffers:
-    nnx.replace_by_pure_dict(rest, jax.tree.map(lambda new, old: new.astype(old.dtype), buffers,
-                                                nnx.to_pure_dict(rest)))
+    nnx.replace_by_pure_dict(rest, cast_like(buffers, nnx.to_pure_dict(rest)))
   return nnx.merge(graphdef, p, rest)
 
 

@@ -53,19 +53,13 @@ def model_config(cfg, flags: dict) -> TransformerConfig:
   return dataclasses.replace(base, **{k: flags[k] for k in FREE_FLAGS if k in flags})
 
 
-def load_model(source: str, config: TransformerConfig, mesh, dtype: str | None = "param"):
-  """The source's model (a PEFT run's merged), each array on its shards of `mesh` (the model's logical rules), in
-  `dtype`: "param" the config's parameter dtype, None the checkpoint's own (a Hugging Face file's torch_dtype)."""
-  path = hf_path(source)
-  if path:
-    return from_hf(path, mesh=mesh, dtype=config.param_dtype if dtype == "param" else dtype)[0]
-  return load_run(source, mesh=mesh)[0]
-
-
-def load_arrays(source: str, config: TransformerConfig, mesh) -> tuple[dict, dict]:
-  """(parameters, other variables) of the source as plain dicts, on their shards of `mesh`, in the checkpoint's own
-  dtype: the train state's construction casts each to the dtype it stores (a bfloat16 file is never widened to
-  float32 for a run that stores it in bfloat16)."""
+def load_arrays(source: str, mesh) -> tuple[dict, dict]:
+  """(parameters, other variables) of the source's model (a PEFT run's merged) as plain dicts, each array on its
+  shards of `mesh` (the model's logical rules), in the checkpoint's own dtype (a Hugging Face file's torch_dtype): the
+  train state's construction casts each to the dtype it stores (a bfloat16 file is never widened to float32 for a run
+  that stores it in bfloat16)."""
   from flax import nnx
-  _, params, rest = nnx.split(load_model(source, config, mesh, dtype=None), nnx.Param, ...)
+  path = hf_path(source)
+  model = from_hf(path, mesh=mesh)[0] if path else load_run(source, mesh=mesh)[0]
+  _, params, rest = nnx.split(model, nnx.Param, ...)
   return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)

@@ -19,6 +19,7 @@ checkpoint's host copy while it loads, and the held-out evaluation (its temporar
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import jax
@@ -116,13 +117,17 @@ def device_limit(mesh) -> tuple[int | None, int, str, bool]:
   return (int(limit) if limit else None), 1, f"{device.platform}:{device.id}", False
 
 
-def estimate(train_step, state, batch_shape: tuple[int, int], batch_sh, mesh) -> Estimate:
-  """The compiled `train_step`'s bytes at the abstract `state` (ShapeDtypeStructs with shardings) and an int32 batch
-  of `batch_shape` placed by `batch_sh`, against what the mesh's devices have."""
+def compile_step(train_step, state, batch_shape: tuple[int, int], batch_sh, mesh):
+  """`train_step` compiled for the abstract `state` (ShapeDtypeStructs with shardings) and int32 (x, y) batches of
+  `batch_shape` placed by `batch_sh`: the program a run then calls (JAX's jit cache holds it)."""
   x = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sh)
   with mesh_scope(mesh):
-    compiled = train_step.lower(state, x, x).compile()
-  step = StepBytes.of(compiled)
+    return train_step.lower(state, x, x).compile()
+
+
+def estimate(train_step, state, batch_shape: tuple[int, int], batch_sh, mesh) -> Estimate:
+  """The bytes of `compile_step(...)`'s program per device, against what the mesh's devices have."""
+  step = StepBytes.of(compile_step(train_step, state, batch_shape, batch_sh, mesh))
   state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(state))
   limit, devices, where, shared = device_limit(mesh)
   return Estimate(step, state_bytes, devices, resident_bytes() if shared else 0, limit, where)
@@ -130,10 +135,7 @@ def estimate(train_step, state, batch_shape: tuple[int, int], batch_sh, mesh) ->
 
 def _shard_bytes(a) -> int:
   shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
-  size = 1
-  for n in shape:
-    size *= n
-  return size * jnp.dtype(a.dtype).itemsize
+  return math.prod(shape) * jnp.dtype(a.dtype).itemsize
 
 
 def check(est: Estimate, override: float | None, cfg) -> None:

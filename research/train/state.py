@@ -12,7 +12,8 @@ from flax import nnx
 from models import Transformer
 from optim import needs_max_logits
 from research.data import get_batch
-from research.train import adapters, blockstep, frozen, init_from, rundir, sync
+from optim.trees import cast_like
+from research.train import adapters, blockstep, frozen, init_from, sync
 from research.train.build import exact_mode, make_optimizer
 from research.train.config import TrainConfig
 from research.train.distributed import is_primary
@@ -21,8 +22,8 @@ from sharding import global_batch, init_train_state, mesh_scope
 
 
 def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings) -> tuple[dict, dict]:
-  """(state, report) at step 0: random parameters, or --init-from's (unless the run has a checkpoint of its own to
-  resume), or --peft's adapters on either, --freeze's frozen leaves in their dtype, the exact modes' copy of the
+  """(state, report) of a new run at step 0 (a resumed run restores into `abstract_initial_state`'s shapes instead):
+  random parameters, or --init-from's, or --peft's adapters on either, --freeze's frozen leaves in their dtype, the exact modes' copy of the
   parameters, or the blockwise BAdam state (`blockwise`: its `blockstep.Parts`), laid out for --sync; `report`: what
   config.json records of it (--peft's sizes, the blockwise step's storage dtype) or {}.
 
@@ -30,8 +31,7 @@ def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings
   only the state's own buffers are allocated: a model stored in bfloat16 never exists in float32 beside it, and
   --init-from's arrays (read in the checkpoint's own dtype) are donated to it. Its one-line reports (--peft's sizes,
   --freeze's, the blockwise step's) are printed once it exists."""
-  fresh_init_from = cfg.init_from and not rundir.has_checkpoint(cfg.out)  # a resumed run restores its own state
-  source = init_from.load_arrays(cfg.init_from, mcfg, mesh) if fresh_init_from else None
+  source = init_from.load_arrays(cfg.init_from, mesh) if cfg.init_from else None
   box = {}
 
   def build(source):
@@ -85,7 +85,7 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
                                                   zero1=cfg.zero1)
     if source is not None:  # in the parameters' dtype (the checkpoint's may be narrower)
-      state["params"] = jax.tree.map(lambda x, a: x.astype(a.dtype), source[0], state["params"])
+      state["params"] = cast_like(source[0], state["params"])
   if cfg.freeze:  # stored in --frozen-dtype; the step differentiates the other parameters only
     state["params"] = frozen.store_frozen(state["params"], shardings["params"], cfg.freeze, frozen.frozen_dtype(cfg))
     lines.append(frozen.frozen_summary(state["params"], frozen.freeze(tx, cfg.freeze)[1], make_optimizer(
