@@ -9,11 +9,11 @@ corpus. Recorded per method: the exit status, the memory pre-flight's line (or i
 child's peak RSS (`os.wait4`'s `ru_maxrss`: loading, compiling, training, evaluating and the final checkpoint).
 
 Methods: `adamw` (full fine-tuning: refused by the pre-flight when it cannot fit), `badam` (the blockwise step:
-bfloat16 storage, one layer's float32 master and AdamW state), `badam-f32` (the same with --frozen-dtype float32:
-on XLA:CPU a bfloat16 stack read inside the layer scan is converted to a float32 copy of the whole stack, so there
-float32 storage needs less), `lora` (rank-`rank` adapters on a bfloat16 base), and `bread` (`optim.bread` over full
-gradients: not yet blockwise, so it needs AdamW-sized gradients). Finished methods are kept in `work/results.json`,
-so a rerun continues with the others.
+bfloat16 storage, one layer's float32 master and AdamW state), `badam-f32` (the same with --frozen-dtype float32),
+`lora` (rank-`rank` adapters on a bfloat16 base), `bread` (BREAD-SGD, `--opt mode="sgd"`: the blockwise step whose
+layer-by-layer backward also steps every layer above the active one by its gradient) and `bread-lowrank` (BREAD's
+low-rank mode, `optim.bread` over full gradients: not blockwise yet, so it needs AdamW-sized gradients). Finished
+methods are kept in `work/results.json`, so a rerun continues with the others.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+import jax
 
 from research.bench.report import Progress, call_command, machine, table
 
@@ -42,12 +44,13 @@ torch.set_default_dtype(torch.bfloat16)  # created in bfloat16: the float32 mode
 config = transformers.LlamaConfig(**json.loads(sys.argv[2]), torch_dtype="bfloat16")
 transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1], safe_serialization=True)
 """
-METHODS = ("adamw", "badam", "badam-f32", "lora", "bread")
+METHODS = ("adamw", "badam", "badam-f32", "lora", "bread", "bread-lowrank")
 GIB = 2 ** 30
 
 
 def method_flags(method: str, rank: int) -> list[str]:
-  return {"adamw": [], "badam": ["--optimizer", "badam"], "bread": ["--optimizer", "bread"],
+  return {"adamw": [], "badam": ["--optimizer", "badam"], "bread": ["--optimizer", "bread", "--opt", 'mode="sgd"'],
+          "bread-lowrank": ["--optimizer", "bread"],
           "badam-f32": ["--optimizer", "badam", "--frozen-dtype", "float32"],
           "lora": ["--peft", "lora", "--peft.rank", str(rank), "--peft.alpha", str(2 * rank),
                    "--peft.base-dtype", "bfloat16"]}[method]
@@ -84,9 +87,10 @@ def run_method(method: str, model: str, run_dir: str, steps: int, batch_size: in
   records = []
   if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-  memory = next((l for l in stdout.splitlines() if l.startswith("memory: ")), None)
+  memory = next((l for l in stdout.splitlines() if l.startswith("memory: the step")), None)
+  measured = next((l for l in stdout.splitlines() if l.startswith("memory: measured")), None)
   return {"method": method, "command": " ".join(["python", "-m", "research.train"] + cmd[3:]), "exit": code,
-          "memory_line": memory, "error": stderr.strip().splitlines()[-1] if code and stderr.strip() else None,
+          "memory_line": memory, "measured_line": measured, "error": stderr.strip().splitlines()[-1] if code and stderr.strip() else None,
           "stderr_tail": stderr.strip().splitlines()[-6:], "stdout": stdout.strip().splitlines(),
           "losses": [r["loss"] for r in records if "loss" in r],
           "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
@@ -103,7 +107,13 @@ def estimate_gib(line: str | None) -> float | None:
   return None if m is None else float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1)
 
 
-def finetune_3b(methods: tuple[str, ...] = ("adamw", "badam", "badam-f32", "lora", "bread"), steps: int = 4,
+def measured_gib(line: str | None) -> tuple[float | None, str]:
+  """(GiB, what) of the run's own closing line ("memory: measured 9.1 GiB (process peak RSS) against ...")."""
+  m = re.search(r"measured ([\d.]+) (GiB|MiB) \(([^)]*)\)", line or "")
+  return (None, "") if m is None else (float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1), m.group(3))
+
+
+def finetune_3b(methods: tuple[str, ...] = METHODS, steps: int = 4,
                 batch_size: int = 1, seq_len: int = 64, rank: int = 8, lr: float = 1e-3, remat: bool = True,
                 budget_gib: float = 16.0, work: str = "runs/finetune-3b", out: str | None = None,
                 shape: str = "llama-3b") -> list[dict]:
@@ -131,13 +141,17 @@ def finetune_3b(methods: tuple[str, ...] = ("adamw", "badam", "badam-f32", "lora
   done = {r["method"]: r for r in json.load(open(saved))} if os.path.exists(saved) else {}
   args = {k: v for k, v in locals().items() if k in ("methods", "steps", "batch_size", "seq_len", "rank", "lr",
                                                        "budget_gib", "work", "shape", "remat")}
+  dev = jax.devices()[0]
+  on_cpu = dev.platform == "cpu"
   progress = Progress(call_command("finetune-3b", finetune_3b, args), out, [
       f"A random {'Llama-3.2-3B-shaped model (3.2B parameters, ' if shape == 'llama-3b' else shape + ' model ('}"
       f"bfloat16, written by transformers in "
       f"{written:.0f} s this run, or earlier) fine-tuned from `--init-from hf:` by the train CLI, one fresh process "
-      f"per method on one CPU device ({machine()}; {os.cpu_count()} cores), {steps} steps of {batch_size} x "
-      f"{seq_len} tokens. Peak RSS: the child's ru_maxrss (load, compile, train, evaluate, checkpoint). Estimate: "
-      f"the memory pre-flight's total (its line below).", ""])
+      f"per method on one {dev.platform} device ({machine()}; {os.cpu_count()} cores), {steps} steps of "
+      f"{batch_size} x {seq_len} tokens. Peak RSS: the child's ru_maxrss (load, compile, train, evaluate, "
+      f"checkpoint). Measured: the run's own closing line ({'its peak RSS' if on_cpu else 'the largest'} "
+      f"{'' if on_cpu else 'peak_bytes_in_use of its device'}). Estimate: the memory pre-flight's total (its line "
+      f"below).", ""])
   rows = []
   for method in methods:
     if method not in done:
@@ -153,15 +167,19 @@ def finetune_3b(methods: tuple[str, ...] = ("adamw", "badam", "badam-f32", "lora
   for r in rows:
     est = estimate_gib(r["memory_line"] or r["error"])
     rss = r["peak_rss"] / GIB
+    got, what = measured_gib(r.get("measured_line"))
+    got, what = (got, what) if got is not None else (rss, "peak RSS")  # a run from before the closing line
     outcome = ("refused by the pre-flight" if r["exit"] == 2 and "estimated" in (r["error"] or "") else
                "trained" if r["exit"] == 0 else f"exit {r['exit']}")
     cells.append([r["method"], outcome, " → ".join(f"{x:.3f}" for x in r["losses"]) or "-",
                   f"{r['val_loss']:.3f}" if r["val_loss"] is not None else "-", f"{rss:.2f}",
-                  ("yes" if rss <= budget_gib else "NO") if r["exit"] == 0 else "-",
-                  f"{est:.2f}" if est else "-", f"{est / rss:.2f}" if est and r["exit"] == 0 else "-",
+                  f"{got:.2f} ({what})" if r["exit"] == 0 else "-",
+                  ("yes" if got <= budget_gib else "NO") if r["exit"] == 0 else "-",
+                  f"{est:.2f}" if est else "-", f"{est / got:.2f}" if est and r["exit"] == 0 else "-",
                   f"{r['wall_s']:.0f}"])
   progress.lines += table(["method", "outcome", "train loss per step", "val loss", "peak RSS GiB",
-                           f"≤ {budget_gib:g} GiB", "pre-flight estimate GiB", "estimate / RSS", "wall s"], cells)
+                           "measured peak GiB", f"≤ {budget_gib:g} GiB", "pre-flight estimate GiB",
+                           "estimate / measured", "wall s"], cells)
   progress.lines += [""] + [f"- `{r['method']}`: `{r['command']}`" for r in rows] + [""]
   for r in rows:
     progress.lines += [f"`{r['method']}` pre-flight: {r['memory_line'] or '-'}"] + (

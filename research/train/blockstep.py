@@ -30,13 +30,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import cross_entropy
-from models.blockwise import active_layer_forward, layer_weights
+from models.blockwise import active_layer_forward, backprop_to_layer, layer_weights
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from optim import block_index, decay_mask, hyperparameters
 from optim.badam import switches_before
 from research.train.build import opt_hparams
 from research.train.distributed import is_primary
-from research.train.health import keep_if_finite, step_ok
+from research.train.health import step_ok
 from research.train.step import jit_steps, lm_loss
 from sharding.state import shardings_like_params
 
@@ -44,9 +44,15 @@ BLOCKWISE_DEFAULTS = {"include_embedding": False, "include_head": False, "always
 
 
 def eligible(cfg, hp: dict, mesh) -> str | None:
-  """None when the blockwise step runs this --optimizer badam configuration, else why not (one phrase)."""
-  if cfg.optimizer != "badam":
+  """None when the blockwise step runs this --optimizer badam / bread configuration, else why not (one phrase)."""
+  if cfg.optimizer not in ("badam", "bread"):
     return "not BAdam"
+  if cfg.optimizer == "bread":
+    bread = {**hyperparameters("bread"), **hp}
+    if bread["mode"] != "sgd":
+      return f"--opt mode={bread['mode']} (the blockwise step runs BREAD-SGD, mode=sgd)"
+    if bread["reach"] != "deeper":
+      return f"--opt reach={bread['reach']} (the backward then reaches every layer)"
   for key, default in BLOCKWISE_DEFAULTS.items():
     if key in hp and hp[key] not in (default, list(default) if isinstance(default, tuple) else default):
       return f"--opt {key}={hp[key]}"
@@ -62,18 +68,21 @@ def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
   hp = opt_hparams(cfg)
   why = eligible(cfg, hp, mesh)
   if why is None:
-    return Parts(schedule, hp, mcfg.n_layers, cfg.grad_clip)
+    return Parts(schedule, hp, mcfg.n_layers, cfg.grad_clip, cfg.optimizer)
   if why != "not BAdam" and is_primary():
-    print(f"note: --optimizer badam with {why} runs optim.badam over full gradients (every gradient computed, every "
-          f"parameter kept in float32), not the blockwise step", file=sys.stderr)
+    print(f"note: --optimizer {cfg.optimizer} with {why} runs optim.{cfg.optimizer} over full gradients (every "
+          f"gradient computed, every parameter kept in float32), not the blockwise step", file=sys.stderr)
   return None
 
 
 class Parts:
   """BAdam's pieces for the blockwise step, from the registry's badam defaults and the run's hyperparameters."""
 
-  def __init__(self, schedule, hp: dict, num_layers: int, grad_clip: float):
-    hp = {**hyperparameters("badam"), **hp}
+  def __init__(self, schedule, hp: dict, num_layers: int, grad_clip: float, optimizer: str = "badam"):
+    hp = {**hyperparameters(optimizer), **hp}
+    self.name = optimizer
+    # BREAD-SGD: the layers above the active one step by -ratio·lr_t·g (or its sign) in the same backward
+    self.bread = {"ratio": hp["inactive_lr_ratio"], "sign": hp["sgd_sign"]} if optimizer == "bread" else None
     self.schedule, self.num_layers, self.grad_clip = schedule, num_layers, grad_clip
     self.switch_every, self.order, self.seed, self.start_block = (hp["switch_every"], hp["order"], hp["seed"],
                                                                   hp["start_block"])
@@ -151,15 +160,25 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
       ce = cross_entropy(logits, y)
       return ce + aux_loss(aux, model.c), (ce, aux)
 
-    (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+    if parts.bread is None:
+      (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+    else:
+      (total, (loss, aux)), grads, params = _bread_backward(model_of(params, buffers), params, master, b, x, y,
+                                                            -parts.schedule(opt["count"]) * parts.bread["ratio"],
+                                                            parts.bread["sign"])
     grad_norm = optax.tree.norm(grads)
     if parts.grad_clip > 0:
       grads = optax.clip_by_global_norm(parts.grad_clip).update(grads, optax.EmptyState())[0]
     updates, inner = parts.inner.update(grads, opt["inner"], master)
     updates = jax.tree.map(lambda u: -parts.schedule(opt["count"]) * u, updates)
-    master = optax.apply_updates(master, updates)
-    params = _write(params, master, b)
-    count = opt["count"] + 1
+    ok = step_ok(total, grad_norm, updates)
+    # a non-finite step changes nothing but "step" (health.keep_if_finite's rule), selected at the active layer's
+    # size: a select over the stored stack would need it twice (new and old), a copy of the whole model
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    master = keep(optax.apply_updates(master, updates), master)
+    inner = keep(inner, opt["inner"])
+    count = jnp.where(ok, opt["count"] + 1, opt["count"])
+    params = _write(params, master, b)  # in place; layer b stays master rounded to the store (as it was if not ok)
     nxt = parts.block(count).astype(jnp.int32)
     switch = parts.switches(count) != parts.switches(opt["count"])
     fresh = parts.inner.init(jax.tree.map(jnp.zeros_like, master))
@@ -170,12 +189,33 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
     metrics = {}
     if "load" in aux:  # MoE: the aux-loss-free bias update and router metrics, as the plain step
       if buffers:
-        new["buffers"] = update_router_bias(buffers, aux, model_of(params, buffers).c.moe.bias_rate)
+        new["buffers"] = keep(update_router_bias(buffers, aux, model_of(params, buffers).c.moe.bias_rate), buffers)
       metrics = {"aux_loss": total - loss, **moe_summary(aux)}
-    ok = step_ok(total, grad_norm, updates)
-    return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
+    return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   return jit_steps(train_step, eval_fn, shardings, batch_sh)
+
+
+def _bread_backward(model, params, master, b, x, y, step, sign: bool):
+  """BREAD-SGD's backward (`models.blockwise.backprop_to_layer`): ((total, (ce, aux)), ∂total/∂master, params with
+  every layer above b stepped by `step`·g (or `step`·sign(g)) as the pass reaches it, in place. A layer whose
+  gradient is not finite keeps its weights (the step's finite check then leaves the rest unchanged; layers above a
+  non-finite one have already moved)."""
+  w = layer_weights(model, b)
+  nnx.replace_by_pure_dict(w, master)
+
+  def head(logits, aux):
+    ce = cross_entropy(logits, y)
+    return ce + aux_loss(aux, model.c), (ce, aux)
+
+  def visit(l, weights, grads, extra):
+    fine = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    new = jax.tree.map(lambda p, g: jnp.where(fine, p + jnp.asarray(step, g.dtype) * (jnp.sign(g) if sign else g),
+                                              p).astype(p.dtype), weights, grads)
+    return new, extra
+
+  total, out, g_w, blocks, _ = backprop_to_layer(model, x, w, b, head, visit, ())
+  return (total, out), nnx.to_pure_dict(g_w), {**params, "blocks": blocks}
 
 
 def state_bytes(state: dict) -> dict[str, int]:

@@ -78,6 +78,8 @@ def _train(cfg: TrainConfig, stop: Stop) -> list[dict]:
         r.progress.advance()
     r.progress.close()
     r.ckpt.close()
+    if is_primary() and r.step > r.start:
+      print(memory.measured(r.estimate, r.layout.mesh), flush=True)
   except CheckpointSaveError:  # nothing past the newest committed checkpoint stays logged
     r.metrics.cut(r.ckpt.latest_step())
     raise
@@ -108,6 +110,7 @@ class _Run:
   progress: Progress
   watchdog: Watchdog
   model_flops_per_token: float
+  estimate: memory.Estimate  # the memory pre-flight's, compared with the measured peak at the end
   step: int = dataclasses.field(init=False)  # steps done so far
   end: int = dataclasses.field(init=False)  # the step this session stops after (--steps, or --stop-at)
 
@@ -125,7 +128,7 @@ def _start(cfg: TrainConfig) -> _Run:
   train_step, eval_step = (make_block_steps(graphdef, parts, shardings, batch_sh) if parts else
                            make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg)))
   syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
-  _memory(cfg, syncer.train, abstract, batch_sh, mesh)  # compiled before anything is allocated; may refuse
+  estimate = _memory(cfg, syncer.train, abstract, batch_sh, mesh)  # compiled before anything is allocated; may refuse
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
   switches = [(at, switch_layout(m, abstract, names, graphdef, tx, cfg, val_host)) for at, m in plan]
   layout = Layout(mesh, shardings, batch_sh, val, train_step, eval_step)
@@ -159,16 +162,17 @@ def _start(cfg: TrainConfig) -> _Run:
               schedule=schedule, meta=meta, ckpt=ckpt, metrics=metrics, monitor=monitor, records=records, peak=peak,
               meter=Meter(cfg.batch_size * cfg.seq_len),
               progress=Progress(cfg.steps, start, enabled=cfg.progress and is_primary()), watchdog=watchdog,
-              model_flops_per_token=flops_per_token(mcfg, cfg.seq_len))
+              model_flops_per_token=flops_per_token(mcfg, cfg.seq_len), estimate=estimate)
 
 
 def _memory(cfg: TrainConfig, train_step, abstract, batch_sh, mesh):
   """The memory pre-flight (research/train/memory.py): the step's bytes per device printed, a run that cannot fit
-  refused (RunError) before its state exists."""
+  refused (RunError) before its state exists; the estimate returned."""
   est = memory.estimate(train_step, abstract, (cfg.batch_size, cfg.seq_len), batch_sh, mesh)
   memory.check(est, cfg.memory_limit, cfg)
   if is_primary():  # on stdout with the run's other lines: stderr is for what went wrong
     print(est.line(), flush=True)
+  return est
 
 
 def _meta(cfg: TrainConfig, mcfg, mesh, corpus: Corpus, pipe: dict | None, report: dict) -> dict:

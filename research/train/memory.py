@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import resource
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +116,22 @@ def device_limit(mesh) -> tuple[int | None, int, str, bool]:
   stats = device.memory_stats() or {}
   limit = stats.get("bytes_limit")
   return (int(limit) if limit else None), 1, f"{device.platform}:{device.id}", False
+
+
+def measured(est: Estimate, mesh) -> str:
+  """The run's measured peak beside its estimate, one line: on the CPU the process's peak RSS against the estimate's
+  total, on an accelerator the largest peak_bytes_in_use of this process's devices against the per-device peak."""
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if local[0].platform == "cpu":
+    got, what, want = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS", est.total
+  else:
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in local]
+    if None in peaks:
+      return f"memory: {local[0].platform} reports no peak; the estimate was {size(est.step.peak)} per device"
+    n = len(local)
+    got, what, want = max(peaks), f"peak bytes in use, the largest of {n} {local[0].platform} device" + "s" * (n > 1), \
+        est.step.peak
+  return f"memory: measured {size(got)} ({what}) against the estimate {size(want)} ({got / want:.2f}x)"
 
 
 def compile_step(train_step, state, batch_shape: tuple[int, int], batch_sh, mesh):

@@ -12,6 +12,7 @@ from flax import nnx
 from models import cross_entropy
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from research.train.health import keep_if_finite, step_ok
+from research.train.xla import compiler_options
 
 
 def keep_prev_params(state, shardings):
@@ -105,10 +106,13 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, f
 
 def jit_steps(train_step, eval_fn, shardings, batch_sh):
   """(train_step, eval_fn) jitted with the state's shardings pinned; train_step donates the state, eval_fn takes
-  (params, x, y, buffers)."""
+  (params, x, y, buffers). Both compiled with `xla.compiler_options()` (no float32 copy of a bfloat16 model on
+  the CPU)."""
+  opts = compiler_options()
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
-                  donate_argnums=0)
-  evaluate = jax.jit(eval_fn, in_shardings=(shardings["params"], batch_sh, batch_sh, shardings.get("buffers", {})))
+                  donate_argnums=0, compiler_options=opts)
+  evaluate = jax.jit(eval_fn, in_shardings=(shardings["params"], batch_sh, batch_sh, shardings.get("buffers", {})),
+                     compiler_options=opts)
   return train, evaluate
 
 

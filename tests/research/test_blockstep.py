@@ -1,5 +1,7 @@
 """The blockwise BAdam step (research/train/blockstep.py) equals optim.badam_adamw with full backprop (the trainer's
-step before it), update for update across block switches; with bfloat16 storage only the active layer moves."""
+step before it), update for update across block switches, and its BREAD-SGD form optim.bread_adamw(mode="sgd") (whose
+update is tested against a float64 reference of the equations in tests/optim/test_bread.py); with bfloat16 storage
+only the active layer moves."""
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +18,12 @@ from sharding import batch_sharding, devices_for, init_train_state, make_mesh
 B, T, L = 4, 16, 3
 
 
-def setup(model, mesh_spec, **kw):
+def setup(model, mesh_spec, optimizer="badam", opt=(), **kw):
   # eps 1e-3: Adam's m/(√v + eps) divides by |g| where |g| >> eps, so an entry whose gradient is ~1e-8 turns the two
   # backward passes' float32 rounding (~1e-6 relative) into a visible update difference (seen: 1 entry of 12,288 off
   # by 1% of a step at eps 1e-8); with eps above the gradients' rounding both steps are well conditioned.
-  cfg = TrainConfig(model=model, n_layers=L, optimizer="badam", opt=("switch_every=2", "order=\"ascending\"", "eps=1e-3"),
+  cfg = TrainConfig(model=model, n_layers=L, optimizer=optimizer,
+                    opt=("switch_every=2", "order=\"ascending\"", "eps=1e-3", *opt),
                     **{"grad_clip": 0.0, "batch_size": B, "seq_len": T, "mesh": mesh_spec, "steps": 50, "warmup_steps": 2,
                        "lr": 3e-3, **kw})
   mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
@@ -35,15 +38,21 @@ def batches(n, vocab=256):
   return [tuple(rng.integers(0, vocab, (B, T), dtype=np.int32) for _ in range(2)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("model,mesh_spec", [("tiny", "data=1"), ("tiny", "data=2,fsdp=2,tensor=2"),
-                                             ("moe_tiny", "data=1")])
-def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec):
-  cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(model, mesh_spec)
+BREAD_SGD = ("mode=\"sgd\"", "inactive_lr_ratio=0.5")
+
+
+@pytest.mark.parametrize("model,mesh_spec,optimizer,opt", [
+    ("tiny", "data=1", "badam", ()), ("tiny", "data=2,fsdp=2,tensor=2", "badam", ()), ("moe_tiny", "data=1", "badam", ()),
+    ("tiny", "data=1", "bread", BREAD_SGD), ("tiny", "data=2,fsdp=2,tensor=2", "bread", (*BREAD_SGD, "sgd_sign=true")),
+    ("moe_tiny", "data=1", "bread", BREAD_SGD)])
+def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer, opt):
+  """BREAD-SGD: the layers above the active one step by ρ·lr·g (sign(g)) inside the layer-by-layer backward."""
+  cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(model, mesh_spec, optimizer, opt)
   assert eligible(cfg, opt_hparams(cfg), mesh) is None
   copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
   full_state = copy(state)
   full, _ = make_steps(graphdef, tx, shardings, batch_sh)
-  parts = Parts(schedule, opt_hparams(cfg), L, cfg.grad_clip)
+  parts = Parts(schedule, opt_hparams(cfg), L, cfg.grad_clip, optimizer)
   block_state, block_sh = init_state(copy(state), shardings, parts, jnp.float32)
   block, _ = make_block_steps(graphdef, parts, block_sh, batch_sh)
   blocks_seen = []
@@ -85,3 +94,28 @@ def test_settings_the_blockwise_step_does_not_run_are_named():
   c = TrainConfig(model="tiny", optimizer="badam", freeze="embed")
   assert eligible(c, {}, mesh) == "--freeze"
   assert eligible(TrainConfig(model="tiny"), {}, mesh) == "not BAdam"
+  bread = TrainConfig(model="tiny", optimizer="bread")
+  assert eligible(bread, {}, mesh).startswith("--opt mode=lowrank")  # BREAD's low-rank mode: the optax path
+  assert eligible(bread, {"mode": "sgd", "reach": "all"}, mesh).startswith("--opt reach=all")
+  assert eligible(bread, {"mode": "sgd"}, mesh) is None
+
+
+def test_bread_sgd_moves_the_layers_above_the_active_one_and_none_below():
+  """bfloat16 storage, start at the middle layer: it and the layer above move, the layer below and the embedding keep
+  every bit (no gradient below the active layer exists in the layer-by-layer backward)."""
+  cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(
+      "tiny", "data=1", "bread", (*BREAD_SGD, "start_block=1"), warmup_steps=0)
+  parts = Parts(schedule, opt_hparams(cfg), L, 1.0, "bread")
+  block_state, block_sh = init_state(state, shardings, parts, jnp.bfloat16)
+  before = jax.tree.map(np.asarray, block_state["params"])
+  block, _ = make_block_steps(graphdef, parts, block_sh, batch_sh)
+  with jax.set_mesh(mesh):
+    x, y = (jax.device_put(a, batch_sh) for a in batches(1)[0])
+    block_state, out = block(block_state, x, y)
+  after = block_state["params"]
+  assert np.isfinite(out["loss"])
+  np.testing.assert_array_equal(after["embed_VD"], before["embed_VD"])
+  for name in ("wq_DQ", "w_up_DF"):
+    np.testing.assert_array_equal(after["blocks"][name][0], before["blocks"][name][0])
+    for layer in (1, 2):
+      assert not np.array_equal(after["blocks"][name][layer], before["blocks"][name][layer]), (name, layer)

@@ -77,9 +77,11 @@ def test_console_output_is_plain_lines_off_a_terminal(tmp_path, capsys):
   assert "\r" not in out
   memory, *lines = out.strip().splitlines()
   assert memory.startswith("memory: the step needs an estimated "), memory  # the pre-flight's line, first
-  assert [ln.split(" |")[0] for ln in lines[:-1]] == ["step 2/6", "step 3/6", "step 4/6", "step 6/6"]
+  assert [ln.split(" |")[0] for ln in lines[:-2]] == ["step 2/6", "step 3/6", "step 4/6", "step 6/6"]
   assert "val_loss" in lines[1] and "val_loss" in lines[3] and "val_loss" not in lines[0]
   assert "tokens/s" in lines[0]  # the window to step 2 holds one whole step after the compiling one
+  assert re.match(r"memory: measured [\d.]+ (GiB|MiB) \(process peak RSS\) against the estimate [\d.]+ (GiB|MiB) "
+                  r"\([\d.]+x\)$", lines[-2]), lines[-2]  # the pre-flight checked against what the run took
   assert re.match(r"done: step 6, val_loss [\d.]+ \(step 3\) -> [\d.]+ \(step 6\), [\d,]+ tokens/s and MFU "
                   r"[\d.]+% averaged over the run \(peak: ", lines[-1]), lines[-1]
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["6"]  # no step-1 checkpoint

@@ -2,16 +2,21 @@
 its state exists; a run over the limit is refused in one line naming the estimate and the fix, with nothing written
 and nothing of an existing run touched; the estimate is XLA's per-device bytes of the step the run then executes."""
 
+import dataclasses
 import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from refusals import bad
 from research.train import TrainConfig, memory, run
+from research.train.adapters import PeftFlags
+from research.train.blockstep import blockwise_parts, make_block_steps
 from research.train.build import make_optimizer, model_config, step_options
+from research.train.startup import setup
 from research.train.state import abstract_initial_state
 from research.train.step import make_steps
 from sharding import batch_sharding, devices_for, make_mesh
@@ -108,3 +113,29 @@ def test_the_fix_follows_what_dominates():
   remat = memory.fix(memory.Estimate(hot, 10, 1, 0, 1, "x"), TrainConfig(**TINY, remat=True))
   assert "--batch-size" in remat and "--remat" not in remat  # not a fix it already has
   assert np.isclose(memory.Estimate(hot, 10, 4, 5, None, "x").total, 5 + 4 * 31)
+
+
+@pytest.mark.parametrize("kw", [dict(peft="lora", peft_options=PeftFlags(base_dtype="bfloat16")),
+                                dict(optimizer="badam", frozen_dtype="bfloat16"),
+                                dict(optimizer="bread", opt=('mode="sgd"',), frozen_dtype="bfloat16")])
+def test_a_bfloat16_store_gets_no_float32_copy_in_the_step(kw):
+  """XLA:CPU computes bfloat16 matmuls in float32; with while-loop invariant code motion on, the cast of the scanned
+  layer stack was hoisted out of the layer loop, a float32 copy of every layer as a temporary (before
+  step.compiler_options: temporaries ≥ the stack's float32 bytes; at the 3B shape 12 GiB of LoRA's 12.4). Now the
+  step's temporaries are a fraction of that copy (activations at 1 x 16 tokens are tiny). BAdam's masked layer scans
+  stacked every layer's weights as residuals until the stack became their constant (models/blockwise.py)."""
+  cfg = TrainConfig(**{**TINY, "model": "small", "mesh": "data=1", "n_layers": 16, "batch_size": 1, "seq_len": 16,
+                       "remat": True, **kw})
+  _, mcfg, corpus, _ = setup(dataclasses.replace(cfg, mesh="data=8", batch_size=8))[:4]
+  mesh = make_mesh("data=1", devices=devices_for("data=1"))  # one device, as the 3B runs (8 split differently)
+  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  tx, schedule = make_optimizer(cfg)
+  parts = blockwise_parts(cfg, mcfg, mesh, schedule)
+  graphdef, abstract, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
+  step = (make_block_steps(graphdef, parts, shardings, batch_sh) if parts else
+          make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg)))[0]
+  est = memory.estimate(step, abstract, (cfg.batch_size, cfg.seq_len), batch_sh, mesh)
+  stacked = [x for x in jax.tree.leaves(abstract) if x.dtype == jnp.bfloat16 and x.ndim >= 3]
+  copy = sum(int(np.prod(x.shape)) * 4 for x in stacked)  # the stack's float32 bytes
+  assert copy > 4 * 2 ** 20, copy
+  assert est.step.temp < 0.4 * copy, (est.step.temp, copy)
