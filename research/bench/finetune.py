@@ -39,6 +39,9 @@ Methods (rows):
            for `badam_blocks` evenly spaced blocks (first and last included), averaged: the cost over a block cycle
            (the per-block cost is linear in b, so first/middle/last average to the cycle's mean).
   bread    --optimizer bread: the optax transform (low-rank mode) over FULL gradients, the plain step — not blockwise.
+  bread-sgd  --optimizer bread --opt mode="sgd": the blockwise step (`models.blockwise.backprop_to_layer`), storage
+           bfloat16. Its backward is a loop from the top layer down to the active one b, trip count L − 1 − b, known
+           at run time only: counted at the cycle's mean (L − 1)/2 (the cost is linear in the trips).
 
 Shapes: `base` (the preset, byte vocabulary 256, tied), `llama-1b` (TinyLlama-1.1B: d 2048, 22 layers, 32 heads / 4
 KV, d_ff 5632, vocab 32000, untied), `llama-3b` (Llama-3.2-3B: d 3072, 28 layers, 24 heads / 8 KV, d_ff 8192, vocab
@@ -72,14 +75,15 @@ from research.train.state import abstract_initial_state, initial_state
 from research.train.step import make_steps
 from sharding import batch_sharding, devices_for, make_mesh
 
-METHODS = ("adamw", "freeze", "lora", "dora", "prediag", "sora", "badam", "bread")
+METHODS = ("adamw", "freeze", "lora", "dora", "prediag", "sora", "badam", "bread", "bread-sgd")
 PEFT = ("lora", "dora", "prediag", "sora")
 FREEZE = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed"
 MESH = "data=1"
 MIB = 2 ** 20
 TRAINS = {"adamw": "all weights", "freeze": "all but attn q/k/v/o + embedding (frozen bf16)",
           "badam": "1 layer per step (blockwise step, bf16 storage)",
-          "bread": "optax transform over full gradients (not blockwise)"}
+          "bread": "optax transform over full gradients (not blockwise)",
+          "bread-sgd": "1 layer by AdamW + SGD on the layers above (blockwise step, bf16 storage)"}
 
 
 def shape(name: str) -> TransformerConfig:
@@ -96,7 +100,8 @@ def shape(name: str) -> TransformerConfig:
 def train_config(method: str, mcfg: TransformerConfig, batch_size: int, seq_len: int, rank: int) -> TrainConfig:
   """The trainer's flags for `method` (the model fields are overridden by `mcfg` where it matters)."""
   flags = {"freeze": {"freeze": FREEZE, "frozen_dtype": "bfloat16"}, "badam": {"optimizer": "badam",
-           "frozen_dtype": "bfloat16"}, "bread": {"optimizer": "bread"}}.get(method, {})
+           "frozen_dtype": "bfloat16"}, "bread": {"optimizer": "bread"},
+           "bread-sgd": {"optimizer": "bread", "opt": ('mode="sgd"',), "frozen_dtype": "bfloat16"}}.get(method, {})
   if method in PEFT:
     flags = {"peft": method, "peft_options": PeftFlags(rank=rank, base_dtype="bfloat16")}
   return TrainConfig(model="base", batch_size=batch_size, seq_len=seq_len, mesh=MESH, devices=1, steps=1000,
@@ -128,10 +133,11 @@ def _flops(compiled) -> float:
   return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
-def matmul_flops(jaxpr) -> float:
+def matmul_flops(jaxpr, while_trips: float = 1.0) -> float:
   """FLOPs of the matrix products of a jaxpr: 2 · |output| · |contracted dims| per dot_general, a scan body's times its
   length, a cond's costliest branch (the executed one for BAdam's masked layer scans is not known statically: this
-  counts every layer as run), a while body once; every nested jaxpr (jit, remat, custom rules) included."""
+  counts every layer as run), a while body `while_trips` times; every nested jaxpr (jit, remat, custom rules)
+  included."""
   total = 0.0
   for eqn in jaxpr.eqns:
     name, params = eqn.primitive.name, eqn.params
@@ -140,22 +146,25 @@ def matmul_flops(jaxpr) -> float:
       lhs = eqn.invars[0].aval.shape
       total += 2.0 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contract])
     elif name == "scan":
-      total += params["length"] * matmul_flops(params["jaxpr"].jaxpr)
+      total += params["length"] * matmul_flops(params["jaxpr"].jaxpr, while_trips)
     elif name == "cond":
-      total += max(matmul_flops(b.jaxpr) for b in params["branches"])
+      total += max(matmul_flops(b.jaxpr, while_trips) for b in params["branches"])
+    elif name == "while":
+      total += while_trips * matmul_flops(params["body_jaxpr"].jaxpr, while_trips)
     else:
       for v in params.values():
         for sub in v if isinstance(v, (tuple, list)) else (v,):
           inner = getattr(sub, "jaxpr", sub)
           if hasattr(inner, "eqns"):
-            total += matmul_flops(inner)
+            total += matmul_flops(inner, while_trips)
   return total
 
 
-def _traced_flops(step, state, batch_sh, mesh, batch_size: int, seq_len: int) -> float:
+def _traced_flops(step, state, batch_sh, mesh, batch_size: int, seq_len: int, while_trips: float = 1.0) -> float:
   x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sh)
   with jax.set_mesh(mesh):
-    return matmul_flops(jax.make_jaxpr(step)(state, x, x).jaxpr)
+    return matmul_flops(step.trace(state, x, x).jaxpr.jaxpr, while_trips)  # the step's own jaxpr (a jit with compiler
+    # options cannot be traced inside another transformation, as make_jaxpr would)
 
 
 def _bytes(tree) -> int:
@@ -166,7 +175,7 @@ def _trainable(method: str, state) -> int:
   """Weights the step can change: the adapters (PEFT), the active layer (BAdam), the unfrozen leaves (--freeze)."""
   if method in PEFT:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-  if method == "badam":
+  if method in ("badam", "bread-sgd"):  # BREAD-SGD's SGD steps reach every layer above: counted as BAdam's
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["master"]))
   mask = frozen.frozen_mask(FREEZE if method == "freeze" else None)
   flags = jax.tree.leaves(mask(state["params"])) if mask else [False] * len(jax.tree.leaves(state["params"]))
@@ -179,8 +188,9 @@ def measure(method: str, mcfg, batch_size: int, seq_len: int, rank: int) -> dict
   state, step, batch_sh, mesh = build(method, mcfg, batch_size, seq_len, rank)
   compiled = memory.compile_step(step, state, (batch_size, seq_len), batch_sh, mesh)
   mem = memory.StepBytes.of(compiled)  # the trainer's memory pre-flight reads the same four numbers
+  trips = (mcfg.n_layers - 1) / 2 if method == "bread-sgd" else 1.0  # the layer loop's mean over a block cycle
   return {"method": method, "flops": _flops(compiled), "matmul_flops": _traced_flops(step, state, batch_sh, mesh,
-                                                                                   batch_size, seq_len),
+                                                                                   batch_size, seq_len, trips),
           "state_bytes": _bytes(state), "trainable": _trainable(method, state), **dataclasses.asdict(mem),
           "compile_s": time.perf_counter() - t}
 

@@ -11,7 +11,9 @@ child's peak RSS (`os.wait4`'s `ru_maxrss`: loading, compiling, training, evalua
 Methods: `adamw` (full fine-tuning: refused by the pre-flight when it cannot fit), `badam` (the blockwise step:
 bfloat16 storage, one layer's float32 master and AdamW state), `badam-f32` (the same with --frozen-dtype float32),
 `lora` (rank-`rank` adapters on a bfloat16 base), `bread` (BREAD-SGD, `--opt mode="sgd"`: the blockwise step whose
-layer-by-layer backward also steps every layer above the active one by its gradient) and `bread-lowrank` (BREAD's
+layer-by-layer backward also steps every layer above the active one by its gradient; `order="ascending"`, so the
+first block is layer 0 and all 27 layers above it take SGD steps, the whole backward pass: under the default
+descending order the first block is the top layer and BREAD is BAdam until the first switch) and `bread-lowrank` (BREAD's
 low-rank mode, `optim.bread` over full gradients: not blockwise yet, so it needs AdamW-sized gradients). Finished
 methods are kept in `work/results.json`, so a rerun continues with the others.
 """
@@ -49,7 +51,7 @@ GIB = 2 ** 30
 
 
 def method_flags(method: str, rank: int) -> list[str]:
-  return {"adamw": [], "badam": ["--optimizer", "badam"], "bread": ["--optimizer", "bread", "--opt", 'mode="sgd"'],
+  return {"adamw": [], "badam": ["--optimizer", "badam"], "bread": ["--optimizer", "bread", "--opt", 'mode="sgd"', 'order="ascending"'],
           "bread-lowrank": ["--optimizer", "bread"],
           "badam-f32": ["--optimizer", "badam", "--frozen-dtype", "float32"],
           "lora": ["--peft", "lora", "--peft.rank", str(rank), "--peft.alpha", str(2 * rank),

@@ -16,6 +16,15 @@ With storage float32 and --grad-clip 0 this is `optim.badam_adamw` with full bac
 Memory: 2 bytes per parameter (bfloat16) + 16 per active-layer parameter (master, m, v, gradient), ≈ 2 + 16/L.
 Runs the default BAdam (layer blocks; the embedding, head and final norm frozen) on meshes without `stage` or
 `context`, with --sync allreduce; other settings use the optax transform over full gradients (`eligible`).
+
+--optimizer bread with mode="sgd" (reach "deeper") runs here too: the same state and active-layer update, the
+gradient taken by `models.blockwise.backprop_to_layer`, whose layer-by-layer backward steps every layer above the
+active one by -ρ·lr_t·g (or -ρ·lr_t·sign(g)) as it reaches it, in place (`_bread_backward`): with float32 storage and
+--grad-clip 0, `optim.bread_adamw(mode="sgd")` over full gradients update for update (tested). The SGD steps take the
+unclipped gradients (the reference applies them in backward hooks, before clipping); a layer whose gradient is not
+finite keeps its weights. Memory: BAdam's. FLOPs per step in units of one layer's forward F: L·F + 3F·(L − b)
+(each layer from the active one b up recomputed, then differentiated); over a block cycle ≈ 2.5·L·F, 0.63x
+remat'd full backprop (4·L·F), 0.83x full backprop without remat (3·L·F).
 """
 
 from __future__ import annotations
