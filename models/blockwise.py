@@ -36,10 +36,14 @@ class BlockwiseError(ValueError):
   """A model layout the active-layer backward does not run on."""
 
 
+def _at(stacked, l):
+  """Layer l's slice of a stacked tree (l may be traced)."""
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, 0, keepdims=False), stacked)
+
+
 def layer_weights(model, b):
   """Layer b's slice of the stacked block state (an nnx State of one layer; b may be traced)."""
-  _, stacked = nnx.split(model.blocks)
-  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, b, 0, keepdims=False), stacked)
+  return _at(nnx.split(model.blocks)[1], b)
 
 
 def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
@@ -68,10 +72,9 @@ def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
     aux = jax.tree.map(lambda lo, mid, hi: jnp.concatenate([lo, mid[None], hi]), aux_below, aux_b, aux_above)
     return model.unembed(x_BTD), aux
 
-  def masked(run, sliced: bool):  # a scan step applying layer l where run(l), else passing x on with zero aux
+  def masked(run, layer_of):  # a scan step applying layer l where run(l), else passing x on with zero aux
     def step(x, inputs):
-      state, l = inputs if not sliced else (
-          jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, inputs, 0, keepdims=False), frozen), inputs)
+      state, l = layer_of(inputs)
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
       return jax.lax.cond(run(l), lambda: layer(x, state), lambda: (x, zeros))
     return step
@@ -81,15 +84,15 @@ def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
     the scan keeps only x and l per layer. Scanning the stack as an input instead, a layer's weights handed to the
     cond come out of it as residuals, which the scan stacks: a copy of the model (measured at the 3B shape: 4.2 GB
     of the step's 8.1 GB of temporaries). Without remat the layers' weights are residuals anyway."""
-    ls = jnp.arange(L)
     if remat:
-      return jax.lax.scan(jax.checkpoint(masked(run, True), prevent_cse=False), x, ls)
-    return jax.lax.scan(masked(run, False), x, (frozen, ls))
+      step = masked(run, lambda l: (_at(frozen, l), l))
+      return jax.lax.scan(jax.checkpoint(step, prevent_cse=False), x, ls)
+    return jax.lax.scan(masked(run, lambda inputs: inputs), x, (frozen, ls))
 
+  ls = jnp.arange(L)
   x_BTD, aux_below = scan(lambda l: l < b, x_BTD)
   x_BTD, aux_b = layer(jax.lax.stop_gradient(x_BTD), w)
   x_BTD, aux_above = scan(lambda l: l > b, x_BTD)
-  ls = jnp.arange(L)
   here = (ls == b)
   aux = jax.tree.map(lambda lo, mid, hi: jax.lax.stop_gradient(lo) + hi +
                      jnp.where(here.reshape((L,) + (1,) * mid.ndim), mid[None], jnp.zeros_like(mid)[None]),
@@ -123,11 +126,8 @@ def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra):
   def layer(x, state):
     return nnx.merge(graphdef, state)(x)
 
-  def at(tree, l):
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, 0, keepdims=False), tree)
-
   def forward(x, l):
-    y, aux = jax.lax.cond(l == b, lambda: layer(x, w), lambda: layer(x, at(stacked, l)))
+    y, aux = jax.lax.cond(l == b, lambda: layer(x, w), lambda: layer(x, _at(stacked, l)))
     return y, (x, aux)
 
   x0 = jax.lax.stop_gradient(model.embed(tokens_BT))
@@ -138,14 +138,14 @@ def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra):
   def down(i, carry):
     ct, stack, extra = carry
     l = L - 1 - i
-    weights = at(stack, l)
-    _, back = jax.vjp(layer, at(inputs, l), weights)
-    ct_x, g = back((ct, at(ct_aux, l)))
+    weights = _at(stack, l)
+    _, back = jax.vjp(layer, _at(inputs, l), weights)
+    ct_x, g = back((ct, _at(ct_aux, l)))
     new, extra = visit(l, weights, g, extra)
     stack = jax.tree.map(lambda s, n: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), l, 0), stack, new)
     return ct_x, stack, extra
 
   ct_b, stack, extra = jax.lax.fori_loop(0, L - 1 - b, down, (ct_h, stacked, extra))
-  _, back = jax.vjp(lambda m: layer(at(inputs, b), m), w)
-  g_w, = back((ct_b, at(ct_aux, b)))
+  _, back = jax.vjp(lambda m: layer(_at(inputs, b), m), w)
+  g_w, = back((ct_b, _at(ct_aux, b)))
   return loss, out, g_w, nnx.to_pure_dict(stack), extra

@@ -166,8 +166,7 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
       nnx.replace_by_pure_dict(w, m)
       logits, aux = (active_layer_forward(model, x, w, b) if static_block is None else
                      active_layer_forward(model, x, w, static_block, static_split=True))
-      ce = cross_entropy(logits, y)
-      return ce + aux_loss(aux, model.c), (ce, aux)
+      return _head_loss(model, y)(logits, aux)
 
     if parts.bread is None:
       (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
@@ -205,6 +204,14 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
   return jit_steps(train_step, eval_fn, shardings, batch_sh)
 
 
+def _head_loss(model, y):
+  """(logits, aux) -> (cross entropy + the MoE aux losses, (cross entropy, aux)): both blockwise backwards' loss."""
+  def head(logits, aux):
+    ce = cross_entropy(logits, y)
+    return ce + aux_loss(aux, model.c), (ce, aux)
+  return head
+
+
 def _bread_backward(model, params, master, b, x, y, step, sign: bool):
   """BREAD-SGD's backward (`models.blockwise.backprop_to_layer`): ((total, (ce, aux)), ∂total/∂master, params with
   every layer above b stepped by `step`·g (or `step`·sign(g)) as the pass reaches it, in place. A layer whose
@@ -213,17 +220,13 @@ def _bread_backward(model, params, master, b, x, y, step, sign: bool):
   w = layer_weights(model, b)
   nnx.replace_by_pure_dict(w, master)
 
-  def head(logits, aux):
-    ce = cross_entropy(logits, y)
-    return ce + aux_loss(aux, model.c), (ce, aux)
-
   def visit(l, weights, grads, extra):
     fine = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     new = jax.tree.map(lambda p, g: jnp.where(fine, p + jnp.asarray(step, g.dtype) * (jnp.sign(g) if sign else g),
                                               p).astype(p.dtype), weights, grads)
     return new, extra
 
-  total, out, g_w, blocks, _ = backprop_to_layer(model, x, w, b, head, visit, ())
+  total, out, g_w, blocks, _ = backprop_to_layer(model, x, w, b, _head_loss(model, y), visit, ())
   return (total, out), nnx.to_pure_dict(g_w), {**params, "blocks": blocks}
 
 

@@ -58,12 +58,16 @@ def _flat_index(shape) -> jax.Array:
   return index
 
 
-def _array_fingerprint(x) -> jax.Array:
-  w = _words(x)
-  index = _flat_index(w.shape)
+def _sums(w, index) -> jax.Array:
+  """(F_1, F_2) of the words `w` at flat indices `index` (module docstring)."""
   h = _fmix32(w ^ (index * jnp.uint32(0x9E3779B1) + jnp.uint32(SALT)))
   return jnp.stack([jnp.sum(h, dtype=jnp.uint32), jnp.sum(h * (index * jnp.uint32(2) + jnp.uint32(1)),
                                                           dtype=jnp.uint32)])
+
+
+def _array_fingerprint(x) -> jax.Array:
+  w = _words(x)
+  return _sums(w, _flat_index(w.shape))
 
 
 @jax.jit
@@ -96,10 +100,7 @@ def _chunked_fingerprint(x, rows: int):
 
   def piece(k, sums):
     part = _words(lax.dynamic_slice_in_dim(x, k * rows, rows, 0))
-    index = _flat_index(part.shape) + (k * per).astype(jnp.uint32)
-    h = _fmix32(part ^ (index * jnp.uint32(0x9E3779B1) + jnp.uint32(SALT)))
-    return sums + jnp.stack([jnp.sum(h, dtype=jnp.uint32),
-                             jnp.sum(h * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)])
+    return sums + _sums(part, _flat_index(part.shape) + (k * per).astype(jnp.uint32))
 
   return lax.fori_loop(0, x.shape[0] // rows, piece, jnp.zeros(2, jnp.uint32))
 

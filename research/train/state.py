@@ -97,7 +97,9 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     state, shardings = blockstep.init_state(state, shardings, blockwise, dtype)
     report = {**report, "blockwise_badam": {"dtype": str(dtype)}}
     sizes = blockstep.state_bytes(state)
-    lines.append(f"{blockwise.name}: blockwise step{' (BREAD-SGD on the layers above the active one)' if blockwise.bread else ''}, parameters stored as {dtype} ({sizes['params'] / 2**20:.1f} MiB), the "
+    sgd = " (BREAD-SGD on the layers above the active one)" if blockwise.bread else ""
+    lines.append(f"{blockwise.name}: blockwise step{sgd}, parameters stored as {dtype} ({sizes['params'] / 2**20:.1f} "
+                 f"MiB), the "
                  f"active layer's float32 master {sizes['master'] / 2**20:.1f} MiB and AdamW state "
                  f"{sizes['adam'] / 2**20:.1f} MiB")
   state, shardings = sync.init_state(sync.parse(cfg.sync), state, shardings, _outer_tx(cfg), seed=cfg.seed)
