@@ -304,14 +304,19 @@ def adapters(model: nnx.Module) -> list[tuple[str, Adapter]]:
 
 def merge(model: nnx.Module) -> nnx.Module:
   """Folds every adapter into a plain `Param` (its effective weight) and makes `Frozen` parameters `Param`s again,
-  in place; the merged model computes what the adapted one did."""
+  in place; the merged model computes what the adapted one did. Merged weights take the model's parameter dtype
+  (`model.c.param_dtype`, the adapters' own: a bfloat16 base plus a float32 update is not rounded to bfloat16), and
+  so do frozen ones (exactly: a widening cast). A model without a config keeps the stored dtypes."""
+  config = getattr(model, "c", None)
   for path, node in list(nnx.iter_graph(model)):
     if isinstance(node, nnx.Module) and not isinstance(node, Adapter):
       for name, value in list(vars(node).items()):
         if isinstance(value, Adapter):
-          setattr(node, name, _var(nnx.Param, value.weight().astype(value.w0.dtype), value.names))
+          dtype = config.param_dtype if config is not None else value.w0.dtype
+          setattr(node, name, _var(nnx.Param, value.weight().astype(dtype), value.names))
         elif isinstance(value, Frozen):
-          setattr(node, name, _var(nnx.Param, value.get_value(), _names(value)))
+          v = value.get_value()
+          setattr(node, name, _var(nnx.Param, v if config is None else v.astype(config.param_dtype), _names(value)))
   return model
 
 

@@ -38,6 +38,8 @@ Methods (rows):
            step split statically at block b (`blockstep.make_block_steps(..., static_block=b)`: one trace per b)
            for `badam_blocks` evenly spaced blocks (first and last included), averaged: the cost over a block cycle
            (the per-block cost is linear in b, so first/middle/last average to the cycle's mean).
+  muon, sparse_adapter   full fine-tuning with Muon; the SNIP-pruned sparse adapter (as the PEFT rows): measured
+           on request (`methods`), not in the default table.
   bread    --optimizer bread: the optax transform (low-rank mode) over FULL gradients, the plain step — not blockwise.
   bread-sgd  --optimizer bread --opt mode="sgd": the blockwise step (`models.blockwise.backprop_to_layer`), storage
            bfloat16. Its backward is a loop from the top layer down to the active one b, trip count L − 1 − b, known
@@ -76,14 +78,16 @@ from research.train.step import make_steps
 from sharding import batch_sharding, devices_for, make_mesh
 
 METHODS = ("adamw", "freeze", "lora", "dora", "prediag", "sora", "badam", "bread", "bread-sgd")
-PEFT = ("lora", "dora", "prediag", "sora")
+KNOWN = METHODS + ("muon", "sparse_adapter")  # measurable rows the default table leaves out (the study's contenders)
+PEFT = ("lora", "dora", "prediag", "sora", "sparse_adapter")
 FREEZE = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed"
 MESH = "data=1"
 MIB = 2 ** 20
 TRAINS = {"adamw": "all weights", "freeze": "all but attn q/k/v/o + embedding (frozen bf16)",
           "badam": "1 layer per step (blockwise step, bf16 storage)",
           "bread": "optax transform over full gradients (not blockwise)",
-          "bread-sgd": "1 layer by AdamW + SGD on the layers above (blockwise step, bf16 storage)"}
+          "bread-sgd": "1 layer by AdamW + SGD on the layers above (blockwise step, bf16 storage)",
+          "muon": "all weights (Muon)"}
 
 
 def shape(name: str) -> TransformerConfig:
@@ -97,23 +101,25 @@ def shape(name: str) -> TransformerConfig:
   return preset(name)
 
 
-def train_config(method: str, mcfg: TransformerConfig, batch_size: int, seq_len: int, rank: int) -> TrainConfig:
-  """The trainer's flags for `method` (the model fields are overridden by `mcfg` where it matters)."""
+def train_config(method: str, mcfg: TransformerConfig, batch_size: int, seq_len: int, rank: int,
+                 peft: PeftFlags | None = None) -> TrainConfig:
+  """The trainer's flags for `method` (the model fields are overridden by `mcfg` where it matters); `peft`: the
+  adapters' flags (default: rank `rank`, bfloat16 base)."""
   flags = {"freeze": {"freeze": FREEZE, "frozen_dtype": "bfloat16"}, "badam": {"optimizer": "badam",
-           "frozen_dtype": "bfloat16"}, "bread": {"optimizer": "bread"},
+           "frozen_dtype": "bfloat16"}, "bread": {"optimizer": "bread"}, "muon": {"optimizer": "muon"},
            "bread-sgd": {"optimizer": "bread", "opt": ('mode="sgd"',), "frozen_dtype": "bfloat16"}}.get(method, {})
   if method in PEFT:
-    flags = {"peft": method, "peft_options": PeftFlags(rank=rank, base_dtype="bfloat16")}
+    flags = {"peft": method, "peft_options": peft or PeftFlags(rank=rank, base_dtype="bfloat16")}
   return TrainConfig(model="base", batch_size=batch_size, seq_len=seq_len, mesh=MESH, devices=1, steps=1000,
                      optimizer=flags.pop("optimizer", "adamw"), **flags)
 
 
 def build(method: str, mcfg, batch_size: int, seq_len: int, rank: int, abstract: bool = True,
-          static_block: int | None = None):
+          static_block: int | None = None, peft: PeftFlags | None = None):
   """(state, train_step, batch sharding, mesh) of `method` as research/train/loop.py builds them; `abstract`: the
   state as ShapeDtypeStructs with their shardings (`state.abstract_initial_state`), nothing allocated;
   `static_block`: the blockwise BAdam step split at that block in the program (`make_block_steps`)."""
-  cfg = train_config(method, mcfg, batch_size, seq_len, rank)
+  cfg = train_config(method, mcfg, batch_size, seq_len, rank, peft)
   mesh = make_mesh(MESH, devices=devices_for(MESH))
   tx, schedule = make_optimizer(cfg)
   parts = blockstep.blockwise_parts(cfg, mcfg, mesh, schedule)
@@ -182,10 +188,10 @@ def _trainable(method: str, state) -> int:
   return sum(int(np.prod(x.shape)) for x, f in zip(jax.tree.leaves(state["params"]), flags) if not f)
 
 
-def measure(method: str, mcfg, batch_size: int, seq_len: int, rank: int) -> dict:
+def measure(method: str, mcfg, batch_size: int, seq_len: int, rank: int, peft: PeftFlags | None = None) -> dict:
   """The compiled step's FLOPs and bytes and the state's bytes of `method` (see the module docstring)."""
   t = time.perf_counter()
-  state, step, batch_sh, mesh = build(method, mcfg, batch_size, seq_len, rank)
+  state, step, batch_sh, mesh = build(method, mcfg, batch_size, seq_len, rank, peft=peft)
   compiled = memory.compile_step(step, state, (batch_size, seq_len), batch_sh, mesh)
   mem = memory.StepBytes.of(compiled)  # the trainer's memory pre-flight reads the same four numbers
   trips = (mcfg.n_layers - 1) / 2 if method == "bread-sgd" else 1.0  # the layer loop's mean over a block cycle
@@ -240,7 +246,7 @@ def _rss(shape_name: str, method: str, batch_size: int, seq_len: int, rank: int,
   return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _step_bytes(row: dict) -> memory.StepBytes:
+def step_bytes(row: dict) -> memory.StepBytes:
   return memory.StepBytes(**{f.name: row[f.name] for f in dataclasses.fields(memory.StepBytes)})
 
 
@@ -262,7 +268,7 @@ def shape_table(name: str, mcfg, rows: list[dict], block: dict | None, with_rss:
     if "error" in r:
       out.append([r["method"], label, f"failed: {r['error']}"] + [""] * (len(cols) - 3))
       continue
-    peak, ref_peak = (_step_bytes(x).peak for x in (r, ref))
+    peak, ref_peak = (step_bytes(x).peak for x in (r, ref))
     flops = f"{r['matmul_flops'] / 1e9:.4g}" + (" (every layer: cond)" if r["method"] == "badam" else "")
     cells = [r["method"], label, f"{r['trainable'] / 1e6:.2f}M ({r['trainable'] / n:.2%})",
              f"{r['state_bytes'] / MIB:.1f}", f"{r['state_bytes'] / n:.2f}", f"{r['argument'] / MIB:.1f}",
@@ -302,9 +308,9 @@ def finetune(shapes: tuple[str, ...] = ("base", "llama-1b", "llama-3b"), methods
   """
   args = {k: v for k, v in locals().items()}
   methods = ("adamw",) + tuple(m for m in methods if m != "adamw")
-  unknown = [m for m in methods if m not in METHODS]
+  unknown = [m for m in methods if m not in KNOWN]
   if unknown:
-    raise SystemExit(f"error: unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    raise SystemExit(f"error: unknown methods {unknown}; choose from {', '.join(KNOWN)}")
   t0 = time.perf_counter()
   progress = Progress(call_command("finetune", finetune, args), out, [
       f"Fine-tuning methods' train steps compiled on one device ({machine()}), batch {batch_size} x seq "

@@ -1,20 +1,30 @@
-"""Parameter-efficient fine-tuning and weight conditioning: full fine-tuning (AdamW, Muon), BAdam and five adapters
-(LoRA, DoRA, Pre-Diag, SORA, a SNIP-pruned sparse adapter) fine-tuning one pretrained model on a second corpus.
+"""The fine-tuning methods study: full fine-tuning (AdamW, Muon), the block optimizers (BAdam, BREAD, BREAD-SGD) and
+five adapters (LoRA, DoRA, Pre-Diag, SORA, a SNIP-pruned sparse adapter) fine-tuning one pretrained model on a second
+corpus, each run as the trainer runs it (BAdam and BREAD-SGD by the blockwise step, frozen weights in bfloat16), with
+each method's step FLOPs and bytes per parameter from `research.bench finetune` beside its learning and forgetting.
 
 Claim (shared/reference/methods.md §7; Chang et al., "Calibrating and Rotating", AAAI 2026, arXiv 2511.00051, code
 MaeChd/SORA): DoRA works because it raises the singular-value entropy of the update ΔW toward full fine-tuning's;
 Pre-Diag (a diagonal before the low-rank update) and SORA (Pre-Diag + an output rotation) keep that at lower cost
 than DoRA. §11 (He et al., SparseAdapter, arXiv 2210.04284): a wide adapter pruned at init by SNIP ("Large-Sparse")
-matches or beats a dense one at the same budget.
+matches or beats a dense one at the same budget. BlockOptimizers (BAdam, Luo et al., NeurIPS 2024; BREAD, Luo et al.,
+NeurIPS 2025; optim/badam.py, optim/bread.py): BREAD's cheap updates of the inactive layers the backward pass reaches
+("landscape expansion") close BAdam's gap to full Adam.
 
 Setup. Pretraining: the `small` preset (d 256, 4 layers) with AdamW from random init on the default corpus (the
 standard library's Python source, bytes) by the train CLI, one run (seed 0). Fine-tuning: `--init-from` that run on
 the second corpus (`research.data.docs_corpus`: package descriptions, split by package), by the same CLI (warmup + cosine,
 clip 1.0, the optimizer's default weight decay, one device), at equal steps and tokens for every contender:
   adamw, muon        full fine-tuning, every parameter.
-  badam              BAdam with the reference defaults (one layer at a time, embedding and final norm frozen).
+  badam              BAdam with the reference defaults (one layer at a time, embedding and final norm frozen), run by
+                     the blockwise step (parameters stored in bfloat16, the active layer's float32 master).
+  bread              BREAD, low-rank mode (rank 8, alpha 16: optim.bread's defaults) on BAdam's blocks and switching:
+                     the optax transform over full gradients (the low-rank mode has no blockwise step yet).
+  bread_sgd          BREAD-SGD (inactive lr ratio 1, the reference's class default) on BAdam's blocks, run by the
+                     blockwise step (the layers above the active one take SGD steps in the same backward pass).
   lora, dora,        adapters on the attention q/k/v/o and MLP projections (`--peft`, AdamW on the adapters), the
-  prediag            base frozen: rank 8, alpha 16 (the paper's alpha = 2r).
+  prediag            base frozen and stored in bfloat16 (the trainer's default when fine-tuning): rank 8, alpha 16
+                     (the paper's alpha = 2r).
   sora               rank 4, alpha 8, r_p 4 (the reference's r_p): the rotation's C, D (O × r_p each) take the place
                      of four ranks, so its budget is LoRA-8's (within the table's ratio).
   sparse_adapter     "Large-Sparse": a rank-16 adapter (alpha 32) pruned to 50% by SNIP on the first batch: rank 8's
@@ -24,7 +34,11 @@ The lr is tuned per contender on seed 0 by the fine-tuning corpus's held-out los
 adapters on 1e-3..3e-2, higher as their practice is; a best lr at a grid edge is flagged), then 3 seeds at each one's
 best. Learning = held-out loss on the new corpus (packages never trained on); forgetting = held-out loss on the old
 corpus's val split, of the final checkpoint (adapters merged). Optimizer-state bytes: `tx.init` of the run's
-trainable parameters; step time from the run's tokens/s.
+trainable parameters; step time from the run's tokens/s. Cost per step (`costs`): `research.bench.finetune.measure`
+of each contender at this model and batch, as the trainer builds it: matmul FLOPs of the compiled step over full
+AdamW's (BAdam: the static-split step's mean over its first, middle and last block; BREAD-SGD: its layer loop at the
+cycle's mean trip count), the train state's bytes per parameter and the step's peak estimate (argument + temp +
+output − aliased bytes).
 
 Singular-value entropy. For every adapted matrix (each of the 7 projections of each layer) ΔW = W_final − W_pretrained
 (adapters merged), σ its singular values, p_i = σ_i / Σ_j σ_j, H = −Σ p_i ln p_i (nats); also H / ln(min(I, O)), 1
@@ -48,6 +62,8 @@ import numpy as np
 import tyro
 from flax import nnx
 
+from models import count_params
+from research.bench import finetune as bench
 from research.data import docs_corpus
 from research.data import eval_batches, load_corpus
 from research.experiments import common
@@ -62,16 +78,18 @@ QUESTION = ("Fine-tuning a pretrained model on a second corpus at equal steps: h
             "Pre-Diag, SORA, a SNIP-sparse adapter) at an equal trainable budget compare with full fine-tuning (AdamW, "
             "Muon) and BAdam in learning, forgetting, optimizer state and step time, and does the paper's "
             "singular-value-entropy ordering of ΔW (LoRA < DoRA, Pre-Diag/SORA ≈ DoRA, toward full fine-tuning) hold?")
-TITLES = {"adamw": "full FT, AdamW", "muon": "full FT, Muon", "badam": "BAdam", "lora": "LoRA", "dora": "DoRA",
-          "prediag": "Pre-Diag", "sora": "SORA", "sparse_adapter": "SparseAdapter (SNIP)"}
-FULL = ("adamw", "muon", "badam")
+TITLES = {"adamw": "full FT, AdamW", "muon": "full FT, Muon", "badam": "BAdam", "bread": "BREAD (low-rank)",
+          "bread_sgd": "BREAD-SGD", "lora": "LoRA", "dora": "DoRA", "prediag": "Pre-Diag", "sora": "SORA",
+          "sparse_adapter": "SparseAdapter (SNIP)"}
+FULL = ("adamw", "muon", "badam", "bread", "bread_sgd")
+BLOCKS = ("badam", "bread", "bread_sgd")  # train the layers only (embedding and final norm frozen)
 # the projections every adapter adapts (models.peft.DEFAULT_TARGETS on a dense model), and whose ΔW is measured
 MATRICES = ("wq_DQ", "wk_DK", "wv_DK", "wo_QD", "w_gate_DF", "w_up_DF", "w_down_FD")
 
 
 @dataclasses.dataclass
 class Config:
-  """Pretrain `small` on the stdlib corpus; fine-tune it on the package-docs corpus eight ways."""
+  """Pretrain `small` on the stdlib corpus; fine-tune it on the package-docs corpus ten ways."""
   smoke: bool = False
   """A few steps of a 1-layer model in a temporary directory: the same code path, nothing written to `out`."""
   out: str = "research/results/peft"
@@ -111,7 +129,9 @@ def contender(cfg: Config, name: str) -> tuple[str, str | None, PeftFlags | None
   """(optimizer grid label, --peft method, --peft.* flags) of a contender."""
   r = cfg.rank
   if name in FULL:
-    return {"adamw": "adamw", "muon": "muon", "badam": f"badam[switch_every={cfg.switch_every}]"}[name], None, None
+    k = cfg.switch_every
+    return {"adamw": "adamw", "muon": "muon", "badam": f"badam[switch_every={k}]", "bread": f"bread[switch_every={k}]",
+            "bread_sgd": f'bread[mode="sgd",switch_every={k}]'}[name], None, None
   flags = {"lora": PeftFlags(rank=r, alpha=2 * r), "dora": PeftFlags(rank=r, alpha=2 * r),
            "prediag": PeftFlags(rank=r, alpha=2 * r),
            "sora": PeftFlags(rank=r - cfg.r_p, alpha=2 * (r - cfg.r_p), r_p=cfg.r_p),
@@ -206,7 +226,7 @@ def main(cfg: Config) -> dict:
             m["trainable"], m["state_bytes"] = meta["peft"]["trainable"], meta["peft"]["opt_state_bytes"]
           else:  # BAdam trains the blocks only (the embedding and final norm frozen), one at a time
             _, optimizer, opt, _ = parse_grid([f"{r['label']}={r['lr']:g}"])[0]
-            m["trainable"] = blocks if name == "badam" else total
+            m["trainable"] = blocks if name in BLOCKS else total
             m["state_bytes"] = state_bytes(dataclasses.replace(train, optimizer=optimizer, opt=opt, lr=r["lr"]),
                                            params0)
         r.update(measured[run_dir])
@@ -218,6 +238,7 @@ def main(cfg: Config) -> dict:
       ok = [r for r in tuning if r["contender"] == name and not r.get("diverged")]
       best[name] = min(ok, key=lambda r: r["final_val_loss"])["lr"] if ok else None
     runs = [r for name in cfg.contenders if best[name] is not None for r in sweep(name, (best[name],), cfg.seeds)]
+    cost = costs(cfg, c)
     result = {"settings": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "work")},
                            "tokens_per_run": cfg.steps * cfg.batch_size * cfg.seq_len,
                            "pretrain_tokens": cfg.pretrain_steps * cfg.pretrain_batch * cfg.seq_len,
@@ -229,11 +250,30 @@ def main(cfg: Config) -> dict:
                                            "val_bytes": len(corpora["docs"].val)},
                            "stdlib_fingerprint": corpora["stdlib"].fingerprint},
               "params": total, "start": start, "tuning": tuning, "best_lr": best, "runs": runs,
-              "summary": summarize(runs, cfg.contenders)}
+              "summary": summarize(runs, cfg.contenders), "costs": cost}
     result["wall_s"], result["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
     if not cfg.smoke:
       write(cfg, result)
   return result
+
+
+def costs(cfg: Config, mcfg) -> dict:
+  """{contender: matmul FLOPs per step, its ratio to full AdamW's, train-state bytes per parameter, peak estimate}
+  from `research.bench.finetune` at the study's model and batch (module docstring)."""
+  n, out = count_params(mcfg), {}
+  for name in cfg.contenders:
+    flags = contender(cfg, name)[2]
+    if flags is not None:  # the runs' base dtype: the trainer's default when fine-tuning (frozen.resolved)
+      flags = dataclasses.replace(flags, base_dtype=flags.base_dtype or "bfloat16")
+    row = bench.measure(name.replace("_sgd", "-sgd"), mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, peft=flags)
+    flops = row["matmul_flops"]
+    if name == "badam":  # the masked step's static count runs every layer; the static split's cycle mean
+      flops = bench.badam_block_flops(mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, 3)["mean"]
+    out[name] = {"matmul_flops": flops, "state_bytes_per_param": row["state_bytes"] / n,
+                 "peak_bytes": bench.step_bytes(row).peak}
+  for x in out.values():
+    x["flops_vs_adamw"] = x["matmul_flops"] / out["adamw"]["matmul_flops"]
+  return out
 
 
 def summarize(runs: list[dict], names) -> dict:
@@ -298,18 +338,20 @@ def tables(result: dict) -> list[str]:
   lines += ["", f"At each one's best lr, {len(st['seeds'])} seeds (mean ± std; differences to full AdamW paired by "
             "seed):", "",
             "| contender | lr | docs val (learning) | − AdamW | stdlib val (forgetting) | − AdamW | trainable params "
-            "| / LoRA | optimizer state | step ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| / LoRA | optimizer state | step ms | matmul FLOPs / AdamW | state B/param | peak est. MiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  cost = result.get("costs", {})
   for name in names:
     x = s[name]
     if x.get("diverged"):
-      lines.append(f"| {TITLES[name]} | | diverged | | | | | | | |")
+      lines.append(f"| {TITLES[name]} | | diverged | | | | | | | | | | |")
       continue
     diff = lambda key: "—" if name == "adamw" else common.pm(common.mean_std(x[f"{key}_vs_adamw"]), sign=True)
     ms = 1e3 * st["batch_size"] * st["seq_len"] / x["tokens_per_s"]
     ratio = f"{x['trainable'] / lora:.2f}" if lora else "—"
     lines.append(f"| {TITLES[name]} | {x['lr']:g} | {common.pm(common.mean_std(x['docs']))} | {diff('docs')} | "
                  f"{common.pm(common.mean_std(x['stdlib']))} | {diff('stdlib')} | {x['trainable']:,} | {ratio} | "
-                 f"{_mib(x['state_bytes'])} | {ms:.0f} |")
+                 f"{_mib(x['state_bytes'])} | {ms:.0f} | " + _cost_cells(cost.get(name)) + " |")
   n_layers = len(next(x for x in s.values() if not x.get("diverged"))["H_layer"])
   lines += ["", "Singular-value entropy of ΔW = W_final − W_pretrained (p = σ/Σσ, H = −Σ p ln p in nats; mean over "
             "the 7 projections and the seeds; H / ln min(I, O) normalises by a flat full-rank spectrum):", "",
@@ -321,6 +363,12 @@ def tables(result: dict) -> list[str]:
       lines.append(f"| {TITLES[name]} | " + " | ".join(f"{v:.3f}" for v in x["H_layer"]) +
                    f" | {x['H']:.3f} | {x['H_seed_std']:.3f} | {x['H_norm']:.3f} |")
   return lines
+
+
+def _cost_cells(c: dict | None) -> str:
+  if c is None:
+    return " | | "
+  return f"{c['flops_vs_adamw']:.2f} | {c['state_bytes_per_param']:.2f} | {c['peak_bytes'] / 2**20:.1f}"
 
 
 def _mib(b: int) -> str:
@@ -364,6 +412,7 @@ def findings(result: dict) -> list[str]:
                    f"{TITLES[n]} {1e3 * result['settings']['batch_size'] * result['settings']['seq_len'] / ok[n]['tokens_per_s']:.0f}"
                    for n in ok) + " (one CPU device; timings swing ±25% on this shared machine).")
   out += claim(result)
+  out += blocks_claim(result)
   edges = [TITLES[n] for n in result["best_lr"] if result["best_lr"][n] is not None and _grid_edge(result, n)]
   if edges:
     out.append(f"Reading: the best lr of {', '.join(edges)} lies at the edge of its grid; a wider grid might do better.")
@@ -393,19 +442,47 @@ def claim(result: dict) -> list[str]:
             "below DoRA's: they do not keep it here.")
          + f" Docs val, paired by seed: DoRA − LoRA {paired(s, 'dora', 'lora')}; Pre-Diag − DoRA "
          f"{paired(s, 'prediag', 'dora')}; SORA − DoRA {paired(s, 'sora', 'dora')}; SORA − LoRA "
-         f"{paired(s, 'sora', 'lora')}. Step time vs DoRA: Pre-Diag {ms['prediag'] / ms['dora']:.2f}×, SORA "
-         f"{ms['sora'] / ms['dora']:.2f}× (one run each per seed on a shared CPU: differences under ~25% are noise)."]
+         f"{paired(s, 'sora', 'lora')}."]
+  cost = result.get("costs", {})
+  if all(n in cost for n in ("dora", "prediag", "sora", "lora")):
+    f = {n: cost[n]["flops_vs_adamw"] for n in need}
+    out.append(f"Reading (cost, the paper's efficiency claim): matmul FLOPs per step over full AdamW's: LoRA "
+               f"{f['lora']:.2f}, DoRA {f['dora']:.2f}, Pre-Diag {f['prediag']:.2f}, SORA {f['sora']:.2f}; so Pre-Diag "
+               f"costs {f['prediag'] / f['dora']:.2f}× and SORA {f['sora'] / f['dora']:.2f}× DoRA's FLOPs. Measured "
+               f"step time vs DoRA: Pre-Diag {ms['prediag'] / ms['dora']:.2f}×, SORA {ms['sora'] / ms['dora']:.2f}×, "
+               f"LoRA {ms['lora'] / ms['dora']:.2f}× (one CPU device shared with other work: differences under ~25% "
+               "are noise).")
   if "sparse_adapter" in s and not s["sparse_adapter"].get("diverged"):
     out.append(f"Reading (SparseAdapter, a rank-{2 * st['rank']} adapter pruned to 50% by SNIP vs LoRA rank "
                f"{st['rank']}, the same surviving budget): docs val {paired(s, 'sparse_adapter', 'lora')}, stdlib val "
                f"{paired(s, 'sparse_adapter', 'lora', 'stdlib')}; its optimizer state is "
                f"{s['sparse_adapter']['state_bytes'] / s['lora']['state_bytes']:.1f}× LoRA's (the moments of pruned "
                "entries are stored, zero).")
-  out.append("Reading (step time): adapters are not faster per step than full fine-tuning here: models/peft.py forms "
-             "each adapted weight as a matrix and the backward pass computes its full gradient before projecting it "
-             "onto the adapter (what lets the model's own forward and sharding run unchanged); the saving is the "
-             "optimizer state and what a checkpoint of the adapters alone would hold, not compute.")
   return out
+
+
+def blocks_claim(result: dict) -> list[str]:
+  """BREAD's claim (it matches Adam where BAdam falls short), read off the seeds table and the costs."""
+  s, cost = result["summary"], result.get("costs", {})
+  names = [n for n in ("badam", "bread", "bread_sgd") if n in s and not s[n].get("diverged")]
+  if "adamw" not in s or s["adamw"].get("diverged") or "badam" not in names or len(names) < 2:
+    return []
+  a = np.mean(s["adamw"]["docs"])
+  gap = np.mean(s["badam"]["docs"]) - a
+  parts = []
+  for n in names[1:]:
+    closed = (np.mean(s["badam"]["docs"]) - np.mean(s[n]["docs"])) / gap if gap > 0 else float("nan")
+    parts.append(f"{TITLES[n]} − AdamW {paired(s, n, 'adamw')}, − BAdam {paired(s, n, 'badam')}: "
+                 f"{closed:.0%} of BAdam's gap closed")
+  line = (f"Reading (BREAD, the paper's claim): docs val, paired by seed: BAdam − AdamW {paired(s, 'badam', 'adamw')}; "
+          + "; ".join(parts) + ". Forgetting (stdlib val): " + ", ".join(
+              f"{TITLES[n]} {np.mean(s[n]['stdlib']):.3f}" for n in ["adamw"] + names) + ".")
+  if all(n in cost for n in ["adamw"] + names):
+    line += (" Per step: matmul FLOPs / AdamW " + ", ".join(f"{TITLES[n]} {cost[n]['flops_vs_adamw']:.2f}"
+                                                            for n in names)
+             + "; state bytes per parameter " + ", ".join(f"{TITLES[n]} {cost[n]['state_bytes_per_param']:.2f}"
+                                                          for n in ["adamw"] + names) + ".")
+  return [line]
 
 
 def plot(result: dict):

@@ -35,7 +35,8 @@ class PeftFlags:
   """Regular expression searched in parameter paths (blocks/wq_DQ, blocks/moe/w_up_EDF, ...): the weights to adapt;
   the default names the attention q/k/v/o and the MLP, expert and shared-expert projections."""
   base_dtype: Literal["float32", "bfloat16"] | None = None
-  """The frozen base weights' dtype (unset: the parameter dtype); the adapters keep the parameter dtype."""
+  """The frozen base weights' dtype (unset: --frozen-dtype's default, bfloat16 when fine-tuning with --init-from, else
+  float32); the adapters keep the parameter dtype."""
   r_p: int = 4
   """sora: the rank of the output rotation's factors C, D."""
   s0: float = 1.0

@@ -22,7 +22,7 @@ from flax import nnx
 
 from models import Transformer, flops_per_token
 from research.data import Corpus, get_batch
-from research.train import memory, preflight, rundir, sync
+from research.train import frozen, memory, preflight, rundir, sync
 from research.train.blockstep import blockwise_parts, make_block_steps
 from research.train.build import make_optimizer, step_options
 from research.train.checkpoint import Checkpointer, CheckpointSaveError
@@ -47,6 +47,7 @@ def run(cfg: TrainConfig) -> list[dict]:
   the run directory locked for the run (and removed again if this run created it and failed before its first
   checkpoint)."""
   preflight.check(cfg)
+  cfg = frozen.resolved(cfg)  # the dtypes left unset, as config.json records them
   with Stop() as stop:  # from here on SIGINT/SIGTERM stop the run cleanly, during start-up too
     init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed,  # before any JAX use
                      heartbeat_timeout=cfg.peer_timeout + 60)  # JAX's abort comes after ours, if ours is armed
