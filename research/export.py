@@ -7,6 +7,9 @@ The architecture is the one that represents the run's model exactly (`models.hf.
 Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE). A run on the built-in corpus has a byte-level vocabulary (256 ids = UTF-8
 bytes); no tokenizer.json is written for it.
 
+The weights are written in `--dtype`, by default the dtype of the Hugging Face checkpoint the run was fine-tuned from
+(a bfloat16 model fine-tuned with float32 trained weights goes back out in bfloat16), else the run's own (float32).
+
 A --peft run is exported with its adapters merged into the weights, or with --adapter as the adapters alone in
 Hugging Face PEFT's format (LoRA and DoRA; `models.to_hf_peft`), for `peft.PeftModel.from_pretrained(base, OUT)`:
 
@@ -17,11 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Literal
 
+import jax
 import tyro
+from flax import nnx
 
 from models import HFError, peft, to_hf, to_hf_peft
-from research.train.pretrained import LOAD_ERRORS, init_source, load_run
+from research.train.pretrained import LOAD_ERRORS, init_source, load_run, source_dtype
 
 
 @dataclasses.dataclass
@@ -36,6 +42,18 @@ class ExportConfig:
   """Force an HF architecture (checked against the model); default: the one that represents it exactly."""
   adapter: bool = False
   """A --peft run's LoRA/DoRA adapters alone, in PEFT's adapter format (default: the merged model)."""
+  dtype: Literal["float32", "bfloat16"] | None = None
+  """The weights' dtype in the files (default: the --init-from Hugging Face checkpoint's, else the run's)."""
+
+
+def in_dtype(model, dtype: str):
+  """`model` with its parameters cast to `dtype` and its config saying so (what research.export writes)."""
+  if str(model.c.param_dtype) == dtype:
+    return model
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), params), rest)
+  model.c = dataclasses.replace(model.c, param_dtype=dtype)
+  return model
 
 
 def main(argv=None):
@@ -44,8 +62,11 @@ def main(argv=None):
     model, _, step = load_run(cfg.run_dir, step=cfg.step, merge=not cfg.adapter)
     if cfg.adapter and not peft.adapters(model):
       raise HFError(f"--adapter: {cfg.run_dir} is not a --peft run")
-    path = to_hf_peft(model, cfg.out_dir, init_source(cfg.run_dir)) if cfg.adapter else \
-        to_hf(model, cfg.out_dir, cfg.architecture)
+    if cfg.adapter:
+      path = to_hf_peft(model, cfg.out_dir, init_source(cfg.run_dir))
+    else:
+      path = to_hf(in_dtype(model, cfg.dtype or source_dtype(cfg.run_dir) or str(model.c.param_dtype)), cfg.out_dir,
+                   cfg.architecture)
   except LOAD_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

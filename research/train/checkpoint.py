@@ -44,10 +44,16 @@ class CheckpointSaveError(CheckpointError):
 
 
 class Checkpointer:
-  def __init__(self, directory: str, *, keep: int = 3, every: int = 100):
+  def __init__(self, directory: str, *, keep: int = 3, every: int = 100, save_concurrent_gb: int | None = None):
+    """`save_concurrent_gb`: at most this many GB (10^9 bytes) of the state being written at once (orbax's; the
+    trainer bounds it on the CPU, where the writer's buffers share the devices' memory: research/train/memory.py);
+    None: orbax's default. A bounded checkpointer saves and restores whole states (`save`, `restore`)."""
     self.directory = os.path.abspath(directory)
+    handlers = None if save_concurrent_gb is None else {
+        "state": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb),
+        "meta": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(
-        self.directory, item_names=("state", "meta"),
+        self.directory, item_names=None if handlers else ("state", "meta"), item_handlers=handlers,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every,
                                              enable_async_checkpointing=True, create=True,
                                              cleanup_tmp_directories=True))  # drops saves a crash cut short

@@ -3,6 +3,10 @@
 - `--init-from hf:PATH` (a Hugging Face directory, `models.from_hf`) or `--init-from RUN_DIR` (an optlab run: the
   parameters of its newest checkpoint): the model config is the checkpoint's, a model flag that disagrees with it is
   an error (dtype, remat and microbatches may still be set), and the optimizer state starts fresh.
+- Dtypes: the parameters a run trains are float32 whatever the checkpoint's dtype (a bfloat16 file is widened
+  exactly: AdamW's updates are not rounded to bfloat16); the ones it does not train (--freeze's, --peft's frozen base,
+  BAdam's storage) are stored in --frozen-dtype, bfloat16 by default when fine-tuning. research.export writes the
+  checkpoint's dtype back by default.
 - `--freeze REGEX` (which of them train) is `research/train/frozen.py`.
 """
 
@@ -50,7 +54,7 @@ def model_config(cfg, flags: dict) -> TransformerConfig:
     if base.moe is None or getattr(base.moe, k) != v:
       raise InitError(f"--moe.{k.replace('_', '-')} {v} conflicts with --init-from {cfg.init_from} "
                       f"(moe.{k}={None if base.moe is None else getattr(base.moe, k)}); leave it out")
-  return dataclasses.replace(base, **{k: flags[k] for k in FREE_FLAGS if k in flags})
+  return dataclasses.replace(base, param_dtype="float32", **{k: flags[k] for k in FREE_FLAGS if k in flags})
 
 
 def load_arrays(source: str, mesh) -> tuple[dict, dict]:

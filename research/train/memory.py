@@ -11,7 +11,10 @@ The compiled program is the one the run then calls (JAX's jit cache is keyed on 
 estimate costs no second compilation. The limit it is checked against: an accelerator's own memory
 (`memory_stats()["bytes_limit"]`); on the CPU, host RAM (the smaller of physical memory and the cgroup's limit),
 which every simulated device and the process itself share, so there the estimate is the process's resident memory
-now (JAX, the data) plus the per-device bytes times the local devices. What it does not see: a --init-from
+now (JAX, the data) plus the per-device bytes times the local devices, plus the checkpoint writer's buffers: orbax
+writes the state from host memory, which on the CPU is the devices' own, and may still be writing while the next
+steps run; the trainer bounds it there (`WRITER_GB` in flight, `writer_gb`) and the estimate counts
+min(state, WRITER_GB + the largest array) (`writer_bytes`). What it does not see: a --init-from
 checkpoint's host copy while it loads, and the held-out evaluation (its temporaries are below the train step's).
 `--memory-limit GIB` replaces the limit (0: print the estimate, check nothing).
 """
@@ -30,6 +33,7 @@ from research.train.config import RunError
 from sharding import mesh_scope
 
 GIB = 2 ** 30
+WRITER_GB = 1  # the checkpoint writer's bytes in flight on the CPU (orbax's save_concurrent_gb: 10^9 bytes a unit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,17 +63,19 @@ class Estimate:
   host: int  # bytes the process holds already and keeps (CPU: resident memory before the state exists), else 0
   limit: int | None  # bytes available to those devices; None: unknown
   where: str  # what `limit` is, e.g. "host RAM" or "cuda:0"
+  writer: int = 0  # the checkpoint writer's buffers in the same memory (CPU), else 0
 
   @property
   def total(self) -> int:
-    return self.host + self.devices * self.step.peak
+    return self.host + self.devices * self.step.peak + self.writer
 
   def line(self) -> str:
     s = self.step
     per = (f"{size(s.peak)} per device (train state {size(self.state)}, activations, gradients and temporaries "
            f"{size(s.temp)})")
-    shared = f" x {self.devices} devices + {size(self.host)} in use = {size(self.total)}" \
-        if self.host or self.devices > 1 else ""
+    writer = f" + checkpoint writer {size(self.writer)}" if self.writer else ""
+    shared = f" x {self.devices} devices + {size(self.host)} in use{writer} = {size(self.total)}" \
+        if self.host or self.devices > 1 or self.writer else ""
     return f"memory: the step needs an estimated {per}{shared}; {self.where} has {size(self.limit)}"
 
 
@@ -118,6 +124,24 @@ def device_limit(mesh) -> tuple[int | None, int, str, bool]:
   return (int(limit) if limit else None), 1, f"{device.platform}:{device.id}", False
 
 
+def writer_gb(mesh) -> int | None:
+  """orbax's save_concurrent_gb for a run on `mesh`: `WRITER_GB` where the devices are host memory (CPU), else None
+  (orbax's default: an accelerator's state is copied to host RAM, which the device estimate does not hold)."""
+  return WRITER_GB if device_limit(mesh)[3] else None
+
+
+def writer_bytes(state, mesh) -> int:
+  """The checkpoint writer's buffers the estimate counts on the CPU: the process's share of the state, at most
+  `WRITER_GB` in flight plus the array that crosses it (measured: 3 x 0.66 GiB written with 1 GB in flight held
+  1.25 GiB, without a bound 1.88); 0 elsewhere."""
+  if writer_gb(mesh) is None:
+    return 0
+  sizes = [math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(state)]
+  if not sizes:
+    return 0
+  return min(sum(sizes) // jax.process_count(), WRITER_GB * 10 ** 9 + max(sizes))
+
+
 def measured(est: Estimate, mesh) -> str:
   """The run's measured peak beside its estimate, one line: on the CPU the process's peak RSS against the estimate's
   total, on an accelerator the largest peak_bytes_in_use of this process's devices against the per-device peak."""
@@ -147,7 +171,8 @@ def estimate(train_step, state, batch_shape: tuple[int, int], batch_sh, mesh) ->
   step = StepBytes.of(compile_step(train_step, state, batch_shape, batch_sh, mesh))
   state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(state))
   limit, devices, where, shared = device_limit(mesh)
-  return Estimate(step, state_bytes, devices, resident_bytes() if shared else 0, limit, where)
+  return Estimate(step, state_bytes, devices, resident_bytes() if shared else 0, limit, where,
+                  writer_bytes(state, mesh))
 
 
 def _shard_bytes(a) -> int:

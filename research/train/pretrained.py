@@ -80,6 +80,15 @@ def init_source(run_dir: str) -> str | None:
   return hf_path(_config_json(run_dir).get("train", {}).get("init_from") or "")
 
 
+def source_dtype(run_dir: str) -> str | None:
+  """The parameter dtype of the Hugging Face checkpoint a run was fine-tuned from (its torch_dtype), else None."""
+  path = init_source(run_dir)
+  if not path:
+    return None
+  hf = _config_json(path)
+  return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+
+
 def load_model(path: str, mesh=None, tokenizer: str | None = None):
   """(model, config, tokenizer) from an HF directory or an optlab run directory. The tokenizer: `tokenizer` if
   given, else the HF directory's tokenizer.json, else bytes (an optlab run on text trains on UTF-8 bytes)."""

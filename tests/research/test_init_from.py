@@ -38,6 +38,27 @@ def test_lr_zero_keeps_exactly_the_source_parameters(source, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+def test_a_bfloat16_checkpoint_trains_float32_weights_and_exports_bfloat16(source, tmp_path):
+  """The dtype policy: from a bfloat16 Hugging Face file the trained parameters are float32 (widened exactly), the
+  frozen ones bfloat16; research.export writes the source's dtype back unless --dtype says otherwise."""
+  import json
+
+  from research import export
+  bf16 = export.in_dtype(load_run(source)[0], "bfloat16")
+  models.to_hf(bf16, str(tmp_path / "hf"))
+  run(TrainConfig(out=str(tmp_path / "ft"), **{**TINY, "steps": 2}, init_from=f"hf:{tmp_path / 'hf'}", lr=0.0,
+                  schedule="constant", freeze="embed"))
+  assert json.load(open(tmp_path / "ft" / "config.json"))["model_config"]["param_dtype"] == "float32"
+  got, want = params_of(load_run(str(tmp_path / "ft"))[0]), params_of(bf16)
+  assert got["blocks"]["wq_DQ"].dtype == np.float32  # trained: float32, equal to the bfloat16 values (lr 0)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b.astype(np.float32)), got, want)
+  export.main([str(tmp_path / "ft"), str(tmp_path / "out")])
+  assert json.load(open(tmp_path / "out" / "config.json"))["torch_dtype"] == "bfloat16"
+  jax.tree.map(np.testing.assert_array_equal, params_of(models.from_hf(str(tmp_path / "out"))[0]), want)
+  export.main([str(tmp_path / "ft"), str(tmp_path / "out32"), "--dtype", "float32"])
+  assert json.load(open(tmp_path / "out32" / "config.json"))["torch_dtype"] == "float32"
+
+
 def test_fine_tuning_resumes_as_any_run(source, tmp_path):
   whole = run(TrainConfig(out=str(tmp_path / "whole"), **TINY, init_from=source))
   run(TrainConfig(out=str(tmp_path / "cut"), **TINY, init_from=source, stop_at=2))

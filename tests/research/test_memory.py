@@ -59,7 +59,20 @@ def test_the_estimate_is_xlas_per_device_bytes_of_the_step():
     assert est.step.peak == est.step.argument + est.step.output - est.step.alias + est.step.temp
   assert 6 < rep.state / split.state <= 8  # small leaves (norms, the step counter) stay replicated
   assert rep.devices == split.devices == 8 and rep.where == "host RAM" and rep.limit > 2 ** 30
-  assert rep.total == rep.host + 8 * rep.step.peak
+  assert rep.total == rep.host + 8 * rep.step.peak + rep.writer
+  # the checkpoint writer (CPU): the whole state while it is under the bound, once however it is sharded
+  assert rep.writer == split.writer == rep.state
+
+
+def test_the_checkpoint_writer_is_bounded_on_the_cpu():
+  """Three 0.7 GB arrays: at most WRITER_GB in flight plus the one crossing it, what the trainer's checkpointer is
+  given (orbax's save_concurrent_gb); an accelerator's state is copied to host RAM, outside its device estimate."""
+  mesh = make_mesh("data=1", devices=jax.devices()[:1])
+  state = {f"w{i}": jax.ShapeDtypeStruct((28, 3072, 4096), jnp.bfloat16) for i in range(3)}
+  one = 28 * 3072 * 4096 * 2
+  assert memory.writer_gb(mesh) == memory.WRITER_GB == 1
+  assert memory.writer_bytes(state, mesh) == 10 ** 9 + one < 3 * one
+  assert memory.writer_bytes({"w": state["w0"]}, mesh) == one
 
 
 def test_a_run_over_the_limit_is_refused_before_it_writes_anything(tmp_path, capsys):
