@@ -102,24 +102,25 @@ def shape(name: str) -> TransformerConfig:
 
 
 def train_config(method: str, mcfg: TransformerConfig, batch_size: int, seq_len: int, rank: int,
-                 peft: PeftFlags | None = None) -> TrainConfig:
+                 peft: PeftFlags | None = None, opt: tuple[str, ...] = ()) -> TrainConfig:
   """The trainer's flags for `method` (the model fields are overridden by `mcfg` where it matters); `peft`: the
-  adapters' flags (default: rank `rank`, bfloat16 base)."""
+  adapters' flags (default: rank `rank`, bfloat16 base); `opt`: more --opt KEY=VALUE items."""
   flags = {"freeze": {"freeze": FREEZE, "frozen_dtype": "bfloat16"}, "badam": {"optimizer": "badam",
            "frozen_dtype": "bfloat16"}, "bread": {"optimizer": "bread"}, "muon": {"optimizer": "muon"},
            "bread-sgd": {"optimizer": "bread", "opt": ('mode="sgd"',), "frozen_dtype": "bfloat16"}}.get(method, {})
   if method in PEFT:
     flags = {"peft": method, "peft_options": peft or PeftFlags(rank=rank, base_dtype="bfloat16")}
+  flags["opt"] = flags.get("opt", ()) + tuple(opt)
   return TrainConfig(model="base", batch_size=batch_size, seq_len=seq_len, mesh=MESH, devices=1, steps=1000,
                      optimizer=flags.pop("optimizer", "adamw"), **flags)
 
 
 def build(method: str, mcfg, batch_size: int, seq_len: int, rank: int, abstract: bool = True,
-          static_block: int | None = None, peft: PeftFlags | None = None):
+          static_block: int | None = None, peft: PeftFlags | None = None, opt: tuple[str, ...] = ()):
   """(state, train_step, batch sharding, mesh) of `method` as research/train/loop.py builds them; `abstract`: the
   state as ShapeDtypeStructs with their shardings (`state.abstract_initial_state`), nothing allocated;
   `static_block`: the blockwise BAdam step split at that block in the program (`make_block_steps`)."""
-  cfg = train_config(method, mcfg, batch_size, seq_len, rank, peft)
+  cfg = train_config(method, mcfg, batch_size, seq_len, rank, peft, opt)
   mesh = make_mesh(MESH, devices=devices_for(MESH))
   tx, schedule = make_optimizer(cfg)
   parts = blockstep.blockwise_parts(cfg, mcfg, mesh, schedule)
@@ -211,6 +212,26 @@ def badam_block_flops(mcfg, batch_size: int, seq_len: int, rank: int, n_blocks: 
     state, step, batch_sh, mesh = build("badam", mcfg, batch_size, seq_len, rank, static_block=b)
     flops.append(_traced_flops(step, state, batch_sh, mesh, batch_size, seq_len))
   return {"blocks": blocks, "flops": flops, "mean": float(np.mean(flops))}
+
+
+def step_seconds(method: str, mcfg, batch_size: int, seq_len: int, rank: int, steps: int,
+                 peft: PeftFlags | None = None, opt: tuple[str, ...] = ()) -> float:
+  """Mean wall seconds per call of `method`'s train step on a real state (one device, random tokens), over `steps`
+  calls after 2 warm-up calls (compilation): for BAdam / BREAD-SGD give steps = layers x switch_every (in `opt`) to
+  average one block cycle, as a run does."""
+  state, step, batch_sh, mesh = build(method, mcfg, batch_size, seq_len, rank, abstract=False, peft=peft, opt=opt)
+  rng = np.random.default_rng(0)
+  batches = [tuple(jax.device_put(rng.integers(0, mcfg.vocab_size, (batch_size, seq_len), np.int32), batch_sh)
+                   for _ in range(2)) for _ in range(steps + 2)]
+  with jax.set_mesh(mesh):
+    for x, y in batches[:2]:
+      state = step(state, x, y)[0]
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    for x, y in batches[2:]:
+      state = step(state, x, y)[0]
+    jax.block_until_ready(state)
+  return (time.perf_counter() - t) / steps
 
 
 CHILD = "import json, sys; from research.bench.finetune import rss_child; rss_child(**json.loads(sys.argv[1]))"

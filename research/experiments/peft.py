@@ -34,11 +34,13 @@ The lr is tuned per contender on seed 0 by the fine-tuning corpus's held-out los
 adapters on 1e-3..3e-2, higher as their practice is; a best lr at a grid edge is flagged), then 3 seeds at each one's
 best. Learning = held-out loss on the new corpus (packages never trained on); forgetting = held-out loss on the old
 corpus's val split, of the final checkpoint (adapters merged). Optimizer-state bytes: `tx.init` of the run's
-trainable parameters; step time from the run's tokens/s. Cost per step (`costs`): `research.bench.finetune.measure`
-of each contender at this model and batch, as the trainer builds it: matmul FLOPs of the compiled step over full
-AdamW's (BAdam: the static-split step's mean over its first, middle and last block; BREAD-SGD: its layer loop at the
-cycle's mean trip count), the train state's bytes per parameter and the step's peak estimate (argument + temp +
-output − aliased bytes).
+trainable parameters. Cost per step (`costs`), measured side by side in one process after the runs, each contender's
+step built as the trainer builds it at this model and batch (`research.bench.finetune`): matmul FLOPs of the
+compiled step over full AdamW's (BAdam: the static-split step's mean over its first, middle and last block;
+BREAD-SGD: its layer loop at the cycle's mean trip count), the train state's bytes per parameter, the step's peak
+estimate (argument + temp + output − aliased bytes), and the wall time per step (`step_seconds`: the mean of
+`timing_steps` calls on a real state, one block cycle — layers x switch_every calls — for the block optimizers; the
+runs' own throughput is not used: they share the machine with whatever else runs).
 
 Singular-value entropy. For every adapted matrix (each of the 7 projections of each layer) ΔW = W_final − W_pretrained
 (adapters merged), σ its singular values, p_i = σ_i / Σ_j σ_j, H = −Σ p_i ln p_i (nats); also H / ln(min(I, O)), 1
@@ -116,12 +118,15 @@ class Config:
   adapter_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
   seeds: tuple[int, ...] = (0, 1, 2)
   contenders: tuple[str, ...] = tuple(TITLES)
+  timing_steps: int = 32
+  """Calls of each contender's step timed for its wall time per step (block optimizers: one block cycle)."""
 
 
 # the smoke run keeps AdamW (the reference) and the five adapters; Muon and BAdam are the same full-fine-tuning path
 # with another optimizer (the badam and optimizers notebooks smoke-test those)
 SMOKE = dict(n_layers=1, model="tiny", pretrain_steps=4, pretrain_batch=8, steps=4, batch_size=8, seq_len=32,
              eval_every=2, eval_batches=2, switch_every=2, rank=4, r_p=2, full_lrs=(3e-3,), adapter_lrs=(1e-2,),
+             timing_steps=2,
              seeds=(0,), contenders=("adamw", "lora", "dora", "prediag", "sora", "sparse_adapter"))
 
 
@@ -269,8 +274,13 @@ def costs(cfg: Config, mcfg) -> dict:
     flops = row["matmul_flops"]
     if name == "badam":  # the masked step's static count runs every layer; the static split's cycle mean
       flops = bench.badam_block_flops(mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, 3)["mean"]
+    opt, calls = (), cfg.timing_steps
+    if name in BLOCKS:  # one block cycle, as the runs switch
+      opt, calls = (f"switch_every={cfg.switch_every}",), mcfg.n_layers * cfg.switch_every
+    seconds = bench.step_seconds(name.replace("_sgd", "-sgd"), mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, calls,
+                                 peft=flags, opt=opt)
     out[name] = {"matmul_flops": flops, "state_bytes_per_param": row["state_bytes"] / n,
-                 "peak_bytes": bench.step_bytes(row).peak}
+                 "peak_bytes": bench.step_bytes(row).peak, "step_s": seconds}
   for x in out.values():
     x["flops_vs_adamw"] = x["matmul_flops"] / out["adamw"]["matmul_flops"]
   return out
@@ -338,20 +348,19 @@ def tables(result: dict) -> list[str]:
   lines += ["", f"At each one's best lr, {len(st['seeds'])} seeds (mean ± std; differences to full AdamW paired by "
             "seed):", "",
             "| contender | lr | docs val (learning) | − AdamW | stdlib val (forgetting) | − AdamW | trainable params "
-            "| / LoRA | optimizer state | step ms | matmul FLOPs / AdamW | state B/param | peak est. MiB |",
+            "| / LoRA | optimizer state | step ms (timed) | matmul FLOPs / AdamW | state B/param | peak est. MiB |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   cost = result.get("costs", {})
   for name in names:
     x = s[name]
     if x.get("diverged"):
-      lines.append(f"| {TITLES[name]} | | diverged | | | | | | | | | | |")
+      lines.append(f"| {TITLES[name]} | | diverged | | | | | | | | | " + _cost_cells(cost.get(name)) + " |")
       continue
     diff = lambda key: "—" if name == "adamw" else common.pm(common.mean_std(x[f"{key}_vs_adamw"]), sign=True)
-    ms = 1e3 * st["batch_size"] * st["seq_len"] / x["tokens_per_s"]
     ratio = f"{x['trainable'] / lora:.2f}" if lora else "—"
     lines.append(f"| {TITLES[name]} | {x['lr']:g} | {common.pm(common.mean_std(x['docs']))} | {diff('docs')} | "
                  f"{common.pm(common.mean_std(x['stdlib']))} | {diff('stdlib')} | {x['trainable']:,} | {ratio} | "
-                 f"{_mib(x['state_bytes'])} | {ms:.0f} | " + _cost_cells(cost.get(name)) + " |")
+                 f"{_mib(x['state_bytes'])} | " + _cost_cells(cost.get(name)) + " |")
   n_layers = len(next(x for x in s.values() if not x.get("diverged"))["H_layer"])
   lines += ["", "Singular-value entropy of ΔW = W_final − W_pretrained (p = σ/Σσ, H = −Σ p ln p in nats; mean over "
             "the 7 projections and the seeds; H / ln min(I, O) normalises by a flat full-rank spectrum):", "",
@@ -367,8 +376,9 @@ def tables(result: dict) -> list[str]:
 
 def _cost_cells(c: dict | None) -> str:
   if c is None:
-    return " | | "
-  return f"{c['flops_vs_adamw']:.2f} | {c['state_bytes_per_param']:.2f} | {c['peak_bytes'] / 2**20:.1f}"
+    return " | | | "
+  return (f"{1e3 * c['step_s']:.1f} | {c['flops_vs_adamw']:.2f} | {c['state_bytes_per_param']:.2f} | "
+          f"{c['peak_bytes'] / 2**20:.1f}")
 
 
 def _mib(b: int) -> str:
@@ -408,9 +418,7 @@ def findings(result: dict) -> list[str]:
     cheapest = min(adapters, key=lambda n: ok[n]["state_bytes"])
     out.append(f"Reading (cost): the adapters keep {_mib(ok[cheapest]['state_bytes'])}–"
                f"{_mib(max(ok[n]['state_bytes'] for n in adapters))} of optimizer state against full AdamW's "
-               f"{_mib(ok['adamw']['state_bytes'])}; step time (ms) " + ", ".join(
-                   f"{TITLES[n]} {1e3 * result['settings']['batch_size'] * result['settings']['seq_len'] / ok[n]['tokens_per_s']:.0f}"
-                   for n in ok) + " (one CPU device; timings swing ±25% on this shared machine).")
+               f"{_mib(ok['adamw']['state_bytes'])}.")
   out += claim(result)
   out += blocks_claim(result)
   edges = [TITLES[n] for n in result["best_lr"] if result["best_lr"][n] is not None and _grid_edge(result, n)]
@@ -432,7 +440,6 @@ def claim(result: dict) -> list[str]:
   need = ("adamw", "lora", "dora", "prediag", "sora")
   if any(n not in s or s[n].get("diverged") for n in need):
     return []
-  ms = {n: 1e3 * st["batch_size"] * st["seq_len"] / s[n]["tokens_per_s"] for n in need}
   h = {n: s[n]["H"] for n in need}
   keeps = all(h[n] >= h["dora"] - 2 * max(s[n]["H_seed_std"], s["dora"]["H_seed_std"], 1e-3) for n in ("prediag", "sora"))
   out = [f"Reading (the paper's claim): DoRA raises H(ΔW) from LoRA's {h['lora']:.2f} to {h['dora']:.2f} (full AdamW "
@@ -444,14 +451,15 @@ def claim(result: dict) -> list[str]:
          f"{paired(s, 'prediag', 'dora')}; SORA − DoRA {paired(s, 'sora', 'dora')}; SORA − LoRA "
          f"{paired(s, 'sora', 'lora')}."]
   cost = result.get("costs", {})
-  if all(n in cost for n in ("dora", "prediag", "sora", "lora")):
+  if all(n in cost for n in need):
     f = {n: cost[n]["flops_vs_adamw"] for n in need}
+    ms = {n: cost[n]["step_s"] for n in need}
     out.append(f"Reading (cost, the paper's efficiency claim): matmul FLOPs per step over full AdamW's: LoRA "
                f"{f['lora']:.2f}, DoRA {f['dora']:.2f}, Pre-Diag {f['prediag']:.2f}, SORA {f['sora']:.2f}; so Pre-Diag "
                f"costs {f['prediag'] / f['dora']:.2f}× and SORA {f['sora'] / f['dora']:.2f}× DoRA's FLOPs. Measured "
                f"step time vs DoRA: Pre-Diag {ms['prediag'] / ms['dora']:.2f}×, SORA {ms['sora'] / ms['dora']:.2f}×, "
-               f"LoRA {ms['lora'] / ms['dora']:.2f}× (one CPU device shared with other work: differences under ~25% "
-               "are noise).")
+               f"LoRA {ms['lora'] / ms['dora']:.2f}×, full AdamW {ms['adamw'] / ms['dora']:.2f}× (timed side by side, "
+               "one CPU device).")
   if "sparse_adapter" in s and not s["sparse_adapter"].get("diverged"):
     out.append(f"Reading (SparseAdapter, a rank-{2 * st['rank']} adapter pruned to 50% by SNIP vs LoRA rank "
                f"{st['rank']}, the same surviving budget): docs val {paired(s, 'sparse_adapter', 'lora')}, stdlib val "
@@ -480,6 +488,8 @@ def blocks_claim(result: dict) -> list[str]:
   if all(n in cost for n in ["adamw"] + names):
     line += (" Per step: matmul FLOPs / AdamW " + ", ".join(f"{TITLES[n]} {cost[n]['flops_vs_adamw']:.2f}"
                                                             for n in names)
+             + "; wall time / AdamW's " + ", ".join(f"{TITLES[n]} {cost[n]['step_s'] / cost['adamw']['step_s']:.2f}"
+                                                   for n in names)
              + "; state bytes per parameter " + ", ".join(f"{TITLES[n]} {cost[n]['state_bytes_per_param']:.2f}"
                                                           for n in ["adamw"] + names) + ".")
   return [line]
