@@ -139,7 +139,7 @@ def _start(cfg: TrainConfig) -> _Run:
   meta = _meta(cfg, mcfg, mesh, corpus, pipe, report)
 
   ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every,
-                      save_concurrent_gb=memory.writer_gb(mesh))  # bounded where it shares the devices' memory
+                      save_concurrent_gb=estimate.writer_gb)  # bounded where it shares the devices' memory
   metrics = rundir.MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), enabled=is_primary())
   monitor = Monitor(cfg.max_bad_steps, cfg.spike_factor, cfg.spike_window)
   start, restored, saved = newest_readable(ckpt, meta, abstract, shardings, switches, cfg.out)
