@@ -14,12 +14,16 @@
 # ---
 
 # %% [markdown]
-# # Experiment: parameter-efficient fine-tuning and weight conditioning
+# # Experiment: the fine-tuning methods study (parameter-efficient fine-tuning, block optimizers, weight conditioning)
 #
-# A pretrained model is fine-tuned on a second corpus eight ways: full fine-tuning with AdamW and with Muon, BAdam,
-# and five adapters from `models/peft.py` at an equal trainable budget: LoRA, DoRA, Pre-Diag and SORA (Chang et al.,
-# "Calibrating and Rotating", AAAI 2026) and a SNIP-pruned sparse adapter (He et al., SparseAdapter). Each run is
-# the train CLI with `--init-from` (and `--peft METHOD` for the adapters). Learning is the held-out loss on the new
+# A pretrained model is fine-tuned on a second corpus ten ways: full fine-tuning with AdamW and with Muon, the block
+# optimizers BAdam, BREAD (low-rank) and BREAD-SGD (Luo et al., NeurIPS 2024 and 2025), and five adapters from
+# `models/peft.py` at an equal trainable budget: LoRA, DoRA, Pre-Diag and SORA (Chang et al., "Calibrating and
+# Rotating", AAAI 2026) and a SNIP-pruned sparse adapter (He et al., SparseAdapter). Each run is the train CLI with
+# `--init-from` (and `--peft METHOD` for the adapters), as a user runs it: frozen weights in bfloat16, BAdam and
+# BREAD-SGD by the blockwise step. Beside learning and forgetting, each contender's step cost is measured side by
+# side: matmul FLOPs against full AdamW's, train-state bytes per parameter, the peak estimate and the wall time per
+# step (`research.bench finetune`'s measurements at the study's model and batch). Learning is the held-out loss on the new
 # corpus (the package descriptions of `research/data/docs_corpus.py`), forgetting the held-out loss on the pretraining
 # corpus (the standard library's Python source). The paper's claim is about the update ΔW = W_final − W_pretrained:
 # DoRA raises its singular-value entropy toward full fine-tuning's, and Pre-Diag and SORA keep that more cheaply;
@@ -55,7 +59,7 @@ display(Image(png.getvalue()))
 # %% [markdown]
 # ## The full-size result
 #
-# `python -m research.experiments.peft` (one pretraining run, 8 contenders over an lr grid each, then 3 seeds at each
+# `python -m research.experiments.peft` (one pretraining run, 10 contenders over an lr grid each, then 3 seeds at each
 # one's best) wrote this:
 
 # %%
