@@ -219,7 +219,7 @@ def main(cfg: Config) -> dict:
                                   baseline=label, out=out, train=train))
       for r in rows:
         run_dir = os.path.join(out, "runs", Run(r["label"], r["optimizer"], (), r["lr"], r["seed"]).name)
-        r["contender"] = name
+        r["contender"], r["run_dir"] = name, run_dir
         if r.get("diverged"):
           continue
         if run_dir not in measured:
@@ -244,6 +244,7 @@ def main(cfg: Config) -> dict:
       best[name] = min(ok, key=lambda r: r["final_val_loss"])["lr"] if ok else None
     runs = [r for name in cfg.contenders if best[name] is not None for r in sweep(name, (best[name],), cfg.seeds)]
     cost = costs(cfg, c)
+    rounding = sgd_rounding(tuning) if {"badam", "bread_sgd"} <= set(cfg.contenders) else None
     result = {"settings": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "work")},
                            "tokens_per_run": cfg.steps * cfg.batch_size * cfg.seq_len,
                            "pretrain_tokens": cfg.pretrain_steps * cfg.pretrain_batch * cfg.seq_len,
@@ -255,11 +256,25 @@ def main(cfg: Config) -> dict:
                                            "val_bytes": len(corpora["docs"].val)},
                            "stdlib_fingerprint": corpora["stdlib"].fingerprint},
               "params": total, "start": start, "tuning": tuning, "best_lr": best, "runs": runs,
-              "summary": summarize(runs, cfg.contenders), "costs": cost}
+              "summary": summarize(runs, cfg.contenders), "costs": cost, "sgd_rounding": rounding}
     result["wall_s"], result["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
     if not cfg.smoke:
       write(cfg, result)
   return result
+
+
+def sgd_rounding(tuning: list[dict]) -> dict:
+  """{lr: share of the parameter entries in which BREAD-SGD's final model differs from BAdam's} at each lr both ran
+  at the first seed: BREAD-SGD is BAdam plus SGD steps on the layers above the active one, taken by the blockwise step
+  on the stored (bfloat16) weights, where a step below half a bfloat16 ulp rounds away."""
+  dirs = {(r["contender"], r["lr"]): r["run_dir"] for r in tuning if not r.get("diverged")}
+  out = {}
+  for (name, lr), path in sorted(dirs.items()):
+    if name == "bread_sgd" and ("badam", lr) in dirs:
+      a, b = (jax.tree.leaves(nnx.to_pure_dict(nnx.state(load_run(p)[0], nnx.Param))) for p in (dirs["badam", lr], path))
+      differ = sum(int(np.sum(np.asarray(x) != np.asarray(y))) for x, y in zip(a, b))
+      out[lr] = differ / sum(x.size for x in a)
+  return out
 
 
 def costs(cfg: Config, mcfg) -> dict:
@@ -492,7 +507,18 @@ def blocks_claim(result: dict) -> list[str]:
                                                    for n in names)
              + "; state bytes per parameter " + ", ".join(f"{TITLES[n]} {cost[n]['state_bytes_per_param']:.2f}"
                                                           for n in ["adamw"] + names) + ".")
-  return [line]
+  out = [line]
+  rounding = result.get("sgd_rounding") or {}
+  if rounding:
+    out.append("Reading (BREAD-SGD in bfloat16 storage): its final model differs from BAdam's at the same lr, seed and "
+               "batches in " + ", ".join(f"{share:.2%} of the entries at lr {float(lr):g}" for lr, share in
+                                         sorted(rounding.items(), key=lambda kv: float(kv[0])))
+               + ". The SGD steps on the layers above the active one are taken on the stored bfloat16 weights (the "
+               "blockwise step keeps no float32 copy of them), and a step below half a bfloat16 ulp of its weight "
+               "rounds away: at the small lrs BREAD-SGD is BAdam, and its gain over BAdam comes only where "
+               "lr x gradient reaches the weights' resolution (a float32 store or stochastic rounding would keep "
+               "them; not run here).")
+  return out
 
 
 def plot(result: dict):
