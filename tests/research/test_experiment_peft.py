@@ -39,6 +39,17 @@ def test_budgets_and_state(result):
     assert s[name]["state_bytes"] < s["adamw"]["state_bytes"] / 4, name
 
 
+def test_costs_side_by_side(result):
+  """Each contender's step measured as the trainer builds it: the adapters train a fraction of the weights with a
+  bfloat16 base, so fewer FLOPs and bytes per parameter than full AdamW (12 B/param: float32 weights and moments)."""
+  c = result["costs"]
+  assert set(c) == set(peft.Config(**peft.SMOKE).contenders)
+  assert c["adamw"]["flops_vs_adamw"] == 1 and abs(c["adamw"]["state_bytes_per_param"] - 12) < 0.01
+  for name in ("lora", "dora", "prediag", "sora", "sparse_adapter"):
+    assert c[name]["flops_vs_adamw"] < 0.9 and c[name]["state_bytes_per_param"] < 6, name
+  assert all(x["step_s"] > 0 and x["peak_bytes"] > 0 for x in c.values())
+
+
 def test_entropy(result):
   s, smoke = result["summary"], peft.Config(**peft.SMOKE)
   assert s["lora"]["H"] <= math.log(smoke.rank) + 1e-6  # ΔW = s·AB has rank ≤ r
