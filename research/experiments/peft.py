@@ -22,6 +22,8 @@ clip 1.0, the optimizer's default weight decay, one device), at equal steps and 
                      the optax transform over full gradients (the low-rank mode has no blockwise step yet).
   bread_sgd          BREAD-SGD (inactive lr ratio 1, the reference's class default) on BAdam's blocks, run by the
                      blockwise step (the layers above the active one take SGD steps in the same backward pass).
+  bread_sgd_f32      the same with --frozen-dtype float32: the stored weights the SGD steps land on in float32 (in
+                     bfloat16 a step below half an ulp rounds away; `sgd_rounding` measures how often).
   lora, dora,        adapters on the attention q/k/v/o and MLP projections (`--peft`, AdamW on the adapters), the
   prediag            base frozen and stored in bfloat16 (the trainer's default when fine-tuning): rank 8, alpha 16
                      (the paper's alpha = 2r).
@@ -81,17 +83,19 @@ QUESTION = ("Fine-tuning a pretrained model on a second corpus at equal steps: h
             "Muon) and BAdam in learning, forgetting, optimizer state and step time, and does the paper's "
             "singular-value-entropy ordering of ΔW (LoRA < DoRA, Pre-Diag/SORA ≈ DoRA, toward full fine-tuning) hold?")
 TITLES = {"adamw": "full FT, AdamW", "muon": "full FT, Muon", "badam": "BAdam", "bread": "BREAD (low-rank)",
-          "bread_sgd": "BREAD-SGD", "lora": "LoRA", "dora": "DoRA", "prediag": "Pre-Diag", "sora": "SORA",
-          "sparse_adapter": "SparseAdapter (SNIP)"}
-FULL = ("adamw", "muon", "badam", "bread", "bread_sgd")
-BLOCKS = ("badam", "bread", "bread_sgd")  # train the layers only (embedding and final norm frozen)
+          "bread_sgd": "BREAD-SGD", "bread_sgd_f32": "BREAD-SGD, float32 storage", "lora": "LoRA", "dora": "DoRA",
+          "prediag": "Pre-Diag", "sora": "SORA", "sparse_adapter": "SparseAdapter (SNIP)"}
+FULL = ("adamw", "muon", "badam", "bread", "bread_sgd", "bread_sgd_f32")
+BLOCKS = ("badam", "bread", "bread_sgd", "bread_sgd_f32")  # train the layers only (embedding and final norm frozen)
+BENCH = {"bread_sgd": "bread-sgd", "bread_sgd_f32": "bread-sgd-f32"}  # the research.bench finetune row of a contender
+STORAGE = {"bread_sgd_f32": "float32"}  # --frozen-dtype of a contender (else the fine-tuning default, bfloat16)
 # the projections every adapter adapts (models.peft.DEFAULT_TARGETS on a dense model), and whose ΔW is measured
 MATRICES = ("wq_DQ", "wk_DK", "wv_DK", "wo_QD", "w_gate_DF", "w_up_DF", "w_down_FD")
 
 
 @dataclasses.dataclass
 class Config:
-  """Pretrain `small` on the stdlib corpus; fine-tune it on the package-docs corpus ten ways."""
+  """Pretrain `small` on the stdlib corpus; fine-tune it on the package-docs corpus eleven ways."""
   smoke: bool = False
   """A few steps of a 1-layer model in a temporary directory: the same code path, nothing written to `out`."""
   out: str = "research/results/peft"
@@ -136,7 +140,8 @@ def contender(cfg: Config, name: str) -> tuple[str, str | None, PeftFlags | None
   if name in FULL:
     k = cfg.switch_every
     return {"adamw": "adamw", "muon": "muon", "badam": f"badam[switch_every={k}]", "bread": f"bread[switch_every={k}]",
-            "bread_sgd": f'bread[mode="sgd",switch_every={k}]'}[name], None, None
+            "bread_sgd": f'bread[mode="sgd",switch_every={k}]',
+            "bread_sgd_f32": f'bread[mode="sgd",switch_every={k}]'}[name], None, None
   flags = {"lora": PeftFlags(rank=r, alpha=2 * r), "dora": PeftFlags(rank=r, alpha=2 * r),
            "prediag": PeftFlags(rank=r, alpha=2 * r),
            "sora": PeftFlags(rank=r - cfg.r_p, alpha=2 * (r - cfg.r_p), r_p=cfg.r_p),
@@ -213,7 +218,8 @@ def main(cfg: Config) -> dict:
 
     def sweep(name, grid_lrs, seeds):
       label, method, flags = contender(cfg, name)
-      train = dataclasses.replace(tc, peft=method, **({"peft_options": flags} if flags else {}))
+      train = dataclasses.replace(tc, peft=method, frozen_dtype=STORAGE.get(name),
+                                  **({"peft_options": flags} if flags else {}))
       out = os.path.join(work, name)
       rows = run_grid(SweepConfig(grid=(f"{label}={','.join(f'{x:g}' for x in grid_lrs)}",), seeds=seeds,
                                   baseline=label, out=out, train=train))
@@ -271,7 +277,8 @@ def sgd_rounding(tuning: list[dict]) -> dict:
   out = {}
   for (name, lr), path in sorted(dirs.items()):
     if name == "bread_sgd" and ("badam", lr) in dirs:
-      a, b = (jax.tree.leaves(nnx.to_pure_dict(nnx.state(load_run(p)[0], nnx.Param))) for p in (dirs["badam", lr], path))
+      a, b = (jax.tree.leaves(nnx.to_pure_dict(nnx.state(load_run(p)[0], nnx.Param)))
+              for p in (dirs["badam", lr], path))
       differ = sum(int(np.sum(np.asarray(x) != np.asarray(y))) for x, y in zip(a, b))
       out[lr] = differ / sum(x.size for x in a)
   return out
@@ -285,14 +292,14 @@ def costs(cfg: Config, mcfg) -> dict:
     flags = contender(cfg, name)[2]
     if flags is not None:  # the runs' base dtype: the trainer's default when fine-tuning (frozen.resolved)
       flags = dataclasses.replace(flags, base_dtype=flags.base_dtype or "bfloat16")
-    row = bench.measure(name.replace("_sgd", "-sgd"), mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, peft=flags)
+    row = bench.measure(BENCH.get(name, name), mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, peft=flags)
     flops = row["matmul_flops"]
     if name == "badam":  # the masked step's static count runs every layer; the static split's cycle mean
       flops = bench.badam_block_flops(mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, 3)["mean"]
     opt, calls = (), cfg.timing_steps
     if name in BLOCKS:  # one block cycle, as the runs switch
       opt, calls = (f"switch_every={cfg.switch_every}",), mcfg.n_layers * cfg.switch_every
-    seconds = bench.step_seconds(name.replace("_sgd", "-sgd"), mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, calls,
+    seconds = bench.step_seconds(BENCH.get(name, name), mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, calls,
                                  peft=flags, opt=opt)
     out[name] = {"matmul_flops": flops, "state_bytes_per_param": row["state_bytes"] / n,
                  "peak_bytes": bench.step_bytes(row).peak, "step_s": seconds}
@@ -487,7 +494,7 @@ def claim(result: dict) -> list[str]:
 def blocks_claim(result: dict) -> list[str]:
   """BREAD's claim (it matches Adam where BAdam falls short), read off the seeds table and the costs."""
   s, cost = result["summary"], result.get("costs", {})
-  names = [n for n in ("badam", "bread", "bread_sgd") if n in s and not s[n].get("diverged")]
+  names = [n for n in ("badam", "bread", "bread_sgd", "bread_sgd_f32") if n in s and not s[n].get("diverged")]
   if "adamw" not in s or s["adamw"].get("diverged") or "badam" not in names or len(names) < 2:
     return []
   a = np.mean(s["adamw"]["docs"])
