@@ -522,9 +522,9 @@ def blocks_claim(result: dict) -> list[str]:
                                          sorted(rounding.items(), key=lambda kv: float(kv[0])))
                + ". The SGD steps on the layers above the active one are taken on the stored bfloat16 weights (the "
                "blockwise step keeps no float32 copy of them), and a step below half a bfloat16 ulp of its weight "
-               "rounds away: at the small lrs BREAD-SGD is BAdam, and its gain over BAdam comes only where "
-               "lr x gradient reaches the weights' resolution (a float32 store or stochastic rounding would keep "
-               "them; not run here).")
+               "rounds away: at the small lrs BREAD-SGD is BAdam. "
+               + ("With float32 storage (`bread_sgd_f32`) the steps are kept; compare its rows for whether they "
+                  "help." if "bread_sgd_f32" in result["summary"] else "A float32 store would keep them (not run)."))
   return out
 
 
