@@ -78,7 +78,8 @@ from research.train.step import make_steps
 from sharding import batch_sharding, devices_for, make_mesh
 
 METHODS = ("adamw", "freeze", "lora", "dora", "prediag", "sora", "badam", "bread", "bread-sgd")
-KNOWN = METHODS + ("muon", "sparse_adapter", "bread-sgd-f32")  # measurable rows the default table leaves out (the study's contenders)
+KNOWN = METHODS + ("muon", "sparse_adapter", "bread-sgd-f32")  # measurable rows the default table leaves out
+BLOCKWISE = ("badam", "bread-sgd", "bread-sgd-f32")  # run by the blockwise step (research/train/blockstep.py)
 PEFT = ("lora", "dora", "prediag", "sora", "sparse_adapter")
 FREEZE = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed"
 MESH = "data=1"
@@ -183,7 +184,7 @@ def _trainable(method: str, state) -> int:
   """Weights the step can change: the adapters (PEFT), the active layer (BAdam), the unfrozen leaves (--freeze)."""
   if method in PEFT:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-  if method in ("badam", "bread-sgd", "bread-sgd-f32"):  # BREAD-SGD's SGD steps reach every layer above: as BAdam's
+  if method in BLOCKWISE:  # BREAD-SGD's SGD steps reach every layer above: counted as BAdam's
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["master"]))
   mask = frozen.frozen_mask(FREEZE if method == "freeze" else None)
   flags = jax.tree.leaves(mask(state["params"])) if mask else [False] * len(jax.tree.leaves(state["params"]))
@@ -196,7 +197,7 @@ def measure(method: str, mcfg, batch_size: int, seq_len: int, rank: int, peft: P
   state, step, batch_sh, mesh = build(method, mcfg, batch_size, seq_len, rank, peft=peft)
   compiled = memory.compile_step(step, state, (batch_size, seq_len), batch_sh, mesh)
   mem = memory.StepBytes.of(compiled)  # the trainer's memory pre-flight reads the same four numbers
-  trips = (mcfg.n_layers - 1) / 2 if method.startswith("bread-sgd") else 1.0  # the layer loop's cycle mean
+  trips = (mcfg.n_layers - 1) / 2 if method in BLOCKWISE[1:] else 1.0  # BREAD-SGD's layer loop, its cycle mean
   return {"method": method, "flops": _flops(compiled), "matmul_flops": _traced_flops(step, state, batch_sh, mesh,
                                                                                    batch_size, seq_len, trips),
           "state_bytes": _bytes(state), "trainable": _trainable(method, state), **dataclasses.asdict(mem),

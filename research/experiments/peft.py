@@ -80,7 +80,8 @@ from research.train.pretrained import load_run
 NAME = "peft"
 QUESTION = ("Fine-tuning a pretrained model on a second corpus at equal steps: how do the five adapters (LoRA, DoRA, "
             "Pre-Diag, SORA, a SNIP-sparse adapter) at an equal trainable budget compare with full fine-tuning (AdamW, "
-            "Muon) and BAdam in learning, forgetting, optimizer state and step time, and does the paper's "
+            "Muon) and the block optimizers (BAdam, BREAD) in learning, forgetting, optimizer state and step cost, "
+            "and does the paper's "
             "singular-value-entropy ordering of ΔW (LoRA < DoRA, Pre-Diag/SORA ≈ DoRA, toward full fine-tuning) hold?")
 TITLES = {"adamw": "full FT, AdamW", "muon": "full FT, Muon", "badam": "BAdam", "bread": "BREAD (low-rank)",
           "bread_sgd": "BREAD-SGD", "bread_sgd_f32": "BREAD-SGD, float32 storage", "lora": "LoRA", "dora": "DoRA",
@@ -292,15 +293,15 @@ def costs(cfg: Config, mcfg) -> dict:
     flags = contender(cfg, name)[2]
     if flags is not None:  # the runs' base dtype: the trainer's default when fine-tuning (frozen.resolved)
       flags = dataclasses.replace(flags, base_dtype=flags.base_dtype or "bfloat16")
-    row = bench.measure(BENCH.get(name, name), mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, peft=flags)
+    method = BENCH.get(name, name)
+    row = bench.measure(method, mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, peft=flags)
     flops = row["matmul_flops"]
     if name == "badam":  # the masked step's static count runs every layer; the static split's cycle mean
       flops = bench.badam_block_flops(mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, 3)["mean"]
     opt, calls = (), cfg.timing_steps
     if name in BLOCKS:  # one block cycle, as the runs switch
       opt, calls = (f"switch_every={cfg.switch_every}",), mcfg.n_layers * cfg.switch_every
-    seconds = bench.step_seconds(BENCH.get(name, name), mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, calls,
-                                 peft=flags, opt=opt)
+    seconds = bench.step_seconds(method, mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, calls, peft=flags, opt=opt)
     out[name] = {"matmul_flops": flops, "state_bytes_per_param": row["state_bytes"] / n,
                  "peak_bytes": bench.step_bytes(row).peak, "step_s": seconds}
   for x in out.values():

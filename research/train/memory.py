@@ -13,8 +13,8 @@ estimate costs no second compilation. The limit it is checked against: an accele
 which every simulated device and the process itself share, so there the estimate is the process's resident memory
 now (JAX, the data) plus the per-device bytes times the local devices, plus the checkpoint writer's buffers: orbax
 writes the state from host memory, which on the CPU is the devices' own, and may still be writing while the next
-steps run; the trainer bounds it there (`writer_gb`: `WRITER_GB`, or the largest array's size rounded up, in flight)
-and the estimate counts that bound or the whole state if smaller (`writer_bytes`). What it does not see: a --init-from
+steps run; the trainer bounds it there (`writer_bound`: `WRITER_GB`, or the largest array's size rounded up, in
+flight) and the estimate counts that bound or the whole state if smaller. What it does not see: a --init-from
 checkpoint's host copy while it loads, and the held-out evaluation (its temporaries are below the train step's).
 `--memory-limit GIB` replaces the limit (0: print the estimate, check nothing).
 """
@@ -64,7 +64,7 @@ class Estimate:
   limit: int | None  # bytes available to those devices; None: unknown
   where: str  # what `limit` is, e.g. "host RAM" or "cuda:0"
   writer: int = 0  # the checkpoint writer's buffers in the same memory (CPU), else 0
-  writer_gb: int | None = None  # the bound on them the checkpointer is given (`writer_gb`); None: orbax's default
+  writer_gb: int | None = None  # the bound on them the checkpointer is given (`writer_bound`); None: orbax's default
 
   @property
   def total(self) -> int:
@@ -129,24 +129,17 @@ def _array_bytes(state) -> list[int]:
   return [math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(state)]
 
 
-def writer_gb(state, mesh) -> int | None:
-  """orbax's save_concurrent_gb for saving `state` on `mesh`: where the devices are host memory (CPU), `WRITER_GB`
-  or, if larger, the largest array's size rounded up to whole GB (orbax refuses to write an array larger than the
-  bound); else None (orbax's default: an accelerator's state is copied to host RAM, which the device estimate does
-  not hold)."""
+def writer_bound(state, mesh) -> tuple[int | None, int]:
+  """(orbax's save_concurrent_gb for saving `state` on `mesh`, the writer's bytes the estimate counts). Where the
+  devices are host memory (CPU): `WRITER_GB` or, if larger, the largest array's size rounded up to whole GB (orbax
+  refuses to write an array larger than the bound), and the process's share of the state, at most that bound in
+  flight (measured: 3 x 0.66 GiB written with 1 GB in flight held 1.25 GiB, without a bound 1.88). Elsewhere
+  (None, 0): orbax's default, an accelerator's state copied to host RAM, which the device estimate does not hold."""
   if not device_limit(mesh)[3]:
-    return None
-  return max([WRITER_GB] + [math.ceil(n / 10 ** 9) for n in _array_bytes(state)])
-
-
-def writer_bytes(state, mesh) -> int:
-  """The checkpoint writer's buffers the estimate counts on the CPU: the process's share of the state, at most
-  `writer_gb` in flight (measured: 3 x 0.66 GiB written with 1 GB in flight held 1.25 GiB, without a bound 1.88);
-  0 elsewhere."""
-  gb = writer_gb(state, mesh)
-  if gb is None:
-    return 0
-  return min(sum(_array_bytes(state)) // jax.process_count(), gb * 10 ** 9)
+    return None, 0
+  sizes = _array_bytes(state)
+  gb = max([WRITER_GB] + [math.ceil(n / 10 ** 9) for n in sizes])
+  return gb, min(sum(sizes) // jax.process_count(), gb * 10 ** 9)
 
 
 def measured(est: Estimate, mesh) -> str:
@@ -178,8 +171,8 @@ def estimate(train_step, state, batch_shape: tuple[int, int], batch_sh, mesh) ->
   step = StepBytes.of(compile_step(train_step, state, batch_shape, batch_sh, mesh))
   state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(state))
   limit, devices, where, shared = device_limit(mesh)
-  return Estimate(step, state_bytes, devices, resident_bytes() if shared else 0, limit, where,
-                  writer_bytes(state, mesh), writer_gb(state, mesh))
+  gb, writer = writer_bound(state, mesh)
+  return Estimate(step, state_bytes, devices, resident_bytes() if shared else 0, limit, where, writer, gb)
 
 
 def _shard_bytes(a) -> int:

@@ -11,6 +11,7 @@ import jax
 from flax import nnx
 
 from models import HFError, Transformer, TransformerConfig, from_hf, peft, quant, quant_store
+from models.hf import config_from_hf
 from research.data.tokenizer import ByteTokenizer, HFTokenizer, check_fits
 from research.train import adapters, frozen
 from research.train.checkpoint import Checkpointer, CheckpointError
@@ -85,8 +86,7 @@ def source_dtype(run_dir: str) -> str | None:
   path = init_source(run_dir)
   if not path:
     return None
-  hf = _config_json(path)
-  return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+  return config_from_hf(_config_json(path))[1].param_dtype
 
 
 def load_model(path: str, mesh=None, tokenizer: str | None = None):

@@ -71,11 +71,10 @@ def test_the_checkpoint_writer_is_bounded_on_the_cpu():
   mesh = make_mesh("data=1", devices=jax.devices()[:1])
   state = {f"w{i}": jax.ShapeDtypeStruct((28, 3072, 4096), jnp.bfloat16) for i in range(3)}
   one = 28 * 3072 * 4096 * 2
-  assert memory.writer_gb(state, mesh) == memory.WRITER_GB == 1
-  assert memory.writer_bytes(state, mesh) == 10 ** 9 < 3 * one
-  assert memory.writer_bytes({"w": state["w0"]}, mesh) == one  # the whole state, when it is under the bound
+  assert memory.writer_bound(state, mesh) == (memory.WRITER_GB, 10 ** 9) and memory.WRITER_GB == 1 and 10 ** 9 < 3 * one
+  assert memory.writer_bound({"w": state["w0"]}, mesh)[1] == one  # the whole state, when it is under the bound
   big = {**state, "mlp": jax.ShapeDtypeStruct((28, 3072, 8192), jnp.bfloat16)}
-  assert memory.writer_gb(big, mesh) == 2 and memory.writer_bytes(big, mesh) == 2 * 10 ** 9
+  assert memory.writer_bound(big, mesh) == (2, 2 * 10 ** 9)
 
 
 def test_a_run_over_the_limit_is_refused_before_it_writes_anything(tmp_path, capsys):
