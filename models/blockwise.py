@@ -100,11 +100,13 @@ def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
   return model.unembed(x_BTD), aux
 
 
-def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra):
+def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra, *, writes: bool = True):
   """The loss and its gradient w.r.t. layer b's weights `w` (a `layer_weights` slice, b traced), by a backward pass
   written out layer by layer from the top down to b, which hands each deeper layer l > b its weight gradient as it
   goes: `(new_l, extra) = visit(l, weights_l, grads_l, extra)` (BREAD's inactive blocks in reach, updated in the same
-  pass), the layer's weights in the stack replaced by `new_l` in place. No gradient of a layer below b and no
+  pass), the layer's weights in the stack replaced by `new_l` in place. `writes=False`: `visit` returns
+  (None, extra) and the stack is read, never carried through the loop (carried, XLA copies it when the caller still
+  holds the original: a copy of every layer, found by tests/research/test_memory.py). No gradient of a layer below b and no
   activation gradient below b is computed; no stack-sized gradient ever exists.
 
   Forward: one scan over the L layers (layer b with `w`), keeping each layer's input (L activations: what --remat
@@ -136,16 +138,49 @@ def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra):
   ct_h, ct_aux = pull(jnp.ones_like(loss))
 
   def down(i, carry):
-    ct, stack, extra = carry
+    ct, stack, extra = carry if writes else (carry[0], stacked, carry[1])
     l = L - 1 - i
     weights = _at(stack, l)
     _, back = jax.vjp(layer, _at(inputs, l), weights)
     ct_x, g = back((ct, _at(ct_aux, l)))
     new, extra = visit(l, weights, g, extra)
+    if not writes:
+      return ct_x, extra
     stack = jax.tree.map(lambda s, n: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), l, 0), stack, new)
     return ct_x, stack, extra
 
-  ct_b, stack, extra = jax.lax.fori_loop(0, L - 1 - b, down, (ct_h, stacked, extra))
+  if writes:
+    ct_b, stack, extra = jax.lax.fori_loop(0, L - 1 - b, down, (ct_h, stacked, extra))
+  else:
+    (ct_b, extra), stack = jax.lax.fori_loop(0, L - 1 - b, down, (ct_h, extra)), stacked
   _, back = jax.vjp(lambda m: layer(_at(inputs, b), m), w)
   g_w, = back((ct_b, _at(ct_aux, b)))
   return loss, out, g_w, nnx.to_pure_dict(stack), extra
+
+
+def frozen_below_forward(model, tokens_BT, upper, n: int):
+  """(logits_BTV, aux) of `model` with layers 0..n−1 frozen: they run from the model's own stack under stop_gradient
+  (as does the embedding below them), layers n..L−1 from `upper` (a State of the stack's layers n.., differentiable).
+  The backward therefore stops at layer n: no weight gradient and no activation gradient below it (--freeze-layers).
+  `n` is static (one program). Dense and MoE alike; not for the pipeline (`stage`) or context-parallel layouts."""
+  if mesh_stages() > 1 or mesh_context() > 1:
+    raise BlockwiseError("--freeze-layers runs without a pipeline (stage) or context-parallel mesh axis")
+  graphdef, stacked = nnx.split(model.blocks)
+
+  def layer(x, state):
+    return nnx.merge(graphdef, state)(x)
+
+  if model.c.remat:
+    layer = jax.checkpoint(layer, prevent_cse=False)
+  x_BTD = jax.lax.stop_gradient(model.embed(tokens_BT))
+  x_BTD, aux_below = jax.lax.scan(layer, x_BTD, jax.lax.stop_gradient(jax.tree.map(lambda a: a[:n], stacked)))
+  x_BTD, aux_above = jax.lax.scan(layer, jax.lax.stop_gradient(x_BTD), upper)
+  aux = jax.tree.map(lambda lo, hi: jnp.concatenate([jax.lax.stop_gradient(lo), hi]), aux_below, aux_above)
+  return model.unembed(x_BTD), aux
+
+
+def upper_layers(model, n: int, weights: dict):
+  """The stack's layers n.. as a State (for `frozen_below_forward`), their values the pure dict `weights`."""
+  upper = jax.tree.map(lambda a: a[n:], nnx.split(model.blocks)[1])
+  nnx.replace_by_pure_dict(upper, weights)
+  return upper

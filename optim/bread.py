@@ -142,6 +142,36 @@ def _keep_layout(new, old):
   return jax.lax.with_sharding_constraint(new, P())
 
 
+def init_factors(params, plan, *, reach: str, rank: int, seed) -> dict:
+  """BREAD's initial factors {path name: {"a_IR": A, "b_RO": B}} for the matrices of `plan`'s blocks that can be in
+  reach (stacked leaves: layers `_first_layer`.. only): A ~ U(±1/√fan_in) keyed by `seed` and the leaf's index in
+  `params`, B = 0 (module docstring). The blockwise step (research/train/blockstep.py) starts from the same factors."""
+  leaves = plan.treedef.flatten_up_to(params)
+  paths = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  out = {}
+  lo = _first_layer(plan, reach)
+  for i in _factored(plan, leaves, reach):
+    *lead, m, n = np.shape(leaves[i])
+    if i in plan.stacked:  # layers lo.. only
+      lead[0] -= lo
+    dtype = _factor_dtype(leaves[i])
+    key = jax.random.fold_in(jax.random.key(seed), i)
+    bound = 1 / math.sqrt(m)
+    a = jax.random.uniform(key, (*lead, m, rank), jnp.finfo(dtype).dtype, -bound, bound).astype(dtype)
+    out[paths[i]] = {"a_IR": a, "b_RO": jnp.zeros((*lead, rank, n), dtype)}
+  return out
+
+
+def factor_grads(g, a, b, s) -> dict:
+  """The factors' gradients from W's, W = W_base + s·A B: {"a_IR": s·G Bᴴ, "b_RO": s·Aᴴ G} (leading axes batched)."""
+  return {"a_IR": s * _matmul(g, _ct(b)), "b_RO": s * _matmul(_ct(a), g)}
+
+
+def factor_delta(da, db, a2, b, s):
+  """W's update from the factors' steps dA, dB (A' = A + dA, B = the old B): s·(A'B' − AB) = s·(dA·B + A'·dB)."""
+  return s * (_matmul(da, b) + _matmul(a2, db))
+
+
 def bread(inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule, *, mode: str = "lowrank",
           rank: int = 8, alpha=16.0, inactive_lr_ratio=1.0, reach: str = "deeper", sgd_sign: bool = False,
           blocks: str | Callable = "auto", switch_every=50, order: str = "descending", seed=0, start_block=None,
@@ -177,26 +207,9 @@ def bread(inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSche
                include_embedding=include_embedding, include_head=include_head, always_active=always_active,
                stacked=stacked)
 
-  def factors_of(tree, leaves, plan):
-    if mode == "sgd":
-      return ()
-    paths = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    out = {}
-    lo = _first_layer(plan, reach)
-    for i in _factored(plan, leaves, reach):
-      *lead, m, n = np.shape(leaves[i])
-      if i in plan.stacked:  # layers lo.. only
-        lead[0] -= lo
-      dtype = _factor_dtype(leaves[i])
-      key = jax.random.fold_in(jax.random.key(seed), i)
-      bound = 1 / math.sqrt(m)
-      a = jax.random.uniform(key, (*lead, m, rank), jnp.finfo(dtype).dtype, -bound, bound).astype(dtype)
-      out[paths[i]] = {"a_IR": a, "b_RO": jnp.zeros((*lead, rank, n), dtype)}
-    return out
-
   def init(params):
     plan = block_plan(params, *plan_args)
-    factors = factors_of(params, plan.treedef.flatten_up_to(params), plan)
+    factors = () if mode == "sgd" else init_factors(params, plan, reach=reach, rank=rank, seed=seed)
     factor_state = () if mode == "sgd" else inner.init(factors)
     return BreadState(core.init(params), factors, factor_state)
 
@@ -225,8 +238,7 @@ def bread(inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSche
       i = index[name]
       a, b = f["a_IR"], f["b_RO"]
       g, mask = part(i, grads[i]).astype(a.dtype), _expand(part(i, masks[i]), a.ndim)
-      fgrads[name] = {"a_IR": jnp.where(mask, s * _matmul(g, _ct(b)), 0),  # s·G Bᴴ
-                      "b_RO": jnp.where(mask, s * _matmul(_ct(a), g), 0)}  # s·Aᴴ G
+      fgrads[name] = jax.tree.map(lambda x: jnp.where(mask, x, 0), factor_grads(g, a, b, s))
     fu, factor_state = inner.update(fgrads, state.factor_state, state.factors)
     factors = {}
     for name, f in state.factors.items():
@@ -235,7 +247,7 @@ def bread(inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSche
       da, db = (jnp.where(mask, jnp.asarray(step, x.dtype) * fu[name][k], 0) for k, x in f.items())
       a2, b2 = f["a_IR"] + da, f["b_RO"] + db
       factors[name] = {"a_IR": a2, "b_RO": b2}
-      dw = (s * (_matmul(da, f["b_RO"]) + _matmul(a2, db))).astype(out[i].dtype)  # s·(A'B' − AB)
+      dw = factor_delta(da, db, a2, f["b_RO"], s).astype(out[i].dtype)
       out[i] = out[i].at[lo:].add(dw) if i in plan.stacked and lo else out[i] + dw
     switch = switches_before(badam_state.count, switch_every) != switches_before(count, switch_every)
     fresh = inner.init(jax.tree.map(jnp.zeros_like, factors))

@@ -40,10 +40,11 @@ Methods (rows):
            (the per-block cost is linear in b, so first/middle/last average to the cycle's mean).
   muon, sparse_adapter   full fine-tuning with Muon; the SNIP-pruned sparse adapter (as the PEFT rows): measured
            on request (`methods`), not in the default table.
-  bread    --optimizer bread: the optax transform (low-rank mode) over FULL gradients, the plain step — not blockwise.
-  bread-sgd  --optimizer bread --opt mode="sgd": the blockwise step (`models.blockwise.backprop_to_layer`), storage
-           bfloat16. Its backward is a loop from the top layer down to the active one b, trip count L − 1 − b, known
-           at run time only: counted at the cycle's mean (L − 1)/2 (the cost is linear in the trips).
+  bread    --optimizer bread (low-rank mode, rank 8): the blockwise step (`models.blockwise.backprop_to_layer`), storage
+           bfloat16; the layers above the active one move through their factors' AdamW steps in the same backward.
+  bread-sgd  --optimizer bread --opt mode="sgd": the same step, the layers above taking SGD steps. Both backwards are a
+           loop from the top layer down to the active one b, trip count L − 1 − b, known at run time only: counted at
+           the cycle's mean (L − 1)/2 (the cost is linear in the trips).
 
 Shapes: `base` (the preset, byte vocabulary 256, tied), `llama-1b` (TinyLlama-1.1B: d 2048, 22 layers, 32 heads / 4
 KV, d_ff 5632, vocab 32000, untied), `llama-3b` (Llama-3.2-3B: d 3072, 28 layers, 24 heads / 8 KV, d_ff 8192, vocab
@@ -79,14 +80,15 @@ from sharding import batch_sharding, devices_for, make_mesh
 
 METHODS = ("adamw", "freeze", "lora", "dora", "prediag", "sora", "badam", "bread", "bread-sgd")
 KNOWN = METHODS + ("muon", "sparse_adapter", "bread-sgd-f32")  # measurable rows the default table leaves out
-BLOCKWISE = ("badam", "bread-sgd", "bread-sgd-f32")  # run by the blockwise step (research/train/blockstep.py)
+BLOCKWISE = ("badam", "bread", "bread-sgd", "bread-sgd-f32")  # run by the blockwise step (research/train/blockstep.py)
+LAYER_LOOP = BLOCKWISE[1:]  # BREAD's: a backward written as a loop over the layers above the active one
 PEFT = ("lora", "dora", "prediag", "sora", "sparse_adapter")
 FREEZE = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed"
 MESH = "data=1"
 MIB = 2 ** 20
 TRAINS = {"adamw": "all weights", "freeze": "all but attn q/k/v/o + embedding (frozen bf16)",
           "badam": "1 layer per step (blockwise step, bf16 storage)",
-          "bread": "optax transform over full gradients (not blockwise)",
+          "bread": "1 layer by AdamW + rank-8 factors on the layers above (blockwise step, bf16 storage)",
           "bread-sgd": "1 layer by AdamW + SGD on the layers above (blockwise step, bf16 storage)",
           "muon": "all weights (Muon)"}
 
@@ -107,7 +109,8 @@ def train_config(method: str, mcfg: TransformerConfig, batch_size: int, seq_len:
   """The trainer's flags for `method` (the model fields are overridden by `mcfg` where it matters); `peft`: the
   adapters' flags (default: rank `rank`, bfloat16 base); `opt`: more --opt KEY=VALUE items."""
   flags = {"freeze": {"freeze": FREEZE, "frozen_dtype": "bfloat16"}, "badam": {"optimizer": "badam",
-           "frozen_dtype": "bfloat16"}, "bread": {"optimizer": "bread"}, "muon": {"optimizer": "muon"},
+           "frozen_dtype": "bfloat16"}, "bread": {"optimizer": "bread", "frozen_dtype": "bfloat16"},
+           "muon": {"optimizer": "muon"},
            "bread-sgd": {"optimizer": "bread", "opt": ('mode="sgd"',), "frozen_dtype": "bfloat16"},
            "bread-sgd-f32": {"optimizer": "bread", "opt": ('mode="sgd"',), "frozen_dtype": "float32"}}.get(method, {})
   if method in PEFT:
@@ -184,7 +187,7 @@ def _trainable(method: str, state) -> int:
   """Weights the step can change: the adapters (PEFT), the active layer (BAdam), the unfrozen leaves (--freeze)."""
   if method in PEFT:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-  if method in BLOCKWISE:  # BREAD-SGD's SGD steps reach every layer above: counted as BAdam's
+  if method in BLOCKWISE:  # BREAD's steps reach every layer above (no state but the factors): counted as BAdam's
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["master"]))
   mask = frozen.frozen_mask(FREEZE if method == "freeze" else None)
   flags = jax.tree.leaves(mask(state["params"])) if mask else [False] * len(jax.tree.leaves(state["params"]))
@@ -197,7 +200,7 @@ def measure(method: str, mcfg, batch_size: int, seq_len: int, rank: int, peft: P
   state, step, batch_sh, mesh = build(method, mcfg, batch_size, seq_len, rank, peft=peft)
   compiled = memory.compile_step(step, state, (batch_size, seq_len), batch_sh, mesh)
   mem = memory.StepBytes.of(compiled)  # the trainer's memory pre-flight reads the same four numbers
-  trips = (mcfg.n_layers - 1) / 2 if method in BLOCKWISE[1:] else 1.0  # BREAD-SGD's layer loop, its cycle mean
+  trips = (mcfg.n_layers - 1) / 2 if method in LAYER_LOOP else 1.0  # BREAD's layer loop, its cycle mean
   return {"method": method, "flops": _flops(compiled), "matmul_flops": _traced_flops(step, state, batch_sh, mesh,
                                                                                    batch_size, seq_len, trips),
           "state_bytes": _bytes(state), "trainable": _trainable(method, state), **dataclasses.asdict(mem),

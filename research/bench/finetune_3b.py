@@ -14,7 +14,8 @@ bfloat16 storage, one layer's float32 master and AdamW state), `badam-f32` (the 
 layer-by-layer backward also steps every layer above the active one by its gradient; `order="ascending"`, so the
 first block is layer 0 and all 27 layers above it take SGD steps, the whole backward pass: under the default
 descending order the first block is the top layer and BREAD is BAdam until the first switch) and `bread-lowrank` (BREAD's
-low-rank mode, `optim.bread` over full gradients: not blockwise yet, so it needs AdamW-sized gradients). Finished
+low-rank mode, rank 8: the same blockwise step, the 27 layers above moved through their factors' AdamW steps in the
+same backward; `order="ascending"` likewise). Finished
 methods are kept in `work/results.json`, so a rerun continues with the others.
 """
 
@@ -52,7 +53,7 @@ GIB = 2 ** 30
 
 def method_flags(method: str, rank: int) -> list[str]:
   return {"adamw": [], "badam": ["--optimizer", "badam"], "bread": ["--optimizer", "bread", "--opt", 'mode="sgd"', 'order="ascending"'],
-          "bread-lowrank": ["--optimizer", "bread"],
+          "bread-lowrank": ["--optimizer", "bread", "--opt", 'order="ascending"'],
           "badam-f32": ["--optimizer", "badam", "--frozen-dtype", "float32"],
           "lora": ["--peft", "lora", "--peft.rank", str(rank), "--peft.alpha", str(2 * rank),
                    "--peft.base-dtype", "bfloat16"]}[method]

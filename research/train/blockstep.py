@@ -17,14 +17,18 @@ Memory: 2 bytes per parameter (bfloat16) + 16 per active-layer parameter (master
 Runs the default BAdam (layer blocks; the embedding, head and final norm frozen) on meshes without `stage` or
 `context`, with --sync allreduce; other settings use the optax transform over full gradients (`eligible`).
 
---optimizer bread with mode="sgd" (reach "deeper") runs here too: the same state and active-layer update, the
-gradient taken by `models.blockwise.backprop_to_layer`, whose layer-by-layer backward steps every layer above the
-active one by -ρ·lr_t·g (or -ρ·lr_t·sign(g)) as it reaches it, in place (`_bread_backward`): with float32 storage and
---grad-clip 0, `optim.bread_adamw(mode="sgd")` over full gradients update for update (tested). The SGD steps take the
-unclipped gradients (the reference applies them in backward hooks, before clipping); a layer whose gradient is not
-finite keeps its weights. Memory: BAdam's. FLOPs per step in units of one layer's forward F: L·F + 3F·(L − b)
-(each layer from the active one b up recomputed, then differentiated); over a block cycle ≈ 2.5·L·F, 0.63x
-remat'd full backprop (4·L·F), 0.83x full backprop without remat (3·L·F).
+--optimizer bread (reach "deeper") runs here too: the same state and active-layer update, the gradient taken by
+`models.blockwise.backprop_to_layer`, whose layer-by-layer backward also updates every layer above the active one as
+it reaches it, in place (research/train/breadstep.py): mode "sgd" steps it by -ρ·lr_t·g (or -ρ·lr_t·sign(g));
+mode "lowrank" (the default) gives its rank-r factors (opt_state "factors", layers 1..L−1, drawn as optim.bread
+draws them) their gradients s·G Bᴴ, s·Aᴴ G and AdamW step (state "factor_state", restarted at each switch) and
+moves W by s·(A'B' − AB). With float32 storage and --grad-clip 0 both are `optim.bread_adamw` over full gradients
+update for update (tested, dense, MoE and a 3-axis mesh). The inactive updates take the unclipped gradients (the
+reference applies them in backward hooks, before clipping); a layer whose gradient is not finite keeps its weights
+(and factors). Memory: BAdam's + the factors and their moments, 3·r·(m + n) numbers per matrix per layer (rank 8 at
+the 3B shape: 0.13 GiB in float32). FLOPs per step in units of one layer's forward F: L·F + 3F·(L − b) (each layer
+from the active one b up recomputed, then differentiated; the factors' products are rank-r, negligible); over a
+block cycle ≈ 2.5·L·F, 0.63x remat'd full backprop (4·L·F), 0.83x full backprop without remat (3·L·F).
 """
 
 from __future__ import annotations
@@ -38,15 +42,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import cross_entropy
-from models.blockwise import active_layer_forward, backprop_to_layer, layer_weights
-from models.moe import aux_loss, summarize as moe_summary, update_router_bias
+from models.blockwise import active_layer_forward, layer_weights
 from optim import block_index, decay_mask, hyperparameters
-from optim.badam import switches_before
+from optim.badam import block_plan, switches_before
+from optim.bread import init_factors
+from research.train.breadstep import bread_backward, head_loss, lowrank_backward
 from research.train.build import opt_hparams
 from research.train.distributed import is_primary
 from research.train.health import step_ok
-from research.train.step import jit_steps, lm_loss
+from research.train.step import jit_steps, lm_loss, moe_outputs
 from sharding.state import shardings_like_params
 
 BLOCKWISE_DEFAULTS = {"include_embedding": False, "include_head": False, "always_active": ()}
@@ -58,8 +62,6 @@ def eligible(cfg, hp: dict, mesh) -> str | None:
     return "not BAdam"
   if cfg.optimizer == "bread":
     bread = {**hyperparameters("bread"), **hp}
-    if bread["mode"] != "sgd":
-      return f"--opt mode={bread['mode']} (the blockwise step runs BREAD-SGD, mode=sgd)"
     if bread["reach"] != "deeper":
       return f"--opt reach={bread['reach']} (the backward then reaches every layer)"
   for key, default in BLOCKWISE_DEFAULTS.items():
@@ -90,8 +92,10 @@ class Parts:
   def __init__(self, schedule, hp: dict, num_layers: int, grad_clip: float, optimizer: str = "badam"):
     hp = {**hyperparameters(optimizer), **hp}
     self.name = optimizer
-    # BREAD-SGD: the layers above the active one step by -ratio·lr_t·g (or its sign) in the same backward
-    self.bread = {"ratio": hp["inactive_lr_ratio"], "sign": hp["sgd_sign"]} if optimizer == "bread" else None
+    # BREAD: the layers above the active one step in the same backward, by -ratio·lr_t·g (or its sign) (mode "sgd")
+    # or through their rank-r factors (mode "lowrank", scale s = alpha / rank)
+    self.bread = ({"ratio": hp["inactive_lr_ratio"], "sign": hp["sgd_sign"], "mode": hp["mode"], "rank": hp["rank"],
+                   "scale": hp["alpha"] / hp["rank"]} if optimizer == "bread" else None)
     self.schedule, self.num_layers, self.grad_clip = schedule, num_layers, grad_clip
     self.switch_every, self.order, self.seed, self.start_block = (hp["switch_every"], hp["order"], hp["seed"],
                                                                   hp["start_block"])
@@ -102,9 +106,18 @@ class Parts:
     return block_index(count, self.num_layers, switch_every=self.switch_every, order=self.order, seed=self.seed,
                        start_block=self.start_block)
 
+  @property
+  def lowrank(self) -> bool:
+    return self.bread is not None and self.bread["mode"] == "lowrank"
+
   def switches(self, count):
     """Switches before update `count` (as optim.badam counts them)."""
     return switches_before(count, self.switch_every)
+
+
+def _plan(params: dict):
+  """optim.badam's block layout of the blockwise step's parameters (layer blocks, nothing else: `eligible`)."""
+  return block_plan(params, "auto", "blocks", False, False, ())
 
 
 def _layer(params: dict, b) -> dict:
@@ -139,6 +152,11 @@ def init_state(state: dict, shardings: dict, parts: Parts, dtype):
   params, master, inner = jax.jit(build, out_shardings=(shardings["params"], m_sh, i_sh))(state["params"])
   opt = {"count": jnp.zeros([], jnp.int32), "block": jnp.asarray(b0, jnp.int32), "inner": inner}
   opt_sh = {"count": replicated, "block": replicated, "inner": i_sh}
+  if parts.lowrank:  # BREAD's factors of layers 1.. (optim.bread's, from the same draw) and AdamW's state over them
+    factors = jax.jit(lambda p: init_factors(p, _plan(p), reach="deeper", rank=parts.bread["rank"], seed=parts.seed),
+                      out_shardings=replicated)(state["params"])
+    opt["factors"], opt["factor_state"] = factors, jax.jit(parts.inner.init, out_shardings=replicated)(factors)
+    opt_sh["factors"], opt_sh["factor_state"] = jax.tree.map(lambda _: replicated, (factors, opt["factor_state"]))
   new = {**{k: v for k, v in state.items() if k != "opt_state"}, "params": params, "master": master,
          "opt_state": jax.device_put(opt, opt_sh)}
   new_sh = {**{k: v for k, v in shardings.items() if k != "opt_state"}, "master": m_sh, "opt_state": opt_sh}
@@ -166,19 +184,24 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
       nnx.replace_by_pure_dict(w, m)
       logits, aux = (active_layer_forward(model, x, w, b) if static_block is None else
                      active_layer_forward(model, x, w, static_block, static_split=True))
-      return _head_loss(model, y)(logits, aux)
+      return head_loss(model, y)(logits, aux)
 
+    lr = parts.schedule(opt["count"])
+    factors = opt.get("factors")
     if parts.bread is None:
       (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+    elif parts.lowrank:
+      (total, (loss, aux)), grads, params, factors, fstate = lowrank_backward(
+          model_of(params, buffers), params, master, b, x, y, factors, opt["factor_state"], parts.inner,
+          -lr * parts.bread["ratio"], parts.bread["scale"])
     else:
-      (total, (loss, aux)), grads, params = _bread_backward(model_of(params, buffers), params, master, b, x, y,
-                                                            -parts.schedule(opt["count"]) * parts.bread["ratio"],
-                                                            parts.bread["sign"])
+      (total, (loss, aux)), grads, params = bread_backward(model_of(params, buffers), params, master, b, x, y,
+                                                            -lr * parts.bread["ratio"], parts.bread["sign"])
     grad_norm = optax.tree.norm(grads)
     if parts.grad_clip > 0:
       grads = optax.clip_by_global_norm(parts.grad_clip).update(grads, optax.EmptyState())[0]
     updates, inner = parts.inner.update(grads, opt["inner"], master)
-    updates = jax.tree.map(lambda u: -parts.schedule(opt["count"]) * u, updates)
+    updates = jax.tree.map(lambda u: -lr * u, updates)
     ok = step_ok(total, grad_norm, updates)
     # a non-finite step changes nothing but "step" (health.keep_if_finite's rule), selected at the active layer's
     # size: a select over the stored stack would need it twice (new and old), a copy of the whole model
@@ -187,50 +210,31 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
     inner = keep(inner, opt["inner"])
     count = jnp.where(ok, opt["count"] + 1, opt["count"])
     params = _write(params, master, b)  # in place; layer b stays master rounded to the store (as it was if not ok)
-    nxt = parts.block(count).astype(jnp.int32)
     switch = parts.switches(count) != parts.switches(opt["count"])
+    extra = _factor_state(parts, factors, fstate, opt["factor_state"], ok, switch) if parts.lowrank else {}
+    nxt = parts.block(count).astype(jnp.int32)
     fresh = parts.inner.init(jax.tree.map(jnp.zeros_like, master))
     inner = jax.tree.map(lambda f, s: jnp.where(switch, f, s), fresh, inner)
     master = jax.tree.map(lambda nxt_m, m: jnp.where(switch, nxt_m, m), _layer(params, nxt), master)
     new = {**state, "step": state["step"] + 1, "params": params, "master": master,
-           "opt_state": {"count": count, "block": nxt, "inner": inner}}
-    metrics = {}
-    if "load" in aux:  # MoE: the aux-loss-free bias update and router metrics, as the plain step
-      if buffers:
-        new["buffers"] = keep(update_router_bias(buffers, aux, model_of(params, buffers).c.moe.bias_rate), buffers)
-      metrics = {"aux_loss": total - loss, **moe_summary(aux)}
+           "opt_state": {"count": count, "block": nxt, "inner": inner, **extra}}
+    metrics = moe_outputs(new, aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   return jit_steps(train_step, eval_fn, shardings, batch_sh)
 
 
-def _head_loss(model, y):
-  """(logits, aux) -> (cross entropy + the MoE aux losses, (cross entropy, aux)): both blockwise backwards' loss."""
-  def head(logits, aux):
-    ce = cross_entropy(logits, y)
-    return ce + aux_loss(aux, model.c), (ce, aux)
-  return head
-
-
-def _bread_backward(model, params, master, b, x, y, step, sign: bool):
-  """BREAD-SGD's backward (`models.blockwise.backprop_to_layer`): ((total, (ce, aux)), ∂total/∂master, params with
-  every layer above b stepped by `step`·g (or `step`·sign(g)) as the pass reaches it, in place. A layer whose
-  gradient is not finite keeps its weights (the step's finite check then leaves the rest unchanged; layers above a
-  non-finite one have already moved)."""
-  w = layer_weights(model, b)
-  nnx.replace_by_pure_dict(w, master)
-
-  def visit(l, weights, grads, extra):
-    fine = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    new = jax.tree.map(lambda p, g: jnp.where(fine, p + jnp.asarray(step, g.dtype) * (jnp.sign(g) if sign else g),
-                                              p).astype(p.dtype), weights, grads)
-    return new, extra
-
-  total, out, g_w, blocks, _ = backprop_to_layer(model, x, w, b, _head_loss(model, y), visit, ())
-  return (total, out), nnx.to_pure_dict(g_w), {**params, "blocks": blocks}
+def _factor_state(parts: Parts, factors, new, old, ok, switch) -> dict:
+  """BREAD low-rank's factors and their AdamW state after a step: the state's count kept by a non-finite step (the
+  pass already kept each layer's moments), restarted with the active layer's at a switch (the factors persist)."""
+  new = jax.tree.map(lambda n, o: n if n.ndim else jnp.where(ok, n, o), new, old)
+  fresh = parts.inner.init(jax.tree.map(jnp.zeros_like, factors))
+  return {"factors": factors, "factor_state": jax.tree.map(lambda f, x: jnp.where(switch, f, x), fresh, new)}
 
 
 def state_bytes(state: dict) -> dict[str, int]:
   """Bytes of the blockwise state's parts: the stored parameters, the master, AdamW's state."""
   size = lambda tree: int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-  return {"params": size(state["params"]), "master": size(state["master"]), "adam": size(state["opt_state"]["inner"])}
+  opt = state["opt_state"]
+  return {"params": size(state["params"]), "master": size(state["master"]), "adam": size(opt["inner"]),
+          "factors": size((opt.get("factors", ()), opt.get("factor_state", ())))}

@@ -104,6 +104,17 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, f
   return jit_steps(train_step, eval_fn, shardings, batch_sh)
 
 
+def moe_outputs(new: dict, aux: dict, buffers: dict, moe, total, loss, keep) -> dict:
+  """A master-copy step's MoE outputs (the blockwise BAdam / BREAD and --freeze-layers steps): `new`'s "buffers"
+  given the aux-loss-free router-bias update (`keep(new, old)`: unchanged by a non-finite step), and the router
+  metrics; {} for a dense model. `moe`: the model's MoE config."""
+  if "load" not in aux:
+    return {}
+  if buffers:
+    new["buffers"] = keep(update_router_bias(buffers, aux, moe.bias_rate), buffers)
+  return {"aux_loss": total - loss, **moe_summary(aux)}
+
+
 def jit_steps(train_step, eval_fn, shardings, batch_sh):
   """(train_step, eval_fn) jitted with the state's shardings pinned; train_step donates the state, eval_fn takes
   (params, x, y, buffers). Both compiled with `xla.compiler_options()` (no float32 copy of a bfloat16 model on

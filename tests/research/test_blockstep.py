@@ -39,14 +39,18 @@ def batches(n, vocab=256):
 
 
 BREAD_SGD = ("mode=\"sgd\"", "inactive_lr_ratio=0.5")
+BREAD_LOWRANK = ("rank=2", "alpha=4.0", "inactive_lr_ratio=0.5")
 
 
 @pytest.mark.parametrize("model,mesh_spec,optimizer,opt", [
     ("tiny", "data=1", "badam", ()), ("tiny", "data=2,fsdp=2,tensor=2", "badam", ()), ("moe_tiny", "data=1", "badam", ()),
     ("tiny", "data=1", "bread", BREAD_SGD), ("tiny", "data=2,fsdp=2,tensor=2", "bread", (*BREAD_SGD, "sgd_sign=true")),
-    ("moe_tiny", "data=1", "bread", BREAD_SGD)])
+    ("moe_tiny", "data=1", "bread", BREAD_SGD), ("tiny", "data=1", "bread", BREAD_LOWRANK),
+    ("tiny", "data=2,fsdp=2,tensor=2", "bread", BREAD_LOWRANK), ("moe_tiny", "data=1", "bread", BREAD_LOWRANK)])
 def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer, opt):
-  """BREAD-SGD: the layers above the active one step by ρ·lr·g (sign(g)) inside the layer-by-layer backward."""
+  """BREAD-SGD: the layers above the active one step by ρ·lr·g (sign(g)) inside the layer-by-layer backward; BREAD
+  low-rank: their factors' gradients are taken in it and the factors' AdamW steps merged after it, from the same
+  initial factors as optim.bread's."""
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(model, mesh_spec, optimizer, opt)
   assert eligible(cfg, opt_hparams(cfg), mesh) is None
   copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
@@ -95,16 +99,16 @@ def test_settings_the_blockwise_step_does_not_run_are_named():
   assert eligible(c, {}, mesh) == "--freeze"
   assert eligible(TrainConfig(model="tiny"), {}, mesh) == "not BAdam"
   bread = TrainConfig(model="tiny", optimizer="bread")
-  assert eligible(bread, {}, mesh).startswith("--opt mode=lowrank")  # BREAD's low-rank mode: the optax path
-  assert eligible(bread, {"mode": "sgd", "reach": "all"}, mesh).startswith("--opt reach=all")
-  assert eligible(bread, {"mode": "sgd"}, mesh) is None
+  assert eligible(bread, {"reach": "all"}, mesh).startswith("--opt reach=all")  # the optax path
+  assert eligible(bread, {"mode": "sgd"}, mesh) is None and eligible(bread, {}, mesh) is None
 
 
-def test_bread_sgd_moves_the_layers_above_the_active_one_and_none_below():
+@pytest.mark.parametrize("opt", [BREAD_SGD, BREAD_LOWRANK])
+def test_bread_moves_the_layers_above_the_active_one_and_none_below(opt):
   """bfloat16 storage, start at the middle layer: it and the layer above move, the layer below and the embedding keep
   every bit (no gradient below the active layer exists in the layer-by-layer backward)."""
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(
-      "tiny", "data=1", "bread", (*BREAD_SGD, "start_block=1"), warmup_steps=0)
+      "tiny", "data=1", "bread", (*opt, "start_block=1"), warmup_steps=0)
   parts = Parts(schedule, opt_hparams(cfg), L, 1.0, "bread")
   block_state, block_sh = init_state(state, shardings, parts, jnp.bfloat16)
   before = jax.tree.map(np.asarray, block_state["params"])

@@ -132,7 +132,8 @@ def test_the_fix_follows_what_dominates():
 
 @pytest.mark.parametrize("kw", [dict(peft="lora", peft_options=PeftFlags(base_dtype="bfloat16")),
                                 dict(optimizer="badam", frozen_dtype="bfloat16"),
-                                dict(optimizer="bread", opt=('mode="sgd"',), frozen_dtype="bfloat16")])
+                                dict(optimizer="bread", opt=('mode="sgd"',), frozen_dtype="bfloat16"),
+                                dict(optimizer="bread", frozen_dtype="bfloat16")])
 def test_a_bfloat16_store_gets_no_float32_copy_in_the_step(kw):
   """XLA:CPU computes bfloat16 matmuls in float32; with while-loop invariant code motion on, the cast of the scanned
   layer stack was hoisted out of the layer loop, a float32 copy of every layer as a temporary (before
