@@ -144,11 +144,15 @@ class TrainConfig:
   freeze: str | None = None
   """Keep the parameters whose path matches this regular expression fixed (no gradient, no optimizer state, no
   update), e.g. 'embed|norm' or 'blocks/(wq|wk)'."""
+  freeze_layers: int = 0
+  """Keep the bottom N layers of the stack and the embedding table fixed (research/train/layerfreeze.py): the
+  backward stops at layer N (no gradient of any kind below it); the trained part has a float32 master, the rest is
+  stored in --frozen-dtype. Combines with --freeze (more leaves frozen); 0: off."""
   frozen_dtype: Literal["bfloat16", "float32"] | None = None
-  """The dtype the parameters a step does not train are stored in: --freeze's, and with --optimizer badam every
-  parameter (the active layer trains on a float32 master copy). Unset: bfloat16 when fine-tuning (with --init-from),
-  else float32. They are read in the compute dtype; bfloat16 halves their memory. Runs with neither use no such
-  storage and ignore it (as a study sharing one config over several optimizers needs)."""
+  """The dtype the parameters a step does not train are stored in: --freeze's, and with --optimizer badam or
+  --freeze-layers every parameter (what trains has a float32 master copy). Unset: bfloat16 when fine-tuning (with
+  --init-from), else float32. They are read in the compute dtype; bfloat16 halves their memory. Runs with none of
+  these use no such storage and ignore it (as a study sharing one config over several optimizers needs)."""
   peft: Literal[peft.METHODS] | None = None
   """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
   base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes

@@ -103,11 +103,12 @@ def saved_frozen_dtype(train: dict) -> str:
 
 def as_stored(abstract_params: dict, meta: dict) -> dict:
   """The abstract parameters of a run as its checkpoints hold them (a restore reads them as written, so their
-  checksums verify): --freeze's leaves in their stored dtype, or every leaf in the blockwise BAdam step's; `meta` is
-  the run's config.json."""
+  checksums verify): --freeze's leaves in their stored dtype, or every leaf in the blockwise BAdam step's or
+  --freeze-layers'; `meta` is the run's config.json."""
   train = meta.get("train", {})
-  if meta.get("blockwise_badam"):
-    dtype = jnp.dtype(meta["blockwise_badam"]["dtype"])
+  whole = meta.get("blockwise_badam") or meta.get("frozen_layers")
+  if whole:
+    dtype = jnp.dtype(whole["dtype"])
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params)
   mask = frozen_mask(train.get("freeze"))
   if mask is None:

@@ -24,6 +24,7 @@ from models import Transformer, flops_per_token
 from research.data import Corpus, get_batch
 from research.train import frozen, memory, preflight, rundir, sync
 from research.train.blockstep import blockwise_parts, make_block_steps
+from research.train.layerfreeze import make_layer_steps
 from research.train.build import make_optimizer, step_options
 from research.train.checkpoint import Checkpointer, CheckpointSaveError
 from research.train.config import TrainConfig
@@ -126,8 +127,7 @@ def _start(cfg: TrainConfig) -> _Run:
   tx, schedule = make_optimizer(cfg)
   parts = blockwise_parts(cfg, mcfg, mesh, schedule)  # --optimizer badam as BlockOptimizers runs it, or None
   graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
-  train_step, eval_step = (make_block_steps(graphdef, parts, shardings, batch_sh) if parts else
-                           make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg)))
+  train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)
   syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
   estimate = _memory(cfg, syncer.train, abstract, batch_sh, mesh)  # compiled before anything is allocated; may refuse
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
@@ -165,6 +165,16 @@ def _start(cfg: TrainConfig) -> _Run:
               meter=Meter(cfg.batch_size * cfg.seq_len),
               progress=Progress(cfg.steps, start, enabled=cfg.progress and is_primary()), watchdog=watchdog,
               model_flops_per_token=flops_per_token(mcfg, cfg.seq_len), estimate=estimate)
+
+
+def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh):
+  """The jitted (train_step, eval_step) of this run's state: the blockwise BAdam / BREAD step (`parts`), the
+  --freeze-layers step, or the plain one."""
+  if parts:
+    return make_block_steps(graphdef, parts, shardings, batch_sh)
+  if cfg.freeze_layers:
+    return make_layer_steps(graphdef, tx, shardings, batch_sh, cfg.freeze_layers)
+  return make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
 
 
 def _memory(cfg: TrainConfig, train_step, abstract, batch_sh, mesh):

@@ -28,6 +28,8 @@ def state_signature(meta: dict) -> dict:
   stored = {"frozen_dtype": saved_frozen_dtype(train)} if train.get("freeze") else {}  # the frozen leaves' dtype
   if meta.get("blockwise_badam"):  # every parameter in this dtype, a master and AdamW state over one layer
     stored["blockwise_badam"] = meta["blockwise_badam"]["dtype"]
+  # --freeze-layers: every parameter in its dtype, a master and optimizer state over layers N.. (None: off)
+  stored["frozen_layers"] = meta.get("frozen_layers")
   return {**model, **stored, "optimizer": train["optimizer"], "opt": list(train["opt"]), "freeze": train.get("freeze"),
           "peft": peft_settings(meta), "sync": flag,  # per-replica state, the delays' draws
           **({"replicas": replicas} if mode.replicated or mode.random else {})}

@@ -9,7 +9,7 @@ import sys
 from models.attention import AttentionError, check_attention
 from optim import needs_max_logits
 from research.data import eval_batches, get_batch, load_corpus
-from research.train import sync
+from research.train import layerfreeze, sync
 from research.train.build import exact_mode, model_config
 from research.train.config import RunError, TrainConfig
 from research.train.switch import switch_plan
@@ -23,6 +23,7 @@ def setup(cfg: TrainConfig):
   mesh = make_mesh(cfg.mesh)
   mcfg = model_config(cfg)
   check_sync(cfg, mesh, mcfg)
+  layerfreeze.check(cfg, mcfg.n_layers, mesh)
   if needs_max_logits(cfg.optimizer) and mcfg.qk_norm:
     raise RunError(f"--optimizer {cfg.optimizer} clips W_q and W_k, which QK-norm undoes: --model {cfg.model} has "
                    f"qk_norm; add --qk-norm False")

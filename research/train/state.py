@@ -13,7 +13,7 @@ from models import Transformer
 from optim import needs_max_logits
 from research.data import get_batch
 from optim.trees import cast_like
-from research.train import adapters, blockstep, frozen, init_from, sync
+from research.train import adapters, blockstep, frozen, init_from, layerfreeze, sync
 from research.train.build import exact_mode, make_optimizer
 from research.train.config import TrainConfig
 from research.train.distributed import is_primary
@@ -97,11 +97,22 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     state, shardings = blockstep.init_state(state, shardings, blockwise, dtype)
     report = {**report, "blockwise_badam": {"dtype": str(dtype)}}
     sizes = blockstep.state_bytes(state)
-    sgd = " (BREAD-SGD on the layers above the active one)" if blockwise.bread else ""
-    lines.append(f"{blockwise.name}: blockwise step{sgd}, parameters stored as {dtype} ({sizes['params'] / 2**20:.1f} "
-                 f"MiB), the "
-                 f"active layer's float32 master {sizes['master'] / 2**20:.1f} MiB and AdamW state "
-                 f"{sizes['adam'] / 2**20:.1f} MiB")
+    above = ("" if blockwise.bread is None else " (BREAD-SGD on the layers above the active one)"
+             if not blockwise.lowrank else f" (BREAD's rank-{blockwise.bread['rank']} factors on the layers above the "
+             f"active one: {sizes['factors'] / 2**20:.1f} MiB with their AdamW state)")
+    lines.append(f"{blockwise.name}: blockwise step{above}, parameters stored as {dtype} "
+                 f"({sizes['params'] / 2**20:.1f} MiB), the active layer's float32 master "
+                 f"{sizes['master'] / 2**20:.1f} MiB and AdamW state {sizes['adam'] / 2**20:.1f} MiB")
+  if cfg.freeze_layers:  # layers 0..N-1 and the embedding frozen: the trained part's float32 master and state
+    layerfreeze.check(cfg, mcfg.n_layers, mesh)
+    dtype = frozen.frozen_dtype(cfg)
+    state, shardings = layerfreeze.init_state(state, shardings, tx, cfg.freeze, cfg.freeze_layers, dtype)
+    report = {**report, "frozen_layers": {"n": cfg.freeze_layers, "dtype": str(dtype)}}
+    sizes = layerfreeze.state_bytes(state)
+    lines.append(f"--freeze-layers {cfg.freeze_layers}: layers 0..{cfg.freeze_layers - 1} and the embedding frozen "
+                 f"(no gradient below layer {cfg.freeze_layers}); parameters stored as {dtype} "
+                 f"({sizes['params'] / 2**20:.1f} MiB), the trained part's float32 master "
+                 f"{sizes['master'] / 2**20:.1f} MiB and optimizer state {sizes['opt'] / 2**20:.1f} MiB")
   state, shardings = sync.init_state(sync.parse(cfg.sync), state, shardings, _outer_tx(cfg), seed=cfg.seed)
   return graphdef, state, shardings, report, lines
 
