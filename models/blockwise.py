@@ -106,7 +106,7 @@ def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra, *, writes
   goes: `(new_l, extra) = visit(l, weights_l, grads_l, extra)` (BREAD's inactive blocks in reach, updated in the same
   pass), the layer's weights in the stack replaced by `new_l` in place. `writes=False`: `visit` returns
   (None, extra) and the stack is read, never carried through the loop (carried, XLA copies it when the caller still
-  holds the original: a copy of every layer, found by tests/research/test_memory.py). No gradient of a layer below b and no
+  holds the original). No gradient of a layer below b and no
   activation gradient below b is computed; no stack-sized gradient ever exists.
 
   Forward: one scan over the L layers (layer b with `w`), keeping each layer's input (L activations: what --remat

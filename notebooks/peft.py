@@ -21,7 +21,7 @@
 # `models/peft.py` at an equal trainable budget: LoRA, DoRA, Pre-Diag and SORA (Chang et al., "Calibrating and
 # Rotating", AAAI 2026) and a SNIP-pruned sparse adapter (He et al., SparseAdapter). Each run is the train CLI with
 # `--init-from` (and `--peft METHOD` for the adapters), as a user runs it: frozen weights in bfloat16, BAdam and
-# BREAD-SGD by the blockwise step. Beside learning and forgetting, each contender's step cost is measured side by
+# BREAD (both modes) by the blockwise step. Beside learning and forgetting, each contender's step cost is measured side by
 # side: matmul FLOPs against full AdamW's, train-state bytes per parameter, the peak estimate and the wall time per
 # step (`research.bench finetune`'s measurements at the study's model and batch). Learning is the held-out loss on the new
 # corpus (the package descriptions of `research/data/docs_corpus.py`), forgetting the held-out loss on the pretraining

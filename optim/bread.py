@@ -57,7 +57,8 @@ State: BAdam's (one block's inner state) plus, in low-rank mode, the factors and
 3·r·(m + n) numbers per layer, no full-size array. On a mesh the factors and their moments stay replicated (Auto
 axes: pinned, the layout `sharding.shardings_like_params` gives them) or keep their type sharding (Explicit axes).
 The input is the full gradient tree, as for every transform here; computing only the gradients in reach (the
-paper's compute saving) is the train step's business.
+paper's compute saving) is the train step's business: research/train/blockstep.py runs both modes that way, update
+for update equal to this transform.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ in state bytes per parameter, in activation / intermediate bytes, and in FLOPs?
 
 For each model shape and method the trainer's own pieces build the train state and the train step exactly as
 `research.train` does (`build.make_optimizer`, `state.initial_state` — random base, no --init-from —,
-`blockstep.blockwise_parts` / `make_block_steps` or `step.make_steps` with `build.step_options`), but abstractly: the
+`blockstep.blockwise_parts`, `loop.train_programs`: the blockwise, --freeze-layers or plain step), but abstractly: the
 state is `state.abstract_initial_state` (`jax.eval_shape` of the state's construction: a 3B model's AdamW state is
 never allocated), and the step is `jit(...).lower(abstract state, x, y).compile()`d. From the compiled program:
 
@@ -31,6 +31,8 @@ Methods (rows):
   adamw    full fine-tuning, AdamW, float32 parameters and moments.
   freeze   AdamW with --freeze 'blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed' (attention projections and the embedding
            table, tied to the head in `base` / `llama-3b`) and --frozen-dtype bfloat16 (fine-tuning's default).
+  freeze-half  AdamW with --freeze-layers L/2 (research/train/layerfreeze.py): the bottom half of the layers and the
+           embedding frozen in bfloat16, the backward stopping at layer L/2; the top half trains on a float32 master.
   lora, dora, prediag, sora   --peft METHOD, rank `rank`, base weights bfloat16 (`PeftFlags(base_dtype="bfloat16")`).
   badam    --optimizer badam run by the blockwise step (`research.train.blockstep`), storage bfloat16. Its layer
            scans are cond-masked (only the layers below / above the active one run): a static count takes each
@@ -72,13 +74,13 @@ from models import TransformerConfig, count_params, preset
 from research.bench.report import Progress, call_command, machine, table
 from research.train import blockstep, frozen, memory
 from research.train.adapters import PeftFlags
-from research.train.build import make_optimizer, step_options
+from research.train.build import make_optimizer
 from research.train.config import TrainConfig
 from research.train.state import abstract_initial_state, initial_state
-from research.train.step import make_steps
+from research.train.loop import train_programs
 from sharding import batch_sharding, devices_for, make_mesh
 
-METHODS = ("adamw", "freeze", "lora", "dora", "prediag", "sora", "badam", "bread", "bread-sgd")
+METHODS = ("adamw", "freeze", "freeze-half", "lora", "dora", "prediag", "sora", "badam", "bread", "bread-sgd")
 KNOWN = METHODS + ("muon", "sparse_adapter", "bread-sgd-f32")  # measurable rows the default table leaves out
 BLOCKWISE = ("badam", "bread", "bread-sgd", "bread-sgd-f32")  # run by the blockwise step (research/train/blockstep.py)
 LAYER_LOOP = BLOCKWISE[1:]  # BREAD's: a backward written as a loop over the layers above the active one
@@ -87,6 +89,7 @@ FREEZE = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed"
 MESH = "data=1"
 MIB = 2 ** 20
 TRAINS = {"adamw": "all weights", "freeze": "all but attn q/k/v/o + embedding (frozen bf16)",
+          "freeze-half": "the top half of the layers + final norm (--freeze-layers L/2, frozen bf16)",
           "badam": "1 layer per step (blockwise step, bf16 storage)",
           "bread": "1 layer by AdamW + rank-8 factors on the layers above (blockwise step, bf16 storage)",
           "bread-sgd": "1 layer by AdamW + SGD on the layers above (blockwise step, bf16 storage)",
@@ -108,7 +111,8 @@ def train_config(method: str, mcfg: TransformerConfig, batch_size: int, seq_len:
                  peft: PeftFlags | None = None, opt: tuple[str, ...] = ()) -> TrainConfig:
   """The trainer's flags for `method` (the model fields are overridden by `mcfg` where it matters); `peft`: the
   adapters' flags (default: rank `rank`, bfloat16 base); `opt`: more --opt KEY=VALUE items."""
-  flags = {"freeze": {"freeze": FREEZE, "frozen_dtype": "bfloat16"}, "badam": {"optimizer": "badam",
+  flags = {"freeze": {"freeze": FREEZE, "frozen_dtype": "bfloat16"},
+           "freeze-half": {"freeze_layers": mcfg.n_layers // 2, "frozen_dtype": "bfloat16"}, "badam": {"optimizer": "badam",
            "frozen_dtype": "bfloat16"}, "bread": {"optimizer": "bread", "frozen_dtype": "bfloat16"},
            "muon": {"optimizer": "muon"},
            "bread-sgd": {"optimizer": "bread", "opt": ('mode="sgd"',), "frozen_dtype": "bfloat16"},
@@ -136,7 +140,7 @@ def build(method: str, mcfg, batch_size: int, seq_len: int, rank: int, abstract:
       state = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings)[0]
   batch_sh = batch_sharding(mesh, (batch_size, seq_len))
   step = (blockstep.make_block_steps(graphdef, parts, shardings, batch_sh, static_block)[0] if parts else
-          make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))[0])
+          train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)[0])
   return state, step, batch_sh, mesh
 
 
@@ -187,7 +191,8 @@ def _trainable(method: str, state) -> int:
   """Weights the step can change: the adapters (PEFT), the active layer (BAdam), the unfrozen leaves (--freeze)."""
   if method in PEFT:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-  if method in BLOCKWISE:  # BREAD's steps reach every layer above (no state but the factors): counted as BAdam's
+  if method in BLOCKWISE or method == "freeze-half":  # BREAD's steps reach every layer above (no state but the
+    # factors): counted as BAdam's; --freeze-layers trains its master
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["master"]))
   mask = frozen.frozen_mask(FREEZE if method == "freeze" else None)
   flags = jax.tree.leaves(mask(state["params"])) if mask else [False] * len(jax.tree.leaves(state["params"]))

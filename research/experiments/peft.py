@@ -18,8 +18,9 @@ clip 1.0, the optimizer's default weight decay, one device), at equal steps and 
   adamw, muon        full fine-tuning, every parameter.
   badam              BAdam with the reference defaults (one layer at a time, embedding and final norm frozen), run by
                      the blockwise step (parameters stored in bfloat16, the active layer's float32 master).
-  bread              BREAD, low-rank mode (rank 8, alpha 16: optim.bread's defaults) on BAdam's blocks and switching:
-                     the optax transform over full gradients (the low-rank mode has no blockwise step yet).
+  bread              BREAD, low-rank mode (rank 8, alpha 16: optim.bread's defaults) on BAdam's blocks and switching,
+                     run by the blockwise step (the layers above the active one move through their factors' AdamW
+                     steps in the same backward pass; parameters stored in bfloat16).
   bread_sgd          BREAD-SGD (inactive lr ratio 1, the reference's class default) on BAdam's blocks, run by the
                      blockwise step (the layers above the active one take SGD steps in the same backward pass).
   bread_sgd_f32      the same with --frozen-dtype float32: the stored weights the SGD steps land on in float32 (in
