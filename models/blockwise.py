@@ -100,13 +100,11 @@ def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
   return model.unembed(x_BTD), aux
 
 
-def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra, *, writes: bool = True):
+def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra):
   """The loss and its gradient w.r.t. layer b's weights `w` (a `layer_weights` slice, b traced), by a backward pass
   written out layer by layer from the top down to b, which hands each deeper layer l > b its weight gradient as it
   goes: `(new_l, extra) = visit(l, weights_l, grads_l, extra)` (BREAD's inactive blocks in reach, updated in the same
-  pass), the layer's weights in the stack replaced by `new_l` in place. `writes=False`: `visit` returns
-  (None, extra) and the stack is read, never carried through the loop (carried, XLA copies it when the caller still
-  holds the original). No gradient of a layer below b and no
+  pass), the layer's weights in the stack replaced by `new_l` in place. No gradient of a layer below b and no
   activation gradient below b is computed; no stack-sized gradient ever exists.
 
   Forward: one scan over the L layers (layer b with `w`), keeping each layer's input (L activations: what --remat
@@ -138,21 +136,16 @@ def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra, *, writes
   ct_h, ct_aux = pull(jnp.ones_like(loss))
 
   def down(i, carry):
-    ct, stack, extra = carry if writes else (carry[0], stacked, carry[1])
+    ct, stack, extra = carry
     l = L - 1 - i
     weights = _at(stack, l)
     _, back = jax.vjp(layer, _at(inputs, l), weights)
     ct_x, g = back((ct, _at(ct_aux, l)))
     new, extra = visit(l, weights, g, extra)
-    if not writes:
-      return ct_x, extra
     stack = jax.tree.map(lambda s, n: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), l, 0), stack, new)
     return ct_x, stack, extra
 
-  if writes:
-    ct_b, stack, extra = jax.lax.fori_loop(0, L - 1 - b, down, (ct_h, stacked, extra))
-  else:
-    (ct_b, extra), stack = jax.lax.fori_loop(0, L - 1 - b, down, (ct_h, extra)), stacked
+  ct_b, stack, extra = jax.lax.fori_loop(0, L - 1 - b, down, (ct_h, stacked, extra))
   _, back = jax.vjp(lambda m: layer(_at(inputs, b), m), w)
   g_w, = back((ct_b, _at(ct_aux, b)))
   return loss, out, g_w, nnx.to_pure_dict(stack), extra

@@ -50,7 +50,7 @@ from research.train.breadstep import bread_backward, head_loss, lowrank_backward
 from research.train.build import opt_hparams
 from research.train.distributed import is_primary
 from research.train.health import step_ok
-from research.train.step import jit_steps, lm_loss, moe_outputs
+from research.train.step import jit_steps, lm_loss, aux_outputs
 from sharding.state import shardings_like_params
 
 BLOCKWISE_DEFAULTS = {"include_embedding": False, "include_head": False, "always_active": ()}
@@ -218,7 +218,7 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
     master = jax.tree.map(lambda nxt_m, m: jnp.where(switch, nxt_m, m), _layer(params, nxt), master)
     new = {**state, "step": state["step"] + 1, "params": params, "master": master,
            "opt_state": {"count": count, "block": nxt, "inner": inner, **extra}}
-    metrics = moe_outputs(new, aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
+    metrics = aux_outputs(new, aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   return jit_steps(train_step, eval_fn, shardings, batch_sh)

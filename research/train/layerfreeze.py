@@ -40,7 +40,7 @@ from optim import needs_max_logits
 from research.train.build import RunError, exact_mode
 from research.train.frozen import frozen_mask
 from research.train.health import step_ok
-from research.train.step import jit_steps, lm_loss, moe_outputs
+from research.train.step import jit_steps, lm_loss, aux_outputs
 from sharding.state import shardings_like_params
 
 
@@ -112,6 +112,9 @@ def init_state(state: dict, shardings: dict, tx, regex: str | None, n: int, dtyp
   part's float32 master, the optimizer's state over it (the plain state's "opt_state" is dropped)."""
   params = state["params"]
   flags = trained_flags(params, regex)
+  if not any(jax.tree.leaves(flags["blocks"])):
+    raise RunError(f"--freeze {regex!r} freezes every leaf of the layer stack, so --freeze-layers {n} leaves no layer "
+                   f"to train; drop one of them or narrow --freeze")
   mesh = jax.tree.leaves(shardings["params"])[0].mesh
   m_sh = {k: jax.tree.map(lambda f, s: s if f else None, flags[k], shardings["params"][k]) for k in params}
   m_sh = {k: v for k, v in m_sh.items() if jax.tree.leaves(v)}
@@ -155,7 +158,11 @@ def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int):
     master = keep(optax.apply_updates(master, updates), master)
     new = {**state, "step": state["step"] + 1, "params": _write(params, master, n), "master": master,
            "opt_state": keep(opt_state, state["opt_state"])}
-    metrics = moe_outputs(new, aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
+    metrics = aux_outputs(new, aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
+    if "blocks" in buffers:  # the frozen layers' router bias stays too (their routing is part of what is frozen)
+      new["buffers"] = {**new["buffers"], "blocks": jax.tree.map(lambda b, old: b.at[:n].set(old[:n]),
+                                                                  new["buffers"]["blocks"], buffers["blocks"])}
+
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   return jit_steps(train_step, eval_fn, shardings, batch_sh)

@@ -104,15 +104,20 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, f
   return jit_steps(train_step, eval_fn, shardings, batch_sh)
 
 
-def moe_outputs(new: dict, aux: dict, buffers: dict, moe, total, loss, keep) -> dict:
-  """A master-copy step's MoE outputs (the blockwise BAdam / BREAD and --freeze-layers steps): `new`'s "buffers"
-  given the aux-loss-free router-bias update (`keep(new, old)`: unchanged by a non-finite step), and the router
-  metrics; {} for a dense model. `moe`: the model's MoE config."""
-  if "load" not in aux:
-    return {}
-  if buffers:
-    new["buffers"] = keep(update_router_bias(buffers, aux, moe.bias_rate), buffers)
-  return {"aux_loss": total - loss, **moe_summary(aux)}
+def aux_outputs(new: dict, aux: dict, buffers: dict, moe, total, loss, keep) -> dict:
+  """A master-copy step's outputs from the model's aux (the blockwise BAdam / BREAD and --freeze-layers steps): for an
+  MoE, `new`'s "buffers" given the aux-loss-free router-bias update (`keep(new, old)`: unchanged by a non-finite step)
+  and the router metrics; with --logit-stats the attention-logit maxima, as the plain step logs them. `moe`: the
+  model's MoE config."""
+  metrics = {}
+  if "load" in aux:
+    if buffers:
+      new["buffers"] = keep(update_router_bias(buffers, aux, moe.bias_rate), buffers)
+    metrics = {"aux_loss": total - loss, **moe_summary(aux)}
+  if "max_logit" in aux:  # (L, N): the largest over heads and layers, and each layer's
+    metrics["attn/max_logit"] = jnp.max(aux["max_logit"])
+    metrics["attn/max_logit_layer"] = jnp.max(aux["max_logit"], axis=-1)
+  return metrics
 
 
 def jit_steps(train_step, eval_fn, shardings, batch_sh):

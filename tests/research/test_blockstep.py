@@ -49,8 +49,8 @@ BREAD_LOWRANK = ("rank=2", "alpha=4.0", "inactive_lr_ratio=0.5")
     ("moe_tiny", "data=1", "bread", BREAD_LOWRANK)])
 def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer, opt):
   """BREAD-SGD: the layers above the active one step by ρ·lr·g (sign(g)) inside the layer-by-layer backward; BREAD
-  low-rank: their factors' gradients are taken in it and the factors' AdamW steps merged after it, from the same
-  initial factors as optim.bread's."""
+  low-rank: their factors' gradients, AdamW steps and merges are taken in it, layer by layer, from the same initial
+  factors as optim.bread's."""
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(model, mesh_spec, optimizer, opt)
   assert eligible(cfg, opt_hparams(cfg), mesh) is None
   copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)

@@ -1,7 +1,7 @@
 """--freeze-layers N (research/train/layerfreeze.py): the same updates as full backprop with the frozen part's updates
 masked (AdamW and Muon, dense and MoE, one device and a 3-axis mesh), the backward provably stopping at layer N (its
-matmul FLOPs are full backprop's less exactly 2N layers' forwards), frozen layers keeping every bit in bfloat16, exact
-resume, and the combinations it cannot run refused in one line."""
+matmul FLOPs are full backprop's less exactly 2N layers' forwards), frozen layers keeping every bit in bfloat16 (and
+an MoE's frozen routing), exact resume, and the combinations it cannot run refused in one line."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ from refusals import bad
 from research.bench.finetune import matmul_flops
 from research.train import RunError, TrainConfig, make_steps, run
 from research.train.build import make_optimizer, model_config
+from research.train.config import MoEFlags
 from research.train.layerfreeze import init_state, make_layer_steps
 from sharding import batch_sharding, devices_for, init_train_state, make_mesh
 
@@ -121,6 +122,22 @@ def test_bfloat16_storage_keeps_the_frozen_layers_bit_for_bit():
                                 np.asarray(fl_state["master"]["blocks"]["wq_DQ"]).astype(jnp.bfloat16))
 
 
+def test_the_frozen_layers_routing_stays_fixed():
+  """MoE with the aux-loss-free router bias: the frozen layers' bias rows keep every bit, the trained layers' move."""
+  n = 1
+  cfg, mesh, tx, graphdef, state, shardings, batch_sh = setup("moe_tiny", freeze_layers=n,
+                                                                      moe=MoEFlags(bias_rate=1e-2))
+  fl_state, fl_sh = init_state(state, shardings, tx, None, n, jnp.float32)
+  before = jax.tree.map(np.asarray, fl_state["buffers"])
+  step, _ = make_layer_steps(graphdef, tx, fl_sh, batch_sh, n)
+  with jax.set_mesh(mesh):
+    for x, y in batches(3):
+      fl_state, out = step(fl_state, jax.device_put(x, batch_sh), jax.device_put(y, batch_sh))
+  for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(fl_state["buffers"])):
+    np.testing.assert_array_equal(new[:n], old[:n])
+    assert not np.array_equal(new[n:], old[n:])
+
+
 TINY = dict(model="tiny", steps=6, batch_size=8, seq_len=32, log_every=1, eval_every=3, ckpt_every=3,
             warmup_steps=1, eval_batches=1, progress=False, mesh="data=8", freeze_layers=1)
 
@@ -140,6 +157,7 @@ def test_a_run_resumes_exactly_and_records_the_split(tmp_path):
     (["--freeze-layers", "1", "--optimizer", "badam"], r"--freeze-layers does not combine with --optimizer badam"),
     (["--freeze-layers", "1", "--peft", "lora"], r"--freeze-layers does not combine with --peft"),
     (["--freeze-layers", "1", "--mesh", "stage=2,data=4"], r"--freeze-layers does not combine with a stage mesh"),
+    (["--freeze-layers", "1", "--freeze", "blocks"], r"--freeze 'blocks' freezes every leaf of the layer stack"),
 ])
 def test_what_it_cannot_run_is_refused_in_one_line(tmp_path, capsys, args, message):
   import re
