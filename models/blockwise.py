@@ -41,6 +41,17 @@ def _at(stacked, l):
   return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, 0, keepdims=False), stacked)
 
 
+def _layers(model, remat: bool):
+  """(the stacked block state, layer(x, state) -> (x, aux) applying one layer's state; rematerialised in the
+  backward when `remat`)."""
+  graphdef, stacked = nnx.split(model.blocks)
+
+  def layer(x, state):
+    return nnx.merge(graphdef, state)(x)
+
+  return stacked, (jax.checkpoint(layer, prevent_cse=False) if remat else layer)
+
+
 def layer_weights(model, b):
   """Layer b's slice of the stacked block state (an nnx State of one layer; b may be traced)."""
   return _at(nnx.split(model.blocks)[1], b)
@@ -52,14 +63,8 @@ def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
   if mesh_stages() > 1 or mesh_context() > 1:
     raise BlockwiseError("the active-layer backward (BAdam's truncated backprop) runs without a pipeline (stage) "
                          "or context-parallel mesh axis")
-  graphdef, stacked = nnx.split(model.blocks)
   remat = model.c.remat
-
-  def layer(x, state):
-    return nnx.merge(graphdef, state)(x)
-
-  if remat:
-    layer = jax.checkpoint(layer, prevent_cse=False)
+  stacked, layer = _layers(model, remat)
   frozen = jax.lax.stop_gradient(stacked)
   x_BTD = jax.lax.stop_gradient(model.embed(tokens_BT))
   aux_shape = jax.eval_shape(lambda x, s: layer(x, s)[1], x_BTD, w)
@@ -119,12 +124,9 @@ def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra):
   if mesh_stages() > 1 or mesh_context() > 1:
     raise BlockwiseError("the layer-by-layer backward (BREAD's blockwise step) runs without a pipeline (stage) or "
                          "context-parallel mesh axis")
-  graphdef, stacked = nnx.split(model.blocks)
+  stacked, layer = _layers(model, remat=False)
   stacked = jax.lax.stop_gradient(stacked)
   L = jax.tree.leaves(stacked)[0].shape[0]
-
-  def layer(x, state):
-    return nnx.merge(graphdef, state)(x)
 
   def forward(x, l):
     y, aux = jax.lax.cond(l == b, lambda: layer(x, w), lambda: layer(x, _at(stacked, l)))
@@ -158,13 +160,7 @@ def frozen_below_forward(model, tokens_BT, upper, n: int):
   `n` is static (one program). Dense and MoE alike; not for the pipeline (`stage`) or context-parallel layouts."""
   if mesh_stages() > 1 or mesh_context() > 1:
     raise BlockwiseError("--freeze-layers runs without a pipeline (stage) or context-parallel mesh axis")
-  graphdef, stacked = nnx.split(model.blocks)
-
-  def layer(x, state):
-    return nnx.merge(graphdef, state)(x)
-
-  if model.c.remat:
-    layer = jax.checkpoint(layer, prevent_cse=False)
+  stacked, layer = _layers(model, model.c.remat)
   x_BTD = jax.lax.stop_gradient(model.embed(tokens_BT))
   x_BTD, aux_below = jax.lax.scan(layer, x_BTD, jax.lax.stop_gradient(jax.tree.map(lambda a: a[:n], stacked)))
   x_BTD, aux_above = jax.lax.scan(layer, jax.lax.stop_gradient(x_BTD), upper)

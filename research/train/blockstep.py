@@ -37,7 +37,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -46,11 +45,12 @@ from models.blockwise import active_layer_forward, layer_weights
 from optim import block_index, decay_mask, hyperparameters
 from optim.badam import block_plan, switches_before
 from optim.bread import init_factors
-from research.train.breadstep import bread_backward, head_loss, lowrank_backward
+from optim.trees import tree_bytes
+from research.train.breadstep import bread_backward, lowrank_backward
 from research.train.build import opt_hparams
 from research.train.distributed import is_primary
 from research.train.health import step_ok
-from research.train.step import jit_steps, lm_loss, aux_outputs
+from research.train.step import aux_outputs, eval_loss, head_loss, jit_steps
 from sharding.state import shardings_like_params
 
 BLOCKWISE_DEFAULTS = {"include_embedding": False, "include_head": False, "always_active": ()}
@@ -171,9 +171,6 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
   def model_of(params, buffers):
     return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
 
-  def eval_fn(params, x, y, buffers):
-    return lm_loss(graphdef)(params, x, y, buffers)[1][0]
-
   def train_step(state, x, y):
     params, master, opt = state["params"], state["master"], state["opt_state"]
     buffers, b = state.get("buffers", {}), opt["block"]
@@ -221,7 +218,7 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
     metrics = aux_outputs(new, aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
-  return jit_steps(train_step, eval_fn, shardings, batch_sh)
+  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
 
 
 def _factor_state(parts: Parts, factors, new, old, ok, switch) -> dict:
@@ -234,7 +231,6 @@ def _factor_state(parts: Parts, factors, new, old, ok, switch) -> dict:
 
 def state_bytes(state: dict) -> dict[str, int]:
   """Bytes of the blockwise state's parts: the stored parameters, the master, AdamW's state."""
-  size = lambda tree: int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
   opt = state["opt_state"]
-  return {"params": size(state["params"]), "master": size(state["master"]), "adam": size(opt["inner"]),
-          "factors": size((opt.get("factors", ()), opt.get("factor_state", ())))}
+  return {"params": tree_bytes(state["params"]), "master": tree_bytes(state["master"]),
+          "adam": tree_bytes(opt["inner"]), "factors": tree_bytes((opt.get("factors"), opt.get("factor_state")))}

@@ -1,6 +1,6 @@
 """BREAD's backward passes for the blockwise step (research/train/blockstep.py): `models.blockwise.backprop_to_layer`
 with a visit that updates each layer above the active one as the pass reaches it — by SGD (`bread_backward`) or
-through its rank-r factors (`lowrank_backward`) — and the loss both blockwise backwards take (`head_loss`)."""
+through its rank-r factors (`lowrank_backward`) — on top of `research.train.step.head_loss`."""
 
 from __future__ import annotations
 
@@ -8,19 +8,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import cross_entropy
 from models.blockwise import backprop_to_layer, layer_weights
-from models.moe import aux_loss
 from optim.bread import factor_delta, factor_grads
 from optim.trees import path_name
-
-
-def head_loss(model, y):
-  """(logits, aux) -> (cross entropy + the MoE aux losses, (cross entropy, aux)): both blockwise backwards' loss."""
-  def head(logits, aux):
-    ce = cross_entropy(logits, y)
-    return ce + aux_loss(aux, model.c), (ce, aux)
-  return head
+from research.train.step import head_loss
 
 
 def bread_backward(model, params, master, b, x, y, step, sign: bool):
@@ -32,13 +23,18 @@ def bread_backward(model, params, master, b, x, y, step, sign: bool):
   nnx.replace_by_pure_dict(w, master)
 
   def visit(l, weights, grads, extra):
-    fine = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    fine = _finite(grads)
     new = jax.tree.map(lambda p, g: jnp.where(fine, p + jnp.asarray(step, g.dtype) * (jnp.sign(g) if sign else g),
                                               p).astype(p.dtype), weights, grads)
     return new, extra
 
   total, out, g_w, blocks, _ = backprop_to_layer(model, x, w, b, head_loss(model, y), visit, ())
   return (total, out), nnx.to_pure_dict(g_w), {**params, "blocks": blocks}
+
+
+def _finite(tree) -> jax.Array:
+  """Whether every entry of a layer's gradient tree is finite (a layer that is not keeps its weights)."""
+  return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(tree)]))
 
 
 def _block_names(blocks) -> list[str]:
@@ -73,7 +69,7 @@ def lowrank_backward(model, params, master, b, x, y, factors, fstate, inner, ste
     fs, st = carry
     pure = nnx.to_pure_dict(grads)
     g_of = dict(zip(_block_names(pure), jax.tree.leaves(pure)))
-    fine = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(pure)]))
+    fine = _finite(pure)
     f_l = sliced(fs, l)
     g_l = {name: factor_grads(g_of[name].astype(f["a_IR"].dtype), f["a_IR"], f["b_RO"], scale)
            for name, f in f_l.items()}

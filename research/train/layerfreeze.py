@@ -29,18 +29,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
-from models import cross_entropy
 from models.blockwise import frozen_below_forward, upper_layers
-from models.moe import aux_loss
 from optim import needs_max_logits
+from optim.trees import tree_bytes
 from research.train.build import RunError, exact_mode
 from research.train.frozen import frozen_mask
 from research.train.health import step_ok
-from research.train.step import jit_steps, lm_loss, aux_outputs
+from research.train.step import aux_outputs, eval_loss, head_loss, jit_steps
 from sharding.state import shardings_like_params
 
 
@@ -86,7 +84,7 @@ def _is_none(x) -> bool:
   return x is None
 
 
-def _merged(params: dict, master: dict, n: int, fn) -> dict:
+def _merged(params: dict, master: dict, fn) -> dict:
   """`params` with `fn(key, stored, trained)` at every leaf the master has (None at the leaves it does not)."""
   return {k: (jax.tree.map(lambda m, p, k=k: p if m is None else fn(k, p, m), master[k], v, is_leaf=_is_none)
               if k in master else v) for k, v in params.items()}
@@ -94,15 +92,14 @@ def _merged(params: dict, master: dict, n: int, fn) -> dict:
 
 def _write(params: dict, master: dict, n: int) -> dict:
   """`params` with the master's values written in (cast to the stored dtype; the stack's layers n.. in place)."""
-  return _merged(params, master, n, lambda k, p, m: p.at[n:].set(m.astype(p.dtype)) if k == "blocks" else
+  return _merged(params, master, lambda k, p, m: p.at[n:].set(m.astype(p.dtype)) if k == "blocks" else
                  m.astype(p.dtype))
 
 
 def _model_inputs(params: dict, master: dict, n: int) -> tuple[dict, dict]:
   """(the parameters the model is built from: the master's leaves outside the stack in place of the stored ones,
   the stack's layers n.. for `frozen_below_forward`: the master's, or the stored ones a regex froze)."""
-  built = _merged({k: v for k, v in params.items()}, {k: v for k, v in master.items() if k != "blocks"}, n,
-                  lambda k, p, m: m)
+  built = _merged(params, {k: v for k, v in master.items() if k != "blocks"}, lambda k, p, m: m)
   upper = jax.tree.map(lambda m, p: p[n:] if m is None else m, master["blocks"], params["blocks"], is_leaf=_is_none)
   return built, upper
 
@@ -137,18 +134,13 @@ def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int):
   def model_of(params, buffers):
     return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
 
-  def eval_fn(params, x, y, buffers):
-    return lm_loss(graphdef)(params, x, y, buffers)[1][0]
-
   def train_step(state, x, y):
     params, master, buffers = state["params"], state["master"], state.get("buffers", {})
 
     def loss_of(m):
       built, upper = _model_inputs(params, m, n)
       model = model_of(built, buffers)
-      logits, aux = frozen_below_forward(model, x, upper_layers(model, n, upper), n)
-      ce = cross_entropy(logits, y)
-      return ce + aux_loss(aux, model.c), (ce, aux)
+      return head_loss(model, y)(*frozen_below_forward(model, x, upper_layers(model, n, upper), n))
 
     (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
     updates, opt_state = tx.update(grads, state["opt_state"], master)
@@ -165,10 +157,10 @@ def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int):
 
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
-  return jit_steps(train_step, eval_fn, shardings, batch_sh)
+  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
 
 
 def state_bytes(state: dict) -> dict[str, int]:
   """Bytes of the --freeze-layers state's parts: the stored parameters, the master, the optimizer's state."""
-  size = lambda tree: int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-  return {"params": size(state["params"]), "master": size(state["master"]), "opt": size(state["opt_state"])}
+  return {"params": tree_bytes(state["params"]), "master": tree_bytes(state["master"]),
+          "opt": tree_bytes(state["opt_state"])}

@@ -97,14 +97,17 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     state, shardings = blockstep.init_state(state, shardings, blockwise, dtype)
     report = {**report, "blockwise_badam": {"dtype": str(dtype)}}
     sizes = blockstep.state_bytes(state)
-    above = ("" if blockwise.bread is None else " (BREAD-SGD on the layers above the active one)"
-             if not blockwise.lowrank else f" (BREAD's rank-{blockwise.bread['rank']} factors on the layers above the "
-             f"active one: {sizes['factors'] / 2**20:.1f} MiB with their AdamW state)")
+    above = ""
+    if blockwise.lowrank:
+      above = (f" (BREAD's rank-{blockwise.bread['rank']} factors on the layers above the active one: "
+               f"{sizes['factors'] / 2**20:.1f} MiB with their AdamW state)")
+    elif blockwise.bread is not None:
+      above = " (BREAD-SGD on the layers above the active one)"
     lines.append(f"{blockwise.name}: blockwise step{above}, parameters stored as {dtype} "
                  f"({sizes['params'] / 2**20:.1f} MiB), the active layer's float32 master "
                  f"{sizes['master'] / 2**20:.1f} MiB and AdamW state {sizes['adam'] / 2**20:.1f} MiB")
   if cfg.freeze_layers:  # layers 0..N-1 and the embedding frozen: the trained part's float32 master and state
-    layerfreeze.check(cfg, mcfg.n_layers, mesh)
+    layerfreeze.check(cfg, mcfg.n_layers, mesh)  # startup.setup checked it for the trainer; the bench builds here
     dtype = frozen.frozen_dtype(cfg)
     state, shardings = layerfreeze.init_state(state, shardings, tx, cfg.freeze, cfg.freeze_layers, dtype)
     report = {**report, "frozen_layers": {"n": cfg.freeze_layers, "dtype": str(dtype)}}

@@ -22,15 +22,28 @@ def keep_prev_params(state, shardings):
   return {**state, "prev_params": prev}, {**shardings, "prev_params": shardings["params"]}
 
 
+def head_loss(model, y):
+  """(logits, aux) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)): the loss on top of a forward,
+  `model.forward`'s or a blockwise one's (research/train/blockstep.py, breadstep.py, layerfreeze.py)."""
+  def head(logits, aux):
+    ce = cross_entropy(logits, y)
+    return ce + aux_loss(aux, model.c), (ce, aux)
+  return head
+
+
 def lm_loss(graphdef):
   """loss_fn(params, x, y, buffers) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)), aux the
   model's (per-layer router stats, attention-logit maxima)."""
   def loss_fn(params, x, y, buffers):
     model = nnx.merge(graphdef, params, buffers)
-    logits, aux = model.forward(x)
-    ce = cross_entropy(logits, y)
-    return ce + aux_loss(aux, model.c), (ce, aux)
+    return head_loss(model, y)(*model.forward(x))
   return loss_fn
+
+
+def eval_loss(graphdef):
+  """eval_fn(params, x, y, buffers) -> the cross entropy: every step's held-out evaluation."""
+  loss_fn = lm_loss(graphdef)
+  return lambda params, x, y, buffers: loss_fn(params, x, y, buffers)[1][0]
 
 
 def value_and_grad_trained(loss_fn, params, frozen, *args):
@@ -69,9 +82,6 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, f
   exact = "prev_params" in shardings
   loss_fn = lm_loss(graphdef)
 
-  def eval_fn(params, x, y, buffers):
-    return loss_fn(params, x, y, buffers)[1][0]
-
   def train_step(state, x, y):
     buffers = state.get("buffers", {})
     flags = None if frozen is None else frozen(state["params"])
@@ -88,24 +98,19 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, f
       new["prev_params"] = state["params"]
     if buffers:  # a router's selection bias, a PEFT run's frozen base
       new["buffers"] = buffers
-    metrics = {}
-    if "load" in aux:  # MoE: aux-loss-free bias update from this step's loads (DeepSeek-V3), router metrics
-      rate = nnx.merge(graphdef, state["params"], buffers).c.moe.bias_rate
-      if buffers:
-        new["buffers"] = update_router_bias(buffers, aux, rate)
-      metrics = {"aux_loss": total - loss, **moe_summary(aux)}
-    if "max_logit" in aux:  # (L, N): the largest over heads and layers, and each layer's
-      metrics["attn/max_logit"] = jnp.max(aux["max_logit"])
-      metrics["attn/max_logit_layer"] = jnp.max(aux["max_logit"], axis=-1)
+    # MoE: the aux-loss-free bias update from this step's loads (DeepSeek-V3) and router metrics; logit maxima
+    # (keep_if_finite below undoes all of it on a non-finite step)
+    metrics = aux_outputs(new, aux, buffers, nnx.merge(graphdef, state["params"], buffers).c.moe, total, loss,
+                          lambda n, o: n)
     grad_norm = optax.tree.norm(grads)
     ok = step_ok(total, grad_norm, updates)
     return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
-  return jit_steps(train_step, eval_fn, shardings, batch_sh)
+  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
 
 
 def aux_outputs(new: dict, aux: dict, buffers: dict, moe, total, loss, keep) -> dict:
-  """A master-copy step's outputs from the model's aux (the blockwise BAdam / BREAD and --freeze-layers steps): for an
+  """A step's outputs from the model's aux (the plain, blockwise BAdam / BREAD and --freeze-layers steps): for an
   MoE, `new`'s "buffers" given the aux-loss-free router-bias update (`keep(new, old)`: unchanged by a non-finite step)
   and the router metrics; with --logit-stats the attention-logit maxima, as the plain step logs them. `moe`: the
   model's MoE config."""
