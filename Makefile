@@ -22,7 +22,7 @@ $(RUN_STAMP): pyproject.toml
 
 $(TEST_STAMP): $(RUN_STAMP)
 	$(BIN)/pip install -q "$(TORCH)+cpu" 2>/dev/null || $(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) $(TORCH)
-	$(BIN)/pip install -q -e ".[dev,oracles]"
+	$(BIN)/pip install -q -e ".[dev,oracles,wandb,mlflow,viz]"
 	touch $(TEST_STAMP)
 
 .PHONY: install install-test run test bench

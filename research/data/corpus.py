@@ -36,6 +36,9 @@ class Corpus:
   vocab_size: int
   fingerprint: str  # sha256 hex of train bytes then val bytes: identifies the data in run records
   source: str  # "stdlib:<dir>" or the resolved user path
+  eos: int | None = None  # the token that ends every document (SEPARATOR on bytes, the tokenizer's end-of-text)
+  train_docs: np.ndarray | None = None  # int64 start offset of each document in `train` (None: not recorded)
+  val_docs: np.ndarray | None = None  # the same for `val`
 
 
 def read_corpus(path: str | None = None, *, cache_dir: str | None = None, val_fraction: float = 0.05) -> Corpus:

@@ -45,6 +45,18 @@ class MoEFlags:
 
 
 @dataclasses.dataclass
+class DataFlags:
+  """How --data's records become training rows."""
+  field: str = "text"
+  """The column (Parquet, Arrow) or key (JSON Lines) holding each document's text."""
+  pack: bool = False
+  """Pack whole documents into the rows (each row starts at a document, documents joined by the end-of-text token;
+  a document longer than a row continues on the next), instead of windows cut anywhere in the token stream."""
+  workers: int = 2
+  """Background threads that read and assemble batches ahead of the step (grain's prefetch; 0: in the loop)."""
+
+
+@dataclasses.dataclass
 class TrainConfig:
   """Train a decoder-only transformer on a named device mesh."""
 
@@ -129,14 +141,22 @@ class TrainConfig:
   """--sync local:H: the outer optimizer's learning rate (DiLoCo's 0.7)."""
   outer_momentum: float = 0.9
   """--sync local:H: the outer optimizer's Nesterov momentum (DiLoCo's 0.9; 0 = plain SGD)."""
-  data: str | None = None
-  """A text file, a directory of text files, or a .npy/.bin token array (unset: the stdlib corpus)."""
+  data: tuple[str, ...] | None = None
+  """The training data (unset: the stdlib corpus): files, directories or globs, several allowed: text files or a
+  directory of them, Parquet, JSON Lines (.jsonl, .jsonl.gz), Arrow (.arrow) or a `datasets.save_to_disk`
+  directory, or a .npy/.bin token array. Tokenized once into cached memory-mapped shards (research/data/shards.py)."""
+  data_options: Annotated[DataFlags, tyro.conf.arg(name="data")] = dataclasses.field(default_factory=DataFlags)
+  """How the data is read and laid into rows (--data.field text --data.pack ...)."""
   sampling: Literal["random", "sequential"] = "random"
   """Training windows drawn uniformly at random each step, or read in order as a stream (adjacent text in a batch and
   across steps: an unshuffled dataset)."""
   tokenizer: str | None = None
   """Encode the text with this Hugging Face tokenizer.json (or a directory holding one) instead of bytes; the tokens
   are cached once (research/data/tokenized.py)."""
+  tracker: tyro.conf.UseAppendAction[tuple[Literal["tensorboard", "wandb", "mlflow", "none"], ...]] = ()
+  """Where the metrics also go, repeatable (metrics.jsonl is always written): tensorboard (the default: event files
+  in --out, `tensorboard --logdir runs`), wandb (offline unless WANDB_MODE/WANDB_API_KEY say otherwise), mlflow
+  (./mlruns, or $MLFLOW_TRACKING_URI); none: metrics.jsonl only (research/train/trackers.py)."""
   init_from: str | None = None
   """Start from pretrained parameters: hf:PATH (a Hugging Face model directory) or an optlab RUN_DIR (its newest
   checkpoint). The model config is the checkpoint's (a conflicting model flag is an error); the optimizer starts
@@ -202,6 +222,12 @@ class TrainConfig:
   distributed: Literal["auto", "on", "off"] = "auto"
   """auto: start jax.distributed when a coordinator is given or SLURM/Open MPI launched several tasks; on: always,
   with JAX's cluster detection (TPU pods, Kubernetes); off: never."""
+
+  def __post_init__(self):
+    if isinstance(self.data, str):  # TrainConfig(data="path") from Python: one path
+      self.data = (self.data,)
+    elif self.data is not None:
+      self.data = tuple(self.data) or None
 
 
 class RunError(ValueError):

@@ -34,14 +34,15 @@ LAYOUT_AND_REPORTING = {
     "out", "mesh", "devices", "zero1", "switch_at", "remat", "microbatches", "coordinator", "num_processes",
     "process_id", "distributed", "peer_timeout", "eval_every", "eval_batches", "ckpt_every", "keep", "log_every",
     "progress", "compile_cache", "max_bad_steps", "spike_factor", "spike_window", "peak_flops", "stop_at",
-    "init_from", "amend", "memory_limit"}
+    "init_from", "amend", "memory_limit", "tracker"}
 # flags that only name model fields (compared through the resolved model config instead)
 MODEL_FLAGS = {"model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias",
                "tie_embeddings", "compute_dtype", "moe"}
 
 
 # settings added after runs were saved: a saved config without one trained as its default did
-LATER_DEFAULTS = {"sync": "allreduce", "outer_lr": 0.7, "outer_momentum": 0.9, "sampling": "random"}
+LATER_DEFAULTS = {"sync": "allreduce", "outer_lr": 0.7, "outer_momentum": 0.9, "sampling": "random",
+                  "data_options": {"field": "text", "pack": False, "workers": 2}}
 
 
 def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
@@ -49,6 +50,8 @@ def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
   checkpoint's config (`saved`) and this run's (`meta`)."""
   skip = LAYOUT_AND_REPORTING | MODEL_FLAGS
   old, new = {**LATER_DEFAULTS, **saved["train"]}, json.loads(json.dumps(meta["train"]))  # as saved: tuples -> lists
+  if isinstance(old.get("data"), str):  # saved before --data took several paths
+    old["data"] = [old["data"]]
   changed = {k: [old.get(k), v] for k, v in new.items() if k not in skip and old.get(k) != v}
   dtype = [saved["model_config"].get("compute_dtype"), meta["model_config"].get("compute_dtype")]
   if dtype[0] != dtype[1]:
