@@ -2,8 +2,10 @@
 
 `read_corpus()` with no path builds the default corpus from the running interpreter's own
 standard library (every `*.py` file, site-packages excluded), so a fresh checkout trains with
-no download; the build is cached on disk and memory-mapped afterwards. A user path may be a
-directory of text files, one text file, a 1-D integer `.npy`, or a nanoGPT-style uint16 `.bin`.
+no download; the build is cached on disk and memory-mapped afterwards. A user path here may be a
+directory of text files, one text file, a 1-D integer `.npy`, or a nanoGPT-style uint16 `.bin`;
+Parquet, JSON Lines, Arrow and `datasets` directories, globs and several paths are read by
+`research.data.shards` instead (`research.data.load_corpus` picks).
 
 Tokenizing it is `research.data.tokenized`; `research.data.load_corpus` does both. Pure numpy; imports no jax.
 """
@@ -64,7 +66,7 @@ def _load_path(path, val_fraction) -> Corpus:
       train, val = _split_by_position(_read_docs(path, relpaths), val_fraction, path)
     else:
       train, val = _split_by_document(path, relpaths, val_fraction)
-    vocab = 256
+    vocab, eos = 256, SEPARATOR
   elif path.endswith(".npy"):
     try:
       arr = np.load(path, mmap_mode="r")
@@ -74,22 +76,21 @@ def _load_path(path, val_fraction) -> Corpus:
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
       raise DataError(f"{path} must hold a 1-D integer token array, got shape {arr.shape} "
                       f"dtype {arr.dtype}")
-    train, val, vocab = _split_tokens(arr, val_fraction, path)
+    return _token_file(arr, val_fraction, path, source)  # a token array's document boundaries are unknown: no eos
   elif path.endswith(".bin"):
     size = os.path.getsize(path)
     if size % 2:
       raise DataError(f"{path} has an odd size ({size} bytes); a .bin must be raw uint16 tokens")
     if size == 0:
       raise DataError(f"data file is empty: {path}")
-    train, val, vocab = _split_tokens(np.memmap(path, dtype=np.uint16, mode="r"), val_fraction,
-                                      path)
+    return _token_file(np.memmap(path, dtype=np.uint16, mode="r"), val_fraction, path, source)
   else:
     data = np.fromfile(path, dtype=np.uint8)
     if data.size == 0:
       raise DataError(f"data file is empty: {path}")
     train, val = _split_by_position(data, val_fraction, path)
-    vocab = 256
-  return Corpus(train, val, vocab, corpus_fingerprint(train, val), source)
+    vocab, eos = 256, SEPARATOR
+  return Corpus(train, val, vocab, corpus_fingerprint(train, val), source, eos=eos)
 
 
 def default_cache_dir() -> str:
@@ -97,14 +98,34 @@ def default_cache_dir() -> str:
   return os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
 
 
-def _split_tokens(arr, val_fraction, path):
+def _token_file(arr: np.memmap, val_fraction, path, source) -> Corpus:
+  """A memory-mapped token array split by position, its ids checked and its fingerprint taken in one read of the
+  file in chunks (reads, not the map: a corpus larger than RAM never becomes resident memory of this process)."""
   if arr.size == 0:
     raise DataError(f"data file is empty: {path}")
-  lo, hi = int(arr.min()), int(arr.max())
+  lo, hi, fingerprint = _scan(path, arr.offset, arr.dtype, arr.size)
   if lo < 0:
     raise DataError(f"{path} contains a negative token id ({lo})")
   train, val = _split_by_position(arr, val_fraction, path)
-  return train, val, max(256, hi + 1)
+  return Corpus(train, val, max(256, hi + 1), fingerprint, source)  # train then val: the file's bytes in order
+
+
+def _scan(path, offset: int, dtype, count: int, chunk: int = 1 << 26):
+  """(min, max, sha256 hex) of `count` items of `dtype` at byte `offset` of `path`."""
+  h, lo, hi, itemsize = hashlib.sha256(), None, None, np.dtype(dtype).itemsize
+  with open(path, "rb") as f:
+    f.seek(offset)
+    left = count * itemsize
+    while left:
+      data = f.read(min(chunk - chunk % itemsize, left))
+      if not data:
+        raise DataError(f"{path} is shorter than its header says (truncated?)")
+      left -= len(data)
+      h.update(data)
+      part = np.frombuffer(data, dtype)
+      lo = int(part.min()) if lo is None else min(lo, int(part.min()))
+      hi = int(part.max()) if hi is None else max(hi, int(part.max()))
+  return lo, hi, h.hexdigest()
 
 
 def _split_by_position(arr, val_fraction, path):
@@ -180,7 +201,7 @@ def _load_stdlib(cache_dir, val_fraction):
   source = f"stdlib:{root}"
   cached = _read_cache(folder)
   if cached is not None:
-    return Corpus(*cached, source=source)
+    return Corpus(*cached, source=source, eos=SEPARATOR)
   train, val = _split_by_document(root, relpaths, val_fraction)
   fingerprint = corpus_fingerprint(train, val)
   meta = dict(fingerprint=fingerprint, train_bytes=len(train), val_bytes=len(val),
@@ -193,9 +214,10 @@ def _load_stdlib(cache_dir, val_fraction):
     write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks valid
   except OSError as e:  # a read-only home should not stop training; it only costs a rebuild
     warnings.warn(f"could not cache the stdlib corpus in {folder}: {e}")
-    return Corpus(train, val, 256, fingerprint, source)
+    return Corpus(train, val, 256, fingerprint, source, eos=SEPARATOR)
   cached = _read_cache(folder)  # serve the memmap, so a build and a hit behave alike
-  return Corpus(*cached, source=source) if cached else Corpus(train, val, 256, fingerprint, source)
+  return (Corpus(*cached, source=source, eos=SEPARATOR) if cached
+          else Corpus(train, val, 256, fingerprint, source, eos=SEPARATOR))
 
 
 def _read_cache(folder):

@@ -32,12 +32,11 @@ def _encode(tokens_u8: np.ndarray, tok, eot: int | None, dtype) -> np.ndarray:
   return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None = None) -> Corpus:
-  """`corpus` (bytes) encoded with the tokenizer at `tokenizer_path` (a tokenizer.json or a directory with one)."""
+def open_tokenizer(path: str):
+  """(tokenizers.Tokenizer, the tokenizer file's bytes, its path) for a tokenizer.json or a directory holding one; the
+  bytes go into cache keys, so an edited tokenizer builds a new cache."""
   from tokenizers import Tokenizer
-  if corpus.vocab_size != 256 or corpus.train.dtype != np.uint8:
-    raise DataError(f"{corpus.source} is already tokens (vocab {corpus.vocab_size}); a tokenizer applies to text")
-  file = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
+  file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
   try:
     raw = open(file, "rb").read()
     tok = Tokenizer.from_str(raw.decode("utf-8"))
@@ -45,15 +44,33 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None =
     raise DataError(f"tokenizer not found: {file}") from None
   except Exception as e:
     raise DataError(f"{file}: not a Hugging Face tokenizer ({str(e).splitlines()[0]})") from None
+  return tok, raw, file
+
+
+def end_of_text(tok) -> int | None:
+  """The id of the first of END_OF_TEXT the tokenizer knows (the token that ends each document), else None."""
+  return next((tok.token_to_id(t) for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
+
+
+def token_dtype(vocab_size: int):
+  """uint16 when every id fits (vocab ≤ 65,536), else uint32: half the disk and page cache for common vocabularies."""
+  return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
+
+
+def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None = None) -> Corpus:
+  """`corpus` (bytes) encoded with the tokenizer at `tokenizer_path` (a tokenizer.json or a directory with one)."""
+  if corpus.vocab_size != 256 or corpus.train.dtype != np.uint8:
+    raise DataError(f"{corpus.source} is already tokens (vocab {corpus.vocab_size}); a tokenizer applies to text")
+  tok, raw, file = open_tokenizer(tokenizer_path)
   vocab = tok.get_vocab_size(with_added_tokens=True)
-  dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
-  eot = next((tok.token_to_id(t) for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
+  dtype = token_dtype(vocab)
+  eot = end_of_text(tok)
   key = hashlib.sha256(json.dumps([_VERSION, corpus.fingerprint, hashlib.sha256(raw).hexdigest()]).encode())
   folder = os.path.join(os.path.expanduser(cache_dir or default_cache_dir()), f"tokens-{key.hexdigest()[:24]}")
   source = f"{corpus.source} tokenized by {os.path.realpath(file)}"
   cached = _read(folder, dtype)
   if cached is not None:
-    return _corpus(cached, vocab, source)
+    return _corpus(cached, vocab, source, eot)
   train, val = (_encode(part, tok, eot, dtype) for part in (corpus.train, corpus.val))
   for name, part in (("train", train), ("val", val)):
     if len(part) == 0:
@@ -65,12 +82,12 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None =
   write_atomic(folder, "train.bin", train.tobytes())
   write_atomic(folder, "val.bin", val.tobytes())
   write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the cache valid
-  return _corpus(_read(folder, dtype), vocab, source)
+  return _corpus(_read(folder, dtype), vocab, source, eot)
 
 
-def _corpus(cached, vocab, source) -> Corpus:
+def _corpus(cached, vocab, source, eot) -> Corpus:
   train, val, fingerprint = cached
-  return Corpus(train, val, vocab, fingerprint, source)
+  return Corpus(train, val, vocab, fingerprint, source, eos=eot)
 
 
 def _read(folder, dtype):
