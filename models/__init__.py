@@ -2,10 +2,10 @@
 
 from models.config import PRESETS, ConfigError, MoEConfig, TransformerConfig, count_params, flops_per_token, preset
 from models.moe import MoE, RouterBias, aux_loss, update_router_bias
-from models.transformer import Transformer, cross_entropy
+from models.transformer import IGNORE_TARGET, Transformer, cross_entropy
 from models.surgery import SurgeryError, insert_block, upcycle
 
-__all__ = ["ConfigError", "MoE", "MoEConfig", "PRESETS", "RouterBias", "Transformer", "TransformerConfig", "aux_loss",
+__all__ = ["IGNORE_TARGET", "ConfigError", "MoE", "MoEConfig", "PRESETS", "RouterBias", "Transformer", "TransformerConfig", "aux_loss",
            "count_params", "cross_entropy", "flops_per_token", "preset", "update_router_bias"]
 __all__ += ["SurgeryError", "insert_block", "upcycle"]
 from models.hf import HFError, from_hf, to_hf

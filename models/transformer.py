@@ -196,14 +196,20 @@ class Transformer(nnx.Module):
     return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
 
 
+IGNORE_TARGET = -(2 ** 31)  # a target the loss leaves out (padding): int32's minimum, no vocabulary's id
+
+
 def cross_entropy(logits_BTV, targets_BT):
-  """Mean next-token cross entropy in nats. The target's log-probability is picked by a masked sum over the vocabulary
-  (exact: one term is non-zero), not a gather: with the vocabulary split over `tensor` each device sums its own slice
-  and GSPMD all-reduces (B, T) numbers, and XLA's partitioner aborts on the gather inside a shard_map manual over
-  `data` with fsdp and tensor both split (sharding/replicas.py)."""
+  """Mean next-token cross entropy in nats over the targets that are not `IGNORE_TARGET` (padding; none left: 0).
+  The target's log-probability is picked by a masked sum over the vocabulary (exact: one term is non-zero), not a
+  gather: with the vocabulary split over `tensor` each device sums its own slice and GSPMD all-reduces (B, T)
+  numbers, and XLA's partitioner aborts on the gather inside a shard_map manual over `data` with fsdp and tensor both
+  split (sharding/replicas.py)."""
   logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
   V = logp_BTV.shape[-1]
+  used_BT = targets_BT != IGNORE_TARGET
   t_BT = jnp.where(targets_BT < 0, targets_BT + V, targets_BT)  # negative ids count from the end, as in a gather
   picked_BT = jnp.sum(jnp.where(jnp.arange(V) == t_BT[..., None], logp_BTV, 0.0), axis=-1)
   # a target outside the vocabulary makes the loss NaN (as the gather's fill did): bad data is a bad step, not a 0
-  return -jnp.mean(jnp.where((t_BT >= 0) & (t_BT < V), picked_BT, jnp.nan))
+  nll_BT = jnp.where(used_BT, -jnp.where((t_BT >= 0) & (t_BT < V), picked_BT, jnp.nan), 0.0)
+  return jnp.sum(nll_BT) / jnp.maximum(jnp.sum(used_BT), 1).astype(jnp.float32)

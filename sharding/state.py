@@ -212,6 +212,28 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
   return jax.tree.map(put, batch)
 
 
+def process_rows(mesh: Mesh, shape) -> np.ndarray:
+  """The rows (sorted indices) of a global (batch, ...) array of `shape` that this process's devices hold under
+  `batch_sharding`: what a loader reading only its own rows reads (`local_batch` places them)."""
+  index = batch_sharding(mesh, tuple(shape)).addressable_devices_indices_map(tuple(shape))
+  return np.unique(np.concatenate([np.arange(shape[0])[i[0]] for i in index.values()]))
+
+
+def local_batch(batch, mesh: Mesh, rows: np.ndarray, size: int):
+  """Host arrays holding rows `rows` (`process_rows`) of a global batch of `size` rows, as global arrays split over
+  the data axes of `mesh`: each device gets its rows from this process's copy."""
+  def put(x):
+    x = np.asarray(x)
+    shape = (size,) + x.shape[1:]
+    sh = batch_sharding(mesh, shape)
+    if len(rows) == size:
+      return jax.device_put(x, sh) if jax.process_count() == 1 else jax.make_array_from_callback(
+          shape, sh, lambda index: x[index])
+    return jax.make_array_from_callback(
+        shape, sh, lambda index: x[(np.searchsorted(rows, np.arange(size)[index[0]]),) + tuple(index[1:])])
+  return jax.tree.map(put, batch)
+
+
 def global_batch(batch, mesh: Mesh):
   """Host arrays holding the whole global batch (the same on every process: `get_batch` is a pure function of
   (seed, step)) as global arrays whose rows are split over the data axes of `mesh`; each process copies onto its

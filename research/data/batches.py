@@ -22,31 +22,33 @@ def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int,
   (row i of step t is window t·batch_size + i, wrapping around): consecutive rows, and the rows of consecutive steps,
   are adjacent text of the same file (the sampling order of an unshuffled, file-ordered dataset).
   """
-  _check_windows(tokens, batch_size, seq_len)
-  span = len(tokens) - seq_len - 1
+  check_windows(tokens, batch_size, seq_len)
+  if order not in ORDERS:
+    raise DataError(f"sampling order must be one of {', '.join(ORDERS)}, got {order!r}")
+  return gather(tokens, window_starts(len(tokens) - seq_len - 1, seed, step, batch_size, seq_len, order), seq_len)
+
+
+def window_starts(span: int, seed: int, step: int, batch_size: int, seq_len: int, order: str) -> np.ndarray:
+  """The start offsets (int64, in [0, span]) of step `step`'s windows in `order` "random" or "sequential"."""
   if order == "sequential":
     offset = np.random.default_rng([seed]).integers(0, span, endpoint=True)
-    starts = (offset + (step * batch_size + np.arange(batch_size, dtype=np.int64)) * seq_len) % (span + 1)
-  elif order == "random":
-    starts = np.random.default_rng([seed, step]).integers(0, span, size=batch_size, endpoint=True)
-  else:
-    raise DataError(f"sampling order must be one of {', '.join(ORDERS)}, got {order!r}")
-  return _gather(tokens, starts, seq_len)
+    return (offset + (step * batch_size + np.arange(batch_size, dtype=np.int64)) * seq_len) % (span + 1)
+  return np.random.default_rng([seed, step]).integers(0, span, size=batch_size, endpoint=True)
 
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
                  num_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
   """Fixed held-out batches: num_batches*batch_size windows evenly spaced over the data."""
-  _check_windows(tokens, batch_size, seq_len)
+  check_windows(tokens, batch_size, seq_len)
   if num_batches < 1:
     raise DataError(f"num_batches must be >= 1, got {num_batches}")
   starts = np.linspace(0, len(tokens) - seq_len - 1, num_batches * batch_size).astype(np.int64)
-  x, y = _gather(tokens, starts, seq_len)
+  x, y = gather(tokens, starts, seq_len)
   return [(x[i:i + batch_size], y[i:i + batch_size])
           for i in range(0, num_batches * batch_size, batch_size)]
 
 
-def _check_windows(tokens, batch_size, seq_len):
+def check_windows(tokens, batch_size, seq_len):
   if batch_size < 1 or seq_len < 1:
     raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
   if len(tokens) < seq_len + 1:
@@ -54,7 +56,7 @@ def _check_windows(tokens, batch_size, seq_len):
                     f"; a window needs seq_len + 1 = {seq_len + 1} tokens")
 
 
-def _gather(tokens, starts, seq_len):
-  # One fancy-index gather (B, L+1): no Python loop per row; works on a memmap too.
+def gather(tokens, starts, seq_len):
+  """(x, y) of the windows at `starts`: one fancy-index gather (B, L+1), which reads only those tokens of a memmap."""
   windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
   return windows[:, :-1], windows[:, 1:]

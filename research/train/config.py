@@ -49,9 +49,11 @@ class DataFlags:
   """How --data's records become training rows."""
   field: str = "text"
   """The column (Parquet, Arrow) or key (JSON Lines) holding each document's text."""
-  pack: bool = False
-  """Pack whole documents into the rows (each row starts at a document, documents joined by the end-of-text token;
-  a document longer than a row continues on the next), instead of windows cut anywhere in the token stream."""
+  layout: Literal["windows", "pack", "pad"] = "windows"
+  """What a row holds (research/data/records.py): windows (seq_len + 1 tokens anywhere in the token stream:
+  pretraining), pack (the documents in an order drawn per epoch, joined by their end-of-text tokens, cut into rows),
+  or pad (one document per row from its start, split when longer, padded when shorter, the loss masked on the
+  padding: fine-tuning data). The held-out batches are laid out the same way."""
   workers: int = 2
   """Background threads that read and assemble batches ahead of the step (grain's prefetch; 0: in the loop)."""
 
@@ -147,9 +149,10 @@ class TrainConfig:
   directory, or a .npy/.bin token array. Tokenized once into cached memory-mapped shards (research/data/shards.py)."""
   data_options: Annotated[DataFlags, tyro.conf.arg(name="data")] = dataclasses.field(default_factory=DataFlags)
   """How the data is read and laid into rows (--data.field text --data.pack ...)."""
-  sampling: Literal["random", "sequential"] = "random"
-  """Training windows drawn uniformly at random each step, or read in order as a stream (adjacent text in a batch and
-  across steps: an unshuffled dataset)."""
+  sampling: Literal["shuffle", "random", "sequential"] = "shuffle"
+  """The order of the training windows (research/data/loader.py): shuffle (epochs over windows of the token stream,
+  each epoch in its own order from (seed, epoch)), random (starts drawn uniformly with replacement, from (seed,
+  step)), or sequential (read in order as a stream: adjacent text in a batch and across steps)."""
   tokenizer: str | None = None
   """Encode the text with this Hugging Face tokenizer.json (or a directory holding one) instead of bytes; the tokens
   are cached once (research/data/tokenized.py)."""

@@ -3,8 +3,9 @@
 `_train` is the story: build the run (mesh, data, state, compiled steps, resumed if it can be), then step until the
 end, a signal or too many bad steps, each step logged, evaluated and checkpointed on its schedule. Every concern it
 calls lives in its own module of this package (the step in `step.py`, the state in `state.py`, resuming in
-`resume.py`, checkpoints in `checkpoint.py`, ...). The batch at step s is a pure function of (seed, s), so a resumed
-run continues exactly where the interrupted one would have been.
+`resume.py`, checkpoints in `checkpoint.py`, the batches in `feed.py`, ...). The batch at step s is a pure function of
+(seed, s), and the loader's iterator state is checkpointed, so a resumed run continues exactly where the interrupted
+one would have been.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from models import Transformer, flops_per_token
-from research.data import Corpus, get_batch
+from research.data import Corpus
 from research.train import frozen, memory, preflight, rundir, sync
 from research.train.blockstep import blockwise_parts, make_block_steps
 from research.train.layerfreeze import make_layer_steps
@@ -29,18 +30,20 @@ from research.train.build import make_optimizer, step_options
 from research.train.checkpoint import Checkpointer, CheckpointSaveError
 from research.train.config import TrainConfig
 from research.train.distributed import initialize as init_distributed, is_primary
+from research.train.feed import Feed
 from research.train.health import BadStepsError, Monitor
 from research.train.progress import Progress
 from research.train.resume import newest_readable
 from research.train.runtime import setup_jax
 from research.train.signals import Stop
-from research.train.startup import setup
+from research.train.startup import run_meta, setup
 from research.train.state import abstract_initial_state, initial_state, sync_steps
 from research.train.step import make_steps, router_metrics
 from research.train.switch import Layout, switch_layout
 from research.train.throughput import Meter, Peak
+from research.train.trackers import Trackers
 from research.train.watchdog import Watchdog
-from sharding import global_batch, logical_names, mesh_spec, reshard
+from sharding import logical_names, mesh_spec, reshard
 
 
 def run(cfg: TrainConfig) -> list[dict]:
@@ -87,6 +90,8 @@ def _train(cfg: TrainConfig, stop: Stop) -> list[dict]:
     raise
   finally:
     r.metrics.close()
+    r.trackers.close()
+    r.feed.close()
   _finish(r, stop)
   return r.records
 
@@ -96,6 +101,7 @@ class _Run:
   """What the loop carries from step to step."""
   cfg: TrainConfig
   corpus: Corpus
+  feed: Feed  # the training batches (this process's rows), from the grain loader
   layout: Layout  # the mesh trained on now: its shardings, held-out batches and compiled steps
   switches: list[tuple[int, Layout]]  # --switch-at's layouts still to come
   syncer: sync.Steps  # the step programs of --sync (allreduce: the plain train step)
@@ -105,6 +111,7 @@ class _Run:
   meta: dict  # config.json; each checkpoint's metadata
   ckpt: Checkpointer
   metrics: rundir.MetricsLog
+  trackers: Trackers  # TensorBoard, W&B, MLflow: views of metrics.jsonl
   monitor: Monitor
   records: list[dict]
   peak: Peak
@@ -136,7 +143,7 @@ def _start(cfg: TrainConfig) -> _Run:
   state = None
   if not rundir.has_checkpoint(cfg.out):  # a new run's state, created sharded (--init-from read here)
     state, report = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings)
-  meta = _meta(cfg, mcfg, mesh, corpus, pipe, report)
+  meta = run_meta(cfg, mcfg, mesh, corpus, pipe, report)
 
   ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every,
                       save_concurrent_gb=estimate.writer_gb)  # bounded where it shares the devices' memory
@@ -153,16 +160,18 @@ def _start(cfg: TrainConfig) -> _Run:
     monitor.load(saved.get("health"))
     print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
   start = start or 0
+  feed = Feed(cfg, corpus, layout.mesh, start, saved.get("loader") if saved else None)
   peak = Peak(cfg.peak_flops)  # what MFU divides by, and how it was obtained (research/train/throughput.py)
   meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
   records = metrics.open(start)  # what the interrupted run logged past its checkpoint is dropped
+  trackers = Trackers.open(cfg, meta, start)  # research/train/trackers.py; only process 0 writes
   if is_primary():  # one writer for the run's own files; orbax coordinates the checkpoint writes
     rundir.write_json_lines(os.path.join(cfg.out, "config.json"), [meta], indent=2)
   watchdog = Watchdog(cfg.peer_timeout, f"after step {{step}} of a {jax.process_count()}-process run: a peer "
                       f"process probably died; restart every process with the same command to resume")
-  return _Run(cfg=cfg, corpus=corpus, layout=layout, switches=switches, syncer=syncer, state=state, start=start,
+  return _Run(cfg=cfg, corpus=corpus, feed=feed, layout=layout, switches=switches, syncer=syncer, state=state, start=start,
               schedule=schedule, meta=meta, ckpt=ckpt, metrics=metrics, monitor=monitor, records=records, peak=peak,
-              meter=Meter(cfg.batch_size * cfg.seq_len),
+              meter=Meter(cfg.batch_size * cfg.seq_len), trackers=trackers,
               progress=Progress(cfg.steps, start, enabled=cfg.progress and is_primary()), watchdog=watchdog,
               model_flops_per_token=flops_per_token(mcfg, cfg.seq_len), estimate=estimate)
 
@@ -187,18 +196,6 @@ def _memory(cfg: TrainConfig, train_step, abstract, batch_sh, mesh):
   return est
 
 
-def _meta(cfg: TrainConfig, mcfg, mesh, corpus: Corpus, pipe: dict | None, report: dict) -> dict:
-  """What config.json records: the resolved flags and model config, the mesh, the corpus, versions and devices."""
-  meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
-          "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint,
-                     "train_tokens": int(len(corpus.train)), "val_tokens": int(len(corpus.val))},
-          "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
-  if pipe:
-    meta["pipeline"] = pipe
-  meta.update(report)
-  return meta
-
-
 def _watchdog(r: _Run):
   """The peer watchdog of a multi-process run (a no-op context in a single process)."""
   return r.watchdog if jax.process_count() > 1 else contextlib.nullcontext()
@@ -209,6 +206,7 @@ def _switch(r: _Run, in_mesh: contextlib.ExitStack):
   t = time.perf_counter()
   r.layout = r.switches.pop(0)[1]
   r.syncer.switched(r.layout.train_step)
+  r.feed.switched(r.layout.mesh)
   r.state = jax.block_until_ready(reshard(r.state, shardings=r.layout.shardings, donate=True))
   in_mesh.close()
   in_mesh.enter_context(jax.set_mesh(r.layout.mesh))
@@ -217,10 +215,9 @@ def _switch(r: _Run, in_mesh: contextlib.ExitStack):
 
 
 def _advance(r: _Run) -> dict:
-  """One step on the batch of (seed, step); returns the step's outputs (still on the device)."""
+  """One step on the loader's next batch; returns the step's outputs (still on the device)."""
   cfg = r.cfg
-  batch = get_batch(r.corpus.train, cfg.seed, r.step, cfg.batch_size, cfg.seq_len, cfg.sampling)
-  r.state, out = r.syncer.step(r.state, *global_batch(batch, r.layout.mesh))
+  r.state, out = r.syncer.step(r.state, *r.feed.next())
   r.step += 1
   r.state = r.syncer.after(r.state, r.step, r.step == cfg.steps)  # --sync local:H: the outer step every H steps
   if r.step == r.start + 1:  # the first step compiles: throughput is timed from its end
@@ -261,6 +258,7 @@ def _log(r: _Run, out: dict):
   rec.update(r.syncer.metrics(r.state, step, out, last))
   r.records.append(rec)
   r.metrics.write(rec)
+  r.trackers.log(rec)
   r.progress.log(rec)
   r.meter.restart()  # evaluation and logging are not training time
 
@@ -277,7 +275,7 @@ def _checkpoint(r: _Run, stop: Stop):
   final = r.step == r.end or stop.signum is not None
   if (r.monitor.bad_run == 0 and r.step % r.cfg.ckpt_every == 0) or final:
     r.state = r.syncer.model(r.state)  # gossip: "params" (what export and sampling read) = the replicas' mean
-    r.ckpt.save(r.step, r.state, {**r.meta, "health": r.monitor.state()}, force=True)
+    r.ckpt.save(r.step, r.state, {**r.meta, "health": r.monitor.state(), "loader": r.feed.state()}, force=True)
 
 
 def _finish(r: _Run, stop: Stop):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 
+from research.train import trackers
+
 
 class PreflightError(ValueError):
   """A flag value no run can use."""
@@ -66,3 +68,4 @@ def check_out(out: str):
 def check(cfg):
   check_numbers(cfg)
   check_out(cfg.out)
+  trackers.check(cfg)  # a RunError: --tracker's package is missing

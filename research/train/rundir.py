@@ -42,7 +42,7 @@ MODEL_FLAGS = {"model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", 
 
 # settings added after runs were saved: a saved config without one trained as its default did
 LATER_DEFAULTS = {"sync": "allreduce", "outer_lr": 0.7, "outer_momentum": 0.9, "sampling": "random",
-                  "data_options": {"field": "text", "pack": False, "workers": 2}}
+                  "data_options": {"field": "text", "layout": "windows"}}
 
 
 def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
@@ -52,6 +52,8 @@ def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
   old, new = {**LATER_DEFAULTS, **saved["train"]}, json.loads(json.dumps(meta["train"]))  # as saved: tuples -> lists
   if isinstance(old.get("data"), str):  # saved before --data took several paths
     old["data"] = [old["data"]]
+  for d in (old, new):  # --data.workers (reader threads) changes no batch
+    d["data_options"] = {k: v for k, v in d["data_options"].items() if k != "workers"}
   changed = {k: [old.get(k), v] for k, v in new.items() if k not in skip and old.get(k) != v}
   dtype = [saved["model_config"].get("compute_dtype"), meta["model_config"].get("compute_dtype")]
   if dtype[0] != dtype[1]:

@@ -1,17 +1,22 @@
 """Everything checked and built before the state: the mesh, the model config, the data and held-out batches, the
-pipeline plan, --switch-at's meshes and --sync's mode, each refused in one line when it does not fit."""
+pipeline plan, --switch-at's meshes and --sync's mode, each refused in one line when it does not fit; and the run's
+record of them (`run_meta`, config.json)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
+import jax
+
 from models.attention import AttentionError, check_attention
 from optim import needs_max_logits
-from research.data import eval_batches, get_batch, load_corpus
+from research.data import Corpus, load_corpus
 from research.train import layerfreeze, sync
 from research.train.build import exact_mode, model_config
 from research.train.config import RunError, TrainConfig
+from research.train.feed import held_out, make_loader
 from research.train.switch import switch_plan
 from sharding import batch_sharding, global_batch, make_mesh, mesh_spec
 from sharding.mesh import DATA_AXES
@@ -27,7 +32,7 @@ def setup(cfg: TrainConfig):
   if needs_max_logits(cfg.optimizer) and mcfg.qk_norm:
     raise RunError(f"--optimizer {cfg.optimizer} clips W_q and W_k, which QK-norm undoes: --model {cfg.model} has "
                    f"qk_norm; add --qk-norm False")
-  corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
+  corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer, field=cfg.data_options.field)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
@@ -43,8 +48,8 @@ def setup(cfg: TrainConfig):
   if cfg.peft and (cfg.freeze or cfg.switch_at or mesh.shape["stage"] > 1):
     raise RunError("--peft trains the adapters only and does not combine with --freeze, --switch-at or a pipeline "
                    "(stage) mesh")
-  get_batch(corpus.train, cfg.seed, 0, 1, cfg.seq_len)  # fail early if the data is shorter than a sequence
-  val_host = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+  make_loader(cfg, corpus)  # fail early if the data is shorter than a sequence or has no documents to lay out
+  val_host = held_out(cfg, corpus)
   val = [global_batch(b, mesh) for b in val_host]
   return mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val
 
@@ -86,3 +91,15 @@ def check_sync(cfg: TrainConfig, mesh, mcfg):
   if mesh.shape["data"] == 1:
     print(f"warning: --sync {cfg.sync} on a mesh with data=1 has a single replica (add data=R to --mesh for R)",
           file=sys.stderr)
+
+
+def run_meta(cfg: TrainConfig, mcfg, mesh, corpus: Corpus, pipe: dict | None, report: dict) -> dict:
+  """What config.json records: the resolved flags and model config, the mesh, the corpus, versions and devices."""
+  meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
+          "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint,
+                     "train_tokens": int(len(corpus.train)), "val_tokens": int(len(corpus.val))},
+          "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
+  if pipe:
+    meta["pipeline"] = pipe
+  meta.update(report)
+  return meta

@@ -11,12 +11,12 @@ from flax import nnx
 
 from models import Transformer
 from optim import needs_max_logits
-from research.data import get_batch
 from optim.trees import cast_like
 from research.train import adapters, blockstep, frozen, init_from, layerfreeze, sync
 from research.train.build import exact_mode, make_optimizer
 from research.train.config import TrainConfig
 from research.train.distributed import is_primary
+from research.train.feed import make_loader
 from research.train.step import keep_prev_params, lm_loss
 from sharding import global_batch, init_train_state, mesh_scope
 
@@ -76,7 +76,7 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     base = adapters.random_base(mcfg, mesh, cfg.seed)
     if source is not None:
       base = adapters.with_arrays(base, *source)
-    first = global_batch(get_batch(corpus.train, cfg.seed, 0, cfg.batch_size, cfg.seq_len), mesh)  # SNIP's batch
+    first = global_batch(make_loader(cfg, corpus).batch(0), mesh)  # SNIP's batch: the first training batch
     with mesh_scope(mesh):
       graphdef, state, shardings, report = adapters.initial_state(base, cfg.peft, cfg.peft_options, cfg.seed, tx,
                                                                   mesh, first, cfg.zero1)

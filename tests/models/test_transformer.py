@@ -152,3 +152,22 @@ def test_cross_entropy_equals_float64_numpy_and_is_nan_for_a_target_outside_the_
   assert np.isnan(float(models.cross_entropy(jnp.asarray(logits, jnp.float32), bad)))
   grad = jax.grad(models.cross_entropy)(jnp.asarray(logits, jnp.float32), bad)
   assert np.isfinite(np.asarray(grad)).all()
+
+
+def test_cross_entropy_leaves_out_ignored_targets():
+  """Targets equal to IGNORE_TARGET (the loader's padding, research.data.records.IGNORE) take no part: the mean is
+  over the others (float64 NumPy), their logits get no gradient, and an all-ignored batch is 0, not NaN."""
+  from research.data.records import IGNORE
+  assert IGNORE == models.IGNORE_TARGET
+  rng = np.random.default_rng(1)
+  logits, targets = rng.normal(size=(2, 6, 7)) * 3, rng.integers(0, 7, size=(2, 6))
+  mask = rng.random((2, 6)) < 0.4
+  logp = logits - logits.max(-1, keepdims=True)
+  logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+  ignored = jnp.asarray(np.where(mask, models.IGNORE_TARGET, targets), jnp.int32)
+  x = jnp.asarray(logits, jnp.float32)
+  np.testing.assert_allclose(float(models.cross_entropy(x, ignored)), nll[~mask].mean(), rtol=1e-6)
+  grad = np.asarray(jax.grad(models.cross_entropy)(x, ignored))
+  assert (grad[mask] == 0).all() and (np.abs(grad[~mask]).sum(-1) > 0).all()
+  assert float(models.cross_entropy(x, jnp.full((2, 6), models.IGNORE_TARGET, jnp.int32))) == 0.0

@@ -1,0 +1,76 @@
+"""The run's training batches: the grain loader (research/data/loader.py) over the corpus's training tokens, read
+for this process's rows of each step's global batch on background threads, placed on the mesh.
+
+  feed = Feed(cfg, corpus, mesh, step=start, state=saved.get("loader"))
+  x, y = feed.next()        # global arrays of the next step's batch, rows split over the mesh's data axes
+  feed.state()              # the loader's iterator state: saved in every checkpoint, handed back on resume
+  feed.switched(new_mesh)   # --switch-at: this process's rows may change; the step does not
+
+A saved state must name the step the checkpoint was taken at (the batches are a pure function of the step, so a
+mismatch means the checkpoint's metadata and its state disagree): that is refused in one line.
+"""
+
+from __future__ import annotations
+
+from research.data import Corpus, DataError, eval_batches
+from research.data.loader import Loader
+from research.train.config import RunError, TrainConfig
+from sharding import local_batch, process_rows
+
+
+def make_loader(cfg: TrainConfig, corpus: Corpus, rows=None) -> Loader:
+  """The run's loader over `corpus.train` (every row of the global batch unless `rows`)."""
+  try:
+    return Loader(corpus.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, sampling=cfg.sampling,
+                  rows=rows, workers=cfg.data_options.workers, layout=cfg.data_options.layout, docs=corpus.train_docs,
+                  eos=corpus.eos)
+  except DataError as e:
+    raise RunError(f"--data: {e}") from None
+
+
+def held_out(cfg: TrainConfig, corpus: Corpus) -> list[tuple]:
+  """The fixed held-out batches every evaluation uses: windows evenly spaced over `corpus.val` (`eval_batches`), or,
+  for --data.layout pack and pad, the first rows of the held-out documents laid out the same way (in their order)."""
+  if cfg.data_options.layout == "windows":
+    return eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+  try:
+    loader = Loader(corpus.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=0, sampling="sequential",
+                    workers=0, layout=cfg.data_options.layout, docs=corpus.val_docs, eos=corpus.eos)
+  except DataError as e:
+    raise RunError(f"--data: the held-out split: {e}") from None
+  return [loader.batch(t) for t in range(cfg.eval_batches)]
+
+
+class Feed:
+  """The iterator of a run's training batches from step `step` (or a saved loader `state`) on `mesh`."""
+
+  def __init__(self, cfg: TrainConfig, corpus: Corpus, mesh, step: int, state: dict | None = None):
+    if state is not None and state.get("next_index") != step:
+      raise RunError(f"the checkpoint of step {step} holds the loader state of another step ({state}): its metadata "
+                     f"is inconsistent; resume from another checkpoint")
+    self.cfg, self.corpus, self.step = cfg, corpus, step
+    self._open(mesh, state)
+
+  def _open(self, mesh, state):
+    self.mesh = mesh
+    self.rows = process_rows(mesh, (self.cfg.batch_size, self.cfg.seq_len))
+    self.iterator = make_loader(self.cfg, self.corpus, self.rows).iterator(state=state, start=self.step)
+
+  def next(self):
+    """The next step's (x, y) as global arrays on the mesh."""
+    batch = next(self.iterator)
+    self.step += 1
+    return local_batch(batch, self.mesh, self.rows, self.cfg.batch_size)
+
+  def state(self) -> dict:
+    return self.iterator.get_state()
+
+  def switched(self, mesh):
+    """Reads on for `mesh` (--switch-at) from the same step: this process's rows are the new mesh's."""
+    self.close()
+    self._open(mesh, {"next_index": self.step})
+
+  def close(self):
+    close = getattr(self.iterator, "close", None)
+    if close is not None:
+      close()
