@@ -14,6 +14,7 @@ in its own module of this package and registered in `cli.py`; `report.py` format
   python -m research.bench hf --out research/results/bench_hf_import.md            # hf.py
   python -m research.bench quant --out research/results/bench_quant.md             # quant.py
   python -m research.bench sample --out research/results/bench_sample.md           # sample.py
+  python -m research.bench data --out research/results/bench_data.md               # data.py (8 GB on disk)
 
 A new benchmark: one module with one function whose keyword arguments are its flags (or a dataclass of them), added
 to `BENCHMARKS` in `cli.py`; it reports through `report.publish` (or `report.Progress` for a long one) and records

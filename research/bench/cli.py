@@ -12,6 +12,7 @@ from models.attention import AttentionError
 from research.bench.attention import attention
 from research.bench.ckpt import ckpt_bench
 from research.bench.comm import comm
+from research.bench.data import data
 from research.bench.dion import dion_comm
 from research.bench.finetune import finetune
 from research.bench.finetune_3b import finetune_3b
@@ -27,7 +28,7 @@ from sharding import MeshError, ShardingError
 NUM_CPU_DEVICES = 8
 BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe,
               "ckpt": ckpt_bench, "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant,
-              "sample": sample, "finetune": finetune, "finetune-3b": finetune_3b}
+              "sample": sample, "finetune": finetune, "finetune-3b": finetune_3b, "data": data}
 
 
 def main(argv=None):

@@ -31,7 +31,7 @@ import time
 
 import jax
 
-from research.bench.report import Progress, call_command, machine, table
+from research.bench.report import Progress, call_command, machine, run_child, table
 
 LLAMA_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                 num_attention_heads=24, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -79,14 +79,7 @@ def run_method(method: str, model: str, run_dir: str, steps: int, batch_size: in
          str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--mesh", "data=1", "--devices", "1",
          "--lr", str(lr), "--warmup-steps", "0", "--eval-every", str(steps), "--eval-batches", "1", "--log-every", "1",
          "--ckpt-every", str(steps), "--keep", "1", *(["--remat", "True"] if remat else []), *method_flags(method, rank)]
-  t = time.perf_counter()
-  logs = {k: run_dir + f".{k}.log" for k in ("stdout", "stderr")}  # beside the run directory (its log, kept)
-  os.makedirs(os.path.dirname(run_dir), exist_ok=True)
-  with open(logs["stdout"], "w") as out, open(logs["stderr"], "w") as err:
-    child = subprocess.Popen(cmd, stdout=out, stderr=err)
-    _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage (its peak RSS), not all children's
-  child.returncode = code = os.waitstatus_to_exitcode(status)
-  stdout, stderr = (open(logs[k]).read() for k in ("stdout", "stderr"))
+  code, peak_rss, stdout, stderr, wall = run_child(cmd, run_dir)  # logs beside the run directory, kept
   records = []
   if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -97,7 +90,7 @@ def run_method(method: str, model: str, run_dir: str, steps: int, batch_size: in
           "stderr_tail": stderr.strip().splitlines()[-6:], "stdout": stdout.strip().splitlines(),
           "losses": [r["loss"] for r in records if "loss" in r],
           "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
-          "peak_rss": usage.ru_maxrss * 1024, "wall_s": time.perf_counter() - t}
+          "peak_rss": peak_rss, "wall_s": wall}
 
 
 def estimate_gib(line: str | None) -> float | None:

@@ -7,8 +7,22 @@ import inspect
 import os
 import shlex
 import subprocess
+import time
 
 import jax
+
+
+def run_child(cmd: list[str], logs: str) -> tuple[int, int, str, str, float]:
+  """Runs `cmd` in a fresh child process, its output kept in `logs`.stdout.log / .stderr.log; returns (exit status,
+  the child's own peak RSS in bytes (`os.wait4`'s ru_maxrss, not all children's), stdout, stderr, wall seconds)."""
+  t = time.perf_counter()
+  os.makedirs(os.path.dirname(logs) or ".", exist_ok=True)
+  with open(logs + ".stdout.log", "w") as out, open(logs + ".stderr.log", "w") as err:
+    child = subprocess.Popen(cmd, stdout=out, stderr=err)
+    _, status, usage = os.wait4(child.pid, 0)
+  child.returncode = code = os.waitstatus_to_exitcode(status)
+  stdout, stderr = (open(f"{logs}.{k}.log").read() for k in ("stdout", "stderr"))
+  return code, usage.ru_maxrss * 1024, stdout, stderr, time.perf_counter() - t
 
 
 def machine() -> str:
