@@ -10,6 +10,8 @@ Question: does a corpus that cannot sit in memory cost the trainer memory, and d
   3. The train CLI trains `steps` steps on each corpus in a fresh child process (same model, batch, mesh): each child's
      peak RSS (`os.wait4`'s ru_maxrss) and the run's tokens/s (metrics.jsonl's `run_tokens_per_s`, compilation
      excluded). The small corpus's run is the model's own needs; the difference is what the big corpus costs.
+     (Linux carries a process's RSS high-water mark across exec, so a child's ru_maxrss is at least this process's
+     peak when it was started: this process stays small — the loader reads with pread, never through a map.)
 Finished parts are kept in `work/results.json`, so a rerun continues.
 """
 

@@ -5,6 +5,9 @@
 Pure numpy; imports no jax.
 """
 
+import mmap
+import os
+
 import numpy as np
 
 from research.data.corpus import DataError
@@ -57,6 +60,40 @@ def check_windows(tokens, batch_size, seq_len):
 
 
 def gather(tokens, starts, seq_len):
-  """(x, y) of the windows at `starts`: one fancy-index gather (B, L+1), which reads only those tokens of a memmap."""
-  windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
+  """(x, y) of the windows of seq_len + 1 tokens at `starts`."""
+  windows = read_windows(tokens, np.asarray(starts, np.int64), seq_len + 1)
   return windows[:, :-1], windows[:, 1:]
+
+
+def read_windows(tokens, starts: np.ndarray, length: int) -> np.ndarray:
+  """int32 (len(starts), length): tokens[s : s + length] for each start s (a window past the end is cut short and
+  padded with 0). A memory-mapped array is read with one pread per window instead of through its map: touching a
+  mapped page maps its neighbours too (the kernel's fault-around), so random windows over a file larger than RAM
+  would make gigabytes of it resident memory of this process (measured: 4.4 GiB for 16,000 windows of an 8 GB file);
+  read, it stays in the page cache, which any process may reclaim."""
+  source = _file_of(tokens)
+  if source is None:
+    idx = np.minimum(starts[:, None] + np.arange(length), len(tokens) - 1)
+    return np.where(starts[:, None] + np.arange(length) < len(tokens), np.asarray(tokens[idx], np.int32), 0)
+  fd, offset = source
+  item = tokens.dtype.itemsize
+  out = np.zeros((len(starts), length), np.int32)
+  for i, s in enumerate(starts.tolist()):
+    row = np.frombuffer(os.pread(fd, max(0, min(length, len(tokens) - s)) * item, offset + s * item), tokens.dtype)
+    out[i, :len(row)] = row
+  return out
+
+
+_FILES: dict[str, int] = {}  # path -> a read-only descriptor, opened once per process (pread needs no position)
+
+
+def _file_of(tokens):
+  """(file descriptor, byte offset of tokens[0] in the file) of a memory-mapped array (a slice of one too), else
+  None."""
+  if not isinstance(tokens, np.memmap) or getattr(tokens, "_mmap", None) is None or not tokens.filename:
+    return None
+  base = np.frombuffer(tokens._mmap, np.uint8).ctypes.data  # the mapping's first byte; it maps from `start`
+  start = tokens.offset - tokens.offset % mmap.ALLOCATIONGRANULARITY
+  if tokens.filename not in _FILES:
+    _FILES[tokens.filename] = os.open(tokens.filename, os.O_RDONLY)
+  return _FILES[tokens.filename], start + tokens.ctypes.data - base

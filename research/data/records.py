@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from research.data.batches import gather
+from research.data.batches import gather, read_windows
 from research.data.corpus import DataError
 
 IGNORE = int(np.iinfo(np.int32).min)  # a target the loss skips (models.IGNORE_TARGET): padding
@@ -80,7 +80,7 @@ class Packed:
       pos = ids[mine, None].astype(np.int64) * self.L + np.arange(self.L + 1)  # in the epoch's joined stream
       k = np.searchsorted(begins, pos, side="right") - 1
       rows[mine] = self.starts[order[k]] + pos - begins[k]
-    windows = np.asarray(self.tokens[rows], np.int32)
+    windows = read_runs(self.tokens, rows)
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -99,8 +99,16 @@ class Padded:
   def read(self, epochs: np.ndarray, ids: np.ndarray):
     begin, size = self.begin[ids], self.size[ids]
     valid = np.arange(self.L + 1) < size[:, None]
-    windows = np.asarray(self.tokens[np.where(valid, begin[:, None] + np.arange(self.L + 1), begin[:, None])],
-                         np.int32)
+    windows = read_windows(self.tokens, begin, self.L + 1)
     return (np.where(valid[:, :-1], windows[:, :-1], self.pad).astype(np.int32),
             np.where(valid[:, 1:], windows[:, 1:], IGNORE).astype(np.int32))
 
+
+def read_runs(tokens, positions: np.ndarray) -> np.ndarray:
+  """int32 tokens at `positions` (rows of runs of consecutive offsets), each run one `read_windows` read."""
+  out = np.empty(positions.shape, np.int32)
+  for i, row in enumerate(positions):
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(row) != 1) + 1, [len(row)]])
+    for a, b in zip(cuts[:-1], cuts[1:]):
+      out[i, a:b] = read_windows(tokens, row[a:a + 1], b - a)[0]
+  return out

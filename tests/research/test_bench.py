@@ -107,3 +107,23 @@ def test_finetune_3b_driver_at_smoke_size(tmp_path):
   assert estimate_gib("memory: ... = 512.0 MiB; host RAM has 23.5 GiB") == 0.5
   assert estimate_gib("error: the run needs an estimated 25.65 GiB (train state 7.11 GiB ...") == 25.65
   assert estimate_gib("memory: the step needs an estimated 1.2 GiB per device (...); cuda:0 has 79.1 GiB") == 1.2
+
+
+def test_data_bench_at_smoke_size(tmp_path):
+  """The 8 GB scale check's driver on a tiny corpus: both corpora written to their sizes, the loader timed with and
+  without threads, each corpus trained in its own process (peak RSS, tokens/s), the table written, and a rerun
+  reads the finished parts back instead of running them again."""
+  from research.bench.data import data
+  out, work = tmp_path / "d.md", tmp_path / "work"
+  kw = dict(gb=0.002, small_mb=1, model="tiny", batch_size=4, seq_len=16, steps=2, loader_batches=5, mesh="data=1",
+            work=str(work), out=str(out))
+  got = bench.BENCHMARKS["data"](**kw)
+  assert (work / "tokens-0.002gb.bin").stat().st_size == 2_000_000
+  assert (work / "tokens-1mb.bin").stat().st_size == 2 ** 20
+  for name in ("small", "big"):
+    r = got["runs"][name]
+    assert r["exit"] == 0 and len(r["losses"]) == 1 and r["peak_rss"] > 2 ** 20 and r["tokens_per_s"] > 0, r
+  assert set(got["loader_tokens_per_s"]) == {2, 0} and min(got["loader_tokens_per_s"].values()) > 0
+  text = out.read_text()
+  assert text.startswith("Command: `python -m research.bench data --gb 0.002 ") and "| big | trained |" in text
+  assert data(**kw) == got  # read back from results.json: nothing ran again

@@ -108,13 +108,20 @@ def test_pack_joins_the_documents_of_each_epoch_in_its_own_order():
   assert not (rows == IGNORE).any()
 
 
-def test_a_memmap_is_read_without_loading_it(tmp_path):
+@pytest.mark.parametrize("layout", ["windows", "pack", "pad"])
+def test_a_memmap_read_by_pread_gives_what_indexing_gives(tmp_path, layout):
+  """Memory-mapped tokens (a slice of the map, as a corpus's val split is) are read with pread, not through the map
+  (research/data/batches.py read_windows): the same rows as the array in memory, up to the file's last token."""
+  docs, tokens, starts = documents(4, n=60)
   path = tmp_path / "t.bin"
-  TOKENS.tofile(path)
-  mm = np.memmap(path, dtype=np.uint16, mode="r")
-  a = Loader(mm, batch_size=4, seq_len=16, seed=0, workers=0).batch(3)
-  b = Loader(TOKENS, batch_size=4, seq_len=16, seed=0, workers=0).batch(3)
-  np.testing.assert_array_equal(a[0], b[0])
+  np.concatenate([np.full(5, 7, np.uint16), tokens]).tofile(path)
+  mm = np.memmap(path, dtype=np.uint16, mode="r", offset=2)[4:]  # the map starts at a 2-byte header
+  np.testing.assert_array_equal(np.asarray(mm), tokens)
+  kw = dict(batch_size=4, seq_len=16, seed=0, workers=0, layout=layout, docs=starts, eos=0)
+  a, b = Loader(mm, **kw), Loader(tokens, **kw)
+  for t in range(a.count // 4 + 2):  # every record, the last ones (ending at the file's end) included
+    for got, want in zip(a.batch(t), b.batch(t)):
+      np.testing.assert_array_equal(got, want)
 
 
 # test_train's tiny run (its compiled programs are shared through the session's compilation cache)
