@@ -141,6 +141,12 @@ def get_optimizer(name: str, learning_rate, **hparams) -> optax.GradientTransfor
     raise UnknownOptimizerError(f"optimizer {name!r}: learning rate {learning_rate!r} must be finite and >= 0")
   try:
     return factory(learning_rate, **hparams)
+  except ValueError as e:
+    if type(e).__module__.startswith("optim."):  # the factory's own error (AlignmentError, BAdamError, ...)
+      raise
+    # a plain ValueError from a shared check (muon's scale, an orthogonalizer that is not a function): one line
+    raise UnknownOptimizerError(f"optimizer {name!r}: {str(e).splitlines()[0] if str(e) else 'ValueError'}") \
+        from None
   except TypeError as e:  # a value the factory cannot take (its own ValueErrors, e.g. AlignmentError, pass through)
     raise UnknownOptimizerError(f"optimizer {name!r}: {str(e).splitlines()[0] if str(e) else 'TypeError'}") \
         from None

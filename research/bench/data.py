@@ -66,7 +66,8 @@ def train_run(path: str, run_dir: str, flags: list[str]) -> dict:
 
 def data(gb: float = 8.0, small_mb: int = 64, model: str = "small", batch_size: int = 16, seq_len: int = 128,
          steps: int = 30, sampling: str = "shuffle", workers: int = 2, loader_batches: int = 2000,
-         mesh: str = "data=2,fsdp=2,tensor=2", work: str = "runs/bench-data", out: str | None = None) -> dict:
+         mesh: str = "data=2,fsdp=2,tensor=2", devices: int = 8, work: str = "runs/bench-data",
+         out: str | None = None) -> dict:
   """Trains on a `gb`-GB token corpus and on a `small_mb`-MB one; tabulates the loader's and the step's tokens/s and
   each run's peak RSS (see the module docstring)."""
   os.makedirs(work, exist_ok=True)
@@ -74,7 +75,8 @@ def data(gb: float = 8.0, small_mb: int = 64, model: str = "small", batch_size: 
   saved = os.path.join(work, "results.json")
   done = json.load(open(saved)) if os.path.exists(saved) else {}
   args = {k: v for k, v in locals().items() if k in ("gb", "small_mb", "model", "batch_size", "seq_len", "steps",
-                                                     "sampling", "workers", "loader_batches", "mesh", "work")}
+                                                     "sampling", "workers", "loader_batches", "mesh", "devices",
+                                                     "work")}
 
   def keep(key, fn):
     if key not in done:
@@ -86,7 +88,7 @@ def data(gb: float = 8.0, small_mb: int = 64, model: str = "small", batch_size: 
 
   written = write_tokens(big, int(gb * GB) // 2 * 2) + write_tokens(small, small_mb * 2 ** 20)
   flags = ["--model", model, "--steps", str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len),
-           "--mesh", mesh, "--sampling", sampling, "--data.workers", str(workers), "--eval-every", str(steps),
+           "--mesh", mesh, "--devices", str(devices), "--sampling", sampling, "--data.workers", str(workers), "--eval-every", str(steps),
            "--eval-batches", "2", "--log-every", str(steps), "--ckpt-every", str(steps), "--keep", "1",
            "--no-progress", "--no-compile-cache", "--tracker", "none"]  # both compile: like for like
   rates = {w: keep(f"loader_{w}_threads", lambda w=w: loader_rate(big, batch_size, seq_len, sampling, w,

@@ -64,7 +64,6 @@ import resource
 import subprocess
 import sys
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +71,7 @@ import numpy as np
 
 from models import TransformerConfig, count_params, preset
 from research.bench.report import Progress, call_command, machine, table
+from research.data import Corpus
 from research.train import blockstep, frozen, memory
 from research.train.adapters import PeftFlags
 from research.train.build import make_optimizer
@@ -133,7 +133,8 @@ def build(method: str, mcfg, batch_size: int, seq_len: int, rank: int, abstract:
   mesh = make_mesh(MESH, devices=devices_for(MESH))
   tx, schedule = make_optimizer(cfg)
   parts = blockstep.blockwise_parts(cfg, mcfg, mesh, schedule)
-  corpus = types.SimpleNamespace(train=np.arange(4 * batch_size * (seq_len + 1)) % mcfg.vocab_size)  # SNIP's batch
+  tokens = np.arange(4 * batch_size * (seq_len + 1)) % mcfg.vocab_size  # SNIP's batch
+  corpus = Corpus(tokens, tokens, mcfg.vocab_size, "synthetic", "synthetic")
   with contextlib.redirect_stderr(io.StringIO()):  # blockwise_parts' note on a non-eligible config, the reports
     graphdef, state, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
     if not abstract:

@@ -62,7 +62,8 @@ class Loader:
     """Step t -> (epoch, id) of each of its B records (all rows: cheap, ints only)."""
     count, B = self.source.count, self.B
     if self.sampling == "shuffle":  # ids epoch after epoch, each epoch in its own order
-      ids = grain.MapDataset.range(count).shuffle(seed=self.seed).repeat().batch(B)
+      # a finite number of epochs (len() must fit an index; an endless repeat() overflows it): ~2^62 records
+      ids = grain.MapDataset.range(count).shuffle(seed=self.seed).repeat(max(1, 2 ** 62 // count)).batch(B)
       return ids.map_with_index(lambda t, i: ((t * B + np.arange(B, dtype=np.int64)) // count, i))
     return grain.MapDataset.range(2 ** 62).map(self._unshuffled)
 

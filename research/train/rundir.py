@@ -53,7 +53,8 @@ def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
   if isinstance(old.get("data"), str):  # saved before --data took several paths
     old["data"] = [old["data"]]
   for d in (old, new):  # --data.workers (reader threads) changes no batch
-    d["data_options"] = {k: v for k, v in d["data_options"].items() if k != "workers"}
+    if isinstance(d.get("data_options"), dict):
+      d["data_options"] = {k: v for k, v in d["data_options"].items() if k != "workers"}
   changed = {k: [old.get(k), v] for k, v in new.items() if k not in skip and old.get(k) != v}
   dtype = [saved["model_config"].get("compute_dtype"), meta["model_config"].get("compute_dtype")]
   if dtype[0] != dtype[1]:

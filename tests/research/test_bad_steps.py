@@ -21,40 +21,49 @@ from models import Transformer, cross_entropy
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, main, make_steps, run
 from research.train.build import make_optimizer, model_config
+from research.train.feed import Feed, make_loader
 from research.train.health import Monitor
-import research.train.loop
 import research.train.preflight
 import research.train.step
-from sharding import batch_sharding, init_train_state, make_mesh
+from sharding import batch_sharding, init_train_state, local_batch, make_mesh
 
 # The programs of tests/research/test_crash.py and test_multiprocess.py (same model, optimizer, schedule, mesh):
 # compiled once per session.
+# `sampling="random"`: the batches the spike thresholds below were measured on.
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
-            warmup_steps=1, eval_batches=1, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12)
+            warmup_steps=1, eval_batches=1, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12,
+            sampling="random")
 VOCAB = 256
 
 
+def spoil(x, y, mark):
+  """A batch spoiled as `mark` says: "nan_loss" (row 0's targets past the vocabulary), "nan_all" (row 0's inputs past
+  it), "spike" (every target 0xFD), None (kept)."""
+  x, y = x.copy(), y.copy()
+  if mark == "nan_loss":
+    y[0] = VOCAB
+  elif mark == "nan_all":
+    x[0] = VOCAB
+  elif mark == "spike":
+    y[:] = 0xFD
+  return x, y
+
+
 def poisoned_batches(marks: dict[int, str], order=None):
-  """get_batch whose batch for (1-based) step s is spoiled as marks[s] says: "nan_loss" (row 0's targets past the
-  vocabulary), "nan_all" (row 0's inputs past it), "spike" (every target 0xFD); `order` maps this run's step
-  index to the step whose batch it replays."""
-  def get(tokens, seed, step, batch_size, seq_len, sampling="random"):
-    step = order[step] - 1 if order else step
-    x, y = get_batch(tokens, seed, step, batch_size, seq_len, sampling)
-    x, y, mark = x.copy(), y.copy(), marks.get(step + 1)
-    if mark == "nan_loss":
-      y[0] = VOCAB
-    elif mark == "nan_all":
-      x[0] = VOCAB
-    elif mark == "spike":
-      y[:] = 0xFD
-    return x, y
-  return get
+  """The trainer's Feed.next with the batch of (1-based) step s spoiled as marks[s] says; `order` maps this run's
+  step index to the step whose batch it replays. The batches are the run's own loader's."""
+  def next_(feed):
+    src = order[feed.step] - 1 if order else feed.step
+    x, y = spoil(*make_loader(feed.cfg, feed.corpus, feed.rows).batch(src), marks.get(src + 1))
+    next(feed.iterator)  # the iterator (whose state checkpoints keep) moves on as in a clean run
+    feed.step += 1
+    return local_batch((x, y), feed.mesh, feed.rows, feed.cfg.batch_size)
+  return next_
 
 
 @pytest.fixture
 def poison(monkeypatch):
-  return lambda *args, **kw: monkeypatch.setattr(research.train.loop, "get_batch", poisoned_batches(*args, **kw))
+  return lambda *args, **kw: monkeypatch.setattr(Feed, "next", poisoned_batches(*args, **kw))
 
 
 @jax.custom_vjp
@@ -84,7 +93,7 @@ def test_a_skipped_step_leaves_params_and_optimizer_state_bit_for_bit(monkeypatc
   tokens = load_corpus().train
 
   def batch(s):
-    x, y = poisoned_batches({2: "nan_loss", 3: "nan_all"})(tokens, 0, s - 1, 8, 32)
+    x, y = spoil(*get_batch(tokens, 0, s - 1, 8, 32), {2: "nan_loss", 3: "nan_all"}.get(s))
     if s == 4:
       y[0] = 0xFE  # NaN gradients, finite loss
     return jax.device_put((x, y), batch_sharding(mesh, (8, 32)))

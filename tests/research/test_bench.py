@@ -115,7 +115,7 @@ def test_data_bench_at_smoke_size(tmp_path):
   reads the finished parts back instead of running them again."""
   from research.bench.data import data
   out, work = tmp_path / "d.md", tmp_path / "work"
-  kw = dict(gb=0.002, small_mb=1, model="tiny", batch_size=4, seq_len=16, steps=2, loader_batches=5, mesh="data=1",
+  kw = dict(gb=0.002, small_mb=1, model="tiny", batch_size=4, seq_len=16, steps=2, loader_batches=5, mesh="data=1", devices=1,
             work=str(work), out=str(out))
   got = bench.BENCHMARKS["data"](**kw)
   assert (work / "tokens-0.002gb.bin").stat().st_size == 2_000_000

@@ -172,3 +172,47 @@ def test_exact_resume_on_each_data_format(tmp_path, fmt, layout, monkeypatch):
   resumed = run(TrainConfig(out=str(tmp_path / "cut"), **TINY, **data, **opts))
   assert trace(resumed) == trace(whole) and len(whole) == 8
   assert json.load(open(tmp_path / "whole" / "config.json"))["corpus"]["source"]
+
+
+def test_reader_threads_and_the_old_data_flag_are_no_change_of_settings():
+  """--data.workers changes no batch, so a resume may change it without --amend; a config saved when --data was one
+  string (before several paths) compares equal to the same path now; another layout is a change."""
+  from research.train.rundir import changed_settings
+  now = {"train": {"data": ["d.txt"], "data_options": {"field": "text", "layout": "windows", "workers": 0}},
+         "model_config": {}}
+  saved = {"train": {"data": "d.txt", "data_options": {"field": "text", "layout": "windows", "workers": 2}},
+           "model_config": {}}
+  assert changed_settings(saved, now) == {}
+  now["train"]["data_options"]["layout"] = "pad"
+  assert list(changed_settings(saved, now)) == ["data_options"]
+
+
+@pytest.mark.parametrize("fmt", ["txt", "parquet", "jsonl", "arrow", "npy", "bin"])
+def test_every_format_resumes_its_batches_from_the_saved_state(tmp_path, fmt, monkeypatch):
+  """Whatever the format, a corpus loaded again (from its cache, as a resumed run loads it) feeds, from a saved
+  iterator state, the batches the uninterrupted iterator goes on with."""
+  pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+  monkeypatch.setenv("OPTLAB_CACHE", str(tmp_path / "cache"))
+  docs = write_docs(tmp_path)
+  if fmt == "txt":
+    (tmp_path / "t").mkdir()
+    for i, d in enumerate(docs):
+      (tmp_path / "t" / f"{i}.txt").write_text(d)
+  elif fmt == "arrow":
+    with pa.ipc.new_file(str(tmp_path / "docs.arrow"), pa.schema([("text", pa.string())])) as w:
+      w.write_table(pa.table({"text": docs}))
+  elif fmt in ("npy", "bin"):
+    tokens = load_corpus(str(tmp_path / "docs.parquet")).train
+    np.save(tmp_path / "docs.npy", np.asarray(tokens, np.int32)) if fmt == "npy" else \
+        np.asarray(tokens, np.uint16).tofile(tmp_path / "docs.bin")
+  path = {"txt": tmp_path / "t", "jsonl": tmp_path / "docs.jsonl"}.get(fmt, tmp_path / f"docs.{fmt}")
+  field = "body" if fmt == "jsonl" else "text"
+  layout = "windows" if fmt in ("npy", "bin") else "pad"
+  feed = lambda: Loader((c := load_corpus(str(path), field=field)).train, batch_size=4, seq_len=16, seed=1,  # noqa
+                        layout=layout, docs=c.train_docs, eos=c.eos, workers=2)
+  whole = feed().iterator()
+  expect = [next(whole) for _ in range(12)][5:]
+  resumed = feed().iterator(state={"next_index": 5})
+  for want in expect:
+    for got, w in zip(next(resumed), want):
+      np.testing.assert_array_equal(got, w)
