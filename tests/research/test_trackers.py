@@ -25,8 +25,9 @@ from refusals import bad
 from research.train import RunError, TrainConfig, run
 from research.train import trackers
 
-TINY = dict(model="tiny", d_model=32, d_ff=64, steps=6, batch_size=8, seq_len=16, log_every=1, eval_every=3,
-            ckpt_every=2, warmup_steps=1, eval_batches=1, progress=False, mesh="data=8", peak_flops=1e12)
+# test_train's tiny run's shapes, schedule and mesh (its compiled programs are shared through the session's cache)
+TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=3, ckpt_every=2,
+            warmup_steps=2, eval_batches=1, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12)
 SKIP = ("step", "spike_steps", "nonfinite_steps")
 
 
@@ -80,12 +81,12 @@ def test_tensorboard_shows_metrics_jsonl_through_a_stop_and_a_resume_from_an_ear
   assert "config/text_summary" in acc.Tags()["tensors"]
   content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
   hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
-  assert hparams["train/lr"].number_value == 3e-3 and hparams["model_config/d_model"].number_value == 32
+  assert hparams["train/lr"].number_value == 3e-3 and hparams["model_config/d_model"].number_value == 64
   # the session died after logging steps 3-4 but before checkpoint 4 was committed: the resume starts from step 2
   shutil.rmtree(tmp_path / "ckpt" / "4")
   run(cfg(tmp_path))
   records = logged(tmp_path)
-  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
   assert records[2] != first[2]  # step 3 was logged again (no throughput on the first step after the restart)
   _, view = tensorboard_view(tmp_path)
   assert view == as_float32(series(records))  # nothing of the dead session's steps 3-4 left, no step twice
@@ -112,19 +113,19 @@ def test_a_tracker_that_fails_costs_one_warning_line_and_nothing_else(tmp_path, 
     return write(self, event)
 
   monkeypatch.setattr(EventsWriter, "write_event", full_disk)
-  records = run(cfg(tmp_path, tracker=("tensorboard", "mlflow"), ckpt_every=6))
-  assert [r["step"] for r in records] == [r["step"] for r in logged(tmp_path)] == [1, 2, 3, 4, 5, 6]
+  records = run(cfg(tmp_path, tracker=("tensorboard", "mlflow"), ckpt_every=8))
+  assert [r["step"] for r in records] == [r["step"] for r in logged(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
   warnings = [line for line in capsys.readouterr().err.splitlines() if "--tracker" in line]
   assert len(warnings) == 2, warnings
   assert re.match(r"warning: --tracker mlflow failed to start \(.*127\.0\.0\.1", warnings[0]), warnings
   assert re.match(r"warning: --tracker tensorboard failed to log step \d \(OSError: .*No space left", warnings[1])
   assert len(calls) == 31  # nothing was written after the failure
-  assert 1 <= max(s for s, _ in tensorboard_view(tmp_path)[1]["loss"]) < 6
+  assert 1 <= max(s for s, _ in tensorboard_view(tmp_path)[1]["loss"]) < 8
 
 
 def test_tracker_none_writes_metrics_jsonl_only(tmp_path):
-  run(cfg(tmp_path, tracker=("none",), ckpt_every=6))
-  assert len(logged(tmp_path)) == 6
+  run(cfg(tmp_path, tracker=("none",), ckpt_every=8))
+  assert len(logged(tmp_path)) == 8
   assert glob.glob(str(tmp_path / "**" / "*tfevents*"), recursive=True) == []
   assert not (tmp_path / "trackers.json").exists() and not (tmp_path / "wandb").exists()
 
@@ -199,13 +200,13 @@ def test_wandb_offline_run_holds_metrics_jsonl_and_a_resume_continues_its_id(tmp
   (header,) = [r.run for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "run"]
   assert (header.run_id, header.project, header.display_name) == (run_id, "optlab", "run-a")
   config = {item.key: json.loads(item.value_json) for item in header.config.update}
-  assert config["train"]["d_model"] == 32 and config["train"]["tracker"] == ["wandb"]
+  assert config["model_config"]["d_model"] == 64 and config["train"]["tracker"] == ["wandb"]
   assert not glob.glob(str(out / "*tfevents*"))  # --tracker wandb alone: no TensorBoard files
   run(cfg(out, tracker=("wandb",)))
   assert json.loads((out / "trackers.json").read_text())["wandb"]["id"] == run_id
   files = sorted(glob.glob(str(out / "wandb" / f"offline-run-*-{run_id}" / f"run-{run_id}.wandb")))
   assert len(files) == 2  # one offline directory per session, the same run id (`wandb sync` uploads both)
-  assert wandb_history(files) == series(logged(out)) and len(logged(out)) == 6
+  assert wandb_history(files) == series(logged(out)) and len(logged(out)) == 8
 
 
 # ---- MLflow, against a real server ----------------------------------------------------------------------------------
@@ -275,7 +276,7 @@ def test_mlflow_server_holds_metrics_jsonl_and_a_resume_continues_the_run(tmp_pa
   got = client.get_run(stored["run_id"])
   assert stored["tracking_uri"] == uri and got.info.run_name == "run-m" and got.info.status == "KILLED"
   assert client.get_experiment(got.info.experiment_id).name == "trackers-test"
-  assert got.data.params["train/lr"] == "0.003" and got.data.params["model_config/d_model"] == "32"
+  assert got.data.params["train/lr"] == "0.003" and got.data.params["model_config/d_model"] == "64"
   expected = series(logged(out))
   assert set(got.data.metrics) == set(expected) and mlflow_view(client, stored["run_id"], expected) == expected
   # the session died after logging steps 3-4 but before checkpoint 4 was committed: the resume starts from step 2,
