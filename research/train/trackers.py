@@ -44,6 +44,7 @@ import time
 from research.train import rundir
 from research.train.config import RunError
 from research.train.distributed import is_primary
+from research.train.tbimport import tensorboardx
 
 # tracker -> (the package it needs, how to install it)
 PACKAGES = {"tensorboard": ("tensorboardX", "pip install tensorboardX"),
@@ -112,30 +113,13 @@ def _warn(name: str, doing: str, e: Exception):
         f"metrics.jsonl is unaffected", file=sys.stderr, flush=True)
 
 
-def _tensorboardx():
-  """tensorboardX's summary, EventsWriter, Event and SessionLog, imported without torch: tensorboardX's package imports
-  torch whenever it is installed (for a type check this code never reaches), which cost every run 2.1 s of start-up
-  and torch's memory where the test oracles are installed. A torch already imported is left as it is."""
-  hide = "torch" not in sys.modules
-  if hide:
-    sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX takes torch as absent
-  try:
-    from tensorboardX import summary
-    from tensorboardX.event_file_writer import EventsWriter
-    from tensorboardX.proto.event_pb2 import Event, SessionLog
-  finally:
-    if hide:
-      del sys.modules["torch"]
-  return summary, EventsWriter, Event, SessionLog
-
-
 class _TensorBoard:
   """Event files in --out. Each tracker takes (cfg, meta, start, stored: its ids from trackers.json, empty for a run
   starting at step 0), has `log(record)`, `close()`, and `stored` (the ids to keep for a resume)."""
   name = "tensorboard"
 
   def __init__(self, cfg, meta: dict, start: int, stored: dict):
-    summary, EventsWriter, Event, SessionLog = _tensorboardx()
+    summary, EventsWriter, Event, SessionLog = tensorboardx()
     self.summary, self.event, self.stored = summary, Event, {}
     # a time-ordered suffix: the name holds whole seconds only, and a second session within the same second would
     # reopen (truncate) the first one's file
