@@ -83,12 +83,20 @@ class Checkpointer:
       raise self._save_error(e) from None
 
   def _save_error(self, e: Exception) -> CheckpointSaveError:
-    last = self.manager.latest_step()
-    kept = "no checkpoint was committed" if last is None else f"step {last} is the newest intact checkpoint"
     os_error = re.search(r"([^:\"]+?) \[os_error_code='?(\d+)", str(e))  # tensorstore's: the cause comes last
     why = f"{os_error[1].strip()} [errno {os_error[2]}]" if os_error else _line(e)
-    return CheckpointSaveError(f"saving a checkpoint in {self.directory} failed: {why}; {kept} (free space or "
-                               f"fix the directory, then rerun the same command to resume)")
+    return self._stopped(f"saving a checkpoint in {self.directory}", why)
+
+  def write_error(self, path: str, e: OSError) -> CheckpointSaveError:
+    """The run directory's disk refused a write of `path` (metrics, event files): the same one-line stop as a failed
+    save, naming the newest checkpoint to resume from."""
+    return self._stopped(f"writing {path}", f"{e.strerror} [errno {e.errno}]")
+
+  def _stopped(self, doing: str, why: str) -> CheckpointSaveError:
+    last = self.manager.latest_step()
+    kept = "no checkpoint was committed" if last is None else f"step {last} is the newest intact checkpoint"
+    return CheckpointSaveError(f"{doing} failed: {why}; {kept} (free space or fix the directory, then rerun the same "
+                               f"command to resume)")
 
   def read_meta(self, step: int) -> dict:
     try:

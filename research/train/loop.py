@@ -257,8 +257,13 @@ def _log(r: _Run, out: dict):
   rec.update(router_metrics(out))
   rec.update(r.syncer.metrics(r.state, step, out, last))
   r.records.append(rec)
-  r.metrics.write(rec)
-  r.trackers.log(rec)
+  try:
+    r.metrics.write(rec)
+    r.trackers.log(rec)
+  except OSError as e:
+    if not rundir.refused(e):
+      raise
+    raise r.ckpt.write_error(f"step {step}'s metrics in {cfg.out}", e) from None  # cut back like a failed save
   r.progress.log(rec)
   r.meter.restart()  # evaluation and logging are not training time
 

@@ -9,6 +9,8 @@ and a record of every setting changed on resume.
   amend_history         config.json's `history`: one segment per resume that changed settings (with --amend)
   MetricsLog            metrics.jsonl: records up to the resumed step kept, one line appended (and flushed) per
                         record, cut back to a committed step when a save fails
+  refused(e)            whether an OSError is the run directory's disk refusing a write: the run stops in one line
+                        as when a save fails (research/train/loop.py), whichever file hit it first
 
 What may differ on resume without --amend (it changes neither the math nor the data of the steps to come): where
 and how the run is laid out (mesh, devices, --zero1, --switch-at, remat, pipeline microbatches, processes), how it
@@ -20,10 +22,19 @@ separately and never change (the state would not fit).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import shutil
+
+
+REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # the run directory's disk is full or read-only
+
+
+def refused(e: BaseException) -> bool:
+  """Whether `e` is the run directory's disk refusing a write (full, over quota, remounted read-only)."""
+  return isinstance(e, OSError) and e.errno in REFUSED
 
 
 class RunDirError(ValueError):

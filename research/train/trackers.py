@@ -3,8 +3,9 @@
 metrics.jsonl (rundir.MetricsLog) stays the run's record; a tracker is a view of it, to watch a live run and compare
 runs. `Trackers.open(cfg, meta, start)` starts the ones --tracker names (none given: TensorBoard; `none`:
 metrics.jsonl only), `log(record)` sends one record, `close()` ends them. Only process 0 writes; the others get no
-trackers. A tracker that fails, at its start or later (a server down, a full disk), is reported in one line on stderr
-and dropped; the run and metrics.jsonl go on.
+trackers. A tracker that fails, at its start or later (a server down), is reported in one line on stderr and dropped;
+the run and metrics.jsonl go on. But the run directory's disk refusing TensorBoard's event files (full, read-only:
+rundir.refused) is raised: the run stops in one line as when a save fails (research/train/loop.py).
 
 Each tracker gets every number of a record at the record's step, by flat name (nested dicts and lists joined with
 "/": moe/load/3; bools, strings, None and the lists of step numbers left out), and the config (config.json) per
@@ -35,6 +36,7 @@ tracker runs, a run that starts at step 0 starts new ones.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -66,13 +68,11 @@ def check(cfg):
     raise RunError("--tracker none means metrics.jsonl only: drop it or the other --tracker flags")
   for name in requested(cfg):
     module, install = PACKAGES[name]
-    try:
-      found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-      found = False
-    if not found:
-      default = "" if cfg.tracker else " (the default)"
-      raise RunError(f"--tracker {name}{default} needs the {module} package: {install}")
+    with contextlib.suppress(ImportError, ValueError):
+      if importlib.util.find_spec(module) is not None:
+        continue
+    default = "" if cfg.tracker else " (the default)"
+    raise RunError(f"--tracker {name}{default} needs the {module} package: {install}")
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -117,6 +117,7 @@ class _TensorBoard:
   """Event files in --out. Each tracker takes (cfg, meta, start, stored: its ids from trackers.json, empty for a run
   starting at step 0), has `log(record)`, `close()`, and `stored` (the ids to keep for a resume)."""
   name = "tensorboard"
+  in_run_directory = True
 
   def __init__(self, cfg, meta: dict, start: int, stored: dict):
     summary, EventsWriter, Event, SessionLog = tensorboardx()
@@ -147,6 +148,7 @@ class _TensorBoard:
 class _WandB:
   """A W&B run, offline unless the environment configures W&B."""
   name = "wandb"
+  in_run_directory = False  # its writes happen in W&B's service process: its errors are not the run's
 
   def __init__(self, cfg, meta: dict, start: int, stored: dict):
     import wandb
@@ -169,6 +171,7 @@ class _WandB:
 class _MLflow:
   """An MLflow run, through its own client."""
   name = "mlflow"
+  in_run_directory = False  # a server, or ./mlruns
 
   def __init__(self, cfg, meta: dict, start: int, stored: dict):
     from mlflow.tracking import MlflowClient
@@ -248,7 +251,8 @@ SINKS = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
 
 
 class Trackers:
-  """The trackers of one session. `log` and `close` never raise: a tracker that does is reported and dropped."""
+  """The trackers of one session. A tracker that raises is reported and dropped; `log` raises only the run directory's
+  disk refusing TensorBoard's event files (rundir.refused)."""
 
   def __init__(self, sinks=()):
     self.sinks = list(sinks)
@@ -272,8 +276,7 @@ class Trackers:
       try:
         rundir.write_json_lines(path, [ids], indent=2)
       except OSError as e:
-        print(f"warning: the tracker run ids could not be written to {path} ({e}); a resume will start new tracker "
-              f"runs", file=sys.stderr, flush=True)
+        print(f"warning: {path} not written ({e}); a resume will start new tracker runs", file=sys.stderr, flush=True)
     return cls(sinks)
 
   def log(self, record: dict):
@@ -281,8 +284,12 @@ class Trackers:
       try:
         sink.log(record)
       except Exception as e:
-        _warn(sink.name, f"log step {record['step']}", e)
         self.sinks.remove(sink)
+        if sink.in_run_directory and rundir.refused(e):
+          with contextlib.suppress(OSError):  # the run's own error line says why
+            sink.close()
+          raise
+        _warn(sink.name, f"log step {record['step']}", e)
 
   def close(self):
     for sink in self.sinks:

@@ -4,6 +4,7 @@ back with each tool's own reader, through a stop and a resume; a failing tracker
 Every run here has the same shapes (one compilation for the file); `peak_flops` is given so no run measures it.
 """
 
+import errno
 import glob
 import importlib.util
 import json
@@ -23,6 +24,7 @@ import pytest
 
 from refusals import bad
 from research.train import RunError, TrainConfig, run
+from research.train.cli import failure
 from research.train import trackers
 
 # test_train's tiny run's shapes, schedule and mesh (its compiled programs are shared through the session's cache)
@@ -95,8 +97,8 @@ def test_tensorboard_shows_metrics_jsonl_through_a_stop_and_a_resume_from_an_ear
 
 
 def test_a_tracker_that_fails_costs_one_warning_line_and_nothing_else(tmp_path, capsys, monkeypatch):
-  """TensorBoard's disk fills up mid-run and MLflow's server is down from the start: each is reported once, the
-  run completes, metrics.jsonl is whole."""
+  """TensorBoard's event file goes stale mid-run (a network file system) and MLflow's server is down from the start:
+  each is reported once, the run completes, metrics.jsonl is whole."""
   pytest.importorskip("mlflow")
   from tensorboardX.event_file_writer import EventsWriter
   with socket.socket() as s:  # a port nothing listens on
@@ -109,7 +111,7 @@ def test_a_tracker_that_fails_costs_one_warning_line_and_nothing_else(tmp_path, 
   def full_disk(self, event):
     calls.append(event.step)
     if len(calls) > 30:  # the header and a couple of records went through
-      raise OSError(28, "No space left on device")
+      raise OSError(errno.ESTALE, "Stale file handle")
     return write(self, event)
 
   monkeypatch.setattr(EventsWriter, "write_event", full_disk)
@@ -118,9 +120,38 @@ def test_a_tracker_that_fails_costs_one_warning_line_and_nothing_else(tmp_path, 
   warnings = [line for line in capsys.readouterr().err.splitlines() if "--tracker" in line]
   assert len(warnings) == 2, warnings
   assert re.match(r"warning: --tracker mlflow failed to start \(.*127\.0\.0\.1", warnings[0]), warnings
-  assert re.match(r"warning: --tracker tensorboard failed to log step \d \(OSError: .*No space left", warnings[1])
+  assert re.match(r"warning: --tracker tensorboard failed to log step \d \(OSError: .*Stale file handle", warnings[1])
   assert len(calls) == 31  # nothing was written after the failure
   assert 1 <= max(s for s, _ in tensorboard_view(tmp_path)[1]["loss"]) < 8
+
+
+def test_a_full_run_directory_refusing_the_event_files_stops_the_run_like_a_failed_save(tmp_path, capsys,
+                                                                                        monkeypatch):
+  """The event files share --out's disk with metrics.jsonl and the checkpoints: when that disk refuses them the run
+  stops with the one error line of a failed save (no tracker warning), metrics.jsonl cut back to the newest
+  checkpoint; with space back, the same command resumes and TensorBoard shows each step once."""
+  from tensorboardX.event_file_writer import EventsWriter
+  write, full = EventsWriter.write_event, [True]
+
+  def full_disk(self, event):
+    if full[0] and event.step == 7 and event.HasField("summary"):
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return write(self, event)
+
+  monkeypatch.setattr(EventsWriter, "write_event", full_disk)
+  with pytest.raises(Exception) as e:
+    run(cfg(tmp_path, ckpt_every=4))
+  assert trackers.rundir.refused(OSError(errno.EROFS, "")) and not trackers.rundir.refused(OSError(errno.ESTALE, ""))
+  failed = failure(e.value)
+  assert failed[0] == 2 and failed[1] == (f"writing step 7's metrics in {tmp_path} failed: No space left on device "
+                                          f"[errno 28]; step 4 is the newest intact checkpoint (free space or fix "
+                                          f"the directory, then rerun the same command to resume)"), failed
+  assert "--tracker" not in capsys.readouterr().err
+  assert [r["step"] for r in logged(tmp_path)] == [1, 2, 3, 4]
+  full[0] = False
+  run(cfg(tmp_path, ckpt_every=4))
+  assert [r["step"] for r in logged(tmp_path)] == list(range(1, 9))
+  assert [s for s, _ in tensorboard_view(tmp_path)[1]["loss"]] == list(range(1, 9))
 
 
 def test_tracker_none_writes_metrics_jsonl_only(tmp_path):
