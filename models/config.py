@@ -32,6 +32,8 @@ class MoEConfig:
   z_weight: float = 1e-3  # router z-loss weight (ST-MoE)
   bias_rate: float = 0.0  # aux-loss-free balancing step u (DeepSeek-V3: 1e-3); 0: no selection bias
   ragged_a2a: bool = False  # expert parallelism with ragged_all_to_all (GPU/TPU; XLA:CPU cannot run it)
+  # PAD-Net (models/padnet.py): experts = λ_d·M⊙W_e + λ_s·(1−M)⊙W_static, one static matrix per stack, masks as buffers
+  pad: bool = False
 
   def __post_init__(self):
     if self.num_experts < 0:
@@ -144,7 +146,8 @@ def _ffn_params(c: TransformerConfig, active: bool = False) -> int:
   m = c.moe
   F = m.d_expert or c.d_ff
   shared = 3 * c.d_model * (m.d_shared or m.num_shared * F) + (c.d_model if m.shared_gate else 0)
-  return c.d_model * m.num_experts + 3 * c.d_model * F * (m.top_k if active else m.num_experts) + shared
+  pad = 3 * c.d_model * F + 1 if m.pad and not active else 0  # PAD-Net's static matrices and φ (mixed per step)
+  return c.d_model * m.num_experts + 3 * c.d_model * F * (m.top_k if active else m.num_experts) + shared + pad
 
 
 def _vector_params(c: TransformerConfig) -> int:

@@ -16,6 +16,8 @@ Auxiliary losses (per layer, over the G tokens of the global batch; `lb_loss`, `
 Aux-loss-free balancing (Wang et al., arXiv 2408.15664): after each optimizer step
   b_e ← b_e + u·sign(mean_e' load_e' − load_e)
 with b a `RouterBias` variable (not an nnx.Param: the optimizer never sees it), see `update_router_bias`.
+PAD-Net (`moe.pad`, models/padnet.py): each expert stack is mixed with a static matrix shared by the experts,
+W_e = λ_d·M_e⊙W_e + λ_s·(1 − M_e)⊙W^static, before the dispatch.
 Dispatch (capacity-factor with dropping, or dropless sort + `jax.lax.ragged_dot`) and expert
 parallelism live in `sharding/experts.py`; this module supplies the expert math.
 """
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import padnet
 from models.config import TransformerConfig
 from models.params import matmul, param
 from sharding import experts
@@ -103,6 +106,8 @@ class MoE(nnx.Module):
         self.shared_router_D1 = param(rngs, (D, 1), ("embed", None), c.init_std, pd)
     if m.bias_rate > 0:
       self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=(None,), eager_sharding=False)
+    if m.pad:  # static weights, all-dynamic masks, φ = 0: the plain MoE until a partition (models/padnet.py)
+      padnet.add_parameters(self, rngs, D, E, F, c.init_std, out_std, pd)
 
   def __call__(self, h_BTD):
     c, m = self.c, self.c.moe
@@ -114,7 +119,8 @@ class MoE(nnx.Module):
     idx, gate, scores = route(logits_BTE.reshape(B * T, -1), bias, router=m.router, top_k=m.top_k,
                               normalize=m.normalize_top_k)
     K = m.top_k
-    w = {"gate": self.w_gate_EDF[...], "up": self.w_up_EDF[...], "down": self.w_down_EFD[...]}
+    w = (padnet.expert_weights(self) if m.pad else
+         {"gate": self.w_gate_EDF[...], "up": self.w_up_EDF[...], "down": self.w_down_EFD[...]})
     names = {"gate": ("expert", None, "mlp"), "up": ("expert", None, "mlp"), "down": ("expert", "mlp", None)}
     y_BTD, keep = experts.dispatch(h_BTD.astype(dt), idx.reshape(B, T, K), gate.reshape(B, T, K), w, names,
                                    num_experts=m.num_experts, grouped=swiglu_grouped, dense=swiglu_dense,

@@ -1,4 +1,5 @@
-"""Model surgery on a trained `Transformer`: dense → MoE upcycling, and depth expansion by an inserted block.
+"""Model surgery on a trained `Transformer`: dense → MoE upcycling, depth expansion by an inserted block, and an MoE
+to PAD-Net form and back (`to_padnet`, `to_moe`; models/padnet.py).
 
 Shapes: L layers, D d_model, F the dense FFN width (d_ff), E experts, f = F/E neurons per expert, k top-k.
 Both functions take a `Transformer` and return a new one (its config at `.c`); a train state's params become a
@@ -47,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import padnet
 from models.config import MoEConfig
 from models.transformer import Transformer
 
@@ -219,3 +221,40 @@ def insert_block(model: Transformer, index: int, *, seed: int = 0) -> Transforme
              _fresh((1,) + v.shape[1:], names, v.dtype, c.init_std, rng))
     new[path] = jnp.concatenate([v[:index], block, v[index:]])
   return _build(new_c, new)
+
+
+def to_padnet(model: Transformer) -> Transformer:
+  """The PAD-Net form of an MoE transformer (models/padnet.py): the same experts, every entry dynamic, φ = 0, each
+  static weight the experts' mean (the dense FFN for experts copied from one). Its logits equal the MoE's exactly
+  (λ_d = 1 and the static term is 0·W^static); `padnet.partition` then moves entries to the static part."""
+  _check_transformer(model, "to_padnet")
+  c = model.c
+  if c.moe is None or c.moe.pad:
+    raise SurgeryError(f"to_padnet takes a plain MoE transformer, got {'a dense' if c.moe is None else 'a PAD-Net'} "
+                       f"one")
+  values = {p: v for p, (v, _) in _variables(model).items()}
+  for path, (w, _) in _variables(model).items():
+    key = {name: k for k, name in padnet.MATRICES.items()}.get(path[-1])
+    if key is not None:
+      values[(*path[:-1], padnet.STATIC[key])] = jnp.mean(w, axis=-3)  # (..., E, I, O) -> (..., I, O)
+      values[(*path[:-1], padnet.MASKS[key])] = jnp.ones(w.shape, jnp.bool_)
+      values[(*path[:-1], "pad_phi")] = jnp.zeros(w.shape[:-3], w.dtype)
+  return _build(dataclasses.replace(c, moe=dataclasses.replace(c.moe, pad=True)), values)
+
+
+def to_moe(model: Transformer) -> Transformer:
+  """A PAD-Net transformer folded back into a plain MoE: each expert's weights the effective
+  λ_d·M⊙W + λ_s·(1 − M)⊙W^static the layer computes (`padnet.mix`); exact for an all-dynamic model with φ = 0."""
+  _check_transformer(model, "to_moe")
+  c = model.c
+  if c.moe is None or not c.moe.pad:
+    raise SurgeryError("to_moe takes a PAD-Net transformer (moe.pad=True)")
+  variables = {p: v for p, (v, _) in _variables(model).items()}
+  pad_names = {*padnet.STATIC.values(), *padnet.MASKS.values(), "pad_phi"}
+  values = {p: v for p, v in variables.items() if p[-1] not in pad_names}
+  for key, name in padnet.MATRICES.items():
+    for path in [p for p in variables if p[-1] == name]:
+      at = path[:-1]
+      values[path] = padnet.mix(variables[path], variables[(*at, padnet.STATIC[key])],
+                                variables[(*at, padnet.MASKS[key])], variables[(*at, "pad_phi")])
+  return _build(dataclasses.replace(c, moe=dataclasses.replace(c.moe, pad=False)), values)

@@ -42,6 +42,9 @@ class MoEFlags:
   """Aux-loss-free balancing step (DeepSeek-V3: 1e-3; 0: none)."""
   ragged_a2a: bool | None = None
   """Expert parallelism with ragged_all_to_all (GPU/TPU only)."""
+  pad: bool | None = None
+  """PAD-Net form: experts mixed with one static matrix per stack by masks and two scales (models/padnet.py), all
+  dynamic here; a partition is `models.padnet.partition` (research/experiments/pad_net.py)."""
 
 
 @dataclasses.dataclass

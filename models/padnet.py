@@ -1,0 +1,179 @@
+"""PAD-Net (He, Ding, Dong et al., ACL 2023, arXiv 2211.05528; code Shwai-He/PAD-Net): a Mixture-of-Experts FFN whose
+expert weights are partitioned into dynamic (per-expert) and static (shared) entries.
+
+Shapes: E experts, D d_model, F expert width; a block stack adds leading layer axes (L, ...).
+For each of the three SwiGLU matrices (gate, up, down) of expert e:
+  W_e = λ_d · M_e ⊙ W_e^dyn + λ_s · (1 − M_e) ⊙ W^static,   λ_d = 2σ(φ), λ_s = 2 − λ_d
+M_e a 0/1 mask per entry (`PadMask`, a buffer: never seen by the optimizer), W^static one matrix shared by every
+expert, φ one learnable scalar per layer, 0 at initialisation (λ_d = λ_s = 1; the code's `PadMoE.phi`). With M all
+ones and φ = 0 the layer is the plain MoE exactly (λ_d = 1 and the static term is 0·W^static).
+
+Iterative Mode Partition (IMP, the paper's §3.2; the code's `pruning/prune.py::prune_loop` with the SNIP scorer):
+T rounds; in round t = 1..T every entry is scored by |∂L/∂M| summed over the scoring batches (the gradient is summed,
+then its magnitude taken, as the code does), and the entries above the k-th score are dynamic, the rest static, with
+a dynamic share of
+  exponential: r^{t/T}        linear: 1 − (1 − r)·t/T        (r the final dynamic ratio)
+of the entries ranked over all PAD-Net matrices of the model together ("global", the code's default `mask_scope`) or
+per expert matrix ("local", its `_local_mask`: each expert's matrix is its own parameter there). The code partitions
+once, at the start of fine-tuning (`trainer_pad.py`, epoch 0), on a random subset of the training data. Every entry is re-ranked each round: a static entry's mask gradient is defined too,
+  ∂L/∂M_e = (λ_d W_e^dyn − λ_s W^static) ⊙ ∂L/∂W_e,
+the first-order loss change of switching the entry's mode, so an entry may turn dynamic again (the code does not set
+the scores of static entries to −inf either). No training happens between rounds (as in `prune_loop`).
+
+Choices of ours, stated: 5 rounds by default (the code's `prune_epochs` defaults to 1); masks are per expert entry (the code's `PadMoE` keeps one (out, in) mask buffer per layer
+that its `SingleExpert_Pad` takes as an argument); φ is one scalar per layer shared by the three matrices; the static
+weights of a converted MoE (models/surgery.py `to_padnet`) start at the experts' mean, which is the dense FFN for
+experts copied from it. The mask buffers are replicated on every device like the other buffers (bool: a quarter of a
+float32 expert stack).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.params import param
+
+MATRICES = {"gate": "w_gate_EDF", "up": "w_up_EDF", "down": "w_down_EFD"}  # the MoE's expert stacks
+STATIC = {"gate": "static_gate_DF", "up": "static_up_DF", "down": "static_down_FD"}
+MASKS = {"gate": "mask_gate_EDF", "up": "mask_up_EDF", "down": "mask_down_EFD"}
+SCHEDULES = ("exponential", "linear")
+SCOPES = ("local", "global")
+
+
+class PadNetError(ValueError):
+  """An argument PAD-Net cannot use."""
+
+
+class PadMask(nnx.Variable):
+  """PAD-Net's mode mask: True where an expert's entry is dynamic (its own), False where it takes the static weight."""
+
+
+def add_parameters(moe: nnx.Module, rngs: nnx.Rngs, D: int, E: int, F: int, std: float, out_std: float, dtype):
+  """The static weights (initialised like the experts), the all-dynamic masks and φ = 0 on an MoE module."""
+  moe.static_gate_DF = param(rngs, (D, F), ("embed", "mlp"), std, dtype)
+  moe.static_up_DF = param(rngs, (D, F), ("embed", "mlp"), std, dtype)
+  moe.static_down_FD = param(rngs, (F, D), ("mlp", "embed"), out_std, dtype)
+  moe.pad_phi = param(rngs, (), (), None, dtype)  # zeros: λ_d = λ_s = 1
+  for name, shape in (("mask_gate_EDF", (E, D, F)), ("mask_up_EDF", (E, D, F)), ("mask_down_EFD", (E, F, D))):
+    setattr(moe, name, PadMask(jnp.ones(shape, jnp.bool_), out_sharding=(None, None, None), eager_sharding=False))
+
+
+def scales(phi) -> tuple[jax.Array, jax.Array]:
+  """(λ_d, λ_s) = (2σ(φ), 2 − 2σ(φ))."""
+  dynamic = 2 * jax.nn.sigmoid(phi)
+  return dynamic, 2 - dynamic
+
+
+def mix(w_EIO, static_IO, mask_EIO, phi):
+  """λ_d·M⊙W + λ_s·(1 − M)⊙W^static in the weights' dtype (a float mask, as IMP differentiates it, works too);
+  leading layer axes allowed: w, mask (..., E, I, O), static (..., I, O), φ (...)."""
+  dynamic, static = scales(jnp.asarray(phi, w_EIO.dtype)[..., None, None, None])
+  m = mask_EIO.astype(w_EIO.dtype)
+  return dynamic * m * w_EIO + static * (1 - m) * static_IO[..., None, :, :].astype(w_EIO.dtype)
+
+
+def expert_weights(moe: nnx.Module) -> dict[str, jax.Array]:
+  """{"gate", "up", "down"}: the effective expert stacks of a PAD-Net MoE module."""
+  phi = moe.pad_phi[...]
+  return {k: mix(getattr(moe, MATRICES[k])[...], getattr(moe, STATIC[k])[...], getattr(moe, MASKS[k])[...], phi)
+          for k in MATRICES}
+
+
+def _masks(model: nnx.Module) -> list[np.ndarray]:
+  masks = [np.asarray(m) for m in jax.tree.leaves(nnx.state(model, PadMask))]
+  if not masks:
+    raise PadNetError("the model has no PAD-Net layer (build it with moe.pad=True or models.surgery.to_padnet)")
+  return masks
+
+
+def dynamic_share(model: nnx.Module) -> float:
+  """The dynamic entries' share of all PAD-Net expert entries of `model` (1.0 before any partition)."""
+  masks = _masks(model)
+  return float(sum(m.sum() for m in masks) / sum(m.size for m in masks))
+
+
+def counts(model: nnx.Module) -> dict[str, int]:
+  """{"dynamic": expert entries that are dynamic, "masked": expert entries that are static (their own value unused),
+  "static": the shared static weights' entries}."""
+  masks = _masks(model)
+  static = sum(int(np.prod(v.shape)) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+               if str(p[-1]) in STATIC.values())
+  dynamic = int(sum(m.sum() for m in masks))
+  return {"dynamic": dynamic, "masked": int(sum(m.size for m in masks)) - dynamic, "static": static}
+
+
+def share_at(round_: int, rounds: int, ratio: float, schedule: str) -> float:
+  """The dynamic share after IMP round `round_` (1..rounds) of `rounds`, ending at `ratio`."""
+  if schedule == "exponential":
+    return ratio ** (round_ / rounds)
+  return 1.0 - (1.0 - ratio) * round_ / rounds
+
+
+def _keep_top(scores: list[np.ndarray], share: float, scope: str, lead: list[int]) -> list[np.ndarray]:
+  """Masks keeping the `share` highest scores: over all arrays together ("global") or per matrix and layer."""
+  def top(flat: np.ndarray) -> np.ndarray:  # rows of scores -> their masks, each row keeping round(share·n)
+    keep = int(round(share * flat.shape[-1]))
+    order = np.argsort(-flat, axis=-1, kind="stable")[..., :keep]
+    mask = np.zeros(flat.shape, bool)
+    np.put_along_axis(mask, order, True, axis=-1)
+    return mask
+  if scope == "global":
+    joined = top(np.concatenate([s.ravel() for s in scores])[None])[0]
+    out, at = [], 0
+    for s in scores:
+      out.append(joined[at:at + s.size].reshape(s.shape))
+      at += s.size
+    return out
+  return [top(s.reshape(int(np.prod(s.shape[:n])), -1)).reshape(s.shape) for s, n in zip(scores, lead)]
+
+
+def iterative_partition(masks: list, grad_sum: Callable[[list], list], ratio: float, *, rounds: int = 5,
+                        schedule: str = "exponential", scope: str = "global") -> tuple[list[np.ndarray], list[float]]:
+  """Iterative Mode Partition of PAD-Net masks (arrays of shape (..., E, I, O)) to a dynamic share `ratio`:
+  `grad_sum(float masks)` returns ∂L/∂M for each (summed over the scoring batches). Returns the new boolean masks and
+  the dynamic share after each round."""
+  check(ratio, rounds, schedule, scope)
+  masks, shares = [np.asarray(m, bool) for m in masks], []
+  for t in range(1, rounds + 1):
+    scores = [np.abs(np.asarray(g, np.float64)) for g in grad_sum([jnp.asarray(m, jnp.float32) for m in masks])]
+    # local: one ranking per expert matrix (the layer axes and the expert axis lead: (..., E, I, O))
+    masks = _keep_top(scores, share_at(t, rounds, ratio, schedule), scope, [s.ndim - 2 for s in scores])
+    shares.append(float(sum(m.sum() for m in masks) / sum(m.size for m in masks)))
+  return masks, shares
+
+
+def check(ratio: float, rounds: int = 5, schedule: str = "exponential", scope: str = "global"):
+  """Refuses (PadNetError, one line) a partition's arguments that cannot work."""
+  if not 0.0 < ratio <= 1.0:
+    raise PadNetError(f"the dynamic ratio must lie in (0, 1], got {ratio}")
+  if rounds < 1:
+    raise PadNetError(f"IMP needs at least one round, got {rounds}")
+  if schedule not in SCHEDULES or scope not in SCOPES:
+    raise PadNetError(f"schedule must be one of {SCHEDULES} and scope one of {SCOPES}, got {schedule!r}, {scope!r}")
+
+
+def partition(model: nnx.Module, loss_fn: Callable[[nnx.Module, object], jax.Array], batches, ratio: float, *,
+              rounds: int = 5, schedule: Literal["exponential", "linear"] = "exponential",
+              scope: Literal["local", "global"] = "global") -> list[float]:
+  """`iterative_partition` of every PAD-Net layer of `model`, in place, scored on `batches` (a list;
+  `loss_fn(model, batch)` → the scalar loss). Returns the dynamic share after each round."""
+  _masks(model)  # refuses a model without PAD-Net layers
+  graphdef, masks, rest = nnx.split(model, PadMask, ...)
+  leaves, treedef = jax.tree.flatten(masks)
+
+  @jax.jit
+  def mask_grad(masks_f, rest, batch):
+    return jax.grad(lambda m: loss_fn(nnx.merge(graphdef, jax.tree.unflatten(treedef, m), rest), batch))(masks_f)
+
+  def grad_sum(masks_f):
+    grads = [mask_grad(masks_f, rest, b) for b in batches]
+    return [sum(g[i] for g in grads) for i in range(len(masks_f))]
+
+  new, shares = iterative_partition(leaves, grad_sum, ratio, rounds=rounds, schedule=schedule, scope=scope)
+  nnx.update(model, jax.tree.unflatten(treedef, [jnp.asarray(m) for m in new]))
+  return shares
