@@ -260,6 +260,20 @@ def pm(ms: tuple[float, float], sign: bool = False, digits: int = 4) -> str:
   return f"{ms[0]:{'+' if sign else ''}.{digits}f} ± {ms[1]:.{digits}f}"
 
 
+def lr_grid_table(grid: dict, label: Callable[[str], str], caption: str, note: str = "") -> list[str]:
+  """Markdown lines of an lr grid ({arm: {lr: final val loss}}) under `caption`, then the arms whose best lr sits at
+  the grid's edge (their loss could fall with a wider grid), `note` appended to that sentence."""
+  lrs = list(next(iter(grid.values())))
+  lines = ["", caption, "", "| arm | " + " | ".join(f"lr {lr}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
+  lines += [f"| {label(a)} | " + " | ".join(f"{v:.4f}" for v in t.values()) + " |" for a, t in grid.items()]
+  ends = (min(map(float, lrs)), max(map(float, lrs)))
+  edge = [label(a) for a, t in grid.items() if float(min(t, key=t.get)) in ends]
+  if edge and len(lrs) > 1:
+    lines += ["", f"The best lr sits at the grid's edge for: {', '.join(edge)}; a wider grid could lower those arms' "
+                  f"losses{note}."]
+  return lines
+
+
 def train_tail(records, n: int = 10) -> float:
   """Mean training loss of the last n logged steps of `fit` records."""
   return float(np.mean([r["loss"] for r in records if "loss" in r][-n:]))
@@ -293,7 +307,7 @@ def drop_partial(cfg):
 
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
            "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results", "tree_bytes", "mean_std", "pm",
-           "train_tail", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
+           "train_tail", "lr_grid_table", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
            "smoke_compiles_quickly", "past_edge"]
 
 

@@ -223,16 +223,8 @@ def tables(result: dict) -> list[str]:
     lines.append(f"| {LABELS[arm]} | {p[kind]['total']:,} / {p[kind]['active']:,} | {fl[kind] / 1e6:.2f} M | "
                  f"{result['lr'][arm]:g} | {at} | {common.pm(stat(result, arm, 'final'))} | {delta} | "
                  f"{common.pm(stat(result, arm, 'train_tail'))} |")
-  grid = result["tune"]
-  lrs = list(next(iter(grid.values())))
-  lines += ["", f"Continued-training lr grid (seed {seeds[0]}, final val loss after T steps):", "",
-            "| arm | " + " | ".join(f"lr {lr}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
-  lines += [f"| {LABELS[a]} | " + " | ".join(f"{v:.4f}" for v in t.values()) + " |" for a, t in grid.items()]
-  ends = (min(map(float, lrs)), max(map(float, lrs)))
-  edge = [LABELS[a] for a, t in grid.items() if float(min(t, key=t.get)) in ends]
-  if edge and len(lrs) > 1:
-    lines += ["", f"The best lr sits at the grid's edge for: {', '.join(edge)}; a wider grid could lower those arms' "
-                  "losses (the arms share the grid)."]
+  lines += common.lr_grid_table(result["tune"], LABELS.get, f"Continued-training lr grid (seed {seeds[0]}, final val "
+                                f"loss after T steps):", " (the arms share the grid)")
   t = result.get("timing")
   return lines + ([] if not t else [
       "", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU (the whole process) on the shared 2-core VM"
