@@ -260,6 +260,37 @@ def pm(ms: tuple[float, float], sign: bool = False, digits: int = 4) -> str:
   return f"{ms[0]:{'+' if sign else ''}.{digits}f} ± {ms[1]:.{digits}f}"
 
 
+def tuned_fit(arm: str, fit_at: Callable[[float], Fit], lrs, tuning: bool, tune: dict, chosen: dict) -> Fit:
+  """An arm's run at its lr. On the tuning seed (`tuning`) every lr of `lrs` is run (`fit_at(lr)`), tune[arm] gets
+  {lr: final val loss} and chosen[arm] the best; on the other seeds only chosen[arm] is run."""
+  fits = {lr: fit_at(lr) for lr in (lrs if tuning else (chosen[arm],))}
+  if tuning:
+    tune[arm] = {lr: f.final_val for lr, f in fits.items()}
+    chosen[arm] = min(tune[arm], key=tune[arm].get)
+  return fits[chosen[arm]]
+
+
+def curves_plot(ax, seeds: list[dict], label: Callable[[str], str], lrs: dict):
+  """Each arm's val-loss curve (mean ± std over the seeds' `arms[arm]["curve"]`) on `ax`, labelled with its lr."""
+  for i, arm in enumerate(seeds[0]["arms"]):
+    x, y = band([s["arms"][arm]["curve"] for s in seeds])
+    ax.plot(x, y.mean(0), "-o", ms=3, color=f"C{i}", label=f"{label(arm)} (lr {lrs[arm]:g})")
+    ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), color=f"C{i}", alpha=0.15)
+  ax.legend(fontsize=8)
+
+
+def write_experiment(cfg, name: str, question: str, result: dict, table: list[str], findings: list[str], fig):
+  """An experiment's full-size outputs in cfg.out: results.json (first: the raw numbers whatever the formatting
+  does), results.md (the settings, `table`, `findings`) and the figure as val_loss.png."""
+  settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
+  os.makedirs(cfg.out, exist_ok=True)
+  with open(os.path.join(cfg.out, "results.json"), "w") as f:
+    json.dump(result, f, indent=1, default=float)
+  write_results(cfg.out, name, question, table, findings=findings, settings=settings, data=result,
+                cmd=f"python -m research.experiments.{name}")
+  fig.savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
+
+
 def lr_grid_table(grid: dict, label: Callable[[str], str], caption: str, note: str = "") -> list[str]:
   """Markdown lines of an lr grid ({arm: {lr: final val loss}}) under `caption`, then the arms whose best lr sits at
   the grid's edge (their loss could fall with a wider grid), `note` appended to that sentence."""
@@ -307,7 +338,7 @@ def drop_partial(cfg):
 
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
            "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results", "tree_bytes", "mean_std", "pm",
-           "train_tail", "lr_grid_table", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
+           "train_tail", "lr_grid_table", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
            "smoke_compiles_quickly", "past_edge"]
 
 

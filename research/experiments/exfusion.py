@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import time
 
 import numpy as np
@@ -110,13 +108,8 @@ def main(cfg: Config) -> dict:
       continue
     run = {"arms": {}}
     for arm, spec in specs.items():
-      tuning = seed == cfg.seeds[0]
-      fits = {lr: fit(model_for(spec, c, seed), common.phase_optimizer(lr, cfg.steps), seed=seed)
-              for lr in (cfg.lrs if tuning else (chosen[arm],))}
-      if tuning:
-        tune[arm] = {lr: f.final_val for lr, f in fits.items()}
-        chosen[arm] = min(tune[arm], key=tune[arm].get)
-      f = fits[chosen[arm]]
+      f = common.tuned_fit(arm, lambda lr: fit(model_for(spec, c, seed), common.phase_optimizer(lr, cfg.steps),
+                                               seed=seed), cfg.lrs, seed == cfg.seeds[0], tune, chosen)
       record = {"lr": chosen[arm], "curve": f.curve(), "trained": f.final_val,
                 "train_tail": common.train_tail(f.records)}
       if spec[0]:
@@ -211,25 +204,15 @@ def plot(result: dict):
   import matplotlib.pyplot as plt
   seeds = list(result["seeds"].values())
   fig, ax = plt.subplots(figsize=(7, 4.2))
-  for i, arm in enumerate(seeds[0]["arms"]):
-    x, y = common.band([s["arms"][arm]["curve"] for s in seeds])
-    ax.plot(x, y.mean(0), "-o", ms=3, color=f"C{i}", label=f"{label(arm)} (lr {result['lr'][arm]:g})")
-    ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), color=f"C{i}", alpha=0.15)
+  common.curves_plot(ax, seeds, label, result["lr"])
   ax.set(xlabel="training step", ylabel="val loss (nats/byte), before fusion",
          title=f"dense vs ExFusion ({len(seeds)} seeds, mean ± std)")
-  ax.legend(fontsize=8)
   fig.tight_layout()
   return fig
 
 
 def write(cfg: Config, result: dict):
-  settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
-  os.makedirs(cfg.out, exist_ok=True)
-  with open(os.path.join(cfg.out, "results.json"), "w") as f:
-    json.dump(result, f, indent=1, default=float)
-  common.write_results(cfg.out, NAME, __doc__.split("\n\n")[0], tables(result), findings=findings(result),
-                       settings=settings, data=result, cmd="python -m research.experiments.exfusion")
-  plot(result).savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
+  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables(result), findings(result), plot(result))
 
 
 if __name__ == "__main__":

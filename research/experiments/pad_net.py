@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import time
 
 import numpy as np
@@ -136,13 +134,9 @@ def main(cfg: Config) -> dict:
       else:
         model, shares = partitioned(pre.model, float(arm[3:]) / 100, docs.train, cfg, seed)
       start = {k: common.evaluate(model, b) for k, b in val.items()}
-      tuning = seed == cfg.seeds[0]
-      fits = {lr: fit(model, common.phase_optimizer(lr, T), tokens=docs.train, steps=T, seed=seed, val=val["docs"],
-                      eval_every=cfg.eval_every) for lr in (cfg.lrs if tuning else (chosen[arm],))}
-      if tuning:
-        tune[arm] = {lr: f.final_val for lr, f in fits.items()}
-        chosen[arm] = min(tune[arm], key=tune[arm].get)
-      f = fits[chosen[arm]]
+      f = common.tuned_fit(arm, lambda lr: fit(model, common.phase_optimizer(lr, T), tokens=docs.train, steps=T,
+                                               seed=seed, val=val["docs"], eval_every=cfg.eval_every),
+                           cfg.lrs, seed == cfg.seeds[0], tune, chosen)
       counts = padnet.counts(f.model) if arm != "moe" else {"dynamic": _expert_entries(model), "masked": 0,
                                                              "static": 0}
       run["arms"][arm] = {"lr": chosen[arm], "shares": shares, "counts": counts, "start": start,
@@ -248,13 +242,9 @@ def plot(result: dict):
   seeds = list(result["seeds"].values())
   names = list(seeds[0]["arms"])
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-  for i, arm in enumerate(names):
-    x, y = common.band([s["arms"][arm]["curve"] for s in seeds])
-    axes[0].plot(x, y.mean(0), "-o", ms=3, color=f"C{i}", label=f"{label(arm)} (lr {result['lr'][arm]:g})")
-    axes[0].fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), color=f"C{i}", alpha=0.15)
+  common.curves_plot(axes[0], seeds, label, result["lr"])
   axes[0].set(xlabel="fine-tuning step", ylabel="docs val loss (nats/byte)",
               title=f"fine-tuning a pretrained MoE ({len(seeds)} seeds, mean ± std)")
-  axes[0].legend(fontsize=8)
   dyn = [seeds[0]["arms"][a]["counts"]["dynamic"] for a in names]
   m = [stat(result, a, "final") for a in names]
   axes[1].errorbar(dyn, [v[0] for v in m], yerr=[v[1] for v in m], fmt="o-")
@@ -266,13 +256,7 @@ def plot(result: dict):
 
 
 def write(cfg: Config, result: dict):
-  settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
-  os.makedirs(cfg.out, exist_ok=True)
-  with open(os.path.join(cfg.out, "results.json"), "w") as f:
-    json.dump(result, f, indent=1, default=float)
-  common.write_results(cfg.out, NAME, __doc__.split("\n\n")[0], tables(result), findings=findings(result),
-                       settings=settings, data=result, cmd="python -m research.experiments.pad_net")
-  plot(result).savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
+  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables(result), findings(result), plot(result))
 
 
 if __name__ == "__main__":
