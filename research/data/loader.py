@@ -56,7 +56,8 @@ class Loader:
                      else Padded(tokens, docs, seq_len, eos))
     self.count = self.source.count  # records per epoch
     self.layout = layout
-    self.dataset = self._steps().map(self._read)
+    self.records = self._steps()  # step -> (epochs, ids) of its B records, all rows (research/data/mixture.py reads it)
+    self.dataset = self.records.map(self._read)
 
   def _steps(self) -> grain.MapDataset:
     """Step t -> (epoch, id) of each of its B records (all rows: cheap, ints only)."""
