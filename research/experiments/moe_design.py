@@ -1,0 +1,229 @@
+"""At a fixed active-parameter budget, which MoE structure trains best: how many experts, how fine-grained (expert
+width and top-k together), and whether a shared expert helps, compared with the published guidance?
+
+  python -m research.experiments.moe_design            # full: writes research/results/moe_design/
+  python -m research.experiments.moe_design --smoke    # seconds: what the tests and the notebook run
+
+Published guidance (each at 10^8–10^10 parameters and 10^10–10^12 tokens; ours is ~0.3M parameters and ~10^5 tokens,
+so agreement or disagreement here is about the mechanism at toy scale only):
+  G1 more experts at equal active parameters lower the loss (Switch Transformer, arXiv 2101.03961, §3 and Fig. 4;
+     Clark et al., arXiv 2202.01169: a power law in the expert count, flattening with model size);
+  G2 finer experts (width / m, top-k × m) at equal total and active parameters lower the loss (DeepSeekMoE, arXiv
+     2401.06066, fine-grained expert segmentation; Krajewski et al., arXiv 2402.07871: expert width = the FFN's is
+     "not optimal at almost any computational budget"; OLMoE, arXiv 2409.02060 §4: 8/top-1 → 32/top-4 → 64/top-8);
+  G3 a shared expert (one always-on expert, one routed expert fewer) is mixed: DeepSeekMoE finds it helps, OLMoE finds
+     "shared experts are less effective than having separate experts", Qwen3 (arXiv 2505.09388) dropped them.
+
+Setup. Byte-level `tiny` (D 64, 2 pre-norm blocks, 4/2 heads, QK-norm) on the stdlib corpus; every arm has the same
+active FFN width A = `active` per token: (top-k + shared)·d_expert = A. Arms E{e}k{k}: E = e routed experts of width
+A/k, top-k (k ∈ `top_ks`, e ∈ `experts`, k ≤ e/2); E{e}k{k}s1: one shared expert of width A/(k+1) and k routed ones of
+the same width; `dense`: the dense FFN of width A (the same active FFN). Softmax router renormalised over the top-k,
+dropless, load-balancing loss 0.01 and z-loss 1e-3 (the defaults). Equal steps and tokens for every arm.
+Honest means: held-out val loss, 3 seeds with mean ± std, a peak lr per arm from `lrs` picked on seed 0 (grid
+edges flagged), total and active parameters and training FLOPs per token in the table, and each guidance compared
+on the arms that isolate it (paired per seed): G1 along E at k = 2, G2 along (E, k) = (8,1) → (16,2) → (32,4) (equal
+total and active), G3 E16k1s1 vs E16k2 and E16k3s1 vs E16k4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import tyro
+from flax import nnx
+
+from models import MoEConfig, Transformer, count_params, flops_per_token, preset
+from research.experiments import common
+
+NAME = "moe_design"
+SMOKE = dict(seeds=(0,), steps=4, batch_size=4, seq_len=32, lrs=(3e-3,), experts=(4,), top_ks=(1, 2),
+             eval_every=2, val_batch=8, val_batches=2, shared=False)
+
+
+@dataclasses.dataclass
+class Config:
+  smoke: bool = False
+  """Tiny sizes (SMOKE) on the same code path; writes nothing."""
+  out: str = "research/results/moe_design"
+  seeds: tuple[int, ...] = (0, 1, 2)
+  steps: int = 300
+  batch_size: int = 16
+  seq_len: int = 64
+  active: int = 128
+  """A: the active FFN width per token, (top-k + shared)·d_expert, = the dense arm's d_ff."""
+  experts: tuple[int, ...] = (4, 8, 16, 32)
+  top_ks: tuple[int, ...] = (1, 2, 4)
+  shared: bool = True
+  """Add the shared-expert arms E16k1s1 and E16k3s1."""
+  lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+  eval_every: int = 50
+  val_batch: int = 32
+  val_batches: int = 4
+
+
+def arms(cfg: Config) -> dict[str, tuple[int, int, int]]:
+  """{arm: (routed experts E, top-k, shared experts)}; the dense arm is (0, 0, 0)."""
+  out = {"dense": (0, 0, 0)}
+  out.update({f"E{e}k{k}": (e, k, 0) for e in cfg.experts for k in cfg.top_ks if 2 * k <= e})
+  if cfg.shared:
+    out.update({"E16k1s1": (16, 1, 1), "E16k3s1": (16, 3, 1)})
+  return out
+
+
+def model_config(cfg: Config, spec: tuple[int, int, int]):
+  e, k, s = spec
+  if e == 0:
+    return preset("tiny", d_ff=cfg.active)
+  width = cfg.active // (k + s)
+  return preset("tiny", moe=MoEConfig(num_experts=e, top_k=k, d_expert=width, num_shared=s, normalize_top_k=True))
+
+
+def sized(cfg: Config) -> Config:
+  cfg = dataclasses.replace(cfg, **SMOKE) if cfg.smoke else cfg
+  if not cfg.seeds or not cfg.lrs or cfg.steps < 1:
+    raise ValueError("moe_design needs a seed, an lr and steps >= 1")
+  for arm, (e, k, s) in arms(cfg).items():
+    if e and cfg.active % (k + s):
+      raise ValueError(f"arm {arm}: the active width {cfg.active} does not split into {k + s} experts")
+  return cfg
+
+
+def sizes(c) -> dict:
+  """Total and active parameters and training FLOPs per token of a config."""
+  total = count_params(c)
+  active = total if c.moe is None else total - c.n_layers * (c.moe.num_experts - c.moe.top_k) * 3 * c.d_model * (
+      c.moe.d_expert or c.d_ff)
+  return {"total": total, "active": active}
+
+
+@common.smoke_compiles_quickly
+def main(cfg: Config) -> dict:
+  cfg = sized(cfg)
+  train, val = common.corpus_and_val(cfg.val_batch, cfg.seq_len, cfg.val_batches)
+  fit = functools.partial(common.fit, tokens=train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, val=val,
+                          steps=cfg.steps, eval_every=cfg.eval_every)
+  done = common.load_partial(cfg) or {"runs": {}, "tune": {}, "chosen": {}}
+  runs = {int(s): r for s, r in done["runs"].items()}
+  tune = {a: {float(lr): v for lr, v in t.items()} for a, t in done["tune"].items()}
+  chosen, specs = done["chosen"], arms(cfg)
+  t_start = time.perf_counter()
+  for seed in cfg.seeds:
+    if seed in runs:
+      continue
+    run = {"arms": {}}
+    for arm, spec in specs.items():
+      c = model_config(cfg, spec)
+      f = common.tuned_fit(arm, lambda lr: fit(Transformer(c, rngs=nnx.Rngs(seed)),
+                                               common.phase_optimizer(lr, cfg.steps), seed=seed),
+                           cfg.lrs, seed == cfg.seeds[0], tune, chosen)
+      run["arms"][arm] = {"lr": chosen[arm], "curve": f.curve(), "final": f.final_val,
+                          "train_tail": common.train_tail(f.records)}
+    runs[seed] = run
+    if not cfg.smoke:
+      common.save_partial(cfg, runs=runs, tune=tune, chosen=chosen)
+    print(f"seed {seed}: " + ", ".join(f"{a} {r['final']:.4f}" for a, r in run["arms"].items())
+          + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
+  result = {"config": dataclasses.asdict(cfg), "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
+            "arms": {a: {"experts": e, "top_k": k, "shared": s, **sizes(model_config(cfg, (e, k, s))),
+                         "flops_per_token": flops_per_token(model_config(cfg, (e, k, s)), cfg.seq_len)}
+                     for a, (e, k, s) in specs.items()},
+            "tune": {a: {str(lr): v for lr, v in t.items()} for a, t in tune.items()}, "lr": chosen,
+            "seeds": {s: runs[s] for s in cfg.seeds},
+            "timing": {"wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time()}}
+  if not cfg.smoke:
+    write(cfg, result)
+    common.drop_partial(cfg)
+  return result
+
+
+def stat(result: dict, arm: str) -> tuple[float, float]:
+  return common.mean_std([r["arms"][arm]["final"] for r in result["seeds"].values()])
+
+
+def paired(result: dict, arm: str, base: str) -> tuple[float, float]:
+  return common.mean_std([r["arms"][arm]["final"] - r["arms"][base]["final"] for r in result["seeds"].values()])
+
+
+def label(arm: str) -> str:
+  return arm if arm == "dense" else arm.replace("E", "E=").replace("k", ", k=").replace("s1", ", 1 shared")
+
+
+def tables(result: dict) -> list[str]:
+  seeds = list(result["seeds"])
+  a = result["arms"]
+  lines = [f"Every arm: {result['config']['steps']} steps = {result['tokens']:,} tokens, active FFN width "
+           f"{result['config']['active']} per token. Seeds {', '.join(map(str, seeds))}; mean ± std (ddof 1); Δ = "
+           "per-seed difference to the dense arm.", "",
+           "| arm | experts (routed, top-k, shared) | d_expert | params total / active | train MFLOPs/token | lr | "
+           "val loss | Δ vs dense |", "|---|---|---|---|---|---|---|---|"]
+  order = sorted(a, key=lambda n: stat(result, n)[0])
+  for arm in order:
+    x = a[arm]
+    width = "–" if not x["experts"] else result["config"]["active"] // (x["top_k"] + x["shared"])
+    delta = "–" if arm == "dense" else common.pm(paired(result, arm, "dense"), sign=True)
+    lines.append(f"| {label(arm)} | {x['experts']}, {x['top_k']}, {x['shared']} | {width} | {x['total']:,} / "
+                 f"{x['active']:,} | {x['flops_per_token'] / 1e6:.2f} | {result['lr'][arm]:g} | "
+                 f"{common.pm(stat(result, arm))} | {delta} |")
+  lines += common.lr_grid_table(result["tune"], label, f"lr grid (seed {seeds[0]}, final val loss):")
+  t = result.get("timing")
+  return lines + ([] if not t else ["", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU on the shared "
+                                        "2-core VM."])
+
+
+def _steps(result: dict, chain: list[str]) -> list[tuple[str, str, tuple[float, float]]]:
+  return [(x, y, paired(result, y, x)) for x, y in zip(chain, chain[1:]) if x in result["arms"] and y in result["arms"]]
+
+
+def _verdict(d: tuple[float, float]) -> str:
+  return "within 2 std (no difference resolved)" if abs(d[0]) <= 2 * d[1] else "lower" if d[0] < 0 else "higher"
+
+
+def findings(result: dict) -> list[str]:
+  lines = []
+  g1 = _steps(result, [f"E{e}k2" for e in (4, 8, 16, 32)])
+  if g1:
+    lines.append("Reading (G1, more experts at equal active parameters): " + "; ".join(
+        f"{label(y)} − {label(x)} {common.pm(d, True)} ({_verdict(d)})" for x, y, d in g1) + ".")
+  g2 = _steps(result, ["E8k1", "E16k2", "E32k4"])
+  if g2:
+    lines.append("Reading (G2, finer experts at equal total and active parameters): " + "; ".join(
+        f"{label(y)} − {label(x)} {common.pm(d, True)} ({_verdict(d)})" for x, y, d in g2) + ".")
+  g3 = [(x, y, paired(result, y, x)) for x, y in (("E16k2", "E16k1s1"), ("E16k4", "E16k3s1"))
+        if x in result["arms"] and y in result["arms"]]
+  if g3:
+    lines.append("Reading (G3, a shared expert in place of a routed one): " + "; ".join(
+        f"{label(y)} − {label(x)} {common.pm(d, True)} ({_verdict(d)})" for x, y, d in g3) + ".")
+  best = min(result["arms"], key=lambda n: stat(result, n)[0])
+  lines.append(f"Reading: the best arm is {label(best)} ({common.pm(stat(result, best))}); where a reading above is "
+               "'higher' the toy scale disagrees with the published guidance, as reported.")
+  return lines
+
+
+def plot(result: dict):
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for k in sorted({x["top_k"] for x in result["arms"].values() if x["experts"] and not x["shared"]}):
+    names = sorted([n for n, x in result["arms"].items() if x["top_k"] == k and not x["shared"] and x["experts"]],
+                   key=lambda n: result["arms"][n]["experts"])
+    m = [stat(result, n) for n in names]
+    ax.errorbar([result["arms"][n]["experts"] for n in names], [v[0] for v in m], yerr=[v[1] for v in m], fmt="o-",
+                capsize=3, label=f"top-{k}, d_expert {result['config']['active'] // k}")
+  dense = stat(result, "dense")
+  ax.axhline(dense[0], color="k", ls=":", label="dense (same active FFN)")
+  ax.set_xscale("log", base=2)
+  ax.set(xlabel="routed experts E", ylabel="val loss (nats/byte)",
+         title=f"equal active parameters ({len(result['seeds'])} seeds, mean ± std)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  return fig
+
+
+def write(cfg: Config, result: dict):
+  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables(result), findings(result), plot(result))
+
+
+if __name__ == "__main__":
+  common.compile_cache("optlab-moe-design-cache-")
+  main(tyro.cli(Config))
