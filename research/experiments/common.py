@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Callable
 
 import jax
@@ -260,6 +261,34 @@ def pm(ms: tuple[float, float], sign: bool = False, digits: int = 4) -> str:
   return f"{ms[0]:{'+' if sign else ''}.{digits}f} ± {ms[1]:.{digits}f}"
 
 
+@dataclasses.dataclass
+class Seeds:
+  """What `run_seeds` returns: each seed's run, the lr grid (arm -> {lr: final val loss}) and each arm's lr."""
+  runs: dict
+  tune: dict
+  chosen: dict
+  wall_s: float
+
+
+def run_seeds(cfg, one_seed: Callable[[int, dict, dict], dict]) -> Seeds:
+  """`one_seed(seed, tune, chosen)` -> {"arms": {arm: {"final": ..., ...}}} for each of cfg.seeds, the first seed
+  tuning each arm's lr (`tuned_fit`); a full-size run resumes from what an interrupted one saved (partial.json after
+  every seed) and skips the seeds it finished; each seed's final losses printed."""
+  done = load_partial(cfg) or {"runs": {}, "tune": {}, "chosen": {}}
+  runs = {int(s): r for s, r in done["runs"].items()}
+  tune = {a: {float(lr): v for lr, v in t.items()} for a, t in done["tune"].items()}
+  chosen, t0 = done["chosen"], time.perf_counter()
+  for seed in cfg.seeds:
+    if seed in runs:
+      continue
+    runs[seed] = run = one_seed(seed, tune, chosen)
+    if not cfg.smoke:
+      save_partial(cfg, runs=runs, tune=tune, chosen=chosen)
+    print(f"seed {seed}: " + ", ".join(f"{a} {r['final']:.4f}" for a, r in run["arms"].items())
+          + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+  return Seeds(runs, tune, chosen, time.perf_counter() - t0)
+
+
 def tuned_fit(arm: str, fit_at: Callable[[float], Fit], lrs, tuning: bool, tune: dict, chosen: dict) -> Fit:
   """An arm's run at its lr. On the tuning seed (`tuning`) every lr of `lrs` is run (`fit_at(lr)`), tune[arm] gets
   {lr: final val loss} and chosen[arm] the best; on the other seeds only chosen[arm] is run."""
@@ -338,7 +367,7 @@ def drop_partial(cfg):
 
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
            "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results", "tree_bytes", "mean_std", "pm",
-           "train_tail", "lr_grid_table", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
+           "train_tail", "lr_grid_table", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
            "smoke_compiles_quickly", "past_edge"]
 
 

@@ -104,14 +104,9 @@ def main(cfg: Config) -> dict:
   train, val = common.corpus_and_val(cfg.val_batch, cfg.seq_len, cfg.val_batches)
   fit = functools.partial(common.fit, tokens=train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, val=val,
                           steps=cfg.steps, eval_every=cfg.eval_every)
-  done = common.load_partial(cfg) or {"runs": {}, "tune": {}, "chosen": {}}
-  runs = {int(s): r for s, r in done["runs"].items()}
-  tune = {a: {float(lr): v for lr, v in t.items()} for a, t in done["tune"].items()}
-  chosen, specs = done["chosen"], arms(cfg)
-  t_start = time.perf_counter()
-  for seed in cfg.seeds:
-    if seed in runs:
-      continue
+  specs = arms(cfg)
+
+  def one_seed(seed, tune, chosen):
     run = {"arms": {}}
     for arm, spec in specs.items():
       c = model_config(cfg, spec)
@@ -120,18 +115,16 @@ def main(cfg: Config) -> dict:
                            cfg.lrs, seed == cfg.seeds[0], tune, chosen)
       run["arms"][arm] = {"lr": chosen[arm], "curve": f.curve(), "final": f.final_val,
                           "train_tail": common.train_tail(f.records)}
-    runs[seed] = run
-    if not cfg.smoke:
-      common.save_partial(cfg, runs=runs, tune=tune, chosen=chosen)
-    print(f"seed {seed}: " + ", ".join(f"{a} {r['final']:.4f}" for a, r in run["arms"].items())
-          + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    return run
+
+  done = common.run_seeds(cfg, one_seed)
   result = {"config": dataclasses.asdict(cfg), "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
             "arms": {a: {"experts": e, "top_k": k, "shared": s, **sizes(model_config(cfg, (e, k, s))),
                          "flops_per_token": flops_per_token(model_config(cfg, (e, k, s)), cfg.seq_len)}
                      for a, (e, k, s) in specs.items()},
-            "tune": {a: {str(lr): v for lr, v in t.items()} for a, t in tune.items()}, "lr": chosen,
-            "seeds": {s: runs[s] for s in cfg.seeds},
-            "timing": {"wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time()}}
+            "tune": {a: {str(lr): v for lr, v in t.items()} for a, t in done.tune.items()}, "lr": done.chosen,
+            "seeds": {s: done.runs[s] for s in cfg.seeds},
+            "timing": {"wall_s": done.wall_s, "cpu_s": time.process_time()}}
   if not cfg.smoke:
     write(cfg, result)
     common.drop_partial(cfg)

@@ -116,14 +116,8 @@ def main(cfg: Config) -> dict:
   val = {"docs": eval_batches(docs.val, cfg.val_batch, cfg.seq_len, cfg.val_batches),
          "stdlib": eval_batches(stdlib.val, cfg.val_batch, cfg.seq_len, cfg.val_batches)}
   fit = functools.partial(common.fit, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
-  done = common.load_partial(cfg) or {"runs": {}, "tune": {}, "chosen": {}}
-  runs = {int(s): r for s, r in done["runs"].items()}
-  tune = {a: {float(lr): v for lr, v in t.items()} for a, t in done["tune"].items()}
-  chosen = done["chosen"]
-  t_start = time.perf_counter()
-  for seed in cfg.seeds:
-    if seed in runs:
-      continue
+
+  def one_seed(seed, tune, chosen):
     pre = fit(Transformer(moe_config(cfg), rngs=nnx.Rngs(seed)), common.phase_optimizer(cfg.pretrain_lr, N),
               tokens=stdlib.train, steps=N, seed=seed, val=val["stdlib"], eval_every=max(N // 4, 1))
     run = {"pretrain_curve": pre.curve(), "pretrained": {k: common.evaluate(pre.model, b) for k, b in val.items()},
@@ -143,20 +137,18 @@ def main(cfg: Config) -> dict:
                           "curve": [(0, start["docs"])] + f.curve(), "final": f.final_val,
                           "stdlib_final": common.evaluate(f.model, val["stdlib"]),
                           "phi": _phis(f.model) if arm != "moe" else None}
-    runs[seed] = run
-    if not cfg.smoke:
-      common.save_partial(cfg, runs=runs, tune=tune, chosen=chosen)
-    print(f"seed {seed}: " + ", ".join(f"{a} {r['final']:.4f}" for a, r in run["arms"].items())
-          + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    return run
+
+  done = common.run_seeds(cfg, one_seed)
   c = moe_config(cfg)
   result = {"config": dataclasses.asdict(cfg), "steps": {"pretrain": N, "finetune": T},
             "tokens": {"finetune": T * cfg.batch_size * cfg.seq_len},
             "params": {"moe": count_params(c),
                        "padnet": count_params(dataclasses.replace(c, moe=dataclasses.replace(c.moe, pad=True)))},
             "docs_corpus": {"train_bytes": int(len(docs.train)), "val_bytes": int(len(docs.val))},
-            "tune": {a: {str(lr): v for lr, v in t.items()} for a, t in tune.items()}, "lr": chosen,
-            "seeds": {s: runs[s] for s in cfg.seeds},
-            "timing": {"wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time()}}
+            "tune": {a: {str(lr): v for lr, v in t.items()} for a, t in done.tune.items()}, "lr": done.chosen,
+            "seeds": {s: done.runs[s] for s in cfg.seeds},
+            "timing": {"wall_s": done.wall_s, "cpu_s": time.process_time()}}
   if not cfg.smoke:
     write(cfg, result)
     common.drop_partial(cfg)
