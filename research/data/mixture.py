@@ -3,6 +3,7 @@ rule of "Dynamic Data Mixing Maximizes Instruction Tuning for Mixture-of-Experts
 NAACL 2025, arXiv 2406.11256; code Spico197/MoE-SFT).
 
   spec = parse_mix("dynamic", ["code", "docs", "text"])      # or "uniform", "size", "fixed:2,1,1", "dynamic:eta=10"
+  corpus = MixedCorpus({"code": load_corpus(a), ...}, spec)  # what the trainer reads (`--data code=A docs=B ...`)
   mix = Mixture({name: loader}, seed=0, weights=spec.initial(sizes))
   x, y, sources = mix.batch(step)     # this process's rows of the step's batch, and each row's source index
   mix.set_weights(step, w)            # from `step` on (earlier steps keep the weights they were drawn with)
@@ -14,18 +15,22 @@ of source c_r's own loader at step t (research/data/loader.py: any sampling, lay
 content does not depend on the other sources. Every step's batch is a pure function of (seed, t, the weights in force
 at t): the weights' history (`segments`) is the whole sampler state, and a resumed run reads the same batches.
 
-The dynamic rule (the paper's Algorithm 1, `src/callbacks.py::AdaptiveSamplingCallback` in the code), every `every`
+The dynamic rule (the paper's Algorithm 1; the code's `src/callbacks.py::AdaptiveSamplingCallback`), every `every`
 steps: each source i's held-out batches are routed by the model and Ô_i is the last MoE layer's top-k load (tokens
 per expert, normalised to sum 1); with δ_ij = ‖Ô_i − Ô_j‖₂ and Δ_i = (1/|D|) Σ_j δ_ij (δ_ii = 0 included),
   α = softmax(log w_{t−1} + η Δ),   w_t = ((1 − c) α + c/|D|) / Σ(…)
-so a source whose routing differs most from the others' (least redundant) gains weight. Defaults are the code's:
+so a source whose routing differs most from the others' (least redundant) gains weight; with two sources Δ_1 = Δ_2
+(δ is symmetric) and the weights never move, so the rule needs three or more. Defaults are the code's:
 η = 10, c = 0.05, every 100 steps, uniform initial weights. Pure NumPy; imports no jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
+import grain
 import numpy as np
 
 from research.data.corpus import DataError
@@ -87,6 +92,9 @@ def parse_mix(text: str, names) -> MixSpec:
     except ValueError:
       raise DataError(f"--mix {text!r}: {key}={value!r} is not a number") from None
   spec = MixSpec(rule, names, **options)
+  if len(names) < 3:  # Δ_i = (1/|D|) Σ_j δ_ij is the same for both of two sources (δ is symmetric)
+    raise DataError(f"--mix dynamic needs at least 3 sources: with {len(names)} the redundancy scores are equal and "
+                    f"the weights never move")
   if not (spec.eta >= 0 and 0 <= spec.c <= 1 and spec.every >= 1 and spec.batches >= 1):
     raise DataError(f"--mix {text!r}: needs eta >= 0, 0 <= c <= 1, every >= 1 and batches >= 1")
   return spec
@@ -155,3 +163,100 @@ class Mixture:
 
   def state(self) -> dict:
     return {"segments": [[s, w.tolist()] for s, w in self.segments]}
+
+  def restored(self, segments) -> list:
+    """Saved segments ([[from_step, [w...]], ...]) checked against this mixture's sources."""
+    return [(int(s), self._checked(w)) for s, w in segments]
+
+
+def named_sources(entries) -> dict[str, str] | None:
+  """{name: path} of --data entries written NAME=PATH (one entry may hold several, comma-separated: a=X,b=Y), in
+  order; None when no entry names its source. Refuses (DataError) named and unnamed entries together, an empty name
+  or path, and a name given twice."""
+  if not entries:
+    return None
+  items = []
+  for entry in entries:
+    parts = entry.split(",") if all("=" in p for p in entry.split(",")) else [entry]
+    items += parts
+  named = [p for p in items if "=" in p and not p.startswith(("/", ".", "~"))]
+  if not named:
+    return None
+  if len(named) != len(items):
+    raise DataError(f"--data: name every source (NAME=PATH) or none; got {', '.join(items)}")
+  out = {}
+  for item in named:
+    name, _, path = item.partition("=")
+    if not name or not path or not name.replace("_", "").replace("-", "").isalnum():
+      raise DataError(f"--data {item!r}: a source is NAME=PATH, NAME letters, digits, - or _")
+    if name in out:
+      raise DataError(f"--data: the source name {name!r} is given twice")
+    out[name] = path
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedCorpus:
+  """Named corpora trained on as one mixture, sampled by `spec`: the trainer reads it where it reads one `Corpus`."""
+  sources: dict  # name -> Corpus, in --data's order
+  spec: MixSpec
+
+  @property
+  def vocab_size(self) -> int:
+    return max(c.vocab_size for c in self.sources.values())
+
+  @property
+  def fingerprint(self) -> str:
+    return hashlib.sha256(json.dumps([[n, c.fingerprint] for n, c in self.sources.items()]).encode()).hexdigest()
+
+  @property
+  def source(self) -> str:
+    return "mixture(" + ", ".join(f"{n}={c.source}" for n, c in self.sources.items()) + ")"
+
+  def sizes(self) -> dict[str, int]:
+    return {n: int(len(c.train)) for n, c in self.sources.items()}
+
+  def record(self) -> dict:
+    """config.json's "corpus" of a mixture: each source's, the rule, and the fingerprint over them."""
+    val = sum(int(len(c.val)) for c in self.sources.values())
+    return {"source": self.source, "fingerprint": self.fingerprint, "mix": dataclasses.asdict(self.spec),
+            "train_tokens": sum(self.sizes().values()), "val_tokens": val,
+            "sources": {n: {"source": c.source, "fingerprint": c.fingerprint, "train_tokens": int(len(c.train)),
+                            "val_tokens": int(len(c.val))} for n, c in self.sources.items()}}
+
+
+class MixedLoader:
+  """A `Loader`'s interface (`batch`, `iterator`) over a `Mixture`: the trainer's feed reads it unchanged, and its
+  iterator state carries the weights' history."""
+
+  def __init__(self, mixture: Mixture, workers: int = 2):
+    self.mixture, self.workers = mixture, workers
+    self.dataset = grain.MapDataset.range(2 ** 62).map(lambda t: self.mixture.batch(t)[:2])
+
+  def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+    return self.dataset[step]
+
+  def iterator(self, state: dict | None = None, start: int = 0):
+    """Batches from step `start` (or a saved state: its step and the weights' history) on `workers` threads."""
+    if state is not None and "mixture" in state:
+      self.mixture.segments = self.mixture.restored(state["mixture"])
+    options = grain.ReadOptions(num_threads=self.workers, prefetch_buffer_size=2 * self.workers)
+    it = iter(self.dataset.to_iter_dataset(options))
+    it.set_state({"next_index": state["next_index"] if state is not None else start})
+    return _MixedIterator(it, self.mixture)
+
+
+class _MixedIterator:
+  def __init__(self, it, mixture: Mixture):
+    self.it, self.mixture = it, mixture
+
+  def __next__(self):
+    return next(self.it)
+
+  def get_state(self) -> dict:
+    return {**self.it.get_state(), "mixture": self.mixture.state()["segments"]}
+
+  def close(self):
+    close = getattr(self.it, "close", None)
+    if close is not None:
+      close()

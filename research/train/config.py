@@ -149,7 +149,12 @@ class TrainConfig:
   data: tuple[str, ...] | None = None
   """The training data (unset: the stdlib corpus): files, directories or globs, several allowed: text files or a
   directory of them, Parquet, JSON Lines (.jsonl, .jsonl.gz), Arrow (.arrow) or a `datasets.save_to_disk`
-  directory, or a .npy/.bin token array. Tokenized once into cached memory-mapped shards (research/data/shards.py)."""
+  directory, or a .npy/.bin token array. Tokenized once into cached memory-mapped shards (research/data/shards.py).
+  NAME=PATH entries (code=src/ docs=d.jsonl) are a mixture of named sources, sampled by --mix."""
+  mix: str | None = None
+  """How the named --data sources are mixed (research/data/mixture.py): uniform (the default), size (by training
+  tokens), fixed:W1,W2,... (in --data's order), dynamic[:eta=10,c=0.05,every=100,batches=5] (MoE only: weights
+  moved toward the sources the router treats least like the others, Zhu et al. 2024)."""
   data_options: Annotated[DataFlags, tyro.conf.arg(name="data")] = dataclasses.field(default_factory=DataFlags)
   """How the data is read and laid into rows (--data.field text --data.pack ...)."""
   sampling: Literal["shuffle", "random", "sequential"] = "shuffle"

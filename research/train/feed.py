@@ -14,12 +14,18 @@ from __future__ import annotations
 
 from research.data import Corpus, DataError, eval_batches
 from research.data.loader import Loader
+from research.data.mixture import MixedCorpus, MixedLoader, Mixture
 from research.train.config import RunError, TrainConfig
 from sharding import local_batch, process_rows
 
 
 def make_loader(cfg: TrainConfig, corpus: Corpus, rows=None) -> Loader:
-  """The run's loader over `corpus.train` (every row of the global batch unless `rows`)."""
+  """The run's loader over `corpus.train` (every row of the global batch unless `rows`); for a mixture (--mix), one
+  loader per source under the mixture's sampler."""
+  if isinstance(corpus, MixedCorpus):
+    loaders = {n: make_loader(cfg, c, rows) for n, c in corpus.sources.items()}
+    return MixedLoader(Mixture(loaders, seed=cfg.seed, weights=corpus.spec.initial(corpus.sizes())),
+                       cfg.data_options.workers)
   try:
     return Loader(corpus.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, sampling=cfg.sampling,
                   rows=rows, workers=cfg.data_options.workers, layout=cfg.data_options.layout, docs=corpus.train_docs,
@@ -31,6 +37,8 @@ def make_loader(cfg: TrainConfig, corpus: Corpus, rows=None) -> Loader:
 def held_out(cfg: TrainConfig, corpus: Corpus) -> list[tuple]:
   """The fixed held-out batches every evaluation uses: windows evenly spaced over `corpus.val` (`eval_batches`), or,
   for --data.layout pack and pad, the first rows of the held-out documents laid out the same way (in their order)."""
+  if isinstance(corpus, MixedCorpus):  # each source's, one after the other (research/train/mixing.py)
+    return [b for c in corpus.sources.values() for b in held_out(cfg, c)]
   if cfg.data_options.layout == "windows":
     return eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
   try:
@@ -54,7 +62,8 @@ class Feed:
   def _open(self, mesh, state):
     self.mesh = mesh
     self.rows = process_rows(mesh, (self.cfg.batch_size, self.cfg.seq_len))
-    self.iterator = make_loader(self.cfg, self.corpus, self.rows).iterator(state=state, start=self.step)
+    self.loader = make_loader(self.cfg, self.corpus, self.rows)
+    self.iterator = self.loader.iterator(state=state, start=self.step)
 
   def next(self):
     """The next step's (x, y) as global arrays on the mesh."""
@@ -67,8 +76,19 @@ class Feed:
 
   def switched(self, mesh):
     """Reads on for `mesh` (--switch-at) from the same step: this process's rows are the new mesh's."""
+    mixture = self.state().get("mixture")
     self.close()
-    self._open(mesh, {"next_index": self.step})
+    self._open(mesh, {"next_index": self.step, **({"mixture": mixture} if mixture else {})})
+
+  def weights(self, step: int):
+    """A mixture's weights at batch `step` (0-based)."""
+    return self.loader.mixture.weights(step)
+
+  def set_weights(self, step: int, weights):
+    """A mixture's new weights from batch `step` on; the batches read ahead are read again."""
+    self.loader.mixture.set_weights(step, weights)
+    self.close()
+    self.iterator = self.loader.iterator(start=step)
 
   def close(self):
     close = getattr(self.iterator, "close", None)

@@ -4,8 +4,7 @@
 end, a signal or too many bad steps, each step logged, evaluated and checkpointed on its schedule. Every concern it
 calls lives in its own module of this package (the step in `step.py`, the state in `state.py`, resuming in
 `resume.py`, checkpoints in `checkpoint.py`, the batches in `feed.py`, ...). The batch at step s is a pure function of
-(seed, s), and the loader's iterator state is checkpointed, so a resumed run continues exactly where the interrupted
-one would have been.
+(seed, s), and the loader's state is checkpointed: a resumed run continues exactly where the interrupted one would.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from research.data import Corpus
 from research.train import frozen, memory, preflight, rundir, sync
 from research.train.blockstep import blockwise_parts, make_block_steps
 from research.train.layerfreeze import make_layer_steps
+from research.train.mixing import Mixing
 from research.train.build import make_optimizer, step_options
 from research.train.checkpoint import Checkpointer, CheckpointSaveError
 from research.train.config import TrainConfig
@@ -69,6 +69,7 @@ def _train(cfg: TrainConfig, stop: Stop) -> list[dict]:
         if r.switches and r.switches[0][0] == r.step:  # --switch-at: the new steps are compiled, only the state moves
           _switch(r, in_mesh)
         out = _advance(r)  # one optimizer step (and --sync's outer step when due)
+        r.mixing.update(r)  # --mix dynamic: new source weights from the next batch, every `every` steps
         logged = _logged(r, r.step)
         if logged or _saves(r, r.step, stop):
           r.monitor.flush()  # the loss and finite flag of every step since the last flush, in one transfer
@@ -112,6 +113,7 @@ class _Run:
   ckpt: Checkpointer
   metrics: rundir.MetricsLog
   trackers: Trackers  # TensorBoard, W&B, MLflow: views of metrics.jsonl
+  mixing: Mixing  # --mix: the sources' weights, their held-out losses, the dynamic rule (inactive for one corpus)
   monitor: Monitor
   records: list[dict]
   peak: Peak
@@ -172,6 +174,7 @@ def _start(cfg: TrainConfig) -> _Run:
   return _Run(cfg=cfg, corpus=corpus, feed=feed, layout=layout, switches=switches, syncer=syncer, state=state, start=start,
               schedule=schedule, meta=meta, ckpt=ckpt, metrics=metrics, monitor=monitor, records=records, peak=peak,
               meter=Meter(cfg.batch_size * cfg.seq_len), trackers=trackers,
+              mixing=Mixing(cfg, corpus, graphdef, layout.val),
               progress=Progress(cfg.steps, start, enabled=cfg.progress and is_primary()), watchdog=watchdog,
               model_flops_per_token=flops_per_token(mcfg, cfg.seq_len), estimate=estimate)
 
@@ -252,8 +255,10 @@ def _log(r: _Run, out: dict):
     rec["run_tokens_per_s"] = r.meter.average()
     rec["run_mfu"] = r.meter.average() * r.model_flops_per_token / r.peak.flops
     rec["peak_source"] = r.peak.source
-  if step % cfg.eval_every == 0 or last:
-    rec["val_loss"] = _evaluate(r)
+  losses = _evaluate(r) if step % cfg.eval_every == 0 or last else None
+  if losses is not None:
+    rec["val_loss"] = float(np.mean(losses))
+  rec.update(r.mixing.record(r.feed, step, losses))
   rec.update(router_metrics(out))
   rec.update(r.syncer.metrics(r.state, step, out, last))
   r.records.append(rec)
@@ -268,10 +273,10 @@ def _log(r: _Run, out: dict):
   r.meter.restart()  # evaluation and logging are not training time
 
 
-def _evaluate(r: _Run) -> float:
-  """Mean held-out loss of the model (--sync gossip's: the replicas' mean) over the fixed held-out batches."""
+def _evaluate(r: _Run) -> list:
+  """The held-out loss of the model (--sync gossip's: the replicas' mean) on each fixed held-out batch."""
   params = r.syncer.model(r.state)["params"]
-  return float(np.mean([r.layout.eval_step(params, x, y, r.state.get("buffers", {})) for x, y in r.layout.val]))
+  return [r.layout.eval_step(params, x, y, r.state.get("buffers", {})) for x, y in r.layout.val]
 
 
 def _checkpoint(r: _Run, stop: Stop):

@@ -53,7 +53,7 @@ MODEL_FLAGS = {"model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", 
 
 # settings added after runs were saved: a saved config without one trained as its default did
 LATER_DEFAULTS = {"sync": "allreduce", "outer_lr": 0.7, "outer_momentum": 0.9, "sampling": "random",
-                  "data_options": {"field": "text", "layout": "windows"}}
+                  "data_options": {"field": "text", "layout": "windows"}, "mix": None}
 
 
 def changed_settings(saved: dict, meta: dict) -> dict[str, list]:

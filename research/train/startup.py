@@ -12,8 +12,9 @@ import jax
 
 from models.attention import AttentionError, check_attention
 from optim import needs_max_logits
-from research.data import Corpus, load_corpus
-from research.train import layerfreeze, sync
+from research.data import Corpus
+from research.data.mixture import MixedCorpus
+from research.train import layerfreeze, mixing, sync
 from research.train.build import exact_mode, model_config
 from research.train.config import RunError, TrainConfig
 from research.train.feed import held_out, make_loader
@@ -32,7 +33,8 @@ def setup(cfg: TrainConfig):
   if needs_max_logits(cfg.optimizer) and mcfg.qk_norm:
     raise RunError(f"--optimizer {cfg.optimizer} clips W_q and W_k, which QK-norm undoes: --model {cfg.model} has "
                    f"qk_norm; add --qk-norm False")
-  corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer, field=cfg.data_options.field)
+  corpus = mixing.load_data(cfg)  # one corpus, or the named --data sources' mixture
+  mixing.check(corpus, mcfg, mesh)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
   batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
@@ -96,8 +98,9 @@ def check_sync(cfg: TrainConfig, mesh, mcfg):
 def run_meta(cfg: TrainConfig, mcfg, mesh, corpus: Corpus, pipe: dict | None, report: dict) -> dict:
   """What config.json records: the resolved flags and model config, the mesh, the corpus, versions and devices."""
   meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
-          "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint,
-                     "train_tokens": int(len(corpus.train)), "val_tokens": int(len(corpus.val))},
+          "corpus": corpus.record() if isinstance(corpus, MixedCorpus) else {
+              "source": corpus.source, "fingerprint": corpus.fingerprint, "train_tokens": int(len(corpus.train)),
+              "val_tokens": int(len(corpus.val))},
           "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
   if pipe:
     meta["pipeline"] = pipe

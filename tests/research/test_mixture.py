@@ -36,6 +36,9 @@ def test_specs_parse_and_bad_ones_are_refused_in_one_line():
     with pytest.raises(DataError, match=message) as e:
       parse_mix(bad, NAMES)
     assert "\n" not in str(e.value)
+  with pytest.raises(DataError, match="at least 3 sources"):  # two sources: Δ_1 = Δ_2, the weights cannot move
+    parse_mix("dynamic", NAMES[:2])
+  np.testing.assert_allclose(dynamic_update([0.5, 0.5], [[1, 3], [4, 0]]), [0.5, 0.5])
 
 
 def reference_update(w, loads, eta, c):
