@@ -72,17 +72,44 @@ def document(dist: md.Distribution) -> str | None:
   return f"{meta['Name']} {dist.version}: {meta.get('Summary') or ''}".rstrip() + "\n\n" + body.strip() + "\n"
 
 
-def build(cache_dir: str | None = None) -> str:
-  """The corpus directory under `cache_dir` (default: the data cache), written once and atomically."""
-  docs = {_key(d.metadata["Name"]): (d.version, document(d)) for d in runtime_distributions()}
+LICENSE_FILE = re.compile(r"^(LICEN[CS]E|COPYING|NOTICE)", re.I)
+
+
+def license_document(dist: md.Distribution) -> str | None:
+  """"name version license", a blank line and the distribution's license files (LICENSE*, COPYING*, NOTICE*: each
+  text once); None when it ships none of at least MIN_CHARS."""
+  texts = []
+  for f in dist.files or []:
+    if LICENSE_FILE.match(os.path.basename(str(f))):
+      try:
+        text = f.read_text(encoding="utf-8").strip()
+      except (OSError, UnicodeDecodeError):
+        continue
+      if text and text not in texts:
+        texts.append(text)
+  body = "\n\n".join(texts)
+  if len(body) < MIN_CHARS:
+    return None
+  return f"{dist.metadata['Name']} {dist.version} license\n\n{body}\n"
+
+
+KINDS = {"descriptions": ("docs", document), "licenses": ("licenses", license_document)}
+
+
+def build(cache_dir: str | None = None, kind: str = "descriptions") -> str:
+  """The corpus directory under `cache_dir` (default: the data cache), written once and atomically: the
+  distributions' long descriptions (`docs-<id>`), or their license texts (`licenses-<id>`: a third corpus, legal
+  prose that repeats itself across packages)."""
+  prefix, make = KINDS[kind]
+  docs = {_key(d.metadata["Name"]): (d.version, make(d)) for d in runtime_distributions()}
   docs = {k: v for k, v in docs.items() if v[1] is not None}
   ident = hashlib.sha256("\n".join(f"{k}=={v}" for k, (v, _) in sorted(docs.items())).encode()).hexdigest()[:16]
   cache_dir = cache_dir or default_cache_dir()
-  out = os.path.join(cache_dir, f"docs-{ident}")
+  out = os.path.join(cache_dir, f"{prefix}-{ident}")
   if os.path.isdir(out):
     return out
   os.makedirs(cache_dir, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".docs-", dir=cache_dir)
+  tmp = tempfile.mkdtemp(prefix=f".{prefix}-", dir=cache_dir)
   try:
     for k, (_, text) in docs.items():
       with open(os.path.join(tmp, f"{k}.md"), "w", encoding="utf-8") as f:

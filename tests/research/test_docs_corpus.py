@@ -61,3 +61,17 @@ def test_cli_prints_the_directory(built, capsys):
 def test_not_installed_is_one_clear_error():
   with pytest.raises(DataError, match="not installed as a package"):
     docs_corpus.runtime_distributions("no-such-package-optlab")
+
+
+def test_the_license_corpus_holds_each_distributions_license_texts(tmp_path):
+  """The third corpus (research/experiments/data_mixing.py): one document per runtime distribution that ships a
+  license file, headed "name version license", each distinct text once; held-out packages as for the docs corpus."""
+  import importlib.metadata as md
+  path = docs_corpus.build(str(tmp_path), kind="licenses")
+  assert os.path.basename(path).startswith("licenses-") and docs_corpus.build(str(tmp_path), kind="licenses") == path
+  files = sorted(os.listdir(path))
+  assert len(files) >= 10
+  numpy_doc = open(os.path.join(path, "numpy.md"), encoding="utf-8").read()
+  assert numpy_doc.startswith(f"numpy {md.version('numpy')} license\n\n") and "Copyright" in numpy_doc
+  corpus = load_corpus(path)
+  assert len(corpus.train) > 0 and len(corpus.val) > 0
