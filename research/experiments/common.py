@@ -135,8 +135,14 @@ def loss_fn(graphdef, params, buffers, x, y):
 def evaluate(model: Transformer, batches) -> float:
   """Mean held-out cross entropy (nats/token) over fixed batches."""
   graphdef, params, buffers = split(model)
-  f = jax.jit(lambda p, b, x, y: loss_fn(graphdef, p, b, x, y)[1][0])
+  f = _held_out_loss(graphdef)
   return float(np.mean([float(f(params, buffers, x, y)) for x, y in batches]))
+
+
+@functools.lru_cache(maxsize=64)
+def _held_out_loss(graphdef):
+  """The jitted cross entropy of one model structure: every `evaluate` of it shares one compiled program per shape."""
+  return jax.jit(lambda p, b, x, y: loss_fn(graphdef, p, b, x, y)[1][0])
 
 
 def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray, *, steps: int,
