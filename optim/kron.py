@@ -175,6 +175,9 @@ def scale_by_kron(b1: float = 0.9, *, preconditioner_update_probability=None, ma
   Factor shapes (`max_size_triangular`, `memory_save_mode`) are fixed at init. `precond_dtype` (a dtype name, or
   None for each leaf's dtype) holds Q, V and the preconditioning; `mu_dtype` the momentum (default the param's).
   """
+  if isinstance(max_size_triangular, jax.Array):  # optax.inject_hyperparams made it an array (traced in update)
+    raise KronError("Kron's max_size_triangular fixes the factors' shapes (triangular or diagonal): make it static, "
+                    "optax.inject_hyperparams(kron, static_args=('max_size_triangular',))")
   if memory_save_mode not in MEMORY_SAVE_MODES:
     raise KronError(f"memory_save_mode must be one of {', '.join(map(str, MEMORY_SAVE_MODES))}, "
                     f"got {memory_save_mode!r}")

@@ -41,9 +41,10 @@ def _role(path) -> str | None:
   return None
 
 
-def head_scales(max_logits, threshold, alpha, kv_heads: int):
-  """(s_q (..., N), s_k (..., K)): the query and key scales of the module docstring from max_logits (..., N)."""
-  S = jnp.asarray(max_logits, jnp.float32)
+def head_scales(max_logits, threshold, alpha, kv_heads: int, dtype=jnp.float32):
+  """(s_q (..., N), s_k (..., K)): the query and key scales of the module docstring from max_logits (..., N), in
+  `dtype` (at least float32; the parameters' dtype in `qk_clip`, so float64 parameters get float64 scales)."""
+  S = jnp.asarray(max_logits, jnp.promote_types(jnp.float32, dtype))
   N = S.shape[-1]
   eta = jnp.where(S > threshold, threshold / jnp.where(S > 0, S, 1.0), 1.0)  # min(1, τ/S); S ≤ τ: 1
   eta_g = eta.reshape(S.shape[:-1] + (kv_heads, N // kv_heads))
@@ -85,7 +86,8 @@ def qk_clip(threshold: float = 100.0, alpha: float = 0.5) -> optax.GradientTrans
       raise QKClipError(f"max_logits {S.shape} does not fit the query projection {wq.shape}: expected "
                         f"{wq.shape[:-2]} + (heads,) with heads dividing {wq.shape[-1]}")
     H = wq.shape[-1] // N
-    s_q, s_k = head_scales(S, threshold, alpha, wk.shape[-1] // H)
+    dt = jnp.promote_types(jnp.float32, wq.dtype)  # the clip's arithmetic: float32, or the parameters' if wider
+    s_q, s_k = head_scales(S, threshold, alpha, wk.shape[-1] // H, dt)
 
     def clip(role, u, p):
       if role not in ("q", "k"):
@@ -94,7 +96,7 @@ def qk_clip(threshold: float = 100.0, alpha: float = 0.5) -> optax.GradientTrans
       if p.ndim == S.ndim + 1:  # a weight (..., D, heads·H): one scale per column
         s = s[..., None, :]
       # s⊙(p+u) − p written as u + (s−1)⊙(p+u): a head with s = 1 keeps its update bit for bit
-      return (u + (s - 1.0) * (p.astype(jnp.float32) + u.astype(jnp.float32))).astype(u.dtype)
+      return (u + (s - 1.0) * (p.astype(dt) + u.astype(dt))).astype(u.dtype)
 
     return jax.tree.map(clip, roles, updates, params, is_leaf=lambda r: r is None or isinstance(r, str)), state
 

@@ -4,8 +4,9 @@
   python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('runs/default_hf')"
 
 The architecture is the one that represents the run's model exactly (`models.hf.architecture_of`: Llama, Qwen2,
-Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE). A run on the built-in corpus has a byte-level vocabulary (256 ids = UTF-8
-bytes); no tokenizer.json is written for it.
+Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE). A run trained with --tokenizer gets that tokenizer.json copied beside the
+weights, so the directory is a complete Hugging Face model; a run on bytes (the built-in corpus, 256 ids = UTF-8
+bytes) has no tokenizer.json.
 
 The weights are written in `--dtype`, by default the dtype of the Hugging Face checkpoint the run was fine-tuned from
 (a bfloat16 model fine-tuned with float32 trained weights goes back out in bfloat16), else the run's own (float32).
@@ -19,6 +20,8 @@ Hugging Face PEFT's format (LoRA and DoRA; `models.to_hf_peft`), for `peft.PeftM
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import sys
 from typing import Literal
 
@@ -27,7 +30,7 @@ import tyro
 from flax import nnx
 
 from models import HFError, peft, to_hf, to_hf_peft
-from research.train.pretrained import LOAD_ERRORS, init_source, load_run, source_dtype
+from research.train.pretrained import LOAD_ERRORS, init_source, load_run, run_tokenizer, source_dtype
 
 
 @dataclasses.dataclass
@@ -65,8 +68,11 @@ def main(argv=None):
     if cfg.adapter:
       path = to_hf_peft(model, cfg.out_dir, init_source(cfg.run_dir))
     else:
+      tokenizer = run_tokenizer(cfg.run_dir)  # checked before anything is written
       path = to_hf(in_dtype(model, cfg.dtype or source_dtype(cfg.run_dir) or str(model.c.param_dtype)), cfg.out_dir,
                    cfg.architecture)
+      if tokenizer is not None:
+        shutil.copyfile(tokenizer, os.path.join(path, "tokenizer.json"))
   except LOAD_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

@@ -57,3 +57,35 @@ def test_modules_the_readme_runs_exist():
   assert {"research.train", "research.plot", "research.sample", "research.export"} <= modules
   missing = [m for m in modules if importlib.util.find_spec(m) is None]
   assert not missing, missing
+
+
+def test_the_first_hours_resume_step_is_accepted_by_the_resume_check(tmp_path):
+  """Step 3 of "First hour" resumes runs/default (made by step 1, `make run`) with its ARGS: the resume check the
+  trainer runs (research/train/resume.py) must accept them, recording the change in the history."""
+  import dataclasses
+  import shlex
+  import tyro
+  from research.train import rundir
+  from research.train.config import TrainConfig
+  from research.train.resume import check_resume
+  block = re.search(r"```bash\n(.*?)```", section("First hour"), re.S).group(1)
+  step3 = next(line for line in block.splitlines() if line.split("#")[-1].strip().startswith("3."))
+  args = shlex.split(re.search(r'ARGS="([^"]*)"', step3).group(1))
+  make = open(os.path.join(ROOT, "Makefile")).read()
+  run_line = re.search(r"^run:.*\n((?:\t.*\n)+)", make, re.M).group(1)
+  assert "research.train" in run_line and "$(ARGS)" in run_line
+
+  def meta(cfg):
+    return {"train": dataclasses.asdict(cfg), "model_config": {"moe": None}, "corpus": {"fingerprint": "same"},
+            "mesh": "data=8", "devices": [0] * 8}
+
+  first = tyro.cli(TrainConfig, args=[])
+  again = tyro.cli(TrainConfig, args=args)
+  changed = check_resume(json_roundtrip(meta(first)), meta(again), "runs/default")
+  assert changed == {"steps": [first.steps, again.steps]}
+  assert rundir.amend_history({}, changed, 200) == [{"from_step": 200, "changed": changed}]
+
+
+def json_roundtrip(x):
+  import json
+  return json.loads(json.dumps(x))

@@ -3,7 +3,9 @@
 `read_corpus()` with no path builds the default corpus from the running interpreter's own
 standard library (every `*.py` file, site-packages excluded), so a fresh checkout trains with
 no download; the build is cached on disk and memory-mapped afterwards. A user path here may be a
-directory of text files, one text file, a 1-D integer `.npy`, or a nanoGPT-style uint16 `.bin`;
+directory of text files (only its text files are read — UTF-8 without NUL bytes — through folders that are not
+hidden, caches or installed packages; what is skipped is said in one line on stderr, and a directory without any
+text is refused), one text file, a 1-D integer `.npy`, or a nanoGPT-style uint16 `.bin`;
 Parquet, JSON Lines, Arrow and `datasets` directories, globs and several paths are read by
 `research.data.shards` instead (`research.data.load_corpus` picks).
 
@@ -57,11 +59,12 @@ def _load_path(path, val_fraction) -> Corpus:
     raise DataError(f"data path does not exist: {path}")
   source = os.path.realpath(path)
   if os.path.isdir(path):
-    relpaths = _walk(path, keep_file=_not_hidden, keep_dir=_not_hidden)
+    relpaths = _walk(path, keep_file=_not_hidden, keep_dir=_source_dir)
     if not relpaths:
       raise DataError(f"data directory is empty (no non-hidden files): {path}")
     if sum(os.path.getsize(os.path.join(path, r)) for r in relpaths) == 0:
       raise DataError(f"data directory is empty (all files have zero bytes): {path}")
+    relpaths = _text_files(path, relpaths)
     if len(relpaths) < 2:  # one document cannot be split by document
       train, val = _split_by_position(_read_docs(path, relpaths), val_fraction, path)
     else:
@@ -159,6 +162,46 @@ def _walk(root, keep_file, keep_dir):
 
 def _not_hidden(name):
   return not name.startswith(".")
+
+
+CACHE_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "dist-packages"})
+
+
+def _source_dir(name):
+  """A folder a text directory is read through: not hidden (.git, .venv, ...) and not a cache or installed packages."""
+  return _not_hidden(name) and name not in CACHE_DIRS
+
+
+def _is_text(data: bytes) -> bool:
+  """Text: no NUL byte and valid UTF-8 (ASCII included); what a bytes-level language model should read."""
+  if b"\0" in data:
+    return False
+  try:
+    data.decode("utf-8")
+  except UnicodeDecodeError:
+    return False
+  return True
+
+
+def _text_files(root, relpaths) -> list[str]:
+  """The text files among `relpaths` (`_is_text`); what was left out is said in one line on stderr, and a directory
+  with no text file at all is refused (DataError)."""
+  text, skipped = [], {}
+  for r in relpaths:
+    if _is_text(_read(root, r)):
+      text.append(r)
+    else:
+      ext = os.path.splitext(r)[1] or "(no suffix)"
+      n, size = skipped.get(ext, (0, 0))
+      skipped[ext] = (n + 1, size + os.path.getsize(os.path.join(root, r)))
+  kinds = ", ".join(f"{n} {ext}" for ext, (n, _) in sorted(skipped.items(), key=lambda kv: -kv[1][0]))
+  if not text:
+    raise DataError(f"data directory {root} has no text files (UTF-8 without NUL bytes): {kinds}")
+  if skipped:
+    size = sum(b for _, b in skipped.values())
+    print(f"data: {root}: read {len(text)} text files, skipped {sum(n for n, _ in skipped.values())} that are not text "
+          f"({kinds}; {size:,} bytes)", file=sys.stderr, flush=True)
+  return text
 
 
 def _read_docs(root, relpaths):

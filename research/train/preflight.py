@@ -63,6 +63,13 @@ def check_out(out: str):
     p = os.path.join(path, sub)
     if os.path.exists(p) and not os.access(p, os.W_OK):
       raise PreflightError(f"--out {out}: {p} is not writable")
+  ckpt = os.path.join(path, "ckpt")
+  if os.path.lexists(ckpt) and not os.path.isdir(ckpt):  # it would train from step 0 and then fail to save
+    raise PreflightError(f"--out {out}: {ckpt} is not a directory (a run directory's checkpoints live there); move "
+                         f"it aside")
+  for sub in ("metrics.jsonl", "config.json"):
+    if os.path.isdir(os.path.join(path, sub)):
+      raise PreflightError(f"--out {out}: {os.path.join(path, sub)} is a directory, not the run's file; move it aside")
 
 
 def check(cfg):

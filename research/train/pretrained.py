@@ -47,6 +47,8 @@ def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = Tru
   ckpt_dir = os.path.join(run_dir, "ckpt")
   if not os.path.isdir(ckpt_dir):
     raise CheckpointError(f"{run_dir}: no ckpt/ directory")
+  if not any(d.isdigit() for d in os.listdir(ckpt_dir)):  # refused before orbax starts a background thread: one
+    raise CheckpointError(f"{ckpt_dir}: no checkpoint to read")  # that outlives a quick exit dies with a traceback
   ckpt = Checkpointer(ckpt_dir)
   try:
     steps = ckpt.all_steps()
@@ -91,7 +93,8 @@ def source_dtype(run_dir: str) -> str | None:
 
 def load_model(path: str, mesh=None, tokenizer: str | None = None):
   """(model, config, tokenizer) from an HF directory or an optlab run directory. The tokenizer: `tokenizer` if
-  given, else the HF directory's tokenizer.json, else bytes (an optlab run on text trains on UTF-8 bytes)."""
+  given, else the HF directory's tokenizer.json or the one the run was trained with (`run_tokenizer`), else bytes
+  (an optlab run on text without --tokenizer trains on UTF-8 bytes)."""
   meta = _config_json(path)
   if meta.get("format") == quant_store.FORMAT:  # research.quantize's output
     model, config, _ = quant_store.load(path, mesh=mesh)
@@ -103,9 +106,24 @@ def load_model(path: str, mesh=None, tokenizer: str | None = None):
         else ByteTokenizer()
   else:
     model, config, _ = load_run(path, mesh=mesh)
-    tok = HFTokenizer(tokenizer) if tokenizer else ByteTokenizer()
+    own = run_tokenizer(path, meta) if tokenizer is None else None
+    tok = HFTokenizer(tokenizer or own) if (tokenizer or own) else ByteTokenizer()
   check_fits(tok, config.vocab_size)
   return model, config, tok
+
+
+def run_tokenizer(run_dir: str, meta: dict | None = None) -> str | None:
+  """The tokenizer.json a run was trained with (config.json's --tokenizer), None for a byte-level run; a recorded
+  tokenizer that is no longer there is refused in one line (CheckpointError), never replaced by bytes."""
+  meta = _config_json(run_dir) if meta is None else meta
+  path = (meta.get("train") or {}).get("tokenizer")
+  if path is None:
+    return None
+  file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+  if not os.path.exists(file):
+    raise CheckpointError(f"{run_dir} was trained with --tokenizer {path}, which is not there any more: pass "
+                          f"--tokenizer with the same tokenizer")
+  return file
 
 
 LOAD_ERRORS = (CheckpointError, HFError, quant.QuantError, ValueError)

@@ -42,11 +42,12 @@ def check_resume(saved: dict, meta: dict, out: str):
     raise RunError(f"{out} holds a checkpoint of a different model/optimizer ({'; '.join(changed)}); "
                    f"use a new --out or the original settings")
   settings = rundir.changed_settings(saved, meta)
+  before, now = saved["corpus"]["fingerprint"], meta["corpus"]["fingerprint"]
+  if before != now:  # the same --data whose files changed: other data, a change of settings like --lr
+    settings["data (corpus fingerprint)"] = [before[:16], now[:16]]
   if settings and not meta["train"]["amend"]:
     raise RunError(f"{out} was trained with other settings ({rundir.describe(settings)}); rerun with the original "
                    f"flags, or add --amend to go on with these (config.json's history records the change)")
-  if saved["corpus"]["fingerprint"] != meta["corpus"]["fingerprint"]:
-    print(f"warning: {out} was trained on other data (corpus fingerprint changed); continuing", file=sys.stderr)
   return settings
 
 

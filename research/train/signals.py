@@ -1,8 +1,10 @@
 """SIGINT/SIGTERM as a flag the loop checks after each step (a checkpoint, then exit 128 + signum); a second signal
-aborts. `EARLY_SIGNALS` holds the ones that came while the CLI was still importing (`research/train/__main__.py`)."""
+ends the process at once with one line and the same status (the newest committed checkpoint is where a rerun
+resumes). `EARLY_SIGNALS` holds the ones that came while the CLI was still importing (`research/train/__main__.py`)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -27,8 +29,12 @@ class Stop:
     return self
 
   def _handle(self, signum, _frame):
-    if self.signum is not None:  # a second signal: stop now, without the checkpoint
-      raise KeyboardInterrupt
+    if self.signum is not None:  # a second signal: stop now, without the checkpoint, in one line (a raised
+      # KeyboardInterrupt unwound through orbax's save and the loop as a 75-line traceback)
+      print(f"error: signal {signum} again: stopped at once, without a checkpoint; rerun the same command to resume "
+            f"from the newest checkpoint", file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(128 + signum)  # the run directory's lock goes with the process; a save cut short is never committed
     self.signum = signum
     print(f"\nsignal {signum}: saving a checkpoint after this step (again to abort)", file=sys.stderr)
 

@@ -315,6 +315,17 @@ def test_injected_hyperparameters_take_effect():
   assert float(np.abs(np.asarray(state.inner_state[0].q_l["tall"]) - np.eye(8)).max()) > 1e-3
 
 
+def test_an_injected_max_size_triangular_is_refused_naming_static_args():
+  """It fixes the factors' shapes: injected (an array, traced in update) it is refused in one line that names the
+  fix, as Dion's rank_fraction and SOAP's max_precondition_dim are; listed in static_args it works."""
+  params = jax.tree.map(jnp.asarray, P0)
+  with pytest.raises(KronError, match=r"static_args=\('max_size_triangular',\)") as e:
+    optax.inject_hyperparams(kron)(learning_rate=0.1, max_size_triangular=4).init(params)
+  assert "\n" not in str(e.value)
+  tx = optax.inject_hyperparams(kron, static_args=("max_size_triangular",))(learning_rate=0.1, max_size_triangular=4)
+  jax.jit(tx.update)(params, tx.init(params), params)  # traced hyperparameters elsewhere, a static size: fine
+
+
 SPECS = {"w": P(None, "fsdp", "tensor"), "bias": P("tensor")}
 SHARDED_SHAPES = {"w": (2, 8, 16), "bias": (8,)}
 

@@ -54,6 +54,31 @@ def test_head_scales_formula():
   np.testing.assert_allclose(np.asarray(s_q), eta / np.repeat(want_k, 2, axis=-1), rtol=1e-6)
 
 
+def test_float64_parameters_are_clipped_in_float64():
+  """The clip's scales and products in the parameters' dtype: float64 weights against a float64 NumPy clip, 1e-12
+  (float32 arithmetic would be ~1e-7 off)."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(1)
+    L, D, N, K, H = 2, 8, 4, 2, 3
+    params = {"wq": rng.standard_normal((L, D, N * H)), "wk": rng.standard_normal((L, D, K * H)),
+              "wv": rng.standard_normal((L, D, K * H))}
+    updates = {k: 1e-3 * rng.standard_normal(v.shape) for k, v in params.items()}
+    S = np.array([[150.0, 90.0, 333.3, 100.5], [80.0, 1234.5, 99.0, 101.0]])
+    tau, alpha = 100.0, 0.5
+    tx = qk_clip(tau, alpha)
+    u, _ = tx.update(jax.tree.map(jnp.asarray, updates), tx.init(params), jax.tree.map(jnp.asarray, params),
+                     max_logits=jnp.asarray(S))
+    assert u["wq"].dtype == jnp.float64
+    eta = np.minimum(1.0, tau / S)  # the module docstring's scales, float64
+    s_k = np.minimum(eta[:, 0::2], eta[:, 1::2]) ** (1 - alpha)
+    s_q = eta / np.repeat(s_k, 2, axis=-1)
+    for name, s in (("wq", s_q), ("wk", s_k)):
+      cols = np.repeat(s, H, axis=-1)[:, None, :]
+      want = cols * (params[name] + updates[name]) - params[name]
+      np.testing.assert_allclose(np.asarray(u[name]), want, rtol=1e-12, atol=1e-15)
+    np.testing.assert_array_equal(np.asarray(u["wv"]), updates["wv"])
+
+
 def _model(n_kv_heads, qkv_bias=False):
   # one layer: "the same inputs" are the embeddings, which the clip does not change (a later layer's inputs are)
   cfg = models.preset("tiny", n_layers=1, qk_norm=False, n_kv_heads=n_kv_heads, qkv_bias=qkv_bias, logit_stats=True)

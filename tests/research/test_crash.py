@@ -48,6 +48,25 @@ main(sys.argv[1:])
 """
 
 
+# Runs the train CLI and, right after step 3, sends itself SIGINT twice (Ctrl-C, then Ctrl-C again at once).
+TWICE = """
+import os, signal, sys
+import research.train.loop as loop
+advance = loop._advance
+
+def advance_then_interrupt_twice(r):
+  out = advance(r)
+  if r.step == 3:
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+  return out
+
+loop._advance = advance_then_interrupt_twice
+from research.train import main
+main(sys.argv[1:])
+"""
+
+
 def cfg(out, **kw):
   return TrainConfig(out=str(out), **{**TINY, **kw})
 
@@ -239,3 +258,15 @@ cp {mnt}/run/metrics.jsonl {report}/
   assert read("ro.rc") == "2" and len(ro) == 1 and "is not writable" in ro[0], ro
   assert read("again.rc") == "0", read("again.err")
   assert trace(metrics(report)) == trace(reference)
+
+
+def test_a_second_ctrl_c_ends_at_once_in_one_line_and_the_rerun_is_exact(reference, tmp_path):
+  out = tmp_path / "run"
+  p = subprocess.run([sys.executable, "-c", TWICE, *tiny_args(out)], capture_output=True, text=True, timeout=600)
+  err = [line for line in p.stderr.strip().splitlines() if line]
+  assert p.returncode == 130, p.stderr[-2000:]
+  assert len(err) == 2 and err[0].startswith("signal 2: saving a checkpoint") and err[1].startswith(
+      "error: signal 2 again: stopped at once, without a checkpoint"), err
+  assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr
+  records = run(cfg(out))  # resumes from the newest committed checkpoint (step 2)
+  assert trace(records) == trace(reference) and trace(metrics(out)) == trace(reference)

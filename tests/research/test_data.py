@@ -138,6 +138,31 @@ def test_directory_split_by_path_hash(tmp_path):
   assert c.vocab_size == 256 and c.source == str(tmp_path.resolve())
 
 
+def test_a_directory_reads_its_text_files_and_says_what_it_skipped(tmp_path, capsys):
+  """A source tree with an image and bytecode: only the UTF-8 text is read (not __pycache__, not the PNG, not a file
+  with NUL bytes), and one stderr line says what was skipped; a directory without text is refused in one line."""
+  texts = {f"mod{i}.py": f"def f{i}():\n  return {i} * 'é'\n" * 40 for i in range(40)}
+  for name, text in texts.items():
+    (tmp_path / name).write_text(text, encoding="utf-8")
+  (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8)
+  (tmp_path / "table.dat").write_bytes(b"abc\x00def" * 100)
+  (tmp_path / "__pycache__").mkdir()
+  (tmp_path / "__pycache__" / "mod0.cpython-311.pyc").write_bytes(b"\xa7\r\r\n" + bytes(300))
+  c = load_corpus(str(tmp_path))
+  got = bytes(np.concatenate([c.train, c.val])).split(b"\0")[:-1]
+  assert sorted(got) == sorted(t.encode() for t in texts.values())  # exactly the text files, each whole
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"data: {tmp_path}: read 40 text files, skipped 2 that are not text ")
+  assert ".png" in err[0] and ".dat" in err[0] and ".pyc" not in err[0]  # cache folders are not even walked
+  binary = tmp_path / "bin"
+  binary.mkdir()
+  (binary / "a.png").write_bytes(bytes(range(256)))
+  (binary / "b.npz").write_bytes(b"PK\x03\x04" + bytes(100))
+  with pytest.raises(DataError, match="has no text files") as e:
+    load_corpus(str(binary))
+  assert "\n" not in str(e.value)
+
+
 def test_single_file_directory_splits_by_position(tmp_path):
   (tmp_path / "only.txt").write_bytes(b"a" * 99)
   c = load_corpus(str(tmp_path), val_fraction=0.1)

@@ -78,6 +78,39 @@ def test_a_tokenizer_json_is_used_and_checked(tmp_path, capsys):
   assert ByteTokenizer().decode(ByteTokenizer().encode("héllo")) == "héllo"
 
 
+def test_a_run_trained_with_a_tokenizer_samples_and_exports_with_it(tmp_path, capsys):
+  """The run directory knows its tokenizer: research.sample uses it without --tokenizer, research.export writes it
+  beside the weights, and a tokenizer that has gone away is one error line, not bytes in and out."""
+  from tokenizers import Tokenizer, models as tmodels, pre_tokenizers, trainers
+  docs = [f"def f{i}(x):\n    return x * {i} + 1\n" * 20 for i in range(30)]
+  data = tmp_path / "data"
+  data.mkdir()
+  for i, d in enumerate(docs):
+    (data / f"d{i}.py").write_text(d)
+  tok = Tokenizer(tmodels.BPE(unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "<|endoftext|>"]))
+  tok_path = tmp_path / "tok.json"
+  tok.save(str(tok_path))
+  out = tmp_path / "run"
+  run(TrainConfig(out=str(out), data=(str(data),), tokenizer=str(tok_path), **{**TINY, "mesh": "data=-1"}))
+  model, _, loaded = load_model(str(out))
+  assert isinstance(loaded, HFTokenizer) and loaded.name == str(tok_path)
+  capsys.readouterr()
+  sample.main([str(out), "--prompt", "def f", "--max-new-tokens", "6", "--temperature", "0"])
+  ids = np.asarray(models.generate(model, loaded.encode("def f"), 6))[len(loaded.encode("def f")):]
+  assert capsys.readouterr().out == "def f" + loaded.decode(ids) + "\n"
+  export.main([str(out), str(tmp_path / "hf")])
+  assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tok_path.read_bytes()
+  tok_path.rename(tmp_path / "moved.json")
+  for main, argv in ((sample.main, [str(out)]), (export.main, [str(out), str(tmp_path / "hf2")])):
+    with pytest.raises(SystemExit) as e:
+      main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "trained with --tokenizer" in err, err
+  assert not (tmp_path / "hf2").exists()
+
+
 def test_bad_paths_are_one_line_errors(tmp_path, capsys):
   for argv in ([str(tmp_path / "nowhere")], [str(tmp_path), "--tokenizer", str(tmp_path / "no.json")]):
     with pytest.raises(SystemExit) as e:
@@ -89,3 +122,19 @@ def test_bad_paths_are_one_line_errors(tmp_path, capsys):
   with pytest.raises(CheckpointError, match="no ckpt/ directory"):
     load_run(str(tmp_path))
   assert not os.path.exists(tmp_path / "ckpt")  # reading never creates anything
+
+
+def test_an_empty_ckpt_directory_is_refused_before_orbax_starts(tmp_path, monkeypatch):
+  """sample/export/quantize on a run whose ckpt/ is empty: refused before a CheckpointManager exists (its background
+  cleanup thread, racing the interpreter's exit, printed a 43-line traceback in some of the runs)."""
+  (tmp_path / "config.json").write_text(json.dumps({"model_config": models.preset("tiny").__dict__ | {"moe": None}}))
+  (tmp_path / "ckpt").mkdir()
+  (tmp_path / "ckpt" / "4.orbax-checkpoint-tmp-1").mkdir()  # an uncommitted save is not a checkpoint either
+  import research.train.pretrained as pretrained
+
+  def no_manager(*a, **k):
+    raise AssertionError("a CheckpointManager was created for an empty ckpt/")
+
+  monkeypatch.setattr(pretrained, "Checkpointer", no_manager)
+  with pytest.raises(CheckpointError, match="ckpt: no checkpoint to read"):
+    load_run(str(tmp_path))

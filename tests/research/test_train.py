@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -115,6 +116,19 @@ def test_an_out_that_cannot_be_a_run_directory_is_refused_and_left_alone(tmp_pat
   assert file.read_text() == "keep me"
 
 
+def test_a_ckpt_that_is_a_file_is_refused_before_training_and_the_records_kept(tmp_path, capsys):
+  """ckpt/ replaced by a regular file (a mistaken cp): the run used to train from step 0, fail to save and leave
+  metrics.jsonl empty; now it is refused before anything is read or written."""
+  out = tmp_path / "run"
+  run(cfg(out, stop_at=4))
+  shutil.rmtree(out / "ckpt")
+  (out / "ckpt").write_text("not a checkpoint")
+  before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+  assert "ckpt is not a directory" in bad(tmp_path, capsys, out=str(out))
+  assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+  assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+
 def test_out_of_memory_is_one_line_and_leaves_no_run_directory(tmp_path, capsys):
   """--seq-len 100000 asks the attention for terabytes: with the memory pre-flight off (--memory-limit 0; it refuses
   this run before it starts, tests/research/test_memory.py) XLA refuses the allocation at the first step."""
@@ -148,6 +162,25 @@ def test_resume_with_changed_settings_is_refused_or_recorded_with_amend(referenc
   meta = json.load(open(tmp_path / "config.json"))
   assert meta["train"]["lr"] == 1e-3
   assert meta["history"] == [{"from_step": 4, "changed": {"lr": [3e-3, 1e-3]}}]
+
+
+def test_data_edited_between_a_stop_and_a_resume_is_a_changed_setting(tmp_path):
+  """The same --data whose files changed is other data: refused without --amend (config.json untouched), recorded in
+  the history with the old and new fingerprints with it."""
+  data = tmp_path / "data.txt"
+  data.write_text("def f(x):\n  return x + 1\n" * 400)
+  out = tmp_path / "run"
+  run(cfg(out, data=(str(data),), stop_at=4))
+  saved = json.load(open(out / "config.json"))
+  data.write_text("class A:\n  pass\n" * 600)
+  with pytest.raises(RunError, match=r"trained with other settings \(data \(corpus fingerprint\): '[0-9a-f]{16}' -> "
+                                     r"'[0-9a-f]{16}'\); rerun with the original flags, or add --amend"):
+    run(cfg(out, data=(str(data),)))
+  assert json.load(open(out / "config.json")) == saved  # nothing rewritten
+  run(cfg(out, data=(str(data),), amend=True))
+  meta = json.load(open(out / "config.json"))
+  old, new = saved["corpus"]["fingerprint"], meta["corpus"]["fingerprint"]
+  assert meta["history"] == [{"from_step": 4, "changed": {"data (corpus fingerprint)": [old[:16], new[:16]]}}]
 
 
 def test_sequence_longer_than_data_and_empty_data(tmp_path, capsys):
