@@ -1,14 +1,12 @@
-"""research/experiments/pad_net: the smoke run's invariants (as notebooks/pad_net.ipynb ran it), a resumed full run
-that skips the seeds it finished, and the refusal of a ratio PAD-Net cannot use."""
+"""research/experiments/pad_net: the smoke run's invariants (as notebooks/pad_net.ipynb ran it) and the refusal of a
+ratio PAD-Net cannot use. (Resuming a stopped full run: `common.run_seeds`, tests/research/test_experiments_common.py.)"""
 
-import dataclasses
-import json
 import math
 
 import pytest
 
 from models import padnet
-from research.experiments import common, pad_net
+from research.experiments import pad_net
 
 
 @pytest.fixture(scope="module")
@@ -48,26 +46,6 @@ def test_tables_findings_and_plot(result):
   assert len(pad_net.findings(result)) == 2
   fig = pad_net.plot(result)
   assert len(fig.axes) == 2 and all(ax.lines for ax in fig.axes)
-
-
-def test_a_resumed_full_run_skips_the_seeds_it_finished(tmp_path, monkeypatch, result):
-  """A full-size config whose partial.json holds seed 0 runs only seed 1 (the fits are counted, not run)."""
-  cfg = dataclasses.replace(pad_net.Config(), out=str(tmp_path), seeds=(0, 1), **{
-      k: v for k, v in pad_net.SMOKE.items() if k != "seeds"})
-  common.save_partial(cfg, runs={0: result["seeds"][0]}, tune=result["tune"], chosen=result["lr"])
-  fitted = []
-  real_fit = common.fit
-
-  def counting_fit(model, tx, tokens, **kw):
-    fitted.append(kw["seed"])
-    return real_fit(model, tx, tokens, **kw)
-
-  monkeypatch.setattr(common, "fit", counting_fit)
-  out = pad_net.main(cfg)
-  assert set(fitted) == {1} and list(out["seeds"]) == [0, 1]
-  same = lambda r: json.loads(json.dumps(r, default=float))  # noqa: E731 (partial.json's tuples are lists)
-  assert same(out["seeds"][0]) == same(result["seeds"][0]) and (tmp_path / "results.md").exists()
-  assert not (tmp_path / common.PARTIAL).exists()
 
 
 def test_a_ratio_padnet_cannot_use_is_refused():

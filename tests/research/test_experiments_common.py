@@ -86,6 +86,48 @@ def test_partial_round_trip_belongs_to_its_config_only(tmp_path):
   assert not (tmp_path / "out" / common.PARTIAL).exists() and common.load_partial(cfg) is None
 
 
+def test_run_seeds_tunes_on_the_first_seed_saves_after_each_and_skips_what_a_stopped_run_finished(tmp_path):
+  """The experiments' seed loop (pad_net, exfusion, moe_design, data_mixing): seed 0 runs every lr of the grid and
+  picks each arm's best, later seeds run that lr only; partial.json after every seed; a rerun after a stop at seed 1
+  runs seed 2 only and returns the same runs."""
+  import dataclasses
+
+  @dataclasses.dataclass
+  class Cfg:
+    out: str
+    smoke: bool = False
+    seeds: tuple = (0, 1, 2)
+    lrs: tuple = (1e-3, 3e-3)
+
+  calls = []
+
+  def one_seed(seed, tune, chosen):
+    def fit_at(lr):
+      calls.append((seed, lr))
+      return common.Fit(None, None, [{"step": 1, "val_loss": abs(lr - 3e-3) + seed}])
+    f = common.tuned_fit("arm", fit_at, cfg.lrs, seed == cfg.seeds[0], tune, chosen)
+    return {"arms": {"arm": {"final": f.final_val, "lr": chosen["arm"]}}}
+
+  cfg = Cfg(str(tmp_path / "out"))
+  whole = common.run_seeds(cfg, one_seed)
+  assert calls == [(0, 1e-3), (0, 3e-3), (1, 3e-3), (2, 3e-3)] and whole.chosen == {"arm": 3e-3}
+  assert whole.tune == {"arm": {1e-3: 2e-3, 3e-3: 0.0}} and sorted(whole.runs) == [0, 1, 2]
+  common.drop_partial(cfg)
+  calls.clear()
+  stopped = dataclasses.replace(cfg, seeds=(0, 1))
+  common.run_seeds(stopped, one_seed)  # a run that ended after seed 1 (same config but its seeds: a stand-in)
+  saved = common.load_partial(stopped)
+  common.save_partial(cfg, **saved)  # what the full config's run had saved when it stopped after seed 1
+  calls.clear()
+  again = common.run_seeds(cfg, one_seed)
+  assert calls == [(2, 3e-3)]
+  assert {s: r["arms"]["arm"]["final"] for s, r in again.runs.items()} == \
+      {s: r["arms"]["arm"]["final"] for s, r in whole.runs.items()}
+  smoke = dataclasses.replace(cfg, out=str(tmp_path / "smoke"), smoke=True)
+  common.run_seeds(smoke, one_seed)
+  assert not (tmp_path / "smoke").exists()  # a smoke run writes nothing
+
+
 def test_full_results_is_the_committed_file_or_how_to_make_it():
   import pathlib
   committed = pathlib.Path(common.__file__).resolve().parents[1] / "results" / "optimizers" / "results.md"
