@@ -326,6 +326,33 @@ def write_experiment(cfg, name: str, question: str, result: dict, table: list[st
   fig.savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
 
 
+def _field(key) -> Callable[[dict], float]:
+  return key if callable(key) else (lambda r: r[key])
+
+
+def seed_stat(result: dict, arm: str, key="final") -> tuple[float, float]:
+  """Mean ± std over result["seeds"] of an arm's `key` (a record key, or a function of the arm's record)."""
+  get = _field(key)
+  return mean_std([get(r["arms"][arm]) for r in result["seeds"].values()])
+
+
+def seed_paired(result: dict, arm: str, base: str, key="final") -> tuple[float, float]:
+  """Mean ± std over the seeds of the per-seed difference arm − base of `key`."""
+  get = _field(key)
+  return mean_std([get(r["arms"][arm]) - get(r["arms"][base]) for r in result["seeds"].values()])
+
+
+def resolved(d: tuple[float, float]) -> str:
+  """A paired (mean, std) difference read at 2 std: "level" (not resolved), "lower" or "higher"."""
+  return "level" if abs(d[0]) <= 2 * d[1] else "lower" if d[0] < 0 else "higher"
+
+
+def timing_lines(result: dict) -> list[str]:
+  """The results table's closing run-time line (none without result["timing"])."""
+  t = result.get("timing")
+  return [] if not t else ["", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU on the shared 2-core VM."]
+
+
 def lr_grid_table(grid: dict, label: Callable[[str], str], caption: str, note: str = "") -> list[str]:
   """Markdown lines of an lr grid ({arm: {lr: final val loss}}) under `caption`, then the arms whose best lr sits at
   the grid's edge (their loss could fall with a wider grid), `note` appended to that sentence."""
@@ -373,7 +400,7 @@ def drop_partial(cfg):
 
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
            "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results", "tree_bytes", "mean_std", "pm",
-           "train_tail", "lr_grid_table", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
+           "train_tail", "lr_grid_table", "seed_stat", "seed_paired", "resolved", "timing_lines", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
            "smoke_compiles_quickly", "past_edge"]
 
 

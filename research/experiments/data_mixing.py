@@ -154,12 +154,11 @@ def main(cfg: Config) -> dict:
   return result
 
 
-def stat(result: dict, arm: str, get) -> tuple[float, float]:
-  return common.mean_std([get(r["arms"][arm]) for r in result["seeds"].values()])
+stat = common.seed_stat
 
 
-def paired(result: dict, arm: str, get, base: str = "uniform") -> tuple[float, float]:
-  return common.mean_std([get(r["arms"][arm]) - get(r["arms"][base]) for r in result["seeds"].values()])
+def paired(result: dict, arm: str, get) -> tuple[float, float]:
+  return common.seed_paired(result, arm, "uniform", get)
 
 
 def tables(result: dict) -> list[str]:
@@ -180,9 +179,7 @@ def tables(result: dict) -> list[str]:
                  f"{common.pm(stat(result, arm, lambda r: r['final']))} | {delta} | "
                  + ", ".join(f"{n} {x:.3f}" for n, x in zip(SOURCES, w)) + " |")
   lines += common.lr_grid_table(result["tune"], str, f"lr grid (seed {seeds[0]}, mean held-out loss):")
-  t = result.get("timing")
-  return lines + ([] if not t else ["", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU on the shared "
-                                        "2-core VM."])
+  return lines + common.timing_lines(result)
 
 
 def findings(result: dict) -> list[str]:
@@ -190,7 +187,7 @@ def findings(result: dict) -> list[str]:
   for arm in ("size", "dynamic"):
     d = paired(result, arm, lambda r: r["final"])
     per = ", ".join(f"{n} {common.pm(paired(result, arm, lambda r, n=n: r['held_out'][n]), True)}" for n in SOURCES)
-    verdict = "within 2 std" if abs(d[0]) <= 2 * d[1] else "lower" if d[0] < 0 else "higher"
+    verdict = {"level": "within 2 std", "lower": "lower", "higher": "higher"}[common.resolved(d)]
     lines.append(f"Reading: {arm} − uniform, mean held-out loss {common.pm(d, True)} ({verdict}); per corpus: {per}.")
   return lines
 

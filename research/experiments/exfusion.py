@@ -150,12 +150,11 @@ def _spread(model) -> float:
   return float(np.mean(out))
 
 
-def stat(result: dict, arm: str, key: str) -> tuple[float, float]:
-  return common.mean_std([r["arms"][arm][key] for r in result["seeds"].values()])
+stat = common.seed_stat
 
 
 def paired(result: dict, arm: str, key: str = "final") -> tuple[float, float]:
-  return common.mean_std([r["arms"][arm][key] - r["arms"]["dense"][key] for r in result["seeds"].values()])
+  return common.seed_paired(result, arm, "dense", key)
 
 
 def tables(result: dict) -> list[str]:
@@ -175,9 +174,7 @@ def tables(result: dict) -> list[str]:
                  f"{result['lr'][arm]:g} | {common.pm(stat(result, arm, 'final'))} | {delta} | "
                  f"{common.pm(stat(result, arm, 'train_tail'))} | {spread} |")
   lines += common.lr_grid_table(result["tune"], label, f"lr grid (seed {seeds[0]}, final val loss):")
-  t = result.get("timing")
-  return lines + ([] if not t else ["", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU on the shared "
-                                        "2-core VM."])
+  return lines + common.timing_lines(result)
 
 
 def findings(result: dict) -> list[str]:
@@ -187,7 +184,7 @@ def findings(result: dict) -> list[str]:
   for arm in names:
     d = paired(result, arm)
     lower = sum(r["arms"][arm]["final"] < r["arms"]["dense"]["final"] for r in result["seeds"].values())
-    verdict = ("within 2 std of dense" if abs(d[0]) <= 2 * d[1] else "below dense" if d[0] < 0 else "above dense")
+    verdict = {"level": "within 2 std of dense", "lower": "below dense", "higher": "above dense"}[common.resolved(d)]
     lines.append(f"Reading: {label(arm)}: {common.pm(d, True)} val loss vs dense at equal steps and equal inference "
                  f"cost ({verdict}; lower in {lower} of {n} seeds).")
   return lines

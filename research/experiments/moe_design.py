@@ -131,12 +131,7 @@ def main(cfg: Config) -> dict:
   return result
 
 
-def stat(result: dict, arm: str) -> tuple[float, float]:
-  return common.mean_std([r["arms"][arm]["final"] for r in result["seeds"].values()])
-
-
-def paired(result: dict, arm: str, base: str) -> tuple[float, float]:
-  return common.mean_std([r["arms"][arm]["final"] - r["arms"][base]["final"] for r in result["seeds"].values()])
+stat, paired = common.seed_stat, common.seed_paired
 
 
 def label(arm: str) -> str:
@@ -160,9 +155,7 @@ def tables(result: dict) -> list[str]:
                  f"{x['active']:,} | {x['flops_per_token'] / 1e6:.2f} | {result['lr'][arm]:g} | "
                  f"{common.pm(stat(result, arm))} | {delta} |")
   lines += common.lr_grid_table(result["tune"], label, f"lr grid (seed {seeds[0]}, final val loss):")
-  t = result.get("timing")
-  return lines + ([] if not t else ["", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU on the shared "
-                                        "2-core VM."])
+  return lines + common.timing_lines(result)
 
 
 def _steps(result: dict, chain: list[str]) -> list[tuple[str, str, tuple[float, float]]]:
@@ -170,7 +163,8 @@ def _steps(result: dict, chain: list[str]) -> list[tuple[str, str, tuple[float, 
 
 
 def _verdict(d: tuple[float, float]) -> str:
-  return "within 2 std (no difference resolved)" if abs(d[0]) <= 2 * d[1] else "lower" if d[0] < 0 else "higher"
+  kind = common.resolved(d)
+  return "within 2 std (no difference resolved)" if kind == "level" else kind
 
 
 def findings(result: dict) -> list[str]:

@@ -166,14 +166,11 @@ def _phis(model: Transformer) -> list[float]:
   return (2 / (1 + np.exp(-phi))).tolist()
 
 
-def stat(result: dict, arm: str, key) -> tuple[float, float]:
-  get = key if callable(key) else (lambda r: r[key])
-  return common.mean_std([get(r["arms"][arm]) for r in result["seeds"].values()])
+stat = common.seed_stat
 
 
-def paired(result: dict, arm: str, key="final", base: str = "moe") -> tuple[float, float]:
-  get = key if callable(key) else (lambda r: r[key])
-  return common.mean_std([get(r["arms"][arm]) - get(r["arms"][base]) for r in result["seeds"].values()])
+def paired(result: dict, arm: str, key="final") -> tuple[float, float]:
+  return common.seed_paired(result, arm, "moe", key)
 
 
 def label(arm: str) -> str:
@@ -202,9 +199,7 @@ def tables(result: dict) -> list[str]:
                  f" | {delta} | {common.pm(stat(result, arm, 'stdlib_final'))} | "
                  f"{'–' if phi is None else ', '.join(f'{p:.3f}' for p in phi)} (seed {seeds[0]}) |")
   lines += common.lr_grid_table(result["tune"], label, f"Fine-tuning lr grid (seed {seeds[0]}, final docs val loss):")
-  t = result.get("timing")
-  return lines + ([] if not t else ["", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU on the shared "
-                                        "2-core VM."])
+  return lines + common.timing_lines(result)
 
 
 def findings(result: dict) -> list[str]:
@@ -214,18 +209,17 @@ def findings(result: dict) -> list[str]:
   for arm in names:
     d = paired(result, arm)
     lower = sum(r["arms"][arm]["final"] < r["arms"]["moe"]["final"] for r in result["seeds"].values())
-    verdict = ("within 2 std of the MoE" if abs(d[0]) <= 2 * d[1] else
-               "below the MoE" if d[0] < 0 else "above the MoE")
+    verdict = {"level": "within 2 std of the MoE", "lower": "below the MoE", "higher": "above the MoE"}[
+        common.resolved(d)]
     lines.append(f"Reading: {label(arm)}: docs val {common.pm(d, True)} vs the MoE after equal steps ({verdict}; "
                  f"lower in {lower} of {n} seeds); forgetting (stdlib val) "
                  f"{common.pm(paired(result, arm, 'stdlib_final'), True)}.")
-  kinds = {"match": [], "beat": [], "worse": []}
+  kinds = {"level": [], "lower": [], "higher": []}
   for arm in names:
-    d = paired(result, arm)
-    kinds["match" if abs(d[0]) <= 2 * d[1] else "beat" if d[0] < 0 else "worse"].append(label(arm))
+    kinds[common.resolved(paired(result, arm))].append(label(arm))
   lines.append("Reading: against the paper's claim (a partly static MoE matches or beats the fully dynamic one): "
-               f"beats it: {', '.join(kinds['beat']) or 'none'}; matches it within 2 std of the seeds: "
-               f"{', '.join(kinds['match']) or 'none'}; worse: {', '.join(kinds['worse']) or 'none'}. At this scale "
+               f"beats it: {', '.join(kinds['lower']) or 'none'}; matches it within 2 std of the seeds: "
+               f"{', '.join(kinds['level']) or 'none'}; worse: {', '.join(kinds['higher']) or 'none'}. At this scale "
                "each expert sees ~10^4 fine-tuning tokens, far from MoE-BERT on GLUE.")
   return lines
 
