@@ -233,8 +233,9 @@ def to_padnet(model: Transformer) -> Transformer:
     raise SurgeryError(f"to_padnet takes a plain MoE transformer, got {'a dense' if c.moe is None else 'a PAD-Net'} "
                        f"one")
   values = {p: v for p, (v, _) in _variables(model).items()}
-  for path, (w, _) in _variables(model).items():
-    key = {name: k for k, name in padnet.MATRICES.items()}.get(path[-1])
+  stacks = {name: k for k, name in padnet.MATRICES.items()}
+  for path, w in list(values.items()):
+    key = stacks.get(path[-1])
     if key is not None:
       values[(*path[:-1], padnet.STATIC[key])] = jnp.mean(w, axis=-3)  # (..., E, I, O) -> (..., I, O)
       values[(*path[:-1], padnet.MASKS[key])] = jnp.ones(w.shape, jnp.bool_)

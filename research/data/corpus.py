@@ -64,11 +64,12 @@ def _load_path(path, val_fraction) -> Corpus:
       raise DataError(f"data directory is empty (no non-hidden files): {path}")
     if sum(os.path.getsize(os.path.join(path, r)) for r in relpaths) == 0:
       raise DataError(f"data directory is empty (all files have zero bytes): {path}")
-    relpaths = _text_files(path, relpaths)
+    texts = _text_files(path, relpaths)  # each file read once: checked here, joined below
+    relpaths = list(texts)
     if len(relpaths) < 2:  # one document cannot be split by document
-      train, val = _split_by_position(_read_docs(path, relpaths), val_fraction, path)
+      train, val = _split_by_position(_read_docs(path, relpaths, texts.get), val_fraction, path)
     else:
-      train, val = _split_by_document(path, relpaths, val_fraction)
+      train, val = _split_by_document(path, relpaths, val_fraction, texts.get)
     vocab, eos = 256, SEPARATOR
   elif path.endswith(".npy"):
     try:
@@ -183,13 +184,14 @@ def _is_text(data: bytes) -> bool:
   return True
 
 
-def _text_files(root, relpaths) -> list[str]:
-  """The text files among `relpaths` (`_is_text`); what was left out is said in one line on stderr, and a directory
-  with no text file at all is refused (DataError)."""
-  text, skipped = [], {}
+def _text_files(root, relpaths) -> dict[str, bytes]:
+  """{relpath: contents} of the text files among `relpaths` (`_is_text`), in order; what was left out is said in one
+  line on stderr, and a directory with no text file at all is refused (DataError)."""
+  text, skipped = {}, {}
   for r in relpaths:
-    if _is_text(_read(root, r)):
-      text.append(r)
+    data = _read(root, r)
+    if _is_text(data):
+      text[r] = data
     else:
       ext = os.path.splitext(r)[1] or "(no suffix)"
       n, size = skipped.get(ext, (0, 0))
@@ -204,9 +206,11 @@ def _text_files(root, relpaths) -> list[str]:
   return text
 
 
-def _read_docs(root, relpaths):
+def _read_docs(root, relpaths, read=None):
+  """The documents joined, each followed by SEPARATOR; `read(relpath)` gives a document's bytes (default: the file)."""
+  read = read or (lambda r: _read(root, r))
   sep = bytes([SEPARATOR])
-  return np.frombuffer(b"".join(_read(root, r) + sep for r in relpaths), dtype=np.uint8)
+  return np.frombuffer(b"".join(read(r) + sep for r in relpaths), dtype=np.uint8)
 
 
 def _read(root, relpath):
@@ -214,10 +218,10 @@ def _read(root, relpath):
     return f.read()
 
 
-def _split_by_document(root, relpaths, val_fraction):
+def _split_by_document(root, relpaths, val_fraction, read=None):
   is_val = [_is_val(r, val_fraction) for r in relpaths]
-  train = _read_docs(root, [r for r, v in zip(relpaths, is_val) if not v])
-  val = _read_docs(root, [r for r, v in zip(relpaths, is_val) if v])
+  train = _read_docs(root, [r for r, v in zip(relpaths, is_val) if not v], read)
+  val = _read_docs(root, [r for r, v in zip(relpaths, is_val) if v], read)
   _check_split(train, val, root, f"{len(relpaths)} files split by path hash")
   return train, val
 

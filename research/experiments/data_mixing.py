@@ -29,11 +29,9 @@ arm picked from `lrs` on seed 0 by the mean held-out loss (grid edges flagged), 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 
-import jax
 import numpy as np
 import tyro
 from flax import nnx
@@ -44,6 +42,7 @@ from research.data.loader import Loader
 from research.data.mixture import Mixture, dynamic_update, parse_mix
 from research.experiments import common
 from research.train.config import TrainConfig
+from research.train.mixing import router_loads, source_loads
 from research.train.pretrained import load_run
 
 NAME = "data_mixing"
@@ -97,8 +96,7 @@ def tune(moe, rule: str, lr: float, seed: int, data: dict, val: dict, cfg: Confi
   loaders = {n: Loader(c.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed, sampling="random",
                        workers=0) for n, c in data.items()}
   mixture = Mixture(loaders, seed=seed, weights=spec.initial({n: len(c.train) for n, c in data.items()}))
-  graphdef = nnx.graphdef(moe)
-  loads = jax.jit(lambda p, b, x: nnx.merge(graphdef, p, b).forward(x)[1]["load"][-1])
+  loads = router_loads(nnx.graphdef(moe))
   tx, model, opt_state, records = common.phase_optimizer(lr, cfg.steps), moe, None, []
   period = cfg.every if spec.rule == "dynamic" else cfg.steps
   for start in range(0, cfg.steps, period):
@@ -107,7 +105,7 @@ def tune(moe, rule: str, lr: float, seed: int, data: dict, val: dict, cfg: Confi
     model, opt_state, records = f.model, f.opt_state, records + f.records
     if spec.rule == "dynamic" and start + period < cfg.steps:
       _, params, buffers = common.split(model)
-      o = [np.mean([np.asarray(loads(params, buffers, x)) for x, _ in val[n][:cfg.score_batches]], 0) for n in SOURCES]
+      o = source_loads(loads, params, buffers, [val[n] for n in SOURCES], cfg.score_batches)
       mixture.set_weights(start + period, dynamic_update(mixture.weights(start + period - 1), o, spec.eta, spec.c))
   held = {n: common.evaluate(model, val[n]) for n in SOURCES}
   return {"held_out": held, "final": float(np.mean(list(held.values()))), "train_tail": common.train_tail(records),

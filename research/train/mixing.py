@@ -50,6 +50,16 @@ def check(corpus, mcfg, mesh):
       raise RunError("--mix dynamic does not run on a pipeline (stage) mesh")
 
 
+def router_loads(graphdef):
+  """The jitted (params, buffers, tokens) -> the last MoE layer's expert loads (E,): what the dynamic rule reads."""
+  return jax.jit(lambda p, b, x: nnx.merge(graphdef, p, b).forward(x)[1]["load"][-1])
+
+
+def source_loads(loads, params, buffers, batches_by_source, k: int) -> list[np.ndarray]:
+  """Ô_i for each source: its loads averaged over the first `k` of its held-out (x, y) batches."""
+  return [np.mean([np.asarray(loads(params, buffers, x)) for x, _ in batches[:k]], 0) for batches in batches_by_source]
+
+
 class Mixing:
   """A run's mixture: its per-source held-out slices, the weights it logs, the dynamic rule's updates (inactive
   for one corpus)."""
@@ -63,7 +73,7 @@ class Mixing:
     self.slices = {name: slice(i * n, (i + 1) * n) for i, name in enumerate(self.names)}
     self.scoring = min(self.spec.batches, n)
     if self.spec.rule == "dynamic":
-      self.loads = jax.jit(lambda p, b, x: nnx.merge(graphdef, p, b).forward(x)[1]["load"][-1])
+      self.loads = router_loads(graphdef)
 
   def record(self, feed, step: int, losses: list | None) -> dict:
     """mix/<name>: the weights step `step` was drawn with; val_loss/<name> when the held-out `losses` (one per
@@ -80,6 +90,5 @@ class Mixing:
     if not self.on or self.spec.rule != "dynamic" or r.step % self.spec.every:
       return
     params, buffers = r.syncer.model(r.state)["params"], r.state.get("buffers", {})
-    loads = [np.mean([np.asarray(self.loads(params, buffers, x)) for x, _ in r.layout.val[s][:self.scoring]], 0)
-             for s in self.slices.values()]
+    loads = source_loads(self.loads, params, buffers, [r.layout.val[s] for s in self.slices.values()], self.scoring)
     r.feed.set_weights(r.step, dynamic_update(r.feed.weights(r.step - 1), loads, self.spec.eta, self.spec.c))
