@@ -218,8 +218,8 @@ NAMESPACE = shutil.which("unshare") and subprocess.run(
 @pytest.mark.skipif(not NAMESPACE, reason="needs a user and mount namespace (unshare -rm) to mount a small tmpfs; "
                                           "the injected-ENOSPC test above covers the same code path")
 def test_a_real_full_disk_and_a_read_only_run_directory(reference_run, tmp_path):
-  """On a tmpfs with room for the run's files, two checkpoints and half of a third, the third save fills the disk; the
-  run stops with one line and its two checkpoints; remounted read-only, the run is refused in one line and nothing
+  """On a tmpfs with room for the run's files, two checkpoints and half of a third, a save fills the disk; the
+  run stops with one line naming its newest intact checkpoint; remounted read-only, the run is refused in one line and nothing
   changes; remounted larger and writable, it resumes and ends with the uninterrupted losses.
 
   The size is measured, not assumed: a checkpoint's footprint on tmpfs depends on the page size and on how orbax
@@ -253,7 +253,12 @@ cp {mnt}/run/metrics.jsonl {report}/
   full = read("full.err").splitlines()
   assert read("full.rc") == "2" and len(full) == 1 and full[0].startswith("error: "), full
   assert "No space left on device" in full[0]
-  assert {"2", "4"} <= set(read("full.ls").split()), (read("full.ls"), read("sizes"))
+  # Which save meets the full disk depends on how orbax lays a write out on this filesystem (CI's machine once
+  # filled it during the second save, not the third): what must hold is that the line names the newest checkpoint
+  # that is really there and intact, that the run stopped before its end, and that the resume below is exact.
+  intact = [int(n) for n in read("full.ls").split() if n.isdigit()]
+  assert intact and max(intact) < TINY["steps"], (read("full.ls"), read("sizes"))
+  assert f"step {max(intact)} is the newest intact checkpoint" in full[0], (full[0], read("full.ls"))
   ro = read("ro.err").splitlines()
   assert read("ro.rc") == "2" and len(ro) == 1 and "is not writable" in ro[0], ro
   assert read("again.rc") == "0", read("again.err")
