@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import sys
 from typing import Literal
 
 import jax
@@ -30,6 +29,7 @@ import tyro
 from flax import nnx
 
 from models import HFError, peft, to_hf, to_hf_peft
+from research import entry
 from research.train.pretrained import LOAD_ERRORS, init_source, load_run, run_tokenizer, source_dtype
 
 
@@ -61,7 +61,7 @@ def in_dtype(model, dtype: str):
 
 def main(argv=None):
   cfg = tyro.cli(ExportConfig, args=argv)
-  try:
+  with entry.one_line_errors(*LOAD_ERRORS):
     model, _, step = load_run(cfg.run_dir, step=cfg.step, merge=not cfg.adapter)
     if cfg.adapter and not peft.adapters(model):
       raise HFError(f"--adapter: {cfg.run_dir} is not a --peft run")
@@ -73,11 +73,8 @@ def main(argv=None):
                    cfg.architecture)
       if tokenizer is not None:
         shutil.copyfile(tokenizer, os.path.join(path, "tokenizer.json"))
-  except LOAD_ERRORS as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
   print(f"exported {cfg.run_dir} step {step} to {path}")
 
 
 if __name__ == "__main__":
-  main()
+  entry.command(main)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 
 import tyro
+
+from research import entry
 
 
 @dataclasses.dataclass
@@ -69,13 +70,12 @@ def plot(runs: dict[str, list[dict]], out: str) -> str:
 
 def main(argv=None):
   cfg = tyro.cli(PlotConfig, args=argv, prog="python -m research.plot")
-  try:
+  with entry.one_line_errors(OSError, ValueError):
+    out = cfg.out or os.path.join(cfg.runs[0], "curves.png")
+    entry.writable_file(out)
     runs = {os.path.basename(os.path.normpath(r)) or r: read_metrics(r) for r in cfg.runs}
-    print(plot(runs, cfg.out or os.path.join(cfg.runs[0], "curves.png")))
-  except (OSError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
+    print(plot(runs, out))
 
 
 if __name__ == "__main__":
-  main()
+  entry.command(main)

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import jax
@@ -30,6 +29,7 @@ import tyro
 from flax import nnx
 
 from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
+from research import entry
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from research.train.pretrained import LOAD_ERRORS, load_model
 from sharding.mesh import make_mesh
@@ -192,11 +192,8 @@ def run(cfg: QuantizeConfig) -> dict:
 
 def main(argv=None):
   cfg = tyro.cli(QuantizeConfig, args=argv)
-  try:
+  with entry.one_line_errors(*LOAD_ERRORS, quant.QuantError, DataError, OSError):
     report = run(cfg)
-  except (*LOAD_ERRORS, quant.QuantError, DataError, OSError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
   if "plan" in report:
     print(f"wrote the plan to {report['plan']}")
     return
@@ -215,4 +212,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  entry.command(main)

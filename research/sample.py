@@ -7,11 +7,11 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import tyro
 
 from models import generate
+from research import entry
 from research.data.tokenizer import TokenizerError
 from research.train.pretrained import LOAD_ERRORS, load_model
 
@@ -39,7 +39,7 @@ class SampleConfig:
 
 def main(argv=None):
   cfg = tyro.cli(SampleConfig, args=argv)
-  try:
+  with entry.one_line_errors(*LOAD_ERRORS, TokenizerError):
     model, config, tok = load_model(cfg.path, tokenizer=cfg.tokenizer)
     ids = tok.encode(cfg.prompt)
     if not ids:
@@ -47,9 +47,6 @@ def main(argv=None):
     top_k = None if cfg.top_k is None else min(cfg.top_k, config.vocab_size)
     out = generate(model, [ids] * cfg.samples, cfg.max_new_tokens, temperature=cfg.temperature, top_k=top_k,
                    seed=cfg.seed)
-  except (*LOAD_ERRORS, TokenizerError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
   for row in out.tolist():
     print(cfg.prompt + tok.decode(row[len(ids):]))
     if cfg.samples > 1:
@@ -57,4 +54,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  entry.command(main)

@@ -40,6 +40,8 @@ from typing import Literal
 import numpy as np
 import tyro
 
+from research import entry
+
 ORBAX_TMP = ".orbax-checkpoint-tmp"
 
 
@@ -190,7 +192,10 @@ def report(cfg: Config, rounds: list[dict], period: float) -> str:
 
 def main(argv=None) -> int:
   cfg = tyro.cli(Config, args=argv, prog="python -m research.soak", description=__doc__.split("\n\n")[0])
-  os.makedirs(cfg.out, exist_ok=True)
+  with entry.one_line_errors(OSError):
+    entry.writable_dir(cfg.out)
+    entry.writable_file(cfg.report, "--report")
+    os.makedirs(cfg.out, exist_ok=True)
   ref, period = reference(cfg)
   want = trace(os.path.join(ref, "metrics.jsonl"))
   done_path = os.path.join(cfg.out, f"rounds_{cfg.signal}_{cfg.steps}steps_seed{cfg.seed}.jsonl")
@@ -215,4 +220,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+  entry.command(main, interrupted="the rounds that finished are kept; rerun the same command to go on")

@@ -36,6 +36,7 @@ from multiprocessing import get_context
 import numpy as np
 import tyro
 
+from research import entry
 from research.train.cli import USER_ERRORS
 from research.train.config import TrainConfig
 
@@ -313,12 +314,9 @@ def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
 
 def main(argv=None):
   cfg = tyro.cli(SweepConfig, args=argv)
-  try:
+  with entry.one_line_errors(SweepError, *USER_ERRORS):
     run_grid(cfg)
-  except (SweepError, *USER_ERRORS) as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-  main()
+  entry.command(main, interrupted="the runs that finished are kept; rerun the same command to go on")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import sys
+import functools
+import inspect
 
 import jax
 import tyro
 
 from models import ConfigError
 from models.attention import AttentionError
+from research import entry
 from research.bench.attention import attention
 from research.bench.ckpt import ckpt_bench
 from research.bench.comm import comm
@@ -26,9 +28,21 @@ from research.bench.train import train
 from sharding import MeshError, ShardingError
 
 NUM_CPU_DEVICES = 8
-BENCHMARKS = {"train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe,
-              "ckpt": ckpt_bench, "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant,
-              "sample": sample, "finetune": finetune, "finetune-3b": finetune_3b, "data": data}
+
+
+def out_checked_first(bench):
+  """`bench` with its `--out` refused before it runs (minutes of measuring, then an unwritable path, wrote nothing)."""
+  @functools.wraps(bench)
+  def checked(*args, **kwargs):
+    entry.writable_file(inspect.signature(bench).bind(*args, **kwargs).arguments.get("out"))
+    return bench(*args, **kwargs)
+  return checked
+
+
+BENCHMARKS = {name: out_checked_first(bench) for name, bench in {
+  "train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe, "ckpt": ckpt_bench,
+  "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant, "sample": sample, "finetune": finetune,
+  "finetune-3b": finetune_3b, "data": data}.items()}
 
 
 def main(argv=None):
@@ -36,8 +50,5 @@ def main(argv=None):
     jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)  # before any device use
   except RuntimeError:  # backend already up (a test or notebook set it): keep what is there
     pass
-  try:
+  with entry.one_line_errors(ConfigError, MeshError, ShardingError, AttentionError):
     tyro.extras.subcommand_cli_from_dict(BENCHMARKS, args=argv, prog="python -m research.bench")
-  except (ConfigError, MeshError, ShardingError, AttentionError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None

@@ -98,8 +98,32 @@ def _load_path(path, val_fraction) -> Corpus:
 
 
 def default_cache_dir() -> str:
-  """Where built corpora and token caches live: `$OPTLAB_CACHE`, else ~/.cache/optlab."""
+  """Where built corpora, token caches and compiled programs live: `$OPTLAB_CACHE`, else ~/.cache/optlab."""
   return os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
+
+
+_UNWRITABLE: set[str] = set()  # cache roots this process has already warned about
+
+
+def cache_writable(root: str, error: OSError | None = None) -> bool:
+  """Whether the cache folder `root` can be written (created if missing); when not (or when `error` says a write
+  there failed), one warning per root and process: the run goes on and caches nothing there."""
+  reason = None if error is None else error.strerror or str(error)
+  if os.path.exists(root) and not os.path.isdir(root):
+    reason = "a file, not a directory"
+  elif error is None:
+    try:
+      os.makedirs(root, exist_ok=True)
+      if os.access(root, os.W_OK | os.X_OK):
+        return True
+      reason = "not writable"
+    except OSError as e:
+      reason = e.strerror or str(e)
+  if root not in _UNWRITABLE:
+    _UNWRITABLE.add(root)
+    warnings.warn(f"the cache {root} cannot be written ({reason}): nothing is cached there this run (built corpora, "
+                  f"compiled programs); set $OPTLAB_CACHE to a writable directory")
+  return False
 
 
 def _token_file(arr: np.memmap, val_fraction, path, source) -> Corpus:
@@ -244,7 +268,8 @@ def _load_stdlib(cache_dir, val_fraction):
            for r in relpaths for s in [os.stat(os.path.join(root, r))]]
   key = hashlib.sha256(json.dumps(
       [_CACHE_VERSION, root, sys.version, val_fraction, stats]).encode()).hexdigest()
-  folder = os.path.join(os.path.expanduser(cache_dir or default_cache_dir()), f"stdlib-{key[:24]}")
+  cache_root = os.path.expanduser(cache_dir or default_cache_dir())
+  folder = os.path.join(cache_root, f"stdlib-{key[:24]}")
   source = f"stdlib:{root}"
   cached = _read_cache(folder)
   if cached is not None:
@@ -260,7 +285,7 @@ def _load_stdlib(cache_dir, val_fraction):
     write_atomic(folder, "val.bin", val.tobytes())
     write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks valid
   except OSError as e:  # a read-only home should not stop training; it only costs a rebuild
-    warnings.warn(f"could not cache the stdlib corpus in {folder}: {e}")
+    cache_writable(cache_root, e)
     return Corpus(train, val, 256, fingerprint, source, eos=SEPARATOR)
   cached = _read_cache(folder)  # serve the memmap, so a build and a hit behave alike
   return (Corpus(*cached, source=source, eos=SEPARATOR) if cached

@@ -41,7 +41,6 @@ import time
 
 import jax
 import numpy as np
-import tyro
 from flax import nnx
 
 from models import Transformer, count_params, preset
@@ -412,4 +411,4 @@ def write(cfg: Config, result: dict, lr_png: str, cmd: str | None = None):
 
 
 if __name__ == "__main__":
-  main(tyro.cli(Config))
+  common.cli(main, Config)

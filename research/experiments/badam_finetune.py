@@ -35,7 +35,6 @@ import time
 
 import jax
 import numpy as np
-import tyro
 
 from optim.trees import path_name
 from research.data import docs_corpus
@@ -312,4 +311,4 @@ def write(cfg: Config, result: dict, cmd: str | None = None):
 
 
 if __name__ == "__main__":
-  main(tyro.cli(Config))
+  common.cli(main, Config)

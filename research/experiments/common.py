@@ -16,18 +16,21 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tyro
 from flax import nnx
 
 from models import Transformer
 from models.moe import aux_loss, update_router_bias
 from models.transformer import cross_entropy
 from optim import get_optimizer, make_schedule
+from research import entry
 from research.data import eval_batches, get_batch, load_corpus
 
 
@@ -381,16 +384,45 @@ def load_partial(cfg) -> dict | None:
   path = os.path.join(cfg.out, PARTIAL)
   if cfg.smoke or not os.path.exists(path):
     return None
-  with open(path) as f:
-    saved = json.load(f)
-  return saved if saved.pop("config") == json.loads(json.dumps(dataclasses.asdict(cfg))) else None
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+    config = saved.pop("config")
+  except (ValueError, KeyError, AttributeError, TypeError) as e:  # not what save_partial writes: kept aside
+    aside = next(name for n in range(10**6) for name in [f"{path}.unreadable{n or ''}"] if not os.path.exists(name))
+    os.rename(path, aside)
+    warnings.warn(f"{path} is unreadable ({type(e).__name__}); moved to {aside}, starting over")
+    return None
+  return saved if config == json.loads(json.dumps(dataclasses.asdict(cfg))) else None
 
 
 def save_partial(cfg, **data):
-  """`cfg.out`/partial.json: the config and `data` (JSON, numbers as floats)."""
+  """`cfg.out`/partial.json: the config and `data` (JSON, numbers as floats), replaced whole (a run stopped while
+  writing keeps the previous file)."""
   os.makedirs(cfg.out, exist_ok=True)
-  with open(os.path.join(cfg.out, PARTIAL), "w") as f:
+  tmp = os.path.join(cfg.out, f".{PARTIAL}.tmp")
+  with open(tmp, "w") as f:
     json.dump({"config": dataclasses.asdict(cfg), **data}, f, default=float)
+  os.replace(tmp, os.path.join(cfg.out, PARTIAL))
+
+
+def cli(main: Callable, config: type, cache: str | None = None, **cache_kwargs):
+  """An experiment's command line (`python -m research.experiments.NAME [FLAGS]`): the flags parsed and checked
+  before any work (at least one seed; a full run's --out writable), the compilation cache (`compile_cache(cache)`),
+  then `main(cfg)` under the command-line error discipline (`research.entry`)."""
+  cfg = tyro.cli(config)
+
+  def checked():
+    with entry.one_line_errors(OSError):
+      if not getattr(cfg, "seeds", (0,)):
+        raise entry.UsageError("--seeds: give at least one seed")
+      if not getattr(cfg, "smoke", False):
+        entry.writable_dir(cfg.out)
+      if cache:
+        compile_cache(cache, **cache_kwargs)
+      main(cfg)
+  kept = f"the seeds that finished are kept in {os.path.join(cfg.out, PARTIAL)}; rerun the same command to go on"
+  entry.command(checked, interrupted="" if getattr(cfg, "smoke", False) else kept)
 
 
 def drop_partial(cfg):
@@ -400,7 +432,7 @@ def drop_partial(cfg):
 
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
            "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results", "tree_bytes", "mean_std", "pm",
-           "train_tail", "lr_grid_table", "seed_stat", "seed_paired", "resolved", "timing_lines", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "quick_compile",
+           "train_tail", "lr_grid_table", "seed_stat", "seed_paired", "resolved", "timing_lines", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "cli", "quick_compile",
            "smoke_compiles_quickly", "past_edge"]
 
 

@@ -33,7 +33,6 @@ import os
 import time
 
 import numpy as np
-import tyro
 from flax import nnx
 
 from models import upcycle
@@ -162,8 +161,8 @@ def paired(result: dict, arm: str, get) -> tuple[float, float]:
 def tables(result: dict) -> list[str]:
   seeds = list(result["seeds"])
   c = result["corpora"]
-  lines = [f"Corpora (train / held-out bytes): " + ", ".join(f"{n} {c[n]['train_bytes']:,} / {c[n]['val_bytes']:,}"
-                                                             for n in SOURCES)
+  lines = ["Corpora (train / held-out bytes): " + ", ".join(f"{n} {c[n]['train_bytes']:,} / {c[n]['val_bytes']:,}"
+                                                            for n in SOURCES)
            + f". Every arm: {result['config']['steps']} steps = {result['tokens']:,} tokens from the same upcycled "
            f"MoE. The dense model before upcycling: " + ", ".join(f"{n} {v:.4f}" for n, v in result["dense"].items())
            + f". Seeds {', '.join(map(str, seeds))}; mean ± std; Δ = per-seed difference to uniform.", "",
@@ -217,5 +216,4 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  common.compile_cache("optlab-data-mixing-cache-")
-  main(tyro.cli(Config))
+  common.cli(main, Config, cache="optlab-data-mixing-cache-")

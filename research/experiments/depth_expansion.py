@@ -45,7 +45,6 @@ import time
 
 import jax
 import numpy as np
-import tyro
 from flax import nnx
 
 from models import Transformer, insert_block, preset
@@ -392,5 +391,4 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  common.compile_cache("optlab-depth-cache-")
-  main(tyro.cli(Config))
+  common.cli(main, Config, cache="optlab-depth-cache-")

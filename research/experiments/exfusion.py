@@ -30,7 +30,6 @@ import functools
 import time
 
 import numpy as np
-import tyro
 from flax import nnx
 
 from models import Transformer, count_params, exfusion, flops_per_token, preset
@@ -206,5 +205,4 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  common.compile_cache("optlab-exfusion-cache-")
-  main(tyro.cli(Config))
+  common.cli(main, Config, cache="optlab-exfusion-cache-")

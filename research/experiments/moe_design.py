@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import time
 
-import tyro
 from flax import nnx
 
 from models import MoEConfig, Transformer, count_params, flops_per_token, preset
@@ -212,5 +211,4 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  common.compile_cache("optlab-moe-design-cache-")
-  main(tyro.cli(Config))
+  common.cli(main, Config, cache="optlab-moe-design-cache-")

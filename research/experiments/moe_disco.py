@@ -64,7 +64,6 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tyro
 from flax import nnx
 
 from models import MoEConfig, Transformer, preset
@@ -653,5 +652,4 @@ def write(cfg: Config, result: dict, cmd: str | None = None):
 
 
 if __name__ == "__main__":
-  common.compile_cache("optlab-disco-cache-", min_entry_bytes=None)
-  main(tyro.cli(Config))
+  common.cli(main, Config, cache="optlab-disco-cache-", min_entry_bytes=None)

@@ -58,7 +58,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import tyro
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
@@ -615,4 +614,4 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  main(tyro.cli(Config))
+  common.cli(main, Config)

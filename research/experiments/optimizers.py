@@ -43,8 +43,8 @@ import os
 import shutil
 import tempfile
 
-import tyro
 
+from research.experiments import common
 from research.experiments.common import past_edge, smoke_compiles_quickly, write_results
 from research.sweep import SweepConfig, draw_curves, run_grid, summarize
 from research.train.config import TrainConfig
@@ -216,4 +216,4 @@ def plot(result: dict):
 
 
 if __name__ == "__main__":
-  main(tyro.cli(Config))
+  common.cli(main, Config)

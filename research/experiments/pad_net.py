@@ -34,7 +34,6 @@ import functools
 import time
 
 import numpy as np
-import tyro
 from flax import nnx
 
 from models import MoEConfig, Transformer, count_params, padnet, preset, surgery
@@ -247,5 +246,4 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  common.compile_cache("optlab-pad-net-cache-")
-  main(tyro.cli(Config))
+  common.cli(main, Config, cache="optlab-pad-net-cache-")

@@ -64,7 +64,6 @@ import time
 
 import jax
 import numpy as np
-import tyro
 from flax import nnx
 
 from models import count_params
@@ -569,4 +568,4 @@ def write(cfg: Config, result: dict, cmd: str | None = None):
 
 
 if __name__ == "__main__":
-  main(tyro.cli(Config))
+  common.cli(main, Config)

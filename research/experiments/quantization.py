@@ -51,7 +51,6 @@ import time
 
 import jax
 import numpy as np
-import tyro
 from flax import nnx
 from scipy.stats import pearsonr, spearmanr
 
@@ -470,4 +469,4 @@ def write(cfg: Config, result: dict, cmd: str | None = None):
 
 
 if __name__ == "__main__":
-  main(tyro.cli(Config))
+  common.cli(main, Config)

@@ -42,7 +42,6 @@ import os
 import time
 
 import numpy as np
-import tyro
 from flax import nnx
 
 from models import MoEConfig, SurgeryError, Transformer, count_params, flops_per_token, preset, upcycle
@@ -311,5 +310,4 @@ def write(cfg: Config, result: dict):
 
 
 if __name__ == "__main__":
-  common.compile_cache("optlab-upcycling-cache-")
-  main(tyro.cli(Config))
+  common.cli(main, Config, cache="optlab-upcycling-cache-")

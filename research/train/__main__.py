@@ -2,8 +2,12 @@
 kept in `signals.EARLY_SIGNALS` and stops the run at its start), then the CLI (`research/train/cli.py`) runs."""
 
 import signal
+import warnings
 
-from research.train.signals import EARLY_SIGNALS  # standard library only: nothing slow is imported before this
+from research.entry import show_warning  # standard library only: nothing slow is imported before these
+from research.train.signals import EARLY_SIGNALS
+
+warnings.showwarning = show_warning  # a warning is one line, without Python's source path and code line
 
 for _signum in (signal.SIGINT, signal.SIGTERM):
   signal.signal(_signum, lambda signum, _frame: EARLY_SIGNALS.append(signum))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 
+from research import entry
 from research.train import trackers
 
 
@@ -52,9 +53,7 @@ def check_out(out: str):
   path = os.path.abspath(out)
   if os.path.exists(path) and not os.path.isdir(path):
     raise PreflightError(f"--out {out} is a file, not a run directory")
-  parent = path
-  while not os.path.exists(parent):
-    parent = os.path.dirname(parent)
+  parent = entry.nearest_existing(path)
   if not os.path.isdir(parent):
     raise PreflightError(f"--out {out} cannot be created: {parent} is a file")
   if not os.access(parent, os.W_OK | os.X_OK):

@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 
 
 REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # the run directory's disk is full or read-only
@@ -134,16 +135,31 @@ def write_json_lines(path: str, records: list[dict], indent: int | None = None):
   os.replace(tmp, path)
 
 
-def read_json_lines(path: str) -> list[dict]:
-  """A JSON-lines file's records; a line cut short by a crash (SIGKILL while writing it) is dropped."""
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        pass
-  return records
+def read_records(path: str) -> tuple[list[dict], int]:
+  """metrics.jsonl's records (JSON objects with an integer "step") and how many other lines it has, not counting
+  a last line cut short by a crash (SIGKILL while writing it), which is dropped."""
+  with open(path, "rb") as f:
+    lines = f.read().split(b"\n")
+  records, damaged = [], 0
+  for i, line in enumerate(lines):
+    try:
+      record = json.loads(line.decode())
+      if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+        raise ValueError("not a record")
+      records.append(record)
+    except ValueError:  # (JSON and UTF-8 errors are ValueErrors)
+      damaged += bool(line.strip()) and i < len(lines) - 1
+  return records, damaged
+
+
+def keep_aside(path: str, suffix: str) -> str:
+  """Copies `path` to `path + suffix` (or `.1`, `.2`, ... after it: never over an earlier copy); returns the copy."""
+  copy, n = path + suffix, 0
+  while os.path.exists(copy):
+    n += 1
+    copy = f"{path}{suffix}.{n}"
+  shutil.copy2(path, copy)
+  return copy
 
 
 class MetricsLog:
@@ -159,7 +175,12 @@ class MetricsLog:
   def open(self, up_to: int | None) -> list[dict]:
     records = []
     if up_to is not None and os.path.exists(self.path):
-      records = [r for r in read_json_lines(self.path) if r["step"] <= up_to]
+      records, damaged = read_records(self.path)
+      records = [r for r in records if r["step"] <= up_to]
+      if damaged and self.enabled:  # the file as it was is kept; the readable records go on
+        kept = keep_aside(self.path, ".damaged")
+        print(f"warning: {self.path}: {damaged} line(s) are not metrics records (the file was damaged); kept as it "
+              f"was in {kept}, the {len(records)} readable records up to step {up_to} go on", file=sys.stderr)
     if self.enabled:
       write_json_lines(self.path, records)
       self.file = open(self.path, "a")

@@ -6,6 +6,8 @@ import os
 
 import jax
 
+from research.data.corpus import cache_writable, default_cache_dir
+
 
 def setup_jax(devices: int, compile_cache: bool):
   try:
@@ -14,8 +16,9 @@ def setup_jax(devices: int, compile_cache: bool):
     pass
   one_blas_thread()
   if compile_cache and not jax.config.jax_compilation_cache_dir:  # reruns and resumes skip compilation
-    root = os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
-    jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))
+    root = default_cache_dir()
+    if cache_writable(root):  # else one warning, no cache (JAX would warn at each program with its source path)
+      jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))
 
 
 def one_blas_thread():

@@ -22,6 +22,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from research.data.corpus import default_cache_dir
+
 
 def median_seconds(fn, repeats: int) -> float:
   """Median wall time of `repeats` calls of `fn` (its result waited for), after one call that compiles."""
@@ -51,8 +53,7 @@ def _machine() -> str:
 
 
 def _cache_file() -> str:
-  root = os.environ.get("OPTLAB_CACHE") or os.path.expanduser("~/.cache/optlab")
-  return os.path.join(root, "peak_flops.json")
+  return os.path.join(default_cache_dir(), "peak_flops.json")
 
 
 def _load() -> dict:

@@ -35,7 +35,7 @@ def test_bad_mesh_exits_with_one_line(capsys):
 def test_attention_bench_flash_equals_xla_and_context_traffic_is_analytic(tmp_path):
   """Smoke size: flash's output and gradients equal xla's; the context-parallel collectives the compiled train step
   sends are exactly the analytic bytes of its algorithm; the activation memory per device falls with C."""
-  assert bench.BENCHMARKS["attention"] is bench_attention.attention
+  assert bench.BENCHMARKS["attention"].__wrapped__ is bench_attention.attention
   out = tmp_path / "a.md"
   # the train-step section (research.bench.timing.time_train_step, as `bench train`) is left out: two more compiles
   r = bench.BENCHMARKS["attention"](kernel_model="tiny", kernel_seqs=(1024,), repeats=1, train_seq=None,
@@ -69,7 +69,7 @@ def test_finetune_bench_smoke(tmp_path):
   out = tmp_path / "f.md"
   r = bench.BENCHMARKS["finetune"](shapes=("tiny",), methods=("freeze", "lora"), batch_size=2, seq_len=32,
                                    rss_shapes=(), badam_blocks=0, out=str(out))
-  assert bench.BENCHMARKS["finetune"] is finetune
+  assert bench.BENCHMARKS["finetune"].__wrapped__ is finetune
   rows = {row["method"]: row for row in r["tiny"]["rows"]}
   assert list(rows) == ["adamw", "freeze", "lora"] and not any("error" in row for row in rows.values())
   adamw, lora, freeze = rows["adamw"], rows["lora"], rows["freeze"]
@@ -94,7 +94,7 @@ def test_finetune_3b_driver_at_smoke_size(tmp_path):
   out, work = tmp_path / "r.md", str(tmp_path / "work")
   kw = dict(methods=("badam", "lora"), steps=2, seq_len=16, shape="llama-tiny", work=work, out=str(out))
   rows = bench.BENCHMARKS["finetune-3b"](**kw)
-  assert bench.BENCHMARKS["finetune-3b"] is finetune_3b
+  assert bench.BENCHMARKS["finetune-3b"].__wrapped__ is finetune_3b
   assert [r["method"] for r in rows] == ["badam", "lora"] and [r["exit"] for r in rows] == [0, 0], rows
   for r in rows:
     assert len(r["losses"]) == 2 and r["val_loss"] is not None and r["peak_rss"] > 2 ** 20

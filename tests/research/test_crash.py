@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from research.train import TrainConfig, main, run
+from runs import files, trace
 
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
             warmup_steps=1, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12)
@@ -71,10 +72,6 @@ def cfg(out, **kw):
   return TrainConfig(out=str(out), **{**TINY, **kw})
 
 
-def trace(records):
-  return [(r["step"], r["loss"], r["grad_norm"], r["lr"], r.get("val_loss")) for r in records]
-
-
 def metrics(out):
   with open(os.path.join(out, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
@@ -82,11 +79,6 @@ def metrics(out):
 
 def listing(ckpt):
   return sorted(os.listdir(ckpt), key=lambda n: (int(n.split(".")[0]), n))
-
-
-def files(root):
-  return {os.path.relpath(os.path.join(d, p), root): open(os.path.join(d, p), "rb").read()
-          for d, _, ps in os.walk(root) for p in ps}
 
 
 @pytest.fixture(scope="module")

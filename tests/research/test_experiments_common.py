@@ -84,6 +84,14 @@ def test_partial_round_trip_belongs_to_its_config_only(tmp_path):
   assert common.load_partial(dataclasses.replace(cfg, smoke=True)) is None  # a smoke run never resumes
   common.drop_partial(cfg)
   assert not (tmp_path / "out" / common.PARTIAL).exists() and common.load_partial(cfg) is None
+  partial = tmp_path / "out" / common.PARTIAL
+  damaged = [b'{"config": {"out": ', b"[1, 2]", b"\xff\xfe"]  # cut short while written (before it was replaced
+  for data in damaged:  # whole), not an object, not UTF-8: each kept aside (none over another), the run starts over
+    partial.write_bytes(data)
+    with pytest.warns(UserWarning, match="is unreadable"):
+      assert common.load_partial(cfg) is None
+    assert not partial.exists()
+  assert [(tmp_path / "out" / f"{common.PARTIAL}.unreadable{n}").read_bytes() for n in ("", 1, 2)] == damaged
 
 
 def test_run_seeds_tunes_on_the_first_seed_saves_after_each_and_skips_what_a_stopped_run_finished(tmp_path):

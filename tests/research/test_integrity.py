@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from research.train import TrainConfig, run
 from research.train.integrity import fingerprints, mismatches
+from runs import files, trace
 
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
             warmup_steps=1, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12)
@@ -82,15 +83,6 @@ def test_mismatches_names_changed_and_missing_arrays():
 
 def cfg(out, **kw):
   return TrainConfig(out=str(out), **{**TINY, **kw})
-
-
-def trace(records):
-  return [(r["step"], r["loss"], r["grad_norm"], r["lr"], r.get("val_loss")) for r in records]
-
-
-def files(root):
-  return {os.path.relpath(os.path.join(d, p), root): open(os.path.join(d, p), "rb").read()
-          for d, _, ps in os.walk(root) for p in ps}
 
 
 def largest_data_file(step_dir):

@@ -14,6 +14,7 @@ import research.train.integrity
 import sharding
 import refusals
 from research.train import TrainConfig, run
+from runs import trace
 
 # test_train's tiny run (its compiled programs are shared through the session's cache), evaluated at the end only
 TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=8, ckpt_every=4,
@@ -22,10 +23,6 @@ TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_e
 
 def cfg(out, **kw):
   return TrainConfig(out=str(out), **{**TINY, **kw})
-
-
-def trace(records):
-  return [(r["step"], r["loss"], r["grad_norm"], r["lr"], r.get("val_loss")) for r in records]
 
 
 OLD, NEW = "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2"

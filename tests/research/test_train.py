@@ -9,6 +9,7 @@ import pytest
 
 from refusals import bad
 from research.train import RunError, TrainConfig, run
+from runs import trace
 
 TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=4,
             warmup_steps=2, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2")
@@ -16,10 +17,6 @@ TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_e
 
 def cfg(out, **kw):
   return TrainConfig(out=str(out), **{**TINY, **kw})
-
-
-def trace(records):
-  return [(r["step"], r["loss"], r["grad_norm"], r["lr"], r.get("val_loss")) for r in records]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from research.data import get_batch, load_corpus
 from research.train import TrainConfig, make_steps, run
 from research.train.step import keep_prev_params
 import sharding
+from runs import trace
 
 SMALL = dict(model="tiny", n_layers=1, steps=6, batch_size=8, seq_len=32, log_every=1, eval_every=3, ckpt_every=3,
              warmup_steps=1, eval_batches=1, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1.0,
@@ -24,10 +25,6 @@ SMALL = dict(model="tiny", n_layers=1, steps=6, batch_size=8, seq_len=32, log_ev
 
 def cfg(out, **kw):
   return TrainConfig(out=str(out), **{**SMALL, **kw})
-
-
-def trace(records):
-  return [(r["step"], r["loss"], r["grad_norm"], r["lr"], r.get("val_loss")) for r in records]
 
 
 @pytest.fixture(scope="module")

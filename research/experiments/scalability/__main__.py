@@ -1,5 +1,4 @@
-import tyro
-
+from research.experiments import common
 from research.experiments.scalability import Config, main
 
-main(tyro.cli(Config))
+common.cli(main, Config)

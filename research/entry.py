@@ -1,0 +1,97 @@
+"""One error discipline for every command line (`research.train`, `sample`, `export`, `quantize`, `plot`, `bench`,
+`sweep`, `soak` and the experiments): bad input is one `error:` line and exit 2, before anything is written; Ctrl-C
+is one line and exit 130 (a second one ends the process at once); a Python warning is one `warning:` line, without
+the source path and code line Python prints by default.
+
+`research.train` keeps its own signal handling (`research/train/signals.py`: a first Ctrl-C saves a checkpoint) and
+uses the rest of this module."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import warnings
+from collections.abc import Callable
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+
+
+class UsageError(ValueError):
+  """Bad input found by a command line's own checks."""
+
+
+class OutputError(UsageError):
+  """An output path that cannot be written (found before the work that would fill it)."""
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None):
+  """`warnings.showwarning` for a command line: the message's first line, nothing else."""
+  text = str(message).strip().splitlines()
+  print(f"warning: {text[0] if text else category.__name__}", file=file or sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def one_line_errors(*errors: type[BaseException]):
+  """The errors given (bad input) as one `error:` line and exit 2; `UsageError` always."""
+  try:
+    yield
+  except (UsageError, *errors) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_INPUT) from None
+
+
+def command(main: Callable[[], object], interrupted: str = "") -> None:
+  """Runs a command line's `main` (its `if __name__ == "__main__":` block): warnings in one line each, a first
+  Ctrl-C as one line and exit 130 (`interrupted` says what was kept), a second one at once."""
+  warnings.showwarning = show_warning
+  signal.signal(signal.SIGINT, _on_interrupt)
+  try:
+    status = main()
+  except KeyboardInterrupt:
+    print(f"error: interrupted (Ctrl-C){'; ' + interrupted if interrupted else ''}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_INTERRUPTED) from None
+  if isinstance(status, int):
+    raise SystemExit(status)
+
+
+_INTERRUPTED = []
+
+
+def _on_interrupt(signum, _frame):
+  if _INTERRUPTED:  # a second Ctrl-C while the first unwinds (or was swallowed by a library): end now
+    print("error: interrupted again: stopped at once", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)
+  _INTERRUPTED.append(signum)
+  raise KeyboardInterrupt
+
+
+def writable_file(path: str | None, flag: str = "--out") -> None:
+  """Refuses (OutputError) a file path that could not be written: a directory, or under a parent that is a file or
+  not writable. Creates nothing."""
+  if not path:
+    return
+  if os.path.isdir(path):
+    raise OutputError(f"{flag} {path} is a directory; give a file path")
+  writable_dir(os.path.dirname(os.path.abspath(path)), flag, of=path)
+
+
+def writable_dir(path: str, flag: str = "--out", of: str | None = None) -> None:
+  """Refuses (OutputError) a directory that is a file, or that could not be created or written (the nearest existing
+  ancestor decides). Creates nothing."""
+  name = of or path
+  probe = nearest_existing(path)
+  if not os.path.isdir(probe):
+    raise OutputError(f"{flag} {name}: {probe} is a file, not a directory")
+  if not os.access(probe, os.W_OK | os.X_OK):
+    raise OutputError(f"{flag} {name}: {probe} is not writable")
+
+
+def nearest_existing(path: str) -> str:
+  """`path` (absolute) or its nearest ancestor that exists: what decides whether it can be created."""
+  probe = os.path.abspath(path)
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  return probe
