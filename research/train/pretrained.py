@@ -28,9 +28,12 @@ def _config_json(path: str) -> dict:
   file = os.path.join(path, "config.json")
   try:
     return json.load(open(file))
-  except FileNotFoundError:
-    raise CheckpointError(f"{path}: no config.json (expected an optlab run directory or a Hugging Face model "
+  except (FileNotFoundError, NotADirectoryError):
+    what = "a file, not a directory" if os.path.isfile(path) else "no config.json"
+    raise CheckpointError(f"{path}: {what} (expected an optlab run directory or a Hugging Face model "
                           f"directory)") from None
+  except IsADirectoryError:
+    raise CheckpointError(f"{file} is a directory, not a file") from None
   except ValueError as e:
     raise CheckpointError(f"{file}: not valid JSON ({e})") from None
 
