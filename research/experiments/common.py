@@ -408,14 +408,13 @@ def save_partial(cfg, **data):
 
 def cli(main: Callable, config: type, cache: str | None = None, **cache_kwargs):
   """An experiment's command line (`python -m research.experiments.NAME [FLAGS]`): the flags parsed and checked
-  before any work (at least one seed; a full run's --out writable), the compilation cache (`compile_cache(cache)`),
+  before any work (`check_config`; a full run's --out writable), the compilation cache (`compile_cache(cache)`),
   then `main(cfg)` under the command-line error discipline (`research.entry`)."""
   cfg = tyro.cli(config)
 
   def checked():
     with entry.one_line_errors(OSError):
-      if not getattr(cfg, "seeds", (0,)):
-        raise entry.UsageError("--seeds: give at least one seed")
+      check_config(cfg)
       if not getattr(cfg, "smoke", False):
         entry.writable_dir(cfg.out)
       if cache:
@@ -425,6 +424,25 @@ def cli(main: Callable, config: type, cache: str | None = None, **cache_kwargs):
   entry.command(checked, interrupted="" if getattr(cfg, "smoke", False) else kept)
 
 
+COUNTS = ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "val_batch", "val_batches", "calib")
+
+
+def check_config(cfg):
+  """Refuses (entry.UsageError) what an experiment's flags cannot mean, before its work: no seeds or no lrs, a step
+  count, batch, length or evaluation size below 1 (`COUNTS`, and any `*_steps`/`*_batch`), an lr that is not a
+  positive finite number (`lr`, `*_lr`, and every value of `lrs`/`*_lrs`)."""
+  for field in dataclasses.fields(cfg):
+    name, value, flag = field.name, getattr(cfg, field.name), "--" + field.name.replace("_", "-")
+    if name in ("seeds", "lrs") and not value:
+      raise entry.UsageError(f"{flag}: give at least one value")
+    if (name in COUNTS or name.endswith(("_steps", "_batch"))) and isinstance(value, int) and value < 1:
+      raise entry.UsageError(f"{flag} must be at least 1, got {value}")
+    lrs = (value,) if name == "lr" or name.endswith("_lr") else value if name.endswith("lrs") else ()
+    bad = [lr for lr in lrs or () if isinstance(lr, (int, float)) and not (lr > 0 and np.isfinite(lr))]
+    if bad:
+      raise entry.UsageError(f"{flag}: a learning rate must be a positive finite number, got {bad[0]}")
+
+
 def drop_partial(cfg):
   """Removes partial.json once the full run's results are written."""
   os.remove(os.path.join(cfg.out, PARTIAL))
@@ -432,7 +450,7 @@ def drop_partial(cfg):
 
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
            "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results", "tree_bytes", "mean_std", "pm",
-           "train_tail", "lr_grid_table", "seed_stat", "seed_paired", "resolved", "timing_lines", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "cli", "quick_compile",
+           "train_tail", "lr_grid_table", "seed_stat", "seed_paired", "resolved", "timing_lines", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "cli", "check_config", "quick_compile",
            "smoke_compiles_quickly", "past_edge"]
 
 

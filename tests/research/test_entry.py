@@ -42,7 +42,7 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path):
   lines = {name: one_error_line(p) for name, p in procs.items()}
   assert f"{blocker} is a file, not a directory" in lines["bench"]
   assert lines["experiment"] == f"error: --out {under}: {blocker} is a file, not a directory"
-  assert lines["no seeds"] == "error: --seeds: give at least one seed"
+  assert lines["no seeds"] == "error: --seeds: give at least one value"
   assert f"{blocker} is a file" in lines["plot"] and f"{blocker} is a file" in lines["soak"]
   assert sorted(os.listdir(tmp_path)) == ["a-file"] and blocker.read_text() == "kept"
 
@@ -119,3 +119,26 @@ def test_a_warning_is_shown_as_one_line_without_its_source():
   f = io.StringIO()
   entry.show_warning(UserWarning("first line\nsecond"), UserWarning, "/some/path.py", 3, file=f)
   assert f.getvalue() == "warning: first line\n"
+
+
+EXPERIMENTS = ["badam", "badam_finetune", "data_mixing", "depth_expansion", "exfusion", "moe_design", "moe_disco",
+               "muon_on_moe", "optimizers", "pad_net", "peft", "quantization", "upcycling", "scalability"]
+
+
+def test_experiment_flags_are_checked_before_the_work():
+  import importlib
+
+  from research.experiments import common, pad_net
+  for name in EXPERIMENTS:  # every experiment's defaults, full and smoke, pass
+    config = importlib.import_module(f"research.experiments.{name}").Config
+    common.check_config(config()), common.check_config(config(smoke=True))
+  refusals = {"seeds": ((), "--seeds: give at least one value"),
+              "steps": (0, "--steps must be at least 1, got 0"),
+              "pretrain_steps": (-1, "--pretrain-steps must be at least 1, got -1"),
+              "val_batch": (0, "--val-batch must be at least 1, got 0"),
+              "lrs": ((1e-3, float("nan")), "--lrs: a learning rate must be a positive finite number, got nan"),
+              "pretrain_lr": (0.0, "--pretrain-lr: a learning rate must be a positive finite number, got 0.0")}
+  for field, (value, says) in refusals.items():
+    with pytest.raises(entry.UsageError) as e:
+      common.check_config(pad_net.Config(**{field: value}))
+    assert str(e.value) == says
