@@ -410,7 +410,8 @@ def cli(main: Callable, config: type, cache: str | None = None, **cache_kwargs):
   """An experiment's command line (`python -m research.experiments.NAME [FLAGS]`): the flags parsed and checked
   before any work (`check_config`; a full run's --out writable), the compilation cache (`compile_cache(cache)`),
   then `main(cfg)` under the command-line error discipline (`research.entry`)."""
-  cfg = tyro.cli(config)
+  spec = getattr(sys.modules["__main__"], "__spec__", None)
+  cfg = tyro.cli(config, prog=f"python -m {spec.name.removesuffix('.__main__')}" if spec else None)
 
   def checked():
     with entry.one_line_errors(OSError):
