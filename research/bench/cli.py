@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -34,7 +35,12 @@ def out_checked_first(bench):
   """`bench` with its `--out` refused before it runs (minutes of measuring, then an unwritable path, wrote nothing)."""
   @functools.wraps(bench)
   def checked(*args, **kwargs):
-    entry.writable_file(inspect.signature(bench).bind(*args, **kwargs).arguments.get("out"))
+    bound = inspect.signature(bench).bind(*args, **kwargs)
+    bound.apply_defaults()  # a default --out (dion's) is checked too
+    for value in bound.arguments.values():  # `out=` itself, or inside an Args dataclass (hf, quant, sample)
+      if dataclasses.is_dataclass(value):
+        entry.writable_file(getattr(value, "out", None))
+    entry.writable_file(bound.arguments.get("out"))
     return bench(*args, **kwargs)
   return checked
 

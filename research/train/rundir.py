@@ -137,18 +137,21 @@ def write_json_lines(path: str, records: list[dict], indent: int | None = None):
 
 def read_records(path: str) -> tuple[list[dict], int]:
   """metrics.jsonl's records (JSON objects with an integer "step") and how many other lines it has, not counting
-  a last line cut short by a crash (SIGKILL while writing it), which is dropped."""
+  an unterminated last line that does not parse: one cut short by a crash (SIGKILL while writing it), dropped. (An
+  unterminated line that parses is another file's bytes, e.g. orbax's one-line metadata: it counts as damaged.)"""
   with open(path, "rb") as f:
     lines = f.read().split(b"\n")
   records, damaged = [], 0
   for i, line in enumerate(lines):
     try:
       record = json.loads(line.decode())
-      if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
-        raise ValueError("not a record")
-      records.append(record)
     except ValueError:  # (JSON and UTF-8 errors are ValueErrors)
       damaged += bool(line.strip()) and i < len(lines) - 1
+      continue
+    if isinstance(record, dict) and isinstance(record.get("step"), int):
+      records.append(record)
+    else:
+      damaged += 1
   return records, damaged
 
 

@@ -34,13 +34,15 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path):
   under = str(blocker / "sub")
   procs = {  # started together: their imports overlap
     "bench": cli("-m", "research.bench", "optim", "--out", f"{under}/optim.md"),
+    "bench hf": cli("-m", "research.bench", "hf", "--out", f"{under}/hf.md"),  # its out inside an Args dataclass
     "experiment": cli("-m", "research.experiments.pad_net", "--out", under),
     "no seeds": cli("-m", "research.experiments.exfusion", "--smoke", "--seeds"),
     "plot": cli("-m", "research.plot", str(tmp_path), "--out", f"{under}/curves.png"),
     "soak": cli("-m", "research.soak", "--out", under),
   }
   lines = {name: one_error_line(p) for name, p in procs.items()}
-  assert f"{blocker} is a file, not a directory" in lines["bench"]
+  assert f"{blocker} is a file, not a directory" in lines["bench"] and lines["bench hf"] == lines["bench"].replace(
+      "optim.md", "hf.md")
   assert lines["experiment"] == f"error: --out {under}: {blocker} is a file, not a directory"
   assert lines["no seeds"] == "error: --seeds: give at least one value"
   assert f"{blocker} is a file" in lines["plot"] and f"{blocker} is a file" in lines["soak"]
