@@ -43,15 +43,17 @@ def one_line_errors(*errors: type[BaseException]):
     raise SystemExit(EXIT_BAD_INPUT) from None
 
 
-def command(main: Callable[[], object], interrupted: str = "") -> None:
+def command(main: Callable[[], object], interrupted: str | Callable[[], str] = "") -> None:
   """Runs a command line's `main` (its `if __name__ == "__main__":` block): warnings in one line each, a first
-  Ctrl-C as one line and exit 130 (`interrupted` says what was kept), a second one at once."""
+  Ctrl-C as one line and exit 130, a second one at once. `interrupted` says what was kept: a text, or a function
+  asked at the interrupt (what was kept is known only then)."""
   warnings.showwarning = show_warning
   signal.signal(signal.SIGINT, _on_interrupt)
   try:
     status = main()
   except KeyboardInterrupt:
-    print(f"error: interrupted (Ctrl-C){'; ' + interrupted if interrupted else ''}", file=sys.stderr, flush=True)
+    kept = interrupted() if callable(interrupted) else interrupted
+    print(f"error: interrupted (Ctrl-C){'; ' + kept if kept else ''}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_INTERRUPTED) from None
   if isinstance(status, int):
     raise SystemExit(status)
@@ -69,13 +71,21 @@ def _on_interrupt(signum, _frame):
 
 
 def writable_file(path: str | None, flag: str = "--out") -> None:
-  """Refuses (OutputError) a file path that could not be written: a directory, or under a parent that is a file or
-  not writable. Creates nothing."""
+  """Refuses (OutputError) a file path that could not be written: a directory, a file that is not writable, or a
+  path under a parent that is a file or not writable. Creates nothing (the writer makes the parents: `parent_made`)."""
   if not path:
     return
   if os.path.isdir(path):
     raise OutputError(f"{flag} {path} is a directory; give a file path")
+  if os.path.exists(path) and not os.access(path, os.W_OK):
+    raise OutputError(f"{flag} {path} is not writable")
   writable_dir(os.path.dirname(os.path.abspath(path)), flag, of=path)
+
+
+def parent_made(path: str) -> str:
+  """`path`, its parent directories created (an output path `writable_file` accepted may name new folders)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  return path
 
 
 def writable_dir(path: str, flag: str = "--out", of: str | None = None) -> None:

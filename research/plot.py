@@ -10,12 +10,12 @@ several runs compare at a glance.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import tyro
 
 from research import entry
+from research.train.rundir import read_records
 
 
 @dataclasses.dataclass
@@ -28,16 +28,15 @@ class PlotConfig:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
+  """The run's metrics records (`rundir.read_records`: a last line cut short by a kill is dropped); a file with
+  other lines (damaged, or not a metrics file) is refused: the plot would show what the run did not log."""
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path}: not found (is {run_dir} a run directory?)")
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except ValueError:  # a line cut short by a kill
-        pass
+  records, damaged = read_records(path)
+  if damaged:
+    raise ValueError(f"{path}: {damaged} line(s) are not metrics records (damaged, or not a run's metrics.jsonl)")
+  records = [r for r in records if "loss" in r and "lr" in r]
   if not records:
     raise ValueError(f"{path}: no records yet")
   return records
@@ -71,10 +70,10 @@ def plot(runs: dict[str, list[dict]], out: str) -> str:
 def main(argv=None):
   cfg = tyro.cli(PlotConfig, args=argv, prog="python -m research.plot")
   with entry.one_line_errors(OSError, ValueError):
+    runs = {os.path.basename(os.path.normpath(r)) or r: read_metrics(r) for r in cfg.runs}  # a bad run first
     out = cfg.out or os.path.join(cfg.runs[0], "curves.png")
     entry.writable_file(out)
-    runs = {os.path.basename(os.path.normpath(r)) or r: read_metrics(r) for r in cfg.runs}
-    print(plot(runs, out))
+    print(plot(runs, entry.parent_made(out)))
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def one_round(cfg: Config, index: int, period: float, want: list[tuple], budget:
         signalled = True
         committed_now, tmp_now = _ckpt_listing(run_dir)
         proc.wait(timeout=600)
-    text = open(log).read()
+    with open(log) as f:
+      text = f.read()
     os.remove(log)
     if any(line.startswith("warning") for line in text.splitlines()):
       problems.append(f"life {lives}: {[line for line in text.splitlines() if line.startswith('warning')]}")
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
   text = report(cfg, rounds, period)
   print(text)
   if cfg.report:
-    with open(cfg.report, "w") as f:
+    with open(entry.parent_made(cfg.report), "w") as f:
       f.write(text)
   return 1 if any(r["problems"] for r in rounds) else 0
 

@@ -8,8 +8,11 @@ import os
 import shlex
 import subprocess
 import time
+from pathlib import Path
 
 import jax
+
+from research import entry
 
 
 def run_child(cmd: list[str], logs: str) -> tuple[int, int, str, str, float]:
@@ -21,7 +24,7 @@ def run_child(cmd: list[str], logs: str) -> tuple[int, int, str, str, float]:
     child = subprocess.Popen(cmd, stdout=out, stderr=err)
     _, status, usage = os.wait4(child.pid, 0)
   child.returncode = code = os.waitstatus_to_exitcode(status)
-  stdout, stderr = (open(f"{logs}.{k}.log").read() for k in ("stdout", "stderr"))
+  stdout, stderr = (Path(f"{logs}.{k}.log").read_text() for k in ("stdout", "stderr"))
   return code, usage.ru_maxrss * 1024, stdout, stderr, time.perf_counter() - t
 
 
@@ -74,7 +77,7 @@ def publish(lines: list[str], out: str | None, preface: str = "") -> str:
   text = "\n".join(lines)
   print(text)
   if out:
-    with open(out, "w") as f:
+    with open(entry.parent_made(out), "w") as f:
       f.write(preface + text + "\n")
   return text
 
@@ -90,5 +93,5 @@ class Progress:
     print("\n".join(self.lines[self.printed:]), flush=True)
     self.printed = len(self.lines)
     if self.out:
-      with open(self.out, "w") as f:
+      with open(entry.parent_made(self.out), "w") as f:
         f.write(f"Command: `{self.command}`\n\n" + "\n".join(self.lines) + "\n")

@@ -30,3 +30,24 @@ def test_a_missing_run_is_one_line(tmp_path, capsys):
     plot.main([str(tmp_path / "nope")])
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_an_out_in_new_folders_is_written(tmp_path, capsys):
+  a = _run(tmp_path, "a")
+  out = tmp_path / "figs" / "new" / "a.png"
+  plot.main([str(a), "--out", str(out)])
+  assert capsys.readouterr().out.strip() == str(out) and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_file_with_other_lines_is_refused_before_the_out_is_checked(tmp_path, capsys):
+  """A traceback pasted into metrics.jsonl (or another file's bytes) is not plotted as if the run logged it; the bad
+  run is named even when the default --out could not be written either."""
+  a = _run(tmp_path, "a")
+  with open(a / "metrics.jsonl", "a") as f:
+    f.write('\nTraceback (most recent call last):\n  File "x.py", line 1\n{"step": 7, "loss": 1.0, "lr": 0.1}\n')
+  (a / "curves.png").mkdir()  # the default --out is a directory: refused too, but after the run
+  with pytest.raises(SystemExit) as e:
+    plot.main([str(a)])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.count("\n") == 1
+  assert err.startswith(f"error: {a / 'metrics.jsonl'}: 3 line(s) are not metrics records")
