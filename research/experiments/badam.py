@@ -411,4 +411,5 @@ def write(cfg: Config, result: dict, lr_png: str, cmd: str | None = None):
 
 
 if __name__ == "__main__":
-  common.cli(main, Config)
+  common.cli(main, Config, kept=lambda cfg: f"the runs that finished are kept under {cfg.work}; rerun the same "
+                                             f"command to go on")

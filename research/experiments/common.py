@@ -32,6 +32,7 @@ from models.transformer import cross_entropy
 from optim import get_optimizer, make_schedule
 from research import entry
 from research.data import eval_batches, get_batch, load_corpus
+from research.train.rundir import aside_name
 
 
 @dataclasses.dataclass
@@ -389,7 +390,7 @@ def load_partial(cfg) -> dict | None:
       saved = json.load(f)
     config = saved.pop("config")
   except (ValueError, KeyError, AttributeError, TypeError) as e:  # not what save_partial writes: kept aside
-    aside = next(name for n in range(10**6) for name in [f"{path}.unreadable{n or ''}"] if not os.path.exists(name))
+    aside = aside_name(path, ".unreadable")
     os.rename(path, aside)
     warnings.warn(f"{path} is unreadable ({type(e).__name__}); moved to {aside}, starting over")
     return None
@@ -406,37 +407,51 @@ def save_partial(cfg, **data):
   os.replace(tmp, os.path.join(cfg.out, PARTIAL))
 
 
-def cli(main: Callable, config: type, cache: str | None = None, **cache_kwargs):
+def cli(main: Callable, config: type, cache: str | None = None, kept: Callable[..., str] | None = None,
+        **cache_kwargs):
   """An experiment's command line (`python -m research.experiments.NAME [FLAGS]`): the flags parsed and checked
   before any work (`check_config`; a full run's --out writable), the compilation cache (`compile_cache(cache)`),
-  then `main(cfg)` under the command-line error discipline (`research.entry`)."""
+  then `main(cfg)` under the command-line error discipline (`research.entry`). A full run stopped by Ctrl-C says what
+  it kept: `kept(cfg)` (an experiment that resumes from something else), else `kept_after_interrupt` (partial.json)."""
   spec = getattr(sys.modules["__main__"], "__spec__", None)
   cfg = tyro.cli(config, prog=f"python -m {spec.name.removesuffix('.__main__')}" if spec else None)
 
   def checked():
-    with entry.one_line_errors(OSError):
+    with entry.one_line_errors(OSError):  # a path that cannot be read or written: bad input, before the work
       check_config(cfg)
       if not getattr(cfg, "smoke", False):
         entry.writable_dir(cfg.out)
       if cache:
         compile_cache(cache, **cache_kwargs)
+    with entry.one_line_errors():  # the work's own refusals (UsageError); anything else is a bug: its traceback
       main(cfg)
-  kept = f"the seeds that finished are kept in {os.path.join(cfg.out, PARTIAL)}; rerun the same command to go on"
-  entry.command(checked, interrupted="" if getattr(cfg, "smoke", False) else kept)
+  said = kept or kept_after_interrupt
+  entry.command(checked, interrupted=lambda: "" if getattr(cfg, "smoke", False) else said(cfg))
 
 
-COUNTS = ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "val_batch", "val_batches", "calib")
+def kept_after_interrupt(cfg) -> str:
+  """What an interrupted full run kept, for its one line: this config's partial.json (what finished), or nothing."""
+  path = os.path.join(cfg.out, PARTIAL)
+  try:
+    with open(path) as f:
+      saved = json.load(f)["config"]
+  except (OSError, ValueError, KeyError, TypeError):
+    saved = None
+  if saved == json.loads(json.dumps(dataclasses.asdict(cfg))):
+    return f"what finished is kept in {path}; rerun the same command to go on"
+  return "nothing finished was kept: a rerun starts over"
 
 
 def check_config(cfg):
-  """Refuses (entry.UsageError) what an experiment's flags cannot mean, before its work: no seeds or no lrs, a step
-  count, batch, length or evaluation size below 1 (`COUNTS`, and any `*_steps`/`*_batch`), an lr that is not a
-  positive finite number (`lr`, `*_lr`, and every value of `lrs`/`*_lrs`)."""
+  """Refuses (entry.UsageError) what an experiment's flags cannot mean, before its work: no seeds or no lrs (`seeds`,
+  `lrs`, every `*_lrs` but `also_lrs`, which adds lrs to a tuned grid), an integer below 1 (a step count, batch,
+  length, evaluation size, rank, period, ...: every int field but a seed), an lr that is not a positive finite
+  number (`lr`, `*_lr`, and every value of `lrs`/`*_lrs`)."""
   for field in dataclasses.fields(cfg):
     name, value, flag = field.name, getattr(cfg, field.name), "--" + field.name.replace("_", "-")
-    if name in ("seeds", "lrs") and not value:
+    if (name in ("seeds", "lrs") or name.endswith("_lrs") and name != "also_lrs") and not value:
       raise entry.UsageError(f"{flag}: give at least one value")
-    if (name in COUNTS or name.endswith(("_steps", "_batch"))) and isinstance(value, int) and value < 1:
+    if isinstance(value, int) and not isinstance(value, bool) and "seed" not in name and value < 1:
       raise entry.UsageError(f"{flag} must be at least 1, got {value}")
     lrs = (value,) if name == "lr" or name.endswith("_lr") else value if name.endswith("lrs") else ()
     bad = [lr for lr in lrs or () if isinstance(lr, (int, float)) and not (lr > 0 and np.isfinite(lr))]
@@ -449,10 +464,12 @@ def drop_partial(cfg):
   os.remove(os.path.join(cfg.out, PARTIAL))
 
 
-__all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join", "loss_fn",
-           "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results", "tree_bytes", "mean_std", "pm",
-           "train_tail", "lr_grid_table", "seed_stat", "seed_paired", "resolved", "timing_lines", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL", "load_partial", "save_partial", "drop_partial", "cli", "check_config", "quick_compile",
-           "smoke_compiles_quickly", "past_edge"]
+__all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join",
+           "loss_fn", "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results",
+           "tree_bytes", "mean_std", "pm", "train_tail", "lr_grid_table", "seed_stat", "seed_paired", "resolved",
+           "timing_lines", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL",
+           "load_partial", "save_partial", "drop_partial", "cli", "kept_after_interrupt", "check_config",
+           "quick_compile", "smoke_compiles_quickly", "past_edge"]
 
 
 def past_edge(val_by_lr: dict, factor: float = 3.0) -> float | None:

@@ -216,4 +216,5 @@ def plot(result: dict):
 
 
 if __name__ == "__main__":
-  common.cli(main, Config)
+  common.cli(main, Config, kept=lambda cfg: f"the runs that finished are kept under {cfg.runs}; rerun the same "
+                                             f"command to go on")

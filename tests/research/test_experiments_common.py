@@ -91,7 +91,7 @@ def test_partial_round_trip_belongs_to_its_config_only(tmp_path):
     with pytest.warns(UserWarning, match="is unreadable"):
       assert common.load_partial(cfg) is None
     assert not partial.exists()
-  assert [(tmp_path / "out" / f"{common.PARTIAL}.unreadable{n}").read_bytes() for n in ("", 1, 2)] == damaged
+  assert [(tmp_path / "out" / f"{common.PARTIAL}.unreadable{n}").read_bytes() for n in ("", ".1", ".2")] == damaged
 
 
 def test_run_seeds_tunes_on_the_first_seed_saves_after_each_and_skips_what_a_stopped_run_finished(tmp_path):
