@@ -28,6 +28,7 @@ import tempfile
 
 from packaging.requirements import Requirement
 
+from research import entry
 from research.data.corpus import DataError, default_cache_dir
 
 ROOT = "optlab"
@@ -125,10 +126,10 @@ def build(cache_dir: str | None = None, kind: str = "descriptions") -> str:
 def main(argv=None) -> int:
   from research.data import load_corpus
   args = sys.argv[1:] if argv is None else argv
-  if len(args) > 1 or (args and args[0].startswith("-")):
-    print("usage: python -m research.data.docs_corpus [CACHE_DIR]", file=sys.stderr)
-    return 2
-  path = build(args[0] if args else None)
+  with entry.one_line_errors(OSError):
+    if len(args) > 1 or (args and args[0].startswith("-")):
+      raise entry.UsageError("usage: python -m research.data.docs_corpus [CACHE_DIR]")
+    path = build(args[0] if args else None)
   corpus = load_corpus(path)
   docs = sorted(os.listdir(path))
   print(f"{path}\n{len(docs)} documents, {len(corpus.train):,} train bytes, {len(corpus.val):,} val bytes",
@@ -138,4 +139,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  entry.command(main)

@@ -17,7 +17,8 @@ import os
 
 import numpy as np
 
-from research.data.corpus import SEPARATOR, Corpus, DataError, corpus_fingerprint, default_cache_dir, write_atomic
+from research.data.corpus import (SEPARATOR, Corpus, DataError, cache_writable, corpus_fingerprint, default_cache_dir,
+                                  write_atomic)
 
 _VERSION = 1
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -38,7 +39,8 @@ def open_tokenizer(path: str):
   from tokenizers import Tokenizer
   file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
   try:
-    raw = open(file, "rb").read()
+    with open(file, "rb") as f:
+      raw = f.read()
     tok = Tokenizer.from_str(raw.decode("utf-8"))
   except OSError:
     raise DataError(f"tokenizer not found: {file}") from None
@@ -66,7 +68,8 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None =
   dtype = token_dtype(vocab)
   eot = end_of_text(tok)
   key = hashlib.sha256(json.dumps([_VERSION, corpus.fingerprint, hashlib.sha256(raw).hexdigest()]).encode())
-  folder = os.path.join(os.path.expanduser(cache_dir or default_cache_dir()), f"tokens-{key.hexdigest()[:24]}")
+  cache_root = os.path.expanduser(cache_dir or default_cache_dir())
+  folder = os.path.join(cache_root, f"tokens-{key.hexdigest()[:24]}")
   source = f"{corpus.source} tokenized by {os.path.realpath(file)}"
   cached = _read(folder, dtype)
   if cached is not None:
@@ -78,10 +81,14 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None =
   meta = dict(fingerprint=corpus_fingerprint(train, val), train_tokens=len(train), val_tokens=len(val),
               dtype=np.dtype(dtype).name, vocab_size=vocab, end_of_text=eot, text=corpus.fingerprint,
               tokenizer=os.path.realpath(file))
-  os.makedirs(folder, exist_ok=True)
-  write_atomic(folder, "train.bin", train.tobytes())
-  write_atomic(folder, "val.bin", val.tobytes())
-  write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the cache valid
+  try:
+    os.makedirs(folder, exist_ok=True)
+    write_atomic(folder, "train.bin", train.tobytes())
+    write_atomic(folder, "val.bin", val.tobytes())
+    write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the cache valid
+  except OSError as e:  # an unwritable cache costs a re-encode next time, not the run: one warning line
+    cache_writable(cache_root, e)
+    return _corpus((train, val, meta["fingerprint"]), vocab, source, eot)
   return _corpus(_read(folder, dtype), vocab, source, eot)
 
 

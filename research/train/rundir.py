@@ -155,14 +155,26 @@ def read_records(path: str) -> tuple[list[dict], int]:
   return records, damaged
 
 
-def keep_aside(path: str, suffix: str) -> str:
-  """Copies `path` to `path + suffix` (or `.1`, `.2`, ... after it: never over an earlier copy); returns the copy."""
-  copy, n = path + suffix, 0
-  while os.path.exists(copy):
+def aside_name(path: str, suffix: str) -> str:
+  """`path + suffix`, or `.1`, `.2`, ... after it: the first name that is free (a file kept aside never replaces an
+  earlier one)."""
+  name, n = path + suffix, 0
+  while os.path.lexists(name):
     n += 1
-    copy = f"{path}{suffix}.{n}"
-  shutil.copy2(path, copy)
-  return copy
+    name = f"{path}{suffix}.{n}"
+  return name
+
+
+def keep_aside(path: str, suffix: str) -> str:
+  """Keeps `path` as it is under `aside_name(path, suffix)` too, and returns that name: a second link to the same
+  bytes (no space needed, on a full disk too) or, where links are not supported, a copy. The caller then replaces
+  `path` (write a new file, rename it over): the kept bytes are never rewritten in place."""
+  kept = aside_name(path, suffix)
+  try:
+    os.link(path, kept)
+  except OSError:  # a filesystem without hard links
+    shutil.copy2(path, kept)
+  return kept
 
 
 class MetricsLog:

@@ -1,6 +1,7 @@
 """What the run-directory tests share: a run's loss trace (what "exact" compares) and a directory's files by content."""
 
 import os
+import pathlib
 
 
 def trace(records):
@@ -10,5 +11,5 @@ def trace(records):
 
 def files(root):
   """{path relative to root: bytes} of every file under root."""
-  return {os.path.relpath(os.path.join(d, p), root): open(os.path.join(d, p), "rb").read()
-          for d, _, ps in os.walk(root) for p in ps}
+  return {os.path.relpath(os.path.join(d, p), root): pathlib.Path(d, p).read_bytes() for d, _, ps in os.walk(root)
+          for p in ps}

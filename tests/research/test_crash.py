@@ -211,8 +211,8 @@ NAMESPACE = shutil.which("unshare") and subprocess.run(
                                           "the injected-ENOSPC test above covers the same code path")
 def test_a_real_full_disk_and_a_read_only_run_directory(reference_run, tmp_path):
   """On a tmpfs with room for the run's files, two checkpoints and half of a third, a save fills the disk; the
-  run stops with one line naming its newest intact checkpoint; remounted read-only, the run is refused in one line and nothing
-  changes; remounted larger and writable, it resumes and ends with the uninterrupted losses.
+  run stops with one line naming its newest intact checkpoint; remounted read-only, the run is refused in one line
+  and nothing changes; remounted larger and writable, it resumes and ends with the uninterrupted losses.
 
   The size is measured, not assumed: a checkpoint's footprint on tmpfs depends on the page size and on how orbax
   batched the writes into files (CI's machine once needed > 1.25 MB where this one needs 0.85 MB), so the reference

@@ -55,7 +55,13 @@ def test_split_by_package(built):
 def test_cli_prints_the_directory(built, capsys):
   assert docs_corpus.main([os.path.dirname(built)]) == 0
   assert capsys.readouterr().out.strip() == built
-  assert docs_corpus.main(["--help"]) == 2
+  capsys.readouterr()
+  for argv, says in ((["--help"], "usage: python -m research.data.docs_corpus [CACHE_DIR]"),
+                     ([__file__], f"{__file__}")):  # a file for the cache directory: one line, not a traceback
+    with pytest.raises(SystemExit) as e:
+      docs_corpus.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and says in err, err
 
 
 def test_not_installed_is_one_clear_error():

@@ -46,6 +46,19 @@ def test_tokens_are_the_tokenizers_encoding_of_each_document(corpus_dir, tmp_pat
   assert len(os.listdir(tmp_path / "cache")) == 1
 
 
+def test_an_unwritable_cache_is_one_warning_and_the_same_tokens(corpus_dir, tmp_path):
+  """A cache that is a file (or read-only): the tokens are encoded in memory, one warning says nothing is cached."""
+  path, _ = _bpe(tmp_path)
+  cached = load_corpus(str(corpus_dir), val_fraction=0.3, tokenizer=path, cache_dir=str(tmp_path / "cache"))
+  (tmp_path / "blocked").write_text("a file")
+  with pytest.warns(UserWarning, match=r"the cache .*blocked cannot be written \(a file, not a directory\)") as w:
+    c = load_corpus(str(corpus_dir), val_fraction=0.3, tokenizer=path, cache_dir=str(tmp_path / "blocked"))
+  assert len(w) == 1, [str(x.message) for x in w]
+  assert c.fingerprint == cached.fingerprint and c.vocab_size == cached.vocab_size
+  np.testing.assert_array_equal(c.train, cached.train)
+  assert (tmp_path / "blocked").read_text() == "a file"
+
+
 def test_cache_is_per_tokenizer_atomic_and_wide_vocabularies_use_uint32(corpus_dir, tmp_path):
   cache = tmp_path / "cache"
   a, _ = _bpe(tmp_path)
