@@ -163,7 +163,7 @@ def _start(cfg: TrainConfig) -> _Run:
     print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
   start = start or 0
   feed = Feed(cfg, corpus, layout.mesh, start, saved.get("loader") if saved else None)
-  peak = Peak(cfg.peak_flops)  # what MFU divides by, and how it was obtained (research/train/throughput.py)
+  peak = Peak(cfg.peak_flops, mcfg.compute_dtype)  # what MFU divides by, and its source (research/train/throughput.py)
   meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
   records = metrics.open(start)  # what the interrupted run logged past its checkpoint is dropped
   trackers = Trackers.open(cfg, meta, start)  # research/train/trackers.py; only process 0 writes
@@ -213,6 +213,7 @@ def _switch(r: _Run, in_mesh: contextlib.ExitStack):
   r.state = jax.block_until_ready(reshard(r.state, shardings=r.layout.shardings, donate=True))
   in_mesh.close()
   in_mesh.enter_context(jax.set_mesh(r.layout.mesh))
+  r.meter.compiled(r.step)  # a new program: its first steps are not steady, the switch itself not training
   print(f"step {r.step}: switched to mesh {mesh_spec(r.layout.mesh)} in {time.perf_counter() - t:.2f} s",
         file=sys.stderr)
 
@@ -248,13 +249,7 @@ def _log(r: _Run, out: dict):
   loss = float(out["loss"])  # waits for the step
   rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(r.schedule(step - 1)),
          **r.monitor.take()}
-  rate = r.meter.window(step)  # None until a whole step has run after compilation
-  if rate is not None:
-    rec["tokens_per_s"], rec["mfu"] = rate, r.peak.mfu(rate * r.model_flops_per_token)
-  if step == r.end and r.meter.average() is not None:  # the whole run's (this session's) averages
-    rec["run_tokens_per_s"] = r.meter.average()
-    rec["run_mfu"] = r.meter.average() * r.model_flops_per_token / r.peak.flops
-    rec["peak_source"] = r.peak.source
+  rec.update(r.meter.record(step, step == r.end, r.model_flops_per_token, r.peak))  # research/train/throughput.py
   losses = _evaluate(r) if step % cfg.eval_every == 0 or last else None
   if losses is not None:
     rec["val_loss"] = float(np.mean(losses))

@@ -56,7 +56,7 @@ class Progress:
 
 def summary(records: list[dict], out: str) -> str:
   """The final line: validation loss from the first to the last evaluation (or the one there was), and the run's
-  averages (not the last interval's: `run_tokens_per_s`, `run_mfu` of the last record)."""
+  averages (not the last interval's: `run_tokens_per_s`, `run_mfu` of the last record) and its steady state's."""
   evals = [r for r in records if "val_loss" in r]
   if len(evals) >= 2:
     val = (f"val_loss {evals[0]['val_loss']:.3f} (step {evals[0]['step']}) -> {evals[-1]['val_loss']:.3f} "
@@ -66,7 +66,10 @@ def summary(records: list[dict], out: str) -> str:
   else:
     val = "no evaluation"
   last = records[-1]
+  steady = ("" if last.get("steady_tokens_per_s") is None else
+            f"; steady state {last['steady_tokens_per_s']:,.0f} tokens/s, MFU {last['steady_mfu']:.1%} (the "
+            f"windows {last['steady_after']}+ steps after compiling)")
   speed = ("" if last.get("run_tokens_per_s") is None else
-           f", {last['run_tokens_per_s']:,.0f} tokens/s and MFU {last['run_mfu']:.1%} averaged over the run "
-           f"(peak: {last['peak_source']})")
+           f", {last['run_tokens_per_s']:,.0f} tokens/s and MFU {last['run_mfu']:.1%} averaged over the run"
+           f"{steady} (peak: {last['peak_source']})")
   return f"done: step {records[-1]['step']}, {val}{speed}; outputs in {out}"

@@ -1,11 +1,15 @@
 """Throughput and MFU figures that can be believed.
 
-- The peak that MFU divides by is the best fp32 matmul rate this machine has shown: the best of several samples
-  taken at start-up and every earlier run's best, kept per machine in `<cache>/peak_flops.json` (one noisy
-  start-up sample on a loaded machine can no longer undercut it), or `--peak-flops` when given. If a run's own
-  model FLOP rate ever exceeds that peak, the peak is raised to it (and saved): MFU never exceeds 100%.
+- The peak that MFU divides by (`Peak`): `--peak-flops` when given; else the chip's datasheet peak for the compute
+  dtype, dense (research/train/peaks.py: what MaxText, torchtitan and nanoGPT divide by); else, for a device not in
+  that table (a CPU), the best matmul rate in the compute dtype this machine has shown: the best of several samples
+  taken at start-up and every earlier run's best, kept per machine and dtype in `<cache>/peak_flops.json`. The
+  source is recorded with the figure. The model's own rate never raises the peak: an MFU above 100% says that a
+  sampled peak was low, and is shown as it is.
 - A throughput is only reported over a window of at least one whole step after compilation: the step that
-  compiles (the first of a run, or of a resume) starts the clock and is never inside a window.
+  compiles (the first of a run, of a resume, or on a --switch-at layout) starts the clock and is never inside a
+  window. Beside the whole run's average, the steady state: the windows that start at least `STEADY_AFTER` steps
+  after a compile (autotuning, the input pipeline's start and the allocator's growth are over by then).
 
 Cache: `$OPTLAB_CACHE` or ~/.cache/optlab (delete it to forget).
 """
@@ -23,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from research.data.corpus import default_cache_dir
+from research.train.peaks import spec_peak
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -36,9 +41,9 @@ def median_seconds(fn, repeats: int) -> float:
   return statistics.median(times)
 
 
-def measure_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
-  """FLOP/s of an n x n x n fp32 matmul on the first device, `repeats` in a row (one sample)."""
-  a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.local_devices()[0])
+def measure_matmul_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
+  """FLOP/s of an n x n x n matmul in `dtype` on the first device, `repeats` in a row (one sample)."""
+  a = jax.device_put(jnp.ones((n, n), dtype), jax.local_devices()[0])
   f = jax.jit(lambda x: x @ x)
   f(a).block_until_ready()
   t = time.perf_counter()
@@ -76,45 +81,52 @@ def _save(table: dict):
 
 
 class Peak:
-  """The FLOP/s MFU is relative to, and how it was obtained (`source`)."""
+  """The FLOP/s MFU is relative to, and how it was obtained (`source`): see the module's docstring."""
 
-  def __init__(self, given: float | None = None, samples: int = 5, cache: bool = True):
-    self.cache = cache and given is None
+  def __init__(self, given: float | None = None, dtype: str = "float32", samples: int = 5, cache: bool = True):
     if given is not None:
       self.flops, self.source = float(given), "--peak-flops"
       return
-    measured = max(measure_matmul_flops() for _ in range(samples))
-    earlier = _load().get(_machine(), 0.0) if self.cache else 0.0
+    device = jax.local_devices()[0]
+    spec = spec_peak(getattr(device, "device_kind", ""), dtype, jax.config.jax_default_matmul_precision)
+    if spec is not None:
+      self.flops, self.source = spec
+      return
+    n = 1024 if device.platform == "cpu" else 8192  # large enough to saturate an accelerator
+    measured = max(measure_matmul_flops(n, dtype=dtype) for _ in range(samples))
+    key = f"{_machine()}:{dtype}"
+    earlier = _load().get(key, 0.0) if cache else 0.0
     self.flops = max(measured, earlier)
-    self.source = (f"best fp32 matmul rate on this machine ({samples} samples now"
-                   f"{', earlier runs' if earlier > measured else ''})")
-    if self.cache and measured > earlier:
-      _save({**_load(), _machine(): measured})
+    self.source = (f"best {n}³ {dtype} matmul rate measured on this {device.platform} ({samples} samples now"
+                   f"{', earlier runs' if earlier > measured else ''}; no datasheet peak for "
+                   f"{getattr(device, 'device_kind', device.platform)!r})")
+    if cache and measured > earlier:
+      _save({**_load(), key: measured})
 
   def mfu(self, model_flops_per_s: float) -> float:
-    """model FLOP/s over the peak; a rate above the peak raises the peak to it (saved), so MFU ≤ 1."""
-    if model_flops_per_s > self.flops:
-      self.flops = model_flops_per_s
-      self.source += "; raised to a step's measured model FLOP rate"
-      if self.cache:
-        _save({**_load(), _machine(): self.flops})
     return model_flops_per_s / self.flops
+
+
+STEADY_AFTER = 10  # steps after a compile that the steady-state figures leave out
 
 
 class Meter:
   """Tokens/s over whole training steps after compilation: `window` for the last logging interval, `average` over
-  every window so far (so the whole run's training time, without evaluations: `restart` after one).
+  every window so far (so the whole run's training time, without evaluations: `restart` after one), `steady` over
+  the windows that start at least `steady_after` steps after the last compile.
 
-  `compiled(step)` is called once the compiling step is done (its output waited for); until then, and for a
+  `compiled(step)` is called once a compiling step is done (its output waited for); until then, and for a
   window holding no whole step since, there is no figure (None)."""
 
-  def __init__(self, tokens_per_step: int):
-    self.tokens_per_step = tokens_per_step
-    self.t = self.step = None
+  def __init__(self, tokens_per_step: int, steady_after: int = STEADY_AFTER):
+    self.tokens_per_step, self.steady_after = tokens_per_step, steady_after
+    self.t = self.step = self.warm = None
     self.seconds, self.steps = 0.0, 0
+    self.steady_seconds, self.steady_steps = 0.0, 0
 
   def compiled(self, step: int):
     self.t, self.step = time.perf_counter(), step
+    self.warm = step + self.steady_after  # windows from this step on are steady
 
   def window(self, step: int) -> float | None:
     if self.t is None or step <= self.step:
@@ -122,6 +134,8 @@ class Meter:
     now = time.perf_counter()
     seconds, steps = now - self.t, step - self.step
     self.seconds, self.steps = self.seconds + seconds, self.steps + steps
+    if self.step >= self.warm:
+      self.steady_seconds, self.steady_steps = self.steady_seconds + seconds, self.steady_steps + steps
     self.t, self.step = now, step
     return self.tokens_per_step * steps / seconds
 
@@ -132,3 +146,22 @@ class Meter:
 
   def average(self) -> float | None:
     return self.tokens_per_step * self.steps / self.seconds if self.steps else None
+
+  def steady(self) -> float | None:
+    return self.tokens_per_step * self.steady_steps / self.steady_seconds if self.steady_steps else None
+
+  def record(self, step: int, last: bool, flops_per_token: float, peak: Peak) -> dict:
+    """A metrics record's throughput fields: the window's tokens/s and MFU (once a whole step has run after
+    compilation); at the last step the run's average, the steady state's (with `steady_after`) and the peak's
+    source."""
+    rec = {}
+    rate = self.window(step)
+    if rate is not None:
+      rec["tokens_per_s"], rec["mfu"] = rate, peak.mfu(rate * flops_per_token)
+    if last and self.average() is not None:
+      rec.update(run_tokens_per_s=self.average(), run_mfu=peak.mfu(self.average() * flops_per_token),
+                 peak_source=peak.source)
+      if self.steady() is not None:
+        rec.update(steady_tokens_per_s=self.steady(), steady_mfu=peak.mfu(self.steady() * flops_per_token),
+                   steady_after=self.steady_after)
+    return rec
