@@ -207,7 +207,11 @@ class TrainConfig:
   log_every: int = 10
   """Steps between records in metrics.jsonl and lines or bar updates on the console."""
   peak_flops: float | None = None
-  """FLOP/s that MFU is relative to (unset: the best fp32 matmul rate this machine has shown, see README)."""
+  """FLOP/s that MFU is relative to (unset: the chip's datasheet peak for the compute dtype, or on a device without
+  one the best matmul rate this machine has shown; see README)."""
+  profile: str | None = None
+  """STEP:COUNT: a jax.profiler trace of steps STEP .. STEP+COUNT-1 in <out>/profile/ (TensorBoard's profile plugin
+  or XProf), and their top ops by device time printed. Step 1 compiles: start at 2 or later."""
   progress: bool = True
   """Console output: a progress bar on a terminal, plain lines otherwise (--no-progress: only the final line)."""
   compile_cache: bool = True

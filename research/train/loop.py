@@ -32,6 +32,7 @@ from research.train.config import TrainConfig
 from research.train.distributed import initialize as init_distributed, is_primary
 from research.train.feed import Feed
 from research.train.health import BadStepsError, Monitor
+from research.train.profile import Profiler
 from research.train.progress import Progress
 from research.train.resume import newest_readable
 from research.train.runtime import setup_jax
@@ -90,6 +91,7 @@ def _train(cfg: TrainConfig, stop: Stop) -> list[dict]:
     r.metrics.cut(r.ckpt.latest_step())
     raise
   finally:
+    r.profiler.close()  # a run ended or stopped inside the --profile window keeps what was traced
     r.metrics.close()
     r.trackers.close()
     r.feed.close()
@@ -120,6 +122,7 @@ class _Run:
   meter: Meter
   progress: Progress
   watchdog: Watchdog
+  profiler: Profiler  # --profile's trace
   model_flops_per_token: float
   estimate: memory.Estimate  # the memory pre-flight's, compared with the measured peak at the end
   step: int = dataclasses.field(init=False)  # steps done so far
@@ -176,6 +179,7 @@ def _start(cfg: TrainConfig) -> _Run:
               meter=Meter(cfg.batch_size * cfg.seq_len), trackers=trackers,
               mixing=Mixing(cfg, corpus, graphdef, layout.val),
               progress=Progress(cfg.steps, start, enabled=cfg.progress and is_primary()), watchdog=watchdog,
+              profiler=Profiler(cfg.profile, cfg.out, show=is_primary()),
               model_flops_per_token=flops_per_token(mcfg, cfg.seq_len), estimate=estimate)
 
 
@@ -220,10 +224,11 @@ def _switch(r: _Run, in_mesh: contextlib.ExitStack):
 
 def _advance(r: _Run) -> dict:
   """One step on the loader's next batch; returns the step's outputs (still on the device)."""
-  cfg = r.cfg
+  r.profiler.before(r.step + 1)  # --profile: the trace starts before its first step is dispatched
   r.state, out = r.syncer.step(r.state, *r.feed.next())
   r.step += 1
-  r.state = r.syncer.after(r.state, r.step, r.step == cfg.steps)  # --sync local:H: the outer step every H steps
+  r.state = r.syncer.after(r.state, r.step, r.step == r.cfg.steps)  # --sync local:H: the outer step every H steps
+  r.profiler.after(r.step, (out, r.state))
   if r.step == r.start + 1:  # the first step compiles: throughput is timed from its end
     jax.block_until_ready(out)
     r.meter.compiled(r.step)

@@ -8,7 +8,7 @@ import math
 import os
 
 from research import entry
-from research.train import trackers
+from research.train import profile, trackers
 
 
 class PreflightError(ValueError):
@@ -46,6 +46,10 @@ def check_numbers(cfg):
     raise PreflightError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
   if cfg.stop_at is not None and cfg.stop_at <= 0:
     raise PreflightError(f"--stop-at must be positive, got {cfg.stop_at}")
+  try:
+    profile.parse(cfg.profile)
+  except profile.ProfileError as e:
+    raise PreflightError(str(e)) from None
 
 
 def check_out(out: str):

@@ -46,7 +46,7 @@ LAYOUT_AND_REPORTING = {
     "out", "mesh", "devices", "zero1", "switch_at", "remat", "microbatches", "coordinator", "num_processes",
     "process_id", "distributed", "peer_timeout", "eval_every", "eval_batches", "ckpt_every", "keep", "log_every",
     "progress", "compile_cache", "max_bad_steps", "spike_factor", "spike_window", "peak_flops", "stop_at",
-    "init_from", "amend", "memory_limit", "tracker"}
+    "profile", "init_from", "amend", "memory_limit", "tracker"}
 # flags that only name model fields (compared through the resolved model config instead)
 MODEL_FLAGS = {"model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias",
                "tie_embeddings", "compute_dtype", "moe"}

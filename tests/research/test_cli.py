@@ -105,3 +105,22 @@ def test_one_evaluation_reads_as_one(tmp_path, capsys):
         "--no-progress", "--out", str(tmp_path)])
   last = capsys.readouterr().out.strip().splitlines()[-1]
   assert re.match(r"done: step 2, val_loss [\d.]+ at step 2 \(one evaluation\)", last), last
+
+
+def test_profile_traces_the_chosen_steps_and_names_their_top_ops(tmp_path, capsys):
+  """--profile 3:2 writes a jax.profiler trace (xplane, readable by TensorBoard / XProf) into the run directory and
+  prints the heaviest XLA ops of steps 3-4; a bad value is one line before anything starts."""
+  import glob
+  main(["--model", "tiny", "--n-layers", "1", "--steps", "5", "--batch-size", "8", "--seq-len", "32", "--mesh",
+        "data=-1", "--eval-every", "5", "--eval-batches", "1", "--no-progress", "--peak-flops", "1e12",
+        "--profile", "3:2", "--out", str(tmp_path / "run")])
+  err = capsys.readouterr().err
+  line, = [x for x in err.splitlines() if x.startswith("profile:")]
+  assert line.startswith(f"profile: steps 3-4 traced in {tmp_path / 'run' / 'profile'} ")
+  assert " ms" in line.split("top ops by device time: ")[1]  # at least one op with its time
+  assert glob.glob(str(tmp_path / "run" / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+  for bad, says in (("0:2", "STEP and COUNT must be at least 1"), ("x", "give STEP:COUNT")):
+    with pytest.raises(SystemExit) as e:
+      main(["--model", "tiny", "--profile", bad, "--out", str(tmp_path / bad)])
+    out = capsys.readouterr().err
+    assert e.value.code == 2 and out.count("\n") == 1 and says in out and not (tmp_path / bad).exists()
