@@ -1,16 +1,23 @@
 """The run's training batches: the grain loader (research/data/loader.py) over the corpus's training tokens, read
-for this process's rows of each step's global batch on background threads, placed on the mesh.
+for this process's rows of each step's global batch on background threads, placed on the mesh one step ahead.
 
   feed = Feed(cfg, corpus, mesh, step=start, state=saved.get("loader"))
   x, y = feed.next()        # global arrays of the next step's batch, rows split over the mesh's data axes
   feed.state()              # the loader's iterator state: saved in every checkpoint, handed back on resume
   feed.switched(new_mesh)   # --switch-at: this process's rows may change; the step does not
 
+Double buffering: while step t runs, a feed thread reads batch t+1 from the loader and puts it on the devices, so the
+step after it is dispatched without waiting for the host (the first read overlaps the compilation). `state()` is the
+loader's state before the batch read ahead, so a checkpoint still names the next step's batch: the read-ahead never
+changes which batches a run or a resumed run trains on.
+
 A saved state must name the step the checkpoint was taken at (the batches are a pure function of the step, so a
 mismatch means the checkpoint's metadata and its state disagree): that is refused in one line.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
 
 from research.data import Corpus, DataError, eval_batches
 from research.data.loader import Loader
@@ -57,27 +64,44 @@ class Feed:
       raise RunError(f"the checkpoint of step {step} holds the loader state of another step ({state}): its metadata "
                      f"is inconsistent; resume from another checkpoint")
     self.cfg, self.corpus, self.step = cfg, corpus, step
+    self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optlab-feed")  # the only reader
     self._open(mesh, state)
 
   def _open(self, mesh, state):
     self.mesh = mesh
     self.rows = process_rows(mesh, (self.cfg.batch_size, self.cfg.seq_len))
     self.loader = make_loader(self.cfg, self.corpus, self.rows)
-    self.iterator = self.loader.iterator(state=state, start=self.step)
+    self._start(state=state, start=self.step)
+
+  def _start(self, **where):
+    """Opens the loader's iterator at `where` and begins reading the first batch (on the feed thread)."""
+    self.iterator = self.loader.iterator(**where)
+    self.ahead = self.pool.submit(self._read)
+
+  def _read(self):
+    """On the feed thread: (the loader's state before the batch, the batch on the mesh or the error reading it)."""
+    state = self.iterator.get_state()
+    try:
+      return state, local_batch(next(self.iterator), self.mesh, self.rows, self.cfg.batch_size), None
+    except Exception as e:  # raised by `next()`, in the loop: `state()` stays readable
+      return state, None, e
 
   def next(self):
-    """The next step's (x, y) as global arrays on the mesh."""
-    batch = next(self.iterator)
+    """The next step's (x, y) as global arrays on the mesh; the batch after it starts reading."""
+    _, batch, error = self.ahead.result()
+    if error is not None:
+      raise error
     self.step += 1
-    return local_batch(batch, self.mesh, self.rows, self.cfg.batch_size)
+    self.ahead = self.pool.submit(self._read)
+    return batch
 
   def state(self) -> dict:
-    return self.iterator.get_state()
+    return self.ahead.result()[0]
 
   def switched(self, mesh):
     """Reads on for `mesh` (--switch-at) from the same step: this process's rows are the new mesh's."""
     mixture = self.state().get("mixture")
-    self.close()
+    self._stop()
     self._open(mesh, {"next_index": self.step, **({"mixture": mixture} if mixture else {})})
 
   def weights(self, step: int):
@@ -86,11 +110,17 @@ class Feed:
 
   def set_weights(self, step: int, weights):
     """A mixture's new weights from batch `step` on; the batches read ahead are read again."""
+    self._stop()  # the feed thread is idle while the weights change
     self.loader.mixture.set_weights(step, weights)
-    self.close()
-    self.iterator = self.loader.iterator(start=step)
+    self._start(start=step)
 
-  def close(self):
+  def _stop(self):
+    """Waits for the batch being read ahead (dropped) and closes the loader's iterator."""
+    self.ahead.result()
     close = getattr(self.iterator, "close", None)
     if close is not None:
       close()
+
+  def close(self):
+    self._stop()
+    self.pool.shutdown()
