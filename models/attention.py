@@ -9,7 +9,13 @@
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, the fused kernel on NVIDIA GPUs.
 - "ring", "allgather": context parallelism over the mesh's `context` axis (sharding/context.py); on a mesh without
   one they are "flash", which they equal.
-- "auto": "ring" on a mesh with context > 1, else "xla".
+- "auto" (`resolve`): the fastest exact kernel for the platform, dtype and length: "ring" on a mesh with context > 1;
+  "cudnn" on an NVIDIA GPU for bfloat16/float16 with a head dim cuDNN's fused kernel takes (≤ 128, a multiple of 8);
+  else "flash" when the sequence spans several of its tiles (T > `block`, a multiple of it: on the CPU 0.46-0.49x
+  xla's time and 0.01-0.13x its temporaries at T 2048-8192, research/results/bench_attention.md; on a GPU in float32
+  it keeps no T·T scores, which xla holds for the backward); else "xla" (one tile: the same work, xla's is fused).
+  Kernel libraries: tokamax (Pallas flash attention for GPU/TPU) was evaluated and is not used: tokamax 0.0.12 pins
+  typeguard==2.13.3 and does not import with typeguard 4, which tyro (the command lines) requires.
 With context > 1 the sequence is in zig-zag order (sharding/context.py), which only the context-parallel ones read.
 
 Shapes: q_BTNH, k_BTKH, v_BTKH (GQA: K divides N); out o_BTNH.
@@ -20,6 +26,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from models.config import ATTENTION
 from sharding.context import (ALGORITHMS as CONTEXT_ALGORITHMS, BLOCK, ContextError, check_context, context_attention,
@@ -61,7 +68,13 @@ def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
   C = mesh_context()
   check_implementation(impl, C)
   if impl == "auto":
-    impl = "ring" if C > 1 else "xla"
+    kind = getattr(jax.devices()[0], "device_kind", "")
+    impl = resolve(impl, q_BTNH.dtype, q_BTNH.shape[1], q_BTNH.shape[-1], C, kind, block)
+    if impl == "cudnn":  # cuDNN's own checks (its version, the GPU's generation) may still refuse: then flash or xla
+      try:
+        return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
+      except NotImplementedError:
+        impl = resolve("auto", q_BTNH.dtype, q_BTNH.shape[1], q_BTNH.shape[-1], C, "", block)
   if impl in CONTEXT_ALGORITHMS:
     if C > 1:
       return context_attention(q_BTNH, k_BTKH, v_BTKH, algorithm=impl, block=block)
@@ -72,6 +85,22 @@ def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
     raise AttentionError(f"attention 'cudnn' needs an NVIDIA GPU, this backend is {jax.default_backend()}; "
                          f"use xla or flash")
   return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=impl)
+
+
+def resolve(impl: str, dtype, seq_len: int, head_dim: int, context: int = 1, device_kind: str = "",
+            block: int = BLOCK) -> str:
+  """The implementation `impl` runs as: itself, or for "auto" the choice the module docstring gives (`device_kind`
+  is jax's, e.g. "NVIDIA H100 80GB HBM3" or "cpu")."""
+  if impl != "auto":
+    return impl
+  if context > 1:
+    return "ring"
+  if (device_kind.startswith("NVIDIA") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+      and head_dim <= 128 and head_dim % 8 == 0):
+    return "cudnn"
+  if seq_len > block and seq_len % block == 0:
+    return "flash"
+  return "xla"
 
 
 def flash_block(seq_len: int, block: int = BLOCK) -> int:

@@ -59,7 +59,8 @@ def failure(e: Exception) -> tuple[int, str] | None:
   if isinstance(e, BadStepsError):
     return 3, str(e)
   if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
-    return 2, f"out of memory ({text}): lower --batch-size or --seq-len, add --remat, or shard over more devices"
+    return 2, (f"out of memory ({text}): lower --batch-size or --seq-len, add --remat, use an attention that keeps "
+               f"no T·T scores (--attention flash; cudnn on an NVIDIA GPU in bfloat16), or shard over more devices")
   return None
 
 

@@ -90,7 +90,8 @@ class TrainConfig:
   microbatches: int | None = None
   """Pipeline microbatches when the mesh has stage > 1 (unset: one per stage); the GPipe bubble is (S-1)/(M+S-1)."""
   attention: Literal["auto", "xla", "flash", "cudnn", "ring", "allgather"] | None = None
-  """Attention implementation (models/attention.py); with a `context` mesh axis, ring or allgather (auto: ring)."""
+  """Attention implementation (models/attention.py); with a `context` mesh axis, ring or allgather. auto: ring on a
+  context mesh, cudnn on NVIDIA in bfloat16/float16, flash past one 512-tile, else xla."""
   logit_stats: bool | None = None
   """Log each step's largest attention logit (attn/max_logit, attn/max_logit_layer); on for --optimizer muonclip."""
   moe: MoEFlags = dataclasses.field(default_factory=MoEFlags)

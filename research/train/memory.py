@@ -29,6 +29,7 @@ import resource
 import jax
 import jax.numpy as jnp
 
+from models.attention import BLOCK, resolve
 from research.train.config import RunError
 from sharding import mesh_scope
 
@@ -207,4 +208,14 @@ def fix(est: Estimate, cfg) -> str:
   if state_bound:
     return "shard the state over more devices (--mesh fsdp=N) or choose a smaller model"
   remat = "" if cfg.remat else ", or recompute activations in the backward (--remat True)"
-  return f"lower --batch-size or --seq-len{remat}"
+  return f"lower --batch-size or --seq-len{remat}{scores_fix(cfg)}"
+
+
+def scores_fix(cfg) -> str:
+  """The attention that keeps no T·T scores, when this run's keeps them over a sequence longer than one tile."""
+  kind = getattr(jax.devices()[0], "device_kind", "")
+  impl = resolve(cfg.attention or "auto", cfg.compute_dtype or "float32", cfg.seq_len, 64, 1, kind)
+  if impl != "xla" or cfg.seq_len <= BLOCK:
+    return ""
+  return (f", or an attention that keeps no T·T scores (--attention flash with --seq-len a multiple of {BLOCK}; "
+          f"cudnn on an NVIDIA GPU in bfloat16)")

@@ -129,3 +129,30 @@ def test_the_sequence_is_split_over_context_inside_the_model():
     model = Transformer(DENSE, rngs=nnx.Rngs(0))
     hlo = jax.jit(lambda t: model(t)).lower(TOKENS[:, :32]).compile().as_text()
   assert "f32[4,8,64]" in hlo and "f32[4,32,64]" not in hlo  # (B/2, T/4, D) per device; (B/2, T, D) nowhere
+
+
+@pytest.mark.parametrize("dtype, T, head_dim, context, kind, want", [
+    ("float32", 2048, 64, 1, "cpu", "flash"),  # several tiles: flash is faster and smaller on the CPU
+    ("float32", 512, 64, 1, "cpu", "xla"),  # one tile: the same work
+    ("float32", 1000, 64, 1, "cpu", "xla"),  # not a multiple of the tile
+    ("bfloat16", 2048, 64, 4, "cpu", "ring"),  # context parallel
+    ("bfloat16", 2048, 64, 1, "NVIDIA H100 80GB HBM3", "cudnn"),
+    ("float16", 256, 128, 1, "NVIDIA A100-SXM4-80GB", "cudnn"),
+    ("bfloat16", 2048, 256, 1, "NVIDIA H100 80GB HBM3", "flash"),  # a head dim cuDNN's kernel may not take
+    ("float32", 2048, 64, 1, "NVIDIA H100 80GB HBM3", "flash"),  # no fused float32 kernel: no T·T scores kept
+    ("bfloat16", 2048, 64, 1, "AMD Instinct MI300X", "flash"),
+    ("bfloat16", 2048, 64, 1, "TPU v5 lite", "flash"),
+])
+def test_auto_picks_the_kernel_for_the_platform_dtype_and_length(dtype, T, head_dim, context, kind, want):
+  from models.attention import resolve
+  assert resolve("auto", dtype, T, head_dim, context, kind) == want
+  assert resolve("xla", dtype, T, head_dim, context, kind) == "xla"  # a named one is run as named
+
+
+def test_auto_on_the_cpu_is_flash_past_one_tile_and_equals_the_reference():
+  q, k, v = qkv(1024)
+  got = attend(q, k, v, impl="auto", block=256)
+  np.testing.assert_array_equal(got, flash(q, k, v, block=256))
+  np.testing.assert_allclose(got, reference(q, k, v), atol=2e-5)
+  short = qkv(128)
+  np.testing.assert_array_equal(attend(*short, impl="auto"), attend(*short, impl="xla"))
