@@ -127,3 +127,20 @@ def test_data_bench_at_smoke_size(tmp_path):
   text = out.read_text()
   assert text.startswith("Command: `python -m research.bench data --gb 0.002 ") and "| big | trained |" in text
   assert data(**kw) == got  # read back from results.json: nothing ran again
+
+
+def test_peer_bench_runs_the_same_model_in_optlab_and_pytorch(tmp_path):
+  """At a smoke shape on the CPU: both sides start from the same weights on the same batch (equal first losses),
+  both train, the optimizer and Newton–Schulz tables are filled, the report is written."""
+  from research.bench.peer import peer
+  got = peer(d_model=64, n_layers=2, n_heads=4, d_ff=192, seq_len=64, batch_size=4, dtype="float32", warmup=1,
+             steps=2, compile_torch=False, optimizers=("adamw", "muon"), out=str(tmp_path / "peer.md"))
+  ours, torch_eager = got["side_by_side"]
+  assert torch_eager["name"].startswith("PyTorch") and "eager" in torch_eager["name"]
+  assert abs(ours["loss0"] - torch_eager["loss0"]) < 1e-4 and 5.0 < ours["loss0"] < 6.0  # ~ln 256 at init
+  assert ours["tokens_per_s"] > 0 and torch_eager["tokens_per_s"] > 0 and ours["memory"] > 0
+  assert set(got["optimizers"]) == {"adamw", "muon"} and all(s > 0 for s in got["optimizers"].values())
+  fp32, bf16 = got["newton_schulz"]
+  assert fp32["dtype"] == "float32" and bf16["dtype"] == "bfloat16" and 0 < fp32["error"] < 0.5 and bf16["error"] < 0.5
+  text = (tmp_path / "peer.md").read_text()
+  assert "### 1. Train step, side by side" in text and "### 3. Newton–Schulz" in text
