@@ -68,12 +68,13 @@ def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
   C = mesh_context()
   check_implementation(impl, C)
   if impl == "auto":
-    kind = getattr(jax.devices()[0], "device_kind", "")
-    impl = resolve(impl, q_BTNH.dtype, q_BTNH.shape[1], q_BTNH.shape[-1], C, kind, block)
-    if impl == "cudnn":  # cuDNN's own checks (its version, the GPU's generation) may still refuse: then flash or xla
+    device = jax.devices()[0]
+    kind, capability = getattr(device, "device_kind", ""), getattr(device, "compute_capability", None)
+    impl = resolve(impl, q_BTNH.dtype, q_BTNH.shape[1], q_BTNH.shape[-1], C, kind, block, capability)
+    if impl == "cudnn":  # cuDNN's own checks (its version, no cuDNN found) may still refuse: then flash or xla
       try:
         return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
-      except NotImplementedError:
+      except (NotImplementedError, RuntimeError):
         impl = resolve("auto", q_BTNH.dtype, q_BTNH.shape[1], q_BTNH.shape[-1], C, "", block)
   if impl in CONTEXT_ALGORITHMS:
     if C > 1:
@@ -88,15 +89,16 @@ def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
 
 
 def resolve(impl: str, dtype, seq_len: int, head_dim: int, context: int = 1, device_kind: str = "",
-            block: int = BLOCK) -> str:
+            block: int = BLOCK, capability: str | None = None) -> str:
   """The implementation `impl` runs as: itself, or for "auto" the choice the module docstring gives (`device_kind`
-  is jax's, e.g. "NVIDIA H100 80GB HBM3" or "cpu")."""
+  is jax's, e.g. "NVIDIA H100 80GB HBM3" or "cpu"; `capability` the GPU's compute capability, e.g. "9.0": cuDNN's
+  fused attention needs 8.0, Ampere, or newer)."""
   if impl != "auto":
     return impl
   if context > 1:
     return "ring"
-  if (device_kind.startswith("NVIDIA") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-      and head_dim <= 128 and head_dim % 8 == 0):
+  if (device_kind.startswith("NVIDIA") and (capability is None or float(capability) >= 8.0)
+      and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0):
     return "cudnn"
   if seq_len > block and seq_len % block == 0:
     return "flash"

@@ -6,10 +6,11 @@ for this process's rows of each step's global batch on background threads, place
   feed.state()              # the loader's iterator state: saved in every checkpoint, handed back on resume
   feed.switched(new_mesh)   # --switch-at: this process's rows may change; the step does not
 
-Double buffering: while step t runs, a feed thread reads batch t+1 from the loader and puts it on the devices, so the
-step after it is dispatched without waiting for the host (the first read overlaps the compilation). `state()` is the
-loader's state before the batch read ahead, so a checkpoint still names the next step's batch: the read-ahead never
-changes which batches a run or a resumed run trains on.
+Double buffering: from the first `next()` on, while step t runs, a feed thread reads batch t+1 from the loader and
+puts it on the devices, so the step after it is dispatched without waiting for the host. `state()` is the loader's
+state before the batch read ahead, so a checkpoint still names the next step's batch: the read-ahead never changes
+which batches a run or a resumed run trains on. (No thread exists before the first `next()`: a run that fails while
+starting leaves none behind.)
 
 A saved state must name the step the checkpoint was taken at (the batches are a pure function of the step, so a
 mismatch means the checkpoint's metadata and its state disagree): that is refused in one line.
@@ -64,7 +65,7 @@ class Feed:
       raise RunError(f"the checkpoint of step {step} holds the loader state of another step ({state}): its metadata "
                      f"is inconsistent; resume from another checkpoint")
     self.cfg, self.corpus, self.step = cfg, corpus, step
-    self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optlab-feed")  # the only reader
+    self.pool = None  # the feed thread, the only reader of the iterator once `next()` was first called
     self._open(mesh, state)
 
   def _open(self, mesh, state):
@@ -74,29 +75,37 @@ class Feed:
     self._start(state=state, start=self.step)
 
   def _start(self, **where):
-    """Opens the loader's iterator at `where` and begins reading the first batch (on the feed thread)."""
+    """Opens the loader's iterator at `where`; nothing is read before the next `next()`."""
     self.iterator = self.loader.iterator(**where)
-    self.ahead = self.pool.submit(self._read)
+    self.ahead = None
 
   def _read(self):
     """On the feed thread: (the loader's state before the batch, the batch on the mesh or the error reading it)."""
-    state = self.iterator.get_state()
+    state = None
     try:
+      state = self.iterator.get_state()
       return state, local_batch(next(self.iterator), self.mesh, self.rows, self.cfg.batch_size), None
-    except Exception as e:  # raised by `next()`, in the loop: `state()` stays readable
+    except Exception as e:  # raised by `next()`, in the loop; the feed still closes
       return state, None, e
+
+  def _read_ahead(self):
+    if self.pool is None:
+      self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optlab-feed")
+    self.ahead = self.pool.submit(self._read)
 
   def next(self):
     """The next step's (x, y) as global arrays on the mesh; the batch after it starts reading."""
+    if self.ahead is None:
+      self._read_ahead()
     _, batch, error = self.ahead.result()
     if error is not None:
       raise error
     self.step += 1
-    self.ahead = self.pool.submit(self._read)
+    self._read_ahead()
     return batch
 
   def state(self) -> dict:
-    return self.ahead.result()[0]
+    return self.iterator.get_state() if self.ahead is None else self.ahead.result()[0]
 
   def switched(self, mesh):
     """Reads on for `mesh` (--switch-at) from the same step: this process's rows are the new mesh's."""
@@ -116,11 +125,14 @@ class Feed:
 
   def _stop(self):
     """Waits for the batch being read ahead (dropped) and closes the loader's iterator."""
-    self.ahead.result()
+    if self.ahead is not None:
+      self.ahead.result()
+      self.ahead = None
     close = getattr(self.iterator, "close", None)
     if close is not None:
       close()
 
   def close(self):
     self._stop()
-    self.pool.shutdown()
+    if self.pool is not None:
+      self.pool.shutdown()

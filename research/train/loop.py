@@ -91,7 +91,7 @@ def _train(cfg: TrainConfig, stop: Stop) -> list[dict]:
     r.metrics.cut(r.ckpt.latest_step())
     raise
   finally:
-    r.profiler.close()  # a run ended or stopped inside the --profile window keeps what was traced
+    r.profiler.close(r.step)  # a run stopped inside the --profile window keeps what was traced
     r.metrics.close()
     r.trackers.close()
     r.feed.close()
@@ -149,7 +149,6 @@ def _start(cfg: TrainConfig) -> _Run:
   if not rundir.has_checkpoint(cfg.out):  # a new run's state, created sharded (--init-from read here)
     state, report = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings)
   meta = run_meta(cfg, mcfg, mesh, corpus, pipe, report)
-
   ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every,
                       save_concurrent_gb=estimate.writer_gb)  # bounded where it shares the devices' memory
   metrics = rundir.MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), enabled=is_primary())
@@ -166,7 +165,7 @@ def _start(cfg: TrainConfig) -> _Run:
     print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
   start = start or 0
   feed = Feed(cfg, corpus, layout.mesh, start, saved.get("loader") if saved else None)
-  peak = Peak(cfg.peak_flops, mcfg.compute_dtype)  # what MFU divides by, and its source (research/train/throughput.py)
+  peak = Peak(cfg.peak_flops, mcfg.compute_dtype, layout.mesh.size)  # MFU's denominator (research/train/throughput.py)
   meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
   records = metrics.open(start)  # what the interrupted run logged past its checkpoint is dropped
   trackers = Trackers.open(cfg, meta, start)  # research/train/trackers.py; only process 0 writes
@@ -228,7 +227,8 @@ def _advance(r: _Run) -> dict:
   r.state, out = r.syncer.step(r.state, *r.feed.next())
   r.step += 1
   r.state = r.syncer.after(r.state, r.step, r.step == r.cfg.steps)  # --sync local:H: the outer step every H steps
-  r.profiler.after(r.step, (out, r.state))
+  if r.profiler.after(r.step, (out, r.state)):  # the trace written and read: not training time
+    r.meter.restart()
   if r.step == r.start + 1:  # the first step compiles: throughput is timed from its end
     jax.block_until_ready(out)
     r.meter.compiled(r.step)

@@ -213,8 +213,10 @@ def fix(est: Estimate, cfg) -> str:
 
 def scores_fix(cfg) -> str:
   """The attention that keeps no T·T scores, when this run's keeps them over a sequence longer than one tile."""
+  from research.train.build import model_config  # (the model's head dim decides whether cuDNN would take it)
   kind = getattr(jax.devices()[0], "device_kind", "")
-  impl = resolve(cfg.attention or "auto", cfg.compute_dtype or "float32", cfg.seq_len, 64, 1, kind)
+  mcfg = model_config(cfg)
+  impl = resolve(mcfg.attention, mcfg.compute_dtype, cfg.seq_len, mcfg.hd, 1, kind)
   if impl != "xla" or cfg.seq_len <= BLOCK:
     return ""
   return (f", or an attention that keeps no T·T scores (--attention flash with --seq-len a multiple of {BLOCK}; "

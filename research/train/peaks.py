@@ -25,6 +25,9 @@ TABLE = [
     (r"H100.*NVL", "NVIDIA H100 NVL",
      {"bfloat16": 835 * T, "float16": 835 * T, "float8": 1671 * T, "tfloat32": 418 * T, "float32": 60 * T},
      "NVIDIA H100 Tensor Core GPU datasheet, NVL column, dense"),
+    (r"H200.*NVL", "NVIDIA H200 NVL",
+     {"bfloat16": 835 * T, "float16": 835 * T, "float8": 1671 * T, "tfloat32": 418 * T, "float32": 60 * T},
+     "NVIDIA H200 datasheet, NVL column, dense"),
     (r"H100|H200|GH200", "NVIDIA H100 SXM / H200",
      {"bfloat16": 989 * T, "float16": 989 * T, "float8": 1979 * T, "tfloat32": 495 * T, "float32": 67 * T},
      "NVIDIA H100 (SXM) and H200 datasheets, dense"),
@@ -40,7 +43,7 @@ TABLE = [
     (r"RTX 3090", "NVIDIA GeForce RTX 3090",
      {"bfloat16": 71 * T, "float16": 71 * T, "tfloat32": 35.6 * T, "float32": 35.6 * T},
      "NVIDIA Ampere GA102 whitepaper, RTX 3090, FP32 accumulate, dense"),
-    (r"TPU v4", "TPU v4", {"bfloat16": 275 * T}, "Google Cloud TPU v4 documentation, per chip"),
+    (r"TPU v4$", "TPU v4", {"bfloat16": 275 * T}, "Google Cloud TPU v4 documentation, per chip"),
     (r"TPU v5 ?lite|TPU v5e", "TPU v5e", {"bfloat16": 197 * T, "int8": 394 * T},
      "Google Cloud TPU v5e documentation, per chip"),
     (r"TPU v5p?$|TPU v5p", "TPU v5p", {"bfloat16": 459 * T}, "Google Cloud TPU v5p documentation, per chip"),
@@ -49,13 +52,18 @@ TABLE = [
 ]
 
 
-def matmul_dtype(device_kind: str, dtype: str, precision: str | None = None) -> str:
-  """The dtype a `dtype` matmul runs in on that device at jax's matmul precision `precision` (None: the default):
-  float32 is TF32 on NVIDIA tensor cores and bfloat16 passes on a TPU unless the precision is raised."""
-  if dtype != "float32" or (precision or "default").lower() in ("highest", "float32"):
+def matmul_dtype(device_kind: str, dtype: str, precision: str | None = None) -> str | None:
+  """The dtype a `dtype` matmul runs in on that device at jax's matmul precision `precision` (None: the default),
+  or None when no single datasheet figure describes it. float32 at the default precision is TF32 on NVIDIA tensor
+  cores (Ampere and newer) and one bfloat16 pass on a TPU; "bfloat16" precision is bfloat16 everywhere; "high"
+  (TF32 on NVIDIA, three bfloat16 passes on a TPU) has no TPU figure; "highest" / "float32" is float32."""
+  precision = (precision or "default").lower()
+  if dtype != "float32" or precision in ("highest", "float32"):
     return dtype
-  if device_kind.startswith("TPU"):
+  if precision == "bfloat16":
     return "bfloat16"
+  if device_kind.startswith("TPU"):
+    return "bfloat16" if precision == "default" else None
   if device_kind.startswith("NVIDIA") and not re.search(r"V100|T4\b|P100", device_kind):
     return "tfloat32"
   return dtype
@@ -65,6 +73,8 @@ def spec_peak(device_kind: str, dtype: str, precision: str | None = None) -> tup
   """(dense FLOP/s, where the figure comes from) for a `dtype` matmul on one chip of that kind, or None when the
   kind or the dtype is not in the table (then a measured matmul is the fallback)."""
   runs_as = matmul_dtype(device_kind, dtype, precision)
+  if runs_as is None:
+    return None
   for pattern, name, peaks, source in TABLE:
     if re.search(pattern, device_kind):
       if runs_as not in peaks:

@@ -47,9 +47,12 @@ def check_numbers(cfg):
   if cfg.stop_at is not None and cfg.stop_at <= 0:
     raise PreflightError(f"--stop-at must be positive, got {cfg.stop_at}")
   try:
-    profile.parse(cfg.profile)
+    window = profile.parse(cfg.profile)
   except profile.ProfileError as e:
     raise PreflightError(str(e)) from None
+  if window is not None and sum(window) - 1 > cfg.steps:
+    raise PreflightError(f"--profile {cfg.profile}: steps {window[0]}-{sum(window) - 1} are not all within --steps "
+                         f"{cfg.steps}")
 
 
 def check_out(out: str):

@@ -41,7 +41,8 @@ def parse(spec: str | None) -> tuple[int, int] | None:
 
 
 class Profiler:
-  """Starts and stops the trace around the chosen steps (`before(step)`, `after(step, outputs)`)."""
+  """Starts and stops the trace around the chosen steps (`before(step)`, `after(step, outputs)`). A failure of the
+  profiler (writing or reading the trace) is one warning line: a diagnostic never ends a training run."""
 
   def __init__(self, spec: str | None, out: str, show: bool = True):
     self.window, self.dir, self.show = parse(spec), os.path.join(out, "profile"), show
@@ -50,24 +51,52 @@ class Profiler:
   def before(self, step: int):
     """Called before step `step` is dispatched."""
     if self.window is not None and step == self.window[0]:
-      jax.profiler.start_trace(self.dir)
-      self.tracing = True
+      try:
+        jax.profiler.start_trace(self.dir)
+        self.tracing = True
+      except Exception as e:  # e.g. another trace already running in this process
+        self._warn(f"--profile: the trace did not start ({_line(e)})")
 
-  def after(self, step: int, outputs):
-    """Called after step `step` was dispatched, with its outputs."""
-    if self.tracing and step == sum(self.window) - 1:
-      jax.block_until_ready(outputs)
-      self.close()
+  def after(self, step: int, outputs) -> bool:
+    """Called after step `step` was dispatched, with its outputs; True when the trace was just written (the time it
+    took, and reading it back, is not training time)."""
+    if not (self.tracing and step == sum(self.window) - 1):
+      return False
+    jax.block_until_ready(outputs)
+    if self.close():
+      first, _ = self.window
+      try:
+        ops = format_top(top_ops(self.dir))
+      except Exception as e:  # a trace that cannot be read: the xplane file is still there
+        ops = f"not read ({_line(e)})"
       if self.show:
-        first, count = self.window
         print(f"profile: steps {first}-{step} traced in {self.dir} (tensorboard --logdir {self.dir}, Profile tab); "
-              f"top ops by device time: {format_top(top_ops(self.dir))}", file=sys.stderr, flush=True)
+              f"top ops by device time, summed over devices: {ops}", file=sys.stderr, flush=True)
+    return True
 
-  def close(self):
-    """Stops a trace still running (a run that ended or was stopped inside the window): what was traced is kept."""
-    if self.tracing:
+  def close(self, step: int | None = None) -> bool:
+    """Stops a trace still running; with `step`, the run ended or was stopped inside the window (what was traced is
+    kept, and said). True when the trace was written."""
+    if not self.tracing:
+      return False
+    self.tracing = False
+    try:
       jax.profiler.stop_trace()
-      self.tracing = False
+    except Exception as e:
+      self._warn(f"--profile: the trace could not be written ({_line(e)})")
+      return False
+    if step is not None:
+      self._warn(f"--profile: the run stopped at step {step}, inside the window {self.window[0]}:{self.window[1]}; "
+                 f"the steps traced are in {self.dir}")
+    return True
+
+  def _warn(self, text: str):
+    if self.show:
+      print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def _line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def top_ops(directory: str, n: int = 5) -> list[tuple[str, float]]:

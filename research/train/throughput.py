@@ -83,23 +83,29 @@ def _save(table: dict):
 class Peak:
   """The FLOP/s MFU is relative to, and how it was obtained (`source`): see the module's docstring."""
 
-  def __init__(self, given: float | None = None, dtype: str = "float32", samples: int = 5, cache: bool = True):
+  def __init__(self, given: float | None = None, dtype: str = "float32", devices: int = 1, samples: int = 5,
+               cache: bool = True):
+    """`given`: the whole run's peak (--peak-flops). Else one chip's, times `devices` (the run's mesh: its tokens/s
+    is the global batch's) on an accelerator; on a CPU the simulated devices share the cores one matmul sampled."""
     if given is not None:
       self.flops, self.source = float(given), "--peak-flops"
       return
     device = jax.local_devices()[0]
     spec = spec_peak(getattr(device, "device_kind", ""), dtype, jax.config.jax_default_matmul_precision)
+    chips = 1 if device.platform == "cpu" else devices
     if spec is not None:
-      self.flops, self.source = spec
+      self.flops, self.source = spec[0] * chips, spec[1] + (f"; x {chips} chips" if chips > 1 else "")
       return
     n = 1024 if device.platform == "cpu" else 8192  # large enough to saturate an accelerator
     measured = max(measure_matmul_flops(n, dtype=dtype) for _ in range(samples))
     key = f"{_machine()}:{dtype}"
     earlier = _load().get(key, 0.0) if cache else 0.0
-    self.flops = max(measured, earlier)
+    self.flops = max(measured, earlier) * chips
     self.source = (f"best {n}³ {dtype} matmul rate measured on this {device.platform} ({samples} samples now"
                    f"{', earlier runs' if earlier > measured else ''}; no datasheet peak for "
-                   f"{getattr(device, 'device_kind', device.platform)!r})")
+                   f"{getattr(device, 'device_kind', device.platform)!r})"
+                   + (f" x {chips} chips" if chips > 1 else "; the simulated devices share these cores"
+                      if devices > 1 else ""))
     if cache and measured > earlier:
       _save({**_load(), key: measured})
 

@@ -142,10 +142,13 @@ def test_the_sequence_is_split_over_context_inside_the_model():
     ("float32", 2048, 64, 1, "NVIDIA H100 80GB HBM3", "flash"),  # no fused float32 kernel: no T·T scores kept
     ("bfloat16", 2048, 64, 1, "AMD Instinct MI300X", "flash"),
     ("bfloat16", 2048, 64, 1, "TPU v5 lite", "flash"),
+    ("bfloat16", 2048, 64, 1, "NVIDIA Tesla V100-SXM2-16GB:7.0", "flash"),  # before Ampere: no fused kernel
+    ("bfloat16", 2048, 64, 1, "NVIDIA A100-SXM4-80GB:8.0", "cudnn"),
 ])
 def test_auto_picks_the_kernel_for_the_platform_dtype_and_length(dtype, T, head_dim, context, kind, want):
   from models.attention import resolve
-  assert resolve("auto", dtype, T, head_dim, context, kind) == want
+  kind, _, capability = kind.partition(":")
+  assert resolve("auto", dtype, T, head_dim, context, kind, capability=capability or None) == want
   assert resolve("xla", dtype, T, head_dim, context, kind) == "xla"  # a named one is run as named
 
 
@@ -156,3 +159,24 @@ def test_auto_on_the_cpu_is_flash_past_one_tile_and_equals_the_reference():
   np.testing.assert_allclose(got, reference(q, k, v), atol=2e-5)
   short = qkv(128)
   np.testing.assert_array_equal(attend(*short, impl="auto"), attend(*short, impl="xla"))
+
+
+def test_auto_falls_back_when_cudnn_refuses(monkeypatch):
+  """On an NVIDIA GPU in bfloat16 auto asks cuDNN first; if cuDNN refuses at trace time (not installed, its version),
+  the run goes on with flash past one tile (else xla), and the outputs are the reference's."""
+  import types
+  import models.attention as attention
+  monkeypatch.setattr(attention.jax, "devices", lambda: [types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3",
+                                                                               compute_capability="9.0")])
+  real, asked = jax.nn.dot_product_attention, []
+
+  def refusing(*args, implementation=None, **kwargs):
+    asked.append(implementation)
+    if implementation == "cudnn":
+      raise RuntimeError("cuDNN is not detected.")
+    return real(*args, implementation=implementation, **kwargs)
+  monkeypatch.setattr(attention.jax.nn, "dot_product_attention", refusing)
+  q, k, v = (x.astype(jnp.bfloat16) for x in qkv(1024))
+  got = attend(q, k, v, impl="auto", block=256)
+  assert asked == ["cudnn"]  # then flash (1024 = four tiles of 256), which calls no jax.nn attention
+  np.testing.assert_allclose(np.asarray(got, np.float32), reference(q, k, v), atol=3e-2)

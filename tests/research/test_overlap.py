@@ -8,6 +8,7 @@ Device-to-host transfers are counted where jax makes them (`ArrayImpl._value`: `
 import threading
 
 import numpy as np
+import pytest
 from jax._src import array as jax_array
 
 from research.data import load_corpus
@@ -75,3 +76,23 @@ def test_the_next_batch_is_read_ahead_on_the_feed_thread_and_the_state_names_the
   np.testing.assert_array_equal(np.asarray(resumed.next()[0]), want.batch(3)[0])
   np.testing.assert_array_equal(np.asarray(feed.next()[0]), want.batch(3)[0])
   feed.close(), resumed.close()
+
+
+def test_a_switched_mesh_reads_on_from_the_same_step_and_a_failed_read_still_closes(monkeypatch):
+  """--switch-at: the batch read ahead for the old mesh is dropped and the next one is the same step's, placed on the
+  new mesh. A read that fails on the feed thread raises in the loop, and the feed still closes."""
+  cfg, corpus = TrainConfig(**TINY), load_corpus()
+  want = Loader(corpus.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+  feed = feed_module.Feed(cfg, corpus, make_mesh("data=8"), 0)
+  feed.next(), feed.next()
+  feed.switched(make_mesh("data=2,fsdp=4"))
+  x, _ = feed.next()
+  assert x.sharding.mesh.shape["fsdp"] == 4 and feed.state()["next_index"] == 3
+  np.testing.assert_array_equal(np.asarray(x), want.batch(2)[0])
+  put = feed_module.local_batch
+  monkeypatch.setattr(feed_module, "local_batch", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+  feed.next()  # the batch read ahead before the failure
+  with pytest.raises(OSError, match="disk gone"):
+    feed.next()
+  feed.close()
+  assert put is not feed_module.local_batch and feed.pool._shutdown

@@ -25,6 +25,8 @@ T = 1e12
     ("TPU v5 lite", "bfloat16", None, 197 * T, "v5e"),
     ("TPU v5p", "bfloat16", None, 459 * T, "v5p"),
     ("TPU v6 lite", "bfloat16", None, 918 * T, "v6e"),
+    ("NVIDIA H200 NVL", "bfloat16", None, 835 * T, "H200 NVL"),
+    ("NVIDIA H100 80GB HBM3", "float32", "bfloat16", 989 * T, "float32 matmuls run as bfloat16"),
 ])
 def test_the_datasheet_peak_for_the_compute_dtype(kind, dtype, precision, want, says):
   flops, source = peaks.spec_peak(kind, dtype, precision)
@@ -32,7 +34,8 @@ def test_the_datasheet_peak_for_the_compute_dtype(kind, dtype, precision, want, 
 
 
 @pytest.mark.parametrize("kind, dtype", [("cpu", "float32"), ("NVIDIA A100-SXM4-80GB", "float8"),
-                                         ("Some Future Chip", "bfloat16"), ("TPU v4", "float32:highest")])
+                                         ("Some Future Chip", "bfloat16"), ("TPU v4", "float32:highest"),
+                                         ("TPU v4 lite", "bfloat16"), ("TPU v5 lite", "float32:high")])
 def test_no_figure_where_the_table_has_none(kind, dtype):
   dtype, _, precision = dtype.partition(":")
   assert peaks.spec_peak(kind, dtype, precision or None) is None
@@ -49,6 +52,17 @@ def test_a_known_chip_uses_its_datasheet_and_measures_nothing(monkeypatch):
   peak = Peak(dtype="bfloat16")
   assert peak.flops == 989 * T and "NVIDIA H100 SXM / H200 bfloat16 datasheet peak" in peak.source
   assert peak.mfu(494.5 * T) == pytest.approx(0.5)
+
+
+def test_a_run_on_several_chips_divides_by_all_of_them(monkeypatch):
+  """tokens/s is the global batch's: on 8 H100s the peak is 8 x 989 TFLOP/s (on a CPU the simulated devices share
+  the cores one sampled matmul used, so it stays one sample)."""
+  fake_device(monkeypatch, "NVIDIA H100 80GB HBM3")
+  peak = Peak(dtype="bfloat16", devices=8)
+  assert peak.flops == 8 * 989 * T and peak.source.endswith("x 8 chips")
+  monkeypatch.undo()  # this machine's CPU again
+  cpu = Peak(dtype="float32", devices=8, samples=1, cache=False)
+  assert "the simulated devices share these cores" in cpu.source and cpu.flops < 8e12
 
 
 def test_an_unknown_device_measures_a_saturating_matmul_in_the_compute_dtype(monkeypatch, tmp_path):
