@@ -3,10 +3,11 @@ one line before any work (bench, experiments, plot, soak); Ctrl-C is one line an
 process at once; a warning is one line without a source path (a file or unwritable $OPTLAB_CACHE included)."""
 
 import os
+import shutil
 import signal
 import subprocess
-import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -69,9 +70,20 @@ def test_writable_paths_are_checked_without_creating_anything(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["f"]
 
 
-BIND = shutil.which("unshare") and subprocess.run(
-    ["unshare", "-rm", "sh", "-c", "touch /tmp/.optlab-bind && mount --bind /tmp/.optlab-bind /tmp/.optlab-bind"],
-    capture_output=True).returncode == 0
+def _can_bind() -> bool:
+  """Whether a file can be bind-mounted over itself in a user and mount namespace (the probe file is removed)."""
+  if not shutil.which("unshare"):
+    return False
+  fd, probe = tempfile.mkstemp(prefix="optlab-bind-")
+  os.close(fd)
+  try:
+    return subprocess.run(["unshare", "-rm", "sh", "-c", 'mount --bind "$0" "$0"', probe],
+                          capture_output=True).returncode == 0
+  finally:
+    os.remove(probe)
+
+
+BIND = _can_bind()
 
 
 @pytest.mark.skipif(not BIND, reason="needs a user and mount namespace (unshare -rm) to bind a file read-only")
