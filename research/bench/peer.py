@@ -72,8 +72,9 @@ def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int =
   rows += _torch_rows(ours, batches, warmup, steps, dtype, compile_torch, report)
   report.lines += ["### 1. Train step, side by side", ""] + table(
       ["contender", "tokens/s", "step ms", "MFU", "x optlab", "peak memory", "loss at step 0"],
-      [[r["name"], f"{r['tokens_per_s']:,.0f}", f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s'] * fpt / peak.flops:.1%}",
-        f"{r['tokens_per_s'] / ours['tokens_per_s']:.2f}", _gib(r.get("memory")), f"{r['loss0']:.5f}"] for r in rows])
+      [[r["name"], f"{r['tokens_per_s']:,.0f}", f"{r['step_s'] * 1e3:.1f}",
+        f"{r['tokens_per_s'] * fpt / peak.flops:.1%}", f"{r['tokens_per_s'] / ours['tokens_per_s']:.2f}",
+        _gib(r.get("memory")), f"{r['loss0']:.5f}"] for r in rows])
   report.emit()
   overhead = [_optlab(dict(flags, optimizer=name), batches, warmup, steps) for name in optimizers]
   report.lines += ["", "### 2. optlab's optimizers: the whole train step", ""] + table(
