@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from models import Transformer, count_params, flops_per_token
+from models.attention import resolve
 from models.hf import to_hf
 from optim.newton_schulz import orthogonalize
 from research.bench.report import Progress, git_commit, machine, table
@@ -134,7 +135,6 @@ def _optlab(flags: dict, batches, warmup: int, steps: int) -> dict:
 
 
 def _resolved(mcfg, T) -> str:
-  from models.attention import resolve
   return resolve(mcfg.attention, mcfg.compute_dtype, T, mcfg.hd, 1, getattr(jax.devices()[0], "device_kind", ""))
 
 

@@ -279,17 +279,26 @@ def _load_stdlib(cache_dir, val_fraction):
   meta = dict(fingerprint=fingerprint, train_bytes=len(train), val_bytes=len(val),
               n_files=len(relpaths), n_val_files=sum(_is_val(r, val_fraction) for r in relpaths),
               source=source, python=sys.version)
-  try:
-    os.makedirs(folder, exist_ok=True)
-    write_atomic(folder, "train.bin", train.tobytes())
-    write_atomic(folder, "val.bin", val.tobytes())
-    write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks valid
-  except OSError as e:  # a read-only home should not stop training; it only costs a rebuild
-    cache_writable(cache_root, e)
+  if not write_cache(cache_root, folder, train, val, meta):
     return Corpus(train, val, 256, fingerprint, source, eos=SEPARATOR)
   cached = _read_cache(folder)  # serve the memmap, so a build and a hit behave alike
   return (Corpus(*cached, source=source, eos=SEPARATOR) if cached
           else Corpus(train, val, 256, fingerprint, source, eos=SEPARATOR))
+
+
+def write_cache(cache_root: str, folder: str, train: np.ndarray, val: np.ndarray, meta: dict) -> bool:
+  """Writes a built corpus into its cache `folder` under `cache_root`: train.bin, val.bin, then meta.json (last: it
+  marks the folder valid), each whole or not at all. False when the cache cannot be written (`cache_writable`'s one
+  warning): a read-only cache costs a rebuild next time, not the run."""
+  try:
+    os.makedirs(folder, exist_ok=True)
+    write_atomic(folder, "train.bin", train.tobytes())
+    write_atomic(folder, "val.bin", val.tobytes())
+    write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())
+  except OSError as e:
+    cache_writable(cache_root, e)
+    return False
+  return True
 
 
 def _read_cache(folder):

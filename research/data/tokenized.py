@@ -17,8 +17,7 @@ import os
 
 import numpy as np
 
-from research.data.corpus import (SEPARATOR, Corpus, DataError, cache_writable, corpus_fingerprint, default_cache_dir,
-                                  write_atomic)
+from research.data.corpus import SEPARATOR, Corpus, DataError, corpus_fingerprint, default_cache_dir, write_cache
 
 _VERSION = 1
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -81,13 +80,7 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None =
   meta = dict(fingerprint=corpus_fingerprint(train, val), train_tokens=len(train), val_tokens=len(val),
               dtype=np.dtype(dtype).name, vocab_size=vocab, end_of_text=eot, text=corpus.fingerprint,
               tokenizer=os.path.realpath(file))
-  try:
-    os.makedirs(folder, exist_ok=True)
-    write_atomic(folder, "train.bin", train.tobytes())
-    write_atomic(folder, "val.bin", val.tobytes())
-    write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the cache valid
-  except OSError as e:  # an unwritable cache costs a re-encode next time, not the run: one warning line
-    cache_writable(cache_root, e)
+  if not write_cache(cache_root, folder, train, val, meta):  # (one warning: encoded again next time)
     return _corpus((train, val, meta["fingerprint"]), vocab, source, eot)
   return _corpus(_read(folder, dtype), vocab, source, eot)
 

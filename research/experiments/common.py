@@ -394,7 +394,12 @@ def load_partial(cfg) -> dict | None:
     os.rename(path, aside)
     warnings.warn(f"{path} is unreadable ({type(e).__name__}); moved to {aside}, starting over")
     return None
-  return saved if config == json.loads(json.dumps(dataclasses.asdict(cfg))) else None
+  return saved if config == _as_saved(cfg) else None
+
+
+def _as_saved(cfg) -> dict:
+  """`cfg` as partial.json holds it (JSON: tuples as lists), to compare with a saved config."""
+  return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def save_partial(cfg, **data):
@@ -437,7 +442,7 @@ def kept_after_interrupt(cfg) -> str:
       saved = json.load(f)["config"]
   except (OSError, ValueError, KeyError, TypeError):
     saved = None
-  if saved == json.loads(json.dumps(dataclasses.asdict(cfg))):
+  if saved == _as_saved(cfg):
     return f"what finished is kept in {path}; rerun the same command to go on"
   return "nothing finished was kept: a rerun starts over"
 

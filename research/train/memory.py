@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import BLOCK, resolve
+from research.train.build import model_config
 from research.train.config import RunError
 from sharding import mesh_scope
 
@@ -213,9 +214,8 @@ def fix(est: Estimate, cfg) -> str:
 
 def scores_fix(cfg) -> str:
   """The attention that keeps no T·T scores, when this run's keeps them over a sequence longer than one tile."""
-  from research.train.build import model_config  # (the model's head dim decides whether cuDNN would take it)
   kind = getattr(jax.devices()[0], "device_kind", "")
-  mcfg = model_config(cfg)
+  mcfg = model_config(cfg)  # the model's head dim decides whether cuDNN would take it
   impl = resolve(mcfg.attention, mcfg.compute_dtype, cfg.seq_len, mcfg.hd, 1, kind)
   if impl != "xla" or cfg.seq_len <= BLOCK:
     return ""

@@ -22,12 +22,9 @@ TABLE = [
     (r"H100.*(PCIe|PCIE)", "NVIDIA H100 PCIe",
      {"bfloat16": 756 * T, "float16": 756 * T, "float8": 1513 * T, "tfloat32": 378 * T, "float32": 51 * T},
      "NVIDIA H100 Tensor Core GPU datasheet, PCIe column, dense"),
-    (r"H100.*NVL", "NVIDIA H100 NVL",
+    (r"H[12]00.*NVL", "NVIDIA H100 NVL / H200 NVL",
      {"bfloat16": 835 * T, "float16": 835 * T, "float8": 1671 * T, "tfloat32": 418 * T, "float32": 60 * T},
-     "NVIDIA H100 Tensor Core GPU datasheet, NVL column, dense"),
-    (r"H200.*NVL", "NVIDIA H200 NVL",
-     {"bfloat16": 835 * T, "float16": 835 * T, "float8": 1671 * T, "tfloat32": 418 * T, "float32": 60 * T},
-     "NVIDIA H200 datasheet, NVL column, dense"),
+     "NVIDIA H100 and H200 datasheets, NVL columns, dense"),
     (r"H100|H200|GH200", "NVIDIA H100 SXM / H200",
      {"bfloat16": 989 * T, "float16": 989 * T, "float8": 1979 * T, "tfloat32": 495 * T, "float32": 67 * T},
      "NVIDIA H100 (SXM) and H200 datasheets, dense"),
@@ -79,6 +76,7 @@ def spec_peak(device_kind: str, dtype: str, precision: str | None = None) -> tup
     if re.search(pattern, device_kind):
       if runs_as not in peaks:
         return None
-      how = f" (float32 matmuls run as {runs_as} at jax's default precision)" if runs_as != dtype else ""
+      how = (f" (float32 matmuls run as {runs_as} at jax's {precision or 'default'} matmul precision)"
+             if runs_as != dtype else "")
       return peaks[runs_as], f"{name} {runs_as} datasheet peak {peaks[runs_as] / T:g} TFLOP/s: {source}{how}"
   return None
