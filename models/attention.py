@@ -1,7 +1,7 @@
 """The one causal attention the model calls, `attend`, with its implementations chosen by name.
 
 - "xla": `jax.nn.dot_product_attention(implementation="xla")`, the reference: it forms the B·N·T·T scores.
-- "flash": a blockwise pure-JAX kernel (Dao et al. 2022, arXiv 2205.14135; `sharding.context.pair_stats` and
+- "flash": a blockwise pure-JAX kernel (Dao et al. 2022, arXiv 2205.14135; models/flash.py's `pair_stats` and
   `pair_grads`): queries and keys in tiles of `block` positions, a `lax.map` over query tiles, each an online softmax
   over the key tiles at or before it (a `fori_loop`; only the causal triangle is computed, only the diagonal tile
   masked), and a `custom_vjp` whose backward (a `scan` over key tiles) recomputes each tile's scores from the saved
@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ATTENTION
-from sharding.context import (ALGORITHMS as CONTEXT_ALGORITHMS, BLOCK, ContextError, check_context, context_attention,
-                              finish, head_major, mesh_context, pair_grads, pair_stats, row_dot, sub_block,
-                              token_major)
+from models.flash import BLOCK, FlashError, finish, head_major, pair_grads, pair_stats, row_dot, sub_block, token_major
+# the module, not its names: sharding/context.py imports models.flash, so importing it first runs this file while it
+# is half loaded; its names are read at call time, when it is whole
+from sharding import context as cx
 
 IMPLEMENTATIONS = ATTENTION  # the names TransformerConfig.attention accepts
 
@@ -45,7 +46,7 @@ def check_implementation(impl: str, context: int = 1):
   sequence."""
   if impl not in IMPLEMENTATIONS:
     raise AttentionError(f"unknown attention {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
-  if context > 1 and impl not in ("auto",) + CONTEXT_ALGORITHMS:
+  if context > 1 and impl not in ("auto",) + cx.ALGORITHMS:
     raise AttentionError(f"attention {impl!r} does not split the sequence, but the mesh has context={context}; "
                          f"use attention ring or allgather (or auto)")
 
@@ -55,17 +56,17 @@ def check_attention(impl: str, seq_len: int, context: int = 1, block: int = BLOC
   `seq_len` over `context` devices, and flash's block (which the context-parallel ones run on one device)."""
   check_implementation(impl, context)
   try:
-    check_context(seq_len, context, block)
-  except ContextError as e:
+    cx.check_context(seq_len, context, block)
+  except cx.ContextError as e:
     raise AttentionError(str(e)) from None
-  if impl in ("flash",) + CONTEXT_ALGORITHMS and context == 1:
+  if impl in ("flash",) + cx.ALGORITHMS and context == 1:
     flash_block(seq_len, block)
 
 
 def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
   """Causal grouped-query attention by implementation `impl` (module docstring); every one gives the same output and
   gradients."""
-  C = mesh_context()
+  C = cx.mesh_context()
   check_implementation(impl, C)
   if impl == "auto":
     device = jax.devices()[0]
@@ -76,9 +77,9 @@ def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
         return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
       except (NotImplementedError, RuntimeError):
         impl = resolve("auto", q_BTNH.dtype, q_BTNH.shape[1], q_BTNH.shape[-1], C, "", block)
-  if impl in CONTEXT_ALGORITHMS:
+  if impl in cx.ALGORITHMS:
     if C > 1:
-      return context_attention(q_BTNH, k_BTKH, v_BTKH, algorithm=impl, block=block)
+      return cx.context_attention(q_BTNH, k_BTKH, v_BTKH, algorithm=impl, block=block)
     return flash(q_BTNH, k_BTKH, v_BTKH, block=block)
   if impl == "flash":
     return flash(q_BTNH, k_BTKH, v_BTKH, block=block)
@@ -107,10 +108,10 @@ def resolve(impl: str, dtype, seq_len: int, head_dim: int, context: int = 1, dev
 
 def flash_block(seq_len: int, block: int = BLOCK) -> int:
   """The block flash uses for `seq_len` positions: `block`, or the whole sequence when shorter (the tiles of
-  `sharding.context.sub_block`); raises AttentionError when `block` does not divide a longer sequence."""
+  models/flash.py's `sub_block`); raises AttentionError when `block` does not divide a longer sequence."""
   try:
     return sub_block(seq_len, block)
-  except ContextError as e:
+  except FlashError as e:
     raise AttentionError(f"flash attention: {e}") from None
 
 

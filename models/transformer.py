@@ -19,7 +19,9 @@ from models.attention import attend
 from models.config import TransformerConfig
 from models.moe import MoE
 from models.params import matmul, param
-from sharding.context import check_context, from_zigzag, mesh_context, to_zigzag, zigzag_positions
+# the module, not its names: sharding/context.py imports models.flash, so importing it first runs this file while it
+# is half loaded; its names are read at call time, when it is whole
+from sharding import context as cx
 from sharding.pipeline import mesh_stages, pipeline
 from sharding.rules import constrain
 
@@ -73,7 +75,7 @@ class Block(nnx.Module):
     """x_BTD -> (x_BTD, aux): aux holds float32 router statistics of an MoE block ({} for a dense one) and, with
     `logit_stats`, "max_logit" (N,): each query head's largest attention logit over the batch."""
     h_BTD = rms_norm(x_BTD, self.attn_norm[...], self.c.norm_eps)
-    positions = zigzag_positions(h_BTD.shape[1], mesh_context())  # 0..T-1 without context parallelism
+    positions = cx.zigzag_positions(h_BTD.shape[1], cx.mesh_context())  # 0..T-1 without context parallelism
     q, k, v = self.qkv(h_BTD, positions=positions)
     stats = {"max_logit": max_logits(q, k, positions)} if self.c.logit_stats else {}
     x_BTD = x_BTD + self.out_proj(attend(q, k, v, impl=self.c.attention))
@@ -167,9 +169,9 @@ class Transformer(nnx.Module):
 
   def forward(self, tokens_BT):
     """tokens_BT -> (logits_BTV, aux), aux the blocks' router statistics stacked over layers ({} if dense)."""
-    C = mesh_context()
-    check_context(tokens_BT.shape[1], C)
-    x_BTD = self.embed(to_zigzag(tokens_BT, C))  # context > 1: the sequence runs in zig-zag order (sharding/context.py)
+    C = cx.mesh_context()
+    cx.check_context(tokens_BT.shape[1], C)
+    x_BTD = self.embed(cx.to_zigzag(tokens_BT, C))  # context > 1: the sequence in zig-zag order (sharding/context.py)
     if mesh_stages() > 1:  # a `stage` mesh axis: the blocks run as a GPipe pipeline of microbatches
       graphdef, stacked = nnx.split(self.blocks)
       stage = lambda stage_blocks, x: run_blocks(nnx.merge(graphdef, stage_blocks), x, remat=self.c.remat)
@@ -177,7 +179,7 @@ class Transformer(nnx.Module):
                             names=("batch", "seq", "act_embed"))
     else:
       x_BTD, aux = run_blocks(self.blocks, x_BTD, remat=self.c.remat)
-    return self.unembed(from_zigzag(x_BTD, C)), aux
+    return self.unembed(cx.from_zigzag(x_BTD, C)), aux
 
   def embed(self, tokens_BT):
     dt = jnp.dtype(self.c.compute_dtype)

@@ -1,14 +1,13 @@
 """Communication audit: the collectives of a compiled program, read from its HLO, and the textbook bytes to compare.
 
-`collectives(compiled)` parses `compiled.as_text()` (HLO after SPMD partitioning: the program ONE device runs) and
-returns every all-gather, all-reduce, reduce-scatter, all-to-all (also the tuple form with one operand per peer),
-collective-permute and ragged-all-to-all, with its operand and result bytes per device, its replica groups and a
-summary by kind. Reading rules:
+`collectives(compiled)` reads `compiled.as_text()` (HLO after SPMD partitioning: the program ONE device runs) with
+sharding/hlo.py's reader and returns every all-gather, all-reduce, reduce-scatter, all-to-all (also the tuple form
+with one operand per peer), collective-permute and ragged-all-to-all, with its operand and result bytes per device,
+its replica groups and a summary by kind. Reading rules:
 
 - Async pairs (`all-gather-start` / `-done`, ...) count once, at the `-start`; the result bytes are the `-done`'s
   shape. Collectives wrapped in `async-start(..., calls=%c)` are found in `%c` and marked `is_async`.
-- Replica groups come in three spellings, all expanded to device ids: explicit `{{0,1},{2,3}}` (and `{}` = all
-  devices), iota `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, and mesh axes `mesh['x'=2,'y'=4] {'y'}` (jax 0.10's XLA).
+- Replica groups: every spelling XLA prints, expanded to device ids (sharding/hlo.py's `replica_groups`).
 - Loops: an op inside a `while` body runs once per iteration. When XLA knows the trip count
   (`backend_config` `known_trip_count`, which it records for `lax.scan` / `fori_loop`), `count` is multiplied by it
   (nested loops multiply); otherwise the op is counted once per program text and `trip_count_known` is False.
@@ -23,10 +22,11 @@ summary by kind. Reading rules:
   would send) and the rest as all-reduce (a tuple all-reduce with both parts is counted under both kinds).
 
 Bytes: `operand_bytes` and `result_bytes` are the raw buffer sizes from the HLO shapes on one device, summed over a
-tuple's elements (every element type: pred and 8-bit types 1 byte, bf16 2, f32 / s32 4, ...). `wire_bytes` is what
-one device sends with bandwidth-optimal ring algorithms over a group of n (scaling-book "How to Scale Your Model",
-sharding.md; Patarasuk & Yuan 2009): all-gather (n−1)/n · result, reduce-scatter (n−1)/n · operand, all-reduce
-2(n−1)/n · operand, all-to-all (n−1)/n · operand (one piece per peer), collective-permute the operand.
+tuple's elements (sharding/hlo.py's `shape_bytes`: pred and 8-bit types 1 byte, bf16 2, f32 / s32 4, ...).
+`wire_bytes` is what one device sends with bandwidth-optimal ring algorithms over a group of n (scaling-book "How to
+Scale Your Model", sharding.md; Patarasuk & Yuan 2009): all-gather (n−1)/n · result, reduce-scatter (n−1)/n ·
+operand, all-reduce 2(n−1)/n · operand, all-to-all (n−1)/n · operand (one piece per peer), collective-permute the
+operand.
 
 `analytic_bytes(...)` gives the textbook per-device wire bytes of one training step for DP, FSDP, ZeRO-1 and TP.
 `matmul_flops(compiled)` sums the FLOPs of the `dot`s one device runs, loop trip counts included (XLA's own
@@ -36,17 +36,29 @@ sharding.md; Patarasuk & Yuan 2009): all-gather (n−1)/n · result, reduce-scat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Mapping
 
-import numpy as np
+from sharding import hlo
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 
 
 class AuditError(ValueError):
   """Input that is not the HLO text of a compiled (partitioned) program, or a mesh the formulas do not cover."""
+
+
+def _reads_hlo(fn):
+  """`fn` with the reader's HloError raised as AuditError, the one error this module's callers catch."""
+  @functools.wraps(fn)
+  def reading(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except hlo.HloError as e:
+      raise AuditError(str(e)) from None
+  return reading
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +137,10 @@ class Audit:
     return "\n".join(rows)
 
 
+@_reads_hlo
 def collectives(compiled_or_hlo) -> Audit:
   """Every collective of a compiled program (a `jax.stages.Compiled` or its `.as_text()`). See the module docstring."""
-  module = _Module(_hlo_text(compiled_or_hlo))
+  module = hlo.Module(hlo.hlo_text(compiled_or_hlo))
   ops = []
   for comp, instr in module.walk():
     kind = instr.opcode.removesuffix("-start")
@@ -137,12 +150,16 @@ def collectives(compiled_or_hlo) -> Audit:
     result_shape = instr.shape
     if instr.opcode.endswith("-start"):
       done = [u for u in comp.users.get(instr.name, ()) if u.opcode == kind + "-done"]
-      result_shape = done[0].shape if done else _start_result(kind, instr.shape, len(instr.operands))
-    groups = _groups(instr.attrs, module.num_devices) if kind != "collective-permute" else _pairs(instr.attrs)
+      result_shape = done[0].shape if done else hlo.start_result(kind, instr.shape, len(instr.operands))
+    if kind == "collective-permute":
+      groups = hlo.source_target_pairs(instr.attrs)
+    else:
+      groups = hlo.replica_groups(instr.attrs, module.num_devices)
     size = 2 if kind == "collective-permute" else (len(groups[0]) if groups else module.num_devices)
     op = Collective(kind=kind, name=instr.name, computation=comp.name,
-                    operand_bytes=sum(_bytes(comp.shape_of(o)) for o in instr.operands),
-                    result_bytes=_bytes(result_shape), dtypes=tuple(t for t, _ in _arrays(result_shape)),
+                    operand_bytes=sum(hlo.shape_bytes(comp.shape_of(o)) for o in instr.operands),
+                    result_bytes=hlo.shape_bytes(result_shape),
+                    dtypes=tuple(t for t, _ in hlo.arrays(result_shape)),
                     groups=groups, group_size=size, is_async=is_async or instr.opcode.endswith("-start"),
                     count=mult, in_loop=in_loop, trip_count_known=known)
     if kind == "all-reduce":
@@ -151,18 +168,19 @@ def collectives(compiled_or_hlo) -> Audit:
   return Audit(tuple(ops), module.num_devices)
 
 
+@_reads_hlo
 def matmul_flops(compiled_or_hlo) -> float:
   """FLOPs of every `dot` one device runs per program execution (2 · result elements · contracted size), with
   loop bodies multiplied by their known trip counts (once per program text where XLA does not know it)."""
-  module = _Module(_hlo_text(compiled_or_hlo))
+  module = hlo.Module(hlo.hlo_text(compiled_or_hlo))
   total = 0.0
   for comp, instr in module.walk():
     if instr.opcode != "dot":
       continue
-    lhs = _arrays(comp.shape_of(instr.operands[0]))[0][1]
+    lhs = hlo.arrays(comp.shape_of(instr.operands[0]))[0][1]
     m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
     contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m else 1
-    total += module.calls[comp.name][0] * 2.0 * math.prod(_arrays(instr.shape)[0][1]) * contracted
+    total += module.calls[comp.name][0] * 2.0 * math.prod(hlo.arrays(instr.shape)[0][1]) * contracted
   return total
 
 
@@ -226,284 +244,6 @@ def analytic_bytes(n_params: int, mesh, *, zero1: bool = False, param_bytes: int
   return out
 
 
-# ---------------------------------------------------------------------------------------------------------- parsing
-
-@dataclasses.dataclass
-class _Instr:
-  name: str
-  shape: str
-  opcode: str
-  operands: list[str]
-  attrs: str
-
-
-@dataclasses.dataclass
-class _Comp:
-  name: str
-  instrs: list[_Instr]
-  users: dict[str, list[_Instr]]
-  shapes: dict[str, str]
-
-  def shape_of(self, name: str) -> str:
-    return self.shapes.get(name, "")
-
-
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->.*)?\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)="
-                     r"(\{[^}]*\}|%?[\w.\-]+)")
-
-
-def _hlo_text(x) -> str:
-  import jax
-  if isinstance(x, jax.stages.Lowered):
-    raise AuditError("got a Lowered program: its text is pre-partitioning and has no collectives; "
-                     "pass lowered.compile()")
-  text = x.as_text() if hasattr(x, "as_text") else x
-  if not isinstance(text, str):
-    raise AuditError(f"expected a jax.stages.Compiled or HLO text, got {type(x).__name__}")
-  if "module @" in text[:2000] and "HloModule" not in text[:2000]:
-    raise AuditError("got StableHLO (MLIR) text; pass the compiled program's HLO, compiled.as_text()")
-  return text
-
-
-def _balanced(s: str, start: int, open_: str = "(", close: str = ")") -> int:
-  """Index just past the bracket that closes the one at `start`."""
-  depth = 0
-  for i in range(start, len(s)):
-    if s[i] == open_:
-      depth += 1
-    elif s[i] == close:
-      depth -= 1
-      if depth == 0:
-        return i + 1
-  raise AuditError(f"unbalanced {open_}{close} in HLO line: {s[:200]}")
-
-
-def _split_top(s: str) -> list[str]:
-  parts, depth, cur = [], 0, []
-  for ch in s:
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-    if ch == "," and depth == 0:
-      parts.append("".join(cur))
-      cur = []
-    else:
-      cur.append(ch)
-  if "".join(cur).strip():
-    parts.append("".join(cur))
-  return [p.strip() for p in parts]
-
-
-def _parse_instr(line: str) -> _Instr | None:
-  m = _INSTR.match(line)
-  if not m:
-    return None
-  i = m.end()
-  if line[i:i + 1] == "(":
-    j = _balanced(line, i)
-  else:
-    j = i + len(line[i:].split(" ", 1)[0])
-  shape = line[i:j]
-  m2 = re.match(r"\s*([\w\-]+)\(", line[j:])
-  if not m2:
-    return None
-  k = j + m2.end() - 1
-  end = _balanced(line, k)
-  operands = [p.split()[-1].lstrip("%") for p in _split_top(line[k + 1:end - 1]) if p]
-  return _Instr(m.group(1), shape, m2.group(1), operands, line[end:])
-
-
-def _logical_lines(text: str):
-  """Lines of the HLO text; an instruction split over several lines (open parenthesis or trailing comma) joined."""
-  pending = []
-  for raw in text.splitlines():
-    raw = re.sub(r"/\*.*?\*/", "", raw)  # `/*index=5*/` markers in long tuples and operand lists
-    pending.append(raw.strip() if pending else raw)
-    line = " ".join(pending)
-    open_ = line.count("(") > line.count(")") or line.rstrip().endswith(",")
-    if _INSTR.match(line) and open_ and len(pending) < 50:
-      continue
-    pending = []
-    yield line
-
-
-class _Module:
-  """Computations, each instruction's users, and how often each computation runs per program execution."""
-
-  def __init__(self, text: str):
-    head = re.search(r"num_partitions=(\d+)", text)
-    reps = re.search(r"replica_count=(\d+)", text)
-    self.num_devices = max(int(head.group(1)) if head else 1, int(reps.group(1)) if reps else 1)
-    self.comps: dict[str, _Comp] = {}
-    entry, cur = None, None
-    for line in _logical_lines(text):
-      if not _INSTR.match(line):
-        h = _HEADER.match(line.strip())
-        if h:
-          cur = self.comps[h.group(2)] = _Comp(h.group(2), [], {}, {})
-          entry = cur.name if h.group(1) else entry
-        continue
-      ins = _parse_instr(line)
-      if ins is None:
-        continue
-      if cur is None:  # a bare snippet of instructions: one implicit entry computation
-        cur = self.comps["<entry>"] = _Comp("<entry>", [], {}, {})
-        entry = cur.name
-      cur.instrs.append(ins)
-      cur.shapes[ins.name] = ins.shape
-      for o in ins.operands:
-        cur.users.setdefault(o, []).append(ins)
-    if entry is None:
-      if not self.comps:
-        raise AuditError("no HLO instructions found; pass compiled.as_text() of a jax.jit(...).lower(...).compile()")
-      entry = list(self.comps)[-1]  # XLA prints the entry computation last
-    self.entry = entry
-    # name -> (multiplier, in_loop, trip_count_known, reached through an async wrapper)
-    self.calls: dict[str, tuple[int, bool, bool, bool]] = {}
-    self._visit(entry, 1, False, True, False)
-
-  def _visit(self, name, mult, in_loop, known, is_async):
-    """Add `mult` executions of computation `name` (reached from one more call site) and of all it calls."""
-    old = self.calls.get(name, (0, False, True, False))
-    self.calls[name] = (old[0] + mult, in_loop or old[1], known and old[2], is_async or old[3])
-    for ins in self.comps[name].instrs:
-      for key, value in _CALLED.findall(ins.attrs):
-        if key == "to_apply" and ins.opcode != "call":  # scalar reducers: no collectives or dots live there
-          continue
-        for t in (t.strip().lstrip("%") for t in value.strip("{}").split(",")):
-          if t not in self.comps:
-            continue
-          if key in ("body", "condition"):
-            trip = _trip_count(ins.attrs)
-            self._visit(t, mult * (trip or 1), True, known and trip is not None, is_async)
-          else:
-            self._visit(t, mult, in_loop, known, is_async or ins.opcode == "async-start")
-
-  def walk(self):
-    for name in self.calls:
-      comp = self.comps[name]
-      for ins in comp.instrs:
-        yield comp, ins
-
-
-def _trip_count(attrs: str) -> int | None:
-  m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?', attrs)
-  return int(m.group(1)) if m else None
-
-
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-  """[(element type, dims)] of a shape string, tuples flattened."""
-  out = []
-  for t, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]", shape):
-    out.append((t, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d)))
-  return out
-
-
-def _bits(t: str) -> int:
-  if t == "pred":
-    return 8
-  m = re.fullmatch(r"(?:s|u|f|bf|c)(\d+)[a-z0-9]*", t)
-  return int(m.group(1)) if m else 0  # token[], opaque: no bytes
-
-
-def _bytes(shape: str) -> int:
-  return sum(math.ceil(_bits(t) * math.prod(d) / 8) for t, d in _arrays(shape))
-
-
-def _start_result(kind: str, shape: str, n_operands: int) -> str:
-  """The destination buffer of an async start whose `-done` is not in the text: all-gather-start's tuple is
-  (operands..., results...), collective-permute-start's (operand, result, context...)."""
-  arrays = [f"{t}[{','.join(map(str, d))}]" for t, d in _arrays(shape)]
-  if kind == "all-gather" and len(arrays) >= 2 * n_operands:
-    return ",".join(arrays[n_operands:2 * n_operands])
-  if kind == "collective-permute" and len(arrays) >= 2:
-    return arrays[1]
-  return shape
-
-
-def _groups(attrs: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
-  m = re.search(r"replica_groups=", attrs)
-  if not m:
-    return (tuple(range(num_devices)),)
-  s = attrs[m.end():]
-  if s.startswith("{"):
-    body = s[:_balanced(s, 0, "{", "}")]
-    groups = tuple(tuple(int(v) for v in g.split(",") if v) for g in re.findall(r"\{([\d,]*)\}", body[1:-1]))
-    return groups or (tuple(range(num_devices)),)
-  if s.startswith("["):
-    it = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", s)
-    if not it:
-      raise AuditError(f"cannot read iota replica groups {s[:60]!r}")
-    ids = _iota(it.group(2), it.group(3))
-    return tuple(tuple(int(v) for v in row) for row in ids.reshape([int(v) for v in it.group(1).split(",")]))
-  if s.startswith("mesh["):
-    return _mesh_groups(s)
-  raise AuditError(f"cannot read replica groups {s[:60]!r}")
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-  shape = [int(v) for v in dims.split(",")]
-  ids = np.arange(math.prod(shape)).reshape(shape)
-  if perm:
-    ids = ids.transpose([int(v) for v in perm.split(",")])
-  return ids.reshape(-1)
-
-
-def _mesh_groups(s: str) -> tuple[tuple[int, ...], ...]:
-  """`mesh['a'=2,'b'=4] {'b'}`, optionally `, device_ids=([2,4]T(1,0))` (an iota, reshaped and transposed, or a
-  list) after the mesh and sub-axes `'a':(1)2`: the devices of the mesh array that differ only along the listed
-  axes form a group (XLA MeshAxesReplicaGroupList)."""
-  m = re.match(r"mesh\[([^\]]*)\]", s)
-  axes = [(n, int(v)) for n, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1))]
-  rest = s[m.end():]
-  ids = np.arange(math.prod(v for _, v in axes))
-  dm = re.match(r",\s*device_ids=\(", rest)
-  if dm:
-    end = _balanced(rest, dm.end() - 1)
-    inner = rest[dm.end():end - 1]
-    it = re.fullmatch(r"\s*(?:\[[\d,]+\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", inner)  # `[2,4]T(1,0)`: iota
-    ids = _iota(it.group(1), it.group(2)) if it else np.array([int(v) for v in re.findall(r"\d+", inner)])
-    rest = rest[end:]
-  sel = re.match(r"\s*\{([^}]*)\}", rest)
-  refs = re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", sel.group(1)) if sel else []
-  names = [n for n, _ in axes]
-  unknown = [n for n, _, _ in refs if n not in names]
-  if unknown:
-    raise AuditError(f"replica groups name axes {unknown} that are not in {s[:80]!r}")
-  # reshape every mesh axis into pieces (pre-size padding, a grouped sub-axis, the rest); groups vary the grouped
-  # pieces, in the listed order, and share all others
-  dims, grouped = [], {}
-  for name, size in axes:
-    whole = [i for i, (n, p, _) in enumerate(refs) if n == name and not p]
-    if whole:
-      grouped[whole[0]] = len(dims)
-      dims.append(size)
-      continue
-    prefix = 1
-    for pre, z, i in sorted((int(p), int(z), i) for i, (n, p, z) in enumerate(refs) if n == name):
-      if pre != prefix:
-        dims.append(pre // prefix)
-        prefix = pre
-      grouped[i] = len(dims)
-      dims.append(z)
-      prefix *= z
-    if prefix != size:
-      dims.append(size // prefix)
-  order = [grouped[i] for i in range(len(refs))]
-  keep = [d for d in range(len(dims)) if d not in order]
-  n = math.prod(dims[d] for d in order)
-  arr = ids.reshape(dims).transpose(keep + order).reshape(-1, n)
-  return tuple(tuple(int(v) for v in row) for row in arr)
-
-
-def _pairs(attrs: str) -> tuple[tuple[int, ...], ...]:
-  m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
-  return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))) if m else ()
-
-
 def _wire(kind, operand_bytes, result_bytes, n, groups) -> float:
   if kind == "collective-permute":
     return float(operand_bytes) if any(a != b for a, b in groups) else 0.0
@@ -515,7 +255,7 @@ def _wire(kind, operand_bytes, result_bytes, n, groups) -> float:
   return r * operand_bytes  # reduce-scatter, all-to-all, ragged-all-to-all (as if dense)
 
 
-def _scatter_bytes(module: _Module, comp: _Comp, instr: _Instr, n: int) -> int:
+def _scatter_bytes(module: hlo.Module, comp: hlo.Computation, instr: hlo.Instruction, n: int) -> int:
   """Bytes of an all-reduce's result (element by element for a tuple) that are only ever 1/n-sliced afterwards."""
   if n < 2:
     return 0
@@ -525,31 +265,32 @@ def _scatter_bytes(module: _Module, comp: _Comp, instr: _Instr, n: int) -> int:
     if len(done) != 1:
       return 0
     name = done[0].name
-  arrays = _arrays(instr.shape)
+  arrays = hlo.arrays(instr.shape)
   if len(arrays) == 1 and not instr.shape.startswith("("):
-    return _bytes(instr.shape) if _only_sliced(module, comp, name, n) else 0
+    return hlo.shape_bytes(instr.shape) if _only_sliced(module, comp, name, n) else 0
   sliced: dict[int, bool] = {}  # tuple index -> every get-tuple-element of it only sliced
   for u in comp.users.get(name, ()):
     if u.opcode != "get-tuple-element":
       return 0
     k = int(re.search(r"index=(\d+)", u.attrs).group(1))
     sliced[k] = sliced.get(k, True) and _only_sliced(module, comp, u.name, n)
-  return sum(math.ceil(_bits(arrays[k][0]) * math.prod(arrays[k][1]) / 8) for k, ok in sliced.items() if ok)
+  return sum(math.ceil(hlo.element_bits(arrays[k][0]) * math.prod(arrays[k][1]) / 8)
+             for k, ok in sliced.items() if ok)
 
 
 _LAYOUT_OPS = ("bitcast", "copy", "transpose", "reshape")
 
 
-def _only_sliced(module: _Module, comp: _Comp, name: str, n: int, depth: int = 0) -> bool:
+def _only_sliced(module: hlo.Module, comp: hlo.Computation, name: str, n: int, depth: int = 0) -> bool:
   """Whether every use of value `name` ends in a dynamic-slice keeping 1/n of it (through layout ops and into
   fusions: the fusion's parameter for that operand is followed inside the fused computation)."""
   users = comp.users.get(name, [])
   if not users or depth > 8:
     return False
-  size = math.prod(_arrays(comp.shape_of(name))[0][1]) if _arrays(comp.shape_of(name)) else 0
+  size = math.prod(hlo.arrays(comp.shape_of(name))[0][1]) if hlo.arrays(comp.shape_of(name)) else 0
   for u in users:
     if u.opcode == "dynamic-slice" and u.operands[0] == name:
-      if math.prod(_arrays(u.shape)[0][1]) * n != size:
+      if math.prod(hlo.arrays(u.shape)[0][1]) * n != size:
         return False
     elif u.opcode in _LAYOUT_OPS:
       if not _only_sliced(module, comp, u.name, n, depth + 1):
