@@ -1,15 +1,17 @@
 """Optimizers as optax GradientTransformations. Pure optax: imports no models/ or research/."""
 
-from optim.registry import (OPTIMIZERS, UnknownOptimizerError, decay_mask, get_optimizer, hyperparameters,
-                            needs_max_logits, needs_prev_grads, register)
+from optim.needs import Blockwise, Inactive, Needs
+from optim.registry import (DEFAULT_OPTIMIZER, OPTIMIZERS, UnknownOptimizerError, decay_mask, get_optimizer,
+                            hyperparameters, needs, needs_max_logits, needs_prev_grads, register)
 from optim.schedules import make_schedule
 from optim.newton_schulz import COEFFICIENTS, coefficient_table, ns_flops, orthogonalize
 from optim.muon import MuonState, muon, muon_labels, muon_with_adamw, orthogonalize_tree, scale_by_muon, shape_scale
 from optim.distributed import DistributedError, orthogonalize_distributed
 from optim.mars import MarsError, MarsState, mars, mars_correction, mars_labels, muon_mvr, with_global_norm_clip
 from optim.trees import ParameterTreeError, leaf_name, path_name, reject_complex, resolve_labels
-from optim.badam import BAdamError, BAdamState, badam, badam_adamw, badam_labels, block_index
-from optim.bread import BreadError, BreadState, bread, bread_adamw
+from optim.badam import (BAdamError, BAdamState, badam, badam_adamw, badam_labels, block_index, block_plan,
+                         switches_before)
+from optim.bread import BreadError, BreadState, bread, bread_adamw, factor_delta, factor_grads, init_factors
 from optim.alignment import (AlignmentError, cautious_mask, cautious_mgup_mask, cautious_policy, mgup_mask,
                              mgup_policy, topk_mask, with_alignment_mask)
 from optim.mgup import mgup_adamw, mgup_lion, mgup_muon, scale_by_reference_adam
@@ -23,7 +25,8 @@ from optim.normuon import NorMuonState, normuon, scale_by_normuon
 from optim.adamuon import AdaMuonState, adamuon, scale_by_adamuon
 from optim.scion import ScionError, ScionState, lmo_direction, scale_by_scion, scion, scion_labels
 
-__all__ = ["adamuon", "AdaMuonState", "AlignmentError", "badam", "badam_adamw", "badam_labels", "BAdamError",
+__all__ = ["DEFAULT_OPTIMIZER", "Blockwise", "Inactive", "needs", "Needs",
+           "block_plan", "switches_before", "factor_delta", "factor_grads", "init_factors", "adamuon", "AdaMuonState", "AlignmentError", "badam", "badam_adamw", "badam_labels", "BAdamError",
            "BAdamState", "block_index", "bread", "bread_adamw", "BreadError", "BreadState", "cautious_adamw",
            "cautious_lion", "cautious_mask", "cautious_mgup_mask",
            "cautious_muon", "cautious_policy", "coefficient_table", "COEFFICIENTS", "decay_mask", "dion",

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optim.needs import Blockwise, Needs
 from optim.registry import decay_mask, register
 from optim.trees import leaf_name, path_name
 
@@ -346,7 +347,29 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto
   return optax.GradientTransformation(init, update)
 
 
-@register("badam")
+# the block layout the trainer's blockwise step runs (layer blocks only); other values need full gradients
+BLOCKWISE_DEFAULTS = {"include_embedding": False, "include_head": False, "always_active": ()}
+
+
+def blockwise_needs(hp: dict, inactive=None) -> Needs:
+  """`badam_adamw`'s (and `bread_adamw`'s) declaration for the trainer: a blockwise step when its block layout is
+  the default one (`BLOCKWISE_DEFAULTS`), else why not.
+
+  Args:
+    hp: every hyperparameter of the optimizer, defaults filled in.
+    inactive: the layers above the active one (`optim.needs.Inactive`: BREAD), or None.
+
+  Returns:
+    `Needs(blockwise=...)`, or `Needs(not_blockwise="KEY=VALUE")` naming the first hyperparameter that rules it out.
+  """
+  for key, default in BLOCKWISE_DEFAULTS.items():
+    if hp[key] not in (default, list(default) if isinstance(default, tuple) else default):
+      return Needs(not_blockwise=f"{key}={hp[key]}")
+  return Needs(blockwise=Blockwise(hp["switch_every"], hp["order"], hp["seed"], hp["start_block"], hp["b1"],
+                                   hp["b2"], hp["eps"], hp["weight_decay"], inactive))
+
+
+@register("badam", needs=blockwise_needs)
 def badam_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
                 weight_decay: float = 0.1, switch_every: int = 50, order: str = "descending", seed: int = 0,
                 start_block: int | None = None, include_embedding: bool = False, include_head: bool = False,

@@ -73,7 +73,8 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, PartitionSpec as P
 
-from optim.badam import BAdamError, BAdamState, badam, block_plan, switches_before
+from optim.badam import BAdamError, BAdamState, badam, block_plan, blockwise_needs, switches_before
+from optim.needs import Inactive, Needs
 from optim.registry import decay_mask, register
 from optim.trees import path_name
 
@@ -260,7 +261,17 @@ def bread(inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSche
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-@register("bread")
+def _needs(hp: dict) -> Needs:
+  """`bread_adamw`'s declaration for the trainer: BAdam's blockwise step with the layers above the active one
+  updated in its backward (`optim.needs.Inactive`), when the reach is "deeper" (the backward stops at the active
+  layer) and the block layout the default."""
+  if hp["reach"] != "deeper":
+    return Needs(not_blockwise=f"reach={hp['reach']} (the backward then reaches every layer)")
+  return blockwise_needs(hp, Inactive(hp["mode"], hp["inactive_lr_ratio"], hp["sgd_sign"], hp["rank"],
+                                      hp["alpha"] / hp["rank"]))
+
+
+@register("bread", needs=_needs)
 def bread_adamw(learning_rate: optax.ScalarOrSchedule, *, mode: str = "lowrank", rank: int = 8, alpha: float = 16.0,
                 inactive_lr_ratio: float = 1.0, reach: str = "deeper", sgd_sign: bool = False, b1: float = 0.9,
                 b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1, switch_every: int = 50,

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from optim.muon import muon_with_adamw, scale_by_muon
+from optim.needs import Needs
 from optim.registry import UnknownOptimizerError, register
 from optim.trees import path_name, reject_complex, resolve_labels
 
@@ -136,7 +137,7 @@ def _mars_core(variant: str, b1, b2, eps, *, matrix: bool, ns_steps: int, ns_dty
                        scale="keller", ns_dtype=ns_dtype)
 
 
-@register("mars", needs_prev_grads=lambda hp: hp["mode"] == "exact")
+@register("mars", needs=lambda hp: Needs(update_args={"prev_grads"} if hp["mode"] == "exact" else ()))
 def mars(learning_rate: optax.ScalarOrSchedule, *, variant: str = "adamw", gamma: float = 0.025, b1: float = 0.95,
          b2: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, mode: str = "approx",
          optimize_1d: bool = False, lr_1d=None, b1_1d: float = 0.9, b2_1d: float = 0.95, weight_decay_1d: float = 0.1,
@@ -172,7 +173,7 @@ def mars(learning_rate: optax.ScalarOrSchedule, *, variant: str = "adamw", gamma
   return reject_complex(tx, "MARS-Lion", "the sign of a complex number") if variant == "lion" else tx
 
 
-@register("muon_mvr", needs_prev_grads=lambda hp: hp["mode"] == "mvr2")
+@register("muon_mvr", needs=lambda hp: Needs(update_args={"prev_grads"} if hp["mode"] == "mvr2" else ()))
 def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: str = "mvr1", gamma: float = 0.025, beta: float = 0.95,
              weight_decay: float = 0.1, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7,
              scale: str = "moonlight", ns_dtype=None, method: str = "standard", mu_dtype=None,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from optim.muon import muon
+from optim.needs import Needs
 from optim.registry import register
 from optim.trees import leaf_name
 
@@ -103,14 +104,15 @@ def qk_clip(threshold: float = 100.0, alpha: float = 0.5) -> optax.GradientTrans
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-@register("muonclip", needs_max_logits=True)
+@register("muonclip", needs=Needs(update_args={"max_logits"}, model_refuses=(
+    ("qk_norm", "clips W_q and W_k, which QK-norm undoes"),)))
 def muonclip(learning_rate: optax.ScalarOrSchedule, *, clip_threshold: float = 100.0, clip_alpha: float = 0.5,
              beta: float = 0.95, weight_decay: float = 0.1, nesterov: bool = True, ns_steps: int = 5,
              eps: float = 1e-7, scale: str = "moonlight", adam_b1: float = 0.9, adam_b2: float = 0.95,
              labels=None, distributed: bool = False) -> optax.GradientTransformationExtraArgs:
   """Muon (`optim.muon`, Moonlight scale: Kimi K2's) followed by `qk_clip(clip_threshold τ, clip_alpha α)`.
   Kimi K2 uses τ = 100 and α = 0.5. The train CLI switches the model's `logit_stats` on and passes the step's
-  max_logits for this optimizer (`optim.registry.needs_max_logits`)."""
+  max_logits, as its registry entry declares (`optim.needs.Needs`)."""
   base = muon(learning_rate, beta=beta, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps, eps=eps,
               scale=scale, adam_b1=adam_b1, adam_b2=adam_b2, labels=labels, distributed=distributed)
   return optax.chain(base, qk_clip(clip_threshold, clip_alpha))

@@ -15,14 +15,13 @@ from typing import Any
 import jax
 import optax
 
+from optim.needs import Needs
 from optim.trees import is_named_vector, leaf_name, reject_complex
 
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {}
-# name -> predicate on the resolved hyperparameters: True when the optimizer's update takes `prev_grads=`, the
-# gradient at the previous parameters on the current batch (exact MARS / Muon-MVR2; see `needs_prev_grads`).
-PREV_GRADS: dict[str, Callable[[dict], bool]] = {}
-# names whose update takes `max_logits=`, each attention head's largest logit in the step's forward pass (MuonClip)
-MAX_LOGITS: set[str] = set()
+DEFAULT_OPTIMIZER = "adamw"  # what a trainer uses when no optimizer is named
+# name -> what it asks of the trainer (optim/needs.py): a Needs, or a function of the resolved hyperparameters
+NEEDS: dict[str, Needs | Callable[[dict], Needs]] = {}
 
 
 # Hyperparameters that `optax.inject_hyperparams` must be told are static (`static_args=`): loop counts, which a
@@ -74,13 +73,21 @@ def _check_value(name: str, key: str, value, annotation):
       refuse(f"must lie in [{lo}, {'inf' if hi is None else hi}]")
 
 
-def register(name: str, *, needs_prev_grads: Callable[[dict], bool] | None = None, needs_max_logits: bool = False):
+def register(name: str, *, needs: Needs | Callable[[dict], Needs] | None = None):
+  """Registers an optimizer factory under `name` (a decorator).
+
+  Args:
+    name: the name `get_optimizer` and the train CLI's `--optimizer` know it by.
+    needs: what it asks of the trainer beyond `update(grads, state, params)` (`optim.needs.Needs`), or a function
+      of the resolved hyperparameters (every one, defaults filled in) returning it; None: nothing.
+
+  Returns:
+    The decorator, which returns the factory unchanged.
+  """
   def add(factory):
     OPTIMIZERS[name] = factory
-    if needs_prev_grads is not None:
-      PREV_GRADS[name] = needs_prev_grads
-    if needs_max_logits:
-      MAX_LOGITS.add(name)
+    if needs is not None:
+      NEEDS[name] = needs
     return factory
   return add
 
@@ -160,15 +167,27 @@ def hyperparameters(name: str) -> dict[str, Any]:
   return {k: p.default for k, p in sig.parameters.items() if k not in ("learning_rate", "mask", "labels")}
 
 
+def needs(name: str, hparams: dict | None = None) -> Needs:
+  """What optimizer `name` with these hyperparameters (the rest at their defaults) asks of the trainer.
+
+  Args:
+    name: a registered optimizer.
+    hparams: the hyperparameters given (None: all at their defaults).
+
+  Returns:
+    Its `optim.needs.Needs` (empty for an optimizer that declares nothing).
+  """
+  declared = NEEDS.get(name, Needs())
+  return declared({**hyperparameters(name), **(hparams or {})}) if callable(declared) else declared
+
+
 def needs_prev_grads(name: str, hparams: dict | None = None) -> bool:
-  """Whether optimizer `name` with these hyperparameters (the rest at their defaults) wants
-  `update(..., prev_grads=)`: the gradient at the previous parameters on the current batch. The train
-  loop then keeps the previous parameters and runs a second backward pass (research/train/)."""
-  predicate = PREV_GRADS.get(name)
-  return predicate is not None and bool(predicate({**hyperparameters(name), **(hparams or {})}))
+  """Whether optimizer `name` with these hyperparameters wants `update(..., prev_grads=)`: the gradient at the
+  previous parameters on the current batch (`needs(...).update_args`)."""
+  return "prev_grads" in needs(name, hparams).update_args
 
 
-def needs_max_logits(name: str) -> bool:
+def needs_max_logits(name: str, hparams: dict | None = None) -> bool:
   """Whether optimizer `name` wants `update(..., max_logits=)`: the model's per-head attention-logit maxima, stacked
-  like the blocks (`TransformerConfig(logit_stats=True)`; research/train/ passes them)."""
-  return name in MAX_LOGITS
+  like the blocks (`needs(...).update_args`)."""
+  return "max_logits" in needs(name, hparams).update_args

@@ -1,5 +1,7 @@
-"""--optimizer badam as BlockOptimizers runs it (Luo, Yu & Li, NeurIPS 2024; the `badam` package's BlockOptimizer):
-only the active layer has a float32 master copy, Adam moments and a gradient, and backprop stops at it.
+"""The blockwise step of a block-coordinate optimizer, as BlockOptimizers runs BAdam (Luo, Yu & Li, NeurIPS 2024,
+and its reference package): only the active layer has a float32 master copy, Adam moments and a gradient, and backprop stops
+at it. It runs an optimizer whose registry entry declares a blockwise plan (`optim.Needs.blockwise`, an
+`optim.Blockwise`: the block order and switches, the active block's AdamW, what happens above it).
 
 State (`init_state`): "params", every parameter in the storage dtype (`frozen.frozen_dtype`: bfloat16 when fine-tuning
 with --init-from, else float32); "master", the active layer's slice in float32; "opt_state" = {"count", "block",
@@ -9,26 +11,27 @@ with --init-from, else float32); "master", the active layer's slice in float32; 
       clipped by its own global norm (the reference clips the parameters that have gradients: this block's);
   master ← master − lr_t · AdamW(g) (moments, bias correction and weight decay over the block; lr_t the schedule at
       the update count), written into "params" (cast to the storage dtype) at the active layer;
-  at a switch (the timing and orders of `optim.badam.block_index`): the next layer's slice is read into a fresh
+  at a switch (the timing and orders of `optim.block_index`): the next layer's slice is read into a fresh
       float32 master and AdamW's state restarts — inside the same compiled program (the layer index is traced).
 
-With storage float32 and --grad-clip 0 this is `optim.badam_adamw` with full backprop, update for update (tested).
+With storage float32 and --grad-clip 0 this is the optax transform with full backprop, update for update (tested).
 Memory: 2 bytes per parameter (bfloat16) + 16 per active-layer parameter (master, m, v, gradient), ≈ 2 + 16/L.
-Runs the default BAdam (layer blocks; the embedding, head and final norm frozen) on meshes without `stage` or
+Runs the default block layout (layer blocks; the embedding, head and final norm frozen) on meshes without `stage` or
 `context`, with --sync allreduce; other settings use the optax transform over full gradients (`eligible`).
 
---optimizer bread (reach "deeper") runs here too: the same state and active-layer update, the gradient taken by
-`models.blockwise.backprop_to_layer`, whose layer-by-layer backward also updates every layer above the active one as
-it reaches it, in place (research/train/breadstep.py): mode "sgd" steps it by -ρ·lr_t·g (or -ρ·lr_t·sign(g));
-mode "lowrank" (the default) gives its rank-r factors (opt_state "factors", layers 1..L−1, drawn as optim.bread
-draws them) their gradients s·G Bᴴ, s·Aᴴ G and AdamW step (state "factor_state", restarted at each switch) and
-moves W by s·(A'B' − AB). With float32 storage and --grad-clip 0 both are `optim.bread_adamw` over full gradients
-update for update (tested, dense, MoE and a 3-axis mesh). The inactive updates take the unclipped gradients (the
-reference applies them in backward hooks, before clipping); a layer whose gradient is not finite keeps its weights
-(and factors). Memory: BAdam's + the factors and their moments, 3·r·(m + n) numbers per matrix per layer (rank 8 at
-the 3B shape: 0.13 GiB in float32). FLOPs per step in units of one layer's forward F: L·F + 3F·(L − b) (each layer
-from the active one b up recomputed, then differentiated; the factors' products are rank-r, negligible); over a
-block cycle ≈ 2.5·L·F, 0.63x remat'd full backprop (4·L·F), 0.83x full backprop without remat (3·L·F).
+A plan with layers updated above the active one (`optim.Inactive`, BREAD's reach "deeper") runs here too: the same
+state and active-layer update, the gradient taken by `models.blockwise.backprop_to_layer`, whose layer-by-layer
+backward also updates every layer above the active one as it reaches it, in place (research/train/reachstep.py): by
+-ρ·lr_t·g (or -ρ·lr_t·sign(g)) in the plain-gradient mode, or in the low-rank mode by giving its rank-r factors
+(opt_state "factors", layers 1..L−1, drawn as the optax transform draws them) their gradients s·G Bᴴ, s·Aᴴ G and
+AdamW step (state "factor_state", restarted at each switch) and moving W by s·(A'B' − AB). With float32 storage and
+--grad-clip 0 both are the optax transform over full gradients update for update (tested, dense, MoE and a 3-axis
+mesh). The inactive updates take the unclipped gradients (the reference applies them in backward hooks, before
+clipping); a layer whose gradient is not finite keeps its weights (and factors). Memory: the blockwise state's +
+the factors and their moments, 3·r·(m + n) numbers per matrix per layer. FLOPs per step in units of one layer's
+forward F: L·F + 3F·(L − b) (each layer from the active one b up recomputed, then differentiated; the factors'
+products are rank-r, negligible); over a block cycle ≈ 2.5·L·F, 0.63x remat'd full backprop (4·L·F), 0.83x full
+backprop without remat (3·L·F).
 """
 
 from __future__ import annotations
@@ -42,65 +45,51 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models.blockwise import active_layer_forward, layer_weights
-from optim import block_index, decay_mask, hyperparameters
-from optim.badam import block_plan, switches_before
-from optim.bread import init_factors
+from optim import Blockwise, block_index, block_plan, decay_mask, init_factors, switches_before
 from optim.trees import tree_bytes
-from research.train.breadstep import bread_backward, lowrank_backward
-from research.train.build import opt_hparams
+from research.train import clashes
+from research.train.reachstep import lowrank_backward, stepped_backward
+from research.train.build import optimizer_needs
 from research.train.distributed import is_primary
 from research.train.health import step_ok
 from research.train.step import aux_outputs, eval_loss, head_loss, jit_steps
 from sharding.state import shardings_like_params
 
-BLOCKWISE_DEFAULTS = {"include_embedding": False, "include_head": False, "always_active": ()}
-
-
-def eligible(cfg, hp: dict, mesh) -> str | None:
-  """None when the blockwise step runs this --optimizer badam / bread configuration, else why not (one phrase)."""
-  if cfg.optimizer not in ("badam", "bread"):
-    return "not BAdam"
-  if cfg.optimizer == "bread":
-    bread = {**hyperparameters("bread"), **hp}
-    if bread["reach"] != "deeper":
-      return f"--opt reach={bread['reach']} (the backward then reaches every layer)"
-  for key, default in BLOCKWISE_DEFAULTS.items():
-    if key in hp and hp[key] not in (default, list(default) if isinstance(default, tuple) else default):
-      return f"--opt {key}={hp[key]}"
-  clashes = {"a stage mesh": mesh.shape["stage"] > 1, "a context mesh": mesh.shape["context"] > 1,
-             f"--sync {cfg.sync}": cfg.sync != "allreduce", "--freeze": bool(cfg.freeze), "--peft": bool(cfg.peft),
-             "--zero1": cfg.zero1, "--switch-at": bool(cfg.switch_at)}
-  named = [k for k, on in clashes.items() if on]
+def eligible(cfg, mesh) -> str | None:
+  """None when the blockwise step runs this run's optimizer, else why not (one phrase): its registry entry declares
+  no blockwise step for these hyperparameters (`optim.Needs`), or the run's settings rule it out."""
+  needs = optimizer_needs(cfg)
+  if needs.blockwise is None:
+    return "not blockwise" if needs.not_blockwise is None else f"--opt {needs.not_blockwise}"
+  named = clashes.blockwise_blockers(cfg, mesh)
   return ", ".join(named) if named else None
 
 
 def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
-  """The blockwise step's `Parts` for this run, or None (not BAdam, or a setting it does not run: said in one line)."""
-  hp = opt_hparams(cfg)
-  why = eligible(cfg, hp, mesh)
+  """The blockwise step's `Parts` for this run, or None (not blockwise, or a setting it does not run: said in one
+  line)."""
+  why = eligible(cfg, mesh)
   if why is None:
-    return Parts(schedule, hp, mcfg.n_layers, cfg.grad_clip, cfg.optimizer)
-  if why != "not BAdam" and is_primary():
+    return Parts(schedule, optimizer_needs(cfg).blockwise, mcfg.n_layers, cfg.grad_clip, cfg.optimizer)
+  if why != "not blockwise" and is_primary():
     print(f"note: --optimizer {cfg.optimizer} with {why} runs optim.{cfg.optimizer} over full gradients (every "
           f"gradient computed, every parameter kept in float32), not the blockwise step", file=sys.stderr)
   return None
 
 
 class Parts:
-  """BAdam's pieces for the blockwise step, from the registry's badam defaults and the run's hyperparameters."""
+  """The blockwise step's pieces: the optimizer's declared `optim.Blockwise` plan, the schedule, the layer count."""
 
-  def __init__(self, schedule, hp: dict, num_layers: int, grad_clip: float, optimizer: str = "badam"):
-    hp = {**hyperparameters(optimizer), **hp}
-    self.name = optimizer
-    # BREAD: the layers above the active one step in the same backward, by -ratio·lr_t·g (or its sign) (mode "sgd")
-    # or through their rank-r factors (mode "lowrank", scale s = alpha / rank)
-    self.bread = ({"ratio": hp["inactive_lr_ratio"], "sign": hp["sgd_sign"], "mode": hp["mode"], "rank": hp["rank"],
-                   "scale": hp["alpha"] / hp["rank"]} if optimizer == "bread" else None)
+  def __init__(self, schedule, plan: Blockwise, num_layers: int, grad_clip: float, name: str):
+    self.name = name
+    # the layers above the active one step in the same backward, by -ratio·lr_t·g (or its sign), or through their
+    # rank-r factors (mode "lowrank", scale s = alpha / rank); None: they stay
+    self.inactive = plan.inactive
     self.schedule, self.num_layers, self.grad_clip = schedule, num_layers, grad_clip
-    self.switch_every, self.order, self.seed, self.start_block = (hp["switch_every"], hp["order"], hp["seed"],
-                                                                  hp["start_block"])
-    self.inner = optax.chain(optax.scale_by_adam(b1=hp["b1"], b2=hp["b2"], eps=hp["eps"]),
-                             optax.add_decayed_weights(hp["weight_decay"], decay_mask))
+    self.switch_every, self.order, self.seed, self.start_block = (plan.switch_every, plan.order, plan.seed,
+                                                                  plan.start_block)
+    self.inner = optax.chain(optax.scale_by_adam(b1=plan.b1, b2=plan.b2, eps=plan.eps),
+                             optax.add_decayed_weights(plan.weight_decay, decay_mask))
 
   def block(self, count):
     return block_index(count, self.num_layers, switch_every=self.switch_every, order=self.order, seed=self.seed,
@@ -108,7 +97,7 @@ class Parts:
 
   @property
   def lowrank(self) -> bool:
-    return self.bread is not None and self.bread["mode"] == "lowrank"
+    return self.inactive is not None and self.inactive.mode == "lowrank"
 
   def switches(self, count):
     """Switches before update `count` (as optim.badam counts them)."""
@@ -153,7 +142,8 @@ def init_state(state: dict, shardings: dict, parts: Parts, dtype):
   opt = {"count": jnp.zeros([], jnp.int32), "block": jnp.asarray(b0, jnp.int32), "inner": inner}
   opt_sh = {"count": replicated, "block": replicated, "inner": i_sh}
   if parts.lowrank:  # BREAD's factors of layers 1.. (optim.bread's, from the same draw) and AdamW's state over them
-    factors = jax.jit(lambda p: init_factors(p, _plan(p), reach="deeper", rank=parts.bread["rank"], seed=parts.seed),
+    rank = parts.inactive.rank
+    factors = jax.jit(lambda p: init_factors(p, _plan(p), reach="deeper", rank=rank, seed=parts.seed),
                       out_shardings=replicated)(state["params"])
     opt["factors"], opt["factor_state"] = factors, jax.jit(parts.inner.init, out_shardings=replicated)(factors)
     opt_sh["factors"], opt_sh["factor_state"] = jax.tree.map(lambda _: replicated, (factors, opt["factor_state"]))
@@ -185,15 +175,15 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
 
     lr = parts.schedule(opt["count"])
     factors = opt.get("factors")
-    if parts.bread is None:
+    if parts.inactive is None:
       (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
     elif parts.lowrank:
       (total, (loss, aux)), grads, params, factors, fstate = lowrank_backward(
           model_of(params, buffers), params, master, b, x, y, factors, opt["factor_state"], parts.inner,
-          -lr * parts.bread["ratio"], parts.bread["scale"])
+          -lr * parts.inactive.ratio, parts.inactive.scale)
     else:
-      (total, (loss, aux)), grads, params = bread_backward(model_of(params, buffers), params, master, b, x, y,
-                                                            -lr * parts.bread["ratio"], parts.bread["sign"])
+      (total, (loss, aux)), grads, params = stepped_backward(model_of(params, buffers), params, master, b, x, y,
+                                                            -lr * parts.inactive.ratio, parts.inactive.sign)
     grad_norm = optax.tree.norm(grads)
     if parts.grad_clip > 0:
       grads = optax.clip_by_global_norm(parts.grad_clip).update(grads, optax.EmptyState())[0]

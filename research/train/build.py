@@ -9,8 +9,7 @@ import json
 import optax
 
 from models import PRESETS, MoEConfig, preset
-from optim import UnknownOptimizerError, get_optimizer, make_schedule, needs_max_logits, needs_prev_grads, \
-    with_global_norm_clip
+from optim import Needs, UnknownOptimizerError, get_optimizer, make_schedule, needs, with_global_norm_clip
 from research.train import frozen, init_from
 from research.train.config import RunError, TrainConfig
 
@@ -22,7 +21,7 @@ def model_config(cfg: TrainConfig):
                                        "qkv_bias", "tie_embeddings", "compute_dtype", "remat", "microbatches",
                                        "attention", "logit_stats")
           if getattr(cfg, k) is not None}
-  if needs_max_logits(cfg.optimizer):  # MuonClip reads each head's max logit from the forward pass
+  if "max_logits" in optimizer_needs(cfg).update_args:  # the optimizer reads each head's max logit from the forward
     over["logit_stats"] = True
   moe = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
   if cfg.init_from:
@@ -48,9 +47,10 @@ def opt_hparams(cfg: TrainConfig) -> dict:
   return hp
 
 
-def exact_mode(cfg: TrainConfig) -> bool:
-  """Whether the optimizer runs in an exact variance-reduction mode (MARS mode=exact, Muon-MVR mode=mvr2)."""
-  return needs_prev_grads(cfg.optimizer, opt_hparams(cfg))
+def optimizer_needs(cfg: TrainConfig) -> Needs:
+  """What --optimizer with these hyperparameters asks of the trainer, as its registry entry declares it
+  (`optim.needs.Needs`: extra update arguments, a blockwise step, model settings it refuses)."""
+  return needs(cfg.optimizer, opt_hparams(cfg))
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -61,15 +61,14 @@ def make_optimizer(cfg: TrainConfig):
     tx = get_optimizer(cfg.optimizer, schedule, **hp)
   except ValueError as e:  # the registry's refusals, or a factory's own (MGUP's AlignmentError, BAdamError)
     raise e if isinstance(e, UnknownOptimizerError) else RunError(f"--optimizer {cfg.optimizer}: {e}") from None
-  if cfg.grad_clip > 0 and exact_mode(cfg):  # the clip also applies to prev_grads, each by its own global norm
+  prev_grads = "prev_grads" in optimizer_needs(cfg).update_args
+  if cfg.grad_clip > 0 and prev_grads:  # the clip also applies to prev_grads, each by its own global norm
     tx = with_global_norm_clip(tx, cfg.grad_clip)
   elif cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
-  if cfg.freeze and exact_mode(cfg):
-    raise RunError("--freeze does not combine with the exact MARS / Muon-MVR2 modes (prev_grads)")
   return frozen.freeze(tx, cfg.freeze)[0], schedule
 
 
 def step_options(cfg: TrainConfig) -> dict:
-  """`make_steps`' keyword arguments the flags decide: MuonClip's logit maxima, --freeze's mask."""
-  return {"max_logits": needs_max_logits(cfg.optimizer), "frozen": frozen.frozen_mask(cfg.freeze)}
+  """`make_steps`' keyword arguments the flags decide: the optimizer's declared update arguments, --freeze's mask."""
+  return {"update_args": optimizer_needs(cfg).update_args, "frozen": frozen.frozen_mask(cfg.freeze)}

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import tyro
 
 from models import PRESETS, peft
-from optim import OPTIMIZERS
+from optim import DEFAULT_OPTIMIZER, OPTIMIZERS
 from research.train import adapters
 
 
@@ -93,12 +93,13 @@ class TrainConfig:
   """Attention implementation (models/attention.py); with a `context` mesh axis, ring or allgather. auto: ring on a
   context mesh, cudnn on NVIDIA in bfloat16/float16, flash past one 512-tile, else xla."""
   logit_stats: bool | None = None
-  """Log each step's largest attention logit (attn/max_logit, attn/max_logit_layer); on for --optimizer muonclip."""
+  """Log each step's largest attention logit (attn/max_logit, attn/max_logit_layer); on for an optimizer that
+  declares the update argument max_logits."""
   moe: MoEFlags = dataclasses.field(default_factory=MoEFlags)
   """Mixture of experts (--moe.num-experts 8 --moe.top-k 2 ...): each flag overrides one field of the preset's.
   Expert parallelism comes from an `expert` mesh axis; router metrics go to metrics.jsonl as moe/*."""
   optimizer: Annotated[str, tyro.conf.arg(help=f"One of {', '.join(sorted(OPTIMIZERS))} (their hyperparameters "
-                                               "are listed above); unset hyperparameters take its defaults.")] = "adamw"
+                                               "are listed above); unset hyperparameters take its defaults.")] = DEFAULT_OPTIMIZER
   lr: float = 3e-3
   """Peak learning rate."""
   weight_decay: float | None = None
@@ -181,7 +182,7 @@ class TrainConfig:
   backward stops at layer N (no gradient of any kind below it); the trained part has a float32 master, the rest is
   stored in --frozen-dtype. Combines with --freeze (more leaves frozen); 0: off."""
   frozen_dtype: Literal["bfloat16", "float32"] | None = None
-  """The dtype the parameters a step does not train are stored in: --freeze's, and with --optimizer badam or
+  """The dtype the parameters a step does not train are stored in: --freeze's, and with a blockwise optimizer's step or
   --freeze-layers every parameter (what trains has a float32 master copy). Unset: bfloat16 when fine-tuning (with
   --init-from), else float32. They are read in the compute dtype; bfloat16 halves their memory. Runs with none of
   these use no such storage and ignore it (as a study sharing one config over several optimizers needs)."""

@@ -99,20 +99,3 @@ def saved_frozen_dtype(train: dict) -> str:
   if "frozen_dtype" not in train:
     return "float32"
   return train["frozen_dtype"] or ("bfloat16" if train.get("init_from") else "float32")
-
-
-def as_stored(abstract_params: dict, meta: dict) -> dict:
-  """The abstract parameters of a run as its checkpoints hold them (a restore reads them as written, so their
-  checksums verify): --freeze's leaves in their stored dtype, or every leaf in the blockwise BAdam step's or
-  --freeze-layers'; `meta` is the run's config.json."""
-  train = meta.get("train", {})
-  whole = meta.get("blockwise_badam") or meta.get("frozen_layers")
-  if whole:
-    dtype = jnp.dtype(whole["dtype"])
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params)
-  mask = frozen_mask(train.get("freeze"))
-  if mask is None:
-    return abstract_params
-  dtype = jnp.dtype(saved_frozen_dtype(train))
-  return jax.tree.map(lambda f, a: jax.ShapeDtypeStruct(a.shape, dtype) if f else a, mask(abstract_params),
-                      abstract_params)

@@ -20,9 +20,9 @@ Memory: a frozen parameter 2 bytes (bfloat16); a trained one 4 (master) + the op
 copy) + 4 (its gradient, a temporary).
 
 The embedding freezes with the layers: its gradient would need the activation gradient through every frozen layer.
-With tied embeddings (the head is the same table) the head freezes too. Refused in one line: N outside 1..L−1,
---optimizer badam / bread (their own blocks), --peft, the exact MARS / Muon-MVR2 modes, MuonClip, --zero1, --sync
-other than allreduce, --switch-at, a stage or context mesh axis.
+With tied embeddings (the head is the same table) the head freezes too. Refused in one line: N outside 1..L−1, and
+what research/train/clashes.py's table says it does not combine with (a block-coordinate optimizer, an optimizer's
+update arguments: this step supplies none, --peft, --zero1, --sync, --switch-at, a stage or context mesh axis).
 """
 
 from __future__ import annotations
@@ -33,31 +33,21 @@ import optax
 from flax import nnx
 
 from models.blockwise import frozen_below_forward, upper_layers
-from optim import needs_max_logits
 from optim.trees import tree_bytes
-from research.train.build import RunError, exact_mode
+from research.train.config import RunError
 from research.train.frozen import frozen_mask
 from research.train.health import step_ok
 from research.train.step import aux_outputs, eval_loss, head_loss, jit_steps
 from sharding.state import shardings_like_params
 
 
-def check(cfg, n_layers: int, mesh) -> None:
-  """RunError (one line) when --freeze-layers cannot run with these flags; nothing when it is off."""
+def check(cfg, n_layers: int) -> None:
+  """RunError (one line) when --freeze-layers' N does not fit the model; nothing when it is off (what it does not
+  combine with is research/train/clashes.py's)."""
   n = cfg.freeze_layers
-  if not n:
-    return
-  if not 0 < n < n_layers:
+  if n and not 0 < n < n_layers:
     raise RunError(f"--freeze-layers {n}: the model has {n_layers} layers; freeze 1..{n_layers - 1} of them (all "
                    f"frozen leaves nothing to train)")
-  clashes = {f"--optimizer {cfg.optimizer}": cfg.optimizer in ("badam", "bread"), "--peft": bool(cfg.peft),
-             "the exact MARS / Muon-MVR2 mode": exact_mode(cfg), "--optimizer muon_clip": needs_max_logits(
-                 cfg.optimizer), "--zero1": cfg.zero1, f"--sync {cfg.sync}": cfg.sync != "allreduce",
-             "--switch-at": bool(cfg.switch_at), "a stage mesh axis": mesh.shape["stage"] > 1,
-             "a context mesh axis": mesh.shape["context"] > 1}
-  named = [k for k, on in clashes.items() if on]
-  if named:
-    raise RunError(f"--freeze-layers does not combine with {', '.join(named)}")
 
 
 def trained_flags(params: dict, regex: str | None) -> dict:

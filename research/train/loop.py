@@ -22,9 +22,7 @@ from flax import nnx
 
 from models import Transformer, flops_per_token
 from research.data import Corpus
-from research.train import frozen, memory, preflight, rundir, sync
-from research.train.blockstep import blockwise_parts, make_block_steps
-from research.train.layerfreeze import make_layer_steps
+from research.train import blockstep, frozen, layerfreeze, memory, preflight, rundir, sync
 from research.train.mixing import Mixing
 from research.train.build import make_optimizer, step_options
 from research.train.checkpoint import Checkpointer, CheckpointSaveError
@@ -42,6 +40,7 @@ from research.train.state import abstract_initial_state, initial_state, sync_ste
 from research.train.step import make_steps, router_metrics
 from research.train.switch import Layout, switch_layout
 from research.train.throughput import Meter, Peak
+from research.train.trainable import Trainable
 from research.train.trackers import Trackers
 from research.train.watchdog import Watchdog
 from sharding import logical_names, mesh_spec, reshard
@@ -137,7 +136,7 @@ def _start(cfg: TrainConfig) -> _Run:
   """The run built and, when it has a readable checkpoint, resumed; config.json written."""
   mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = setup(cfg)
   tx, schedule = make_optimizer(cfg)
-  parts = blockwise_parts(cfg, mcfg, mesh, schedule)  # --optimizer badam as BlockOptimizers runs it, or None
+  parts = blockstep.blockwise_parts(cfg, mcfg, mesh, schedule)  # a block-coordinate optimizer's blockwise step, or None
   graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
   train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)
   syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
@@ -183,12 +182,13 @@ def _start(cfg: TrainConfig) -> _Run:
 
 
 def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh):
-  """The jitted (train_step, eval_step) of this run's state: the blockwise BAdam / BREAD step (`parts`), the
-  --freeze-layers step, or the plain one."""
-  if parts:
-    return make_block_steps(graphdef, parts, shardings, batch_sh)
-  if cfg.freeze_layers:
-    return make_layer_steps(graphdef, tx, shardings, batch_sh, cfg.freeze_layers)
+  """The jitted (train_step, eval_step) of this run's state, by what trains (`Trainable.step`): a blockwise
+  optimizer's step (`parts`), the --freeze-layers step, or the plain one."""
+  step = Trainable.of_run(cfg, parts is not None).step
+  if step == "blockwise":
+    return blockstep.make_block_steps(graphdef, parts, shardings, batch_sh)
+  if step == "layers":
+    return layerfreeze.make_layer_steps(graphdef, tx, shardings, batch_sh, cfg.freeze_layers)
   return make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
 
 

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import BLOCK, resolve
-from research.train.build import model_config
+from optim import OPTIMIZERS, needs
+from research.train.build import model_config, optimizer_needs
 from research.train.config import RunError
 from sharding import mesh_scope
 
@@ -202,8 +203,9 @@ def fix(est: Estimate, cfg) -> str:
   """What would make the run fit, by what dominates it: the state (with the gradients and update temporaries of its
   size, about half the step's temporaries when the state dominates) or the activations."""
   state_bound = 2 * est.state >= est.step.temp
-  if state_bound and not (cfg.peft or cfg.optimizer == "badam"):
-    return ("fine-tune fewer bytes (--optimizer badam stores the model in bfloat16 and trains one layer at a time; "
+  if state_bound and not (cfg.peft or optimizer_needs(cfg).blockwise):
+    blockwise = " / ".join(sorted(n for n in OPTIMIZERS if needs(n).blockwise is not None))
+    return (f"fine-tune fewer bytes (--optimizer {blockwise}: the model in bfloat16, one layer trained at a time; "
             "--peft lora trains adapters on a bfloat16 base; --freeze) or shard the state over more devices "
             "(--mesh fsdp=N)")
   if state_bound:

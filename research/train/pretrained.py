@@ -13,8 +13,9 @@ from flax import nnx
 from models import HFError, Transformer, TransformerConfig, from_hf, peft, quant, quant_store
 from models.hf import config_from_hf
 from research.data.tokenizer import ByteTokenizer, HFTokenizer, check_fits
-from research.train import adapters, frozen
+from research.train import adapters
 from research.train.checkpoint import Checkpointer, CheckpointError
+from research.train.trainable import Trainable
 from sharding import logical_names
 from sharding.state import param_shardings, variable_shardings
 
@@ -68,7 +69,7 @@ def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = Tru
       return (peft.merge(model) if merge else model), config, step
     graphdef, abstract, names = logical_names(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     shardings = param_shardings(abstract, names, mesh)
-    params = ckpt.restore_params(step, frozen.as_stored(abstract, meta), shardings)
+    params = ckpt.restore_params(step, Trainable.of_meta(meta).stored(abstract), shardings)
     params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)  # stored bfloat16: the model's dtype
   finally:
     ckpt.close()

@@ -11,11 +11,10 @@ import sys
 import jax
 
 from models.attention import AttentionError, check_attention
-from optim import needs_max_logits
 from research.data import Corpus
 from research.data.mixture import MixedCorpus
-from research.train import layerfreeze, mixing, sync
-from research.train.build import exact_mode, model_config
+from research.train import clashes, layerfreeze, mixing, sync
+from research.train.build import model_config, optimizer_needs
 from research.train.config import RunError, TrainConfig
 from research.train.feed import held_out, make_loader
 from research.train.switch import switch_plan
@@ -28,11 +27,13 @@ def setup(cfg: TrainConfig):
   """Mesh, model config, data and held-out batches, with every check of the flags that needs them."""
   mesh = make_mesh(cfg.mesh)
   mcfg = model_config(cfg)
-  check_sync(cfg, mesh, mcfg)
-  layerfreeze.check(cfg, mcfg.n_layers, mesh)
-  if needs_max_logits(cfg.optimizer) and mcfg.qk_norm:
-    raise RunError(f"--optimizer {cfg.optimizer} clips W_q and W_k, which QK-norm undoes: --model {cfg.model} has "
-                   f"qk_norm; add --qk-norm False")
+  check_sync(cfg, mesh)
+  clashes.check(cfg, mesh, mcfg)  # what does not combine, one table
+  layerfreeze.check(cfg, mcfg.n_layers)
+  for field, why in optimizer_needs(cfg).model_refuses:  # as the optimizer's registry entry declares
+    if getattr(mcfg, field):
+      raise RunError(f"--optimizer {cfg.optimizer} {why}: --model {cfg.model} has {field}; add "
+                     f"--{field.replace('_', '-')} False")
   corpus = mixing.load_data(cfg)  # one corpus, or the named --data sources' mixture
   mixing.check(corpus, mcfg, mesh)
   if mcfg.vocab_size < corpus.vocab_size:
@@ -47,9 +48,6 @@ def setup(cfg: TrainConfig):
       check_attention(mcfg.attention, cfg.seq_len, m.shape["context"])
     except AttentionError as e:
       raise RunError(f"--mesh {mesh_spec(m)}: {e}") from None
-  if cfg.peft and (cfg.freeze or cfg.switch_at or mesh.shape["stage"] > 1):
-    raise RunError("--peft trains the adapters only and does not combine with --freeze, --switch-at or a pipeline "
-                   "(stage) mesh")
   make_loader(cfg, corpus)  # fail early if the data is shorter than a sequence or has no documents to lay out
   val_host = held_out(cfg, corpus)
   val = [global_batch(b, mesh) for b in val_host]
@@ -73,8 +71,8 @@ def pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
   return plan
 
 
-def check_sync(cfg: TrainConfig, mesh, mcfg):
-  """--sync parsed and checked against the rest of the run (RunError)."""
+def check_sync(cfg: TrainConfig, mesh):
+  """--sync parsed and checked (RunError); what it does not combine with is research/train/clashes.py's."""
   try:
     mode = sync.parse(cfg.sync)
     if mode.kind == "gossip":
@@ -82,15 +80,7 @@ def check_sync(cfg: TrainConfig, mesh, mcfg):
     sync.outer_optimizer(cfg.outer_lr, cfg.outer_momentum)
   except sync.SyncError as e:
     raise RunError(str(e)) from None
-  if mode.kind == "allreduce":
-    return
-  clash = [flag for flag, on in (("--peft", cfg.peft), ("--switch-at", cfg.switch_at), ("--zero1", cfg.zero1),
-                                 ("a pipeline (stage) mesh", mesh.shape["stage"] > 1), ("a MoE model", mcfg.moe),
-                                 (f"--optimizer {cfg.optimizer}'s exact mode", exact_mode(cfg))) if on]
-  if clash:
-    raise RunError(f"--sync {cfg.sync} keeps a copy of the parameters per data replica and does not combine with "
-                   f"{', '.join(clash)}")
-  if mesh.shape["data"] == 1:
+  if mode.kind != "allreduce" and mesh.shape["data"] == 1:
     print(f"warning: --sync {cfg.sync} on a mesh with data=1 has a single replica (add data=R to --mesh for R)",
           file=sys.stderr)
 

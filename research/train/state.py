@@ -10,10 +10,9 @@ import jax
 from flax import nnx
 
 from models import Transformer
-from optim import needs_max_logits
 from optim.trees import cast_like
 from research.train import adapters, blockstep, frozen, init_from, layerfreeze, sync
-from research.train.build import exact_mode, make_optimizer
+from research.train.build import make_optimizer, optimizer_needs
 from research.train.config import TrainConfig
 from research.train.distributed import is_primary
 from research.train.feed import make_loader
@@ -90,7 +89,7 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     state["params"] = frozen.store_frozen(state["params"], shardings["params"], cfg.freeze, frozen.frozen_dtype(cfg))
     lines.append(frozen.frozen_summary(state["params"], frozen.freeze(tx, cfg.freeze)[1], make_optimizer(
         dataclasses.replace(cfg, freeze=None))[0], tx))
-  if exact_mode(cfg):  # exact MARS / Muon-MVR2: one more copy of the parameters, a second backward pass per step
+  if "prev_grads" in optimizer_needs(cfg).update_args:  # one more copy of the parameters, a second backward pass
     state, shardings = keep_prev_params(state, shardings)
   if blockwise is not None:  # parameters in the storage dtype, the active layer's float32 master and AdamW state
     dtype = frozen.frozen_dtype(cfg)
@@ -99,15 +98,15 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     sizes = blockstep.state_bytes(state)
     above = ""
     if blockwise.lowrank:
-      above = (f" (BREAD's rank-{blockwise.bread['rank']} factors on the layers above the active one: "
+      above = (f" (BREAD's rank-{blockwise.inactive.rank} factors on the layers above the active one: "
                f"{sizes['factors'] / 2**20:.1f} MiB with their AdamW state)")
-    elif blockwise.bread is not None:
+    elif blockwise.inactive is not None:
       above = " (BREAD-SGD on the layers above the active one)"
     lines.append(f"{blockwise.name}: blockwise step{above}, parameters stored as {dtype} "
                  f"({sizes['params'] / 2**20:.1f} MiB), the active layer's float32 master "
                  f"{sizes['master'] / 2**20:.1f} MiB and AdamW state {sizes['adam'] / 2**20:.1f} MiB")
   if cfg.freeze_layers:  # layers 0..N-1 and the embedding frozen: the trained part's float32 master and state
-    layerfreeze.check(cfg, mcfg.n_layers, mesh)  # startup.setup checked it for the trainer; the bench builds here
+    layerfreeze.check(cfg, mcfg.n_layers)  # startup.setup checked it for the trainer; the bench builds here
     dtype = frozen.frozen_dtype(cfg)
     state, shardings = layerfreeze.init_state(state, shardings, tx, cfg.freeze, cfg.freeze_layers, dtype)
     report = {**report, "frozen_layers": {"n": cfg.freeze_layers, "dtype": str(dtype)}}
@@ -128,6 +127,6 @@ def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step) 
   """The programs of --sync for a state laid out for it (`shardings`; allreduce: the plain `train_step`, audited for
   its bytes)."""
   mode = sync.parse(cfg.sync)
+  mixing = sync.mixing_matrix(mode, batch_sh.mesh.shape["data"]) if mode.kind == "gossip" else None
   return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(cfg), shardings, batch_sh,
-                    max_logits=needs_max_logits(cfg.optimizer), mixing=sync.mixing_matrix(mode, batch_sh.mesh.shape[
-                        "data"]) if mode.kind == "gossip" else None, plain=train_step)
+                    max_logits="max_logits" in optimizer_needs(cfg).update_args, mixing=mixing, plain=train_step)

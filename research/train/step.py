@@ -24,7 +24,7 @@ def keep_prev_params(state, shardings):
 
 def head_loss(model, y):
   """(logits, aux) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)): the loss on top of a forward,
-  `model.forward`'s or a blockwise one's (research/train/blockstep.py, breadstep.py, layerfreeze.py)."""
+  `model.forward`'s or a blockwise one's (research/train/blockstep.py, reachstep.py, layerfreeze.py)."""
   def head(logits, aux):
     ce = cross_entropy(logits, y)
     return ce + aux_loss(aux, model.c), (ce, aux)
@@ -65,7 +65,7 @@ def value_and_grad_trained(loss_fn, params, frozen, *args):
   return value, treedef.unflatten([jnp.zeros(x.shape, x.dtype) if f else next(it) for x, f in zip(leaves, flags)])
 
 
-def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, frozen=None):
+def make_steps(graphdef, tx, shardings, batch_sh, *, update_args=frozenset(), frozen=None):
   """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state.
 
   `frozen` (--freeze): a function of the parameter tree giving a Python bool per leaf; the gradient is taken w.r.t.
@@ -73,22 +73,21 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, f
   optimizer gives them no state, `research.train.frozen.freeze`), and the gradient norm (the one logged, and the
   one --grad-clip clips by) is the trained parameters'.
 
-  A state with "prev_params" (`keep_prev_params`) also differentiates the loss at the previous parameters on
-  the same batch and hands that gradient to the optimizer as `prev_grads=` (exact MARS / Muon-MVR2). With
-  `max_logits`, the model's per-head attention-logit maxima (aux "max_logit") go to it as `max_logits=` (MuonClip).
+  `update_args` (the optimizer's declared `optim.Needs.update_args`) are supplied to `tx.update` by `update_extras`:
+  "prev_grads" needs a state with "prev_params" (`keep_prev_params`; such a state implies it), "max_logits" the
+  model's per-head attention-logit maxima (aux "max_logit", `logit_stats`).
   A step whose loss, gradient norm or update norm is not finite leaves the state unchanged but for "step", and reports
   finite=False (`research.train.health`).
   """
   exact = "prev_params" in shardings
+  update_args = frozenset(update_args) | ({"prev_grads"} if exact else set())
   loss_fn = lm_loss(graphdef)
 
   def train_step(state, x, y):
     buffers = state.get("buffers", {})
     flags = None if frozen is None else frozen(state["params"])
     (total, (loss, aux)), grads = value_and_grad_trained(loss_fn, state["params"], flags, x, y, buffers)
-    extra = {"prev_grads": jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(state["prev_params"])} if exact else {}
-    if max_logits:
-      extra["max_logits"] = aux["max_logit"]
+    extra = update_extras(update_args, loss_fn, state, x, y, buffers, aux)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"], **extra)
     params = optax.apply_updates(state["params"], updates)
     if flags is not None:  # a frozen leaf is passed through as it is (its zero update is never computed)
@@ -107,6 +106,15 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, max_logits: bool = False, f
     return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
+
+
+def update_extras(names, loss_fn, state: dict, x, y, buffers: dict, aux: dict) -> dict:
+  """The extra keyword arguments of `tx.update` an optimizer declared (`optim.needs.UPDATE_ARGS`), traced in the step:
+  "prev_grads", the loss's gradient at the state's "prev_params" on this batch; "max_logits", the forward's per-head
+  attention-logit maxima (aux "max_logit")."""
+  supply = {"prev_grads": lambda: jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(state["prev_params"]),
+            "max_logits": lambda: aux["max_logit"]}
+  return {name: supply[name]() for name in sorted(names, key=list(supply).index)}
 
 
 def aux_outputs(new: dict, aux: dict, buffers: dict, moe, total, loss, keep) -> dict:

@@ -3,6 +3,8 @@ step before it), update for update across block switches, and its BREAD-SGD form
 update is tested against a float64 reference of the equations in tests/optim/test_bread.py); with bfloat16 storage
 only the active layer moves."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from flax import nnx
 from models import Transformer
 from research.train import TrainConfig, make_steps
 from research.train.blockstep import Parts, eligible, init_state, make_block_steps
-from research.train.build import make_optimizer, model_config, opt_hparams
+from research.train.build import make_optimizer, model_config, optimizer_needs
 from sharding import batch_sharding, devices_for, init_train_state, make_mesh
 
 B, T, L = 4, 16, 3
@@ -52,11 +54,11 @@ def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer,
   low-rank: their factors' gradients, AdamW steps and merges are taken in it, layer by layer, from the same initial
   factors as optim.bread's."""
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(model, mesh_spec, optimizer, opt)
-  assert eligible(cfg, opt_hparams(cfg), mesh) is None
+  assert eligible(cfg, mesh) is None
   copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
   full_state = copy(state)
   full, _ = make_steps(graphdef, tx, shardings, batch_sh)
-  parts = Parts(schedule, opt_hparams(cfg), L, cfg.grad_clip, optimizer)
+  parts = Parts(schedule, optimizer_needs(cfg).blockwise, L, cfg.grad_clip, optimizer)
   block_state, block_sh = init_state(copy(state), shardings, parts, jnp.float32)
   block, _ = make_block_steps(graphdef, parts, block_sh, batch_sh)
   blocks_seen = []
@@ -75,7 +77,7 @@ def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer,
 
 def test_bfloat16_storage_moves_only_the_active_layer():
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup("tiny", "data=1", warmup_steps=0)
-  parts = Parts(schedule, opt_hparams(cfg), L, 1.0)
+  parts = Parts(schedule, optimizer_needs(cfg).blockwise, L, 1.0, cfg.optimizer)
   block_state, block_sh = init_state(state, shardings, parts, jnp.bfloat16)
   before = jax.tree.map(np.asarray, block_state["params"])
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(block_state["params"]))
@@ -94,13 +96,14 @@ def test_bfloat16_storage_moves_only_the_active_layer():
 
 def test_settings_the_blockwise_step_does_not_run_are_named():
   cfg, mesh, *_ = setup("tiny", "data=1")
-  assert eligible(cfg, {"include_embedding": True}, mesh) == "--opt include_embedding=True"
+  with_embedding = dataclasses.replace(cfg, opt=("include_embedding=true",))
+  assert eligible(with_embedding, mesh) == "--opt include_embedding=True"
   c = TrainConfig(model="tiny", optimizer="badam", freeze="embed")
-  assert eligible(c, {}, mesh) == "--freeze"
-  assert eligible(TrainConfig(model="tiny"), {}, mesh) == "not BAdam"
+  assert eligible(c, mesh) == "--freeze"
+  assert eligible(TrainConfig(model="tiny"), mesh) == "not blockwise"
   bread = TrainConfig(model="tiny", optimizer="bread")
-  assert eligible(bread, {"reach": "all"}, mesh).startswith("--opt reach=all")  # the optax path
-  assert eligible(bread, {"mode": "sgd"}, mesh) is None and eligible(bread, {}, mesh) is None
+  assert eligible(dataclasses.replace(bread, opt=("reach=\"all\"",)), mesh).startswith("--opt reach=all")  # optax's
+  assert eligible(dataclasses.replace(bread, opt=("mode=\"sgd\"",)), mesh) is None and eligible(bread, mesh) is None
 
 
 @pytest.mark.parametrize("opt", [BREAD_SGD, BREAD_LOWRANK])
@@ -109,7 +112,7 @@ def test_bread_moves_the_layers_above_the_active_one_and_none_below(opt):
   every bit (no gradient below the active layer exists in the layer-by-layer backward)."""
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(
       "tiny", "data=1", "bread", (*opt, "start_block=1"), warmup_steps=0)
-  parts = Parts(schedule, opt_hparams(cfg), L, 1.0, "bread")
+  parts = Parts(schedule, optimizer_needs(cfg).blockwise, L, 1.0, cfg.optimizer)
   block_state, block_sh = init_state(state, shardings, parts, jnp.bfloat16)
   before = jax.tree.map(np.asarray, block_state["params"])
   block, _ = make_block_steps(graphdef, parts, block_sh, batch_sh)

@@ -99,7 +99,7 @@ def test_gossip_with_a_mixing_matrix_file(tmp_path):
     (["--sync", "local:0"], "H >= 1"),
     (["--sync", "gossip:/no/such/w.npy"], "no such file"),
     (["--sync", "local:2", "--zero1"], "does not combine with --zero1"),
-    (["--sync", "gossip", "--mesh", "stage=2,data=4"], "a pipeline (stage) mesh"),
+    (["--sync", "gossip", "--mesh", "stage=2,data=4"], "a stage mesh axis"),
     (["--sync", "local:2", "--outer-momentum", "1.0"], "--outer-momentum must lie in [0, 1)"),
     (["--sync", "local:2", "--outer-lr", "nan"], "--outer-lr must be a finite number"),
 ])

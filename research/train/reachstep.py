@@ -1,5 +1,5 @@
 """BREAD's backward passes for the blockwise step (research/train/blockstep.py): `models.blockwise.backprop_to_layer`
-with a visit that updates each layer above the active one as the pass reaches it — by SGD (`bread_backward`) or
+with a visit that updates each layer above the active one as the pass reaches it — by SGD (`stepped_backward`) or
 through its rank-r factors (`lowrank_backward`) — on top of `research.train.step.head_loss`."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.blockwise import backprop_to_layer, layer_weights
-from optim.bread import factor_delta, factor_grads
+from optim import factor_delta, factor_grads
 from optim.trees import path_name
 from research.train.step import head_loss
 
 
-def bread_backward(model, params, master, b, x, y, step, sign: bool):
+def stepped_backward(model, params, master, b, x, y, step, sign: bool):
   """BREAD-SGD's backward (`models.blockwise.backprop_to_layer`): ((total, (ce, aux)), ∂total/∂master, params with
   every layer above b stepped by `step`·g (or `step`·sign(g)) as the pass reaches it, in place. A layer whose
   gradient is not finite keeps its weights (the step's finite check then leaves the rest unchanged; layers above a

@@ -1,0 +1,58 @@
+"""What does not combine: every rule, one row each, of the features a run's flags, mesh and optimizer give it.
+
+`CLASHES` rows are (a feature of the run, the features it does not combine with, why); `check` refuses the first row
+that applies, in one line. `blockwise_blockers` names what keeps a blockwise optimizer on its optax transform over
+full gradients instead of its blockwise step (research/train/blockstep.py). What trains is research/train/trainable.py.
+"""
+
+from __future__ import annotations
+
+from research.train.build import optimizer_needs
+from research.train.config import RunError
+
+# (feature, the features it does not combine with, why): each row one RunError line when it applies
+CLASHES = (
+    ("sync", ("peft", "switch_at", "zero1", "stage", "moe", "prev_grads"),
+     "keeps a copy of the parameters per data replica"),
+    ("freeze_layers", ("blocks", "peft", "update_args", "zero1", "sync", "switch_at", "stage", "context"),
+     "stops the backward at layer N and supplies no update arguments"),
+    ("peft", ("freeze", "switch_at", "stage"), "trains the adapters only"),
+    ("freeze", ("prev_grads",), "takes no gradient of the frozen leaves"),
+)
+# the features under which a blockwise optimizer runs its optax transform over full gradients instead
+BLOCKWISE_BLOCKERS = ("stage", "context", "sync", "freeze", "peft", "zero1", "switch_at")
+
+
+def features(cfg, mesh, mcfg=None) -> dict[str, str | None]:
+  """{feature: how a message names it when the run has it, else None}; `mcfg` None: the model's are unknown (off)."""
+  needs = optimizer_needs(cfg)
+  args = ", ".join(sorted(needs.update_args))
+  on = {"sync": f"--sync {cfg.sync}" if cfg.sync != "allreduce" else None,
+        "freeze_layers": "--freeze-layers" if cfg.freeze_layers else None,
+        "peft": "--peft" if cfg.peft else None,
+        "freeze": "--freeze" if cfg.freeze else None,
+        "switch_at": "--switch-at" if cfg.switch_at else None,
+        "zero1": "--zero1" if cfg.zero1 else None,
+        "stage": "a stage mesh axis" if mesh.shape["stage"] > 1 else None,
+        "context": "a context mesh axis" if mesh.shape["context"] > 1 else None,
+        "moe": "a MoE model" if mcfg is not None and mcfg.moe else None,
+        "blocks": f"--optimizer {cfg.optimizer} (its own blocks)" if needs.block_coordinate else None,
+        "update_args": f"--optimizer {cfg.optimizer}'s update arguments ({args})" if args else None,
+        "prev_grads": (f"--optimizer {cfg.optimizer}'s update argument prev_grads"
+                       if "prev_grads" in needs.update_args else None)}
+  return on
+
+
+def check(cfg, mesh, mcfg) -> None:
+  """RunError (one line) for the first row of `CLASHES` this run's features meet; nothing when none does."""
+  on = features(cfg, mesh, mcfg)
+  for subject, others, why in CLASHES:
+    named = [on[o] for o in others if on[o]]
+    if on[subject] and named:
+      raise RunError(f"{on[subject]} does not combine with {', '.join(named)} ({why})")
+
+
+def blockwise_blockers(cfg, mesh) -> list[str]:
+  """The run's features that keep a blockwise optimizer off its blockwise step (`BLOCKWISE_BLOCKERS`), named."""
+  on = features(cfg, mesh)
+  return [on[b] for b in BLOCKWISE_BLOCKERS if on[b]]

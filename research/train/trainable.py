@@ -1,0 +1,72 @@
+"""What trains: one notion for the four mechanisms that leave parameters untrained.
+
+`Trainable` says it for a run, from its flags (`of_run`) or from its config.json (`of_meta`, runs of every earlier
+layout): --freeze's regex (those leaves fixed, stored in the frozen dtype), --freeze-layers' N (the bottom N layers
+and the embedding fixed, a float32 master of the rest), --peft (the adapters only; the base a buffer) and a
+block-coordinate optimizer's blockwise step (one layer at a time, a float32 master of it). The step builder
+(`step`), the checkpoint restore (`stored`) and the resume check (`signature`) read it.
+What does not combine with what is one table beside it (research/train/clashes.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from research.train.frozen import frozen_dtype, frozen_mask, saved_frozen_dtype
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+  """What a run trains (see the module docstring).
+
+  Args:
+    freeze: --freeze's regex: the leaves it matches are fixed (stored in `frozen_dtype`), or None.
+    layers: --freeze-layers' N: layers 0..N-1 and the embedding fixed; every parameter stored in `dtype`.
+    blockwise: a blockwise optimizer's step: one layer trains at a time; every parameter stored in `dtype`.
+    adapters: --peft: only the adapters train (the base is a buffer of the state).
+    dtype: the storage dtype of every parameter (blockwise, layers), or None: the parameters' own.
+    frozen_dtype: the storage dtype of --freeze's leaves.
+  """
+  freeze: str | None = None
+  layers: int = 0
+  blockwise: bool = False
+  adapters: bool = False
+  dtype: str | None = None
+  frozen_dtype: str = "float32"
+
+  @classmethod
+  def of_meta(cls, meta: dict) -> "Trainable":
+    """The run's, from its config.json (the layouts written before this class included)."""
+    train = meta.get("train", {})
+    whole = meta.get("blockwise_badam") or meta.get("frozen_layers")
+    layers = (meta.get("frozen_layers") or {}).get("n", 0)
+    return cls(train.get("freeze"), layers, bool(meta.get("blockwise_badam")), bool(train.get("peft")),
+               whole["dtype"] if whole else None, saved_frozen_dtype(train))
+
+  @classmethod
+  def of_run(cls, cfg, blockwise: bool) -> "Trainable":
+    """The run's, from its flags; `blockwise`: whether its optimizer runs its blockwise step
+    (`research.train.blockstep.blockwise_parts` is not None)."""
+    dtype = str(frozen_dtype(cfg))
+    return cls(cfg.freeze, cfg.freeze_layers, blockwise, bool(cfg.peft),
+               dtype if blockwise or cfg.freeze_layers else None, dtype)
+
+  @property
+  def step(self) -> str:
+    """The step that trains it: "blockwise", "layers" (--freeze-layers) or "plain" (full backprop, --freeze's mask
+    and --peft's adapters included)."""
+    return "blockwise" if self.blockwise else "layers" if self.layers else "plain"
+
+  def stored(self, abstract_params: dict) -> dict:
+    """The abstract parameters as the run's checkpoints hold them (a restore reads them as written, so their
+    checksums verify): every leaf in `dtype`, or --freeze's leaves in `frozen_dtype`."""
+    if self.dtype is not None:
+      return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(self.dtype)), abstract_params)
+    mask = frozen_mask(self.freeze)
+    if mask is None:
+      return abstract_params
+    dtype = jnp.dtype(self.frozen_dtype)
+    return jax.tree.map(lambda f, a: jax.ShapeDtypeStruct(a.shape, dtype) if f else a, mask(abstract_params),
+                        abstract_params)

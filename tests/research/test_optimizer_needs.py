@@ -1,0 +1,102 @@
+"""Optimizers declare what they need from the trainer (`optim.Needs`) and the trainer acts on the declaration, never
+on a name: a toy optimizer registered here, with two needs (the previous gradients and the attention-logit maxima),
+trains through `research.train.run` with no edit under research/train/, and no registered optimizer's name appears in
+the trainer's code."""
+
+import io
+import os
+import re
+import tokenize
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optim
+from optim import registry
+from research.train import TrainConfig, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECEIVED = []  # per update: (max |prev_grads - grads|, max over the received max_logits)
+
+
+def _toy(learning_rate: optax.ScalarOrSchedule, *, scale: float = 1.0) -> optax.GradientTransformationExtraArgs:
+  """SGD that reports, from inside the compiled step, what the trainer handed to it."""
+  def update(updates, state, params=None, *, prev_grads, max_logits):
+    gap = jnp.max(jnp.stack([jnp.max(jnp.abs(p - g)) for p, g in zip(jax.tree.leaves(prev_grads),
+                                                                     jax.tree.leaves(updates))]))
+    jax.debug.callback(lambda a, b: RECEIVED.append((float(a), float(b))), gap, jnp.max(max_logits))
+    lr = learning_rate(state) if callable(learning_rate) else learning_rate
+    return jax.tree.map(lambda g: -lr * scale * g, updates), state + 1
+
+  return optax.GradientTransformationExtraArgs(lambda params: jnp.zeros([], jnp.int32), update)
+
+
+@pytest.fixture
+def toy():
+  """The toy optimizer registered for one test, and removed again (the registry is global)."""
+  registry.register("toy_needs", needs=optim.Needs(update_args={"prev_grads", "max_logits"}))(_toy)
+  RECEIVED.clear()
+  yield "toy_needs"
+  registry.OPTIMIZERS.pop("toy_needs")
+  registry.NEEDS.pop("toy_needs")
+
+
+def test_a_new_optimizer_with_two_needs_trains_through_the_trainer(toy, tmp_path):
+  records = run(TrainConfig(model="tiny", n_layers=2, qk_norm=False, optimizer=toy, lr=0.05, steps=4, batch_size=8,
+                            seq_len=32, log_every=1, eval_every=4, eval_batches=1, ckpt_every=4, warmup_steps=0,
+                            mesh="data=2,fsdp=2,tensor=2", progress=False, peak_flops=1.0, out=str(tmp_path)))
+  assert [r["step"] for r in records] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in records)
+  assert len(RECEIVED) == 4
+  # prev_grads: at step 1 the previous parameters are the initial ones, so it is the gradient itself; later not
+  assert RECEIVED[0][0] < 1e-6 and all(gap > 1e-4 for gap, _ in RECEIVED[1:])
+  # max_logits: the model's logit statistics were switched on for it, and it received what the step logs
+  assert [m for _, m in RECEIVED] == [r["attn/max_logit"] for r in records]
+  assert records[-1]["val_loss"] < records[0]["loss"]  # it learns
+
+
+def test_a_declared_model_refusal_is_one_line(toy, tmp_path, capsys):
+  from research.train.cli import main
+  registry.NEEDS["toy_needs"] = optim.Needs(update_args={"max_logits"}, model_refuses=(("qk_norm", "cannot see it"),))
+  with pytest.raises(SystemExit) as e:
+    main(["--model", "tiny", "--qk-norm", "True", "--optimizer", toy, "--steps", "2", "--out", str(tmp_path / "r"),
+          "--no-progress"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1] == "error: --optimizer toy_needs cannot see it: --model tiny has qk_norm; add --qk-norm False"
+
+
+def test_an_undeclarable_need_is_refused_at_registration():
+  with pytest.raises(ValueError, match="not ones a trainer supplies"):
+    optim.Needs(update_args={"hessian"})
+
+
+def _code_tokens(path: str):
+  """(line, text) of every name, string and comment token of a file, but attribute names (`optax.sgd` is optax's)."""
+  previous = None
+  for tok in tokenize.generate_tokens(io.StringIO(open(path).read()).readline):
+    kinds = (tokenize.NAME, tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", -1))
+    if tok.type in kinds and not (tok.type == tokenize.NAME and previous == "."):
+      yield tok.start[0], tok.string
+    previous = tok.string
+
+
+def test_no_optimizer_name_under_the_trainer():
+  names = sorted(optim.OPTIMIZERS)
+  pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?!\w)")
+  found = []
+  for folder, _, files in os.walk(os.path.join(ROOT, "research", "train")):
+    for f in sorted(files):
+      if f.endswith(".py"):
+        path = os.path.join(folder, f)
+        found += [f"{os.path.relpath(path, ROOT)}:{line}: {m}" for line, text in _code_tokens(path)
+                  for m in pattern.findall(text)]
+  assert found == []
+
+
+def test_the_name_check_can_fail(tmp_path):
+  path = tmp_path / "x.py"
+  path.write_text('if cfg.optimizer == "badam":\n  tx = optax.sgd(1.0)  # badam\n')
+  assert [t for _, t in _code_tokens(str(path)) if re.search(r"(?<![\w.])badam(?!\w)", t)] == ['"badam"', "# badam"]
