@@ -2,8 +2,9 @@
 between phases (upcycling, depth expansion, MoE-DisCo, ...), held-out evaluation, and result writing.
 
 `research.train` is the CLI for whole runs on meshes; the experiments here need to train a `Transformer`
-they hold, change it, and go on, so they use `fit` on one device. `fit` uses the same loss as the CLI
-(cross entropy + the MoE aux losses, the aux-loss-free router-bias update) and the same data functions.
+they hold, change it, and go on, so they use `fit` on one device. `fit` steps with the trainer's own pieces
+(`research.train.step`: the loss, cross entropy + the MoE aux losses, and the update path with the optimizer's extra
+arguments and the aux-loss-free router-bias update) and the same data functions.
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ import tyro
 from flax import nnx
 
 from models import Transformer
-from models.moe import aux_loss, update_router_bias
-from models.transformer import cross_entropy
 from optim import get_optimizer, make_schedule
 from research import entry
 from research.data import eval_batches, get_batch, load_corpus
 from research.train.rundir import aside_name
+from research.train.step import eval_loss, lm_loss, make_update
 
 
 @dataclasses.dataclass
@@ -129,11 +129,9 @@ def join(graphdef, params, buffers) -> Transformer:
 
 
 def loss_fn(graphdef, params, buffers, x, y):
-  """(cross entropy + weighted MoE aux losses, (cross entropy, router aux)) — the CLI's training loss."""
-  model = join(graphdef, params, buffers)
-  logits, aux = model.forward(x)
-  ce = cross_entropy(logits, y)
-  return ce + aux_loss(aux, model.c), (ce, aux)
+  """(cross entropy + weighted MoE aux losses, (cross entropy, router aux)): the trainer's loss (`lm_loss`) in the
+  argument order the experiments use."""
+  return lm_loss(graphdef)(params, x, y, buffers)
 
 
 def evaluate(model: Transformer, batches) -> float:
@@ -145,8 +143,10 @@ def evaluate(model: Transformer, batches) -> float:
 
 @functools.lru_cache(maxsize=64)
 def _held_out_loss(graphdef):
-  """The jitted cross entropy of one model structure: every `evaluate` of it shares one compiled program per shape."""
-  return jax.jit(lambda p, b, x, y: loss_fn(graphdef, p, b, x, y)[1][0])
+  """The jitted cross entropy (the trainer's `eval_loss`) of one model structure: every `evaluate` and `fit` of it
+  shares one compiled program per shape."""
+  eval_fn = eval_loss(graphdef)
+  return jax.jit(lambda p, b, x, y: eval_fn(p, x, y, b))
 
 
 def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray, *, steps: int,
@@ -170,22 +170,17 @@ def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray
   """
   graphdef, params, buffers = split(model)
   opt_state = tx.init(params) if opt_state is None else opt_state
-  rate = model.c.moe.bias_rate if model.c.moe is not None else 0.0
+  update = make_update(graphdef, tx, update_args={"max_logits"} if max_logits else ())
 
   @jax.jit
   def step(params, buffers, opt_state, x, y):
-    (_, (ce, aux)), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, params, buffers, x, y)
-    extra = {"max_logits": aux["max_logit"]} if max_logits else {}
-    updates, opt_state = tx.update(grads, opt_state, params, **extra)
-    new_params = optax.apply_updates(params, updates)
-    if "load" in aux and buffers:
-      buffers = update_router_bias(buffers, aux, rate)
+    new_params, buffers, opt_state, grads, updates, aux, ce = update(params, buffers, opt_state, x, y)
     out = {"loss": ce}
-    if metrics is not None:
+    if metrics is not None:  # on the parameters the gradients were taken at
       out.update(metrics(grads, updates, params, aux))
     return new_params, buffers, opt_state, out
 
-  eval_step = jax.jit(lambda p, b, x, y: loss_fn(graphdef, p, b, x, y)[1][0])
+  eval_step = _held_out_loss(graphdef)
   records = []
   for i in range(steps):
     x, y = batch_fn(start + i) if batch_fn else get_batch(tokens, seed, start + i, batch_size, seq_len)

@@ -150,3 +150,38 @@ def router_metrics(out: dict) -> dict:
   lists)."""
   got = jax.device_get({k: v for k, v in out.items() if k.startswith(("moe/", "attn/")) or k == "aux_loss"})
   return {k: np.asarray(v).tolist() for k, v in got.items()}
+
+
+def make_update(graphdef, tx, *, update_args=frozenset()):
+  """The plain step's update as a pure function, for a loop that holds its own parameters (`common.fit`).
+
+  The path of `make_steps`'s train_step without its state dict, --freeze and non-finite guard: the loss and its
+  gradients (`lm_loss`), the optimizer's declared extra arguments (`update_extras`), `tx.update`,
+  `optax.apply_updates`, and for an MoE the aux-loss-free router-bias update from the step's loads (`aux_outputs`).
+
+  Args:
+    graphdef: the model's structure, `nnx.split(model, nnx.Param, ...)`'s first part.
+    tx: the optimizer.
+    update_args: the extra `tx.update` arguments the optimizer declared (`optim.Needs.update_args`): "max_logits"
+      (aux "max_logit": the model needs `logit_stats`). Not "prev_grads": the previous parameters it needs are kept
+      by `make_steps`'s state only (`keep_prev_params`).
+
+  Returns:
+    update(params, buffers, opt_state, x, y) -> (params, buffers, opt_state, grads, updates, aux, ce): the
+    parameters, buffers and optimizer state after the step, its gradients and updates, the forward's aux and the
+    batch's cross entropy. Pure: jit it, or call it inside a jitted step.
+  """
+  update_args = frozenset(update_args)
+  if "prev_grads" in update_args:
+    raise ValueError("prev_grads needs the previous parameters, which only make_steps's state keeps")
+  loss_fn = lm_loss(graphdef)
+
+  def update(params, buffers, opt_state, x, y):
+    (total, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, buffers)
+    extra = update_extras(update_args, loss_fn, {}, x, y, buffers, aux)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    new = {"params": optax.apply_updates(params, updates), "buffers": buffers}
+    aux_outputs(new, aux, buffers, nnx.merge(graphdef, params, buffers).c.moe, total, ce, lambda n, o: n)
+    return new["params"], new["buffers"], opt_state, grads, updates, aux, ce
+
+  return update

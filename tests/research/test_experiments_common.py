@@ -142,3 +142,44 @@ def test_full_results_is_the_committed_file_or_how_to_make_it():
   assert common.full_results("optimizers") == committed.read_text()
   assert common.full_results("no_such_experiment") == (
       "No full-size results yet: run `python -m research.experiments.no_such_experiment`.")
+
+
+@pytest.mark.parametrize("case", ["moe_router_bias", "muonclip_max_logits"])
+def test_fit_steps_as_the_trainer_does(case):
+  """`fit` and the trainer's `make_steps` (one device) take the same steps: each step's loss, and after them the
+  parameters (MuonClip given max_logits, with a threshold it crosses) and buffers (the MoE router-bias update)."""
+  import chex
+  import models
+  import optim
+  from flax import nnx
+  from research.train import make_steps
+  from sharding import batch_sharding, devices_for, init_train_state, make_mesh
+
+  if case == "moe_router_bias":
+    c = models.preset("moe_tiny", moe=models.MoEConfig(num_experts=8, top_k=2, d_expert=32, bias_rate=1e-2))
+    # eps 1e-3: with Adam's 1e-8 an entry whose gradient is ~1e-8 turns the two programs' float32 rounding into a
+    # visible update difference (as in test_blockstep.py)
+    make_tx, kw = lambda: common.optimizer("adamw", 3e-3, 3, eps=1e-3), {}
+  else:
+    c = models.preset("tiny", logit_stats=True, qk_norm=False)
+    make_tx, kw = lambda: optim.get_optimizer("muonclip", 1e-2, clip_threshold=0.05), {"max_logits": True}
+  rng = np.random.default_rng(0)
+  batches = [tuple(rng.integers(0, c.vocab_size, (4, 16), dtype=np.int32) for _ in range(2)) for _ in range(3)]
+  got = common.fit(models.Transformer(c, rngs=nnx.Rngs(0)), make_tx(), None, steps=3,
+                   batch_fn=lambda i: batches[i], **kw)
+
+  assert len(got.records) == 3
+  mesh = make_mesh("data=1", devices=devices_for("data=1"))
+  tx = make_tx()
+  graphdef, state, shardings = init_train_state(lambda: models.Transformer(c, rngs=nnx.Rngs(0)), tx, mesh)
+  batch_sh = batch_sharding(mesh, (4, 16))
+  train, _ = make_steps(graphdef, tx, shardings, batch_sh, update_args={"max_logits"} if kw else ())
+  with jax.set_mesh(mesh):
+    for (x, y), rec in zip(batches, got.records):
+      state, out = train(state, jax.device_put(x, batch_sh), jax.device_put(y, batch_sh))
+      np.testing.assert_allclose(rec["loss"], float(out["loss"]), rtol=1e-6)
+  _, params, buffers = common.split(got.model)
+  chex.assert_trees_all_close(params, jax.device_get(state["params"]), rtol=2e-5, atol=2e-6)
+  chex.assert_trees_all_close(buffers, jax.device_get(state.get("buffers", {})), rtol=2e-5, atol=2e-6)
+  if case == "moe_router_bias":
+    assert any(np.any(np.asarray(b) != 0) for b in jax.tree.leaves(buffers))  # the bias moved
