@@ -31,6 +31,7 @@ from flax import nnx
 from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
 from research import entry
 from research.data import DataError, eval_batches, get_batch, load_corpus
+from research.train.config import flat_record
 from research.train.pretrained import LOAD_ERRORS, load_model
 from sharding.mesh import make_mesh
 from sharding.state import place_variables
@@ -93,7 +94,7 @@ class QuantizeConfig:
 
 def _data(cfg: QuantizeConfig):
   meta = json.load(open(os.path.join(cfg.source, "config.json")))
-  train = meta.get("train", {})
+  train = flat_record(meta.get("train") or {})
   hf_tok = os.path.join(cfg.source, "tokenizer.json")
   tokenizer = cfg.tokenizer or train.get("tokenizer") or (hf_tok if os.path.exists(hf_tok) else None)
   return load_corpus(cfg.data if cfg.data is not None else train.get("data"), tokenizer=tokenizer), tokenizer

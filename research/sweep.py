@@ -38,7 +38,7 @@ import tyro
 
 from research import entry
 from research.train.cli import USER_ERRORS
-from research.train.config import TrainConfig
+from research.train.config import NestedTrainConfig, TrainConfig
 
 _ENTRY = re.compile(r"^(\w+)(?:\[(.*)\])?=([^=\[\]]+)$")
 
@@ -67,7 +67,7 @@ class SweepConfig:
   out: str = "runs/sweep"
   runs: str | None = None
   """Where the run directories live (default OUT/runs); sweeps that share it share their finished runs."""
-  train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(
+  train: NestedTrainConfig = dataclasses.field(default_factory=lambda: NestedTrainConfig(
       devices=1, mesh="data=1", progress=False, log_every=25, eval_every=25))
   """Settings shared by every run (--train.model, --train.batch-size, --train.mesh, ...)."""
 
@@ -114,7 +114,7 @@ def parse_grid(entries) -> list[tuple[str, str, tuple[str, ...], list[float]]]:
 
 def budget_steps(cfg: SweepConfig) -> int:
   """Steps per run from --tokens, --flops or --train.steps."""
-  tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+  tokens_per_step = cfg.train.training.batch_size * cfg.train.training.seq_len
   if cfg.tokens is not None and cfg.flops is not None:
     raise SweepError("give --tokens or --flops, not both")
   if cfg.tokens is not None:
@@ -122,9 +122,9 @@ def budget_steps(cfg: SweepConfig) -> int:
   elif cfg.flops is not None:
     from models import flops_per_token
     from research.train.build import model_config
-    steps = int(cfg.flops // (flops_per_token(model_config(cfg.train), cfg.train.seq_len) * tokens_per_step))
+    steps = int(cfg.flops // (flops_per_token(model_config(cfg.train), cfg.train.training.seq_len) * tokens_per_step))
   else:
-    steps = cfg.train.steps
+    steps = cfg.train.training.steps
   if steps < 1:
     raise SweepError(f"the budget is less than one step of {tokens_per_step} tokens")
   return steps
@@ -185,7 +185,7 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
   steps = budget_steps(cfg)
   runs_dir = cfg.runs or os.path.join(cfg.out, "runs")
   runs = [Run(label, name, opt, lr, seed) for seed in cfg.seeds for label, name, opt, lrs in grid for lr in lrs]
-  base = {f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(cfg.train)}  # shallow: keeps nested configs
+  base = cfg.train.flags()  # shallow: keeps nested configs
   base.update(steps=steps, stop_at=None)
   if base["eval_every"] > steps:
     base["eval_every"] = steps
@@ -272,7 +272,8 @@ def write_results(cfg: SweepConfig, rows: list[dict]):
   lines += [f"| {s['label']} | {s['best_lr']:g} | {s['final_mean']:.4f} ± {s['final_std']:.4f} | {s['best_val']:.4f} | "
             f"{fmt(s['steps_to_target'], '.0f')} | {'<1' if s['speedup'] is None else format(s['speedup'], '.2f') + '×'}"
             f" | {s['tokens_per_s']:.0f} |" for s in summary]
-  settings = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in ("out", "progress")}
+  settings = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in cfg.train.flags().items()
+              if k not in ("out", "progress")}
   settings["steps"] = rows[0]["steps"]
   with open(os.path.join(cfg.out, "summary.md"), "w") as f:
     f.write(f"Sweep at commit {commit}: grid {list(cfg.grid)}, seeds {list(cfg.seeds)}\n\n"

@@ -130,7 +130,7 @@ def _optlab(flags: dict, batches, warmup: int, steps: int) -> dict:
     wall = time.perf_counter() - t
   stats = jax.devices()[0].memory_stats() or {}
   memory = stats.get("peak_bytes_in_use") or (mem.argument_size_in_bytes + mem.temp_size_in_bytes if mem else None)
-  return dict(mcfg=mcfg, seed=cfg.seed, loss0=loss0, step_s=wall / steps, memory=memory,
+  return dict(mcfg=mcfg, seed=cfg.training.seed, loss0=loss0, step_s=wall / steps, memory=memory,
               tokens_per_s=B * T * steps / wall, attention=_resolved(mcfg, T))
 
 

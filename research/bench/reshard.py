@@ -51,7 +51,7 @@ def _time_preset(name: str, src: str, dst: str, rounds: int, compile_step: bool,
   cfg = TrainConfig(model=name)
   mcfg = model_config(cfg)
   tx, _ = make_optimizer(cfg)
-  model_fn = lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
+  model_fn = lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed))
   mesh_a = make_mesh(src, devices=devices_for(src))
   mesh_b = make_mesh(dst, devices=devices_for(dst))
   graphdef, state, sh_a = init_train_state(model_fn, tx, mesh_a)
@@ -90,9 +90,9 @@ def _time_preset(name: str, src: str, dst: str, rounds: int, compile_step: bool,
   row["orbax_s"] = row["save_s"] + row["restore_s"]
   row["ratio"] = statistics.median(row["orbax_all"]) / row["switch_s"]
   if compile_step:
-    batch_sh = batch_sharding(mesh_b, (cfg.batch_size, cfg.seq_len))
+    batch_sh = batch_sharding(mesh_b, (cfg.training.batch_size, cfg.training.seq_len))
     train_step, _ = make_steps(graphdef, tx, sh_b, batch_sh)
-    x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sh)
+    x = jax.ShapeDtypeStruct((cfg.training.batch_size, cfg.training.seq_len), np.int32, sharding=batch_sh)
     t = time.perf_counter()
     with jax.set_mesh(mesh_b):
       train_step.lower(abstract_state(state, sh_b), x, x).compile()

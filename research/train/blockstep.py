@@ -58,7 +58,7 @@ from sharding.state import shardings_like_params
 def eligible(cfg, mesh) -> str | None:
   """None when the blockwise step runs this run's optimizer, else why not (one phrase): its registry entry declares
   no blockwise step for these hyperparameters (`optim.Needs`), or the run's settings rule it out."""
-  needs = optimizer_needs(cfg)
+  needs = optimizer_needs(cfg.optim)
   if needs.blockwise is None:
     return "not blockwise" if needs.not_blockwise is None else f"--opt {needs.not_blockwise}"
   named = clashes.blockwise_blockers(cfg, mesh)
@@ -70,9 +70,9 @@ def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
   line)."""
   why = eligible(cfg, mesh)
   if why is None:
-    return Parts(schedule, optimizer_needs(cfg).blockwise, mcfg.n_layers, cfg.grad_clip, cfg.optimizer)
+    return Parts(schedule, optimizer_needs(cfg.optim).blockwise, mcfg.n_layers, cfg.optim.grad_clip, cfg.optim.optimizer)
   if why != "not blockwise" and is_primary():
-    print(f"note: --optimizer {cfg.optimizer} with {why} runs optim.{cfg.optimizer} over full gradients (every "
+    print(f"note: --optimizer {cfg.optim.optimizer} with {why} runs optim.{cfg.optim.optimizer} over full gradients (every "
           f"gradient computed, every parameter kept in float32), not the blockwise step", file=sys.stderr)
   return None
 

@@ -12,31 +12,31 @@ from models import PRESETS, MoEConfig, preset
 from optim import Needs, UnknownOptimizerError, get_optimizer, make_schedule, needs, with_global_norm_clip
 from research.train import frozen, init_from
 from research.train.config import RunError, TrainConfig
+from research.train.config.sections import OptimSection
 
 
 def model_config(cfg: TrainConfig):
   """The preset (or --init-from's config) with every given flag overriding its one field (--moe.* fields of the
   MoE included)."""
-  over = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm",
-                                       "qkv_bias", "tie_embeddings", "compute_dtype", "remat", "microbatches",
-                                       "attention", "logit_stats")
-          if getattr(cfg, k) is not None}
-  if "max_logits" in optimizer_needs(cfg).update_args:  # the optimizer reads each head's max logit from the forward
+  over = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
+  if "max_logits" in optimizer_needs(cfg.optim).update_args:  # the optimizer reads each head's max logit from the forward
     over["logit_stats"] = True
   moe = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
-  if cfg.init_from:
-    return init_from.model_config(cfg, {**over, "moe": moe})
+  if cfg.finetune.init_from:
+    return init_from.model_config(cfg.finetune.init_from, {**over, "moe": moe})
   if moe:
-    base = PRESETS[cfg.model].moe if cfg.model in PRESETS else None
+    base = PRESETS[cfg.model.preset].moe if cfg.model.preset in PRESETS else None
     if base is None and "num_experts" not in moe:
-      raise RunError(f"--model {cfg.model} is dense: give --moe.num-experts to make it a mixture of experts")
+      raise RunError(f"--model {cfg.model.preset} is dense: give --moe.num-experts to make it a mixture of experts")
     over["moe"] = dataclasses.replace(base or MoEConfig(), **moe)
-  return preset(cfg.model, **over)
+  return preset(cfg.model.preset, **over)
 
 
-def opt_hparams(cfg: TrainConfig) -> dict:
-  hp = {k: getattr(cfg, k) for k in ("weight_decay", "b1", "b2") if getattr(cfg, k) is not None}
-  for item in cfg.opt:
+def opt_hparams(optim: OptimSection) -> dict:
+  """The optimizer's hyperparameters the flags give: --weight-decay, --b1, --b2 when set, and every --opt KEY=VALUE
+  (VALUE read as JSON, else as a string)."""
+  hp = {k: getattr(optim, k) for k in ("weight_decay", "b1", "b2") if getattr(optim, k) is not None}
+  for item in optim.opt:
     key, sep, value = item.partition("=")
     if not sep:
       raise RunError(f"--opt {item!r} is not KEY=VALUE")
@@ -47,28 +47,28 @@ def opt_hparams(cfg: TrainConfig) -> dict:
   return hp
 
 
-def optimizer_needs(cfg: TrainConfig) -> Needs:
+def optimizer_needs(optim: OptimSection) -> Needs:
   """What --optimizer with these hyperparameters asks of the trainer, as its registry entry declares it
   (`optim.needs.Needs`: extra update arguments, a blockwise step, model settings it refuses)."""
-  return needs(cfg.optimizer, opt_hparams(cfg))
+  return needs(optim.optimizer, opt_hparams(optim))
 
 
 def make_optimizer(cfg: TrainConfig):
-  hp = opt_hparams(cfg)
-  warmup = min(100, cfg.steps // 10) if cfg.warmup_steps is None else cfg.warmup_steps
-  schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio)
+  hp = opt_hparams(cfg.optim)
+  warmup = min(100, cfg.training.steps // 10) if cfg.optim.warmup_steps is None else cfg.optim.warmup_steps
+  schedule = make_schedule(cfg.optim.schedule, cfg.optim.lr, cfg.training.steps, warmup=warmup, min_ratio=cfg.optim.min_lr_ratio)
   try:
-    tx = get_optimizer(cfg.optimizer, schedule, **hp)
+    tx = get_optimizer(cfg.optim.optimizer, schedule, **hp)
   except ValueError as e:  # the registry's refusals, or a factory's own (MGUP's AlignmentError, BAdamError)
-    raise e if isinstance(e, UnknownOptimizerError) else RunError(f"--optimizer {cfg.optimizer}: {e}") from None
-  prev_grads = "prev_grads" in optimizer_needs(cfg).update_args
-  if cfg.grad_clip > 0 and prev_grads:  # the clip also applies to prev_grads, each by its own global norm
-    tx = with_global_norm_clip(tx, cfg.grad_clip)
-  elif cfg.grad_clip > 0:
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
-  return frozen.freeze(tx, cfg.freeze)[0], schedule
+    raise e if isinstance(e, UnknownOptimizerError) else RunError(f"--optimizer {cfg.optim.optimizer}: {e}") from None
+  prev_grads = "prev_grads" in optimizer_needs(cfg.optim).update_args
+  if cfg.optim.grad_clip > 0 and prev_grads:  # the clip also applies to prev_grads, each by its own global norm
+    tx = with_global_norm_clip(tx, cfg.optim.grad_clip)
+  elif cfg.optim.grad_clip > 0:
+    tx = optax.chain(optax.clip_by_global_norm(cfg.optim.grad_clip), tx)
+  return frozen.freeze(tx, cfg.finetune.freeze)[0], schedule
 
 
 def step_options(cfg: TrainConfig) -> dict:
   """`make_steps`' keyword arguments the flags decide: the optimizer's declared update arguments, --freeze's mask."""
-  return {"update_args": optimizer_needs(cfg).update_args, "frozen": frozen.frozen_mask(cfg.freeze)}
+  return {"update_args": optimizer_needs(cfg.optim).update_args, "frozen": frozen.frozen_mask(cfg.finetune.freeze)}

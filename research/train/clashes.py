@@ -25,20 +25,20 @@ BLOCKWISE_BLOCKERS = ("stage", "context", "sync", "freeze", "peft", "zero1", "sw
 
 def features(cfg, mesh, mcfg=None) -> dict[str, str | None]:
   """{feature: how a message names it when the run has it, else None}; `mcfg` None: the model's are unknown (off)."""
-  needs = optimizer_needs(cfg)
+  needs = optimizer_needs(cfg.optim)
   args = ", ".join(sorted(needs.update_args))
-  on = {"sync": f"--sync {cfg.sync}" if cfg.sync != "allreduce" else None,
-        "freeze_layers": "--freeze-layers" if cfg.freeze_layers else None,
-        "peft": "--peft" if cfg.peft else None,
-        "freeze": "--freeze" if cfg.freeze else None,
-        "switch_at": "--switch-at" if cfg.switch_at else None,
-        "zero1": "--zero1" if cfg.zero1 else None,
+  on = {"sync": f"--sync {cfg.sync.mode}" if cfg.sync.mode != "allreduce" else None,
+        "freeze_layers": "--freeze-layers" if cfg.finetune.freeze_layers else None,
+        "peft": "--peft" if cfg.finetune.peft else None,
+        "freeze": "--freeze" if cfg.finetune.freeze else None,
+        "switch_at": "--switch-at" if cfg.mesh.switch_at else None,
+        "zero1": "--zero1" if cfg.mesh.zero1 else None,
         "stage": "a stage mesh axis" if mesh.shape["stage"] > 1 else None,
         "context": "a context mesh axis" if mesh.shape["context"] > 1 else None,
         "moe": "a MoE model" if mcfg is not None and mcfg.moe else None,
-        "blocks": f"--optimizer {cfg.optimizer} (its own blocks)" if needs.block_coordinate else None,
-        "update_args": f"--optimizer {cfg.optimizer}'s update arguments ({args})" if args else None,
-        "prev_grads": (f"--optimizer {cfg.optimizer}'s update argument prev_grads"
+        "blocks": f"--optimizer {cfg.optim.optimizer} (its own blocks)" if needs.block_coordinate else None,
+        "update_args": f"--optimizer {cfg.optim.optimizer}'s update arguments ({args})" if args else None,
+        "prev_grads": (f"--optimizer {cfg.optim.optimizer}'s update argument prev_grads"
                        if "prev_grads" in needs.update_args else None)}
   return on
 

@@ -80,4 +80,4 @@ def main(argv=None):
       os._exit(failed[0])  # heartbeat timeout, then abort this process with a stack trace
     raise SystemExit(failed[0]) from None
   if records and is_primary():
-    print(summary(records, cfg.out))
+    print(summary(records, cfg.checkpoint.out))

@@ -32,10 +32,10 @@ def make_loader(cfg: TrainConfig, corpus: Corpus, rows=None) -> Loader:
   loader per source under the mixture's sampler."""
   if isinstance(corpus, MixedCorpus):
     loaders = {n: make_loader(cfg, c, rows) for n, c in corpus.sources.items()}
-    return MixedLoader(Mixture(loaders, seed=cfg.seed, weights=corpus.spec.initial(corpus.sizes())),
+    return MixedLoader(Mixture(loaders, seed=cfg.training.seed, weights=corpus.spec.initial(corpus.sizes())),
                        cfg.data_options.workers)
   try:
-    return Loader(corpus.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, sampling=cfg.sampling,
+    return Loader(corpus.train, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=cfg.training.seed, sampling=cfg.data.sampling,
                   rows=rows, workers=cfg.data_options.workers, layout=cfg.data_options.layout, docs=corpus.train_docs,
                   eos=corpus.eos)
   except DataError as e:
@@ -48,13 +48,13 @@ def held_out(cfg: TrainConfig, corpus: Corpus) -> list[tuple]:
   if isinstance(corpus, MixedCorpus):  # each source's, one after the other (research/train/mixing.py)
     return [b for c in corpus.sources.values() for b in held_out(cfg, c)]
   if cfg.data_options.layout == "windows":
-    return eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    return eval_batches(corpus.val, cfg.training.batch_size, cfg.training.seq_len, cfg.logging.eval_batches)
   try:
-    loader = Loader(corpus.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=0, sampling="sequential",
+    loader = Loader(corpus.val, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=0, sampling="sequential",
                     workers=0, layout=cfg.data_options.layout, docs=corpus.val_docs, eos=corpus.eos)
   except DataError as e:
     raise RunError(f"--data: the held-out split: {e}") from None
-  return [loader.batch(t) for t in range(cfg.eval_batches)]
+  return [loader.batch(t) for t in range(cfg.logging.eval_batches)]
 
 
 class Feed:
@@ -70,7 +70,7 @@ class Feed:
 
   def _open(self, mesh, state):
     self.mesh = mesh
-    self.rows = process_rows(mesh, (self.cfg.batch_size, self.cfg.seq_len))
+    self.rows = process_rows(mesh, (self.cfg.training.batch_size, self.cfg.training.seq_len))
     self.loader = make_loader(self.cfg, self.corpus, self.rows)
     self._start(state=state, start=self.step)
 
@@ -84,7 +84,7 @@ class Feed:
     state = None
     try:
       state = self.iterator.get_state()
-      return state, local_batch(next(self.iterator), self.mesh, self.rows, self.cfg.batch_size), None
+      return state, local_batch(next(self.iterator), self.mesh, self.rows, self.cfg.training.batch_size), None
     except Exception as e:  # raised by `next()`, in the loop; the feed still closes
       return state, None, e
 

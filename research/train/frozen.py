@@ -81,14 +81,14 @@ def frozen_summary(params: dict, labels, tx_plain: optax.GradientTransformation,
 def frozen_dtype(cfg):
   """The storage dtype of --freeze's parameters: --frozen-dtype, else bfloat16 when fine-tuning (--init-from), else
   float32."""
-  return jnp.dtype(cfg.frozen_dtype or ("bfloat16" if cfg.init_from else "float32"))
+  return jnp.dtype(cfg.finetune.frozen_dtype or ("bfloat16" if cfg.finetune.init_from else "float32"))
 
 
 def resolved(cfg):
   """`cfg` with the dtypes it leaves to the run filled in, as config.json records them: --peft.base-dtype unset is
   the frozen dtype (`frozen_dtype`: bfloat16 when fine-tuning, else float32), so a PEFT run's frozen base is stored
   like --freeze's and BAdam's (a recorded run resumes and loads in the dtype it was written in)."""
-  if not cfg.peft or cfg.peft_options.base_dtype is not None:
+  if not cfg.finetune.peft or cfg.peft_options.base_dtype is not None:
     return cfg
   return dataclasses.replace(cfg, peft_options=dataclasses.replace(cfg.peft_options,
                                                                    base_dtype=str(frozen_dtype(cfg))))

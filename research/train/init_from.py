@@ -42,17 +42,18 @@ def source_config(source: str) -> TransformerConfig:
   return TransformerConfig(**meta["model_config"])
 
 
-def model_config(cfg, flags: dict) -> TransformerConfig:
+def model_config(source: str, flags: dict) -> TransformerConfig:
   """The checkpoint's config with the allowed flags applied; RunError-style InitError for one that disagrees.
-  `flags`: the model flags given on the command line (unset ones left out), --moe.* under "moe"."""
-  base = source_config(cfg.init_from)
+  `source`: --init-from's; `flags`: the model flags given on the command line (unset ones left out), --moe.* under
+  "moe"."""
+  base = source_config(source)
   for k in SHAPE_FLAGS:
     if k in flags and flags[k] != getattr(base, k):
-      raise InitError(f"--{k.replace('_', '-')} {flags[k]} conflicts with --init-from {cfg.init_from} "
+      raise InitError(f"--{k.replace('_', '-')} {flags[k]} conflicts with --init-from {source} "
                       f"({k}={getattr(base, k)}); leave it out")
   for k, v in flags.get("moe", {}).items():
     if base.moe is None or getattr(base.moe, k) != v:
-      raise InitError(f"--moe.{k.replace('_', '-')} {v} conflicts with --init-from {cfg.init_from} "
+      raise InitError(f"--moe.{k.replace('_', '-')} {v} conflicts with --init-from {source} "
                       f"(moe.{k}={None if base.moe is None else getattr(base.moe, k)}); leave it out")
   return dataclasses.replace(base, param_dtype="float32", **{k: flags[k] for k in FREE_FLAGS if k in flags})
 

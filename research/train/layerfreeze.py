@@ -44,7 +44,7 @@ from sharding.state import shardings_like_params
 def check(cfg, n_layers: int) -> None:
   """RunError (one line) when --freeze-layers' N does not fit the model; nothing when it is off (what it does not
   combine with is research/train/clashes.py's)."""
-  n = cfg.freeze_layers
+  n = cfg.finetune.freeze_layers
   if n and not 0 < n < n_layers:
     raise RunError(f"--freeze-layers {n}: the model has {n_layers} layers; freeze 1..{n_layers - 1} of them (all "
                    f"frozen leaves nothing to train)")

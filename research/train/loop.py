@@ -53,10 +53,10 @@ def run(cfg: TrainConfig) -> list[dict]:
   preflight.check(cfg)
   cfg = frozen.resolved(cfg)  # the dtypes left unset, as config.json records them
   with Stop() as stop:  # from here on SIGINT/SIGTERM stop the run cleanly, during start-up too
-    init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.distributed,  # before any JAX use
-                     heartbeat_timeout=cfg.peer_timeout + 60)  # JAX's abort comes after ours, if ours is armed
-    setup_jax(cfg.devices, cfg.compile_cache)
-    with rundir.claim(cfg.out, lock=is_primary(), keep_on=(BadStepsError, CheckpointSaveError)):
+    init_distributed(cfg.distributed.coordinator, cfg.distributed.num_processes, cfg.distributed.process_id, cfg.distributed.mode,  # before any JAX use
+                     heartbeat_timeout=cfg.distributed.peer_timeout + 60)  # JAX's abort comes after ours, if ours is armed
+    setup_jax(cfg.runtime.devices, cfg.runtime.compile_cache)
+    with rundir.claim(cfg.checkpoint.out, lock=is_primary(), keep_on=(BadStepsError, CheckpointSaveError)):
       return _train(cfg, stop)
 
 
@@ -129,7 +129,7 @@ class _Run:
 
   def __post_init__(self):
     self.step = self.start
-    self.end = min(self.cfg.steps, self.cfg.stop_at or self.cfg.steps)
+    self.end = min(self.cfg.training.steps, self.cfg.training.stop_at or self.cfg.training.steps)
 
 
 def _start(cfg: TrainConfig) -> _Run:
@@ -141,18 +141,18 @@ def _start(cfg: TrainConfig) -> _Run:
   train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)
   syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
   estimate = _memory(cfg, syncer.train, abstract, batch_sh, mesh)  # compiled before anything is allocated; may refuse
-  names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)))[2]
+  names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)))[2]
   switches = [(at, switch_layout(m, abstract, names, graphdef, tx, cfg, val_host)) for at, m in plan]
   layout = Layout(mesh, shardings, batch_sh, val, train_step, eval_step)
   state = None
-  if not rundir.has_checkpoint(cfg.out):  # a new run's state, created sharded (--init-from read here)
+  if not rundir.has_checkpoint(cfg.checkpoint.out):  # a new run's state, created sharded (--init-from read here)
     state, report = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings)
   meta = run_meta(cfg, mcfg, mesh, corpus, pipe, report)
-  ckpt = Checkpointer(os.path.join(cfg.out, "ckpt"), keep=cfg.keep, every=cfg.ckpt_every,
+  ckpt = Checkpointer(os.path.join(cfg.checkpoint.out, "ckpt"), keep=cfg.checkpoint.keep, every=cfg.checkpoint.ckpt_every,
                       save_concurrent_gb=estimate.writer_gb)  # bounded where it shares the devices' memory
-  metrics = rundir.MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), enabled=is_primary())
-  monitor = Monitor(cfg.max_bad_steps, cfg.spike_factor, cfg.spike_window)
-  start, restored, saved = newest_readable(ckpt, meta, abstract, shardings, switches, cfg.out)
+  metrics = rundir.MetricsLog(os.path.join(cfg.checkpoint.out, "metrics.jsonl"), enabled=is_primary())
+  monitor = Monitor(cfg.health.max_bad_steps, cfg.health.spike_factor, cfg.health.spike_window)
+  start, restored, saved = newest_readable(ckpt, meta, abstract, shardings, switches, cfg.checkpoint.out)
   if start is not None:  # restored into the abstract state's shapes and shardings
     while switches and switches[0][0] <= start:  # resume on the mesh the run had switched to by then
       layout = switches.pop(0)[1]
@@ -161,24 +161,24 @@ def _start(cfg: TrainConfig) -> _Run:
     if "peft" in saved:  # the adapters' report as the run measured it (a sparse adapter's count after pruning)
       meta["peft"] = saved["peft"]
     monitor.load(saved.get("health"))
-    print(f"resuming {cfg.out} from step {start}", file=sys.stderr)
+    print(f"resuming {cfg.checkpoint.out} from step {start}", file=sys.stderr)
   start = start or 0
   feed = Feed(cfg, corpus, layout.mesh, start, saved.get("loader") if saved else None)
-  peak = Peak(cfg.peak_flops, mcfg.compute_dtype, layout.mesh.size)  # MFU's denominator (research/train/throughput.py)
+  peak = Peak(cfg.logging.peak_flops, mcfg.compute_dtype, layout.mesh.size)  # MFU's denominator (research/train/throughput.py)
   meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
   records = metrics.open(start)  # what the interrupted run logged past its checkpoint is dropped
   trackers = Trackers.open(cfg, meta, start)  # research/train/trackers.py; only process 0 writes
   if is_primary():  # one writer for the run's own files; orbax coordinates the checkpoint writes
-    rundir.write_json_lines(os.path.join(cfg.out, "config.json"), [meta], indent=2)
-  watchdog = Watchdog(cfg.peer_timeout, f"after step {{step}} of a {jax.process_count()}-process run: a peer "
+    rundir.write_json_lines(os.path.join(cfg.checkpoint.out, "config.json"), [meta], indent=2)
+  watchdog = Watchdog(cfg.distributed.peer_timeout, f"after step {{step}} of a {jax.process_count()}-process run: a peer "
                       f"process probably died; restart every process with the same command to resume")
   return _Run(cfg=cfg, corpus=corpus, feed=feed, layout=layout, switches=switches, syncer=syncer, state=state, start=start,
               schedule=schedule, meta=meta, ckpt=ckpt, metrics=metrics, monitor=monitor, records=records, peak=peak,
-              meter=Meter(cfg.batch_size * cfg.seq_len), trackers=trackers,
+              meter=Meter(cfg.training.batch_size * cfg.training.seq_len), trackers=trackers,
               mixing=Mixing(cfg, corpus, graphdef, layout.val),
-              progress=Progress(cfg.steps, start, enabled=cfg.progress and is_primary()), watchdog=watchdog,
-              profiler=Profiler(cfg.profile, cfg.out, show=is_primary()),
-              model_flops_per_token=flops_per_token(mcfg, cfg.seq_len), estimate=estimate)
+              progress=Progress(cfg.training.steps, start, enabled=cfg.logging.progress and is_primary()), watchdog=watchdog,
+              profiler=Profiler(cfg.logging.profile, cfg.checkpoint.out, show=is_primary()),
+              model_flops_per_token=flops_per_token(mcfg, cfg.training.seq_len), estimate=estimate)
 
 
 def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh):
@@ -188,15 +188,15 @@ def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh):
   if step == "blockwise":
     return blockstep.make_block_steps(graphdef, parts, shardings, batch_sh)
   if step == "layers":
-    return layerfreeze.make_layer_steps(graphdef, tx, shardings, batch_sh, cfg.freeze_layers)
+    return layerfreeze.make_layer_steps(graphdef, tx, shardings, batch_sh, cfg.finetune.freeze_layers)
   return make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
 
 
 def _memory(cfg: TrainConfig, train_step, abstract, batch_sh, mesh):
   """The memory pre-flight (research/train/memory.py): the step's bytes per device printed, a run that cannot fit
   refused (RunError) before its state exists; the estimate returned."""
-  est = memory.estimate(train_step, abstract, (cfg.batch_size, cfg.seq_len), batch_sh, mesh)
-  memory.check(est, cfg.memory_limit, cfg)
+  est = memory.estimate(train_step, abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
+  memory.check(est, cfg.runtime.memory_limit, cfg)
   if is_primary():  # on stdout with the run's other lines: stderr is for what went wrong
     print(est.line(), flush=True)
   return est
@@ -226,7 +226,7 @@ def _advance(r: _Run) -> dict:
   r.profiler.before(r.step + 1)  # --profile: the trace starts before its first step is dispatched
   r.state, out = r.syncer.step(r.state, *r.feed.next())
   r.step += 1
-  r.state = r.syncer.after(r.state, r.step, r.step == r.cfg.steps)  # --sync local:H: the outer step every H steps
+  r.state = r.syncer.after(r.state, r.step, r.step == r.cfg.training.steps)  # --sync local:H: the outer step every H steps
   if r.profiler.after(r.step, (out, r.state)):  # the trace written and read: not training time
     r.meter.restart()
   if r.step == r.start + 1:  # the first step compiles: throughput is timed from its end
@@ -239,23 +239,23 @@ def _advance(r: _Run) -> dict:
 
 def _logged(r: _Run, step: int) -> bool:
   """Whether `step` writes a metrics record (every --log-every and --eval-every steps, and the last)."""
-  return step % r.cfg.log_every == 0 or step == r.cfg.steps or step % r.cfg.eval_every == 0
+  return step % r.cfg.logging.log_every == 0 or step == r.cfg.training.steps or step % r.cfg.logging.eval_every == 0
 
 
 def _saves(r: _Run, step: int, stop: Stop) -> bool:
   """Whether `step` may save a checkpoint (so the health of every step up to it is read back first)."""
-  return step % r.cfg.ckpt_every == 0 or step == r.end or stop.signum is not None
+  return step % r.cfg.checkpoint.ckpt_every == 0 or step == r.end or stop.signum is not None
 
 
 def _log(r: _Run, out: dict):
   """The step's metrics record: loss, grad norm, lr, health, throughput (once a whole step has run after
   compilation), the held-out loss when due, router and --sync metrics; written and shown."""
-  cfg, step, last = r.cfg, r.step, r.step == r.cfg.steps
+  cfg, step, last = r.cfg, r.step, r.step == r.cfg.training.steps
   loss = float(out["loss"])  # waits for the step
   rec = {"step": step, "loss": loss, "grad_norm": float(out["grad_norm"]), "lr": float(r.schedule(step - 1)),
          **r.monitor.take()}
   rec.update(r.meter.record(step, step == r.end, r.model_flops_per_token, r.peak))  # research/train/throughput.py
-  losses = _evaluate(r) if step % cfg.eval_every == 0 or last else None
+  losses = _evaluate(r) if step % cfg.logging.eval_every == 0 or last else None
   if losses is not None:
     rec["val_loss"] = float(np.mean(losses))
   rec.update(r.mixing.record(r.feed, step, losses))
@@ -268,7 +268,7 @@ def _log(r: _Run, out: dict):
   except OSError as e:
     if not rundir.refused(e):
       raise
-    raise r.ckpt.write_error(f"step {step}'s metrics in {cfg.out}", e) from None  # cut back like a failed save
+    raise r.ckpt.write_error(f"step {step}'s metrics in {cfg.checkpoint.out}", e) from None  # cut back like a failed save
   r.progress.log(rec)
   r.meter.restart()  # evaluation and logging are not training time
 
@@ -283,7 +283,7 @@ def _checkpoint(r: _Run, stop: Stop):
   """Saves every --ckpt-every steps (not amid bad steps) and at the end or a stop. Deciding here, not in orbax,
   keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked for)."""
   final = r.step == r.end or stop.signum is not None
-  if (r.monitor.bad_run == 0 and r.step % r.cfg.ckpt_every == 0) or final:
+  if (r.monitor.bad_run == 0 and r.step % r.cfg.checkpoint.ckpt_every == 0) or final:
     r.state = r.syncer.model(r.state)  # gossip: "params" (what export and sampling read) = the replicas' mean
     r.ckpt.save(r.step, r.state, {**r.meta, "health": r.monitor.state(), "loader": r.feed.state()}, force=True)
 

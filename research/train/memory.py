@@ -203,14 +203,14 @@ def fix(est: Estimate, cfg) -> str:
   """What would make the run fit, by what dominates it: the state (with the gradients and update temporaries of its
   size, about half the step's temporaries when the state dominates) or the activations."""
   state_bound = 2 * est.state >= est.step.temp
-  if state_bound and not (cfg.peft or optimizer_needs(cfg).blockwise):
+  if state_bound and not (cfg.finetune.peft or optimizer_needs(cfg.optim).blockwise):
     blockwise = " / ".join(sorted(n for n in OPTIMIZERS if needs(n).blockwise is not None))
     return (f"fine-tune fewer bytes (--optimizer {blockwise}: the model in bfloat16, one layer trained at a time; "
             "--peft lora trains adapters on a bfloat16 base; --freeze) or shard the state over more devices "
             "(--mesh fsdp=N)")
   if state_bound:
     return "shard the state over more devices (--mesh fsdp=N) or choose a smaller model"
-  remat = "" if cfg.remat else ", or recompute activations in the backward (--remat True)"
+  remat = "" if cfg.model.remat else ", or recompute activations in the backward (--remat True)"
   return f"lower --batch-size or --seq-len{remat}{scores_fix(cfg)}"
 
 
@@ -218,8 +218,8 @@ def scores_fix(cfg) -> str:
   """The attention that keeps no T·T scores, when this run's keeps them over a sequence longer than one tile."""
   kind = getattr(jax.devices()[0], "device_kind", "")
   mcfg = model_config(cfg)  # the model's head dim decides whether cuDNN would take it
-  impl = resolve(mcfg.attention, mcfg.compute_dtype, cfg.seq_len, mcfg.hd, 1, kind)
-  if impl != "xla" or cfg.seq_len <= BLOCK:
+  impl = resolve(mcfg.attention, mcfg.compute_dtype, cfg.training.seq_len, mcfg.hd, 1, kind)
+  if impl != "xla" or cfg.training.seq_len <= BLOCK:
     return ""
   return (f", or an attention that keeps no T·T scores (--attention flash with --seq-len a multiple of {BLOCK}; "
           f"cudnn on an NVIDIA GPU in bfloat16)")

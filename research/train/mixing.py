@@ -26,16 +26,16 @@ from research.train.config import RunError, TrainConfig
 
 def load_data(cfg: TrainConfig):
   """The run's data: one corpus, or (named --data sources) a MixedCorpus sampled by --mix; refused in one line."""
-  named = named_sources(cfg.data)
+  named = named_sources(cfg.data.paths)
   if named is None:
-    if cfg.mix is not None:
+    if cfg.data.mix is not None:
       raise RunError("--mix mixes named --data sources: give them as NAME=PATH (--data code=src/ docs=d.jsonl)")
-    return load_corpus(cfg.data, tokenizer=cfg.tokenizer, field=cfg.data_options.field)
-  spec = parse_mix(cfg.mix or "uniform", named)
+    return load_corpus(cfg.data.paths, tokenizer=cfg.data.tokenizer, field=cfg.data_options.field)
+  spec = parse_mix(cfg.data.mix or "uniform", named)
   sources = {}
   for name, path in named.items():
     try:
-      sources[name] = load_corpus(path, tokenizer=cfg.tokenizer, field=cfg.data_options.field)
+      sources[name] = load_corpus(path, tokenizer=cfg.data.tokenizer, field=cfg.data_options.field)
     except DataError as e:
       raise DataError(f"--data {name}={path}: {e}") from None
   return MixedCorpus(sources, spec)

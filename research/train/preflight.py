@@ -30,11 +30,12 @@ def _flag(name: str) -> str:
 
 def check_numbers(cfg):
   """Counts positive; rates finite and in range (None = unset, which takes a default)."""
+  flags = cfg.flags()
   for name in POSITIVE:
-    if getattr(cfg, name) <= 0:
-      raise PreflightError(f"{_flag(name)} must be positive, got {getattr(cfg, name)}")
+    if flags[name] <= 0:
+      raise PreflightError(f"{_flag(name)} must be positive, got {flags[name]}")
   for name, (lo, hi, closed) in RANGES.items():
-    value = getattr(cfg, name)
+    value = flags[name]
     if value is None:
       continue
     if not math.isfinite(value):
@@ -42,17 +43,17 @@ def check_numbers(cfg):
     if value < lo or (value == lo and not closed) or (hi is not None and value > hi):
       low = "[" if closed else "("
       raise PreflightError(f"{_flag(name)} must lie in {low}{lo}, {'inf)' if hi is None else f'{hi}]'}, got {value}")
-  if cfg.warmup_steps is not None and not 0 <= cfg.warmup_steps <= cfg.steps:
-    raise PreflightError(f"--warmup-steps ({cfg.warmup_steps}) must lie in [0, --steps={cfg.steps}]")
-  if cfg.stop_at is not None and cfg.stop_at <= 0:
-    raise PreflightError(f"--stop-at must be positive, got {cfg.stop_at}")
+  if cfg.optim.warmup_steps is not None and not 0 <= cfg.optim.warmup_steps <= cfg.training.steps:
+    raise PreflightError(f"--warmup-steps ({cfg.optim.warmup_steps}) must lie in [0, --steps={cfg.training.steps}]")
+  if cfg.training.stop_at is not None and cfg.training.stop_at <= 0:
+    raise PreflightError(f"--stop-at must be positive, got {cfg.training.stop_at}")
   try:
-    window = profile.parse(cfg.profile)
+    window = profile.parse(cfg.logging.profile)
   except profile.ProfileError as e:
     raise PreflightError(str(e)) from None
-  if window is not None and sum(window) - 1 > cfg.steps:
-    raise PreflightError(f"--profile {cfg.profile}: steps {window[0]}-{sum(window) - 1} are not all within --steps "
-                         f"{cfg.steps}")
+  if window is not None and sum(window) - 1 > cfg.training.steps:
+    raise PreflightError(f"--profile {cfg.logging.profile}: steps {window[0]}-{sum(window) - 1} are not all within --steps "
+                         f"{cfg.training.steps}")
 
 
 def check_out(out: str):
@@ -80,5 +81,5 @@ def check_out(out: str):
 
 def check(cfg):
   check_numbers(cfg)
-  check_out(cfg.out)
+  check_out(cfg.checkpoint.out)
   trackers.check(cfg)  # a RunError: --tracker's package is missing

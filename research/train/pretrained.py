@@ -15,6 +15,7 @@ from models.hf import config_from_hf
 from research.data.tokenizer import ByteTokenizer, HFTokenizer, check_fits
 from research.train import adapters
 from research.train.checkpoint import Checkpointer, CheckpointError
+from research.train.config import flat_record
 from research.train.trainable import Trainable
 from sharding import logical_names
 from sharding.state import param_shardings, variable_shardings
@@ -78,13 +79,13 @@ def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = Tru
 
 def peft_settings(meta: dict) -> dict | None:
   """A run's --peft settings from its config.json (None: not a PEFT run)."""
-  train = meta.get("train", {})
+  train = flat_record(meta.get("train") or {})
   return train.get("peft") and {"method": train["peft"], **train["peft_options"]}
 
 
 def init_source(run_dir: str) -> str | None:
   """The Hugging Face directory a run was fine-tuned from (--init-from hf:PATH), else None."""
-  return hf_path(_config_json(run_dir).get("train", {}).get("init_from") or "")
+  return hf_path(flat_record(_config_json(run_dir).get("train") or {}).get("init_from") or "")
 
 
 def source_dtype(run_dir: str) -> str | None:
@@ -120,7 +121,7 @@ def run_tokenizer(run_dir: str, meta: dict | None = None) -> str | None:
   """The tokenizer.json a run was trained with (config.json's --tokenizer), None for a byte-level run; a recorded
   tokenizer that is no longer there is refused in one line (CheckpointError), never replaced by bytes."""
   meta = _config_json(run_dir) if meta is None else meta
-  path = (meta.get("train") or {}).get("tokenizer")
+  path = flat_record(meta.get("train") or {}).get("tokenizer")
   if path is None:
     return None
   file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path

@@ -8,7 +8,7 @@ import sys
 from research.train import rundir, sync
 from research.train.frozen import saved_frozen_dtype
 from research.train.checkpoint import CheckpointError
-from research.train.config import RunError
+from research.train.config import RunError, flat_meta
 from research.train.distributed import all_agree, is_primary
 from research.train.pretrained import peft_settings
 from sharding import parse_mesh_spec
@@ -36,6 +36,7 @@ def state_signature(meta: dict) -> dict:
 
 
 def check_resume(saved: dict, meta: dict, out: str):
+  saved, meta = flat_meta(saved), flat_meta(meta)  # either config layout: the flags compared one by one
   old, new = state_signature(saved), state_signature(meta)
   changed = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
   if changed:

@@ -25,27 +25,27 @@ from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
 
 def setup(cfg: TrainConfig):
   """Mesh, model config, data and held-out batches, with every check of the flags that needs them."""
-  mesh = make_mesh(cfg.mesh)
+  mesh = make_mesh(cfg.mesh.spec)
   mcfg = model_config(cfg)
   check_sync(cfg, mesh)
   clashes.check(cfg, mesh, mcfg)  # what does not combine, one table
   layerfreeze.check(cfg, mcfg.n_layers)
-  for field, why in optimizer_needs(cfg).model_refuses:  # as the optimizer's registry entry declares
+  for field, why in optimizer_needs(cfg.optim).model_refuses:  # as the optimizer's registry entry declares
     if getattr(mcfg, field):
-      raise RunError(f"--optimizer {cfg.optimizer} {why}: --model {cfg.model} has {field}; add "
+      raise RunError(f"--optimizer {cfg.optim.optimizer} {why}: --model {cfg.model.preset} has {field}; add "
                      f"--{field.replace('_', '-')} False")
   corpus = mixing.load_data(cfg)  # one corpus, or the named --data sources' mixture
   mixing.check(corpus, mcfg, mesh)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
-  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
   plan = switch_plan(cfg)
-  pipe = pipeline_plan(mesh, mcfg, cfg.batch_size)
+  pipe = pipeline_plan(mesh, mcfg, cfg.training.batch_size)
   for m in [mesh] + [m for _, m in plan]:  # a switch to a pipeline or context mesh must fit the model and batch too
     if m is not mesh:
-      pipeline_plan(m, mcfg, cfg.batch_size)
+      pipeline_plan(m, mcfg, cfg.training.batch_size)
     try:
-      check_attention(mcfg.attention, cfg.seq_len, m.shape["context"])
+      check_attention(mcfg.attention, cfg.training.seq_len, m.shape["context"])
     except AttentionError as e:
       raise RunError(f"--mesh {mesh_spec(m)}: {e}") from None
   make_loader(cfg, corpus)  # fail early if the data is shorter than a sequence or has no documents to lay out
@@ -74,14 +74,14 @@ def pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
 def check_sync(cfg: TrainConfig, mesh):
   """--sync parsed and checked (RunError); what it does not combine with is research/train/clashes.py's."""
   try:
-    mode = sync.parse(cfg.sync)
+    mode = sync.parse(cfg.sync.mode)
     if mode.kind == "gossip":
       sync.mixing_matrix(mode, mesh.shape["data"])
-    sync.outer_optimizer(cfg.outer_lr, cfg.outer_momentum)
+    sync.outer_optimizer(cfg.sync.outer_lr, cfg.sync.outer_momentum)
   except sync.SyncError as e:
     raise RunError(str(e)) from None
   if mode.kind != "allreduce" and mesh.shape["data"] == 1:
-    print(f"warning: --sync {cfg.sync} on a mesh with data=1 has a single replica (add data=R to --mesh for R)",
+    print(f"warning: --sync {cfg.sync.mode} on a mesh with data=1 has a single replica (add data=R to --mesh for R)",
           file=sys.stderr)
 
 

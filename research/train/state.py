@@ -30,7 +30,7 @@ def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings
   only the state's own buffers are allocated: a model stored in bfloat16 never exists in float32 beside it, and
   --init-from's arrays (read in the checkpoint's own dtype) are donated to it. Its one-line reports (--peft's sizes,
   --freeze's, the blockwise step's) are printed once it exists."""
-  source = init_from.load_arrays(cfg.init_from, mesh) if cfg.init_from else None
+  source = init_from.load_arrays(cfg.finetune.init_from, mesh) if cfg.finetune.init_from else None
   box = {}
 
   def build(source):
@@ -71,25 +71,25 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
   """The state's construction, traced (by `initial_state`'s jit or `abstract_initial_state`'s eval_shape):
   (graphdef, state, shardings, report, lines to print). `source`: --init-from's (params, buffers), or None."""
   report, lines = {}, []
-  if cfg.peft:
-    base = adapters.random_base(mcfg, mesh, cfg.seed)
+  if cfg.finetune.peft:
+    base = adapters.random_base(mcfg, mesh, cfg.training.seed)
     if source is not None:
       base = adapters.with_arrays(base, *source)
     first = global_batch(make_loader(cfg, corpus).batch(0), mesh)  # SNIP's batch: the first training batch
     with mesh_scope(mesh):
-      graphdef, state, shardings, report = adapters.initial_state(base, cfg.peft, cfg.peft_options, cfg.seed, tx,
-                                                                  mesh, first, cfg.zero1)
+      graphdef, state, shardings, report = adapters.initial_state(base, cfg.finetune.peft, cfg.peft_options, cfg.training.seed, tx,
+                                                                  mesh, first, cfg.mesh.zero1)
     report = {"peft": report}
   else:
-    graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tx, mesh,
-                                                  zero1=cfg.zero1)
+    graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)), tx, mesh,
+                                                  zero1=cfg.mesh.zero1)
     if source is not None:  # in the parameters' dtype (the checkpoint's may be narrower)
       state["params"] = cast_like(source[0], state["params"])
-  if cfg.freeze:  # stored in --frozen-dtype; the step differentiates the other parameters only
-    state["params"] = frozen.store_frozen(state["params"], shardings["params"], cfg.freeze, frozen.frozen_dtype(cfg))
-    lines.append(frozen.frozen_summary(state["params"], frozen.freeze(tx, cfg.freeze)[1], make_optimizer(
+  if cfg.finetune.freeze:  # stored in --frozen-dtype; the step differentiates the other parameters only
+    state["params"] = frozen.store_frozen(state["params"], shardings["params"], cfg.finetune.freeze, frozen.frozen_dtype(cfg))
+    lines.append(frozen.frozen_summary(state["params"], frozen.freeze(tx, cfg.finetune.freeze)[1], make_optimizer(
         dataclasses.replace(cfg, freeze=None))[0], tx))
-  if "prev_grads" in optimizer_needs(cfg).update_args:  # one more copy of the parameters, a second backward pass
+  if "prev_grads" in optimizer_needs(cfg.optim).update_args:  # one more copy of the parameters, a second backward pass
     state, shardings = keep_prev_params(state, shardings)
   if blockwise is not None:  # parameters in the storage dtype, the active layer's float32 master and AdamW state
     dtype = frozen.frozen_dtype(cfg)
@@ -105,28 +105,28 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     lines.append(f"{blockwise.name}: blockwise step{above}, parameters stored as {dtype} "
                  f"({sizes['params'] / 2**20:.1f} MiB), the active layer's float32 master "
                  f"{sizes['master'] / 2**20:.1f} MiB and AdamW state {sizes['adam'] / 2**20:.1f} MiB")
-  if cfg.freeze_layers:  # layers 0..N-1 and the embedding frozen: the trained part's float32 master and state
+  if cfg.finetune.freeze_layers:  # layers 0..N-1 and the embedding frozen: the trained part's float32 master and state
     layerfreeze.check(cfg, mcfg.n_layers)  # startup.setup checked it for the trainer; the bench builds here
     dtype = frozen.frozen_dtype(cfg)
-    state, shardings = layerfreeze.init_state(state, shardings, tx, cfg.freeze, cfg.freeze_layers, dtype)
-    report = {**report, "frozen_layers": {"n": cfg.freeze_layers, "dtype": str(dtype)}}
+    state, shardings = layerfreeze.init_state(state, shardings, tx, cfg.finetune.freeze, cfg.finetune.freeze_layers, dtype)
+    report = {**report, "frozen_layers": {"n": cfg.finetune.freeze_layers, "dtype": str(dtype)}}
     sizes = layerfreeze.state_bytes(state)
-    lines.append(f"--freeze-layers {cfg.freeze_layers}: layers 0..{cfg.freeze_layers - 1} and the embedding frozen "
-                 f"(no gradient below layer {cfg.freeze_layers}); parameters stored as {dtype} "
+    lines.append(f"--freeze-layers {cfg.finetune.freeze_layers}: layers 0..{cfg.finetune.freeze_layers - 1} and the embedding frozen "
+                 f"(no gradient below layer {cfg.finetune.freeze_layers}); parameters stored as {dtype} "
                  f"({sizes['params'] / 2**20:.1f} MiB), the trained part's float32 master "
                  f"{sizes['master'] / 2**20:.1f} MiB and optimizer state {sizes['opt'] / 2**20:.1f} MiB")
-  state, shardings = sync.init_state(sync.parse(cfg.sync), state, shardings, _outer_tx(cfg), seed=cfg.seed)
+  state, shardings = sync.init_state(sync.parse(cfg.sync.mode), state, shardings, _outer_tx(cfg), seed=cfg.training.seed)
   return graphdef, state, shardings, report, lines
 
 
 def _outer_tx(cfg: TrainConfig):
-  return sync.outer_optimizer(cfg.outer_lr, cfg.outer_momentum)
+  return sync.outer_optimizer(cfg.sync.outer_lr, cfg.sync.outer_momentum)
 
 
 def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step) -> sync.Steps:
   """The programs of --sync for a state laid out for it (`shardings`; allreduce: the plain `train_step`, audited for
   its bytes)."""
-  mode = sync.parse(cfg.sync)
+  mode = sync.parse(cfg.sync.mode)
   mixing = sync.mixing_matrix(mode, batch_sh.mesh.shape["data"]) if mode.kind == "gossip" else None
   return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(cfg), shardings, batch_sh,
-                    max_logits="max_logits" in optimizer_needs(cfg).update_args, mixing=mixing, plain=train_step)
+                    max_logits="max_logits" in optimizer_needs(cfg.optim).update_args, mixing=mixing, plain=train_step)

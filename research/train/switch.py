@@ -31,17 +31,17 @@ class Layout(NamedTuple):
 def switch_plan(cfg: TrainConfig) -> list[tuple[int, jax.sharding.Mesh]]:
   """--switch-at as (step, mesh) in step order; a mesh spec with fixed sizes takes the first devices it needs."""
   plan = {}
-  for item in cfg.switch_at:
+  for item in cfg.mesh.switch_at:
     at, sep, spec = item.partition(":")
     if not (sep and at.strip().isdigit()):
       raise RunError(f"--switch-at {item!r} is not STEP:MESH, e.g. --switch-at 100:fsdp=4,tensor=2")
-    if not 0 < int(at) < cfg.steps:
-      raise RunError(f"--switch-at {item!r}: STEP must lie in [1, --steps={cfg.steps})")
+    if not 0 < int(at) < cfg.training.steps:
+      raise RunError(f"--switch-at {item!r}: STEP must lie in [1, --steps={cfg.training.steps})")
     if int(at) in plan:
       raise RunError(f"--switch-at names step {int(at)} twice")
     plan[int(at)] = make_mesh(spec, devices=devices_for(spec))
     try:  # the batch must split over the new mesh's data axes
-      batch_sharding(plan[int(at)], (cfg.batch_size, cfg.seq_len))
+      batch_sharding(plan[int(at)], (cfg.training.batch_size, cfg.training.seq_len))
     except ShardingError as e:
       raise ShardingError(f"--switch-at {item!r}: the batch: {e}") from None
   return sorted(plan.items(), key=lambda item: item[0])
@@ -51,12 +51,12 @@ def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
   """What training on `mesh` needs: (mesh, state shardings, batch sharding, held-out batches there, train and
   eval steps compiled ahead of time (`.lower(...).compile()`) for those shardings)."""
   try:
-    shardings = state_shardings(state, names, mesh, zero1=cfg.zero1)
+    shardings = state_shardings(state, names, mesh, zero1=cfg.mesh.zero1)
   except ShardingError as e:
     raise ShardingError(f"--switch-at to {mesh_spec(mesh)}: {e}") from None
-  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
   train, evaluate = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
-  x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32, sharding=batch_sh)
+  x = jax.ShapeDtypeStruct((cfg.training.batch_size, cfg.training.seq_len), jnp.int32, sharding=batch_sh)
   t = time.perf_counter()
   with jax.set_mesh(mesh):
     train = train.lower(abstract_state(state, shardings), x, x).compile()

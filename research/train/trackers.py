@@ -58,20 +58,20 @@ HPARAM_SECTIONS = ("train", "model_config")  # the parts of config.json runs are
 
 def requested(cfg) -> tuple[str, ...]:
   """The trackers a run writes to: --tracker's (each once), TensorBoard when none is given, nothing for `none`."""
-  names = tuple(dict.fromkeys(cfg.tracker)) or ("tensorboard",)
+  names = tuple(dict.fromkeys(cfg.logging.tracker)) or ("tensorboard",)
   return () if names == ("none",) else names
 
 
 def check(cfg):
   """Refuses (RunError, one line) `--tracker none` mixed with others, and a tracker whose package is missing."""
-  if "none" in cfg.tracker and len(set(cfg.tracker)) > 1:
+  if "none" in cfg.logging.tracker and len(set(cfg.logging.tracker)) > 1:
     raise RunError("--tracker none means metrics.jsonl only: drop it or the other --tracker flags")
   for name in requested(cfg):
     module, install = PACKAGES[name]
     with contextlib.suppress(ImportError, ValueError):
       if importlib.util.find_spec(module) is not None:
         continue
-    default = "" if cfg.tracker else " (the default)"
+    default = "" if cfg.logging.tracker else " (the default)"
     raise RunError(f"--tracker {name}{default} needs the {module} package: {install}")
 
 
@@ -124,7 +124,7 @@ class _TensorBoard:
     self.summary, self.event, self.stored = summary, Event, {}
     # a time-ordered suffix: the name holds whole seconds only, and a second session within the same second would
     # reopen (truncate) the first one's file
-    self.writer = EventsWriter(os.path.join(cfg.out, "events"), f".{time.time_ns()}")
+    self.writer = EventsWriter(os.path.join(cfg.checkpoint.out, "events"), f".{time.time_ns()}")
     self.writer.write_event(Event(wall_time=time.time(), step=start + 1,
                                   session_log=SessionLog(status=SessionLog.START)))
     self._write(start, summary.text("config", "```\n" + json.dumps(meta, indent=2) + "\n```"))
@@ -153,8 +153,8 @@ class _WandB:
   def __init__(self, cfg, meta: dict, start: int, stored: dict):
     import wandb
     online = bool(os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"))
-    self.run = wandb.init(dir=cfg.out, id=stored.get("id"), resume="allow", config=meta,
-                          name=os.path.basename(os.path.abspath(cfg.out)),
+    self.run = wandb.init(dir=cfg.checkpoint.out, id=stored.get("id"), resume="allow", config=meta,
+                          name=os.path.basename(os.path.abspath(cfg.checkpoint.out)),
                           project=os.environ.get("WANDB_PROJECT") or "optlab", mode=None if online else "offline",
                           reinit="create_new", settings=wandb.Settings(console="off"))
     self.first = self.run.starting_step  # resumed online: the step after the last one W&B holds (0 offline)
@@ -177,15 +177,15 @@ class _MLflow:
     from mlflow.tracking import MlflowClient
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     uri = os.environ.get("MLFLOW_TRACKING_URI") or stored.get("tracking_uri") or _local_mlflow_store()
-    self.client, self.steps, self.done = MlflowClient(tracking_uri=uri), cfg.steps, False
+    self.client, self.steps, self.done = MlflowClient(tracking_uri=uri), cfg.training.steps, False
     self.run_id = self._resumed(stored.get("run_id"))
     self.last = 0  # the last step the run holds: a resumed run skips what MLflow already has
     if self.run_id is None:
       name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "optlab"
       experiment = self.client.get_experiment_by_name(name)
       experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
-      self.run_id = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(cfg.out)),
-                                           tags={"optlab.out": os.path.abspath(cfg.out)}).info.run_id
+      self.run_id = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(cfg.checkpoint.out)),
+                                           tags={"optlab.out": os.path.abspath(cfg.checkpoint.out)}).info.run_id
     else:
       self.last = max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
     self._params(meta)
@@ -263,7 +263,7 @@ class Trackers:
     other than 0. A tracker that fails to start is reported and left out."""
     if not is_primary():
       return cls()
-    path = os.path.join(cfg.out, "trackers.json")
+    path = os.path.join(cfg.checkpoint.out, "trackers.json")
     stored = _stored(path) if start else {}  # a run that starts at step 0 starts new tracker runs
     sinks = []
     for name in requested(cfg):

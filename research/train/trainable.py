@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from research.train.config import flat_record
 from research.train.frozen import frozen_dtype, frozen_mask, saved_frozen_dtype
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Trainable:
   @classmethod
   def of_meta(cls, meta: dict) -> "Trainable":
     """The run's, from its config.json (the layouts written before this class included)."""
-    train = meta.get("train", {})
+    train = flat_record(meta.get("train") or {})
     whole = meta.get("blockwise_badam") or meta.get("frozen_layers")
     layers = (meta.get("frozen_layers") or {}).get("n", 0)
     return cls(train.get("freeze"), layers, bool(meta.get("blockwise_badam")), bool(train.get("peft")),
@@ -50,8 +51,8 @@ class Trainable:
     """The run's, from its flags; `blockwise`: whether its optimizer runs its blockwise step
     (`research.train.blockstep.blockwise_parts` is not None)."""
     dtype = str(frozen_dtype(cfg))
-    return cls(cfg.freeze, cfg.freeze_layers, blockwise, bool(cfg.peft),
-               dtype if blockwise or cfg.freeze_layers else None, dtype)
+    return cls(cfg.finetune.freeze, cfg.finetune.freeze_layers, blockwise, bool(cfg.finetune.peft),
+               dtype if blockwise or cfg.finetune.freeze_layers else None, dtype)
 
   @property
   def step(self) -> str:

@@ -57,7 +57,7 @@ def poisoned_batches(marks: dict[int, str], order=None):
     x, y = spoil(*make_loader(feed.cfg, feed.corpus, feed.rows).batch(src), marks.get(src + 1))
     next(feed.iterator)  # the iterator (whose state checkpoints keep) moves on as in a clean run
     feed.step += 1
-    return local_batch((x, y), feed.mesh, feed.rows, feed.cfg.batch_size)
+    return local_batch((x, y), feed.mesh, feed.rows, feed.cfg.training.batch_size)
   return next_
 
 
@@ -86,7 +86,7 @@ def cfg(out, **kw):
 def test_a_skipped_step_leaves_params_and_optimizer_state_bit_for_bit(monkeypatch):
   monkeypatch.setattr(research.train.step, "cross_entropy", nan_grads_cross_entropy)
   c = cfg("unused")
-  mesh, tx = make_mesh(c.mesh), make_optimizer(c)[0]
+  mesh, tx = make_mesh(c.mesh.spec), make_optimizer(c)[0]
   model = lambda: Transformer(model_config(c), rngs=nnx.Rngs(0))  # noqa: E731
   graphdef, state, shardings = init_train_state(model, tx, mesh)
   train_step, _ = make_steps(graphdef, tx, shardings, batch_sharding(mesh, (8, 32)))

@@ -58,7 +58,7 @@ def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer,
   copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
   full_state = copy(state)
   full, _ = make_steps(graphdef, tx, shardings, batch_sh)
-  parts = Parts(schedule, optimizer_needs(cfg).blockwise, L, cfg.grad_clip, optimizer)
+  parts = Parts(schedule, optimizer_needs(cfg.optim).blockwise, L, cfg.optim.grad_clip, optimizer)
   block_state, block_sh = init_state(copy(state), shardings, parts, jnp.float32)
   block, _ = make_block_steps(graphdef, parts, block_sh, batch_sh)
   blocks_seen = []
@@ -77,7 +77,7 @@ def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer,
 
 def test_bfloat16_storage_moves_only_the_active_layer():
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup("tiny", "data=1", warmup_steps=0)
-  parts = Parts(schedule, optimizer_needs(cfg).blockwise, L, 1.0, cfg.optimizer)
+  parts = Parts(schedule, optimizer_needs(cfg.optim).blockwise, L, 1.0, cfg.optim.optimizer)
   block_state, block_sh = init_state(state, shardings, parts, jnp.bfloat16)
   before = jax.tree.map(np.asarray, block_state["params"])
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(block_state["params"]))
@@ -112,7 +112,7 @@ def test_bread_moves_the_layers_above_the_active_one_and_none_below(opt):
   every bit (no gradient below the active layer exists in the layer-by-layer backward)."""
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(
       "tiny", "data=1", "bread", (*opt, "start_block=1"), warmup_steps=0)
-  parts = Parts(schedule, optimizer_needs(cfg).blockwise, L, 1.0, cfg.optimizer)
+  parts = Parts(schedule, optimizer_needs(cfg.optim).blockwise, L, 1.0, cfg.optim.optimizer)
   block_state, block_sh = init_state(state, shardings, parts, jnp.bfloat16)
   before = jax.tree.map(np.asarray, block_state["params"])
   block, _ = make_block_steps(graphdef, parts, block_sh, batch_sh)

@@ -89,7 +89,7 @@ def test_the_compiled_step_computes_no_frozen_weight_gradient():
 
 def test_frozen_parameters_are_stored_in_the_frozen_dtype():
   cfg, mesh, tx, graphdef, state, shardings, batch_sh = setup()
-  stored = frozen.store_frozen(state["params"], shardings["params"], cfg.freeze, jnp.bfloat16)
+  stored = frozen.store_frozen(state["params"], shardings["params"], cfg.finetune.freeze, jnp.bfloat16)
   assert stored["embed_VD"].dtype == jnp.bfloat16 and stored["blocks"]["wq_DQ"].dtype == jnp.bfloat16
   assert stored["blocks"]["wk_DK"].dtype == jnp.float32 and stored["final_norm"].dtype == jnp.float32
   assert stored["embed_VD"].sharding == shardings["params"]["embed_VD"]

@@ -139,7 +139,7 @@ def test_checkpoints_keep_the_loader_state_and_a_mismatch_is_refused(tmp_path):
   meta = Checkpointer(str(out / "ckpt"), keep=3, every=4).read_meta(4)
   assert meta["loader"] == {"next_index": 4}
   cfg = TrainConfig(out=str(out), **TINY)
-  corpus, mesh = load_corpus(), make_mesh(cfg.mesh)
+  corpus, mesh = load_corpus(), make_mesh(cfg.mesh.spec)
   with pytest.raises(RunError, match="holds the loader state of another step"):
     Feed(cfg, corpus, mesh, 4, {"next_index": 3})
   x, _ = Feed(cfg, corpus, mesh, 4, meta["loader"]).next()

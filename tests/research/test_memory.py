@@ -31,9 +31,9 @@ def _estimate(mesh_spec: str, **kw) -> memory.Estimate:
   mcfg = model_config(cfg)
   tx, _ = make_optimizer(cfg)
   graphdef, abstract, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, None)
-  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
   step = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))[0]
-  return memory.estimate(step, abstract, (cfg.batch_size, cfg.seq_len), batch_sh, mesh)
+  return memory.estimate(step, abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
 
 
 def test_a_run_prints_its_estimate_and_compiles_its_step_once(tmp_path, capsys, caplog):
@@ -103,7 +103,7 @@ def test_a_refused_resume_leaves_the_run_as_it_was(tmp_path, capsys):
   assert "the run needs an estimated" in msg
   assert {p: (out / p).read_bytes() for p in files} == files and sorted(os.listdir(out / "ckpt")) == ckpts
   assert run(TrainConfig(out=str(out), **TINY))[-1]["step"] == 4  # and it resumes as before
-  assert json.load(open(out / "config.json"))["train"]["memory_limit"] is None
+  assert json.load(open(out / "config.json"))["train"]["runtime"]["memory_limit"] is None
 
 
 def test_memory_limit_zero_checks_nothing_and_the_flag_is_not_a_training_setting(tmp_path, capsys):
@@ -145,13 +145,13 @@ def test_a_bfloat16_store_gets_no_float32_copy_in_the_step(kw):
                        "remat": True, **kw})
   _, mcfg, corpus, _ = setup(dataclasses.replace(cfg, mesh="data=8", batch_size=8))[:4]
   mesh = make_mesh("data=1", devices=devices_for("data=1"))  # one device, as the 3B runs (8 split differently)
-  batch_sh = batch_sharding(mesh, (cfg.batch_size, cfg.seq_len))
+  batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
   tx, schedule = make_optimizer(cfg)
   parts = blockwise_parts(cfg, mcfg, mesh, schedule)
   graphdef, abstract, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
   step = (make_block_steps(graphdef, parts, shardings, batch_sh) if parts else
           make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg)))[0]
-  est = memory.estimate(step, abstract, (cfg.batch_size, cfg.seq_len), batch_sh, mesh)
+  est = memory.estimate(step, abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
   stacked = [x for x in jax.tree.leaves(abstract) if x.dtype == jnp.bfloat16 and x.ndim >= 3]
   copy = sum(int(np.prod(x.shape)) * 4 for x in stacked)  # the stack's float32 bytes
   assert copy > 4 * 2 ** 20, copy

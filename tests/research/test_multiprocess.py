@@ -62,7 +62,7 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
   assert [r["step"] for r in two] == [1, 2, 3, 4]
   assert_same_run(two, one[:4])
   meta = json.load(open(out / "config.json"))
-  assert meta["train"]["process_id"] == 0 and len(meta["devices"]) == 8
+  assert meta["train"]["distributed"]["process_id"] == 0 and len(meta["devices"]) == 8
   # the checkpoint the two processes wrote together resumes in one process, on the same mesh, exactly
   resumed = run(TrainConfig(out=str(out), **TINY))
   assert_same_run(resumed, one)

@@ -65,8 +65,8 @@ def test_the_next_batch_is_read_ahead_on_the_feed_thread_and_the_state_names_the
   put = feed_module.local_batch
   monkeypatch.setattr(feed_module, "local_batch", lambda *a: threads.append(threading.current_thread().name) or put(*a))
   cfg, corpus = TrainConfig(**TINY), load_corpus()
-  mesh = make_mesh(cfg.mesh)
-  want = Loader(corpus.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)  # read in the loop
+  mesh = make_mesh(cfg.mesh.spec)
+  want = Loader(corpus.train, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=cfg.training.seed)  # read in the loop
   feed = feed_module.Feed(cfg, corpus, mesh, 0)
   for t in range(3):
     np.testing.assert_array_equal(np.asarray(feed.next()[0]), want.batch(t)[0])
@@ -82,7 +82,7 @@ def test_a_switched_mesh_reads_on_from_the_same_step_and_a_failed_read_still_clo
   """--switch-at: the batch read ahead for the old mesh is dropped and the next one is the same step's, placed on the
   new mesh. A read that fails on the feed thread raises in the loop, and the feed still closes."""
   cfg, corpus = TrainConfig(**TINY), load_corpus()
-  want = Loader(corpus.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+  want = Loader(corpus.train, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=cfg.training.seed)
   feed = feed_module.Feed(cfg, corpus, make_mesh("data=8"), 0)
   feed.next(), feed.next()
   feed.switched(make_mesh("data=2,fsdp=4"))

@@ -119,7 +119,7 @@ def test_main_accepts_the_flags(tmp_path):
   main(["--model", "tiny", "--steps", "1", "--batch-size", "8", "--seq-len", "32", "--no-progress", "--sync",
         "local:4", "--outer-lr", "0.5", "--outer-momentum", "0.8", "--out", str(tmp_path / "run")])
   saved = json.load(open(tmp_path / "run" / "config.json"))["train"]
-  assert (saved["sync"], saved["outer_lr"], saved["outer_momentum"]) == ("local:4", 0.5, 0.8)
+  assert saved["sync"] == {"mode": "local:4", "outer_lr": 0.5, "outer_momentum": 0.8}
 
 
 def test_runs_saved_before_the_sync_flags_existed_resume_as_allreduce():

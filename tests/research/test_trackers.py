@@ -231,7 +231,7 @@ def test_wandb_offline_run_holds_metrics_jsonl_and_a_resume_continues_its_id(tmp
   (header,) = [r.run for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "run"]
   assert (header.run_id, header.project, header.display_name) == (run_id, "optlab", "run-a")
   config = {item.key: json.loads(item.value_json) for item in header.config.update}
-  assert config["model_config"]["d_model"] == 64 and config["train"]["tracker"] == ["wandb"]
+  assert config["model_config"]["d_model"] == 64 and config["train"]["logging"]["tracker"] == ["wandb"]
   assert not glob.glob(str(out / "*tfevents*"))  # --tracker wandb alone: no TensorBoard files
   run(cfg(out, tracker=("wandb",)))
   assert json.loads((out / "trackers.json").read_text())["wandb"]["id"] == run_id

@@ -153,11 +153,11 @@ def test_resume_with_changed_settings_is_refused_or_recorded_with_amend(referenc
   with pytest.raises(RunError, match=r"trained with other settings \(lr: 0.003 -> 0.001; steps: 8 -> 10\); "
                                      r"rerun with the original flags, or add --amend"):
     run(cfg(tmp_path, lr=1e-3, steps=10))
-  assert json.load(open(tmp_path / "config.json"))["train"]["lr"] == 3e-3  # the record is unchanged
+  assert json.load(open(tmp_path / "config.json"))["train"]["optim"]["lr"] == 3e-3  # the record is unchanged
   resumed = run(cfg(tmp_path, lr=1e-3, amend=True))
   assert trace(resumed)[:4] == trace(ref)[:4] and trace(resumed)[4:] != trace(ref)[4:]
   meta = json.load(open(tmp_path / "config.json"))
-  assert meta["train"]["lr"] == 1e-3
+  assert meta["train"]["optim"]["lr"] == 1e-3
   assert meta["history"] == [{"from_step": 4, "changed": {"lr": [3e-3, 1e-3]}}]
 
 

@@ -72,5 +72,5 @@ def test_zero1_train_steps_equal_the_plain_run():
 
 def test_train_cli_flag_reaches_the_saved_config():
   cfg = tyro.cli(TrainConfig, args=["--zero1"])
-  assert cfg.zero1 is True and dataclasses.asdict(cfg)["zero1"] is True  # run() saves asdict(cfg) as "train"
+  assert cfg.mesh.zero1 is True and dataclasses.asdict(cfg)["mesh"]["zero1"] is True  # run() saves asdict(cfg) as "train"
   assert tyro.cli(TrainConfig, args=[]).zero1 is False

@@ -1,4 +1,9 @@
-"""The trainer's flags: `TrainConfig` (every `python -m research.train` flag, with its help) and `MoEFlags`."""
+"""The trainer's config, section by section: each a small dataclass of the flags one concern reads.
+
+`TrainConfig` (research/train/config/__init__.py) holds one of each. The flags keep their spelling: a section's
+fields are flags without a prefix (`--lr`, `--steps`), but for the three nested ones, `--moe.*` (`MoEFlags`),
+`--data.*` (`DataFlags`) and `--peft.*` (`research.train.adapters.PeftFlags`). `--help` shows one group per section.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ import tyro
 
 from models import PRESETS, peft
 from optim import DEFAULT_OPTIMIZER, OPTIMIZERS
-from research.train import adapters
 
 
 @dataclasses.dataclass
@@ -49,7 +53,7 @@ class MoEFlags:
 
 @dataclasses.dataclass
 class DataFlags:
-  """How --data's records become training rows."""
+  """How --data's records become training rows (--data.field, --data.layout, --data.workers)."""
   field: str = "text"
   """The column (Parquet, Arrow) or key (JSON Lines) holding each document's text."""
   layout: Literal["windows", "pack", "pad"] = "windows"
@@ -62,11 +66,10 @@ class DataFlags:
 
 
 @dataclasses.dataclass
-class TrainConfig:
-  """Train a decoder-only transformer on a named device mesh."""
-
-  model: Annotated[str, tyro.conf.arg(help=f"Size preset: {', '.join(PRESETS)}. The flags below override single "
-                                           "fields of it.")] = "small"
+class ModelSection:
+  """The model: a size preset and the fields that override single values of it."""
+  preset: Annotated[str, tyro.conf.arg(name="model", help=f"Size preset: {', '.join(PRESETS)}. The flags below "
+                                                         "override single fields of it.")] = "small"
   d_model: int | None = None
   """Model width (residual stream)."""
   n_layers: int | None = None
@@ -95,11 +98,14 @@ class TrainConfig:
   logit_stats: bool | None = None
   """Log each step's largest attention logit (attn/max_logit, attn/max_logit_layer); on for an optimizer that
   declares the update argument max_logits."""
-  moe: MoEFlags = dataclasses.field(default_factory=MoEFlags)
-  """Mixture of experts (--moe.num-experts 8 --moe.top-k 2 ...): each flag overrides one field of the preset's.
-  Expert parallelism comes from an `expert` mesh axis; router metrics go to metrics.jsonl as moe/*."""
+
+
+@dataclasses.dataclass
+class OptimSection:
+  """The optimizer and its learning-rate schedule."""
   optimizer: Annotated[str, tyro.conf.arg(help=f"One of {', '.join(sorted(OPTIMIZERS))} (their hyperparameters "
-                                               "are listed above); unset hyperparameters take its defaults.")] = DEFAULT_OPTIMIZER
+                                               "are listed above); unset hyperparameters take its defaults.")] = \
+      DEFAULT_OPTIMIZER
   lr: float = 3e-3
   """Peak learning rate."""
   weight_decay: float | None = None
@@ -118,6 +124,11 @@ class TrainConfig:
   """Final learning rate as a fraction of the peak (cosine, wsd)."""
   grad_clip: float = 1.0
   """Clip the global gradient norm to this (0 = off)."""
+
+
+@dataclasses.dataclass
+class TrainingSection:
+  """How long and on how much: steps, batch, sequence length, seed."""
   steps: int = 200
   """Training steps (optimizer updates) in the whole run."""
   stop_at: int | None = None
@@ -128,27 +139,12 @@ class TrainConfig:
   """Tokens per sequence (bytes, on a text corpus)."""
   seed: int = 0
   """Seeds the initialization and the batch order."""
-  mesh: str = "data=2,fsdp=2,tensor=2"
-  """Axis sizes over data, stage, fsdp, expert, context, tensor; omitted axes are 1, one may be -1."""
-  switch_at: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
-  """STEP:MESH, repeatable: after STEP steps move the whole state to MESH in-process and train on there (its step
-  is compiled before training starts). MESH may use fewer devices than --mesh: the first ones it needs."""
-  devices: int = 8
-  """Simulated devices when running on the CPU (ignored on accelerators)."""
-  memory_limit: float | None = None
-  """GiB the run may use per device (CPU: the whole process, host RAM): replaces the detected limit the memory
-  pre-flight checks its estimate against (research/train/memory.py); 0 prints the estimate and checks nothing."""
-  zero1: bool = False
-  """ZeRO-1: split the optimizer state over the data axis as well (the parameters stay replicated there)."""
-  sync: str = "allreduce"
-  """How the replicas on the data axis agree (research/train/sync.py): allreduce (every step's gradients averaged),
-  local:H (local SGD / DiLoCo: H steps apart, then an outer step), gossip[:ring|complete|FILE] (decentralized: each
-  step, average with the neighbours), stale:TAU[:random] (gradients TAU steps old: simulated asynchronous workers)."""
-  outer_lr: float = 0.7
-  """--sync local:H: the outer optimizer's learning rate (DiLoCo's 0.7)."""
-  outer_momentum: float = 0.9
-  """--sync local:H: the outer optimizer's Nesterov momentum (DiLoCo's 0.9; 0 = plain SGD)."""
-  data: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass
+class DataSection:
+  """The training data and the order it is read in."""
+  paths: Annotated[tuple[str, ...] | None, tyro.conf.arg(name="data")] = None
   """The training data (unset: the stdlib corpus): files, directories or globs, several allowed: text files or a
   directory of them, Parquet, JSON Lines (.jsonl, .jsonl.gz), Arrow (.arrow) or a `datasets.save_to_disk`
   directory, or a .npy/.bin token array. Tokenized once into cached memory-mapped shards (research/data/shards.py).
@@ -157,8 +153,6 @@ class TrainConfig:
   """How the named --data sources are mixed (research/data/mixture.py): uniform (the default), size (by training
   tokens), fixed:W1,W2,... (in --data's order), dynamic[:eta=10,c=0.05,every=100,batches=5] (MoE only: weights
   moved toward the sources the router treats least like the others, Zhu et al. 2024)."""
-  data_options: Annotated[DataFlags, tyro.conf.arg(name="data")] = dataclasses.field(default_factory=DataFlags)
-  """How the data is read and laid into rows (--data.field text --data.pack ...)."""
   sampling: Literal["shuffle", "random", "sequential"] = "shuffle"
   """The order of the training windows (research/data/loader.py): shuffle (epochs over windows of the token stream,
   each epoch in its own order from (seed, epoch)), random (starts drawn uniformly with replacement, from (seed,
@@ -166,10 +160,42 @@ class TrainConfig:
   tokenizer: str | None = None
   """Encode the text with this Hugging Face tokenizer.json (or a directory holding one) instead of bytes; the tokens
   are cached once (research/data/tokenized.py)."""
-  tracker: tyro.conf.UseAppendAction[tuple[Literal["tensorboard", "wandb", "mlflow", "none"], ...]] = ()
-  """Where the metrics also go, repeatable (metrics.jsonl is always written): tensorboard (the default: event files
-  in --out, `tensorboard --logdir runs`), wandb (offline unless WANDB_MODE/WANDB_API_KEY say otherwise), mlflow
-  (./mlruns, or $MLFLOW_TRACKING_URI); none: metrics.jsonl only (research/train/trackers.py)."""
+
+  def __post_init__(self):
+    if isinstance(self.paths, str):  # data="path" from Python: one path
+      self.paths = (self.paths,)
+    elif self.paths is not None:
+      self.paths = tuple(self.paths) or None
+
+
+@dataclasses.dataclass
+class MeshSection:
+  """The device mesh the run is laid out on."""
+  spec: Annotated[str, tyro.conf.arg(name="mesh")] = "data=2,fsdp=2,tensor=2"
+  """Axis sizes over data, stage, fsdp, expert, context, tensor; omitted axes are 1, one may be -1."""
+  switch_at: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+  """STEP:MESH, repeatable: after STEP steps move the whole state to MESH in-process and train on there (its step
+  is compiled before training starts). MESH may use fewer devices than --mesh: the first ones it needs."""
+  zero1: bool = False
+  """ZeRO-1: split the optimizer state over the data axis as well (the parameters stay replicated there)."""
+
+
+@dataclasses.dataclass
+class SyncSection:
+  """How the data replicas agree."""
+  mode: Annotated[str, tyro.conf.arg(name="sync")] = "allreduce"
+  """How the replicas on the data axis agree (research/train/sync.py): allreduce (every step's gradients averaged),
+  local:H (local SGD / DiLoCo: H steps apart, then an outer step), gossip[:ring|complete|FILE] (decentralized: each
+  step, average with the neighbours), stale:TAU[:random] (gradients TAU steps old: simulated asynchronous workers)."""
+  outer_lr: float = 0.7
+  """--sync local:H: the outer optimizer's learning rate (DiLoCo's 0.7)."""
+  outer_momentum: float = 0.9
+  """--sync local:H: the outer optimizer's Nesterov momentum (DiLoCo's 0.9; 0 = plain SGD)."""
+
+
+@dataclasses.dataclass
+class FinetuneSection:
+  """Fine-tuning: pretrained parameters in, and what stays fixed."""
   init_from: str | None = None
   """Start from pretrained parameters: hf:PATH (a Hugging Face model directory) or an optlab RUN_DIR (its newest
   checkpoint). The model config is the checkpoint's (a conflicting model flag is an error); the optimizer starts
@@ -190,24 +216,35 @@ class TrainConfig:
   """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
   base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes
   it merged or (LoRA, DoRA) as a PEFT adapter."""
-  peft_options: Annotated[adapters.PeftFlags, tyro.conf.arg(name="peft")] = dataclasses.field(
-      default_factory=adapters.PeftFlags)
-  """Adapter settings (--peft.rank 8 --peft.alpha 16 --peft.targets REGEX ...); each method reads its own."""
+
+
+@dataclasses.dataclass
+class CheckpointSection:
+  """The run directory and its checkpoints."""
   out: str = "runs/default"
   """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed (one run at a time: it is locked)."""
   amend: bool = False
   """Resume although training settings (--lr, --steps, --seed, the data, ...) differ from the checkpoint's: the run
   goes on with the new ones and config.json's `history` records the change (without it, such a resume is refused)."""
-  eval_every: int = 25
-  """Steps between evaluations on the held-out batches (and at the last step)."""
-  eval_batches: int = 8
-  """Held-out batches per evaluation (the same ones every time)."""
   ckpt_every: int = 100
   """Steps between checkpoints (and one at the end, or when stopped)."""
   keep: int = 3
   """Checkpoints kept (the newest)."""
+
+
+@dataclasses.dataclass
+class LoggingSection:
+  """What is measured, logged and shown."""
+  eval_every: int = 25
+  """Steps between evaluations on the held-out batches (and at the last step)."""
+  eval_batches: int = 8
+  """Held-out batches per evaluation (the same ones every time)."""
   log_every: int = 10
   """Steps between records in metrics.jsonl and lines or bar updates on the console."""
+  tracker: tyro.conf.UseAppendAction[tuple[Literal["tensorboard", "wandb", "mlflow", "none"], ...]] = ()
+  """Where the metrics also go, repeatable (metrics.jsonl is always written): tensorboard (the default: event files
+  in --out, `tensorboard --logdir runs`), wandb (offline unless WANDB_MODE/WANDB_API_KEY say otherwise), mlflow
+  (./mlruns, or $MLFLOW_TRACKING_URI); none: metrics.jsonl only (research/train/trackers.py)."""
   peak_flops: float | None = None
   """FLOP/s that MFU is relative to (unset: the chip's datasheet peak for the compute dtype, or on a device without
   one the best matmul rate this machine has shown; see README)."""
@@ -216,8 +253,11 @@ class TrainConfig:
   or XProf), and their top ops by device time printed. Step 1 compiles: start at 2 or later."""
   progress: bool = True
   """Console output: a progress bar on a terminal, plain lines otherwise (--no-progress: only the final line)."""
-  compile_cache: bool = True
-  """Keep compiled programs in ~/.cache/optlab/jax ($OPTLAB_CACHE) so reruns and resumes start fast."""
+
+
+@dataclasses.dataclass
+class HealthSection:
+  """Non-finite steps and loss spikes."""
   max_bad_steps: int = 5
   """Non-finite steps (loss, gradients or updated parameters; their updates are skipped) in a row that stop the run
   (0 = never)."""
@@ -225,6 +265,23 @@ class TrainConfig:
   """Flag a loss above this multiple of the median of the last --spike-window losses (0 = off)."""
   spike_window: int = 100
   """Finite losses the spike detector's median looks back over."""
+
+
+@dataclasses.dataclass
+class RuntimeSection:
+  """This machine: simulated devices, the memory limit, the compile cache."""
+  devices: int = 8
+  """Simulated devices when running on the CPU (ignored on accelerators)."""
+  memory_limit: float | None = None
+  """GiB the run may use per device (CPU: the whole process, host RAM): replaces the detected limit the memory
+  pre-flight checks its estimate against (research/train/memory.py); 0 prints the estimate and checks nothing."""
+  compile_cache: bool = True
+  """Keep compiled programs in ~/.cache/optlab/jax ($OPTLAB_CACHE) so reruns and resumes start fast."""
+
+
+@dataclasses.dataclass
+class DistributedSection:
+  """Multi-process runs (JAX's distributed runtime)."""
   coordinator: str | None = None
   """HOST:PORT of process 0 in a multi-process run (or $JAX_COORDINATOR_ADDRESS); every process runs the same
   command with its own --process-id (see README, Multi-host)."""
@@ -236,16 +293,6 @@ class TrainConfig:
   """Multi-process runs: a process that sees no step complete for this many seconds (a peer died mid-collective)
   exits with one error line and status 4; restarting every process resumes (compilation, the first step, is not
   timed)."""
-  distributed: Literal["auto", "on", "off"] = "auto"
+  mode: Annotated[Literal["auto", "on", "off"], tyro.conf.arg(name="distributed")] = "auto"
   """auto: start jax.distributed when a coordinator is given or SLURM/Open MPI launched several tasks; on: always,
   with JAX's cluster detection (TPU pods, Kubernetes); off: never."""
-
-  def __post_init__(self):
-    if isinstance(self.data, str):  # TrainConfig(data="path") from Python: one path
-      self.data = (self.data,)
-    elif self.data is not None:
-      self.data = tuple(self.data) or None
-
-
-class RunError(ValueError):
-  """A run that cannot start as configured."""

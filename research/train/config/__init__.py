@@ -1,0 +1,143 @@
+"""`TrainConfig`: every `python -m research.train` flag, in sections (research/train/config/sections.py).
+
+A function of the trainer receives the section(s) it reads (`cfg.optim`, `cfg.data`, ...); the whole config goes only
+to the top (start-up and the loop's construction). Flags keep their spelling (`--lr`, `--model`, `--moe.top-k`), and
+so does Python: `TrainConfig(model="tiny", lr=1e-2)` builds a config from keywords named as the flags are (their
+underscores), `dataclasses.replace(cfg, lr=...)` changes some, and `cfg.flags()` gives them back flat. config.json
+stores the sections; `flat_record` reads the "train" record of either layout (runs written before the sections stored
+it flat), which is how a resumed run compares its settings with its checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+import tyro
+
+from research.train.adapters import PeftFlags
+from research.train.config.sections import (CheckpointSection, DataFlags, DataSection, DistributedSection,
+                                            FinetuneSection, HealthSection, LoggingSection, MeshSection, MoEFlags,
+                                            ModelSection, OptimSection, RuntimeSection, SyncSection, TrainingSection)
+
+_Section = tyro.conf.OmitArgPrefixes  # a section's flags carry no prefix; --help groups them under its name
+
+
+def _section(cls):
+  return dataclasses.field(default_factory=cls)
+
+
+@dataclasses.dataclass(init=False)
+class TrainConfig:
+  """Train a decoder-only transformer on a named device mesh."""
+
+  model: Annotated[ModelSection, _Section] = _section(ModelSection)
+  moe: MoEFlags = _section(MoEFlags)
+  """Mixture of experts (--moe.num-experts 8 --moe.top-k 2 ...): each flag overrides one field of the preset's.
+  Expert parallelism comes from an `expert` mesh axis; router metrics go to metrics.jsonl as moe/*."""
+  optim: Annotated[OptimSection, _Section] = _section(OptimSection)
+  training: Annotated[TrainingSection, _Section] = _section(TrainingSection)
+  data: Annotated[DataSection, _Section] = _section(DataSection)
+  data_options: Annotated[DataFlags, tyro.conf.arg(name="data")] = _section(DataFlags)
+  """How the data is read and laid into rows (--data.field text --data.layout pack ...)."""
+  mesh: Annotated[MeshSection, _Section] = _section(MeshSection)
+  sync: Annotated[SyncSection, _Section] = _section(SyncSection)
+  finetune: Annotated[FinetuneSection, _Section] = _section(FinetuneSection)
+  peft_options: Annotated[PeftFlags, tyro.conf.arg(name="peft")] = _section(PeftFlags)
+  """Adapter settings (--peft.rank 8 --peft.alpha 16 --peft.targets REGEX ...); each method reads its own."""
+  checkpoint: Annotated[CheckpointSection, _Section] = _section(CheckpointSection)
+  logging: Annotated[LoggingSection, _Section] = _section(LoggingSection)
+  health: Annotated[HealthSection, _Section] = _section(HealthSection)
+  runtime: Annotated[RuntimeSection, _Section] = _section(RuntimeSection)
+  distributed: Annotated[DistributedSection, _Section] = _section(DistributedSection)
+
+  def __init__(self, **given):
+    """A config from whole sections (`optim=OptimSection(lr=1e-2)`, as tyro builds it) and from keyword arguments
+    named as the flags are (`TrainConfig(model="tiny", lr=1e-2, moe=MoEFlags(top_k=1))`: the flag names with
+    underscores, `data_options` and `peft_options` for --data.* and --peft.*), the flags applied over the sections;
+    the rest at their defaults. A name that is both (`model`, `data`, `mesh`, `sync`, `distributed`) is the section
+    when the value is one, else the flag. `dataclasses.replace(cfg, lr=...)` works the same way.
+
+    Raises:
+      TypeError: a keyword that is neither a section nor a flag.
+    """
+    sections = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    flags = {}
+    for name, value in given.items():
+      if name in sections and isinstance(value, sections[name].default_factory):
+        setattr(self, name, value)
+      elif name in FLAGS:
+        flags[name] = value
+      else:
+        raise TypeError(f"TrainConfig has no section or flag {name!r}")
+    for name, f in sections.items():
+      if not hasattr(self, name):
+        setattr(self, name, f.default_factory())
+    changed = {}
+    for flag, value in flags.items():
+      section, attr = FLAGS[flag]
+      if attr is None:
+        setattr(self, section, value)
+      else:
+        changed.setdefault(section, {})[attr] = value
+    for section, values in changed.items():
+      setattr(self, section, dataclasses.replace(getattr(self, section), **values))
+
+  def flags(self) -> dict:
+    """{flag: value} of every flag, flat (as the constructor takes them and config.json stored them before
+    sections)."""
+    return {flag: (getattr(getattr(self, s), a) if a else getattr(self, s)) for flag, (s, a) in FLAGS.items()}
+
+
+def _nested() -> type:
+  """`TrainConfig` as a field of another tool's config (the sweep's `train`: `--train.lr`, `--train.moe.top-k`): the
+  same class with each section's flags under that field's prefix (a section's own prefix still left out)."""
+  prefixed = {"moe": MoEFlags, "data_options": Annotated[DataFlags, tyro.conf.arg(name="data")],
+              "peft_options": Annotated[PeftFlags, tyro.conf.arg(name="peft")]}
+  fields = [(f.name, prefixed.get(f.name, Annotated[f.default_factory, tyro.conf.arg(name="")]),
+             dataclasses.field(default_factory=f.default_factory)) for f in dataclasses.fields(TrainConfig)]
+  return dataclasses.make_dataclass("TrainConfig", fields, bases=(TrainConfig,), init=False)
+
+
+# a field whose flag has another name than the field
+_RENAMED = {("model", "preset"): "model", ("mesh", "spec"): "mesh", ("sync", "mode"): "sync",
+            ("data", "paths"): "data", ("distributed", "mode"): "distributed"}
+_NESTED = ("moe", "data_options", "peft_options")  # sections that are one flag group with a prefix (--moe.*)
+# flag -> (section, field); field None: the flag is the whole section (`moe`, `data_options`, `peft_options`)
+FLAGS: dict[str, tuple[str, str | None]] = {}
+for _f in dataclasses.fields(TrainConfig):
+  if _f.name in _NESTED:
+    FLAGS[_f.name] = (_f.name, None)
+  else:
+    for _g in dataclasses.fields(_f.default_factory):
+      FLAGS[_RENAMED.get((_f.name, _g.name), _g.name)] = (_f.name, _g.name)
+
+
+NestedTrainConfig = _nested()
+
+
+def flat_record(train: dict) -> dict:
+  """config.json's "train" record as {flag: value}: a sectioned record flattened, a flat one (runs written before
+  the sections) as it is."""
+  if not isinstance(train.get("optim"), dict):  # the flat layout had no "optim" flag
+    return dict(train)
+  out = {}
+  for flag, (section, attr) in FLAGS.items():
+    if section in train:
+      value = train[section] if attr is None else train[section].get(attr, _MISSING)
+      if value is not _MISSING:
+        out[flag] = value
+  return out
+
+
+_MISSING = object()
+
+
+def flat_meta(meta: dict) -> dict:
+  """A config.json (or a checkpoint's metadata) with its "train" record flat (`flat_record`), whichever layout wrote
+  it."""
+  return {**meta, "train": flat_record(meta.get("train") or {})}
+
+
+class RunError(ValueError):
+  """A run that cannot start as configured."""
