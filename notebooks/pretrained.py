@@ -97,7 +97,7 @@ Image(plot({"finetune": read_metrics(ft_dir)}, os.path.join(work, "curves.png"))
 # built-in corpus reads and writes UTF-8 bytes.
 
 # %%
-from research.train.pretrained import load_model
+from research.train.store.pretrained import load_model
 
 tuned, _, tok = load_model(ft_dir)
 out = models.generate(tuned, tok.encode("def "), 60, temperature=0.8, top_k=20, seed=0)

@@ -30,7 +30,7 @@ from flax import nnx
 
 from models import HFError, peft, to_hf, to_hf_peft
 from research import entry
-from research.train.pretrained import LOAD_ERRORS, init_source, load_run, run_tokenizer, source_dtype
+from research.train.store.pretrained import LOAD_ERRORS, init_source, load_run, run_tokenizer, source_dtype
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ import os
 import tyro
 
 from research import entry
-from research.train.rundir import read_records
+from research.train.store.rundir import read_records
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
 from research import entry
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from research.train.config import flat_record
-from research.train.pretrained import LOAD_ERRORS, load_model
+from research.train.store.pretrained import LOAD_ERRORS, load_model
 from sharding.mesh import make_mesh
 from sharding.state import place_variables
 

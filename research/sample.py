@@ -13,7 +13,7 @@ import tyro
 from models import generate
 from research import entry
 from research.data.tokenizer import TokenizerError
-from research.train.pretrained import LOAD_ERRORS, load_model
+from research.train.store.pretrained import LOAD_ERRORS, load_model
 
 
 @dataclasses.dataclass

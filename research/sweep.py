@@ -37,7 +37,7 @@ import numpy as np
 import tyro
 
 from research import entry
-from research.train.cli import USER_ERRORS
+from research.train.command import USER_ERRORS
 from research.train.config import NestedTrainConfig, TrainConfig
 
 _ENTRY = re.compile(r"^(\w+)(?:\[(.*)\])?=([^=\[\]]+)$")
@@ -121,7 +121,7 @@ def budget_steps(cfg: SweepConfig) -> int:
     steps = cfg.tokens // tokens_per_step
   elif cfg.flops is not None:
     from models import flops_per_token
-    from research.train.build import model_config
+    from research.train.setup.build import model_config
     steps = int(cfg.flops // (flops_per_token(model_config(cfg.train), cfg.train.training.seq_len) * tokens_per_step))
   else:
     steps = cfg.train.training.steps
@@ -131,9 +131,9 @@ def budget_steps(cfg: SweepConfig) -> int:
 
 
 def _run_one(train_kwargs: dict) -> None:
-  """One training run; a run that diverges (research.train.health stops it after --max-bad-steps non-finite steps)
+  """One training run; a run that diverges (research.train.steps.health stops it after --max-bad-steps non-finite steps)
   is recorded as diverged in its directory instead of ending the sweep."""
-  from research.train.health import BadStepsError
+  from research.train.steps.health import BadStepsError
   from research.train.loop import run
   try:
     run(TrainConfig(**train_kwargs))

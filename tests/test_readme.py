@@ -21,7 +21,7 @@ def section(title: str) -> str:
 
 
 def train_flags() -> set[str]:
-  env = {**os.environ, "COLUMNS": "250"}
+  env = {**os.environ, "COLUMNS": "120"}  # one column of groups (wider terminals get several side by side)
   out = subprocess.run([sys.executable, "-m", "research.train", "--help"], capture_output=True, text=True,
                        env=env, cwd=ROOT).stdout
   return set(re.findall(r"(--[a-z][\w.-]*)", out))
@@ -61,13 +61,13 @@ def test_modules_the_readme_runs_exist():
 
 def test_the_first_hours_resume_step_is_accepted_by_the_resume_check(tmp_path):
   """Step 3 of "First hour" resumes runs/default (made by step 1, `make run`) with its ARGS: the resume check the
-  trainer runs (research/train/resume.py) must accept them, recording the change in the history."""
+  trainer runs (research/train/setup/resume.py) must accept them, recording the change in the history."""
   import dataclasses
   import shlex
   import tyro
-  from research.train import rundir
+  from research.train.store import rundir
   from research.train.config import TrainConfig
-  from research.train.resume import check_resume
+  from research.train.setup.resume import check_resume
   block = re.search(r"```bash\n(.*?)```", section("First hour"), re.S).group(1)
   step3 = next(line for line in block.splitlines() if line.split("#")[-1].strip().startswith("3."))
   args = shlex.split(re.search(r'ARGS="([^"]*)"', step3).group(1))
@@ -82,7 +82,7 @@ def test_the_first_hours_resume_step_is_accepted_by_the_resume_check(tmp_path):
   first = tyro.cli(TrainConfig, args=[])
   again = tyro.cli(TrainConfig, args=args)
   changed = check_resume(json_roundtrip(meta(first)), meta(again), "runs/default")
-  assert changed == {"steps": [first.steps, again.steps]}
+  assert changed == {"steps": [first.training.steps, again.training.steps]}
   assert rundir.amend_history({}, changed, 200) == [{"from_step": 200, "changed": changed}]
 
 

@@ -62,8 +62,8 @@ from models.attention import attend, check_attention
 from research.bench.report import Progress, git_commit, machine, table
 from research.bench.timing import build_train_step, time_train_step
 from research.data import load_corpus
-from research.train.runtime import setup_jax
-from research.train.throughput import measure_matmul_flops
+from research.train.runtime.devices import setup_jax
+from research.train.hooks.throughput import measure_matmul_flops
 from sharding import collectives
 from sharding.audit import Audit
 from sharding.context import ALGORITHMS, balance
@@ -291,7 +291,7 @@ def attention(kernel_model: str = "base", kernel_seqs: tuple[int, ...] = (512, 2
     ref = rows[0]
     ratio = lambda r, key: f"{r[key] / ref[key]:.2f}" if key in r and key in ref else "–"
     lines += [f"### 2. Train step: `{train_model}` ({rows[0]['params'] / 1e6:.1f}M params), batch {train_batch} x "
-              f"{train_seq}, one device (research/train/step.py make_steps: AdamW, clipping, fp32)", ""]
+              f"{train_seq}, one device (research/train/steps/step.py make_steps: AdamW, clipping, fp32)", ""]
     lines += table(["attention", "step ms (min-max)", f"step / {impls[0]}", "tokens/s", "model GFLOP/s", "MFU",
                     "temp GiB", f"temp / {impls[0]}", "loss"], [[
         r["impl"], f"{r['step_s'] * 1e3:.0f} ({r['step_min_s'] * 1e3:.0f}-{r['step_max_s'] * 1e3:.0f})"

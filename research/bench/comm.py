@@ -9,7 +9,7 @@ For each model (the ≈43M-parameter tree of research/bench/optim.py, the `small
 parameters (sharding/rules.py), compiled under the mesh for
   (a) AdamW, (b) optax.contrib.muon left to the partitioner (routed like ours: hidden matrices to Muon, embeddings
   and norms to its AdamW), (c) optim.muon, (d) optim.muon(distributed=True);
-and for `small` the whole train step (research/train/step.py `make_steps`) as well. Reported per device:
+and for `small` the whole train step (research/train/steps/step.py `make_steps`) as well. Reported per device:
 - collective bytes by kind, read from the compiled HLO by `sharding.collectives` (ring wire bytes; XLA:CPU's
   all-reduce + dynamic-slice counted as the reduce-scatter it stands for);
 - Newton–Schulz FLOPs: `sharding.matmul_flops` of the compiled optimizer step (its only matmuls are Newton–Schulz
@@ -39,7 +39,7 @@ import optim
 from models import Transformer, count_params, preset
 from research.bench.optim import param_tree
 from research.bench.report import Progress, git_commit
-from research.train.step import make_steps
+from research.train.steps.step import make_steps
 from sharding import (analytic_bytes, batch_sharding, collectives, devices_for, init_params, init_train_state,
                       make_mesh, matmul_flops, mesh_spec, param_shardings, shardings_like_params)
 

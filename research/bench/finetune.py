@@ -5,7 +5,7 @@ in state bytes per parameter, in activation / intermediate bytes, and in FLOPs?
 
 For each model shape and method the trainer's own pieces build the train state and the train step exactly as
 `research.train` does (`build.make_optimizer`, `state.initial_state` — random base, no --init-from —,
-`blockstep.blockwise_parts`, `loop.train_programs`: the blockwise, --freeze-layers or plain step), but abstractly: the
+`blockstep.blockwise_parts`, `setup.run.train_programs`: the blockwise, --freeze-layers or plain step), but abstractly: the
 state is `state.abstract_initial_state` (`jax.eval_shape` of the state's construction: a 3B model's AdamW state is
 never allocated), and the step is `jit(...).lower(abstract state, x, y).compile()`d. From the compiled program:
 
@@ -19,7 +19,7 @@ never allocated), and the step is `jit(...).lower(abstract state, x, y).compile(
   temp bytes       activations kept for the backward, gradients and other intermediates;
   output bytes     the new state + metrics; the state is donated, so `alias` of them reuse the arguments' buffers;
   peak estimate    argument + temp + output − alias bytes: the per-device number the trainer's memory pre-flight
-                   (research/train/memory.py) checks every run against, beside the measured RSS where it is run;
+                   (research/train/setup/memory.py) checks every run against, beside the measured RSS where it is run;
   state B/param    the abstract state's bytes / the model's parameter count (`models.count_params`). Anchors: AdamW
                    with float32 parameters 4 + 8 (moments) = 12 (its gradients are temp), LoRA ≤ 2.3, BAdam ≤ 3.0,
                    BREAD ≤ 3.5 (the last three with a bfloat16 base).
@@ -31,10 +31,10 @@ Methods (rows):
   adamw    full fine-tuning, AdamW, float32 parameters and moments.
   freeze   AdamW with --freeze 'blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed' (attention projections and the embedding
            table, tied to the head in `base` / `llama-3b`) and --frozen-dtype bfloat16 (fine-tuning's default).
-  freeze-half  AdamW with --freeze-layers L/2 (research/train/layerfreeze.py): the bottom half of the layers and the
+  freeze-half  AdamW with --freeze-layers L/2 (research/train/steps/layerfreeze.py): the bottom half of the layers and the
            embedding frozen in bfloat16, the backward stopping at layer L/2; the top half trains on a float32 master.
   lora, dora, prediag, sora   --peft METHOD, rank `rank`, base weights bfloat16 (`PeftFlags(base_dtype="bfloat16")`).
-  badam    --optimizer badam run by the blockwise step (`research.train.blockstep`), storage bfloat16. Its layer
+  badam    --optimizer badam run by the blockwise step (`research.train.steps.blockstep`), storage bfloat16. Its layer
            scans are cond-masked (only the layers below / above the active one run): a static count takes each
            cond's costly branch, i.e. every layer run, and over-counts. The row "badam (per block)" counts the same
            step split statically at block b (`blockstep.make_block_steps(..., static_block=b)`: one trace per b)
@@ -72,17 +72,18 @@ import numpy as np
 from models import TransformerConfig, count_params, preset
 from research.bench.report import Progress, call_command, machine, table
 from research.data import Corpus
-from research.train import blockstep, frozen, memory
-from research.train.adapters import PeftFlags
-from research.train.build import make_optimizer
+from research.train.steps import blockstep, frozen
+from research.train.setup import memory
+from research.train.setup.adapters import PeftFlags
+from research.train.setup.build import make_optimizer
 from research.train.config import TrainConfig
-from research.train.state import abstract_initial_state, initial_state
-from research.train.loop import train_programs
+from research.train.setup.initial_state import abstract_initial_state, initial_state
+from research.train.setup.run import train_programs
 from sharding import batch_sharding, devices_for, make_mesh
 
 METHODS = ("adamw", "freeze", "freeze-half", "lora", "dora", "prediag", "sora", "badam", "bread", "bread-sgd")
 KNOWN = METHODS + ("muon", "sparse_adapter", "bread-sgd-f32")  # measurable rows the default table leaves out
-BLOCKWISE = ("badam", "bread", "bread-sgd", "bread-sgd-f32")  # run by the blockwise step (research/train/blockstep.py)
+BLOCKWISE = ("badam", "bread", "bread-sgd", "bread-sgd-f32")  # run by the blockwise step (research/train/steps/blockstep.py)
 LAYER_LOOP = BLOCKWISE[1:]  # BREAD's: a backward written as a loop over the layers above the active one
 PEFT = ("lora", "dora", "prediag", "sora", "sparse_adapter")
 FREEZE = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed"

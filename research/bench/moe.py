@@ -58,10 +58,10 @@ from models import ConfigError, Transformer, count_params, preset
 from research.bench.report import git_commit
 from research.bench.report import publish
 from research.data import get_batch, load_corpus
-from research.train.build import make_optimizer
+from research.train.setup.build import make_optimizer
 from research.train.config import TrainConfig
-from research.train.runtime import setup_jax
-from research.train.step import make_steps
+from research.train.runtime.devices import setup_jax
+from research.train.steps.step import make_steps
 from sharding import batch_sharding, collectives, devices_for, init_train_state, make_mesh, mesh_spec, shard_batch
 
 LAYOUTS = ("data=1", "data=8", "expert=8", "data=2,expert=2,tensor=2", "expert=4,fsdp=2", "stage=2,data=2,expert=2")

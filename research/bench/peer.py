@@ -40,7 +40,7 @@ from optim.newton_schulz import orthogonalize
 from research.bench.report import Progress, git_commit, machine, table
 from research.bench.timing import build_train_step
 from research.data import get_batch, load_corpus
-from research.train.throughput import Peak
+from research.train.hooks.throughput import Peak
 
 
 def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int = 2816, seq_len: int = 2048,

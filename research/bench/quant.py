@@ -27,7 +27,7 @@ import models
 from models import quant
 from models.transformer import cross_entropy
 from research.bench.report import command, publish
-from research.train.throughput import median_seconds
+from research.train.hooks.throughput import median_seconds
 
 
 @dataclasses.dataclass

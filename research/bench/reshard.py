@@ -7,7 +7,7 @@ checkpoint path a restart would take (orbax save to disk, then restore with the 
 For each preset, in one process and one run: the AdamW train state of research/train/ (fp32 params, two
 moments, counters) is created on mesh `src`, then, alternately in each round,
   switch:  reshard(state, dst) with donate=True, until every leaf is ready; then back to `src` (untimed);
-  orbax:   research.train.checkpoint.Checkpointer save (async write, waited for) + restore onto `dst`'s shardings,
+  orbax:   research.train.store.checkpoint.Checkpointer save (async write, waited for) + restore onto `dst`'s shardings,
            in a fresh temporary directory each round (so no old step is deleted during the timing).
 The ratio is median(orbax) / median(switch). Also reported: the state's bytes, the bytes the switch must move
 between devices (`sharding.moved_bytes`, the box-intersection lower bound) and the lower+compile time of the
@@ -29,10 +29,10 @@ from flax import nnx
 
 from models import Transformer, count_params
 from research.bench.report import machine, publish, table
-from research.train.checkpoint import Checkpointer
+from research.train.store.checkpoint import Checkpointer
 from research.train.config import TrainConfig
-from research.train.build import model_config, make_optimizer
-from research.train.step import make_steps
+from research.train.setup.build import model_config, make_optimizer
+from research.train.steps.step import make_steps
 from sharding import (abstract_state, batch_sharding, devices_for, init_train_state, logical_names, make_mesh,
                       mesh_spec, moved_bytes, reshard, state_shardings)
 

@@ -21,7 +21,7 @@ from flax import nnx
 import models
 from models.generate import generate
 from research.bench.report import command, publish
-from research.train.throughput import median_seconds
+from research.train.hooks.throughput import median_seconds
 
 
 @dataclasses.dataclass

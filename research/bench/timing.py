@@ -18,9 +18,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import Transformer, TransformerConfig, count_params, flops_per_token
 from research.data import get_batch
-from research.train.build import make_optimizer, model_config, step_options
+from research.train.setup.build import make_optimizer, model_config, step_options
 from research.train.config import TrainConfig
-from research.train.step import make_steps
+from research.train.steps.step import make_steps
 from sharding import batch_sharding, devices_for, init_train_state, make_mesh, mesh_spec
 
 

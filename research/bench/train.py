@@ -1,6 +1,6 @@
 """`python -m research.bench train`: speed and MFU of the real train step of each preset on each mesh.
 
-`train` times the real train step of the trainer (research/train/step.py: AdamW, grad clipping, fp32) and reports
+`train` times the real train step of the trainer (research/train/steps/step.py: AdamW, grad clipping, fp32) and reports
 compile time, steady step time, tokens/s, model FLOP/s and MFU against a matmul rate measured in
 the same run. On the CPU the 8 "devices" are simulated (`jax_num_cpu_devices`) and share the
 machine's cores, so the 8-device rows measure partitioning overhead, not scaling.
@@ -16,7 +16,7 @@ from models import preset
 from research.bench.report import machine, publish, table
 from research.bench.timing import concurrent_matmul_flops, time_train_step
 from research.data import load_corpus
-from research.train.throughput import measure_matmul_flops
+from research.train.hooks.throughput import measure_matmul_flops
 from sharding import devices_for, make_mesh
 
 MATMUL_TRIALS = 5

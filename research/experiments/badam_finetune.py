@@ -42,7 +42,7 @@ from research.data import eval_batches, load_corpus
 from research.experiments import badam, common
 from research.sweep import Run, SweepConfig, run_grid
 from research.train.config import TrainConfig
-from research.train.pretrained import load_run
+from research.train.store.pretrained import load_run
 
 NAME = "badam_finetune"
 QUESTION = ("Fine-tuning a pretrained model on a second corpus at equal steps: how close does BAdam (one layer "

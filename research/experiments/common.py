@@ -3,7 +3,7 @@ between phases (upcycling, depth expansion, MoE-DisCo, ...), held-out evaluation
 
 `research.train` is the CLI for whole runs on meshes; the experiments here need to train a `Transformer`
 they hold, change it, and go on, so they use `fit` on one device. `fit` steps with the trainer's own pieces
-(`research.train.step`: the loss, cross entropy + the MoE aux losses, and the update path with the optimizer's extra
+(`research.train.steps.step`: the loss, cross entropy + the MoE aux losses, and the update path with the optimizer's extra
 arguments and the aux-loss-free router-bias update) and the same data functions.
 """
 
@@ -31,8 +31,8 @@ from models import Transformer
 from optim import get_optimizer, make_schedule
 from research import entry
 from research.data import eval_batches, get_batch, load_corpus
-from research.train.rundir import aside_name
-from research.train.step import eval_loss, lm_loss, make_update
+from research.train.store.rundir import aside_name
+from research.train.steps.step import eval_loss, lm_loss, make_update
 
 
 @dataclasses.dataclass

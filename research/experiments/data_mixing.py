@@ -41,8 +41,8 @@ from research.data.loader import Loader
 from research.data.mixture import Mixture, dynamic_update, parse_mix
 from research.experiments import common
 from research.train.config import TrainConfig
-from research.train.mixing import router_loads, source_loads
-from research.train.pretrained import load_run
+from research.train.hooks.source_weights import router_loads, source_loads
+from research.train.store.pretrained import load_run
 
 NAME = "data_mixing"
 SOURCES = ("stdlib", "docs", "licenses")

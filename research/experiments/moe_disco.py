@@ -70,7 +70,7 @@ from models import MoEConfig, Transformer, preset
 from models.surgery import OUT_PROJECTIONS, upcycle
 from research.experiments import common
 from research.train.config import TrainConfig
-from research.train.pretrained import load_run
+from research.train.store.pretrained import load_run
 
 ARMS = ("e2e", "disco", "disco_random", "disco_size")
 LABELS = {"e2e": "end-to-end MoE", "disco": "DisCo (k-means)", "disco_random": "DisCo (random partition)",

@@ -72,10 +72,10 @@ from research.data import docs_corpus
 from research.data import eval_batches, load_corpus
 from research.experiments import common
 from research.sweep import Run, SweepConfig, parse_grid, run_grid
-from research.train.adapters import PeftFlags
-from research.train.build import make_optimizer
+from research.train.setup.adapters import PeftFlags
+from research.train.setup.build import make_optimizer
 from research.train.config import TrainConfig
-from research.train.pretrained import load_run
+from research.train.store.pretrained import load_run
 
 NAME = "peft"
 QUESTION = ("Fine-tuning a pretrained model on a second corpus at equal steps: how do the five adapters (LoRA, DoRA, "

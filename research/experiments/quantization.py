@@ -58,10 +58,10 @@ from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
 from research.data import eval_batches, get_batch, load_corpus
 from research.data.tokenized import tokenize_corpus
 from research.experiments import common
-from research.train import integrity
+from research.train.store import integrity
 from research.train.config import TrainConfig
-from research.train.pretrained import LOAD_ERRORS, load_model
-from research.train.throughput import median_seconds
+from research.train.store.pretrained import LOAD_ERRORS, load_model
+from research.train.hooks.throughput import median_seconds
 
 NAME = "quantization"
 QUESTION = ("Post-training quantization of models trained here: how do RTN, GPTQ, AWQ and SmoothQuant compare at W3 "

@@ -1,31 +1,31 @@
-"""The trainer: `python -m research.train` and everything a step of it needs, one concern per module.
+"""The trainer: `python -m research.train` and `from research.train import TrainConfig, run`.
 
-  config.py     TrainConfig: every flag, with its help            cli.py       the CLI: parse, run, one-line errors
-  loop.py       run(): the loop, one screen                       step.py      loss, grads, update (make_steps)
-  startup.py    mesh, model config, data, pipeline, checks        build.py     model config and optimizer from flags
-  state.py      the state at step 0 (init-from, adapters, sync)   resume.py    the newest readable checkpoint
-  switch.py     --switch-at: layouts compiled ahead of time       signals.py   SIGINT/SIGTERM as a stop flag
-  runtime.py    devices, BLAS threads, compile cache              preflight.py flag checks before anything starts
-  checkpoint.py orbax checkpoints   integrity.py their checksums  rundir.py    run directory: lock, metrics, config
-  health.py     non-finite steps, spikes   watchdog.py dead peers distributed.py multi-process bring-up
-  progress.py   console output    throughput.py tokens/s, MFU     sync.py      --sync: allreduce, local SGD, gossip, stale
-  init_from.py  --init-from, --freeze   adapters.py --peft        pretrained.py runs and HF directories as models
+The loop (`loop.py`: `run`) is a composition of named hooks over one step; every concern it calls is a room:
 
-`from research.train import TrainConfig, run` is the API for notebooks and experiments. The names are resolved on
-first use, so that `python -m research.train` can set its signal handlers before the seconds of imports.
+  config/   TrainConfig in sections (sections.py), the flag checks before anything starts (checks.py), what does
+            not combine (clashes.py), what trains (trainable.py)
+  setup/    a run built before its first step: mesh, data and pipeline (startup.py), model config and optimizer
+            (build.py), the state at step 0 (initial_state.py, init_from.py, adapters.py), the memory pre-flight
+            (memory.py), --switch-at's layouts (switch.py), the newest readable checkpoint (resume.py)
+  steps/    the compiled programs: the plain step (step.py), a blockwise optimizer's (blockstep.py, reachstep.py),
+            --freeze-layers' (layerfreeze.py), --freeze's mask (frozen.py), --sync's (sync.py), the non-finite guard
+            and the bad-step monitor (health.py)
+  hooks/    what the loop calls at a cadence: the metrics processor (metrics.py), evaluation, checkpoints,
+            trackers (trackers.py, tbimport.py), dynamic data weights (source_weights.py), the profiler
+            (profiler.py), the peer watchdog (watchdog.py), throughput and MFU (throughput.py, peaks.py), the console
+            (progress.py)
+  store/    the run directory (rundir.py), orbax checkpoints (checkpoint.py) and their checksums (integrity.py), runs
+            and Hugging Face directories as models (pretrained.py)
+  runtime/  devices, BLAS threads and the compile cache (devices.py), multi-process bring-up (processes.py),
+            SIGINT/SIGTERM (signals.py, early.py), XLA options (xla.py)
+  feed.py   the training batches: this process's rows, read ahead, the loader state checkpoints keep
+  command.py  the CLI: parse, run, one-line errors and exit statuses
 """
 
-import importlib
+from research.train.runtime import early  # noqa: F401  (first: as a command, signals are kept during the imports)
+from research.train.command import USER_ERRORS, main
+from research.train.config import RunError, TrainConfig
+from research.train.loop import run
+from research.train.steps.step import make_steps
 
-_EXPORTS = {"TrainConfig": "config", "RunError": "config", "run": "loop", "main": "cli", "USER_ERRORS": "cli",
-            "make_steps": "step"}
-
-
-def __getattr__(name):
-  if name in _EXPORTS:
-    return getattr(importlib.import_module(f"research.train.{_EXPORTS[name]}"), name)
-  raise AttributeError(f"module 'research.train' has no attribute {name!r}")
-
-
-def __dir__():
-  return sorted(list(globals()) + list(_EXPORTS))
+__all__ = ["main", "make_steps", "run", "RunError", "TrainConfig", "USER_ERRORS"]

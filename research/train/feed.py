@@ -45,7 +45,7 @@ def make_loader(cfg: TrainConfig, corpus: Corpus, rows=None) -> Loader:
 def held_out(cfg: TrainConfig, corpus: Corpus) -> list[tuple]:
   """The fixed held-out batches every evaluation uses: windows evenly spaced over `corpus.val` (`eval_batches`), or,
   for --data.layout pack and pad, the first rows of the held-out documents laid out the same way (in their order)."""
-  if isinstance(corpus, MixedCorpus):  # each source's, one after the other (research/train/mixing.py)
+  if isinstance(corpus, MixedCorpus):  # each source's, one after the other (research/train/hooks/source_weights.py)
     return [b for c in corpus.sources.values() for b in held_out(cfg, c)]
   if cfg.data_options.layout == "windows":
     return eval_batches(corpus.val, cfg.training.batch_size, cfg.training.seq_len, cfg.logging.eval_batches)

@@ -1,4 +1,4 @@
-"""The blockwise BAdam step (research/train/blockstep.py) equals optim.badam_adamw with full backprop (the trainer's
+"""The blockwise BAdam step (research/train/steps/blockstep.py) equals optim.badam_adamw with full backprop (the trainer's
 step before it), update for update across block switches, and its BREAD-SGD form optim.bread_adamw(mode="sgd") (whose
 update is tested against a float64 reference of the equations in tests/optim/test_bread.py); with bfloat16 storage
 only the active layer moves."""
@@ -13,8 +13,8 @@ from flax import nnx
 
 from models import Transformer
 from research.train import TrainConfig, make_steps
-from research.train.blockstep import Parts, eligible, init_state, make_block_steps
-from research.train.build import make_optimizer, model_config, optimizer_needs
+from research.train.steps.blockstep import Parts, eligible, init_state, make_block_steps
+from research.train.setup.build import make_optimizer, model_config, optimizer_needs
 from sharding import batch_sharding, devices_for, init_train_state, make_mesh
 
 B, T, L = 4, 16, 3

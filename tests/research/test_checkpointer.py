@@ -1,11 +1,11 @@
-"""research.train.checkpoint.Checkpointer on states the train CLI's tests do not reach by themselves."""
+"""research.train.store.checkpoint.Checkpointer on states the train CLI's tests do not reach by themselves."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from research.train.checkpoint import Checkpointer
+from research.train.store.checkpoint import Checkpointer
 import sharding
 
 

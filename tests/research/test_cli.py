@@ -11,7 +11,7 @@ import pytest
 from models import PRESETS
 from optim import OPTIMIZERS
 from research.train import RunError, TrainConfig, main
-from research.train.build import model_config
+from research.train.setup.build import model_config
 from research.train.config import MoEFlags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def help_text():
-  env = {**os.environ, "COLUMNS": "250"}
+  env = {**os.environ, "COLUMNS": "120"}  # one column of groups (wider terminals get several side by side)
   p = subprocess.run([sys.executable, "-m", "research.train", "--help"], capture_output=True, text=True, env=env,
                      cwd=REPO)
   assert p.returncode == 0, p.stderr

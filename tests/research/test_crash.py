@@ -25,9 +25,9 @@ TMP = ".orbax-checkpoint-tmp"
 DRIVER = """
 import os, signal, sys
 from orbax.checkpoint._src.path import atomicity
-import research.train.checkpoint
+import research.train.store.checkpoint
 at, how = os.environ["KILL_AT"], os.environ["KILL_HOW"]
-finalize, save = atomicity.AtomicRenameTemporaryPath.finalize, research.train.checkpoint.Checkpointer.save
+finalize, save = atomicity.AtomicRenameTemporaryPath.finalize, research.train.store.checkpoint.Checkpointer.save
 
 async def finalize_then_die(self):
   if how == "commit" and self._final_path.name == at:
@@ -43,7 +43,7 @@ def save_then_die(self, step, *args, **kwargs):
   return started
 
 atomicity.AtomicRenameTemporaryPath.finalize = finalize_then_die
-research.train.checkpoint.Checkpointer.save = save_then_die
+research.train.store.checkpoint.Checkpointer.save = save_then_die
 from research.train import main
 main(sys.argv[1:])
 """

@@ -140,7 +140,7 @@ def _records(out):
 def test_only_a_cut_short_last_line_is_excused(tmp_path):
   """A crash cuts the last line short (it does not parse: dropped); an unterminated last line that parses is another
   file's bytes (orbax's one-line metadata swapped in) and counts as damaged, so the file is kept aside."""
-  from research.train.rundir import read_records
+  from research.train.store.rundir import read_records
   path = tmp_path / "metrics.jsonl"
   for tail, damaged in ((b'{"step": 3, "lo', 0), (b'{"item_handlers": {}}', 1), (b'', 0)):
     path.write_bytes(b'{"step": 1}\n{"step": 2}\n' + tail)
@@ -151,7 +151,7 @@ def test_only_a_cut_short_last_line_is_excused(tmp_path):
 def test_a_damaged_file_is_kept_aside_as_it_was_without_copying_it(tmp_path):
   """keep_aside links (no space needed: a full disk still keeps it) and never replaces an earlier aside; the file
   that goes on is written anew and renamed, so the kept bytes stay as they were."""
-  from research.train.rundir import MetricsLog, keep_aside
+  from research.train.store.rundir import MetricsLog, keep_aside
   path = tmp_path / "metrics.jsonl"
   damaged = b'{"step": 1, "loss": 2.0}\nTraceback\n{"step": 2, "loss": 1.0}\n'
   path.write_bytes(damaged)

@@ -10,7 +10,7 @@ from flax import nnx
 
 import models
 from research.train import RunError, TrainConfig, main, run
-from research.train.pretrained import load_run
+from research.train.store.pretrained import load_run
 
 TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
             warmup_steps=0, eval_batches=1, progress=False, mesh="data=2,fsdp=2,tensor=2")

@@ -1,4 +1,4 @@
-"""Checkpoint integrity: the state checksums (research/train/integrity.py) are independent of sharding and catch every
+"""Checkpoint integrity: the state checksums (research/train/store/integrity.py) are independent of sharding and catch every
 single-bit error; a checkpoint whose bytes changed on disk after it was written (a flipped bit that still decodes,
 a truncated shard, a data file swapped with another step's) is refused on resume in one line, moved aside byte for
 byte, and the run goes on from the newest intact step with the losses of an uninterrupted run."""
@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from research.train import TrainConfig, run
-from research.train.integrity import fingerprints, mismatches
+from research.train.store.integrity import fingerprints, mismatches
 from runs import files, trace
 
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
@@ -36,7 +36,7 @@ def test_large_arrays_are_hashed_in_pieces_to_the_same_checksums(monkeypatch):
   """An array over CHUNK elements whose first axis is whole is hashed a few rows at a time (bounded temporaries: the
   3B model's checksums took 12.8 GiB in one program): the same words as in one piece, for every dtype width, a first
   axis with and without a divisor that fits, and a sharded first axis (hashed in one piece)."""
-  from research.train import integrity
+  from research.train.store import integrity
   x = jax.random.normal(jax.random.key(1), (12, 10, 7))
   mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   tree = {"f32": x, "bf16": x.astype(jnp.bfloat16), "i8": jnp.arange(13 * 12, dtype=jnp.int8).reshape(13, 12),

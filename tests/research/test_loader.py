@@ -11,7 +11,7 @@ from research.data import get_batch, load_corpus
 from research.data.loader import Loader
 from research.data.records import IGNORE
 from research.train import RunError, TrainConfig, run
-from research.train.checkpoint import Checkpointer
+from research.train.store.checkpoint import Checkpointer
 from research.train.config import DataFlags
 from research.train.feed import Feed
 from sharding import make_mesh
@@ -177,7 +177,7 @@ def test_exact_resume_on_each_data_format(tmp_path, fmt, layout, monkeypatch):
 def test_reader_threads_and_the_old_data_flag_are_no_change_of_settings():
   """--data.workers changes no batch, so a resume may change it without --amend; a config saved when --data was one
   string (before several paths) compares equal to the same path now; another layout is a change."""
-  from research.train.rundir import changed_settings
+  from research.train.store.rundir import changed_settings
   now = {"train": {"data": ["d.txt"], "data_options": {"field": "text", "layout": "windows", "workers": 0}},
          "model_config": {}}
   saved = {"train": {"data": "d.txt", "data_options": {"field": "text", "layout": "windows", "workers": 2}},

@@ -1,4 +1,4 @@
-"""The memory pre-flight (research/train/memory.py): every run prints its estimate from its own compiled step before
+"""The memory pre-flight (research/train/setup/memory.py): every run prints its estimate from its own compiled step before
 its state exists; a run over the limit is refused in one line naming the estimate and the fix, with nothing written
 and nothing of an existing run touched; the estimate is XLA's per-device bytes of the step the run then executes."""
 
@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from refusals import bad
-from research.train import TrainConfig, memory, run
-from research.train.adapters import PeftFlags
-from research.train.blockstep import blockwise_parts, make_block_steps
-from research.train.build import make_optimizer, model_config, step_options
-from research.train.startup import setup
-from research.train.state import abstract_initial_state
-from research.train.step import make_steps
+from research.train import TrainConfig, run
+from research.train.setup import memory
+from research.train.setup.adapters import PeftFlags
+from research.train.steps.blockstep import blockwise_parts, make_block_steps
+from research.train.setup.build import make_optimizer, model_config, step_options
+from research.train.setup.startup import setup
+from research.train.setup.initial_state import abstract_initial_state
+from research.train.steps.step import make_steps
 from sharding import batch_sharding, devices_for, make_mesh
 
 TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=2, eval_every=4, ckpt_every=2,

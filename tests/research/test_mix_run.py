@@ -1,4 +1,4 @@
-"""--data NAME=PATH ... --mix (research/train/mixing.py): a fixed mixture reads each source at its weight, the dynamic
+"""--data NAME=PATH ... --mix (research/train/hooks/source_weights.py): a fixed mixture reads each source at its weight, the dynamic
 rule moves the weights from the router's loads, every record logs the weights and each source's held-out loss, a
 stopped and resumed run logs what the uninterrupted one does, and bad specs are refused in one line."""
 
@@ -10,7 +10,7 @@ import pytest
 from refusals import bad
 from research.train import TrainConfig, run
 from research.train.feed import make_loader
-from research.train.mixing import load_data
+from research.train.hooks.source_weights import load_data
 
 TINY = dict(model="moe_tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=3, ckpt_every=2,
             warmup_steps=2, eval_batches=1, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12,

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from research.train import distributed
+from research.train.runtime.devices import processes
 from research.train import TrainConfig, run
-from research.train.distributed import DistributedError
+from research.train.runtime.processes import DistributedError
 
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
             warmup_steps=1, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12)
@@ -116,7 +116,7 @@ def test_a_dead_peer_ends_the_others_in_one_line_and_a_restart_resumes_exactly(t
 
 WATCHED = """
 import sys, time
-from research.train.watchdog import Watchdog
+from research.train.hooks.watchdog import Watchdog
 with Watchdog(float(sys.argv[1]), "after step {step}: stuck") as w:
   w.beat(7)
   time.sleep(30)  # a collective that never returns
@@ -134,22 +134,22 @@ def test_when_jax_distributed_starts(monkeypatch):
   for name in ENV:
     monkeypatch.delenv(name, raising=False)
   started = []
-  monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: started.append(kw))
-  assert not distributed.initialize()  # nothing asks for it
-  assert not distributed.initialize("localhost:1234", 2, 0, mode="off")
+  monkeypatch.setattr(processes.jax.distributed, "initialize", lambda **kw: started.append(kw))
+  assert not processes.initialize()  # nothing asks for it
+  assert not processes.initialize("localhost:1234", 2, 0, mode="off")
   monkeypatch.setenv("SLURM_JOB_ID", "7")
   monkeypatch.setenv("SLURM_PROCID", "0")
   monkeypatch.setenv("SLURM_NTASKS", "1")
-  assert not distributed.initialize()  # one task: a single-process run
-  assert distributed.initialize("localhost:1234", 2, 1)
+  assert not processes.initialize()  # one task: a single-process run
+  assert processes.initialize("localhost:1234", 2, 1)
   monkeypatch.setenv("SLURM_NTASKS", "4")
-  assert distributed.initialize()  # srun with 4 tasks: JAX's SLURM detection fills in the rest
-  assert distributed.initialize(mode="on")
+  assert processes.initialize()  # srun with 4 tasks: JAX's SLURM detection fills in the rest
+  assert processes.initialize(mode="on")
   monkeypatch.setenv("SLURM_NTASKS", "1")
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:555")
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
   monkeypatch.setenv("JAX_PROCESS_ID", "1")
-  assert distributed.initialize()
+  assert processes.initialize()
   beat = {"heartbeat_timeout_seconds": 100}
   assert started == [
       {"coordinator_address": "localhost:1234", "num_processes": 2, "process_id": 1, **beat},
@@ -168,9 +168,9 @@ def test_when_jax_distributed_starts(monkeypatch):
 def test_bad_multiprocess_settings_are_one_clear_error(monkeypatch, kw, message):
   for name in ENV:
     monkeypatch.delenv(name, raising=False)
-  monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: pytest.fail("must not start"))
+  monkeypatch.setattr(processes.jax.distributed, "initialize", lambda **kw: pytest.fail("must not start"))
   with pytest.raises(DistributedError, match=message):
-    distributed.initialize(**kw)
+    processes.initialize(**kw)
 
 
 def test_starting_after_the_backend_is_one_clear_error(monkeypatch):
@@ -178,4 +178,4 @@ def test_starting_after_the_backend_is_one_clear_error(monkeypatch):
   import jax
   jax.devices()  # the backend is up, as in any process that used JAX already
   with pytest.raises(DistributedError, match="must start before JAX's backend"):
-    distributed.initialize("localhost:1234", 2, 0)
+    processes.initialize("localhost:1234", 2, 0)

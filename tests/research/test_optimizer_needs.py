@@ -58,7 +58,7 @@ def test_a_new_optimizer_with_two_needs_trains_through_the_trainer(toy, tmp_path
 
 
 def test_a_declared_model_refusal_is_one_line(toy, tmp_path, capsys):
-  from research.train.cli import main
+  from research.train.command import main
   registry.NEEDS["toy_needs"] = optim.Needs(update_args={"max_logits"}, model_refuses=(("qk_norm", "cannot see it"),))
   with pytest.raises(SystemExit) as e:
     main(["--model", "tiny", "--qk-norm", "True", "--optimizer", toy, "--steps", "2", "--out", str(tmp_path / "r"),

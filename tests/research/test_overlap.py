@@ -13,7 +13,8 @@ from jax._src import array as jax_array
 
 from research.data import load_corpus
 from research.data.loader import Loader
-from research.train import TrainConfig, feed as feed_module, health, run
+from research.train import TrainConfig, feed as feed_module, run
+from research.train.steps import health
 from sharding import make_mesh
 
 STEPS, LOG = 12, 6

@@ -12,7 +12,7 @@ from flax import nnx
 from models import from_hf, peft
 from research import export
 from research.train import TrainConfig, main, run
-from research.train.pretrained import load_run
+from research.train.store.pretrained import load_run
 
 TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
             warmup_steps=0, eval_batches=1, progress=False, mesh="fsdp=4,tensor=2", lr=1e-2)
@@ -73,7 +73,7 @@ def test_sparse_adapter_is_pruned_before_training_and_muon_trains_it(tmp_path, c
 
 
 def peft_flags(**kw):
-  from research.train.adapters import PeftFlags
+  from research.train.setup.adapters import PeftFlags
   return PeftFlags(**kw)
 
 

@@ -15,8 +15,8 @@ import models
 from research import export, sample
 from research.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError
 from research.train import TrainConfig, run
-from research.train.checkpoint import CheckpointError
-from research.train.pretrained import load_model, load_run
+from research.train.store.checkpoint import CheckpointError
+from research.train.store.pretrained import load_model, load_run
 
 TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=4,
             warmup_steps=1, eval_batches=1, progress=False, mesh="data=-1")
@@ -130,7 +130,7 @@ def test_an_empty_ckpt_directory_is_refused_before_orbax_starts(tmp_path, monkey
   (tmp_path / "config.json").write_text(json.dumps({"model_config": models.preset("tiny").__dict__ | {"moe": None}}))
   (tmp_path / "ckpt").mkdir()
   (tmp_path / "ckpt" / "4.orbax-checkpoint-tmp-1").mkdir()  # an uncommitted save is not a checkpoint either
-  import research.train.pretrained as pretrained
+  import research.train.store.pretrained as pretrained
 
   def no_manager(*a, **k):
     raise AssertionError("a CheckpointManager was created for an empty ckpt/")

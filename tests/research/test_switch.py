@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import models
 from optim import get_optimizer
-from research.train.checkpoint import Checkpointer
-import research.train.integrity
+from research.train.store.checkpoint import Checkpointer
+import research.train.store.integrity
 import sharding
 import refusals
 from research.train import TrainConfig, run
@@ -104,7 +104,7 @@ def test_checkpoint_restores_bit_exact_onto_another_mesh_and_device_count(tmp_pa
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
     restored = ckpt.restore(5, abstract, target)
     meta = ckpt.read_meta(5)  # with the checksums of the state, verified by restore on this other mesh too
-    assert meta.pop("checksums").keys() == research.train.integrity.fingerprints(host).keys()
+    assert meta.pop("checksums").keys() == research.train.store.integrity.fingerprints(host).keys()
     assert meta == {"note": f"from {src}"}
     ckpt.close()
     assert jax.tree.structure(restored) == jax.tree.structure(host)

@@ -1,4 +1,4 @@
-"""The train CLI's --sync modes (research/train/sync.py): the equalities that pin them to data parallelism, exact resume,
+"""The train CLI's --sync modes (research/train/steps/sync.py): the equalities that pin them to data parallelism, exact resume,
 the metrics, and the refusals."""
 
 import json
@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import sharding
 from refusals import bad
-from research.train import rundir, sync
+from research.train.store import rundir
+from research.train.steps import sync
 from research.train import RunError, TrainConfig, main, run
 from sharding import replicas as rep
 

@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from research.train import peaks, throughput
-from research.train.throughput import Meter, Peak
+from research.train.hooks import peaks, throughput
+from research.train.hooks.throughput import Meter, Peak
 
 T = 1e12
 

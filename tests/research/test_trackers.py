@@ -1,4 +1,4 @@
-"""The experiment trackers (research/train/trackers.py): what TensorBoard, W&B and MLflow hold is metrics.jsonl, read
+"""The experiment trackers (research/train/hooks/trackers.py): what TensorBoard, W&B and MLflow hold is metrics.jsonl, read
 back with each tool's own reader, through a stop and a resume; a failing tracker costs one warning line, not the run.
 
 Every run here has the same shapes (one compilation for the file); `peak_flops` is given so no run measures it.
@@ -24,8 +24,8 @@ import pytest
 
 from refusals import bad
 from research.train import RunError, TrainConfig, run
-from research.train.cli import failure
-from research.train import trackers
+from research.train.command import failure
+from research.train.hooks import trackers
 
 # test_train's tiny run's shapes, schedule and mesh (its compiled programs are shared through the session's cache)
 TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=3, ckpt_every=2,

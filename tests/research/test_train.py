@@ -134,7 +134,7 @@ def test_out_of_memory_is_one_line_and_leaves_no_run_directory(tmp_path, capsys)
 
 
 def test_a_run_directory_in_use_is_refused_without_touching_it(tmp_path, capsys):
-  from research.train import rundir
+  from research.train.store import rundir
   run(cfg(tmp_path / "run", stop_at=4))
   before = sorted(os.listdir(tmp_path / "run" / "ckpt"))
   with rundir.claim(str(tmp_path / "run")):  # another run holds the directory

@@ -14,7 +14,7 @@ from models import Transformer, preset
 import optim
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, make_steps, run
-from research.train.step import keep_prev_params
+from research.train.steps.step import keep_prev_params
 import sharding
 from runs import trace
 

@@ -2,7 +2,7 @@
 on scikit-learn's handwritten digits (1,797 8×8 images shipped in the package, 10 classes), trained by W workers with
 each --sync algorithm of the train CLI, on dataset variants whose characters differ.
 
-Every run goes through the CLI's own programs (`research.train.sync.Steps` on a mesh `data=W` of W devices, the plain
+Every run goes through the CLI's own programs (`research.train.steps.sync.Steps` on a mesh `data=W` of W devices, the plain
 step below for allreduce): per-worker batch `batch` rows, plain SGD with a constant learning rate (inside the workers
 for local SGD, with outer plain averaging: model-averaging SGD, outer lr 1, no momentum), `steps` steps.
 
@@ -25,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from research.data import datastats
-from research.train import sync
+from research.train.steps import sync
 import sharding
 
 VARIANTS = ("shuffled", "sorted", "repeated", "binary")
@@ -77,7 +77,7 @@ def characters(data: Data, seed: int = 0, samples: int = 1024) -> dict:
 
 
 def loss_fn(params, x, y, buffers):
-  """Mean cross entropy of softmax(x W + b): the research/train/sync.py loss signature (total, (loss, aux))."""
+  """Mean cross entropy of softmax(x W + b): the research/train/steps/sync.py loss signature (total, (loss, aux))."""
   logits = x @ params["w"] + params["b"]
   ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=-1))
   return ce, (ce, {})

@@ -5,7 +5,7 @@ algorithm's scalability ceiling. Here four algorithms of the train CLI's --sync 
 datasets built to differ in those characters, and the speedup each reaches is set beside what the characters (and
 the gradient noise scale they feed) predict.
 
-Algorithms (research/train/sync.py; every worker takes `batch` samples a step, so W workers see W times the data):
+Algorithms (research/train/steps/sync.py; every worker takes `batch` samples a step, so W workers see W times the data):
   allreduce   synchronous mini-batch SGD: the mean gradient of W·batch samples every step
   local       local SGD / model averaging (the paper's model-averaging mini-batch SGD): H = `local_period` steps
               apart, the replicas' parameters are replaced by their mean (LM: --outer-lr 1 --outer-momentum 0)
@@ -275,7 +275,7 @@ def lm_gradients(cfg: Config, run_dir: str, dataset: str, work: str, samples: in
   from flax import nnx
 
   from models import cross_entropy
-  from research.train.pretrained import load_run
+  from research.train.store.pretrained import load_run
   model, _, _ = load_run(run_dir)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   data, sampling = lm_data(dataset, work)
@@ -396,7 +396,7 @@ def summarize(done: dict, cfg: Config) -> dict:
 def main(cfg: Config) -> dict:
   if cfg.smoke:
     cfg = dataclasses.replace(cfg, **SMOKE)
-  from research.train.runtime import setup_jax
+  from research.train.runtime.devices import setup_jax
   setup_jax(8, compile_cache=True)
   unknown = set(cfg.algorithms) - set(ALGORITHMS) or set(cfg.lm_algorithms) - set(LM_ALGORITHMS) or \
       set(cfg.lm_datasets) - set(LM_DATASETS) or \

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import tyro
 
-from research.train.adapters import PeftFlags
+from research.train.setup.adapters import PeftFlags
 from research.train.config.sections import (CheckpointSection, DataFlags, DataSection, DistributedSection,
                                             FinetuneSection, HealthSection, LoggingSection, MeshSection, MoEFlags,
                                             ModelSection, OptimSection, RuntimeSection, SyncSection, TrainingSection)

@@ -2,7 +2,7 @@
 
 `TrainConfig` (research/train/config/__init__.py) holds one of each. The flags keep their spelling: a section's
 fields are flags without a prefix (`--lr`, `--steps`), but for the three nested ones, `--moe.*` (`MoEFlags`),
-`--data.*` (`DataFlags`) and `--peft.*` (`research.train.adapters.PeftFlags`). `--help` shows one group per section.
+`--data.*` (`DataFlags`) and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help` shows one group per section.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class MeshSection:
 class SyncSection:
   """How the data replicas agree."""
   mode: Annotated[str, tyro.conf.arg(name="sync")] = "allreduce"
-  """How the replicas on the data axis agree (research/train/sync.py): allreduce (every step's gradients averaged),
+  """How the replicas on the data axis agree (research/train/steps/sync.py): allreduce (every step's gradients averaged),
   local:H (local SGD / DiLoCo: H steps apart, then an outer step), gossip[:ring|complete|FILE] (decentralized: each
   step, average with the neighbours), stale:TAU[:random] (gradients TAU steps old: simulated asynchronous workers)."""
   outer_lr: float = 0.7
@@ -204,7 +204,7 @@ class FinetuneSection:
   """Keep the parameters whose path matches this regular expression fixed (no gradient, no optimizer state, no
   update), e.g. 'embed|norm' or 'blocks/(wq|wk)'."""
   freeze_layers: int = 0
-  """Keep the bottom N layers of the stack and the embedding table fixed (research/train/layerfreeze.py): the
+  """Keep the bottom N layers of the stack and the embedding table fixed (research/train/steps/layerfreeze.py): the
   backward stops at layer N (no gradient of any kind below it); the trained part has a float32 master, the rest is
   stored in --frozen-dtype. Combines with --freeze (more leaves frozen); 0: off."""
   frozen_dtype: Literal["bfloat16", "float32"] | None = None
@@ -244,7 +244,7 @@ class LoggingSection:
   tracker: tyro.conf.UseAppendAction[tuple[Literal["tensorboard", "wandb", "mlflow", "none"], ...]] = ()
   """Where the metrics also go, repeatable (metrics.jsonl is always written): tensorboard (the default: event files
   in --out, `tensorboard --logdir runs`), wandb (offline unless WANDB_MODE/WANDB_API_KEY say otherwise), mlflow
-  (./mlruns, or $MLFLOW_TRACKING_URI); none: metrics.jsonl only (research/train/trackers.py)."""
+  (./mlruns, or $MLFLOW_TRACKING_URI); none: metrics.jsonl only (research/train/hooks/trackers.py)."""
   peak_flops: float | None = None
   """FLOP/s that MFU is relative to (unset: the chip's datasheet peak for the compute dtype, or on a device without
   one the best matmul rate this machine has shown; see README)."""
@@ -274,7 +274,7 @@ class RuntimeSection:
   """Simulated devices when running on the CPU (ignored on accelerators)."""
   memory_limit: float | None = None
   """GiB the run may use per device (CPU: the whole process, host RAM): replaces the detected limit the memory
-  pre-flight checks its estimate against (research/train/memory.py); 0 prints the estimate and checks nothing."""
+  pre-flight checks its estimate against (research/train/setup/memory.py); 0 prints the estimate and checks nothing."""
   compile_cache: bool = True
   """Keep compiled programs in ~/.cache/optlab/jax ($OPTLAB_CACHE) so reruns and resumes start fast."""
 

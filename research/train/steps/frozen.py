@@ -2,7 +2,7 @@
 but their storage.
 
 - No gradient: the train step differentiates the other parameters only (`frozen_mask` →
-  `research.train.step.value_and_grad_trained`), so XLA computes no frozen weight's gradient (no weight-gradient dot
+  `research.train.steps.step.value_and_grad_trained`), so XLA computes no frozen weight's gradient (no weight-gradient dot
   in the backward; activation gradients still flow through them to the layers below).
 - No optimizer state and no update: `freeze(tx)` is `optax.partition` with `optax.set_to_zero` on them.
 - Stored in --frozen-dtype (`store_frozen`): bfloat16 by default when fine-tuning (with --init-from), else float32;

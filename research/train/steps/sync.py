@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from research.train.health import keep_if_finite, step_ok
+from research.train.steps.health import keep_if_finite, step_ok
 from sharding import collectives, replicas as rep, shardings_like_params
 from sharding.replicas import ReplicaError
 
@@ -145,7 +145,7 @@ class Steps:
     shardings: of the state `init_state` laid out; batch_sh: of a batch (the rows split over `data`).
     max_logits: hand the model's attention-logit maxima to the optimizer (MuonClip).
     mixing: gossip's W (`mixing_matrix`; None: the ring).
-    plain: allreduce's step, research/train/step.py `make_steps`'s.
+    plain: allreduce's step, research/train/steps/step.py `make_steps`'s.
   """
 
   def __init__(self, sync: Sync, loss_fn: Callable, tx, outer_tx, shardings: dict, batch_sh, *,

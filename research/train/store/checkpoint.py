@@ -10,7 +10,7 @@ A step that is listed but cannot be read (damaged later: truncated or garbled fi
 rename, to `<directory>.corrupt/<step>` (`quarantine`), so it is never overwritten, deleted or counted by keep-N
 garbage collection, and stays there for inspection.
 
-Integrity: each step's meta holds a content checksum of every array of the state (`research.train.integrity`: two
+Integrity: each step's meta holds a content checksum of every array of the state (`research.train.store.integrity`: two
 32-bit words per array, the same on any sharding), computed on the devices when the save starts; `restore` and
 `restore_params` recompute them for what they read and refuse (CheckpointError) a step whose bytes changed since
 (a flipped bit that still decodes, a truncated shard, a file swapped with another step's), so the caller can fall
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from research.train import integrity
+from research.train.store import integrity
 
 
 class CheckpointError(ValueError):
@@ -46,7 +46,7 @@ class CheckpointSaveError(CheckpointError):
 class Checkpointer:
   def __init__(self, directory: str, *, keep: int = 3, every: int = 100, save_concurrent_gb: int | None = None):
     """`save_concurrent_gb`: at most this many GB (10^9 bytes) of the state being written at once (orbax's; the
-    trainer bounds it on the CPU, where the writer's buffers share the devices' memory: research/train/memory.py);
+    trainer bounds it on the CPU, where the writer's buffers share the devices' memory: research/train/setup/memory.py);
     None: orbax's default. A bounded checkpointer saves and restores whole states (`save`, `restore`)."""
     self.directory = os.path.abspath(directory)
     handlers = None if save_concurrent_gb is None else {

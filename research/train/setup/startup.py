@@ -13,11 +13,13 @@ import jax
 from models.attention import AttentionError, check_attention
 from research.data import Corpus
 from research.data.mixture import MixedCorpus
-from research.train import clashes, layerfreeze, mixing, sync
-from research.train.build import model_config, optimizer_needs
+from research.train.config import clashes
+from research.train.steps import layerfreeze, sync
+from research.train.hooks import source_weights
+from research.train.setup.build import model_config, optimizer_needs
 from research.train.config import RunError, TrainConfig
 from research.train.feed import held_out, make_loader
-from research.train.switch import switch_plan
+from research.train.setup.switch import switch_plan
 from sharding import batch_sharding, global_batch, make_mesh, mesh_spec
 from sharding.mesh import DATA_AXES
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
@@ -34,8 +36,8 @@ def setup(cfg: TrainConfig):
     if getattr(mcfg, field):
       raise RunError(f"--optimizer {cfg.optim.optimizer} {why}: --model {cfg.model.preset} has {field}; add "
                      f"--{field.replace('_', '-')} False")
-  corpus = mixing.load_data(cfg)  # one corpus, or the named --data sources' mixture
-  mixing.check(corpus, mcfg, mesh)
+  corpus = source_weights.load_data(cfg)  # one corpus, or the named --data sources' mixture
+  source_weights.check(corpus, mcfg, mesh)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
   batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
@@ -72,7 +74,7 @@ def pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
 
 
 def check_sync(cfg: TrainConfig, mesh):
-  """--sync parsed and checked (RunError); what it does not combine with is research/train/clashes.py's."""
+  """--sync parsed and checked (RunError); what it does not combine with is research/train/config/clashes.py's."""
   try:
     mode = sync.parse(cfg.sync.mode)
     if mode.kind == "gossip":

@@ -4,7 +4,7 @@ MaxText, torchtitan, nanoGPT and PaLM all divide the model's FLOP rate by this f
 machine is only the fallback for a device not in the table (a CPU, an unknown part), never a substitute for it on a
 known one (a 1024³ float32 matmul timed from the host on an H100 is launch-bound: "MFU 99.5%" for a 25% step).
 
-`spec_peak(device_kind, dtype)` reads the table; `research/train/throughput.py` (`Peak`) chooses between it, a
+`spec_peak(device_kind, dtype)` reads the table; `research/train/hooks/throughput.py` (`Peak`) chooses between it, a
 measured matmul and `--peak-flops`, and says which in the run's records. No jax here: the table is data.
 """
 

@@ -13,10 +13,10 @@ from flax import nnx
 from models import HFError, Transformer, TransformerConfig, from_hf, peft, quant, quant_store
 from models.hf import config_from_hf
 from research.data.tokenizer import ByteTokenizer, HFTokenizer, check_fits
-from research.train import adapters
-from research.train.checkpoint import Checkpointer, CheckpointError
+from research.train.setup import adapters
+from research.train.store.checkpoint import Checkpointer, CheckpointError
 from research.train.config import flat_record
-from research.train.trainable import Trainable
+from research.train.config.trainable import Trainable
 from sharding import logical_names
 from sharding.state import param_shardings, variable_shardings
 

@@ -5,7 +5,7 @@ layout): --freeze's regex (those leaves fixed, stored in the frozen dtype), --fr
 and the embedding fixed, a float32 master of the rest), --peft (the adapters only; the base a buffer) and a
 block-coordinate optimizer's blockwise step (one layer at a time, a float32 master of it). The step builder
 (`step`), the checkpoint restore (`stored`) and the resume check (`signature`) read it.
-What does not combine with what is one table beside it (research/train/clashes.py).
+What does not combine with what is one table beside it (research/train/config/clashes.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from research.train.config import flat_record
-from research.train.frozen import frozen_dtype, frozen_mask, saved_frozen_dtype
+from research.train.steps.frozen import frozen_dtype, frozen_mask, saved_frozen_dtype
 
 @dataclasses.dataclass(frozen=True)
 class Trainable:
@@ -49,7 +49,7 @@ class Trainable:
   @classmethod
   def of_run(cls, cfg, blockwise: bool) -> "Trainable":
     """The run's, from its flags; `blockwise`: whether its optimizer runs its blockwise step
-    (`research.train.blockstep.blockwise_parts` is not None)."""
+    (`research.train.steps.blockstep.blockwise_parts` is not None)."""
     dtype = str(frozen_dtype(cfg))
     return cls(cfg.finetune.freeze, cfg.finetune.freeze_layers, blockwise, bool(cfg.finetune.peft),
                dtype if blockwise or cfg.finetune.freeze_layers else None, dtype)

@@ -10,9 +10,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from research.train.build import step_options
+from research.train.setup.build import step_options
 from research.train.config import RunError, TrainConfig
-from research.train.step import make_steps
+from research.train.steps.step import make_steps
 from sharding import ShardingError, abstract_state, batch_sharding, devices_for, global_batch, make_mesh, mesh_spec
 from sharding import state_shardings
 

@@ -43,10 +43,10 @@ import os
 import sys
 import time
 
-from research.train import rundir
+from research.train.store import rundir
 from research.train.config import RunError
-from research.train.distributed import is_primary
-from research.train.tbimport import tensorboardx
+from research.train.runtime.processes import is_primary
+from research.train.hooks.tbimport import tensorboardx
 
 # tracker -> (the package it needs, how to install it)
 PACKAGES = {"tensorboard": ("tensorboardX", "pip install tensorboardX"),

@@ -98,7 +98,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                heartbeat_timeout_seconds=int(heartbeat_timeout))
   except RuntimeError as e:
     if "must be called before" in str(e):  # a library call started the backend first
-      raise DistributedError("jax.distributed must start before JAX's backend: call research.train.distributed."
+      raise DistributedError("jax.distributed must start before JAX's backend: call research.train.runtime.processes."
                              "initialize (or run the CLI) before any other JAX use in this process") from None
     raise
   return True

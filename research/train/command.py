@@ -15,19 +15,22 @@ from models.attention import AttentionError
 from models.config import ConfigError
 from optim import UnknownOptimizerError
 from research.data import DataError
-from research.train import frozen, init_from, preflight, rundir
-from research.train.checkpoint import CheckpointError, quiet_orbax_errors
+from research.train.steps import frozen
+from research.train.setup import init_from
+from research.train.config import checks
+from research.train.store import rundir
+from research.train.store.checkpoint import CheckpointError, quiet_orbax_errors
 from research.train.config import RunError, TrainConfig
-from research.train.distributed import DistributedError, is_primary
-from research.train.health import BadStepsError
+from research.train.runtime.processes import DistributedError, is_primary
+from research.train.steps.health import BadStepsError
 from research.train.loop import run
-from research.train.progress import summary
-from research.train.watchdog import EXIT_STATUS as WATCHDOG_EXIT
+from research.train.hooks.progress import summary
+from research.train.hooks.watchdog import EXIT_STATUS as WATCHDOG_EXIT
 from sharding import MeshError, ShardingError
 from sharding.pipeline import PipelineError
 
 
-USER_ERRORS = (RunError, preflight.PreflightError, rundir.RunDirError, ConfigError, UnknownOptimizerError,
+USER_ERRORS = (RunError, checks.PreflightError, rundir.RunDirError, ConfigError, UnknownOptimizerError,
                CheckpointError, DataError, MeshError, ShardingError, DistributedError, PipelineError,
                init_from.InitError, frozen.FreezeError, HFError, peft.PEFTError, AttentionError)
 

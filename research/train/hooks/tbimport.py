@@ -1,4 +1,4 @@
-"""tensorboardX, imported for the TensorBoard tracker (research/train/trackers.py) without torch."""
+"""tensorboardX, imported for the TensorBoard tracker (research/train/hooks/trackers.py) without torch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""BREAD's backward passes for the blockwise step (research/train/blockstep.py): `models.blockwise.backprop_to_layer`
+"""BREAD's backward passes for the blockwise step (research/train/steps/blockstep.py): `models.blockwise.backprop_to_layer`
 with a visit that updates each layer above the active one as the pass reaches it — by SGD (`stepped_backward`) or
-through its rank-r factors (`lowrank_backward`) — on top of `research.train.step.head_loss`."""
+through its rank-r factors (`lowrank_backward`) — on top of `research.train.steps.step.head_loss`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from flax import nnx
 from models.blockwise import backprop_to_layer, layer_weights
 from optim import factor_delta, factor_grads
 from optim.trees import path_name
-from research.train.step import head_loss
+from research.train.steps.step import head_loss
 
 
 def stepped_backward(model, params, master, b, x, y, step, sign: bool):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from models.attention import BLOCK, resolve
 from optim import OPTIMIZERS, needs
-from research.train.build import model_config, optimizer_needs
+from research.train.setup.build import model_config, optimizer_needs
 from research.train.config import RunError
 from sharding import mesh_scope
 

@@ -2,12 +2,12 @@
 
 `CLASHES` rows are (a feature of the run, the features it does not combine with, why); `check` refuses the first row
 that applies, in one line. `blockwise_blockers` names what keeps a blockwise optimizer on its optax transform over
-full gradients instead of its blockwise step (research/train/blockstep.py). What trains is research/train/trainable.py.
+full gradients instead of its blockwise step (research/train/steps/blockstep.py). What trains is research/train/config/trainable.py.
 """
 
 from __future__ import annotations
 
-from research.train.build import optimizer_needs
+from research.train.setup.build import optimizer_needs
 from research.train.config import RunError
 
 # (feature, the features it does not combine with, why): each row one RunError line when it applies

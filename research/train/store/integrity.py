@@ -15,7 +15,7 @@ probability about 2^-64, as the h_i look random (a plain weighted sum of the w_i
 2^31 + 2^31 ≡ 0). Not a cryptographic hash: it detects accidents, not forgery.
 
 The train loop stores `fingerprints(state)` with each checkpoint and compares them after restoring
-(research/train/checkpoint.py): a step whose bytes changed is refused like an unreadable one.
+(research/train/store/checkpoint.py): a step whose bytes changed is refused like an unreadable one.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from research.train.xla import compiler_options
+from research.train.runtime.xla import compiler_options
 
 SALT = 0x7F4A7C15
 

@@ -21,7 +21,7 @@ copy) + 4 (its gradient, a temporary).
 
 The embedding freezes with the layers: its gradient would need the activation gradient through every frozen layer.
 With tied embeddings (the head is the same table) the head freezes too. Refused in one line: N outside 1..L−1, and
-what research/train/clashes.py's table says it does not combine with (a block-coordinate optimizer, an optimizer's
+what research/train/config/clashes.py's table says it does not combine with (a block-coordinate optimizer, an optimizer's
 update arguments: this step supplies none, --peft, --zero1, --sync, --switch-at, a stage or context mesh axis).
 """
 
@@ -35,15 +35,15 @@ from flax import nnx
 from models.blockwise import frozen_below_forward, upper_layers
 from optim.trees import tree_bytes
 from research.train.config import RunError
-from research.train.frozen import frozen_mask
-from research.train.health import step_ok
-from research.train.step import aux_outputs, eval_loss, head_loss, jit_steps
+from research.train.steps.frozen import frozen_mask
+from research.train.steps.health import step_ok
+from research.train.steps.step import aux_outputs, eval_loss, head_loss, jit_steps
 from sharding.state import shardings_like_params
 
 
 def check(cfg, n_layers: int) -> None:
   """RunError (one line) when --freeze-layers' N does not fit the model; nothing when it is off (what it does not
-  combine with is research/train/clashes.py's)."""
+  combine with is research/train/config/clashes.py's)."""
   n = cfg.finetune.freeze_layers
   if n and not 0 < n < n_layers:
     raise RunError(f"--freeze-layers {n}: the model has {n_layers} layers; freeze 1..{n_layers - 1} of them (all "

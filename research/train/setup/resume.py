@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import sys
 
-from research.train import rundir, sync
-from research.train.frozen import saved_frozen_dtype
-from research.train.checkpoint import CheckpointError
+from research.train.store import rundir
+from research.train.steps import sync
+from research.train.steps.frozen import saved_frozen_dtype
+from research.train.store.checkpoint import CheckpointError
 from research.train.config import RunError, flat_meta
-from research.train.distributed import all_agree, is_primary
-from research.train.pretrained import peft_settings
+from research.train.runtime.processes import all_agree, is_primary
+from research.train.store.pretrained import peft_settings
 from sharding import parse_mesh_spec
 
 

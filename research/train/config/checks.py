@@ -8,7 +8,7 @@ import math
 import os
 
 from research import entry
-from research.train import profile, trackers
+from research.train.hooks import profiler, trackers
 
 
 class PreflightError(ValueError):
@@ -48,8 +48,8 @@ def check_numbers(cfg):
   if cfg.training.stop_at is not None and cfg.training.stop_at <= 0:
     raise PreflightError(f"--stop-at must be positive, got {cfg.training.stop_at}")
   try:
-    window = profile.parse(cfg.logging.profile)
-  except profile.ProfileError as e:
+    window = profiler.parse(cfg.logging.profile)
+  except profiler.ProfileError as e:
     raise PreflightError(str(e)) from None
   if window is not None and sum(window) - 1 > cfg.training.steps:
     raise PreflightError(f"--profile {cfg.logging.profile}: steps {window[0]}-{sum(window) - 1} are not all within --steps "

@@ -11,12 +11,13 @@ from flax import nnx
 
 from models import Transformer
 from optim.trees import cast_like
-from research.train import adapters, blockstep, frozen, init_from, layerfreeze, sync
-from research.train.build import make_optimizer, optimizer_needs
+from research.train.setup import adapters, init_from
+from research.train.steps import blockstep, frozen, layerfreeze, sync
+from research.train.setup.build import make_optimizer, optimizer_needs
 from research.train.config import TrainConfig
-from research.train.distributed import is_primary
+from research.train.runtime.processes import is_primary
 from research.train.feed import make_loader
-from research.train.step import keep_prev_params, lm_loss
+from research.train.steps.step import keep_prev_params, lm_loss
 from sharding import global_batch, init_train_state, mesh_scope
 
 
@@ -53,7 +54,7 @@ def abstract_initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise=N
   """(graphdef, state, shardings, report) of `initial_state` with the state's leaves `jax.ShapeDtypeStruct`s carrying
   their shardings: nothing allocated, --init-from not read (its parameters have the random ones' shapes), nothing
   printed; every check of the flags that needs the model (--freeze matching nothing, say) done. What the memory
-  pre-flight compiles the step against (`research/train/memory.py`) and a resumed run restores into. Its report has
+  pre-flight compiles the step against (`research/train/setup/memory.py`) and a resumed run restores into. Its report has
   the shapes' numbers (a sparse adapter's trainable count before pruning)."""
   box = {}
 

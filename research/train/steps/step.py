@@ -11,8 +11,8 @@ from flax import nnx
 
 from models import cross_entropy
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
-from research.train.health import keep_if_finite, step_ok
-from research.train.xla import compiler_options
+from research.train.steps.health import keep_if_finite, step_ok
+from research.train.runtime.xla import compiler_options
 
 
 def keep_prev_params(state, shardings):
@@ -24,7 +24,7 @@ def keep_prev_params(state, shardings):
 
 def head_loss(model, y):
   """(logits, aux) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)): the loss on top of a forward,
-  `model.forward`'s or a blockwise one's (research/train/blockstep.py, reachstep.py, layerfreeze.py)."""
+  `model.forward`'s or a blockwise one's (research/train/steps/blockstep.py, reachstep.py, layerfreeze.py)."""
   def head(logits, aux):
     ce = cross_entropy(logits, y)
     return ce + aux_loss(aux, model.c), (ce, aux)
@@ -70,14 +70,14 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, update_args=frozenset(), fr
 
   `frozen` (--freeze): a function of the parameter tree giving a Python bool per leaf; the gradient is taken w.r.t.
   the other leaves only (`value_and_grad_trained`), the frozen ones are neither differentiated nor written (the
-  optimizer gives them no state, `research.train.frozen.freeze`), and the gradient norm (the one logged, and the
+  optimizer gives them no state, `research.train.steps.frozen.freeze`), and the gradient norm (the one logged, and the
   one --grad-clip clips by) is the trained parameters'.
 
   `update_args` (the optimizer's declared `optim.Needs.update_args`) are supplied to `tx.update` by `update_extras`:
   "prev_grads" needs a state with "prev_params" (`keep_prev_params`; such a state implies it), "max_logits" the
   model's per-head attention-logit maxima (aux "max_logit", `logit_stats`).
   A step whose loss, gradient norm or update norm is not finite leaves the state unchanged but for "step", and reports
-  finite=False (`research.train.health`).
+  finite=False (`research.train.steps.health`).
   """
   exact = "prev_params" in shardings
   update_args = frozenset(update_args) | ({"prev_grads"} if exact else set())

@@ -7,7 +7,7 @@
   exactly: AdamW's updates are not rounded to bfloat16); the ones it does not train (--freeze's, --peft's frozen base,
   BAdam's storage) are stored in --frozen-dtype, bfloat16 by default when fine-tuning. research.export writes the
   checkpoint's dtype back by default.
-- `--freeze REGEX` (which of them train) is `research/train/frozen.py`.
+- `--freeze REGEX` (which of them train) is `research/train/steps/frozen.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 
 from models import TransformerConfig, from_hf
 from models.hf import config_from_hf
-from research.train.pretrained import hf_path, load_run
+from research.train.store.pretrained import hf_path, load_run
 
 SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias", "tie_embeddings")
 FREE_FLAGS = ("compute_dtype", "remat", "microbatches")  # may differ from the checkpoint's
