@@ -39,6 +39,7 @@ import optim
 from models import Transformer, count_params, preset
 from research.bench.optim import param_tree
 from research.bench.report import Progress, git_commit
+from research.train.steps import train_state
 from research.train.steps.step import make_steps
 from sharding import (analytic_bytes, batch_sharding, collectives, devices_for, init_params, init_train_state,
                       make_mesh, matmul_flops, mesh_spec, param_shardings, shardings_like_params)
@@ -137,7 +138,7 @@ def _measure_opt(tx, params, p_sh, mesh, repeats, budget_gib) -> dict:
 
 def _measure_train(tx, model_fn, mesh, repeats, budget_gib, zero1=False, batch=16, seq=128) -> dict:
   kw = {"zero1": True} if zero1 else {}
-  graphdef, state, shardings = init_train_state(model_fn, tx, mesh, **kw)
+  graphdef, state, shardings = train_state.create(model_fn, tx, mesh, **kw)
   batch_sh = batch_sharding(mesh, (batch, seq))
   train_step, _ = make_steps(graphdef, tx, shardings, batch_sh)
   tokens = np.random.default_rng(0).integers(0, 256, (batch, seq + 1)).astype(np.int32)

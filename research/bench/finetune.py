@@ -192,13 +192,13 @@ def _bytes(tree) -> int:
 def _trainable(method: str, state) -> int:
   """Weights the step can change: the adapters (PEFT), the active layer (BAdam), the unfrozen leaves (--freeze)."""
   if method in PEFT:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   if method in BLOCKWISE or method == "freeze-half":  # BREAD's steps reach every layer above (no state but the
     # factors): counted as BAdam's; --freeze-layers trains its master
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["master"]))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.master))
   mask = frozen.frozen_mask(FREEZE if method == "freeze" else None)
-  flags = jax.tree.leaves(mask(state["params"])) if mask else [False] * len(jax.tree.leaves(state["params"]))
-  return sum(int(np.prod(x.shape)) for x, f in zip(jax.tree.leaves(state["params"]), flags) if not f)
+  flags = jax.tree.leaves(mask(state.params)) if mask else [False] * len(jax.tree.leaves(state.params))
+  return sum(int(np.prod(x.shape)) for x, f in zip(jax.tree.leaves(state.params), flags) if not f)
 
 
 def measure(method: str, mcfg, batch_size: int, seq_len: int, rank: int, peft: PeftFlags | None = None) -> dict:

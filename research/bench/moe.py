@@ -61,8 +61,9 @@ from research.data import get_batch, load_corpus
 from research.train.setup.build import make_optimizer
 from research.train.config import TrainConfig
 from research.train.runtime.devices import setup_jax
+from research.train.steps import train_state
 from research.train.steps.step import make_steps
-from sharding import batch_sharding, collectives, devices_for, init_train_state, make_mesh, mesh_spec, shard_batch
+from sharding import batch_sharding, collectives, devices_for, make_mesh, mesh_spec, shard_batch
 
 LAYOUTS = ("data=1", "data=8", "expert=8", "data=2,expert=2,tensor=2", "expert=4,fsdp=2", "stage=2,data=2,expert=2")
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -108,7 +109,7 @@ def _by_axes(audit, mesh, kind: str, axis: str) -> float:
 
 def _prepare(spec: str, mcfg, tx, batch: int, seq: int, batches) -> dict:
   mesh = make_mesh(spec, devices=devices_for(spec))
-  graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
+  graphdef, state, shardings = train_state.create(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
   batch_sh = batch_sharding(mesh, (batch, seq))
   train_step, _ = make_steps(graphdef, tx, shardings, batch_sh)
   placed = [shard_batch(b, mesh) for b in batches]

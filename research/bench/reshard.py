@@ -33,6 +33,7 @@ from research.train.store.checkpoint import Checkpointer
 from research.train.config import TrainConfig
 from research.train.setup.build import model_config, make_optimizer
 from research.train.steps.step import make_steps
+from research.train.steps.train_state import TrainState
 from sharding import (abstract_state, batch_sharding, devices_for, init_train_state, logical_names, make_mesh,
                       mesh_spec, moved_bytes, reshard, state_shardings)
 
@@ -91,11 +92,11 @@ def _time_preset(name: str, src: str, dst: str, rounds: int, compile_step: bool,
   row["ratio"] = statistics.median(row["orbax_all"]) / row["switch_s"]
   if compile_step:
     batch_sh = batch_sharding(mesh_b, (cfg.training.batch_size, cfg.training.seq_len))
-    train_step, _ = make_steps(graphdef, tx, sh_b, batch_sh)
+    train_step, _ = make_steps(graphdef, tx, TrainState.of(sh_b), batch_sh)
     x = jax.ShapeDtypeStruct((cfg.training.batch_size, cfg.training.seq_len), np.int32, sharding=batch_sh)
     t = time.perf_counter()
     with jax.set_mesh(mesh_b):
-      train_step.lower(abstract_state(state, sh_b), x, x).compile()
+      train_step.lower(TrainState.of(abstract_state(state, sh_b)), x, x).compile()
     row["compile_s"] = time.perf_counter() - t
   return row
 

@@ -20,8 +20,9 @@ from models import Transformer, TransformerConfig, count_params, flops_per_token
 from research.data import get_batch
 from research.train.setup.build import make_optimizer, model_config, step_options
 from research.train.config import TrainConfig
+from research.train.steps import train_state
 from research.train.steps.step import make_steps
-from sharding import batch_sharding, devices_for, init_train_state, make_mesh, mesh_spec
+from sharding import batch_sharding, devices_for, make_mesh, mesh_spec
 
 
 def concurrent_matmul_flops(n: int, devices, repeats: int = 5) -> float:
@@ -58,7 +59,8 @@ def build_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int,
   mcfg = model_config(cfg)
   mesh = make_mesh(spec, devices=devices_for(spec))
   tx, _ = make_optimizer(cfg)
-  graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)), tx, mesh)
+  graphdef, state, shardings = train_state.create(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)), tx,
+                                                  mesh)
   batch_sh = batch_sharding(mesh, (batch_size, seq_len))
   train_step, _ = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
   return TrainStep(cfg, mcfg, mesh, state, train_step, batch_sh)
@@ -70,8 +72,8 @@ def time_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int, 
   `steps` timed steps on the corpus's first batches; with the compiled step's temp and argument bytes per device.
   A step whose temp + argument + output bytes exceed `max_bytes` is not run: the row then has "skipped" (why)."""
   cfg, mcfg, mesh, state, train_step, batch_sh = build_train_step(preset_name, spec, batch_size, seq_len, **flags)
-  batches = [tuple(jax.device_put(a, batch_sh) for a in get_batch(corpus.train, cfg.training.seed, s, batch_size, seq_len))
-             for s in range(warmup + steps)]
+  batches = [tuple(jax.device_put(a, batch_sh) for a in get_batch(corpus.train, cfg.training.seed, s, batch_size,
+                                                                   seq_len)) for s in range(warmup + steps)]
   with jax.set_mesh(mesh):
     t0 = time.perf_counter()
     lowered = train_step.lower(state, *batches[0])

@@ -1,7 +1,7 @@
 """The run's training batches: the grain loader (research/data/loader.py) over the corpus's training tokens, read
 for this process's rows of each step's global batch on background threads, placed on the mesh one step ahead.
 
-  feed = Feed(cfg, corpus, mesh, step=start, state=saved.get("loader"))
+  feed = Feed(corpus, cfg.training, cfg.data, cfg.data_options, mesh, step=start, state=saved.get("loader"))
   x, y = feed.next()        # global arrays of the next step's batch, rows split over the mesh's data axes
   feed.state()              # the loader's iterator state: saved in every checkpoint, handed back on resume
   feed.switched(new_mesh)   # --switch-at: this process's rows may change; the step does not
@@ -23,55 +23,60 @@ import concurrent.futures
 from research.data import Corpus, DataError, eval_batches
 from research.data.loader import Loader
 from research.data.mixture import MixedCorpus, MixedLoader, Mixture
-from research.train.config import RunError, TrainConfig
+from research.train.config import RunError
+from research.train.config.sections import DataFlags, DataSection, TrainingSection
 from sharding import local_batch, process_rows
 
 
-def make_loader(cfg: TrainConfig, corpus: Corpus, rows=None) -> Loader:
-  """The run's loader over `corpus.train` (every row of the global batch unless `rows`); for a mixture (--mix), one
-  loader per source under the mixture's sampler."""
+def make_loader(corpus: Corpus, training: TrainingSection, data: DataSection, options: DataFlags,
+                rows=None) -> Loader:
+  """The run's loader over `corpus.train` (every row of the global batch unless `rows`): the batch, length and seed
+  of the config's training section, the order of its data section, the layout and readers of --data.*; for a
+  mixture (--mix), one loader per source under the mixture's sampler."""
   if isinstance(corpus, MixedCorpus):
-    loaders = {n: make_loader(cfg, c, rows) for n, c in corpus.sources.items()}
-    return MixedLoader(Mixture(loaders, seed=cfg.training.seed, weights=corpus.spec.initial(corpus.sizes())),
-                       cfg.data_options.workers)
+    loaders = {n: make_loader(c, training, data, options, rows) for n, c in corpus.sources.items()}
+    return MixedLoader(Mixture(loaders, seed=training.seed, weights=corpus.spec.initial(corpus.sizes())),
+                       options.workers)
   try:
-    return Loader(corpus.train, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=cfg.training.seed, sampling=cfg.data.sampling,
-                  rows=rows, workers=cfg.data_options.workers, layout=cfg.data_options.layout, docs=corpus.train_docs,
-                  eos=corpus.eos)
+    return Loader(corpus.train, batch_size=training.batch_size, seq_len=training.seq_len, seed=training.seed,
+                  sampling=data.sampling, rows=rows, workers=options.workers, layout=options.layout,
+                  docs=corpus.train_docs, eos=corpus.eos)
   except DataError as e:
     raise RunError(f"--data: {e}") from None
 
 
-def held_out(cfg: TrainConfig, corpus: Corpus) -> list[tuple]:
-  """The fixed held-out batches every evaluation uses: windows evenly spaced over `corpus.val` (`eval_batches`), or,
-  for --data.layout pack and pad, the first rows of the held-out documents laid out the same way (in their order)."""
+def held_out(corpus: Corpus, training: TrainingSection, options: DataFlags, n: int) -> list[tuple]:
+  """The `n` (--eval-batches) fixed held-out batches every evaluation uses: windows evenly spaced over `corpus.val`
+  (`eval_batches`), or, for --data.layout pack and pad, the first rows of the held-out documents laid out the same
+  way (in their order)."""
   if isinstance(corpus, MixedCorpus):  # each source's, one after the other (research/train/hooks/source_weights.py)
-    return [b for c in corpus.sources.values() for b in held_out(cfg, c)]
-  if cfg.data_options.layout == "windows":
-    return eval_batches(corpus.val, cfg.training.batch_size, cfg.training.seq_len, cfg.logging.eval_batches)
+    return [b for c in corpus.sources.values() for b in held_out(c, training, options, n)]
+  if options.layout == "windows":
+    return eval_batches(corpus.val, training.batch_size, training.seq_len, n)
   try:
-    loader = Loader(corpus.val, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=0, sampling="sequential",
-                    workers=0, layout=cfg.data_options.layout, docs=corpus.val_docs, eos=corpus.eos)
+    loader = Loader(corpus.val, batch_size=training.batch_size, seq_len=training.seq_len, seed=0,
+                    sampling="sequential", workers=0, layout=options.layout, docs=corpus.val_docs, eos=corpus.eos)
   except DataError as e:
     raise RunError(f"--data: the held-out split: {e}") from None
-  return [loader.batch(t) for t in range(cfg.logging.eval_batches)]
+  return [loader.batch(t) for t in range(n)]
 
 
 class Feed:
   """The iterator of a run's training batches from step `step` (or a saved loader `state`) on `mesh`."""
 
-  def __init__(self, cfg: TrainConfig, corpus: Corpus, mesh, step: int, state: dict | None = None):
+  def __init__(self, corpus: Corpus, training: TrainingSection, data: DataSection, options: DataFlags, mesh,
+               step: int, state: dict | None = None):
     if state is not None and state.get("next_index") != step:
       raise RunError(f"the checkpoint of step {step} holds the loader state of another step ({state}): its metadata "
                      f"is inconsistent; resume from another checkpoint")
-    self.cfg, self.corpus, self.step = cfg, corpus, step
+    self.corpus, self.training, self.data, self.options, self.step = corpus, training, data, options, step
     self.pool = None  # the feed thread, the only reader of the iterator once `next()` was first called
     self._open(mesh, state)
 
   def _open(self, mesh, state):
     self.mesh = mesh
-    self.rows = process_rows(mesh, (self.cfg.training.batch_size, self.cfg.training.seq_len))
-    self.loader = make_loader(self.cfg, self.corpus, self.rows)
+    self.rows = process_rows(mesh, (self.training.batch_size, self.training.seq_len))
+    self.loader = make_loader(self.corpus, self.training, self.data, self.options, self.rows)
     self._start(state=state, start=self.step)
 
   def _start(self, **where):
@@ -84,7 +89,7 @@ class Feed:
     state = None
     try:
       state = self.iterator.get_state()
-      return state, local_batch(next(self.iterator), self.mesh, self.rows, self.cfg.training.batch_size), None
+      return state, local_batch(next(self.iterator), self.mesh, self.rows, self.training.batch_size), None
     except Exception as e:  # raised by `next()`, in the loop; the feed still closes
       return state, None, e
 

@@ -148,8 +148,8 @@ def _may_save(r: Run, info: StepInfo) -> bool:
 def _evaluate(r: Run, info: StepInfo) -> dict:
   """The held-out loss of the model (--sync gossip's: the replicas' mean) on each fixed held-out batch; the losses
   are left for the mixture's per-source record."""
-  params = r.syncer.model(r.state)["params"]
-  losses = [r.layout.eval_step(params, x, y, r.state.get("buffers", {})) for x, y in r.layout.val]
+  params = r.syncer.model(r.state).params
+  losses = [r.layout.eval_step(params, x, y, r.state.model_buffers) for x, y in r.layout.val]
   info.shared["held_out"] = losses
   return {"val_loss": float(np.mean(losses))}
 
@@ -159,7 +159,8 @@ def _checkpoint(r: Run, info: StepInfo):
   keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked for)."""
   if (r.monitor.bad_run == 0 and info.step % r.cfg.checkpoint.ckpt_every == 0) or info.final:
     r.state = r.syncer.model(r.state)  # gossip: "params" (what export and sampling read) = the replicas' mean
-    r.ckpt.save(info.step, r.state, {**r.meta, "health": r.monitor.state(), "loader": r.feed.state()}, force=True)
+    r.ckpt.save(info.step, r.state.as_dict(), {**r.meta, "health": r.monitor.state(), "loader": r.feed.state()},
+                force=True)
 
 
 def _finish(r: Run, stop: Stop):

@@ -23,9 +23,10 @@ from research.train import TrainConfig, main, make_steps, run
 from research.train.setup.build import make_optimizer, model_config
 from research.train.feed import Feed, make_loader
 from research.train.steps.health import Monitor
+from research.train.steps import train_state
 import research.train.config.checks
 import research.train.steps.step
-from sharding import batch_sharding, init_train_state, local_batch, make_mesh
+from sharding import batch_sharding, local_batch, make_mesh
 
 # The programs of tests/research/test_crash.py and test_multiprocess.py (same model, optimizer, schedule, mesh):
 # compiled once per session.
@@ -54,10 +55,10 @@ def poisoned_batches(marks: dict[int, str], order=None):
   step index to the step whose batch it replays. The batches are the run's own loader's."""
   def next_(feed):
     src = order[feed.step] - 1 if order else feed.step
-    x, y = spoil(*make_loader(feed.cfg, feed.corpus, feed.rows).batch(src), marks.get(src + 1))
+    x, y = spoil(*make_loader(feed.corpus, feed.training, feed.data, feed.options, feed.rows).batch(src), marks.get(src + 1))
     next(feed.iterator)  # the iterator (whose state checkpoints keep) moves on as in a clean run
     feed.step += 1
-    return local_batch((x, y), feed.mesh, feed.rows, feed.cfg.training.batch_size)
+    return local_batch((x, y), feed.mesh, feed.rows, feed.training.batch_size)
   return next_
 
 
@@ -88,7 +89,7 @@ def test_a_skipped_step_leaves_params_and_optimizer_state_bit_for_bit(monkeypatc
   c = cfg("unused")
   mesh, tx = make_mesh(c.mesh.spec), make_optimizer(c)[0]
   model = lambda: Transformer(model_config(c), rngs=nnx.Rngs(0))  # noqa: E731
-  graphdef, state, shardings = init_train_state(model, tx, mesh)
+  graphdef, state, shardings = train_state.create(model, tx, mesh)
   train_step, _ = make_steps(graphdef, tx, shardings, batch_sharding(mesh, (8, 32)))
   tokens = load_corpus().train
 
@@ -100,19 +101,19 @@ def test_a_skipped_step_leaves_params_and_optimizer_state_bit_for_bit(monkeypatc
 
   with jax.set_mesh(mesh):
     state, out = train_step(state, *batch(1))
-    assert bool(out["finite"]) and int(state["step"]) == 1
+    assert bool(out["finite"]) and int(state.step) == 1
     before = jax.device_get(state)
     for s, loss_finite in ((2, False), (3, False), (4, True)):
       state, out = train_step(state, *batch(s))
       after = jax.device_get(state)
-      assert not bool(out["finite"]) and int(after["step"]) == s
+      assert not bool(out["finite"]) and int(after.step) == s
       assert math.isfinite(out["loss"]) == loss_finite
       assert math.isfinite(out["grad_norm"]) == (s == 2)  # the filled NaN targets have no gradient
-      jax.tree.map(np.testing.assert_array_equal, after["params"], before["params"])
-      jax.tree.map(np.testing.assert_array_equal, after["opt_state"], before["opt_state"])
+      jax.tree.map(np.testing.assert_array_equal, after.params, before.params)
+      jax.tree.map(np.testing.assert_array_equal, after.opt_state, before.opt_state)
     state, out = train_step(state, *batch(5))
     assert bool(out["finite"])
-    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), jax.device_get(state)["params"], before["params"])
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), jax.device_get(state).params, before.params)
     assert all(jax.tree.leaves(changed))
 
 

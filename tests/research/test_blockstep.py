@@ -15,7 +15,8 @@ from models import Transformer
 from research.train import TrainConfig, make_steps
 from research.train.steps.blockstep import Parts, eligible, init_state, make_block_steps
 from research.train.setup.build import make_optimizer, model_config, optimizer_needs
-from sharding import batch_sharding, devices_for, init_train_state, make_mesh
+from research.train.steps import train_state
+from sharding import batch_sharding, devices_for, make_mesh
 
 B, T, L = 4, 16, 3
 
@@ -31,7 +32,7 @@ def setup(model, mesh_spec, optimizer="badam", opt=(), **kw):
   mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
   tx, schedule = make_optimizer(cfg)
   mcfg = model_config(cfg)
-  graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
+  graphdef, state, shardings = train_state.create(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
   return cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sharding(mesh, (B, T))
 
 
@@ -65,12 +66,12 @@ def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer,
   with jax.set_mesh(mesh):
     for x, y in batches(7):  # switch_every 2: the first block runs 1 update, then 2 each: blocks 0, 1, 1, 2, 2, 0, 0
       x, y = jax.device_put(x, batch_sh), jax.device_put(y, batch_sh)
-      blocks_seen.append(int(block_state["opt_state"]["block"]))
+      blocks_seen.append(int(block_state.opt_state["block"]))
       full_state, a = full(full_state, x, y)
       block_state, b = block(block_state, x, y)
       np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-6)
-      for (path, pa), pb in zip(jax.tree_util.tree_flatten_with_path(full_state["params"])[0],
-                                jax.tree.leaves(block_state["params"])):
+      for (path, pa), pb in zip(jax.tree_util.tree_flatten_with_path(full_state.params)[0],
+                                jax.tree.leaves(block_state.params)):
         np.testing.assert_allclose(pb, pa, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
   assert blocks_seen == [0, 1, 1, 2, 2, 0, 0]
 
@@ -79,19 +80,19 @@ def test_bfloat16_storage_moves_only_the_active_layer():
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup("tiny", "data=1", warmup_steps=0)
   parts = Parts(schedule, optimizer_needs(cfg.optim).blockwise, L, 1.0, cfg.optim.optimizer)
   block_state, block_sh = init_state(state, shardings, parts, jnp.bfloat16)
-  before = jax.tree.map(np.asarray, block_state["params"])
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(block_state["params"]))
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(block_state["master"]))
+  before = jax.tree.map(np.asarray, block_state.params)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(block_state.params))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(block_state.master))
   block, _ = make_block_steps(graphdef, parts, block_sh, batch_sh)
   with jax.set_mesh(mesh):
     x, y = (jax.device_put(a, batch_sh) for a in batches(1)[0])
     block_state, out = block(block_state, x, y)  # update 1 trains block 0, then switches to block 1
-  after = block_state["params"]
-  assert np.isfinite(out["loss"]) and int(block_state["opt_state"]["block"]) == 1
+  after = block_state.params
+  assert np.isfinite(out["loss"]) and int(block_state.opt_state["block"]) == 1
   np.testing.assert_array_equal(after["embed_VD"], before["embed_VD"])
   assert not np.array_equal(after["blocks"]["wq_DQ"][0], before["blocks"]["wq_DQ"][0])
   np.testing.assert_array_equal(after["blocks"]["wq_DQ"][1:], before["blocks"]["wq_DQ"][1:])
-  np.testing.assert_array_equal(block_state["master"]["wq_DQ"], np.asarray(after["blocks"]["wq_DQ"][1], np.float32))
+  np.testing.assert_array_equal(block_state.master["wq_DQ"], np.asarray(after["blocks"]["wq_DQ"][1], np.float32))
 
 
 def test_settings_the_blockwise_step_does_not_run_are_named():
@@ -114,12 +115,12 @@ def test_bread_moves_the_layers_above_the_active_one_and_none_below(opt):
       "tiny", "data=1", "bread", (*opt, "start_block=1"), warmup_steps=0)
   parts = Parts(schedule, optimizer_needs(cfg.optim).blockwise, L, 1.0, cfg.optim.optimizer)
   block_state, block_sh = init_state(state, shardings, parts, jnp.bfloat16)
-  before = jax.tree.map(np.asarray, block_state["params"])
+  before = jax.tree.map(np.asarray, block_state.params)
   block, _ = make_block_steps(graphdef, parts, block_sh, batch_sh)
   with jax.set_mesh(mesh):
     x, y = (jax.device_put(a, batch_sh) for a in batches(1)[0])
     block_state, out = block(block_state, x, y)
-  after = block_state["params"]
+  after = block_state.params
   assert np.isfinite(out["loss"])
   np.testing.assert_array_equal(after["embed_VD"], before["embed_VD"])
   for name in ("wq_DQ", "w_up_DF"):

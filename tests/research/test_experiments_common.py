@@ -153,7 +153,8 @@ def test_fit_steps_as_the_trainer_does(case):
   import optim
   from flax import nnx
   from research.train import make_steps
-  from sharding import batch_sharding, devices_for, init_train_state, make_mesh
+  from research.train.steps.train_state import create
+  from sharding import batch_sharding, devices_for, make_mesh
 
   if case == "moe_router_bias":
     c = models.preset("moe_tiny", moe=models.MoEConfig(num_experts=8, top_k=2, d_expert=32, bias_rate=1e-2))
@@ -171,7 +172,7 @@ def test_fit_steps_as_the_trainer_does(case):
   assert len(got.records) == 3
   mesh = make_mesh("data=1", devices=devices_for("data=1"))
   tx = make_tx()
-  graphdef, state, shardings = init_train_state(lambda: models.Transformer(c, rngs=nnx.Rngs(0)), tx, mesh)
+  graphdef, state, shardings = create(lambda: models.Transformer(c, rngs=nnx.Rngs(0)), tx, mesh)
   batch_sh = batch_sharding(mesh, (4, 16))
   train, _ = make_steps(graphdef, tx, shardings, batch_sh, update_args={"max_logits"} if kw else ())
   with jax.set_mesh(mesh):
@@ -179,7 +180,7 @@ def test_fit_steps_as_the_trainer_does(case):
       state, out = train(state, jax.device_put(x, batch_sh), jax.device_put(y, batch_sh))
       np.testing.assert_allclose(rec["loss"], float(out["loss"]), rtol=1e-6)
   _, params, buffers = common.split(got.model)
-  chex.assert_trees_all_close(params, jax.device_get(state["params"]), rtol=2e-5, atol=2e-6)
-  chex.assert_trees_all_close(buffers, jax.device_get(state.get("buffers", {})), rtol=2e-5, atol=2e-6)
+  chex.assert_trees_all_close(params, jax.device_get(state.params), rtol=2e-5, atol=2e-6)
+  chex.assert_trees_all_close(buffers, jax.device_get(state.model_buffers), rtol=2e-5, atol=2e-6)
   if case == "moe_router_bias":
     assert any(np.any(np.asarray(b) != 0) for b in jax.tree.leaves(buffers))  # the bias moved

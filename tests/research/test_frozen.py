@@ -14,7 +14,8 @@ from research.train import TrainConfig, make_steps
 from research.train.steps import frozen
 from research.train.setup.build import make_optimizer, model_config, step_options
 from research.train.steps.step import value_and_grad_trained
-from sharding import batch_sharding, devices_for, init_train_state, make_mesh
+from research.train.steps import train_state
+from sharding import batch_sharding, devices_for, make_mesh
 
 # tiny: D = 64 = N·H, K·H = 32, F = 128, V = 256. Batch 4 x 24 = 96 tokens: no activation is 64 x 64.
 FREEZE = "blocks/(wq_DQ|wo_QD)|embed"  # the only (64, 64) weights, and the (256, 64) table
@@ -26,7 +27,7 @@ def setup(mesh_spec="data=1", **kw):
                     warmup_steps=0, lr=1e-2, **kw)
   mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
   tx, _ = make_optimizer(cfg)
-  graphdef, state, shardings = init_train_state(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)
+  graphdef, state, shardings = train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)
   return cfg, mesh, tx, graphdef, state, shardings, batch_sharding(mesh, (B, T))
 
 
@@ -62,14 +63,14 @@ def test_trained_parameters_update_as_with_full_backprop(mesh_spec):
       a, out_a = full(a, x, y)
       b, out_b = free(b, x, y)
       np.testing.assert_allclose(out_b["loss"], out_a["loss"], rtol=1e-6)
-  for (path, pa), pb in zip(jax.tree_util.tree_flatten_with_path(a["params"])[0], jax.tree.leaves(b["params"])):
+  for (path, pa), pb in zip(jax.tree_util.tree_flatten_with_path(a.params)[0], jax.tree.leaves(b.params)):
     np.testing.assert_allclose(np.asarray(pb), np.asarray(pa), rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
-  np.testing.assert_array_equal(b["params"]["embed_VD"], state_before(cfg, mesh, tx)["params"]["embed_VD"])
-  assert not np.allclose(b["params"]["blocks"]["wk_DK"], state_before(cfg, mesh, tx)["params"]["blocks"]["wk_DK"])
+  np.testing.assert_array_equal(b.params["embed_VD"], state_before(cfg, mesh, tx).params["embed_VD"])
+  assert not np.allclose(b.params["blocks"]["wk_DK"], state_before(cfg, mesh, tx).params["blocks"]["wk_DK"])
 
 
 def state_before(cfg, mesh, tx):
-  return init_train_state(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)[1]
+  return train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)[1]
 
 
 def test_the_compiled_step_computes_no_frozen_weight_gradient():
@@ -89,14 +90,14 @@ def test_the_compiled_step_computes_no_frozen_weight_gradient():
 
 def test_frozen_parameters_are_stored_in_the_frozen_dtype():
   cfg, mesh, tx, graphdef, state, shardings, batch_sh = setup()
-  stored = frozen.store_frozen(state["params"], shardings["params"], cfg.finetune.freeze, jnp.bfloat16)
+  stored = frozen.store_frozen(state.params, shardings.params, cfg.finetune.freeze, jnp.bfloat16)
   assert stored["embed_VD"].dtype == jnp.bfloat16 and stored["blocks"]["wq_DQ"].dtype == jnp.bfloat16
   assert stored["blocks"]["wk_DK"].dtype == jnp.float32 and stored["final_norm"].dtype == jnp.float32
-  assert stored["embed_VD"].sharding == shardings["params"]["embed_VD"]
+  assert stored["embed_VD"].sharding == shardings.params["embed_VD"]
   step, _ = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
   expected = np.asarray(stored["embed_VD"])  # the step donates its input
   x = jax.device_put(np.zeros((B, T), np.int32), batch_sh)
   with jax.set_mesh(mesh):
-    new, out = step({**state, "params": stored}, x, x)
-  assert np.isfinite(out["loss"]) and new["params"]["embed_VD"].dtype == jnp.bfloat16
-  np.testing.assert_array_equal(new["params"]["embed_VD"], expected)
+    new, out = step(state.replace(params=stored), x, x)
+  assert np.isfinite(out["loss"]) and new.params["embed_VD"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(new.params["embed_VD"], expected)

@@ -17,7 +17,8 @@ from research.train import RunError, TrainConfig, make_steps, run
 from research.train.setup.build import make_optimizer, model_config
 from research.train.config import MoEFlags
 from research.train.steps.layerfreeze import init_state, make_layer_steps
-from sharding import batch_sharding, devices_for, init_train_state, make_mesh
+from research.train.steps import train_state
+from sharding import batch_sharding, devices_for, make_mesh
 
 B, T, L = 4, 16, 4
 
@@ -27,7 +28,7 @@ def setup(model="tiny", mesh_spec="data=1", optimizer="adamw", **kw):
                     mesh=mesh_spec, steps=50, warmup_steps=2, lr=3e-3, **kw)
   mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
   tx, _ = make_optimizer(cfg)
-  graphdef, state, shardings = init_train_state(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)
+  graphdef, state, shardings = train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)
   return cfg, mesh, tx, graphdef, state, shardings, batch_sharding(mesh, (B, T))
 
 
@@ -51,25 +52,25 @@ def test_updates_equal_full_backprop_with_the_frozen_part_masked(model, mesh_spe
   cfg, mesh, tx, graphdef, state, shardings, batch_sh = setup(model, mesh_spec, optimizer, freeze_layers=n)
   copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
   ref_tx = masked(tx, n)
-  _, ref_state, ref_sh = init_train_state(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), ref_tx, mesh)
+  _, ref_state, ref_sh = train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), ref_tx, mesh)
   full, _ = make_steps(graphdef, ref_tx, ref_sh, batch_sh)
   fl_state, fl_sh = init_state(copy(state), shardings, tx, None, n, jnp.float32)
   step, _ = make_layer_steps(graphdef, tx, fl_sh, batch_sh, n)
-  before = jax.tree.map(np.asarray, fl_state["params"])
+  before = jax.tree.map(np.asarray, fl_state.params)
   with jax.set_mesh(mesh):
     for x, y in batches(4):
       x, y = jax.device_put(x, batch_sh), jax.device_put(y, batch_sh)
       ref_state, a = full(ref_state, x, y)
       fl_state, b = step(fl_state, x, y)
       np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-6)
-      for (path, pa), pb in zip(jax.tree_util.tree_flatten_with_path(ref_state["params"])[0],
-                                jax.tree.leaves(fl_state["params"])):
+      for (path, pa), pb in zip(jax.tree_util.tree_flatten_with_path(ref_state.params)[0],
+                                jax.tree.leaves(fl_state.params)):
         np.testing.assert_allclose(pb, pa, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
-  after = fl_state["params"]
+  after = fl_state.params
   np.testing.assert_array_equal(after["embed_VD"], before["embed_VD"])
   np.testing.assert_array_equal(after["blocks"]["wq_DQ"][:n], before["blocks"]["wq_DQ"][:n])
   assert not np.array_equal(after["blocks"]["wq_DQ"][n:], before["blocks"]["wq_DQ"][n:])
-  np.testing.assert_array_equal(fl_state["master"]["blocks"]["wq_DQ"], after["blocks"]["wq_DQ"][n:])
+  np.testing.assert_array_equal(fl_state.master["blocks"]["wq_DQ"], after["blocks"]["wq_DQ"][n:])
 
 
 def step_flops(n_layers: int, freeze: int) -> float:
@@ -78,7 +79,7 @@ def step_flops(n_layers: int, freeze: int) -> float:
                     freeze_layers=freeze, tie_embeddings=False)
   mesh = make_mesh("data=1", devices=devices_for("data=1"))
   tx, _ = make_optimizer(cfg)
-  graphdef, state, shardings = init_train_state(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)
+  graphdef, state, shardings = train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)
   batch_sh = batch_sharding(mesh, (B, T))
   if freeze:
     state, shardings = init_state(state, shardings, tx, None, freeze, jnp.float32)
@@ -104,22 +105,22 @@ def test_bfloat16_storage_keeps_the_frozen_layers_bit_for_bit():
   n = 1
   cfg, mesh, tx, graphdef, state, shardings, batch_sh = setup(freeze_layers=n)
   fl_state, fl_sh = init_state(state, shardings, tx, "final_norm", n, jnp.bfloat16)
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(fl_state["params"]))
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fl_state["master"]))
-  assert "final_norm" not in fl_state["master"] and "embed_VD" not in fl_state["master"]  # --freeze's regex too
-  before = jax.tree.map(np.asarray, fl_state["params"])
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(fl_state.params))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fl_state.master))
+  assert "final_norm" not in fl_state.master and "embed_VD" not in fl_state.master  # --freeze's regex too
+  before = jax.tree.map(np.asarray, fl_state.params)
   step, _ = make_layer_steps(graphdef, tx, fl_sh, batch_sh, n)
   with jax.set_mesh(mesh):
     for x, y in batches(2):
       fl_state, out = step(fl_state, jax.device_put(x, batch_sh), jax.device_put(y, batch_sh))
       assert bool(out["finite"])
-  after = fl_state["params"]
+  after = fl_state.params
   for name in ("wq_DQ", "w_up_DF"):
     np.testing.assert_array_equal(after["blocks"][name][:n], before["blocks"][name][:n])
     assert not np.array_equal(after["blocks"][name][n:], before["blocks"][name][n:])
   np.testing.assert_array_equal(after["final_norm"], before["final_norm"])
   np.testing.assert_array_equal(after["blocks"]["wq_DQ"][n:],
-                                np.asarray(fl_state["master"]["blocks"]["wq_DQ"]).astype(jnp.bfloat16))
+                                np.asarray(fl_state.master["blocks"]["wq_DQ"]).astype(jnp.bfloat16))
 
 
 def test_the_frozen_layers_routing_stays_fixed():
@@ -128,12 +129,12 @@ def test_the_frozen_layers_routing_stays_fixed():
   cfg, mesh, tx, graphdef, state, shardings, batch_sh = setup("moe_tiny", freeze_layers=n,
                                                                       moe=MoEFlags(bias_rate=1e-2))
   fl_state, fl_sh = init_state(state, shardings, tx, None, n, jnp.float32)
-  before = jax.tree.map(np.asarray, fl_state["buffers"])
+  before = jax.tree.map(np.asarray, fl_state.buffers)
   step, _ = make_layer_steps(graphdef, tx, fl_sh, batch_sh, n)
   with jax.set_mesh(mesh):
     for x, y in batches(3):
       fl_state, out = step(fl_state, jax.device_put(x, batch_sh), jax.device_put(y, batch_sh))
-  for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(fl_state["buffers"])):
+  for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(fl_state.buffers)):
     np.testing.assert_array_equal(new[:n], old[:n])
     assert not np.array_equal(new[n:], old[n:])
 

@@ -141,8 +141,8 @@ def test_checkpoints_keep_the_loader_state_and_a_mismatch_is_refused(tmp_path):
   cfg = TrainConfig(out=str(out), **TINY)
   corpus, mesh = load_corpus(), make_mesh(cfg.mesh.spec)
   with pytest.raises(RunError, match="holds the loader state of another step"):
-    Feed(cfg, corpus, mesh, 4, {"next_index": 3})
-  x, _ = Feed(cfg, corpus, mesh, 4, meta["loader"]).next()
+    Feed(corpus, cfg.training, cfg.data, cfg.data_options, mesh, 4, {"next_index": 3})
+  x, _ = Feed(corpus, cfg.training, cfg.data, cfg.data_options, mesh, 4, meta["loader"]).next()
   np.testing.assert_array_equal(np.asarray(x), Loader(corpus.train, batch_size=8, seq_len=32, seed=0).batch(4)[0])
 
 

@@ -37,11 +37,12 @@ def cfg(out, sources, **kw):
 
 
 def test_a_fixed_mixture_reads_each_source_at_its_weight(sources, tmp_path):
-  only_a = make_loader(cfg(tmp_path, sources, mix="fixed:1,0,0"), load_data(cfg(tmp_path, sources, mix="fixed:1,0,0")))
+  only = cfg(tmp_path, sources, mix="fixed:1,0,0")
+  only_a = make_loader(load_data(only.data, only.data_options), only.training, only.data, only.data_options)
   x, _ = only_a.batch(3)
   assert set(np.unique(x).tolist()) <= LETTERS
   c = cfg(tmp_path, sources, mix="fixed:3,0.5,0.5", batch_size=64)
-  loader = make_loader(c, load_data(c))
+  loader = make_loader(load_data(c.data, c.data_options), c.training, c.data, c.data_options)
   rows = np.concatenate([loader.batch(t)[0] for t in range(20)])
   from_a = np.isin(rows, list(LETTERS)).all(1)
   assert abs(from_a.mean() - 0.75) < 4 * np.sqrt(0.75 * 0.25 / len(rows))

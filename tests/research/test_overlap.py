@@ -68,12 +68,12 @@ def test_the_next_batch_is_read_ahead_on_the_feed_thread_and_the_state_names_the
   cfg, corpus = TrainConfig(**TINY), load_corpus()
   mesh = make_mesh(cfg.mesh.spec)
   want = Loader(corpus.train, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=cfg.training.seed)  # read in the loop
-  feed = feed_module.Feed(cfg, corpus, mesh, 0)
+  feed = feed_module.Feed(corpus, cfg.training, cfg.data, cfg.data_options, mesh, 0)
   for t in range(3):
     np.testing.assert_array_equal(np.asarray(feed.next()[0]), want.batch(t)[0])
   assert feed.state()["next_index"] == 3  # the batch read ahead (the fourth) is not counted as trained on
   assert len(threads) == 4 and all(name.startswith("optlab-feed") for name in threads)
-  resumed = feed_module.Feed(cfg, corpus, mesh, 3, feed.state())
+  resumed = feed_module.Feed(corpus, cfg.training, cfg.data, cfg.data_options, mesh, 3, feed.state())
   np.testing.assert_array_equal(np.asarray(resumed.next()[0]), want.batch(3)[0])
   np.testing.assert_array_equal(np.asarray(feed.next()[0]), want.batch(3)[0])
   feed.close(), resumed.close()
@@ -84,7 +84,7 @@ def test_a_switched_mesh_reads_on_from_the_same_step_and_a_failed_read_still_clo
   new mesh. A read that fails on the feed thread raises in the loop, and the feed still closes."""
   cfg, corpus = TrainConfig(**TINY), load_corpus()
   want = Loader(corpus.train, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=cfg.training.seed)
-  feed = feed_module.Feed(cfg, corpus, make_mesh("data=8"), 0)
+  feed = feed_module.Feed(corpus, cfg.training, cfg.data, cfg.data_options, make_mesh("data=8"), 0)
   feed.next(), feed.next()
   feed.switched(make_mesh("data=2,fsdp=4"))
   x, _ = feed.next()

@@ -14,6 +14,7 @@ import sharding
 from refusals import bad
 from research.train.store import rundir
 from research.train.steps import sync
+from research.train.steps.train_state import TrainState
 from research.train import RunError, TrainConfig, main, run
 from sharding import replicas as rep
 
@@ -160,7 +161,7 @@ def steps_of(mode: str, w0):
   rep_sh = NamedSharding(mesh, P())
   tx = optax.sgd(LR)
   params = {"w": jax.device_put(jnp.asarray(w0, jnp.float32), rep_sh)}
-  state = {"step": jax.device_put(jnp.int32(0), rep_sh), "params": params, "opt_state": tx.init(params)}
+  state = TrainState(step=jax.device_put(jnp.int32(0), rep_sh), params=params, opt_state=tx.init(params))
   shardings = jax.tree.map(lambda _: rep_sh, state)
   outer_tx = sync.outer_optimizer(0.7, 0.9)
   state, shardings = sync.init_state(sync.parse(mode), state, shardings, outer_tx, seed=3)
@@ -188,20 +189,20 @@ def test_the_step_programs_equal_a_float64_numpy_simulation(mode):
         assert ((0 <= d) & (d <= min(kind.tau, t))).all() and (kind.random or (d == min(kind.tau, t)).all())
         grads = [ls_grad(hist[t - d[i]], xs[i], ys[i]) for i in range(R)]
         hist.append(hist[t] - LR * np.mean(grads, axis=0))
-        got, want = state["params"]["w"], hist[-1]
+        got, want = state.params["w"], hist[-1]
       else:
         reps = reps - LR * np.stack([ls_grad(reps[i], xs[i], ys[i]) for i in range(R)])
         if kind.kind == "gossip":
           reps = rep.ring_matrix(R) @ reps
-          got, want = state["replicas"]["params"]["w"], reps
+          got, want = state.replicas["params"]["w"], reps
         else:
           if (t + 1) % 2 == 0:
             delta = outer - reps.mean(0)
             velocity = 0.9 * velocity + delta
             outer = outer - 0.7 * (delta + 0.9 * velocity)
             reps = np.tile(outer, (R, 1))
-          got, want = np.asarray(state["replicas"]["params"]["w"]), reps
-          np.testing.assert_allclose(np.asarray(state["params"]["w"]), outer, rtol=0, atol=2e-5)
+          got, want = np.asarray(state.replicas["params"]["w"]), reps
+          np.testing.assert_allclose(np.asarray(state.params["w"]), outer, rtol=0, atol=2e-5)
       np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5)
   if kind.random:
     assert len({tuple(h) for h in hist}) == len(hist)  # sanity: the runs moved

@@ -164,17 +164,17 @@ def test_tracker_none_writes_metrics_jsonl_only(tmp_path):
 # ---- a missing package ----------------------------------------------------------------------------------------------
 
 def test_a_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
-  trackers.check(cfg(tmp_path))  # tensorboardX is a dependency: the default is accepted
+  trackers.check(cfg(tmp_path).logging.tracker)  # tensorboardX is a dependency: the default is accepted
   monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
   message = "--tracker wandb needs the wandb package: pip install 'optlab[wandb]'"
   with pytest.raises(RunError, match=f"^{re.escape(message)}$"):
-    trackers.check(cfg(tmp_path, tracker=("tensorboard", "wandb")))
+    trackers.check(cfg(tmp_path, tracker=("tensorboard", "wandb")).logging.tracker)
   assert bad(tmp_path, capsys, "--tracker", "wandb") == f"error: {message}"  # exit 2, no run directory left
   with pytest.raises(RunError, match="--tracker none means metrics.jsonl only"):
-    trackers.check(cfg(tmp_path, tracker=("none", "mlflow")))
+    trackers.check(cfg(tmp_path, tracker=("none", "mlflow")).logging.tracker)
   monkeypatch.setitem(sys.modules, "tensorboardX", None)
   with pytest.raises(RunError, match=r"^--tracker tensorboard \(the default\) needs the tensorboardX package"):
-    trackers.check(cfg(tmp_path))
+    trackers.check(cfg(tmp_path).logging.tracker)
 
 
 # ---- Weights & Biases, offline --------------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_wandb_offline_run_holds_metrics_jsonl_and_a_resume_continues_its_id(tmp
   (header,) = [r.run for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "run"]
   assert (header.run_id, header.project, header.display_name) == (run_id, "optlab", "run-a")
   config = {item.key: json.loads(item.value_json) for item in header.config.update}
-  assert config["model_config"]["d_model"] == 64 and config["train"]["logging"]["tracker"] == ["wandb"]
+  assert config["model_config"]["d_model"] == 64 and config["train"]["tracker"] == ["wandb"]
   assert not glob.glob(str(out / "*tfevents*"))  # --tracker wandb alone: no TensorBoard files
   run(cfg(out, tracker=("wandb",)))
   assert json.loads((out / "trackers.json").read_text())["wandb"]["id"] == run_id

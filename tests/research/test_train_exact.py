@@ -15,6 +15,7 @@ import optim
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, make_steps, run
 from research.train.steps.step import keep_prev_params
+from research.train.steps import train_state
 import sharding
 from runs import trace
 
@@ -55,22 +56,22 @@ def test_prev_grads_are_the_previous_params_on_the_current_batch():
 
   spy = optax.GradientTransformationExtraArgs(lambda p: {"g": p, "prev": p}, spy_update)
   tx = optim.with_global_norm_clip(spy, clip)
-  graphdef, state, shardings = sharding.init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
+  graphdef, state, shardings = train_state.create(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
   state, shardings = keep_prev_params(state, shardings)
   train_step, _ = make_steps(graphdef, tx, shardings, sharding.batch_sharding(mesh, (4, 16)))
   corpus = load_corpus(None)
   xi = [get_batch(corpus.train, 0, s, 4, 16) for s in range(2)]
   host = lambda t: jax.tree.map(np.asarray, t)
   with jax.set_mesh(mesh):
-    x0 = host(state["params"])
+    x0 = host(state.params)
     other, _ = train_step(jax.jit(lambda t: jax.tree.map(jnp.copy, t))(state), *xi[1])  # from x_0 on ξ_1
     state, _ = train_step(state, *xi[0])
-    stale, x1 = host(state["opt_state"][1]["g"]), host(state["params"])  # clip(∇f(x_0, ξ_0)), x_1
+    stale, x1 = host(state.opt_state[1]["g"]), host(state.params)  # clip(∇f(x_0, ξ_0)), x_1
     state, _ = train_step(state, *xi[1])
-  want, got = host(other["opt_state"][1]["g"]), host(state["opt_state"][1]["prev"])  # want: clip(∇f(x_0, ξ_1))
+  want, got = host(other.opt_state[1]["g"]), host(state.opt_state[1]["prev"])  # want: clip(∇f(x_0, ξ_1))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), got, want)
   norm = lambda t: np.sqrt(sum(np.sum(np.square(a, dtype=np.float64)) for a in jax.tree.leaves(t)))
   assert norm(got) == pytest.approx(clip, rel=1e-5)  # the clip was active
   assert norm(jax.tree.map(np.subtract, got, stale)) > 0.1 * clip
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), state["prev_params"], x1)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), state.prev_params, x1)
   jax.tree.map(lambda a, b, g: np.testing.assert_allclose(a, b - lr * g, rtol=1e-6, atol=1e-7), x1, x0, stale)

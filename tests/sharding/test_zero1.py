@@ -13,6 +13,7 @@ import models
 import optim
 import sharding
 from research.train import TrainConfig, make_steps
+from research.train.steps import train_state
 
 
 def test_zero1_shardings_pick_the_first_dimension_that_divides():
@@ -48,15 +49,15 @@ def test_zero1_train_steps_equal_the_plain_run():
   batches = [np.random.default_rng(k).integers(0, 256, (8, 17)) for k in range(3)]
   mesh, runs = sharding.make_mesh("data=2,fsdp=4"), {}
   for zero1 in (False, True):
-    graphdef, state, shardings = sharding.init_train_state(mf, tx, mesh, zero1=zero1)
+    graphdef, state, shardings = train_state.create(mf, tx, mesh, zero1=zero1)
     if zero1:
-      opt, params = state["opt_state"], state["params"]
+      opt, params = state.opt_state, state.params
       mu_muon = opt.inner_states["muon"].inner_state[0].mu["blocks"]["w_up_DF"]  # (L, D, F), params (·, fsdp, ·)
       mu_adam = opt.inner_states["adam"].inner_state[0].mu["embed_VD"]  # (V, D), params (·, fsdp)
       assert mu_muon.sharding.spec == P("data", "fsdp") and mu_adam.sharding.spec == P("data", "fsdp")
-      for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings["params"])):
+      for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings.params)):
         assert p.sharding == sh and "data" not in jax.tree.leaves(tuple(sh.spec))
-      plain = sharding.shardings_like_params(opt, params, shardings["params"], mesh)
+      plain = sharding.shardings_like_params(opt, params, shardings.params, mesh)
       assert device0_bytes(opt) < 0.55 * device0_bytes(opt, plain)  # half the state per device, bar scalars
     train_step, _ = make_steps(graphdef, tx, shardings, sharding.batch_sharding(mesh, (8, 16)))
     losses = []
@@ -64,7 +65,7 @@ def test_zero1_train_steps_equal_the_plain_run():
       for b in batches:
         state, out = train_step(state, *sharding.shard_batch((b[:, :-1], b[:, 1:]), mesh))
         losses.append(float(out["loss"]))
-    runs[zero1] = losses, jax.tree.map(np.asarray, state["params"])
+    runs[zero1] = losses, jax.tree.map(np.asarray, state.params)
   assert len(set(runs[False][0])) == 3  # the steps change the model
   np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-6), runs[True][1], runs[False][1])
@@ -72,5 +73,5 @@ def test_zero1_train_steps_equal_the_plain_run():
 
 def test_train_cli_flag_reaches_the_saved_config():
   cfg = tyro.cli(TrainConfig, args=["--zero1"])
-  assert cfg.mesh.zero1 is True and dataclasses.asdict(cfg)["mesh"]["zero1"] is True  # run() saves asdict(cfg) as "train"
-  assert tyro.cli(TrainConfig, args=[]).zero1 is False
+  assert cfg.mesh.zero1 is True and dataclasses.asdict(cfg)["mesh"]["zero1"] is True  # run() saves it as "train"
+  assert tyro.cli(TrainConfig, args=[]).mesh.zero1 is False

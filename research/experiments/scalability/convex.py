@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from research.data import datastats
 from research.train.steps import sync
+from research.train.steps.train_state import TrainState
 import sharding
 
 VARIANTS = ("shuffled", "sorted", "repeated", "binary")
@@ -104,17 +105,17 @@ class Runner:
     params = jax.device_put(params, self.p_sh)
     opt = self.tx.init(params)
     opt.hyperparams["learning_rate"] = jnp.float32(lr)
-    state = {"step": jnp.int32(0), "params": params, "opt_state": opt}
+    state = TrainState(step=jnp.int32(0), params=params, opt_state=opt)
     shardings = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
     state = jax.device_put(state, shardings)
     return sync.init_state(self.mode, state, shardings, self.outer_tx, seed=seed)
 
   def _plain(self, shardings):
     def step(state, x, y):
-      (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], x, y, {})
-      updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-      return ({**state, "step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
-               "opt_state": opt_state}, {"loss": loss})
+      (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, x, y, {})
+      updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+      return (state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                            opt_state=opt_state), {"loss": loss})
     return jax.jit(step, in_shardings=(shardings, self.batch_sh, self.batch_sh), out_shardings=(shardings, None),
                    donate_argnums=0)
 
@@ -130,7 +131,7 @@ class Runner:
       val = [jnp.asarray(data.val_x), jnp.asarray(data.val_y)]
       for t in range(steps + 1):
         if t % eval_every == 0:
-          params = self.steps.model(state)["params"]
+          params = self.steps.model(state).params
           curve.append((t, float(self.evaluate(params, *val))))
           sent.append((t, self.steps.comm_bytes(t)[1]))
         if t == steps:

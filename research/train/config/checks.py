@@ -52,7 +52,8 @@ def check_numbers(cfg):
   except profiler.ProfileError as e:
     raise PreflightError(str(e)) from None
   if window is not None and sum(window) - 1 > cfg.training.steps:
-    raise PreflightError(f"--profile {cfg.logging.profile}: steps {window[0]}-{sum(window) - 1} are not all within --steps "
+    raise PreflightError(f"--profile {cfg.logging.profile}: steps {window[0]}-{sum(window) - 1} are not all within "
+                         f"--steps "
                          f"{cfg.training.steps}")
 
 
@@ -82,4 +83,4 @@ def check_out(out: str):
 def check(cfg):
   check_numbers(cfg)
   check_out(cfg.checkpoint.out)
-  trackers.check(cfg)  # a RunError: --tracker's package is missing
+  trackers.check(cfg.logging.tracker)  # a RunError: --tracker's package is missing

@@ -2,7 +2,8 @@
 
 `CLASHES` rows are (a feature of the run, the features it does not combine with, why); `check` refuses the first row
 that applies, in one line. `blockwise_blockers` names what keeps a blockwise optimizer on its optax transform over
-full gradients instead of its blockwise step (research/train/steps/blockstep.py). What trains is research/train/config/trainable.py.
+full gradients instead of its blockwise step (research/train/steps/blockstep.py). What trains is
+research/train/config/trainable.py.
 """
 
 from __future__ import annotations

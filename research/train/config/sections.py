@@ -2,7 +2,8 @@
 
 `TrainConfig` (research/train/config/__init__.py) holds one of each. The flags keep their spelling: a section's
 fields are flags without a prefix (`--lr`, `--steps`), but for the three nested ones, `--moe.*` (`MoEFlags`),
-`--data.*` (`DataFlags`) and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help` shows one group per section.
+`--data.*` (`DataFlags`) and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help` shows one group per
+section.
 """
 
 from __future__ import annotations
@@ -184,9 +185,10 @@ class MeshSection:
 class SyncSection:
   """How the data replicas agree."""
   mode: Annotated[str, tyro.conf.arg(name="sync")] = "allreduce"
-  """How the replicas on the data axis agree (research/train/steps/sync.py): allreduce (every step's gradients averaged),
-  local:H (local SGD / DiLoCo: H steps apart, then an outer step), gossip[:ring|complete|FILE] (decentralized: each
-  step, average with the neighbours), stale:TAU[:random] (gradients TAU steps old: simulated asynchronous workers)."""
+  """How the replicas on the data axis agree (research/train/steps/sync.py): allreduce (every step's gradients
+  averaged), local:H (local SGD / DiLoCo: H steps apart, then an outer step), gossip[:ring|complete|FILE]
+  (decentralized: each step, average with the neighbours), stale:TAU[:random] (gradients TAU steps old: simulated
+  asynchronous workers)."""
   outer_lr: float = 0.7
   """--sync local:H: the outer optimizer's learning rate (DiLoCo's 0.7)."""
   outer_momentum: float = 0.9

@@ -47,12 +47,12 @@ class Trainable:
                whole["dtype"] if whole else None, saved_frozen_dtype(train))
 
   @classmethod
-  def of_run(cls, cfg, blockwise: bool) -> "Trainable":
-    """The run's, from its flags; `blockwise`: whether its optimizer runs its blockwise step
+  def of_run(cls, finetune, blockwise: bool) -> "Trainable":
+    """The run's, from its config's finetune section; `blockwise`: whether its optimizer runs its blockwise step
     (`research.train.steps.blockstep.blockwise_parts` is not None)."""
-    dtype = str(frozen_dtype(cfg))
-    return cls(cfg.finetune.freeze, cfg.finetune.freeze_layers, blockwise, bool(cfg.finetune.peft),
-               dtype if blockwise or cfg.finetune.freeze_layers else None, dtype)
+    dtype = str(frozen_dtype(finetune))
+    return cls(finetune.freeze, finetune.freeze_layers, blockwise, bool(finetune.peft),
+               dtype if blockwise or finetune.freeze_layers else None, dtype)
 
   @property
   def step(self) -> str:

@@ -1,7 +1,7 @@
 """--data NAME=PATH ... --mix RULE: the trainer's side of a data mixture (research/data/mixture.py).
 
-  corpus = load_data(cfg)            # a Corpus, or a MixedCorpus of the named sources with --mix's rule
-  mixing = Mixing(cfg, corpus, graphdef, val)
+  corpus = load_data(cfg.data, cfg.data_options)  # a Corpus, or a MixedCorpus of the named sources with --mix's rule
+  mixing = Mixing(corpus, graphdef, val)
   mixing.update(r)                   # after a step: the dynamic rule's new weights every `every` steps
   rec.update(mixing.record(...))     # mix/<name>: the weights of the step's batch; val_loss/<name> at evaluations
 
@@ -21,21 +21,23 @@ from flax import nnx
 
 from research.data import DataError, load_corpus
 from research.data.mixture import MixedCorpus, dynamic_update, named_sources, parse_mix
-from research.train.config import RunError, TrainConfig
+from research.train.config import RunError
+from research.train.config.sections import DataFlags, DataSection
 
 
-def load_data(cfg: TrainConfig):
-  """The run's data: one corpus, or (named --data sources) a MixedCorpus sampled by --mix; refused in one line."""
-  named = named_sources(cfg.data.paths)
+def load_data(data: DataSection, options: DataFlags):
+  """The run's data (the config's data section and --data.*): one corpus, or (named --data sources) a MixedCorpus
+  sampled by --mix; refused in one line."""
+  named = named_sources(data.paths)
   if named is None:
-    if cfg.data.mix is not None:
+    if data.mix is not None:
       raise RunError("--mix mixes named --data sources: give them as NAME=PATH (--data code=src/ docs=d.jsonl)")
-    return load_corpus(cfg.data.paths, tokenizer=cfg.data.tokenizer, field=cfg.data_options.field)
-  spec = parse_mix(cfg.data.mix or "uniform", named)
+    return load_corpus(data.paths, tokenizer=data.tokenizer, field=options.field)
+  spec = parse_mix(data.mix or "uniform", named)
   sources = {}
   for name, path in named.items():
     try:
-      sources[name] = load_corpus(path, tokenizer=cfg.data.tokenizer, field=cfg.data_options.field)
+      sources[name] = load_corpus(path, tokenizer=data.tokenizer, field=options.field)
     except DataError as e:
       raise DataError(f"--data {name}={path}: {e}") from None
   return MixedCorpus(sources, spec)
@@ -64,7 +66,7 @@ class Mixing:
   """A run's mixture: its per-source held-out slices, the weights it logs, the dynamic rule's updates (inactive
   for one corpus)."""
 
-  def __init__(self, cfg: TrainConfig, corpus, graphdef, val: list):
+  def __init__(self, corpus, graphdef, val: list):
     self.on = isinstance(corpus, MixedCorpus)
     if not self.on:
       return
@@ -89,6 +91,6 @@ class Mixing:
     """Every `every` steps of --mix dynamic: the per-source loads, the rule, the new weights from the next batch."""
     if not self.on or self.spec.rule != "dynamic" or r.step % self.spec.every:
       return
-    params, buffers = r.syncer.model(r.state)["params"], r.state.get("buffers", {})
+    params, buffers = r.syncer.model(r.state).params, r.state.model_buffers
     loads = source_loads(self.loads, params, buffers, [r.layout.val[s] for s in self.slices.values()], self.scoring)
     r.feed.set_weights(r.step, dynamic_update(r.feed.weights(r.step - 1), loads, self.spec.eta, self.spec.c))

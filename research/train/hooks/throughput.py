@@ -1,8 +1,8 @@
 """Throughput and MFU figures that can be believed.
 
 - The peak that MFU divides by (`Peak`): `--peak-flops` when given; else the chip's datasheet peak for the compute
-  dtype, dense (research/train/hooks/peaks.py: what MaxText, torchtitan and nanoGPT divide by); else, for a device not in
-  that table (a CPU), the best matmul rate in the compute dtype this machine has shown: the best of several samples
+  dtype, dense (research/train/hooks/peaks.py: what MaxText, torchtitan and nanoGPT divide by); else, for a device not
+  in that table (a CPU), the best matmul rate in the compute dtype this machine has shown: the best of several samples
   taken at start-up and every earlier run's best, kept per machine and dtype in `<cache>/peak_flops.json`. The
   source is recorded with the figure. The model's own rate never raises the peak: an MFU above 100% says that a
   sampled peak was low, and is shown as it is.

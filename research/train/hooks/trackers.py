@@ -1,15 +1,14 @@
 """Experiment trackers: each metrics record also sent to TensorBoard (the default), Weights & Biases or MLflow.
 
 metrics.jsonl (rundir.MetricsLog) stays the run's record; a tracker is a view of it, to watch a live run and compare
-runs. `Trackers.open(cfg, meta, start)` starts the ones --tracker names (none given: TensorBoard; `none`:
-metrics.jsonl only), `log(record)` sends one record, `close()` ends them. Only process 0 writes; the others get no
-trackers. A tracker that fails, at its start or later (a server down), is reported in one line on stderr and dropped;
+runs. `Trackers.open(tracker, out, steps, meta, start)` starts the ones --tracker names (none given: TensorBoard;
+`none`: metrics.jsonl only), `log(record)` sends one record, `close()` ends them. Only process 0 writes; the others get
+no trackers. A tracker that fails, at its start or later (a server down), is reported in one line on stderr and dropped;
 the run and metrics.jsonl go on. But the run directory's disk refusing TensorBoard's event files (full, read-only:
 rundir.refused) is raised: the run stops in one line as when a save fails (research/train/loop.py).
 
 Each tracker gets every number of a record at the record's step, by flat name (nested dicts and lists joined with
-"/": moe/load/3; bools, strings, None and the lists of step numbers left out), and the config (config.json) per
-session.
+"/": moe/load/3; bools, strings, None and step-number lists left out), and the config (config.json) per session.
 
   tensorboard  event files directly in --out (`tensorboard --logdir runs` lists each run by its directory), written
                synchronously with tensorboardX's EventsWriter and flushed per record. Not SummaryWriter: its writer
@@ -44,7 +43,7 @@ import sys
 import time
 
 from research.train.store import rundir
-from research.train.config import RunError
+from research.train.config import RunError, flat_meta
 from research.train.runtime.processes import is_primary
 from research.train.hooks.tbimport import tensorboardx
 
@@ -56,22 +55,22 @@ NOT_METRICS = {"step", "spike_steps", "nonfinite_steps"}  # the x axis, and list
 HPARAM_SECTIONS = ("train", "model_config")  # the parts of config.json runs are compared by
 
 
-def requested(cfg) -> tuple[str, ...]:
+def requested(tracker: tuple[str, ...]) -> tuple[str, ...]:
   """The trackers a run writes to: --tracker's (each once), TensorBoard when none is given, nothing for `none`."""
-  names = tuple(dict.fromkeys(cfg.logging.tracker)) or ("tensorboard",)
+  names = tuple(dict.fromkeys(tracker)) or ("tensorboard",)
   return () if names == ("none",) else names
 
 
-def check(cfg):
+def check(tracker: tuple[str, ...]):
   """Refuses (RunError, one line) `--tracker none` mixed with others, and a tracker whose package is missing."""
-  if "none" in cfg.logging.tracker and len(set(cfg.logging.tracker)) > 1:
+  if "none" in tracker and len(set(tracker)) > 1:
     raise RunError("--tracker none means metrics.jsonl only: drop it or the other --tracker flags")
-  for name in requested(cfg):
+  for name in requested(tracker):
     module, install = PACKAGES[name]
     with contextlib.suppress(ImportError, ValueError):
       if importlib.util.find_spec(module) is not None:
         continue
-    default = "" if cfg.logging.tracker else " (the default)"
+    default = "" if tracker else " (the default)"
     raise RunError(f"--tracker {name}{default} needs the {module} package: {install}")
 
 
@@ -114,17 +113,17 @@ def _warn(name: str, doing: str, e: Exception):
 
 
 class _TensorBoard:
-  """Event files in --out. Each tracker takes (cfg, meta, start, stored: its ids from trackers.json, empty for a run
-  starting at step 0), has `log(record)`, `close()`, and `stored` (the ids to keep for a resume)."""
+  """Event files in --out. Each tracker takes (out, steps, meta, start, stored: its ids from trackers.json, empty for a
+  run starting at step 0), has `log(record)`, `close()`, and `stored` (the ids to keep for a resume)."""
   name = "tensorboard"
   in_run_directory = True
 
-  def __init__(self, cfg, meta: dict, start: int, stored: dict):
+  def __init__(self, out: str, steps: int, meta: dict, start: int, stored: dict):
     summary, EventsWriter, Event, SessionLog = tensorboardx()
     self.summary, self.event, self.stored = summary, Event, {}
     # a time-ordered suffix: the name holds whole seconds only, and a second session within the same second would
     # reopen (truncate) the first one's file
-    self.writer = EventsWriter(os.path.join(cfg.checkpoint.out, "events"), f".{time.time_ns()}")
+    self.writer = EventsWriter(os.path.join(out, "events"), f".{time.time_ns()}")
     self.writer.write_event(Event(wall_time=time.time(), step=start + 1,
                                   session_log=SessionLog(status=SessionLog.START)))
     self._write(start, summary.text("config", "```\n" + json.dumps(meta, indent=2) + "\n```"))
@@ -150,11 +149,11 @@ class _WandB:
   name = "wandb"
   in_run_directory = False  # its writes happen in W&B's service process: its errors are not the run's
 
-  def __init__(self, cfg, meta: dict, start: int, stored: dict):
+  def __init__(self, out: str, steps: int, meta: dict, start: int, stored: dict):
     import wandb
     online = bool(os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"))
-    self.run = wandb.init(dir=cfg.checkpoint.out, id=stored.get("id"), resume="allow", config=meta,
-                          name=os.path.basename(os.path.abspath(cfg.checkpoint.out)),
+    self.run = wandb.init(dir=out, id=stored.get("id"), resume="allow", config=meta,
+                          name=os.path.basename(os.path.abspath(out)),
                           project=os.environ.get("WANDB_PROJECT") or "optlab", mode=None if online else "offline",
                           reinit="create_new", settings=wandb.Settings(console="off"))
     self.first = self.run.starting_step  # resumed online: the step after the last one W&B holds (0 offline)
@@ -173,19 +172,19 @@ class _MLflow:
   name = "mlflow"
   in_run_directory = False  # a server, or ./mlruns
 
-  def __init__(self, cfg, meta: dict, start: int, stored: dict):
+  def __init__(self, out: str, steps: int, meta: dict, start: int, stored: dict):
     from mlflow.tracking import MlflowClient
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     uri = os.environ.get("MLFLOW_TRACKING_URI") or stored.get("tracking_uri") or _local_mlflow_store()
-    self.client, self.steps, self.done = MlflowClient(tracking_uri=uri), cfg.training.steps, False
+    self.client, self.steps, self.done = MlflowClient(tracking_uri=uri), steps, False
     self.run_id = self._resumed(stored.get("run_id"))
     self.last = 0  # the last step the run holds: a resumed run skips what MLflow already has
     if self.run_id is None:
       name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "optlab"
       experiment = self.client.get_experiment_by_name(name)
       experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
-      self.run_id = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(cfg.checkpoint.out)),
-                                           tags={"optlab.out": os.path.abspath(cfg.checkpoint.out)}).info.run_id
+      self.run_id = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(out)),
+                                           tags={"optlab.out": os.path.abspath(out)}).info.run_id
     else:
       self.last = max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
     self._params(meta)
@@ -258,17 +257,18 @@ class Trackers:
     self.sinks = list(sinks)
 
   @classmethod
-  def open(cls, cfg, meta: dict, start: int) -> Trackers:
-    """Starts --tracker's trackers for a session that resumes after step `start` (0: a new run); none on processes
-    other than 0. A tracker that fails to start is reported and left out."""
+  def open(cls, tracker: tuple[str, ...], out: str, steps: int, meta: dict, start: int) -> Trackers:
+    """Starts --tracker's trackers for a session of the run in `out` (`steps` long) that resumes after step `start`
+    (0: a new run); none on processes other than 0. A tracker that fails to start is reported and left out."""
     if not is_primary():
       return cls()
-    path = os.path.join(cfg.checkpoint.out, "trackers.json")
+    meta = flat_meta(meta)  # hyperparameters by flag (train/lr), as runs of every config layout name them
+    path = os.path.join(out, "trackers.json")
     stored = _stored(path) if start else {}  # a run that starts at step 0 starts new tracker runs
     sinks = []
-    for name in requested(cfg):
+    for name in requested(tracker):
       try:
-        sinks.append(SINKS[name](cfg, meta, start, stored.get(name, {})))
+        sinks.append(SINKS[name](out, steps, meta, start, stored.get(name, {})))
       except Exception as e:  # a tracker is never worth the run
         _warn(name, "start", e)
     ids = {**stored, **{s.name: s.stored for s in sinks if s.stored}}

@@ -21,6 +21,7 @@ from flax import nnx
 
 from models import Transformer, TransformerConfig, cross_entropy, peft
 from optim.trees import cast_like, tree_bytes
+from research.train.steps.train_state import TrainState
 from sharding import init_buffers, init_params, train_state_of
 
 
@@ -75,10 +76,10 @@ def with_arrays(base: nnx.Module, params: dict, buffers: dict) -> nnx.Module:
   return nnx.merge(graphdef, p, rest)
 
 
-def recount(report: dict, graphdef, state: dict) -> dict:
+def recount(report: dict, graphdef, state: TrainState) -> dict:
   """`report` with the trainable count of the built state (a sparse adapter's pruned entries known only once SNIP
   ran on the real batch; a traced construction counts them as trainable)."""
-  model = nnx.merge(graphdef, state["params"], state.get("buffers", {}))
+  model = nnx.merge(graphdef, state.params, state.model_buffers)
   trainable = peft.trainable_count(model)
   return {**report, "trainable": trainable, "trainable_share": trainable / report["base_params"]}
 
@@ -100,7 +101,7 @@ def initial_state(base: nnx.Module, method: str, flags: PeftFlags, seed: int, tx
   report = {"method": method, "trainable": trainable, "base_params": total, "trainable_share": trainable / total,
             "opt_state_bytes": tree_bytes(state["opt_state"]), "full_ft_opt_state_bytes": full_bytes,
             "frozen_bytes": frozen_bytes}
-  return graphdef, state, shardings, report
+  return graphdef, TrainState.of(state), TrainState.of(shardings), report
 
 
 def report_line(report: dict) -> str:

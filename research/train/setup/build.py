@@ -20,7 +20,7 @@ def model_config(cfg: TrainConfig):
   """The preset (or --init-from's config) with every given flag overriding its one field (--moe.* fields of the
   MoE included)."""
   over = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
-  if "max_logits" in optimizer_needs(cfg.optim).update_args:  # the optimizer reads each head's max logit from the forward
+  if "max_logits" in optimizer_needs(cfg.optim).update_args:  # the optimizer reads each head's max logit
     over["logit_stats"] = True
   moe = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
   if cfg.finetune.init_from:
@@ -57,7 +57,8 @@ def optimizer_needs(optim: OptimSection) -> Needs:
 def make_optimizer(cfg: TrainConfig):
   hp = opt_hparams(cfg.optim)
   warmup = min(100, cfg.training.steps // 10) if cfg.optim.warmup_steps is None else cfg.optim.warmup_steps
-  schedule = make_schedule(cfg.optim.schedule, cfg.optim.lr, cfg.training.steps, warmup=warmup, min_ratio=cfg.optim.min_lr_ratio)
+  schedule = make_schedule(cfg.optim.schedule, cfg.optim.lr, cfg.training.steps, warmup=warmup,
+                           min_ratio=cfg.optim.min_lr_ratio)
   try:
     tx = get_optimizer(cfg.optim.optimizer, schedule, **hp)
   except ValueError as e:  # the registry's refusals, or a factory's own (MGUP's AlignmentError, BAdamError)

@@ -17,11 +17,12 @@ from research.train.setup.build import make_optimizer, optimizer_needs
 from research.train.config import TrainConfig
 from research.train.runtime.processes import is_primary
 from research.train.feed import make_loader
+from research.train.steps.train_state import TrainState
 from research.train.steps.step import keep_prev_params, lm_loss
 from sharding import global_batch, init_train_state, mesh_scope
 
 
-def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings) -> tuple[dict, dict]:
+def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings) -> tuple[TrainState, dict]:
   """(state, report) of a new run at step 0 (a resumed run restores into `abstract_initial_state`'s shapes instead):
   random parameters, or --init-from's, or --peft's adapters on either, --freeze's frozen leaves in their dtype, the exact modes' copy of the
   parameters, or the blockwise BAdam state (`blockwise`: its `blockstep.Parts`), laid out for --sync; `report`: what
@@ -54,8 +55,8 @@ def abstract_initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise=N
   """(graphdef, state, shardings, report) of `initial_state` with the state's leaves `jax.ShapeDtypeStruct`s carrying
   their shardings: nothing allocated, --init-from not read (its parameters have the random ones' shapes), nothing
   printed; every check of the flags that needs the model (--freeze matching nothing, say) done. What the memory
-  pre-flight compiles the step against (`research/train/setup/memory.py`) and a resumed run restores into. Its report has
-  the shapes' numbers (a sparse adapter's trainable count before pruning)."""
+  pre-flight compiles the step against (`research/train/setup/memory.py`) and a resumed run restores into. Its report
+  has the shapes' numbers (a sparse adapter's trainable count before pruning)."""
   box = {}
 
   def build():
@@ -76,24 +77,27 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     base = adapters.random_base(mcfg, mesh, cfg.training.seed)
     if source is not None:
       base = adapters.with_arrays(base, *source)
-    first = global_batch(make_loader(cfg, corpus).batch(0), mesh)  # SNIP's batch: the first training batch
+    loader = make_loader(corpus, cfg.training, cfg.data, cfg.data_options)
+    first = global_batch(loader.batch(0), mesh)  # SNIP's batch: the first training batch
     with mesh_scope(mesh):
-      graphdef, state, shardings, report = adapters.initial_state(base, cfg.finetune.peft, cfg.peft_options, cfg.training.seed, tx,
-                                                                  mesh, first, cfg.mesh.zero1)
+      graphdef, state, shardings, report = adapters.initial_state(base, cfg.finetune.peft, cfg.peft_options,
+                                                                  cfg.training.seed, tx, mesh, first, cfg.mesh.zero1)
     report = {"peft": report}
   else:
-    graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)), tx, mesh,
-                                                  zero1=cfg.mesh.zero1)
+    graphdef, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)), tx,
+                                                  mesh, zero1=cfg.mesh.zero1)
+    state, shardings = TrainState.of(state), TrainState.of(shardings)
     if source is not None:  # in the parameters' dtype (the checkpoint's may be narrower)
-      state["params"] = cast_like(source[0], state["params"])
+      state = state.replace(params=cast_like(source[0], state.params))
   if cfg.finetune.freeze:  # stored in --frozen-dtype; the step differentiates the other parameters only
-    state["params"] = frozen.store_frozen(state["params"], shardings["params"], cfg.finetune.freeze, frozen.frozen_dtype(cfg))
-    lines.append(frozen.frozen_summary(state["params"], frozen.freeze(tx, cfg.finetune.freeze)[1], make_optimizer(
+    state = state.replace(params=frozen.store_frozen(state.params, shardings.params, cfg.finetune.freeze,
+                                                     frozen.frozen_dtype(cfg.finetune)))
+    lines.append(frozen.frozen_summary(state.params, frozen.freeze(tx, cfg.finetune.freeze)[1], make_optimizer(
         dataclasses.replace(cfg, freeze=None))[0], tx))
   if "prev_grads" in optimizer_needs(cfg.optim).update_args:  # one more copy of the parameters, a second backward pass
     state, shardings = keep_prev_params(state, shardings)
   if blockwise is not None:  # parameters in the storage dtype, the active layer's float32 master and AdamW state
-    dtype = frozen.frozen_dtype(cfg)
+    dtype = frozen.frozen_dtype(cfg.finetune)
     state, shardings = blockstep.init_state(state, shardings, blockwise, dtype)
     report = {**report, "blockwise_badam": {"dtype": str(dtype)}}
     sizes = blockstep.state_bytes(state)
@@ -107,21 +111,24 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
                  f"({sizes['params'] / 2**20:.1f} MiB), the active layer's float32 master "
                  f"{sizes['master'] / 2**20:.1f} MiB and AdamW state {sizes['adam'] / 2**20:.1f} MiB")
   if cfg.finetune.freeze_layers:  # layers 0..N-1 and the embedding frozen: the trained part's float32 master and state
-    layerfreeze.check(cfg, mcfg.n_layers)  # startup.setup checked it for the trainer; the bench builds here
-    dtype = frozen.frozen_dtype(cfg)
-    state, shardings = layerfreeze.init_state(state, shardings, tx, cfg.finetune.freeze, cfg.finetune.freeze_layers, dtype)
-    report = {**report, "frozen_layers": {"n": cfg.finetune.freeze_layers, "dtype": str(dtype)}}
+    layerfreeze.check(cfg.finetune, mcfg.n_layers)  # startup.setup checked it for the trainer; the bench builds here
+    dtype = frozen.frozen_dtype(cfg.finetune)
+    n = cfg.finetune.freeze_layers
+    state, shardings = layerfreeze.init_state(state, shardings, tx, cfg.finetune.freeze, n, dtype)
+    report = {**report, "frozen_layers": {"n": n, "dtype": str(dtype)}}
     sizes = layerfreeze.state_bytes(state)
-    lines.append(f"--freeze-layers {cfg.finetune.freeze_layers}: layers 0..{cfg.finetune.freeze_layers - 1} and the embedding frozen "
-                 f"(no gradient below layer {cfg.finetune.freeze_layers}); parameters stored as {dtype} "
+    lines.append(f"--freeze-layers {n}: layers 0..{n - 1} and the embedding frozen "
+                 f"(no gradient below layer {n}); parameters stored as {dtype} "
                  f"({sizes['params'] / 2**20:.1f} MiB), the trained part's float32 master "
                  f"{sizes['master'] / 2**20:.1f} MiB and optimizer state {sizes['opt'] / 2**20:.1f} MiB")
-  state, shardings = sync.init_state(sync.parse(cfg.sync.mode), state, shardings, _outer_tx(cfg), seed=cfg.training.seed)
+  state, shardings = sync.init_state(sync.parse(cfg.sync.mode), state, shardings, _outer_tx(cfg.sync),
+                                     seed=cfg.training.seed)
   return graphdef, state, shardings, report, lines
 
 
-def _outer_tx(cfg: TrainConfig):
-  return sync.outer_optimizer(cfg.sync.outer_lr, cfg.sync.outer_momentum)
+def _outer_tx(section):
+  """DiLoCo's outer optimizer from the config's sync section."""
+  return sync.outer_optimizer(section.outer_lr, section.outer_momentum)
 
 
 def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step) -> sync.Steps:
@@ -129,5 +136,5 @@ def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step) 
   its bytes)."""
   mode = sync.parse(cfg.sync.mode)
   mixing = sync.mixing_matrix(mode, batch_sh.mesh.shape["data"]) if mode.kind == "gossip" else None
-  return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(cfg), shardings, batch_sh,
+  return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(cfg.sync), shardings, batch_sh,
                     max_logits="max_logits" in optimizer_needs(cfg.optim).update_args, mixing=mixing, plain=train_step)

@@ -8,6 +8,7 @@ import sys
 from research.train.store import rundir
 from research.train.steps import sync
 from research.train.steps.frozen import saved_frozen_dtype
+from research.train.steps.train_state import TrainState
 from research.train.store.checkpoint import CheckpointError
 from research.train.config import RunError, flat_meta
 from research.train.runtime.processes import all_agree, is_primary
@@ -62,7 +63,7 @@ def newest_readable(ckpt, meta: dict, state, shardings, switches, out: str):
       saved = ckpt.read_meta(s)
       settings = check_resume(saved, meta, out)
       layout = [sw for at, sw in switches if at <= s]  # the mesh the run had switched to by then
-      restored = ckpt.restore(s, state, layout[-1][1] if layout else shardings)
+      restored = TrainState.of(ckpt.restore(s, state.as_dict(), (layout[-1][1] if layout else shardings).as_dict()))
       error = None
     except CheckpointError as e:
       error = e

@@ -35,6 +35,7 @@ from research.train.setup.switch import Layout, switch_layout
 from research.train.steps import blockstep, layerfreeze, sync
 from research.train.steps.health import Monitor
 from research.train.steps.step import make_steps
+from research.train.steps.train_state import TrainState
 from research.train.store import rundir
 from research.train.store.checkpoint import Checkpointer
 from sharding import logical_names
@@ -49,7 +50,7 @@ class Run:
   layout: Layout  # the mesh trained on now: its shardings, held-out batches and compiled steps
   switches: list[tuple[int, Layout]]  # --switch-at's layouts still to come
   syncer: sync.Steps  # the step programs of --sync (allreduce: the plain train step)
-  state: dict  # the train state: "step", "params", "opt_state", and what the run adds
+  state: TrainState
   start: int  # the step this session started from (0, or the checkpoint it resumed)
   schedule: Callable  # the learning rate at an update count
   meta: dict  # config.json; each checkpoint's metadata
@@ -113,19 +114,20 @@ def start(cfg: TrainConfig) -> Run:
     monitor.load(saved.get("health"))
     print(f"resuming {out} from step {begin}", file=sys.stderr)
   begin = begin or 0
-  feed = Feed(cfg, corpus, layout.mesh, begin, saved.get("loader") if saved else None)
+  feed = Feed(corpus, cfg.training, cfg.data, cfg.data_options, layout.mesh, begin,
+              saved.get("loader") if saved else None)
   peak = Peak(cfg.logging.peak_flops, mcfg.compute_dtype, layout.mesh.size)  # MFU's denominator (hooks/throughput.py)
   meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
   metrics = rundir.MetricsLog(os.path.join(out, "metrics.jsonl"), enabled=is_primary())
   records = metrics.open(begin)  # what the interrupted run logged past its checkpoint is dropped
-  trackers = Trackers.open(cfg, meta, begin)  # research/train/hooks/trackers.py; only process 0 writes
+  trackers = Trackers.open(cfg.logging.tracker, out, cfg.training.steps, meta, begin)  # only process 0 writes
   if is_primary():  # one writer for the run's own files; orbax coordinates the checkpoint writes
     rundir.write_json_lines(os.path.join(out, "config.json"), [meta], indent=2)
   watchdog = Watchdog(cfg.distributed.peer_timeout, f"after step {{step}} of a {jax.process_count()}-process run: a "
                       f"peer process probably died; restart every process with the same command to resume")
   return Run(cfg=cfg, corpus=corpus, feed=feed, layout=layout, switches=switches, syncer=syncer, state=state,
              start=begin, schedule=schedule, meta=meta, ckpt=ckpt, metrics=metrics, records=records,
-             trackers=trackers, mixing=Mixing(cfg, corpus, graphdef, layout.val), monitor=monitor, peak=peak,
+             trackers=trackers, mixing=Mixing(corpus, graphdef, layout.val), monitor=monitor, peak=peak,
              meter=Meter(cfg.training.batch_size * cfg.training.seq_len),
              progress=Progress(cfg.training.steps, begin, enabled=cfg.logging.progress and is_primary()),
              watchdog=watchdog, profiler=Profiler(cfg.logging.profile, out, show=is_primary()),
@@ -135,7 +137,7 @@ def start(cfg: TrainConfig) -> Run:
 def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh):
   """The jitted (train_step, eval_step) of this run's state, by what trains (`Trainable.step`): a blockwise
   optimizer's step (`parts`), the --freeze-layers step, or the plain one."""
-  step = Trainable.of_run(cfg, parts is not None).step
+  step = Trainable.of_run(cfg.finetune, parts is not None).step
   if step == "blockwise":
     return blockstep.make_block_steps(graphdef, parts, shardings, batch_sh)
   if step == "layers":

@@ -18,6 +18,7 @@ from research.train.steps import layerfreeze, sync
 from research.train.hooks import source_weights
 from research.train.setup.build import model_config, optimizer_needs
 from research.train.config import RunError, TrainConfig
+from research.train.config.sections import SyncSection
 from research.train.feed import held_out, make_loader
 from research.train.setup.switch import switch_plan
 from sharding import batch_sharding, global_batch, make_mesh, mesh_spec
@@ -29,14 +30,14 @@ def setup(cfg: TrainConfig):
   """Mesh, model config, data and held-out batches, with every check of the flags that needs them."""
   mesh = make_mesh(cfg.mesh.spec)
   mcfg = model_config(cfg)
-  check_sync(cfg, mesh)
+  check_sync(cfg.sync, mesh)
   clashes.check(cfg, mesh, mcfg)  # what does not combine, one table
-  layerfreeze.check(cfg, mcfg.n_layers)
+  layerfreeze.check(cfg.finetune, mcfg.n_layers)
   for field, why in optimizer_needs(cfg.optim).model_refuses:  # as the optimizer's registry entry declares
     if getattr(mcfg, field):
       raise RunError(f"--optimizer {cfg.optim.optimizer} {why}: --model {cfg.model.preset} has {field}; add "
                      f"--{field.replace('_', '-')} False")
-  corpus = source_weights.load_data(cfg)  # one corpus, or the named --data sources' mixture
+  corpus = source_weights.load_data(cfg.data, cfg.data_options)  # one corpus, or the named --data sources' mixture
   source_weights.check(corpus, mcfg, mesh)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
@@ -50,8 +51,9 @@ def setup(cfg: TrainConfig):
       check_attention(mcfg.attention, cfg.training.seq_len, m.shape["context"])
     except AttentionError as e:
       raise RunError(f"--mesh {mesh_spec(m)}: {e}") from None
-  make_loader(cfg, corpus)  # fail early if the data is shorter than a sequence or has no documents to lay out
-  val_host = held_out(cfg, corpus)
+  # fail early if the data is shorter than a sequence or has no documents to lay out
+  make_loader(corpus, cfg.training, cfg.data, cfg.data_options)
+  val_host = held_out(corpus, cfg.training, cfg.data_options, cfg.logging.eval_batches)
   val = [global_batch(b, mesh) for b in val_host]
   return mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val
 
@@ -73,17 +75,18 @@ def pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
   return plan
 
 
-def check_sync(cfg: TrainConfig, mesh):
-  """--sync parsed and checked (RunError); what it does not combine with is research/train/config/clashes.py's."""
+def check_sync(section: SyncSection, mesh):
+  """--sync (the config's sync section) parsed and checked (RunError); what it does not combine with is
+  research/train/config/clashes.py's."""
   try:
-    mode = sync.parse(cfg.sync.mode)
+    mode = sync.parse(section.mode)
     if mode.kind == "gossip":
       sync.mixing_matrix(mode, mesh.shape["data"])
-    sync.outer_optimizer(cfg.sync.outer_lr, cfg.sync.outer_momentum)
+    sync.outer_optimizer(section.outer_lr, section.outer_momentum)
   except sync.SyncError as e:
     raise RunError(str(e)) from None
   if mode.kind != "allreduce" and mesh.shape["data"] == 1:
-    print(f"warning: --sync {cfg.sync.mode} on a mesh with data=1 has a single replica (add data=R to --mesh for R)",
+    print(f"warning: --sync {section.mode} on a mesh with data=1 has a single replica (add data=R to --mesh for R)",
           file=sys.stderr)
 
 

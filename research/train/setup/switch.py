@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from research.train.setup.build import step_options
 from research.train.config import RunError, TrainConfig
 from research.train.steps.step import make_steps
+from research.train.steps.train_state import TrainState
 from sharding import ShardingError, abstract_state, batch_sharding, devices_for, global_batch, make_mesh, mesh_spec
 from sharding import state_shardings
 
@@ -51,7 +52,7 @@ def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
   """What training on `mesh` needs: (mesh, state shardings, batch sharding, held-out batches there, train and
   eval steps compiled ahead of time (`.lower(...).compile()`) for those shardings)."""
   try:
-    shardings = state_shardings(state, names, mesh, zero1=cfg.mesh.zero1)
+    shardings = TrainState.of(state_shardings(state.as_dict(), names, mesh, zero1=cfg.mesh.zero1))
   except ShardingError as e:
     raise ShardingError(f"--switch-at to {mesh_spec(mesh)}: {e}") from None
   batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
@@ -60,7 +61,7 @@ def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
   t = time.perf_counter()
   with jax.set_mesh(mesh):
     train = train.lower(abstract_state(state, shardings), x, x).compile()
-    evaluate = evaluate.lower(abstract_state(state["params"], shardings["params"]), x, x,
-                              abstract_state(state.get("buffers", {}), shardings.get("buffers", {}))).compile()
+    evaluate = evaluate.lower(abstract_state(state.params, shardings.params), x, x,
+                              abstract_state(state.model_buffers, shardings.model_buffers)).compile()
   print(f"compiled the steps for mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
   return Layout(mesh, shardings, batch_sh, [global_batch(b, mesh) for b in val_host], train, evaluate)

@@ -1,6 +1,6 @@
 """The blockwise step of a block-coordinate optimizer, as BlockOptimizers runs BAdam (Luo, Yu & Li, NeurIPS 2024,
-and its reference package): only the active layer has a float32 master copy, Adam moments and a gradient, and backprop stops
-at it. It runs an optimizer whose registry entry declares a blockwise plan (`optim.Needs.blockwise`, an
+and its reference package): only the active layer has a float32 master copy, Adam moments and a gradient, and backprop
+stops at it. It runs an optimizer whose registry entry declares a blockwise plan (`optim.Needs.blockwise`, an
 `optim.Blockwise`: the block order and switches, the active block's AdamW, what happens above it).
 
 State (`init_state`): "params", every parameter in the storage dtype (`frozen.frozen_dtype`: bfloat16 when fine-tuning
@@ -21,7 +21,8 @@ Runs the default block layout (layer blocks; the embedding, head and final norm 
 
 A plan with layers updated above the active one (`optim.Inactive`, BREAD's reach "deeper") runs here too: the same
 state and active-layer update, the gradient taken by `models.blockwise.backprop_to_layer`, whose layer-by-layer
-backward also updates every layer above the active one as it reaches it, in place (research/train/steps/reachstep.py): by
+backward also updates every layer above the active one as it reaches it, in place (research/train/steps/reachstep.py):
+by
 -ρ·lr_t·g (or -ρ·lr_t·sign(g)) in the plain-gradient mode, or in the low-rank mode by giving its rank-r factors
 (opt_state "factors", layers 1..L−1, drawn as the optax transform draws them) their gradients s·G Bᴴ, s·Aᴴ G and
 AdamW step (state "factor_state", restarted at each switch) and moving W by s·(A'B' − AB). With float32 storage and
@@ -53,6 +54,7 @@ from research.train.setup.build import optimizer_needs
 from research.train.runtime.processes import is_primary
 from research.train.steps.health import step_ok
 from research.train.steps.step import aux_outputs, eval_loss, head_loss, jit_steps
+from research.train.steps.train_state import TrainState
 from sharding.state import shardings_like_params
 
 def eligible(cfg, mesh) -> str | None:
@@ -70,10 +72,12 @@ def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
   line)."""
   why = eligible(cfg, mesh)
   if why is None:
-    return Parts(schedule, optimizer_needs(cfg.optim).blockwise, mcfg.n_layers, cfg.optim.grad_clip, cfg.optim.optimizer)
+    return Parts(schedule, optimizer_needs(cfg.optim).blockwise, mcfg.n_layers, cfg.optim.grad_clip,
+                 cfg.optim.optimizer)
   if why != "not blockwise" and is_primary():
-    print(f"note: --optimizer {cfg.optim.optimizer} with {why} runs optim.{cfg.optim.optimizer} over full gradients (every "
-          f"gradient computed, every parameter kept in float32), not the blockwise step", file=sys.stderr)
+    name = cfg.optim.optimizer
+    print(f"note: --optimizer {name} with {why} runs optim.{name} over full gradients (every gradient computed, every "
+          f"parameter kept in float32), not the blockwise step", file=sys.stderr)
   return None
 
 
@@ -124,11 +128,11 @@ def _layer_sharding(sh: NamedSharding) -> NamedSharding:
   return NamedSharding(sh.mesh, P(*tuple(sh.spec)[1:]))
 
 
-def init_state(state: dict, shardings: dict, parts: Parts, dtype):
-  """(state, shardings) of the blockwise step from a plain train state ({"step", "params", ...}): the parameters in
-  `dtype`, the first block's float32 master, AdamW's state over it (the plain state's "opt_state" is dropped)."""
-  m_sh = jax.tree.map(_layer_sharding, shardings["params"]["blocks"])
-  replicated = NamedSharding(jax.tree.leaves(shardings["params"])[0].mesh, P())
+def init_state(state: TrainState, shardings: TrainState, parts: Parts, dtype) -> tuple[TrainState, TrainState]:
+  """(state, shardings) of the blockwise step from a plain train state: the parameters in `dtype`, the first block's
+  float32 master, AdamW's state over it (the plain state's `opt_state` is replaced)."""
+  m_sh = jax.tree.map(_layer_sharding, shardings.params["blocks"])
+  replicated = NamedSharding(jax.tree.leaves(shardings.params)[0].mesh, P())
   b0 = parts.block(jnp.int32(0)).astype(jnp.int32)
 
   def build(params):
@@ -136,20 +140,19 @@ def init_state(state: dict, shardings: dict, parts: Parts, dtype):
     master = _layer(params, b0)
     return params, master, parts.inner.init(master)
 
-  _, abstract_master, abstract_inner = jax.eval_shape(build, state["params"])
+  _, abstract_master, abstract_inner = jax.eval_shape(build, state.params)
   i_sh = shardings_like_params(abstract_inner, abstract_master, m_sh, replicated.mesh)
-  params, master, inner = jax.jit(build, out_shardings=(shardings["params"], m_sh, i_sh))(state["params"])
+  params, master, inner = jax.jit(build, out_shardings=(shardings.params, m_sh, i_sh))(state.params)
   opt = {"count": jnp.zeros([], jnp.int32), "block": jnp.asarray(b0, jnp.int32), "inner": inner}
   opt_sh = {"count": replicated, "block": replicated, "inner": i_sh}
   if parts.lowrank:  # BREAD's factors of layers 1.. (optim.bread's, from the same draw) and AdamW's state over them
     rank = parts.inactive.rank
     factors = jax.jit(lambda p: init_factors(p, _plan(p), reach="deeper", rank=rank, seed=parts.seed),
-                      out_shardings=replicated)(state["params"])
+                      out_shardings=replicated)(state.params)
     opt["factors"], opt["factor_state"] = factors, jax.jit(parts.inner.init, out_shardings=replicated)(factors)
     opt_sh["factors"], opt_sh["factor_state"] = jax.tree.map(lambda _: replicated, (factors, opt["factor_state"]))
-  new = {**{k: v for k, v in state.items() if k != "opt_state"}, "params": params, "master": master,
-         "opt_state": jax.device_put(opt, opt_sh)}
-  new_sh = {**{k: v for k, v in shardings.items() if k != "opt_state"}, "master": m_sh, "opt_state": opt_sh}
+  new = state.replace(params=params, master=master, opt_state=jax.device_put(opt, opt_sh))
+  new_sh = shardings.replace(master=m_sh, opt_state=opt_sh)
   return new, new_sh
 
 
@@ -162,8 +165,8 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
     return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
 
   def train_step(state, x, y):
-    params, master, opt = state["params"], state["master"], state["opt_state"]
-    buffers, b = state.get("buffers", {}), opt["block"]
+    params, master, opt = state.params, state.master, state.opt_state
+    buffers, b = state.model_buffers, opt["block"]
 
     def loss_of(m):
       model = model_of(params, buffers)
@@ -203,9 +206,10 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
     fresh = parts.inner.init(jax.tree.map(jnp.zeros_like, master))
     inner = jax.tree.map(lambda f, s: jnp.where(switch, f, s), fresh, inner)
     master = jax.tree.map(lambda nxt_m, m: jnp.where(switch, nxt_m, m), _layer(params, nxt), master)
-    new = {**state, "step": state["step"] + 1, "params": params, "master": master,
-           "opt_state": {"count": count, "block": nxt, "inner": inner, **extra}}
-    metrics = aux_outputs(new, aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
+    new_buffers, metrics = aux_outputs(aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
+    new = state.replace(step=state.step + 1, params=params, master=master,
+                        opt_state={"count": count, "block": nxt, "inner": inner, **extra},
+                        buffers=new_buffers if state.buffers is not None else None)
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
@@ -219,8 +223,8 @@ def _factor_state(parts: Parts, factors, new, old, ok, switch) -> dict:
   return {"factors": factors, "factor_state": jax.tree.map(lambda f, x: jnp.where(switch, f, x), fresh, new)}
 
 
-def state_bytes(state: dict) -> dict[str, int]:
+def state_bytes(state: TrainState) -> dict[str, int]:
   """Bytes of the blockwise state's parts: the stored parameters, the master, AdamW's state."""
-  opt = state["opt_state"]
-  return {"params": tree_bytes(state["params"]), "master": tree_bytes(state["master"]),
+  opt = state.opt_state
+  return {"params": tree_bytes(state.params), "master": tree_bytes(state.master),
           "adam": tree_bytes(opt["inner"]), "factors": tree_bytes((opt.get("factors"), opt.get("factor_state")))}

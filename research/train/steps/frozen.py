@@ -2,8 +2,8 @@
 but their storage.
 
 - No gradient: the train step differentiates the other parameters only (`frozen_mask` →
-  `research.train.steps.step.value_and_grad_trained`), so XLA computes no frozen weight's gradient (no weight-gradient dot
-  in the backward; activation gradients still flow through them to the layers below).
+  `research.train.steps.step.value_and_grad_trained`), so XLA computes no frozen weight's gradient (no weight-gradient
+  dot in the backward; activation gradients still flow through them to the layers below).
 - No optimizer state and no update: `freeze(tx)` is `optax.partition` with `optax.set_to_zero` on them.
 - Stored in --frozen-dtype (`store_frozen`): bfloat16 by default when fine-tuning (with --init-from), else float32;
   the forward reads them in the compute dtype. --peft's frozen base takes the same default (`resolved`).
@@ -78,10 +78,10 @@ def frozen_summary(params: dict, labels, tx_plain: optax.GradientTransformation,
           f"{tree_bytes(frozen) / 2**20:.1f} MiB, no gradient); optimizer state {saved / 2**20:.1f} MiB smaller")
 
 
-def frozen_dtype(cfg):
+def frozen_dtype(finetune):
   """The storage dtype of --freeze's parameters: --frozen-dtype, else bfloat16 when fine-tuning (--init-from), else
-  float32."""
-  return jnp.dtype(cfg.finetune.frozen_dtype or ("bfloat16" if cfg.finetune.init_from else "float32"))
+  float32. `finetune`: the config's finetune section."""
+  return jnp.dtype(finetune.frozen_dtype or ("bfloat16" if finetune.init_from else "float32"))
 
 
 def resolved(cfg):
@@ -91,11 +91,12 @@ def resolved(cfg):
   if not cfg.finetune.peft or cfg.peft_options.base_dtype is not None:
     return cfg
   return dataclasses.replace(cfg, peft_options=dataclasses.replace(cfg.peft_options,
-                                                                   base_dtype=str(frozen_dtype(cfg))))
+                                                                   base_dtype=str(frozen_dtype(cfg.finetune))))
 
 
 def saved_frozen_dtype(train: dict) -> str:
-  """`frozen_dtype` of a run's recorded flags (config.json's "train"); runs from before --frozen-dtype stored float32."""
+  """`frozen_dtype` of a run's recorded flags (config.json's "train"); runs from before --frozen-dtype stored
+  float32."""
   if "frozen_dtype" not in train:
     return "float32"
   return train["frozen_dtype"] or ("bfloat16" if train.get("init_from") else "float32")

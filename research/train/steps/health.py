@@ -43,10 +43,15 @@ def step_ok(loss, grad_norm, updates) -> jax.Array:
   return jnp.all(jnp.isfinite(loss)) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
 
 
-def keep_if_finite(ok, new: dict, old: dict) -> dict:
-  """`new` where `ok` (a scalar bool) holds, else `old`, for every entry of a train-state dict but "step"."""
-  return {k: v if k == "step" or k not in old else jax.tree.map(lambda n, o: jnp.where(ok, n, o), v, old[k])
-          for k, v in new.items()}
+def keep_if_finite(ok, new, old):
+  """`new` where `ok` (a scalar bool) holds, else `old`, for every part of a `TrainState` but `step` (and the parts
+  `old` has none of)."""
+  def pick(name, value):
+    before = getattr(old, name)
+    if name == "step" or value is None or before is None:
+      return value
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), value, before)
+  return new.replace(**{k: pick(k, v) for k, v in vars(new).items()})
 
 
 class Monitor:

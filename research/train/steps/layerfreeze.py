@@ -21,8 +21,9 @@ copy) + 4 (its gradient, a temporary).
 
 The embedding freezes with the layers: its gradient would need the activation gradient through every frozen layer.
 With tied embeddings (the head is the same table) the head freezes too. Refused in one line: N outside 1..L−1, and
-what research/train/config/clashes.py's table says it does not combine with (a block-coordinate optimizer, an optimizer's
-update arguments: this step supplies none, --peft, --zero1, --sync, --switch-at, a stage or context mesh axis).
+what research/train/config/clashes.py's table says it does not combine with (a block-coordinate optimizer, an
+optimizer's update arguments: this step supplies none, --peft, --zero1, --sync, --switch-at, a stage or context mesh
+axis).
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ from research.train.config import RunError
 from research.train.steps.frozen import frozen_mask
 from research.train.steps.health import step_ok
 from research.train.steps.step import aux_outputs, eval_loss, head_loss, jit_steps
+from research.train.steps.train_state import TrainState
 from sharding.state import shardings_like_params
 
 
-def check(cfg, n_layers: int) -> None:
+def check(finetune, n_layers: int) -> None:
   """RunError (one line) when --freeze-layers' N does not fit the model; nothing when it is off (what it does not
   combine with is research/train/config/clashes.py's)."""
-  n = cfg.finetune.freeze_layers
+  n = finetune.freeze_layers
   if n and not 0 < n < n_layers:
     raise RunError(f"--freeze-layers {n}: the model has {n_layers} layers; freeze 1..{n_layers - 1} of them (all "
                    f"frozen leaves nothing to train)")
@@ -94,16 +96,16 @@ def _model_inputs(params: dict, master: dict, n: int) -> tuple[dict, dict]:
   return built, upper
 
 
-def init_state(state: dict, shardings: dict, tx, regex: str | None, n: int, dtype):
+def init_state(state: TrainState, shardings: TrainState, tx, regex: str | None, n: int, dtype):
   """(state, shardings) of the --freeze-layers step from a plain train state: the parameters in `dtype`, the trained
-  part's float32 master, the optimizer's state over it (the plain state's "opt_state" is dropped)."""
-  params = state["params"]
+  part's float32 master, the optimizer's state over it (the plain state's `opt_state` is replaced)."""
+  params = state.params
   flags = trained_flags(params, regex)
   if not any(jax.tree.leaves(flags["blocks"])):
     raise RunError(f"--freeze {regex!r} freezes every leaf of the layer stack, so --freeze-layers {n} leaves no layer "
                    f"to train; drop one of them or narrow --freeze")
-  mesh = jax.tree.leaves(shardings["params"])[0].mesh
-  m_sh = {k: jax.tree.map(lambda f, s: s if f else None, flags[k], shardings["params"][k]) for k in params}
+  mesh = jax.tree.leaves(shardings.params)[0].mesh
+  m_sh = {k: jax.tree.map(lambda f, s: s if f else None, flags[k], shardings.params[k]) for k in params}
   m_sh = {k: v for k, v in m_sh.items() if jax.tree.leaves(v)}
 
   def build(params):
@@ -112,10 +114,9 @@ def init_state(state: dict, shardings: dict, tx, regex: str | None, n: int, dtyp
 
   _, abstract_master, abstract_opt = jax.eval_shape(build, params)
   o_sh = shardings_like_params(abstract_opt, abstract_master, m_sh, mesh)
-  stored, master, opt_state = jax.jit(build, out_shardings=(shardings["params"], m_sh, o_sh))(params)
-  new = {**{k: v for k, v in state.items() if k != "opt_state"}, "params": stored, "master": master,
-         "opt_state": opt_state}
-  return new, {**{k: v for k, v in shardings.items() if k != "opt_state"}, "master": m_sh, "opt_state": o_sh}
+  stored, master, opt_state = jax.jit(build, out_shardings=(shardings.params, m_sh, o_sh))(params)
+  new = state.replace(params=stored, master=master, opt_state=opt_state)
+  return new, shardings.replace(master=m_sh, opt_state=o_sh)
 
 
 def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int):
@@ -125,7 +126,7 @@ def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int):
     return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
 
   def train_step(state, x, y):
-    params, master, buffers = state["params"], state["master"], state.get("buffers", {})
+    params, master, buffers = state.params, state.master, state.model_buffers
 
     def loss_of(m):
       built, upper = _model_inputs(params, m, n)
@@ -133,24 +134,24 @@ def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int):
       return head_loss(model, y)(*frozen_below_forward(model, x, upper_layers(model, n, upper), n))
 
     (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
-    updates, opt_state = tx.update(grads, state["opt_state"], master)
+    updates, opt_state = tx.update(grads, state.opt_state, master)
     grad_norm = optax.tree.norm(grads)
     ok = step_ok(total, grad_norm, updates)
     keep = lambda new, old: jax.tree.map(lambda a, o: jnp.where(ok, a, o), new, old)
     master = keep(optax.apply_updates(master, updates), master)
-    new = {**state, "step": state["step"] + 1, "params": _write(params, master, n), "master": master,
-           "opt_state": keep(opt_state, state["opt_state"])}
-    metrics = aux_outputs(new, aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
+    new_buffers, metrics = aux_outputs(aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
     if "blocks" in buffers:  # the frozen layers' router bias stays too (their routing is part of what is frozen)
-      new["buffers"] = {**new["buffers"], "blocks": jax.tree.map(lambda b, old: b.at[:n].set(old[:n]),
-                                                                  new["buffers"]["blocks"], buffers["blocks"])}
+      new_buffers = {**new_buffers, "blocks": jax.tree.map(lambda b, old: b.at[:n].set(old[:n]),
+                                                           new_buffers["blocks"], buffers["blocks"])}
+    new = state.replace(step=state.step + 1, params=_write(params, master, n), master=master,
+                        opt_state=keep(opt_state, state.opt_state),
+                        buffers=new_buffers if state.buffers is not None else None)
 
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
 
   return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
 
 
-def state_bytes(state: dict) -> dict[str, int]:
+def state_bytes(state: TrainState) -> dict[str, int]:
   """Bytes of the --freeze-layers state's parts: the stored parameters, the master, the optimizer's state."""
-  return {"params": tree_bytes(state["params"]), "master": tree_bytes(state["master"]),
-          "opt": tree_bytes(state["opt_state"])}
+  return {"params": tree_bytes(state.params), "master": tree_bytes(state.master), "opt": tree_bytes(state.opt_state)}

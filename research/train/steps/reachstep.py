@@ -1,6 +1,7 @@
-"""BREAD's backward passes for the blockwise step (research/train/steps/blockstep.py): `models.blockwise.backprop_to_layer`
-with a visit that updates each layer above the active one as the pass reaches it — by SGD (`stepped_backward`) or
-through its rank-r factors (`lowrank_backward`) — on top of `research.train.steps.step.head_loss`."""
+"""BREAD's backward passes for the blockwise step (research/train/steps/blockstep.py):
+`models.blockwise.backprop_to_layer` with a visit that updates each layer above the active one as the pass reaches it —
+by SGD (`stepped_backward`) or through its rank-r factors (`lowrank_backward`) — on top of
+`research.train.steps.step.head_loss`."""
 
 from __future__ import annotations
 

@@ -13,13 +13,14 @@ from models import cross_entropy
 from models.moe import aux_loss, summarize as moe_summary, update_router_bias
 from research.train.steps.health import keep_if_finite, step_ok
 from research.train.runtime.xla import compiler_options
+from research.train.steps.train_state import TrainState
 
 
-def keep_prev_params(state, shardings):
-  """(state, shardings) of an exact variance-reduced run plus "prev_params": the parameters before the last
-  update (at first a copy of the initial ones), sharded like the parameters."""
-  prev = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings["params"])(state["params"])
-  return {**state, "prev_params": prev}, {**shardings, "prev_params": shardings["params"]}
+def keep_prev_params(state: TrainState, shardings: TrainState) -> tuple[TrainState, TrainState]:
+  """(state, shardings) of a run whose optimizer declares "prev_grads", plus `prev_params`: the parameters before the
+  last update (at first a copy of the initial ones), sharded like the parameters."""
+  prev = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(state.params)
+  return state.replace(prev_params=prev), shardings.replace(prev_params=shardings.params)
 
 
 def head_loss(model, y):
@@ -74,33 +75,31 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, update_args=frozenset(), fr
   one --grad-clip clips by) is the trained parameters'.
 
   `update_args` (the optimizer's declared `optim.Needs.update_args`) are supplied to `tx.update` by `update_extras`:
-  "prev_grads" needs a state with "prev_params" (`keep_prev_params`; such a state implies it), "max_logits" the
+  "prev_grads" needs a state with `prev_params` (`keep_prev_params`; such a state implies it), "max_logits" the
   model's per-head attention-logit maxima (aux "max_logit", `logit_stats`).
-  A step whose loss, gradient norm or update norm is not finite leaves the state unchanged but for "step", and reports
+  A step whose loss, gradient norm or update norm is not finite leaves the state unchanged but for `step`, and reports
   finite=False (`research.train.steps.health`).
   """
-  exact = "prev_params" in shardings
+  exact = shardings.prev_params is not None
   update_args = frozenset(update_args) | ({"prev_grads"} if exact else set())
   loss_fn = lm_loss(graphdef)
 
   def train_step(state, x, y):
-    buffers = state.get("buffers", {})
-    flags = None if frozen is None else frozen(state["params"])
-    (total, (loss, aux)), grads = value_and_grad_trained(loss_fn, state["params"], flags, x, y, buffers)
+    buffers = state.model_buffers
+    flags = None if frozen is None else frozen(state.params)
+    (total, (loss, aux)), grads = value_and_grad_trained(loss_fn, state.params, flags, x, y, buffers)
     extra = update_extras(update_args, loss_fn, state, x, y, buffers, aux)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"], **extra)
-    params = optax.apply_updates(state["params"], updates)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
+    params = optax.apply_updates(state.params, updates)
     if flags is not None:  # a frozen leaf is passed through as it is (its zero update is never computed)
-      params = jax.tree.map(lambda f, old, new: old if f else new, flags, state["params"], params)
-    new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-    if exact:
-      new["prev_params"] = state["params"]
-    if buffers:  # a router's selection bias, a PEFT run's frozen base
-      new["buffers"] = buffers
+      params = jax.tree.map(lambda f, old, new: old if f else new, flags, state.params, params)
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                        prev_params=state.params if exact else None)
     # MoE: the aux-loss-free bias update from this step's loads (DeepSeek-V3) and router metrics; logit maxima
     # (keep_if_finite below undoes all of it on a non-finite step)
-    metrics = aux_outputs(new, aux, buffers, nnx.merge(graphdef, state["params"], buffers).c.moe, total, loss,
-                          lambda n, o: n)
+    new_buffers, metrics = aux_outputs(aux, buffers, nnx.merge(graphdef, state.params, buffers).c.moe, total, loss,
+                                       lambda n, o: n)
+    new = new.replace(buffers=new_buffers if state.buffers is not None else None)
     grad_norm = optax.tree.norm(grads)
     ok = step_ok(total, grad_norm, updates)
     return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
@@ -108,29 +107,38 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, update_args=frozenset(), fr
   return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
 
 
-def update_extras(names, loss_fn, state: dict, x, y, buffers: dict, aux: dict) -> dict:
+def update_extras(names, loss_fn, state: TrainState | None, x, y, buffers: dict, aux: dict) -> dict:
   """The extra keyword arguments of `tx.update` an optimizer declared (`optim.needs.UPDATE_ARGS`), traced in the step:
-  "prev_grads", the loss's gradient at the state's "prev_params" on this batch; "max_logits", the forward's per-head
+  "prev_grads", the loss's gradient at the state's `prev_params` on this batch; "max_logits", the forward's per-head
   attention-logit maxima (aux "max_logit")."""
-  supply = {"prev_grads": lambda: jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(state["prev_params"]),
+  supply = {"prev_grads": lambda: jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(state.prev_params),
             "max_logits": lambda: aux["max_logit"]}
   return {name: supply[name]() for name in sorted(names, key=list(supply).index)}
 
 
-def aux_outputs(new: dict, aux: dict, buffers: dict, moe, total, loss, keep) -> dict:
-  """A step's outputs from the model's aux (the plain, blockwise BAdam / BREAD and --freeze-layers steps): for an
-  MoE, `new`'s "buffers" given the aux-loss-free router-bias update (`keep(new, old)`: unchanged by a non-finite step)
-  and the router metrics; with --logit-stats the attention-logit maxima, as the plain step logs them. `moe`: the
-  model's MoE config."""
+def aux_outputs(aux: dict, buffers: dict, moe, total, loss, keep) -> tuple[dict, dict]:
+  """(buffers, metrics): a step's outputs from the model's aux (the plain, blockwise and --freeze-layers steps).
+
+  Args:
+    aux: the forward's aux (per-layer router stats, attention-logit maxima).
+    buffers: the model's buffers before the step.
+    moe: the model's MoE config (its router-bias rate).
+    total, loss: the step's total loss and cross entropy.
+    keep: `keep(new, old)`, the buffers a non-finite step keeps.
+
+  Returns:
+    The buffers after the step (an MoE's with the aux-loss-free router-bias update, DeepSeek-V3's) and the step's
+    metrics: an MoE's aux loss and router metrics; with --logit-stats the attention-logit maxima.
+  """
   metrics = {}
   if "load" in aux:
     if buffers:
-      new["buffers"] = keep(update_router_bias(buffers, aux, moe.bias_rate), buffers)
+      buffers = keep(update_router_bias(buffers, aux, moe.bias_rate), buffers)
     metrics = {"aux_loss": total - loss, **moe_summary(aux)}
   if "max_logit" in aux:  # (L, N): the largest over heads and layers, and each layer's
     metrics["attn/max_logit"] = jnp.max(aux["max_logit"])
     metrics["attn/max_logit_layer"] = jnp.max(aux["max_logit"], axis=-1)
-  return metrics
+  return buffers, metrics
 
 
 def jit_steps(train_step, eval_fn, shardings, batch_sh):
@@ -140,7 +148,7 @@ def jit_steps(train_step, eval_fn, shardings, batch_sh):
   opts = compiler_options()
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
                   donate_argnums=0, compiler_options=opts)
-  evaluate = jax.jit(eval_fn, in_shardings=(shardings["params"], batch_sh, batch_sh, shardings.get("buffers", {})),
+  evaluate = jax.jit(eval_fn, in_shardings=(shardings.params, batch_sh, batch_sh, shardings.model_buffers),
                      compiler_options=opts)
   return train, evaluate
 
@@ -178,10 +186,9 @@ def make_update(graphdef, tx, *, update_args=frozenset()):
 
   def update(params, buffers, opt_state, x, y):
     (total, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, buffers)
-    extra = update_extras(update_args, loss_fn, {}, x, y, buffers, aux)
+    extra = update_extras(update_args, loss_fn, None, x, y, buffers, aux)
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
-    new = {"params": optax.apply_updates(params, updates), "buffers": buffers}
-    aux_outputs(new, aux, buffers, nnx.merge(graphdef, params, buffers).c.moe, total, ce, lambda n, o: n)
-    return new["params"], new["buffers"], opt_state, grads, updates, aux, ce
+    new_buffers, _ = aux_outputs(aux, buffers, nnx.merge(graphdef, params, buffers).c.moe, total, ce, lambda n, o: n)
+    return optax.apply_updates(params, updates), new_buffers, opt_state, grads, updates, aux, ce
 
   return update

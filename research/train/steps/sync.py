@@ -13,11 +13,11 @@
                    delay drawn per replica and step from {0..TAU} with --seed), the mean of the replicas' delayed
                    gradients applied synchronously (delayed / stale-synchronous SGD); TAU = 0 is synchronous
 
-State (checkpointed whole, so a resumed run continues exactly): local and gossip add "replicas" = {"params",
-"opt_state"}, each leaf (R, ...) split over `data`; local keeps the outer parameters in "params" and the outer
-optimizer's state in "outer_state"; gossip's "params" is the replicas' mean, refreshed before every save and
-evaluation (what export, sampling and --init-from read); stale adds "history", the last TAU + 1 parameter versions
-(and with :random "delay_key", the delays' PRNG key).
+State (a `TrainState`, checkpointed whole, so a resumed run continues exactly): local and gossip add `replicas` =
+{"params", "opt_state"}, each leaf (R, ...) split over `data`; local keeps the outer parameters in `params` and the
+outer optimizer's state in `outer_state`; gossip's `params` is the replicas' mean, refreshed before every save and
+evaluation (what export, sampling and --init-from read); stale adds `history`, the last TAU + 1 parameter versions
+(and with :random `delay_key`, the delays' PRNG key).
 
 Metrics: each replica's loss ("replica_loss"), the consensus distance sqrt((1/R) sum_i ||x_i - x_bar||^2)
 ("consensus", at logged steps, by a program of its own that the byte count leaves out), and the collective bytes per
@@ -39,6 +39,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from research.train.steps.health import keep_if_finite, step_ok
+from research.train.steps.train_state import TrainState
 from sharding import collectives, replicas as rep, shardings_like_params
 from sharding.replicas import ReplicaError
 
@@ -111,27 +112,30 @@ def outer_optimizer(lr: float, momentum: float) -> optax.GradientTransformation:
   return optax.sgd(lr, momentum=momentum or None, nesterov=bool(momentum))
 
 
-def init_state(sync: Sync, state: dict, shardings: dict, outer_tx, seed: int = 0) -> tuple[dict, dict]:
-  """The plain train state ({"step", "params", "opt_state"[, "buffers"]}) and its shardings laid out for `sync`
-  (`seed`: stale:TAU:random's delays, kept in the state as "delay_key")."""
-  state, shardings = dict(state), dict(shardings)
-  p_sh = shardings["params"]
+def init_state(sync: Sync, state: TrainState, shardings: TrainState, outer_tx, seed: int = 0):
+  """(state, shardings): a plain train state and its shardings laid out for `sync` (`seed`: stale:TAU:random's
+  delays, kept in the state as `delay_key`)."""
+  p_sh = shardings.params
   mesh = jax.tree.leaves(p_sh)[0].mesh
-  if sync.replicated:
-    stacked, stacked_sh = rep.stack({"params": state["params"], "opt_state": state.pop("opt_state")},
-                                    {"params": p_sh, "opt_state": shardings.pop("opt_state")})
-    state["replicas"], shardings["replicas"] = stacked, stacked_sh
+  if sync.replicated:  # the optimizer's state moves into the replicas
+    stacked, stacked_sh = rep.stack({"params": state.params, "opt_state": state.opt_state},
+                                    {"params": p_sh, "opt_state": shardings.opt_state})
+    state, shardings = (state.replace(opt_state=None, replicas=stacked),
+                        shardings.replace(opt_state=None, replicas=stacked_sh))
   if sync.kind == "local":
-    o_sh = shardings_like_params(jax.eval_shape(outer_tx.init, state["params"]), state["params"], p_sh, mesh)
-    state["outer_state"], shardings["outer_state"] = jax.jit(outer_tx.init, out_shardings=o_sh)(state["params"]), o_sh
+    o_sh = shardings_like_params(jax.eval_shape(outer_tx.init, state.params), state.params, p_sh, mesh)
+    state = state.replace(outer_state=jax.jit(outer_tx.init, out_shardings=o_sh)(state.params))
+    shardings = shardings.replace(outer_state=o_sh)
   if sync.kind == "stale":
     h_sh = jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), p_sh)
     copies = lambda p: jax.tree.map(lambda x: jnp.broadcast_to(x, (sync.tau + 1,) + x.shape), p)
-    state["history"], shardings["history"] = jax.jit(copies, out_shardings=h_sh)(state["params"]), h_sh
+    state, shardings = state.replace(history=jax.jit(copies, out_shardings=h_sh)(state.params)), \
+        shardings.replace(history=h_sh)
     if sync.random:
       replicated = NamedSharding(mesh, P())
       key = jax.random.key_data(jax.random.key(seed))
-      state["delay_key"], shardings["delay_key"] = jax.device_put(key, replicated), replicated
+      state = state.replace(delay_key=jax.device_put(key, replicated))
+      shardings = shardings.replace(delay_key=replicated)
   return state, shardings
 
 
@@ -163,15 +167,14 @@ class Steps:
                          donate_argnums=0)
     if sync.kind == "local":
       def outer(state):
-        params, outer_state, stacked = rep.outer_step(outer_tx, state["params"], state["outer_state"],
-                                                      state["replicas"]["params"])
-        return {**state, "params": params, "outer_state": outer_state,
-                "replicas": {**state["replicas"], "params": stacked}}
+        params, outer_state, stacked = rep.outer_step(outer_tx, state.params, state.outer_state,
+                                                      state.replicas["params"])
+        return state.replace(params=params, outer_state=outer_state, replicas={**state.replicas, "params": stacked})
       self.outer = jax.jit(outer, in_shardings=(shardings,), out_shardings=shardings, donate_argnums=0)
     if sync.replicated:
-      self.mean = jax.jit(lambda s: rep.mean(s["replicas"]["params"]), in_shardings=(shardings,),
-                          out_shardings=shardings["params"])
-      self.consensus = jax.jit(lambda s: rep.consensus_distance(s["replicas"]["params"]), in_shardings=(shardings,))
+      self.mean = jax.jit(lambda s: rep.mean(s.replicas["params"]), in_shardings=(shardings,),
+                          out_shardings=shardings.params)
+      self.consensus = jax.jit(lambda s: rep.consensus_distance(s.replicas["params"]), in_shardings=(shardings,))
 
   def _local_train(self, params, opt_state, x, y, buffers):
     """One replica's step of the inner optimizer on its rows; a non-finite step leaves that replica as it was."""
@@ -180,26 +183,25 @@ class Steps:
     updates, new_opt = self.tx.update(grads, opt_state, params, **extra)
     grad_norm = optax.tree.norm(grads)
     ok = step_ok(total, grad_norm, updates)
-    new = keep_if_finite(ok, {"params": optax.apply_updates(params, updates), "opt_state": new_opt},
-                         {"params": params, "opt_state": opt_state})
+    new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), {"params": optax.apply_updates(params, updates),
+                                                          "opt_state": new_opt}, {"params": params, "opt_state": opt_state})
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok}
 
   def _replica_step(self, state, x, y):
-    buffers = state.get("buffers", {})
     kinds = ("stacked", "stacked", "rows", "rows", "shared")
-    new, out = rep.map_replicas(self._local_train, (state["replicas"]["params"], state["replicas"]["opt_state"], x, y,
-                                                    buffers), kinds)
-    return {**state, "step": state["step"] + 1, "replicas": new}, _summary(out)
+    new, out = rep.map_replicas(self._local_train, (state.replicas["params"], state.replicas["opt_state"], x, y,
+                                                    state.model_buffers), kinds)
+    return state.replace(step=state.step + 1, replicas=new), _summary(out)
 
   def _gossip_step(self, state, x, y):
     state, out = self._replica_step(state, x, y)
-    stacked = state["replicas"]["params"]
+    stacked = state.replicas["params"]
     mixed = rep.ring_mix(stacked) if self.mixing is None else rep.mix(stacked, self.mixing)
-    return {**state, "replicas": {**state["replicas"], "params": mixed}}, out
+    return state.replace(replicas={**state.replicas, "params": mixed}), out
 
   def _stale_step(self, state, x, y):
-    step, buffers = state["step"], state.get("buffers", {})
-    key = jax.random.wrap_key_data(state["delay_key"]) if self.sync.random else None
+    step, buffers = state.step, state.model_buffers
+    key = jax.random.wrap_key_data(state.delay_key) if self.sync.random else None
     delay = rep.delays(key, step, self.r, self.sync.tau, self.sync.random)
 
     def worker(history, d, step, x, y, buffers):  # one replica: the gradient at its stale parameters
@@ -207,16 +209,16 @@ class Steps:
       (total, (loss, aux)), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(params, x, y, buffers)
       return grads, {"loss": loss, "total": total, **({"max_logit": aux["max_logit"]} if self.max_logits else {})}
 
-    grads_r, out = rep.map_replicas(worker, (state["history"], delay, step, x, y, buffers),
+    grads_r, out = rep.map_replicas(worker, (state.history, delay, step, x, y, buffers),
                                     ("shared", "stacked", "shared", "rows", "rows", "shared"))
     grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads_r)  # the all-reduce over `data`
     extra = {"max_logits": jnp.max(out["max_logit"], axis=0)} if self.max_logits else {}
-    updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"], **extra)
-    params = optax.apply_updates(state["params"], updates)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params, **extra)
+    params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     ok = step_ok(out["total"], grad_norm, updates)
-    new = keep_if_finite(ok, {**state, "step": step + 1, "params": params, "opt_state": opt_state}, state)
-    new["history"] = rep.record(state["history"], step, new["params"])  # a skipped step's version is the old one
+    new = keep_if_finite(ok, state.replace(step=step + 1, params=params, opt_state=opt_state), state)
+    new = new.replace(history=rep.record(state.history, step, new.params))  # a skipped step's version is the old one
     return new, {"loss": jnp.mean(out["loss"]), "grad_norm": grad_norm, "finite": ok, "replica_loss": out["loss"],
                  "delay": delay}
 
@@ -246,8 +248,8 @@ class Steps:
     return state
 
   def model(self, state):
-    """The state with "params" the model (gossip: the replicas' mean; else already so)."""
-    return {**state, "params": self.mean(state)} if self.sync.kind == "gossip" else state
+    """The state with `params` the model (gossip: the replicas' mean; else already so)."""
+    return state.replace(params=self.mean(state)) if self.sync.kind == "gossip" else state
 
   def comm_bytes(self, step: int, last: bool = False) -> tuple[float, float]:
     """Collective wire bytes per device of steps 1..`step` (each program's bytes times its runs; `last`: `step` ended
