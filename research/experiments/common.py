@@ -174,11 +174,11 @@ def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray
 
   @jax.jit
   def step(params, buffers, opt_state, x, y):
-    new_params, buffers, opt_state, grads, updates, aux, ce = update(params, buffers, opt_state, x, y)
-    out = {"loss": ce}
+    u = update(params, buffers, opt_state, x, y)
+    out = {"loss": u.ce}
     if metrics is not None:  # on the parameters the gradients were taken at
-      out.update(metrics(grads, updates, params, aux))
-    return new_params, buffers, opt_state, out
+      out.update(metrics(u.grads, u.updates, params, u.aux))
+    return u.params, u.buffers, u.opt_state, out
 
   eval_step = _held_out_loss(graphdef)
   records = []

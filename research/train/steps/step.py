@@ -3,6 +3,8 @@ and the eval step; jitted with the state's shardings pinned."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,37 +83,26 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, update_args=frozenset(), fr
   finite=False (`research.train.steps.health`).
   """
   exact = shardings.prev_params is not None
-  update_args = frozenset(update_args) | ({"prev_grads"} if exact else set())
-  loss_fn = lm_loss(graphdef)
+  update = make_update(graphdef, tx, update_args=frozenset(update_args) | ({"prev_grads"} if exact else set()),
+                       frozen=frozen)
 
   def train_step(state, x, y):
-    buffers = state.model_buffers
-    flags = None if frozen is None else frozen(state.params)
-    (total, (loss, aux)), grads = value_and_grad_trained(loss_fn, state.params, flags, x, y, buffers)
-    extra = update_extras(update_args, loss_fn, state, x, y, buffers, aux)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
-    params = optax.apply_updates(state.params, updates)
-    if flags is not None:  # a frozen leaf is passed through as it is (its zero update is never computed)
-      params = jax.tree.map(lambda f, old, new: old if f else new, flags, state.params, params)
-    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                        prev_params=state.params if exact else None)
-    # MoE: the aux-loss-free bias update from this step's loads (DeepSeek-V3) and router metrics; logit maxima
-    # (keep_if_finite below undoes all of it on a non-finite step)
-    new_buffers, metrics = aux_outputs(aux, buffers, nnx.merge(graphdef, state.params, buffers).c.moe, total, loss,
-                                       lambda n, o: n)
-    new = new.replace(buffers=new_buffers if state.buffers is not None else None)
-    grad_norm = optax.tree.norm(grads)
-    ok = step_ok(total, grad_norm, updates)
-    return keep_if_finite(ok, new, state), {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
+    u = update(state.params, state.model_buffers, state.opt_state, x, y, state.prev_params)
+    new = state.replace(step=state.step + 1, params=u.params, opt_state=u.opt_state,
+                        prev_params=state.params if exact else None,
+                        buffers=u.buffers if state.buffers is not None else None)
+    grad_norm = optax.tree.norm(u.grads)
+    ok = step_ok(u.total, grad_norm, u.updates)  # keep_if_finite undoes all of it on a non-finite step
+    return keep_if_finite(ok, new, state), {"loss": u.ce, "grad_norm": grad_norm, "finite": ok, **u.metrics}
 
   return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
 
 
-def update_extras(names, loss_fn, state: TrainState | None, x, y, buffers: dict, aux: dict) -> dict:
+def update_extras(names, loss_fn, prev_params, x, y, buffers: dict, aux: dict) -> dict:
   """The extra keyword arguments of `tx.update` an optimizer declared (`optim.needs.UPDATE_ARGS`), traced in the step:
-  "prev_grads", the loss's gradient at the state's `prev_params` on this batch; "max_logits", the forward's per-head
+  "prev_grads", the loss's gradient at `prev_params` on this batch; "max_logits", the forward's per-head
   attention-logit maxima (aux "max_logit")."""
-  supply = {"prev_grads": lambda: jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(state.prev_params),
+  supply = {"prev_grads": lambda: jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(prev_params),
             "max_logits": lambda: aux["max_logit"]}
   return {name: supply[name]() for name in sorted(names, key=list(supply).index)}
 
@@ -160,35 +151,53 @@ def router_metrics(out: dict) -> dict:
   return {k: np.asarray(v).tolist() for k, v in got.items()}
 
 
-def make_update(graphdef, tx, *, update_args=frozenset()):
-  """The plain step's update as a pure function, for a loop that holds its own parameters (`common.fit`).
+class Update(NamedTuple):
+  """One update's results (`make_update`)."""
+  params: Any  # after the update (a frozen leaf as it was)
+  buffers: Any  # after it (an MoE's router bias moved by the step's loads)
+  opt_state: Any
+  grads: Any
+  updates: Any
+  aux: dict  # the forward's (router stats, attention-logit maxima)
+  total: Any  # the loss differentiated: cross entropy + weighted MoE aux losses
+  ce: Any  # the batch's cross entropy
+  metrics: dict  # the step's router and logit metrics (`aux_outputs`)
 
-  The path of `make_steps`'s train_step without its state dict, --freeze and non-finite guard: the loss and its
-  gradients (`lm_loss`), the optimizer's declared extra arguments (`update_extras`), `tx.update`,
-  `optax.apply_updates`, and for an MoE the aux-loss-free router-bias update from the step's loads (`aux_outputs`).
+
+def make_update(graphdef, tx, *, update_args=frozenset(), frozen=None):
+  """The one update path: the trainer's plain step (`make_steps`) and the experiments' `fit` both take it.
+
+  The loss and its gradients (`lm_loss`; with `frozen`, only the trained leaves differentiated:
+  `value_and_grad_trained`), the optimizer's declared extra arguments (`update_extras`), `tx.update`,
+  `optax.apply_updates` (a frozen leaf passed through as it is), and for an MoE the aux-loss-free router-bias update
+  from the step's loads (`aux_outputs`). The non-finite guard and the step count are the caller's.
 
   Args:
     graphdef: the model's structure, `nnx.split(model, nnx.Param, ...)`'s first part.
     tx: the optimizer.
     update_args: the extra `tx.update` arguments the optimizer declared (`optim.Needs.update_args`): "max_logits"
-      (aux "max_logit": the model needs `logit_stats`). Not "prev_grads": the previous parameters it needs are kept
-      by `make_steps`'s state only (`keep_prev_params`).
+      (aux "max_logit": the model needs `logit_stats`), "prev_grads" (the caller passes `prev_params`).
+    frozen: --freeze's mask, a function of the parameter tree giving a Python bool per leaf (None: all trained).
 
   Returns:
-    update(params, buffers, opt_state, x, y) -> (params, buffers, opt_state, grads, updates, aux, ce): the
-    parameters, buffers and optimizer state after the step, its gradients and updates, the forward's aux and the
-    batch's cross entropy. Pure: jit it, or call it inside a jitted step.
+    update(params, buffers, opt_state, x, y, prev_params=None) -> `Update`. Pure: jit it, or call it inside a jitted
+    step.
   """
   update_args = frozenset(update_args)
-  if "prev_grads" in update_args:
-    raise ValueError("prev_grads needs the previous parameters, which only make_steps's state keeps")
   loss_fn = lm_loss(graphdef)
 
-  def update(params, buffers, opt_state, x, y):
-    (total, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, buffers)
-    extra = update_extras(update_args, loss_fn, None, x, y, buffers, aux)
+  def update(params, buffers, opt_state, x, y, prev_params=None) -> Update:
+    if "prev_grads" in update_args and prev_params is None:
+      raise ValueError("prev_grads needs the previous parameters (a state with prev_params: keep_prev_params)")
+    flags = None if frozen is None else frozen(params)
+    (total, (ce, aux)), grads = value_and_grad_trained(loss_fn, params, flags, x, y, buffers)
+    extra = update_extras(update_args, loss_fn, prev_params, x, y, buffers, aux)
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
-    new_buffers, _ = aux_outputs(aux, buffers, nnx.merge(graphdef, params, buffers).c.moe, total, ce, lambda n, o: n)
-    return optax.apply_updates(params, updates), new_buffers, opt_state, grads, updates, aux, ce
+    new = optax.apply_updates(params, updates)
+    if flags is not None:  # a frozen leaf is passed through as it is (its zero update is never computed)
+      new = jax.tree.map(lambda f, old, n: old if f else n, flags, params, new)
+    new_buffers, metrics = aux_outputs(aux, buffers, nnx.merge(graphdef, params, buffers).c.moe, total, ce,
+                                       lambda n, o: n)
+    return Update(new, new_buffers, opt_state, grads, updates, aux, total, ce, metrics)
 
   return update
