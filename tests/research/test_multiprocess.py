@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from research.train.runtime.devices import processes
+from research.train.runtime import processes
 from research.train import TrainConfig, run
 from research.train.runtime.processes import DistributedError
 
