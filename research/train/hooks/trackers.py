@@ -45,7 +45,7 @@ import time
 from research.train.store import rundir
 from research.train.config import RunError, flat_meta
 from research.train.runtime.processes import is_primary
-from research.train.hooks.tbimport import tensorboardx
+from research.train.hooks._tbimport import tensorboardx
 
 # tracker -> (the package it needs, how to install it)
 PACKAGES = {"tensorboard": ("tensorboardX", "pip install tensorboardX"),

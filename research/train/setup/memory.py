@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from models.attention import BLOCK, resolve
 from optim import OPTIMIZERS, needs
+from research.train.config.trainable import Trainable
 from research.train.setup.build import model_config, optimizer_needs
 from research.train.config import RunError
 from sharding import mesh_scope
@@ -203,7 +204,8 @@ def fix(est: Estimate, cfg) -> str:
   """What would make the run fit, by what dominates it: the state (with the gradients and update temporaries of its
   size, about half the step's temporaries when the state dominates) or the activations."""
   state_bound = 2 * est.state >= est.step.temp
-  if state_bound and not (cfg.finetune.peft or optimizer_needs(cfg.optim).blockwise):
+  trains = Trainable.of_run(cfg.finetune, optimizer_needs(cfg.optim).blockwise is not None)  # what it trains
+  if state_bound and not (trains.adapters or trains.blockwise):
     blockwise = " / ".join(sorted(n for n in OPTIMIZERS if needs(n).blockwise is not None))
     return (f"fine-tune fewer bytes (--optimizer {blockwise}: the model in bfloat16, one layer trained at a time; "
             "--peft lora trains adapters on a bfloat16 base; --freeze) or shard the state over more devices "

@@ -1,0 +1,4 @@
+"""The compiled programs and the state they step: `TrainState` (train_state.py), the one update path and the plain step
+(step.py), a block-coordinate optimizer's blockwise step (blockstep.py, _reachstep.py), --freeze-layers'
+(layerfreeze.py), --freeze's mask (frozen.py), --sync's programs (sync.py), the non-finite guard and the bad-step
+monitor (health.py)."""

@@ -21,7 +21,7 @@ Runs the default block layout (layer blocks; the embedding, head and final norm 
 
 A plan with layers updated above the active one (`optim.Inactive`, BREAD's reach "deeper") runs here too: the same
 state and active-layer update, the gradient taken by `models.blockwise.backprop_to_layer`, whose layer-by-layer
-backward also updates every layer above the active one as it reaches it, in place (research/train/steps/reachstep.py):
+backward also updates every layer above the active one as it reaches it, in place (research/train/steps/_reachstep.py):
 by
 -ρ·lr_t·g (or -ρ·lr_t·sign(g)) in the plain-gradient mode, or in the low-rank mode by giving its rank-r factors
 (opt_state "factors", layers 1..L−1, drawn as the optax transform draws them) their gradients s·G Bᴴ, s·Aᴴ G and
@@ -49,7 +49,7 @@ from models.blockwise import active_layer_forward, layer_weights
 from optim import Blockwise, block_index, block_plan, decay_mask, init_factors, switches_before
 from optim.trees import tree_bytes
 from research.train.config import clashes
-from research.train.steps.reachstep import lowrank_backward, stepped_backward
+from research.train.steps._reachstep import lowrank_backward, stepped_backward
 from research.train.setup.build import optimizer_needs
 from research.train.runtime.processes import is_primary
 from research.train.steps.health import step_ok

@@ -27,7 +27,7 @@ def keep_prev_params(state: TrainState, shardings: TrainState) -> tuple[TrainSta
 
 def head_loss(model, y):
   """(logits, aux) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)): the loss on top of a forward,
-  `model.forward`'s or a blockwise one's (research/train/steps/blockstep.py, reachstep.py, layerfreeze.py)."""
+  `model.forward`'s or a blockwise one's (research/train/steps/blockstep.py, _reachstep.py, layerfreeze.py)."""
   def head(logits, aux):
     ce = cross_entropy(logits, y)
     return ce + aux_loss(aux, model.c), (ce, aux)
