@@ -5,7 +5,7 @@ in state bytes per parameter, in activation / intermediate bytes, and in FLOPs?
 
 For each model shape and method the trainer's own pieces build the train state and the train step exactly as
 `research.train` does (`build.make_optimizer`, `state.initial_state` — random base, no --init-from —,
-`blockstep.blockwise_parts`, `setup.run.train_programs`: the blockwise, --freeze-layers or plain step), but abstractly: the
+`setup.blockwise.blockwise_parts`, `setup.run.train_programs`: the blockwise, --freeze-layers or plain step), but abstractly: the
 state is `state.abstract_initial_state` (`jax.eval_shape` of the state's construction: a 3B model's AdamW state is
 never allocated), and the step is `jit(...).lower(abstract state, x, y).compile()`d. From the compiled program:
 
@@ -72,6 +72,7 @@ import numpy as np
 from models import TransformerConfig, count_params, preset
 from research.bench.report import Progress, call_command, machine, table
 from research.data import Corpus
+from research.train.setup.blockwise import blockwise_parts
 from research.train.steps import blockstep, frozen
 from research.train.setup import memory
 from research.train.setup.adapters import PeftFlags
@@ -133,7 +134,7 @@ def build(method: str, mcfg, batch_size: int, seq_len: int, rank: int, abstract:
   cfg = train_config(method, mcfg, batch_size, seq_len, rank, peft, opt)
   mesh = make_mesh(MESH, devices=devices_for(MESH))
   tx, schedule = make_optimizer(cfg)
-  parts = blockstep.blockwise_parts(cfg, mcfg, mesh, schedule)
+  parts = blockwise_parts(cfg, mcfg, mesh, schedule)
   tokens = np.arange(4 * batch_size * (seq_len + 1)) % mcfg.vocab_size  # SNIP's batch
   corpus = Corpus(tokens, tokens, mcfg.vocab_size, "synthetic", "synthetic")
   with contextlib.redirect_stderr(io.StringIO()):  # blockwise_parts' note on a non-eligible config, the reports

@@ -293,7 +293,7 @@ def costs(cfg: Config, mcfg) -> dict:
   n, out = count_params(mcfg), {}
   for name in cfg.contenders:
     flags = contender(cfg, name)[2]
-    if flags is not None:  # the runs' base dtype: the trainer's default when fine-tuning (frozen.resolved)
+    if flags is not None:  # the runs' base dtype: the trainer's default when fine-tuning (setup.build.resolved)
       flags = dataclasses.replace(flags, base_dtype=flags.base_dtype or "bfloat16")
     method = BENCH.get(name, name)
     row = bench.measure(method, mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, peft=flags)

@@ -24,8 +24,8 @@ from research.train.runtime.devices import setup_jax
 from research.train.runtime.processes import initialize as init_distributed, is_primary
 from research.train.runtime.signals import Stop
 from research.train.setup import memory
+from research.train.setup.build import resolved
 from research.train.setup.run import Run, start
-from research.train.steps import frozen
 from research.train.steps.health import BadStepsError
 from research.train.steps.step import router_metrics
 from research.train.store import rundir
@@ -46,7 +46,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     The metrics records of the whole run (those of an interrupted session before this one included).
   """
   checks.check(cfg)
-  cfg = frozen.resolved(cfg)  # the dtypes left unset, as config.json records them
+  cfg = resolved(cfg)  # the dtypes left unset, as config.json records them
   with Stop() as stop:  # from here on SIGINT/SIGTERM stop the run cleanly, during start-up too
     d = cfg.distributed
     init_distributed(d.coordinator, d.num_processes, d.process_id, d.mode,  # before any JAX use

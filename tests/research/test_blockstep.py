@@ -13,7 +13,8 @@ from flax import nnx
 
 from models import Transformer
 from research.train import TrainConfig, make_steps
-from research.train.steps.blockstep import Parts, eligible, init_state, make_block_steps
+from research.train.setup.blockwise import eligible
+from research.train.steps.blockstep import Parts, init_state, make_block_steps
 from research.train.setup.build import make_optimizer, model_config, optimizer_needs
 from research.train.steps import train_state
 from sharding import batch_sharding, devices_for, make_mesh

@@ -15,7 +15,8 @@ from refusals import bad
 from research.train import TrainConfig, run
 from research.train.setup import memory
 from research.train.setup.adapters import PeftFlags
-from research.train.steps.blockstep import blockwise_parts, make_block_steps
+from research.train.setup.blockwise import blockwise_parts
+from research.train.steps.blockstep import make_block_steps
 from research.train.setup.build import make_optimizer, model_config, step_options
 from research.train.setup.startup import setup
 from research.train.setup.initial_state import abstract_initial_state

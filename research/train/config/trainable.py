@@ -49,7 +49,7 @@ class Trainable:
   @classmethod
   def of_run(cls, finetune, blockwise: bool) -> "Trainable":
     """The run's, from its config's finetune section; `blockwise`: whether its optimizer runs its blockwise step
-    (`research.train.steps.blockstep.blockwise_parts` is not None)."""
+    (`research.train.setup.blockwise.blockwise_parts` is not None)."""
     dtype = str(frozen_dtype(finetune))
     return cls(finetune.freeze, finetune.freeze_layers, blockwise, bool(finetune.peft),
                dtype if blockwise or finetune.freeze_layers else None, dtype)

@@ -74,3 +74,13 @@ def make_optimizer(cfg: TrainConfig):
 def step_options(cfg: TrainConfig) -> dict:
   """`make_steps`' keyword arguments the flags decide: the optimizer's declared update arguments, --freeze's mask."""
   return {"update_args": optimizer_needs(cfg.optim).update_args, "frozen": frozen.frozen_mask(cfg.finetune.freeze)}
+
+
+def resolved(cfg):
+  """`cfg` with the dtypes it leaves to the run filled in, as config.json records them: --peft.base-dtype unset is
+  the frozen dtype (`frozen_dtype`: bfloat16 when fine-tuning, else float32), so a PEFT run's frozen base is stored
+  like --freeze's and BAdam's (a recorded run resumes and loads in the dtype it was written in)."""
+  if not cfg.finetune.peft or cfg.peft_options.base_dtype is not None:
+    return cfg
+  return dataclasses.replace(cfg, peft_options=dataclasses.replace(cfg.peft_options,
+                                                                   base_dtype=str(frozen.frozen_dtype(cfg.finetune))))

@@ -27,6 +27,7 @@ from research.train.hooks.trackers import Trackers
 from research.train.hooks.watchdog import Watchdog
 from research.train.runtime.processes import is_primary
 from research.train.setup import memory
+from research.train.setup.blockwise import blockwise_parts
 from research.train.setup.build import make_optimizer, step_options
 from research.train.setup.initial_state import abstract_initial_state, initial_state, sync_steps
 from research.train.setup.resume import newest_readable
@@ -87,7 +88,7 @@ def start(cfg: TrainConfig) -> Run:
   """
   mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = setup(cfg)
   tx, schedule = make_optimizer(cfg)
-  parts = blockstep.blockwise_parts(cfg, mcfg, mesh, schedule)  # a block-coordinate optimizer's blockwise step, or None
+  parts = blockwise_parts(cfg, mcfg, mesh, schedule)  # a block-coordinate optimizer's blockwise step, or None
   graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
   train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)
   syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)

@@ -17,7 +17,8 @@ with --init-from, else float32); "master", the active layer's slice in float32; 
 With storage float32 and --grad-clip 0 this is the optax transform with full backprop, update for update (tested).
 Memory: 2 bytes per parameter (bfloat16) + 16 per active-layer parameter (master, m, v, gradient), ≈ 2 + 16/L.
 Runs the default block layout (layer blocks; the embedding, head and final norm frozen) on meshes without `stage` or
-`context`, with --sync allreduce; other settings use the optax transform over full gradients (`eligible`).
+`context`, with --sync allreduce; other settings use the optax transform over full gradients
+(research/train/setup/blockwise.py `eligible`).
 
 A plan with layers updated above the active one (`optim.Inactive`, BREAD's reach "deeper") runs here too: the same
 state and active-layer update, the gradient taken by `models.blockwise.backprop_to_layer`, whose layer-by-layer
@@ -37,8 +38,6 @@ backprop without remat (3·L·F).
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -48,38 +47,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from models.blockwise import active_layer_forward, layer_weights
 from optim import Blockwise, block_index, block_plan, decay_mask, init_factors, switches_before
 from optim.trees import tree_bytes
-from research.train.config import clashes
 from research.train.steps._reachstep import lowrank_backward, stepped_backward
-from research.train.setup.build import optimizer_needs
-from research.train.runtime.processes import is_primary
 from research.train.steps.health import step_ok
 from research.train.steps.step import aux_outputs, eval_loss, head_loss, jit_steps
 from research.train.steps.train_state import TrainState
 from sharding.state import shardings_like_params
-
-def eligible(cfg, mesh) -> str | None:
-  """None when the blockwise step runs this run's optimizer, else why not (one phrase): its registry entry declares
-  no blockwise step for these hyperparameters (`optim.Needs`), or the run's settings rule it out."""
-  needs = optimizer_needs(cfg.optim)
-  if needs.blockwise is None:
-    return "not blockwise" if needs.not_blockwise is None else f"--opt {needs.not_blockwise}"
-  named = clashes.blockwise_blockers(cfg, mesh)
-  return ", ".join(named) if named else None
-
-
-def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
-  """The blockwise step's `Parts` for this run, or None (not blockwise, or a setting it does not run: said in one
-  line)."""
-  why = eligible(cfg, mesh)
-  if why is None:
-    return Parts(schedule, optimizer_needs(cfg.optim).blockwise, mcfg.n_layers, cfg.optim.grad_clip,
-                 cfg.optim.optimizer)
-  if why != "not blockwise" and is_primary():
-    name = cfg.optim.optimizer
-    print(f"note: --optimizer {name} with {why} runs optim.{name} over full gradients (every gradient computed, every "
-          f"parameter kept in float32), not the blockwise step", file=sys.stderr)
-  return None
-
 
 class Parts:
   """The blockwise step's pieces: the optimizer's declared `optim.Blockwise` plan, the schedule, the layer count."""
@@ -109,7 +81,7 @@ class Parts:
 
 
 def _plan(params: dict):
-  """optim.badam's block layout of the blockwise step's parameters (layer blocks, nothing else: `eligible`)."""
+  """optim.badam's block layout of the blockwise step's parameters (layer blocks, nothing else: `setup.blockwise.eligible`)."""
   return block_plan(params, "auto", "blocks", False, False, ())
 
 

@@ -6,12 +6,12 @@ but their storage.
   dot in the backward; activation gradients still flow through them to the layers below).
 - No optimizer state and no update: `freeze(tx)` is `optax.partition` with `optax.set_to_zero` on them.
 - Stored in --frozen-dtype (`store_frozen`): bfloat16 by default when fine-tuning (with --init-from), else float32;
-  the forward reads them in the compute dtype. --peft's frozen base takes the same default (`resolved`).
+  the forward reads them in the compute dtype. --peft's frozen base takes the same default
+(`research.train.setup.build.resolved`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -82,16 +82,6 @@ def frozen_dtype(finetune):
   """The storage dtype of --freeze's parameters: --frozen-dtype, else bfloat16 when fine-tuning (--init-from), else
   float32. `finetune`: the config's finetune section."""
   return jnp.dtype(finetune.frozen_dtype or ("bfloat16" if finetune.init_from else "float32"))
-
-
-def resolved(cfg):
-  """`cfg` with the dtypes it leaves to the run filled in, as config.json records them: --peft.base-dtype unset is
-  the frozen dtype (`frozen_dtype`: bfloat16 when fine-tuning, else float32), so a PEFT run's frozen base is stored
-  like --freeze's and BAdam's (a recorded run resumes and loads in the dtype it was written in)."""
-  if not cfg.finetune.peft or cfg.peft_options.base_dtype is not None:
-    return cfg
-  return dataclasses.replace(cfg, peft_options=dataclasses.replace(cfg.peft_options,
-                                                                   base_dtype=str(frozen_dtype(cfg.finetune))))
 
 
 def saved_frozen_dtype(train: dict) -> str:

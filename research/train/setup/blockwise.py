@@ -1,0 +1,37 @@
+"""Whether a block-coordinate optimizer runs its blockwise step (research/train/steps/blockstep.py) in this run, and
+its `Parts` when it does: the optimizer's registry entry declares the plan (`optim.Needs.blockwise`), the run's
+settings may rule it out (research/train/config/clashes.py `BLOCKWISE_BLOCKERS`), and then the optax transform runs
+over full gradients instead, said in one line."""
+
+from __future__ import annotations
+
+import sys
+
+from research.train.config import clashes
+from research.train.runtime.processes import is_primary
+from research.train.setup.build import optimizer_needs
+from research.train.steps.blockstep import Parts
+
+
+def eligible(cfg, mesh) -> str | None:
+  """None when the blockwise step runs this run's optimizer, else why not (one phrase): its registry entry declares
+  no blockwise step for these hyperparameters (`optim.Needs`), or the run's settings rule it out."""
+  needs = optimizer_needs(cfg.optim)
+  if needs.blockwise is None:
+    return "not blockwise" if needs.not_blockwise is None else f"--opt {needs.not_blockwise}"
+  named = clashes.blockwise_blockers(cfg, mesh)
+  return ", ".join(named) if named else None
+
+
+def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
+  """The blockwise step's `Parts` for this run, or None (not blockwise, or a setting it does not run: said in one
+  line)."""
+  why = eligible(cfg, mesh)
+  if why is None:
+    return Parts(schedule, optimizer_needs(cfg.optim).blockwise, mcfg.n_layers, cfg.optim.grad_clip,
+                 cfg.optim.optimizer)
+  if why != "not blockwise" and is_primary():
+    name = cfg.optim.optimizer
+    print(f"note: --optimizer {name} with {why} runs optim.{name} over full gradients (every gradient computed, every "
+          f"parameter kept in float32), not the blockwise step", file=sys.stderr)
+  return None
