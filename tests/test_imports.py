@@ -210,3 +210,23 @@ def test_the_trainer_stays_readable():
   assert long_files == [] and long_functions == []
   loop = ast.parse(open(os.path.join(folder, "loop.py")).read())
   assert any(isinstance(n, ast.FunctionDef) and n.name == "_train" for n in loop.body)
+
+
+def test_every_trainer_module_is_listed_where_a_reader_looks():
+  """Each module of research/train/ is named in its package's docstring (research/train/__init__.py for the top-level
+  ones) and in the README map's research/train row, so neither can fall behind the tree."""
+  folder = os.path.join(ROOT, "research", "train")
+  readme_row = next(line for line in open(os.path.join(ROOT, "README.md")) if line.startswith("| `research/train/` |"))
+  missing = []
+  for d, _, fs in os.walk(folder):
+    doc = ast.get_docstring(ast.parse(open(os.path.join(d, "__init__.py")).read())) or ""
+    if d == folder:
+      doc = doc.replace("command.py ", "command.py")  # (its column)
+    for f in sorted(fs):
+      if f.endswith(".py") and f not in ("__init__.py", "__main__.py"):
+        where = os.path.relpath(os.path.join(d, f), folder)
+        if f not in doc:
+          missing.append(f"{where}: not in its package docstring")
+        if f not in readme_row:
+          missing.append(f"{where}: not in the README map")
+  assert missing == []

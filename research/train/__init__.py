@@ -6,7 +6,8 @@ The loop (`loop.py`: `run`) is a composition of named hooks over one step; every
             not combine (clashes.py), what trains (trainable.py)
   setup/    a run built before its first step (run.py): mesh, data and pipeline (startup.py), model config and optimizer
             (build.py), the state at step 0 (initial_state.py, init_from.py, adapters.py), the memory pre-flight
-            (memory.py), --switch-at's layouts (switch.py), the newest readable checkpoint (resume.py)
+            (memory.py), --switch-at's layouts (switch.py), a blockwise optimizer's plan (blockwise.py), the newest
+            readable checkpoint (resume.py)
   steps/    the compiled programs and the typed state (train_state.py): the one update path and plain step (step.py), a
             blockwise optimizer's (blockstep.py, _reachstep.py), --freeze-layers' (layerfreeze.py), --freeze's mask
             (frozen.py), --sync's (sync.py), the non-finite guard and the bad-step monitor (health.py)

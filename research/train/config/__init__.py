@@ -6,6 +6,9 @@ so does Python: `TrainConfig(model="tiny", lr=1e-2)` builds a config from keywor
 underscores), `dataclasses.replace(cfg, lr=...)` changes some, and `cfg.flags()` gives them back flat. config.json
 stores the sections; `flat_record` reads the "train" record of either layout (runs written before the sections stored
 it flat), which is how a resumed run compares its settings with its checkpoint's.
+
+Beside it: the flag checks run before anything starts (checks.py), what does not combine (clashes.py), what a run
+trains (trainable.py).
 """
 
 from __future__ import annotations
