@@ -24,7 +24,8 @@ from research.data import Corpus, DataError, eval_batches
 from research.data.loader import Loader
 from research.data.mixture import MixedCorpus, MixedLoader, Mixture
 from research.train.config import RunError
-from research.train.config.sections import DataFlags, DataSection, TrainingSection
+from research.train.config.prefixed import DataFlags
+from research.train.config.sections import DataSection, TrainingSection
 from sharding import local_batch, process_rows
 
 

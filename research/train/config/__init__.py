@@ -7,8 +7,8 @@ underscores), `dataclasses.replace(cfg, lr=...)` changes some, and `cfg.flags()`
 stores the sections; `flat_record` reads the "train" record of either layout (runs written before the sections stored
 it flat), which is how a resumed run compares its settings with its checkpoint's.
 
-Beside it: the flag checks run before anything starts (checks.py), what does not combine (clashes.py), what a run
-trains (trainable.py).
+Beside it: the sections with a prefix of their own (prefixed.py), the flag checks run before anything starts
+(checks.py), what does not combine (clashes.py), what a run trains (trainable.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Annotated
 import tyro
 
 from research.train.setup.adapters import PeftFlags
-from research.train.config.sections import (CheckpointSection, DataFlags, DataSection, DistributedSection,
-                                            FinetuneSection, HealthSection, LoggingSection, MeshSection, MoEFlags,
-                                            ModelSection, OptimSection, RuntimeSection, SyncSection, TrainingSection)
+from research.train.config.prefixed import DataFlags, MoEFlags
+from research.train.config.sections import (CheckpointSection, DataSection, DistributedSection, FinetuneSection,
+                                            HealthSection, LoggingSection, MeshSection, ModelSection, OptimSection,
+                                            RuntimeSection, SyncSection, TrainingSection)
 
 _Section = tyro.conf.OmitArgPrefixes  # a section's flags carry no prefix; --help groups them under its name
 

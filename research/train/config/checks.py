@@ -4,6 +4,7 @@ Each failure is a `PreflightError` with one line naming the flag (the CLI prints
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -15,27 +16,18 @@ class PreflightError(ValueError):
   """A flag value no run can use."""
 
 
-POSITIVE = ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep",
-            "devices", "spike_window")
-# flag: (low, high, whether low itself is allowed); every value must also be finite
-RANGES = {"lr": (0, None, True), "weight_decay": (0, None, True), "b1": (0, 1, True), "b2": (0, 1, True),
-          "min_lr_ratio": (0, 1, True), "grad_clip": (0, None, True), "spike_factor": (0, None, True),
-          "max_bad_steps": (0, None, True), "peak_flops": (0, None, False), "peer_timeout": (0, None, False),
-          "memory_limit": (0, None, True)}
-
-
 def _flag(name: str) -> str:
   return "--" + name.replace("_", "-")
 
 
-def check_numbers(cfg):
-  """Counts positive; rates finite and in range (None = unset, which takes a default)."""
-  flags = cfg.flags()
-  for name in POSITIVE:
-    if flags[name] <= 0:
-      raise PreflightError(f"{_flag(name)} must be positive, got {flags[name]}")
-  for name, (lo, hi, closed) in RANGES.items():
-    value = flags[name]
+def check_section(section) -> None:
+  """A section's own checks (its `POSITIVE` counts and `RANGES`, research/train/config/sections.py): counts positive,
+  rates finite and in range (None = unset, which takes a default)."""
+  for name in getattr(section, "POSITIVE", ()):
+    if getattr(section, name) <= 0:
+      raise PreflightError(f"{_flag(name)} must be positive, got {getattr(section, name)}")
+  for name, (lo, hi, closed) in getattr(section, "RANGES", {}).items():
+    value = getattr(section, name)
     if value is None:
       continue
     if not math.isfinite(value):
@@ -43,6 +35,13 @@ def check_numbers(cfg):
     if value < lo or (value == lo and not closed) or (hi is not None and value > hi):
       low = "[" if closed else "("
       raise PreflightError(f"{_flag(name)} must lie in {low}{lo}, {'inf)' if hi is None else f'{hi}]'}, got {value}")
+
+
+def check_numbers(cfg):
+  """Every section's own checks (`check_section`), then those across sections: the warmup within --steps, --stop-at
+  positive, the --profile window within --steps."""
+  for f in dataclasses.fields(cfg):
+    check_section(getattr(cfg, f.name))
   if cfg.optim.warmup_steps is not None and not 0 <= cfg.optim.warmup_steps <= cfg.training.steps:
     raise PreflightError(f"--warmup-steps ({cfg.optim.warmup_steps}) must lie in [0, --steps={cfg.training.steps}]")
   if cfg.training.stop_at is not None and cfg.training.stop_at <= 0:
@@ -53,8 +52,7 @@ def check_numbers(cfg):
     raise PreflightError(str(e)) from None
   if window is not None and sum(window) - 1 > cfg.training.steps:
     raise PreflightError(f"--profile {cfg.logging.profile}: steps {window[0]}-{sum(window) - 1} are not all within "
-                         f"--steps "
-                         f"{cfg.training.steps}")
+                         f"--steps {cfg.training.steps}")
 
 
 def check_out(out: str):

@@ -1,69 +1,22 @@
 """The trainer's config, section by section: each a small dataclass of the flags one concern reads.
 
-`TrainConfig` (research/train/config/__init__.py) holds one of each. The flags keep their spelling: a section's
-fields are flags without a prefix (`--lr`, `--steps`), but for the three nested ones, `--moe.*` (`MoEFlags`),
-`--data.*` (`DataFlags`) and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help` shows one group per
-section.
+`TrainConfig` (research/train/config/__init__.py) holds one of each. A section's checks sit beside its fields:
+`POSITIVE` (counts that must be positive) and `RANGES` (flag: (low, high, whether low itself is allowed); every value
+finite), which research/train/config/checks.py applies to every section. The flags keep their spelling: a section's
+fields are flags without a prefix (`--lr`, `--steps`), but for the three with their own, `--moe.*` and `--data.*`
+(research/train/config/prefixed.py) and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help` shows one
+group per section.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import tyro
 
 from models import PRESETS, peft
 from optim import DEFAULT_OPTIMIZER, OPTIMIZERS
-
-
-@dataclasses.dataclass
-class MoEFlags:
-  """Mixture of experts in every block: each flag overrides one field of the preset's MoE (see models.MoEConfig).
-  On a dense preset, --moe.num-experts turns it into an MoE; --moe.num-experts 0 makes an MoE preset dense."""
-  num_experts: int | None = None
-  """Routed experts per block (0: a dense FFN)."""
-  top_k: int | None = None
-  """Experts each token is sent to."""
-  d_expert: int | None = None
-  """Each expert's SwiGLU hidden width (unset: --d-ff)."""
-  num_shared: int | None = None
-  """Always-on shared experts (DeepSeekMoE), fused into one SwiGLU."""
-  d_shared: int | None = None
-  """The fused shared SwiGLU's width (unset: num_shared x d_expert)."""
-  shared_gate: bool | None = None
-  """Scale the shared output by a per-token sigmoid gate (Qwen2-MoE)."""
-  router: Literal["softmax", "sigmoid"] | None = None
-  """Router scores: softmax, or sigmoid (always renormalised over the top-k)."""
-  normalize_top_k: bool | None = None
-  """Softmax router: renormalise the k selected probabilities to sum 1 (Mixtral)."""
-  capacity_factor: float | None = None
-  """Slots per expert = ceil(cf x tokens x k / E), the rest dropped (unset: dropless)."""
-  lb_weight: float | None = None
-  """Load-balancing loss weight."""
-  z_weight: float | None = None
-  """Router z-loss weight."""
-  bias_rate: float | None = None
-  """Aux-loss-free balancing step (DeepSeek-V3: 1e-3; 0: none)."""
-  ragged_a2a: bool | None = None
-  """Expert parallelism with ragged_all_to_all (GPU/TPU only)."""
-  pad: bool | None = None
-  """PAD-Net form: experts mixed with one static matrix per stack by masks and two scales (models/padnet.py), all
-  dynamic here; a partition is `models.padnet.partition` (research/experiments/pad_net.py)."""
-
-
-@dataclasses.dataclass
-class DataFlags:
-  """How --data's records become training rows (--data.field, --data.layout, --data.workers)."""
-  field: str = "text"
-  """The column (Parquet, Arrow) or key (JSON Lines) holding each document's text."""
-  layout: Literal["windows", "pack", "pad"] = "windows"
-  """What a row holds (research/data/records.py): windows (seq_len + 1 tokens anywhere in the token stream:
-  pretraining), pack (the documents in an order drawn per epoch, joined by their end-of-text tokens, cut into rows),
-  or pad (one document per row from its start, split when longer, padded when shorter, the loss masked on the
-  padding: fine-tuning data). The held-out batches are laid out the same way."""
-  workers: int = 2
-  """Background threads that read and assemble batches ahead of the step (grain's prefetch; 0: in the loop)."""
 
 
 @dataclasses.dataclass
@@ -104,6 +57,8 @@ class ModelSection:
 @dataclasses.dataclass
 class OptimSection:
   """The optimizer and its learning-rate schedule."""
+  RANGES: ClassVar[dict] = {"lr": (0, None, True), "weight_decay": (0, None, True), "b1": (0, 1, True),
+                            "b2": (0, 1, True), "min_lr_ratio": (0, 1, True), "grad_clip": (0, None, True)}
   optimizer: Annotated[str, tyro.conf.arg(help=f"One of {', '.join(sorted(OPTIMIZERS))} (their hyperparameters "
                                                "are listed above); unset hyperparameters take its defaults.")] = \
       DEFAULT_OPTIMIZER
@@ -130,6 +85,7 @@ class OptimSection:
 @dataclasses.dataclass
 class TrainingSection:
   """How long and on how much: steps, batch, sequence length, seed."""
+  POSITIVE: ClassVar[tuple] = ("steps", "batch_size", "seq_len")
   steps: int = 200
   """Training steps (optimizer updates) in the whole run."""
   stop_at: int | None = None
@@ -223,6 +179,7 @@ class FinetuneSection:
 @dataclasses.dataclass
 class CheckpointSection:
   """The run directory and its checkpoints."""
+  POSITIVE: ClassVar[tuple] = ("ckpt_every", "keep")
   out: str = "runs/default"
   """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed (one run at a time: it is locked)."""
   amend: bool = False
@@ -237,6 +194,8 @@ class CheckpointSection:
 @dataclasses.dataclass
 class LoggingSection:
   """What is measured, logged and shown."""
+  POSITIVE: ClassVar[tuple] = ("log_every", "eval_every", "eval_batches")
+  RANGES: ClassVar[dict] = {"peak_flops": (0, None, False)}
   eval_every: int = 25
   """Steps between evaluations on the held-out batches (and at the last step)."""
   eval_batches: int = 8
@@ -260,6 +219,8 @@ class LoggingSection:
 @dataclasses.dataclass
 class HealthSection:
   """Non-finite steps and loss spikes."""
+  POSITIVE: ClassVar[tuple] = ("spike_window",)
+  RANGES: ClassVar[dict] = {"spike_factor": (0, None, True), "max_bad_steps": (0, None, True)}
   max_bad_steps: int = 5
   """Non-finite steps (loss, gradients or updated parameters; their updates are skipped) in a row that stop the run
   (0 = never)."""
@@ -272,6 +233,8 @@ class HealthSection:
 @dataclasses.dataclass
 class RuntimeSection:
   """This machine: simulated devices, the memory limit, the compile cache."""
+  POSITIVE: ClassVar[tuple] = ("devices",)
+  RANGES: ClassVar[dict] = {"memory_limit": (0, None, True)}
   devices: int = 8
   """Simulated devices when running on the CPU (ignored on accelerators)."""
   memory_limit: float | None = None
@@ -284,6 +247,7 @@ class RuntimeSection:
 @dataclasses.dataclass
 class DistributedSection:
   """Multi-process runs (JAX's distributed runtime)."""
+  RANGES: ClassVar[dict] = {"peer_timeout": (0, None, False)}
   coordinator: str | None = None
   """HOST:PORT of process 0 in a multi-process run (or $JAX_COORDINATOR_ADDRESS); every process runs the same
   command with its own --process-id (see README, Multi-host)."""

@@ -22,7 +22,8 @@ from flax import nnx
 from research.data import DataError, load_corpus
 from research.data.mixture import MixedCorpus, dynamic_update, named_sources, parse_mix
 from research.train.config import RunError
-from research.train.config.sections import DataFlags, DataSection
+from research.train.config.prefixed import DataFlags
+from research.train.config.sections import DataSection
 
 
 def load_data(data: DataSection, options: DataFlags):
