@@ -14,6 +14,7 @@ Beside it: the sections with a prefix of their own (prefixed.py), the flag check
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Annotated
 
 import tyro
@@ -96,25 +97,30 @@ class TrainConfig:
 def _nested() -> type:
   """`TrainConfig` as a field of another tool's config (the sweep's `train`: `--train.lr`, `--train.moe.top-k`): the
   same class with each section's flags under that field's prefix (a section's own prefix still left out)."""
-  prefixed = {"moe": MoEFlags, "data_options": Annotated[DataFlags, tyro.conf.arg(name="data")],
-              "peft_options": Annotated[PeftFlags, tyro.conf.arg(name="peft")]}
-  fields = [(f.name, prefixed.get(f.name, Annotated[f.default_factory, tyro.conf.arg(name="")]),
+  unboxed = lambda f: Annotated[f.default_factory, tyro.conf.arg(name="")]  # its flags under the field's prefix
+  fields = [(f.name, unboxed(f) if f.name in _SECTIONS else _HINTS[f.name],
              dataclasses.field(default_factory=f.default_factory)) for f in dataclasses.fields(TrainConfig)]
   return dataclasses.make_dataclass("TrainConfig", fields, bases=(TrainConfig,), init=False)
 
 
-# a field whose flag has another name than the field
-_RENAMED = {("model", "preset"): "model", ("mesh", "spec"): "mesh", ("sync", "mode"): "sync",
-            ("data", "paths"): "data", ("distributed", "mode"): "distributed"}
-_NESTED = ("moe", "data_options", "peft_options")  # sections that are one flag group with a prefix (--moe.*)
+def _flag_name(section: type, field: str) -> str:
+  """The flag a section's field is spelled as: its own name, or the name its annotation gives tyro (`--model` for
+  `ModelSection.preset`)."""
+  hint = typing.get_type_hints(section, include_extras=True)[field]
+  return next((m.name for m in getattr(hint, "__metadata__", ()) if getattr(m, "name", None)), field)
+
+
+_HINTS = typing.get_type_hints(TrainConfig, include_extras=True)
+# the sections whose flags carry no prefix (the others, --moe.*, --data.*, --peft.*, are one flag group each)
+_SECTIONS = {name for name, hint in _HINTS.items() if _Section in getattr(hint, "__metadata__", ())}
 # flag -> (section, field); field None: the flag is the whole section (`moe`, `data_options`, `peft_options`)
 FLAGS: dict[str, tuple[str, str | None]] = {}
 for _f in dataclasses.fields(TrainConfig):
-  if _f.name in _NESTED:
+  if _f.name not in _SECTIONS:
     FLAGS[_f.name] = (_f.name, None)
   else:
     for _g in dataclasses.fields(_f.default_factory):
-      FLAGS[_RENAMED.get((_f.name, _g.name), _g.name)] = (_f.name, _g.name)
+      FLAGS[_flag_name(_f.default_factory, _g.name)] = (_f.name, _g.name)
 
 
 NestedTrainConfig = _nested()
