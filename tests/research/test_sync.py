@@ -206,3 +206,17 @@ def test_the_step_programs_equal_a_float64_numpy_simulation(mode):
       np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5)
   if kind.random:
     assert len({tuple(h) for h in hist}) == len(hist)  # sanity: the runs moved
+
+
+@pytest.mark.parametrize("mode", ["local:2", "stale:1"])
+def test_an_optimizer_that_declares_max_logits_gets_them_in_every_sync_mode(mode, tmp_path):
+  """MuonClip (`Needs(update_args={"max_logits"})`) through the per-replica step (local, gossip) and the stale one:
+  the logit maxima reach its update, so a clipping threshold below them changes the third step's loss (stale:1's
+  losses are taken at parameters one step old) against one far above them, which never clips (the plain step's
+  supplier, `update_extras`, serves these programs too)."""
+  def second_loss(threshold, out):
+    records = run(cfg(tmp_path / out, optimizer="muonclip", qk_norm=False, sync=mode, steps=3, log_every=1,
+                      warmup_steps=0, opt=(f"clip_threshold={threshold}",)))
+    assert all(np.isfinite(r["loss"]) for r in records)
+    return records[2]["loss"]
+  assert second_loss(1e-3, "clipped") != second_loss(1e6, "free")

@@ -137,4 +137,4 @@ def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step) 
   mode = sync.parse(cfg.sync.mode)
   mixing = sync.mixing_matrix(mode, batch_sh.mesh.shape["data"]) if mode.kind == "gossip" else None
   return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(cfg.sync), shardings, batch_sh,
-                    max_logits="max_logits" in optimizer_needs(cfg.optim).update_args, mixing=mixing, plain=train_step)
+                    update_args=optimizer_needs(cfg.optim).update_args, mixing=mixing, plain=train_step)

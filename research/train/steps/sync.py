@@ -39,6 +39,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from research.train.steps.health import keep_if_finite, step_ok
+from research.train.steps.step import update_extras
 from research.train.steps.train_state import TrainState
 from sharding import collectives, replicas as rep, shardings_like_params
 from sharding.replicas import ReplicaError
@@ -147,14 +148,16 @@ class Steps:
     loss_fn: (params, x, y, buffers) -> (total loss, (cross entropy, aux)), research/train/'s.
     tx: the per-replica (local, gossip) or global (stale) optimizer; outer_tx: DiLoCo's outer one.
     shardings: of the state `init_state` laid out; batch_sh: of a batch (the rows split over `data`).
-    max_logits: hand the model's attention-logit maxima to the optimizer (MuonClip).
+    update_args: the extra `tx.update` arguments the optimizer declared (`optim.Needs.update_args`), supplied by the
+      plain step's `update_extras` ("max_logits"; "prev_grads" does not combine with --sync).
     mixing: gossip's W (`mixing_matrix`; None: the ring).
     plain: allreduce's step, research/train/steps/step.py `make_steps`'s.
   """
 
   def __init__(self, sync: Sync, loss_fn: Callable, tx, outer_tx, shardings: dict, batch_sh, *,
-               max_logits: bool = False, mixing: np.ndarray | None = None, plain: Callable | None = None):
-    self.sync, self.loss_fn, self.tx, self.max_logits, self.mixing = sync, loss_fn, tx, max_logits, mixing
+               update_args=frozenset(), mixing: np.ndarray | None = None, plain: Callable | None = None):
+    self.sync, self.loss_fn, self.tx, self.mixing = sync, loss_fn, tx, mixing
+    self.update_args = frozenset(update_args)
     self.mesh, self.r = batch_sh.mesh, rep.replica_count(batch_sh.mesh)
     self.bytes: dict[str, float] = {}
     self.counting = True  # comm_bytes is logged while every step ran one known program
@@ -179,12 +182,13 @@ class Steps:
   def _local_train(self, params, opt_state, x, y, buffers):
     """One replica's step of the inner optimizer on its rows; a non-finite step leaves that replica as it was."""
     (total, (loss, aux)), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(params, x, y, buffers)
-    extra = {"max_logits": aux["max_logit"]} if self.max_logits else {}
+    extra = update_extras(self.update_args, self.loss_fn, None, x, y, buffers, aux)
     updates, new_opt = self.tx.update(grads, opt_state, params, **extra)
     grad_norm = optax.tree.norm(grads)
     ok = step_ok(total, grad_norm, updates)
     new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), {"params": optax.apply_updates(params, updates),
-                                                          "opt_state": new_opt}, {"params": params, "opt_state": opt_state})
+                                                          "opt_state": new_opt},
+                       {"params": params, "opt_state": opt_state})
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok}
 
   def _replica_step(self, state, x, y):
@@ -207,12 +211,14 @@ class Steps:
     def worker(history, d, step, x, y, buffers):  # one replica: the gradient at its stale parameters
       params = rep.stale_params(history, step, d)
       (total, (loss, aux)), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(params, x, y, buffers)
-      return grads, {"loss": loss, "total": total, **({"max_logit": aux["max_logit"]} if self.max_logits else {})}
+      seen = {"max_logit": aux["max_logit"]} if "max_logits" in self.update_args else {}
+      return grads, {"loss": loss, "total": total, **seen}
 
     grads_r, out = rep.map_replicas(worker, (state.history, delay, step, x, y, buffers),
                                     ("shared", "stacked", "shared", "rows", "rows", "shared"))
     grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads_r)  # the all-reduce over `data`
-    extra = {"max_logits": jnp.max(out["max_logit"], axis=0)} if self.max_logits else {}
+    seen = {"max_logit": jnp.max(out["max_logit"], axis=0)} if "max_logit" in out else {}  # the replicas' largest
+    extra = update_extras(self.update_args, self.loss_fn, None, x, y, buffers, seen)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
