@@ -26,7 +26,8 @@ from optim.adamuon import AdaMuonState, adamuon, scale_by_adamuon
 from optim.scion import ScionError, ScionState, lmo_direction, scale_by_scion, scion, scion_labels
 
 __all__ = ["DEFAULT_OPTIMIZER", "Blockwise", "Inactive", "needs", "Needs",
-           "block_plan", "switches_before", "factor_delta", "factor_grads", "init_factors", "adamuon", "AdaMuonState", "AlignmentError", "badam", "badam_adamw", "badam_labels", "BAdamError",
+           "block_plan", "switches_before", "factor_delta", "factor_grads", "init_factors", "adamuon", "AdaMuonState",
+           "AlignmentError", "badam", "badam_adamw", "badam_labels", "BAdamError",
            "BAdamState", "block_index", "bread", "bread_adamw", "BreadError", "BreadState", "cautious_adamw",
            "cautious_lion", "cautious_mask", "cautious_mgup_mask",
            "cautious_muon", "cautious_policy", "coefficient_table", "COEFFICIENTS", "decay_mask", "dion",

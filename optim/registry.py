@@ -182,12 +182,28 @@ def needs(name: str, hparams: dict | None = None) -> Needs:
 
 
 def needs_prev_grads(name: str, hparams: dict | None = None) -> bool:
-  """Whether optimizer `name` with these hyperparameters wants `update(..., prev_grads=)`: the gradient at the
-  previous parameters on the current batch (`needs(...).update_args`)."""
+  """Whether optimizer `name` with these hyperparameters wants `update(..., prev_grads=)`.
+
+  Args:
+    name: a registered optimizer.
+    hparams: the hyperparameters given (None: all at their defaults).
+
+  Returns:
+    Whether "prev_grads", the gradient at the previous parameters on the current batch, is among its declared
+    `needs(...).update_args`.
+  """
   return "prev_grads" in needs(name, hparams).update_args
 
 
 def needs_max_logits(name: str, hparams: dict | None = None) -> bool:
-  """Whether optimizer `name` wants `update(..., max_logits=)`: the model's per-head attention-logit maxima, stacked
-  like the blocks (`needs(...).update_args`)."""
+  """Whether optimizer `name` wants `update(..., max_logits=)`.
+
+  Args:
+    name: a registered optimizer.
+    hparams: the hyperparameters given (None: all at their defaults).
+
+  Returns:
+    Whether "max_logits", the model's per-head attention-logit maxima stacked like the blocks, is among its declared
+    `needs(...).update_args`.
+  """
   return "max_logits" in needs(name, hparams).update_args

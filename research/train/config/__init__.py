@@ -89,8 +89,11 @@ class TrainConfig:
       setattr(self, section, dataclasses.replace(getattr(self, section), **values))
 
   def flags(self) -> dict:
-    """{flag: value} of every flag, flat (as the constructor takes them and config.json stored them before
-    sections)."""
+    """Every flag's value, flat.
+
+    Returns:
+      {flag: value}, keyed as the constructor takes them and as config.json stored them before the sections.
+    """
     return {flag: (getattr(getattr(self, s), a) if a else getattr(self, s)) for flag, (s, a) in FLAGS.items()}
 
 
@@ -127,8 +130,14 @@ NestedTrainConfig = _nested()
 
 
 def flat_record(train: dict) -> dict:
-  """config.json's "train" record as {flag: value}: a sectioned record flattened, a flat one (runs written before
-  the sections) as it is."""
+  """config.json's "train" record, flag by flag.
+
+  Args:
+    train: the record: by section, or flat (runs written before the sections).
+
+  Returns:
+    {flag: value}: a sectioned record flattened, a flat one as it is.
+  """
   if not isinstance(train.get("optim"), dict):  # the flat layout had no "optim" flag
     return dict(train)
   out = {}
@@ -144,8 +153,14 @@ _MISSING = object()
 
 
 def flat_meta(meta: dict) -> dict:
-  """A config.json (or a checkpoint's metadata) with its "train" record flat (`flat_record`), whichever layout wrote
-  it."""
+  """A config.json (or a checkpoint's metadata) with its "train" record flat, whichever layout wrote it.
+
+  Args:
+    meta: the config.json or checkpoint metadata.
+
+  Returns:
+    A copy of `meta` whose "train" is `flat_record`'s.
+  """
   return {**meta, "train": flat_record(meta.get("train") or {})}
 
 

@@ -21,8 +21,14 @@ def _flag(name: str) -> str:
 
 
 def check_section(section) -> None:
-  """A section's own checks (its `POSITIVE` counts and `RANGES`, research/train/config/sections.py): counts positive,
-  rates finite and in range (None = unset, which takes a default)."""
+  """A section's own checks: counts positive, rates finite and in range (None = unset, which takes a default).
+
+  Args:
+    section: a config section; its `POSITIVE` counts and `RANGES` (research/train/config/sections.py) are checked.
+
+  Raises:
+    PreflightError: one line naming the first flag that fails.
+  """
   for name in getattr(section, "POSITIVE", ()):
     if getattr(section, name) <= 0:
       raise PreflightError(f"{_flag(name)} must be positive, got {getattr(section, name)}")
@@ -38,8 +44,15 @@ def check_section(section) -> None:
 
 
 def check_numbers(cfg):
-  """Every section's own checks (`check_section`), then those across sections: the warmup within --steps, --stop-at
-  positive, the --profile window within --steps."""
+  """Every section's own checks (`check_section`), then those across sections.
+
+  Args:
+    cfg: the run's config.
+
+  Raises:
+    PreflightError: one line: a section's check, a warmup outside [0, --steps], a --stop-at below 1, a --profile
+      window that is malformed or reaches past --steps.
+  """
   for f in dataclasses.fields(cfg):
     check_section(getattr(cfg, f.name))
   if cfg.optim.warmup_steps is not None and not 0 <= cfg.optim.warmup_steps <= cfg.training.steps:

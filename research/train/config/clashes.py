@@ -25,7 +25,16 @@ BLOCKWISE_BLOCKERS = ("stage", "context", "sync", "freeze", "peft", "zero1", "sw
 
 
 def features(cfg, mesh, mcfg=None) -> dict[str, str | None]:
-  """{feature: how a message names it when the run has it, else None}; `mcfg` None: the model's are unknown (off)."""
+  """The run's features, by the names `CLASHES` uses.
+
+  Args:
+    cfg: the run's config.
+    mesh: its mesh.
+    mcfg: its model config (None: the model's features are unknown, taken as off).
+
+  Returns:
+    {feature: how a message names it when the run has it, else None}.
+  """
   needs = optimizer_needs(cfg.optim)
   args = ", ".join(sorted(needs.update_args))
   on = {"sync": f"--sync {cfg.sync.mode}" if cfg.sync.mode != "allreduce" else None,
@@ -45,7 +54,16 @@ def features(cfg, mesh, mcfg=None) -> dict[str, str | None]:
 
 
 def check(cfg, mesh, mcfg) -> None:
-  """RunError (one line) for the first row of `CLASHES` this run's features meet; nothing when none does."""
+  """Refuses a run some row of `CLASHES` applies to.
+
+  Args:
+    cfg: the run's config.
+    mesh: its mesh.
+    mcfg: its model config.
+
+  Raises:
+    RunError: one line for the first row whose feature the run has together with one it does not combine with.
+  """
   on = features(cfg, mesh, mcfg)
   for subject, others, why in CLASHES:
     named = [on[o] for o in others if on[o]]
@@ -54,6 +72,14 @@ def check(cfg, mesh, mcfg) -> None:
 
 
 def blockwise_blockers(cfg, mesh) -> list[str]:
-  """The run's features that keep a blockwise optimizer off its blockwise step (`BLOCKWISE_BLOCKERS`), named."""
+  """What keeps a blockwise optimizer off its blockwise step in this run.
+
+  Args:
+    cfg: the run's config.
+    mesh: its mesh.
+
+  Returns:
+    The run's features among `BLOCKWISE_BLOCKERS`, as messages name them (empty: none).
+  """
   on = features(cfg, mesh)
   return [on[b] for b in BLOCKWISE_BLOCKERS if on[b]]

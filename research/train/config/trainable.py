@@ -39,7 +39,14 @@ class Trainable:
 
   @classmethod
   def of_meta(cls, meta: dict) -> "Trainable":
-    """The run's, from its config.json (the layouts written before this class included)."""
+    """What a recorded run trains.
+
+    Args:
+      meta: its config.json (or a checkpoint's metadata), of any layout written before this class too.
+
+    Returns:
+      The run's `Trainable`.
+    """
     train = flat_record(meta.get("train") or {})
     whole = meta.get("blockwise_badam") or meta.get("frozen_layers")
     layers = (meta.get("frozen_layers") or {}).get("n", 0)
@@ -48,8 +55,16 @@ class Trainable:
 
   @classmethod
   def of_run(cls, finetune, blockwise: bool) -> "Trainable":
-    """The run's, from its config's finetune section; `blockwise`: whether its optimizer runs its blockwise step
-    (`research.train.setup.blockwise.blockwise_parts` is not None)."""
+    """What a run about to start trains.
+
+    Args:
+      finetune: its config's finetune section.
+      blockwise: whether its optimizer runs its blockwise step (`research.train.setup.blockwise.blockwise_parts` is
+        not None).
+
+    Returns:
+      The run's `Trainable`.
+    """
     dtype = str(frozen_dtype(finetune))
     return cls(finetune.freeze, finetune.freeze_layers, blockwise, bool(finetune.peft),
                dtype if blockwise or finetune.freeze_layers else None, dtype)
@@ -61,8 +76,14 @@ class Trainable:
     return "blockwise" if self.blockwise else "layers" if self.layers else "plain"
 
   def stored(self, abstract_params: dict) -> dict:
-    """The abstract parameters as the run's checkpoints hold them (a restore reads them as written, so their
-    checksums verify): every leaf in `dtype`, or --freeze's leaves in `frozen_dtype`."""
+    """The parameters as the run's checkpoints hold them (a restore reads them as written, so their checksums verify).
+
+    Args:
+      abstract_params: the model's abstract parameters (`jax.ShapeDtypeStruct`s).
+
+    Returns:
+      The same tree with every leaf in `dtype`, or --freeze's leaves in `frozen_dtype`.
+    """
     if self.dtype is not None:
       return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(self.dtype)), abstract_params)
     mask = frozen_mask(self.freeze)

@@ -65,11 +65,23 @@ class Hooks:
     self._after: list[Hook] = []
 
   def before(self, name: str, fn: Callable[[int], None]) -> None:
-    """Registers `fn(step)`, called before the step that will make `step` steps done."""
+    """Registers a hook called before each step.
+
+    Args:
+      name: what it is.
+      fn: `fn(step)`, called before the step that will make `step` steps done.
+    """
     self._before.append(Hook(name, fn))
 
   def add(self, name: str, fn: Callable[[StepInfo], None], *, every: int = 1, at_end: bool = False) -> None:
-    """Registers `fn(info)`, called after each step it is due at (`Hook.due`)."""
+    """Registers a hook called after the steps it is due at (`Hook.due`).
+
+    Args:
+      name: what it is.
+      fn: `fn(info)`, with the step's `StepInfo`.
+      every: its cadence in steps (1: every step; a hook that decides itself registers with 1).
+      at_end: also at the schedule's last step.
+    """
     self._after.append(Hook(name, fn, every, at_end))
 
   @property

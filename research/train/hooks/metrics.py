@@ -38,11 +38,25 @@ class MetricsProcessor:
     self.records: list[dict] = []
 
   def add(self, name: str, fn: Callable[[StepInfo], dict], *, every: int = 1, at_end: bool = False) -> None:
-    """Registers a source: `fn(info)`'s entries join the record of each logged step it is due at."""
+    """Registers a source of the records, after the ones registered before it.
+
+    Args:
+      name: what it measures.
+      fn: `fn(info)` -> the entries it adds to the record of each logged step it is due at.
+      every: its own cadence within the logged steps (the held-out evaluation's --eval-every).
+      at_end: also at the schedule's last step.
+    """
     self.sources.append(Hook(name, fn, every, at_end))
 
   def due(self, info: StepInfo) -> bool:
-    """Whether `info.step` writes a record."""
+    """Whether `info.step` writes a record: every --log-every and --eval-every steps, and the last.
+
+    Args:
+      info: the step's `StepInfo`.
+
+    Returns:
+      Whether the step is logged.
+    """
     return info.step % self.log_every == 0 or info.last or info.step % self.eval_every == 0
 
   def on_step(self, info: StepInfo) -> None:

@@ -14,7 +14,14 @@ from research.train.runtime.signals import EARLY_SIGNALS
 
 
 def as_command(argv: list[str] | None = None) -> bool:
-  """Whether this interpreter was started as `python -m research.train` (`sys.orig_argv`)."""
+  """Whether this interpreter was started as `python -m research.train`.
+
+  Args:
+    argv: the interpreter's command line (None: `sys.orig_argv`).
+
+  Returns:
+    Whether it runs the module research.train.
+  """
   argv = sys.orig_argv if argv is None else argv
   return any(a == "-m" and nxt == "research.train" for a, nxt in zip(argv, argv[1:])) or "-mresearch.train" in argv
 

@@ -14,8 +14,17 @@ from research.train.steps.blockstep import Parts
 
 
 def eligible(cfg, mesh) -> str | None:
-  """None when the blockwise step runs this run's optimizer, else why not (one phrase): its registry entry declares
-  no blockwise step for these hyperparameters (`optim.Needs`), or the run's settings rule it out."""
+  """Whether this run's optimizer runs its blockwise step.
+
+  Args:
+    cfg: the run's config.
+    mesh: its mesh.
+
+  Returns:
+    None when it does, else why not, one phrase: its registry entry declares no blockwise step for these
+    hyperparameters ("not blockwise", or the hyperparameter: `optim.Needs.not_blockwise`), or the run's settings
+    rule it out (`clashes.blockwise_blockers`).
+  """
   needs = optimizer_needs(cfg.optim)
   if needs.blockwise is None:
     return "not blockwise" if needs.not_blockwise is None else f"--opt {needs.not_blockwise}"
@@ -24,8 +33,18 @@ def eligible(cfg, mesh) -> str | None:
 
 
 def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
-  """The blockwise step's `Parts` for this run, or None (not blockwise, or a setting it does not run: said in one
-  line)."""
+  """The blockwise step's pieces for this run.
+
+  Args:
+    cfg: the run's config.
+    mcfg: its model config (the layer count).
+    mesh: its mesh.
+    schedule: the learning rate at an update count.
+
+  Returns:
+    The `steps.blockstep.Parts` from the optimizer's declared plan, or None: not a blockwise optimizer, or one whose
+    blockwise step this run's settings rule out (said in one line on stderr).
+  """
   why = eligible(cfg, mesh)
   if why is None:
     return Parts(schedule, optimizer_needs(cfg.optim).blockwise, mcfg.n_layers, cfg.optim.grad_clip,

@@ -136,8 +136,19 @@ def start(cfg: TrainConfig) -> Run:
 
 
 def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh):
-  """The jitted (train_step, eval_step) of this run's state, by what trains (`Trainable.step`): a blockwise
-  optimizer's step (`parts`), the --freeze-layers step, or the plain one."""
+  """The compiled programs of this run's state, by what trains (`Trainable.step`).
+
+  Args:
+    cfg: the run's config.
+    graphdef: the model's structure.
+    tx: the optimizer.
+    parts: a blockwise optimizer's `Parts`, or None.
+    shardings: the state's shardings.
+    batch_sh: a batch's sharding.
+
+  Returns:
+    The jitted (train_step, eval_step): the blockwise step, the --freeze-layers step, or the plain one.
+  """
   step = Trainable.of_run(cfg.finetune, parts is not None).step
   if step == "blockwise":
     return blockstep.make_block_steps(graphdef, parts, shardings, batch_sh)

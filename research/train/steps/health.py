@@ -44,8 +44,16 @@ def step_ok(loss, grad_norm, updates) -> jax.Array:
 
 
 def keep_if_finite(ok, new, old):
-  """`new` where `ok` (a scalar bool) holds, else `old`, for every part of a `TrainState` but `step` (and the parts
-  `old` has none of)."""
+  """A step's new state, or the old one where the step was not finite.
+
+  Args:
+    ok: the step's finite flag (a scalar bool).
+    new: the `TrainState` after the step.
+    old: the one before it.
+
+  Returns:
+    `new` where `ok` holds, else `old`, for every part but `step` (and the parts `old` has none of).
+  """
   def pick(name, value):
     before = getattr(old, name)
     if name == "step" or value is None or before is None:

@@ -19,8 +19,15 @@ from research.train.steps.train_state import TrainState
 
 
 def keep_prev_params(state: TrainState, shardings: TrainState) -> tuple[TrainState, TrainState]:
-  """(state, shardings) of a run whose optimizer declares "prev_grads", plus `prev_params`: the parameters before the
-  last update (at first a copy of the initial ones), sharded like the parameters."""
+  """The state of a run whose optimizer declares "prev_grads", with the parameters before the last update.
+
+  Args:
+    state: the train state at step 0.
+    shardings: its shardings.
+
+  Returns:
+    (state, shardings) with `prev_params`: at first a copy of the parameters, sharded like them.
+  """
   prev = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(state.params)
   return state.replace(prev_params=prev), shardings.replace(prev_params=shardings.params)
 
@@ -99,9 +106,20 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, update_args=frozenset(), fr
 
 
 def update_extras(names, loss_fn, prev_params, x, y, buffers: dict, aux: dict) -> dict:
-  """The extra keyword arguments of `tx.update` an optimizer declared (`optim.needs.UPDATE_ARGS`), traced in the step:
-  "prev_grads", the loss's gradient at `prev_params` on this batch; "max_logits", the forward's per-head
-  attention-logit maxima (aux "max_logit")."""
+  """The extra keyword arguments of `tx.update` an optimizer declared (`optim.needs.UPDATE_ARGS`), traced in the step.
+
+  Args:
+    names: the declared update arguments.
+    loss_fn: `lm_loss`'s loss function.
+    prev_params: the parameters before the last update ("prev_grads"), else None.
+    x, y: the batch.
+    buffers: the model's buffers.
+    aux: the forward's aux ("max_logits" reads its "max_logit").
+
+  Returns:
+    {name: value}: "prev_grads", the loss's gradient at `prev_params` on this batch; "max_logits", the per-head
+    attention-logit maxima.
+  """
   supply = {"prev_grads": lambda: jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(prev_params),
             "max_logits": lambda: aux["max_logit"]}
   return {name: supply[name]() for name in sorted(names, key=list(supply).index)}

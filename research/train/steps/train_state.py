@@ -43,7 +43,14 @@ class TrainState:
 
   @classmethod
   def of(cls, tree: dict) -> "TrainState":
-    """The state of a checkpoint's (or `sharding.init_train_state`'s) dict; an empty "buffers" is none."""
+    """The typed state of a dict.
+
+    Args:
+      tree: a checkpoint's state, or `sharding.init_train_state`'s (or its shardings'): {part: value}.
+
+    Returns:
+      The `TrainState` with those parts (an empty "buffers" is none).
+    """
     fields = dict(tree)
     if not fields.get("buffers"):
       fields.pop("buffers", None)
