@@ -38,7 +38,7 @@ from IPython.display import Markdown, display
 from research.experiments import common, depth_expansion
 
 result = depth_expansion.main(depth_expansion.Config(smoke=True))
-for n, by_seed in result["runs"].items():
+for by_seed in result["runs"].values():
   for seed, r in by_seed.items():
     ins = r["insertion"]
     print(f"n={r['n']} seed {seed}: val before / after insertion {ins['val_before']:.6f} / {ins['val_after']:.6f}")

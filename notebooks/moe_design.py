@@ -20,8 +20,9 @@
 # arm holding the same active FFN width per token, compared with the published guidance (Switch Transformer and Clark
 # et al. on the expert count, DeepSeekMoE, Krajewski et al. and OLMoE on fine-grained experts, DeepSeekMoE against
 # OLMoE and Qwen3 on shared experts). The experiment is `research/experiments/moe_design.py`; its full-size results
-# (3 seeds, a tuned lr per arm) are in [research/results/moe_design/results.md](../research/results/moe_design/results.md),
-# made by `python -m research.experiments.moe_design`.
+# (3 seeds, a tuned lr per arm) are in
+# [research/results/moe_design/results.md](../research/results/moe_design/results.md), made by
+# `python -m research.experiments.moe_design`.
 #
 # Here it runs at smoke size: one seed, a few steps, the dense arm and two MoE arms, the same code path.
 

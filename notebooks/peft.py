@@ -21,14 +21,14 @@
 # `models/peft.py` at an equal trainable budget: LoRA, DoRA, Pre-Diag and SORA (Chang et al., "Calibrating and
 # Rotating", AAAI 2026) and a SNIP-pruned sparse adapter (He et al., SparseAdapter). Each run is the train CLI with
 # `--init-from` (and `--peft METHOD` for the adapters), as a user runs it: frozen weights in bfloat16, BAdam and
-# BREAD (both modes) by the blockwise step. Beside learning and forgetting, each contender's step cost is measured side by
-# side: matmul FLOPs against full AdamW's, train-state bytes per parameter, the peak estimate and the wall time per
-# step (`research.bench finetune`'s measurements at the study's model and batch). Learning is the held-out loss on the new
-# corpus (the package descriptions of `research/data/docs_corpus.py`), forgetting the held-out loss on the pretraining
-# corpus (the standard library's Python source). The paper's claim is about the update ΔW = W_final − W_pretrained:
-# DoRA raises its singular-value entropy toward full fine-tuning's, and Pre-Diag and SORA keep that more cheaply;
-# the last table measures it. The full protocol (`small` pretrained, an lr grid per contender at one seed, three
-# seeds at each one's best) is in `research/experiments/peft.py`; its results are in
+# BREAD (both modes) by the blockwise step. Beside learning and forgetting, each contender's step cost is measured side
+# by side: matmul FLOPs against full AdamW's, train-state bytes per parameter, the peak estimate and the wall time per
+# step (`research.bench finetune`'s measurements at the study's model and batch). Learning is the held-out loss on the
+# new corpus (the package descriptions of `research/data/docs_corpus.py`), forgetting the held-out loss on the
+# pretraining corpus (the standard library's Python source). The paper's claim is about the update
+# ΔW = W_final − W_pretrained: DoRA raises its singular-value entropy toward full fine-tuning's, and Pre-Diag and SORA
+# keep that more cheaply; the last table measures it. The full protocol (`small` pretrained, an lr grid per contender
+# at one seed, three seeds at each one's best) is in `research/experiments/peft.py`; its results are in
 # [`research/results/peft/`](../research/results/peft/results.md). Here the same steps run at smoke size: a
 # one-layer `tiny`, a few steps, one lr, one seed, AdamW and the five adapters.
 

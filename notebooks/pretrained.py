@@ -84,9 +84,9 @@ records = run(TrainConfig(init_from=f"hf:{hf_dir}", optimizer="muon", lr=1e-2, s
 print(f"loss: {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}")
 
 # %%
-from research.plot import plot, read_metrics
-
 from IPython.display import Image
+
+from research.plot import plot, read_metrics
 
 Image(plot({"finetune": read_metrics(ft_dir)}, os.path.join(work, "curves.png")))
 

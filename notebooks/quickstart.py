@@ -134,6 +134,7 @@ ax.legend()
 fig.savefig(os.path.join(out, "loss.png"), dpi=100)
 plt.show()
 
-print(f"loss: {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} (steps {records[0]['step']} -> {records[-1]['step']})")
+print(f"loss: {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} "
+      f"(steps {records[0]['step']} -> {records[-1]['step']})")
 print(f"val_loss: {evals[0]['val_loss']:.4f} -> {evals[-1]['val_loss']:.4f}")
 print(f"outputs in {out}")

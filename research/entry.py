@@ -3,8 +3,8 @@
 is one line and exit 130 (a second one ends the process at once); a Python warning is one `warning:` line, without
 the source path and code line Python prints by default.
 
-`research.train` keeps its own signal handling (`research/train/runtime/signals.py`: a first Ctrl-C saves a checkpoint) and
-uses the rest of this module."""
+`research.train` keeps its own signal handling (`research/train/runtime/signals.py`: a first Ctrl-C saves a checkpoint)
+and uses the rest of this module."""
 
 from __future__ import annotations
 

@@ -203,8 +203,8 @@ def main(argv=None):
   if "chosen" in chosen:
     print(f"{chosen['by']} choice per layer: {', '.join(chosen['chosen'])}")
   if "predicted_delta" in chosen:
-    print(f"{chosen['sensitivity']} layout ({chosen['search']}): {chosen['layout_bytes']:,} of {chosen['budget_bytes']:,} "
-          f"bytes, predicted Δ {chosen['predicted_delta']:+.4f}")
+    print(f"{chosen['sensitivity']} layout ({chosen['search']}): {chosen['layout_bytes']:,} of "
+          f"{chosen['budget_bytes']:,} bytes, predicted Δ {chosen['predicted_delta']:+.4f}")
   print(f"held-out loss: full precision {report['full_loss']:.4f}, quantized {report['quant_loss']:.4f} "
         f"(Δ {report['delta']:+.4f})")
   print(f"size on disk: {mib(report['stored_bytes'])} vs {mib(report['float32_bytes'])} float32 "

@@ -133,8 +133,8 @@ def budget_steps(cfg: SweepConfig) -> int:
 def _run_one(train_kwargs: dict) -> None:
   """One training run; a run that diverges (research.train.steps.health stops it after --max-bad-steps non-finite steps)
   is recorded as diverged in its directory instead of ending the sweep."""
-  from research.train.steps.health import BadStepsError
   from research.train.loop import run
+  from research.train.steps.health import BadStepsError
   try:
     run(TrainConfig(**train_kwargs))
   except BadStepsError as e:
@@ -269,9 +269,10 @@ def write_results(cfg: SweepConfig, rows: list[dict]):
   fmt = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
   lines = [f"| contender | best lr | val loss (mean ± std, {summary[0]['seeds']} seed(s)) | best val | "
            f"steps to {target:.4f} | speedup vs {cfg.baseline} | tokens/s |", "|---|---|---|---|---|---|---|"]
-  lines += [f"| {s['label']} | {s['best_lr']:g} | {s['final_mean']:.4f} ± {s['final_std']:.4f} | {s['best_val']:.4f} | "
-            f"{fmt(s['steps_to_target'], '.0f')} | {'<1' if s['speedup'] is None else format(s['speedup'], '.2f') + '×'}"
-            f" | {s['tokens_per_s']:.0f} |" for s in summary]
+  lines += [f"| {s['label']} | {s['best_lr']:g} | {s['final_mean']:.4f} ± {s['final_std']:.4f} | "
+            f"{s['best_val']:.4f} | {fmt(s['steps_to_target'], '.0f')} | "
+            f"{'<1' if s['speedup'] is None else format(s['speedup'], '.2f') + '×'} | {s['tokens_per_s']:.0f} |"
+            for s in summary]
   settings = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in cfg.train.flags().items()
               if k not in ("out", "progress")}
   settings["steps"] = rows[0]["steps"]
@@ -289,7 +290,8 @@ def draw_curves(ax, summary: list[dict]):
     line, = ax.plot(steps, losses, label=f"{s['label']} (lr {s['best_lr']:g})")
     _, lo, hi = zip(*s["spread"])
     ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
-  ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="each contender at its best lr (min–max over seeds)")
+  ax.set(xlabel="step", ylabel="validation loss (nats/byte)",
+         title="each contender at its best lr (min–max over seeds)")
   ax.legend(fontsize=7)
 
 

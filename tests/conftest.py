@@ -115,7 +115,7 @@ def notebooks(tmp_path_factory):
     yield NotebookRunner(root)
 
 
-# ---- workers: `make test` runs the suite in 2 processes (pytest-xdist, --dist loadgroup) ------------------------------
+# ---- workers: `make test` runs the suite in 2 processes (pytest-xdist, --dist loadgroup) -----------------------------
 # A unit of work goes to one worker whole: a test module (its module fixtures run once), or all the tests that read one
 # notebook's run (the notebook's own tests and its experiment's tests), so each notebook still executes once. The units
 # come from our own scheduler, not from `xdist_group` marks: xdist 3.8 passes a mark's group to its scheduler by

@@ -62,8 +62,8 @@ from models.attention import attend, check_attention
 from research.bench.report import Progress, git_commit, machine, table
 from research.bench.timing import build_train_step, time_train_step
 from research.data import load_corpus
-from research.train.runtime.devices import setup_jax
 from research.train.hooks.throughput import measure_matmul_flops
+from research.train.runtime.devices import setup_jax
 from sharding import collectives
 from sharding.audit import Audit
 from sharding.context import ALGORITHMS, balance

@@ -1,5 +1,5 @@
-"""`python -m research.bench ckpt`: what the checkpoint checksums (research/train/store/integrity.py) cost next to the save and
-restore they guard.
+"""`python -m research.bench ckpt`: what the checkpoint checksums (research/train/store/integrity.py) cost next to the
+save and restore they guard.
 
 For each preset, in one process: the AdamW train state of research/train/ on `mesh`, then, per round,
   checksums:  integrity.fingerprints(state): two 32-bit words per array, computed where the shards live, read back;
@@ -7,7 +7,8 @@ For each preset, in one process: the AdamW train state of research/train/ on `me
               (the same reads, the least arithmetic), read back;
   crc32:      zlib.crc32 over every array's bytes already on the host (the peer: a file-level checksum of what was
               written; the device-to-host copy is not counted, in its favour);
-  save:       research.train.store.checkpoint.Checkpointer.save (its checksums included) until the async write is committed;
+  save:       research.train.store.checkpoint.Checkpointer.save (its checksums included) until the async write is
+              committed;
   restore:    Checkpointer.restore onto the same shardings (its verification included).
 Reported: medians over the rounds (after one warm-up round), and the checksums' share of the save and of the
 restore. On the CPU the 8 devices are simulated and share the cores, and orbax writes to the local disk.
@@ -27,11 +28,11 @@ from flax import nnx
 
 from models import Transformer, count_params
 from research.bench.report import machine, publish, table
-from research.train.store import integrity
-from research.train.setup.build import model_config, make_optimizer
-from research.train.store.checkpoint import Checkpointer
 from research.train.config import TrainConfig
 from research.train.hooks.throughput import median_seconds
+from research.train.setup.build import make_optimizer, model_config
+from research.train.store import integrity
+from research.train.store.checkpoint import Checkpointer
 from sharding import devices_for, init_train_state, make_mesh, mesh_spec
 
 

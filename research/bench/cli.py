@@ -1,4 +1,5 @@
-"""`python -m research.bench NAME [FLAGS]`: the benchmark registry and its command line (bad input: one line, exit 2)."""
+"""`python -m research.bench NAME [FLAGS]`: the benchmark registry and its command line
+(bad input: one line, exit 2)."""
 
 from __future__ import annotations
 

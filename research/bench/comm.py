@@ -41,8 +41,19 @@ from research.bench.optim import param_tree
 from research.bench.report import Progress, git_commit
 from research.train.steps import train_state
 from research.train.steps.step import make_steps
-from sharding import (analytic_bytes, batch_sharding, collectives, devices_for, init_params, init_train_state,
-                      make_mesh, matmul_flops, mesh_spec, param_shardings, shardings_like_params)
+from sharding import (
+  analytic_bytes,
+  batch_sharding,
+  collectives,
+  devices_for,
+  init_params,
+  init_train_state,
+  make_mesh,
+  matmul_flops,
+  mesh_spec,
+  param_shardings,
+  shardings_like_params,
+)
 
 NS_STEPS = 5
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")

@@ -88,7 +88,8 @@ def data(gb: float = 8.0, small_mb: int = 64, model: str = "small", batch_size: 
 
   written = write_tokens(big, int(gb * GB) // 2 * 2) + write_tokens(small, small_mb * 2 ** 20)
   flags = ["--model", model, "--steps", str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len),
-           "--mesh", mesh, "--devices", str(devices), "--sampling", sampling, "--data.workers", str(workers), "--eval-every", str(steps),
+           "--mesh", mesh, "--devices", str(devices), "--sampling", sampling, "--data.workers", str(workers),
+           "--eval-every", str(steps),
            "--eval-batches", "2", "--log-every", str(steps), "--ckpt-every", str(steps), "--keep", "1",
            "--no-progress", "--no-compile-cache", "--tracker", "none"]  # both compile: like for like
   rates = {w: keep(f"loader_{w}_threads", lambda w=w: loader_rate(big, batch_size, seq_len, sampling, w,

@@ -5,9 +5,10 @@ in state bytes per parameter, in activation / intermediate bytes, and in FLOPs?
 
 For each model shape and method the trainer's own pieces build the train state and the train step exactly as
 `research.train` does (`build.make_optimizer`, `state.initial_state` — random base, no --init-from —,
-`setup.blockwise.blockwise_parts`, `setup.run.train_programs`: the blockwise, --freeze-layers or plain step), but abstractly: the
-state is `state.abstract_initial_state` (`jax.eval_shape` of the state's construction: a 3B model's AdamW state is
-never allocated), and the step is `jit(...).lower(abstract state, x, y).compile()`d. From the compiled program:
+`setup.blockwise.blockwise_parts`, `setup.run.train_programs`: the blockwise, --freeze-layers or plain step), but
+abstractly: the state is `state.abstract_initial_state` (`jax.eval_shape` of the state's construction: a 3B model's
+AdamW state is never allocated), and the step is `jit(...).lower(abstract state, x, y).compile()`d. From the compiled
+program:
 
   XLA FLOPs        `compiled.cost_analysis()["flops"]`, XLA's static count, and its ratio to AdamW's. It counts a
                    while loop's body ONCE (measured: tiny's AdamW step gives 52.2M FLOPs at 2 layers, 54.3M at 4),
@@ -31,8 +32,9 @@ Methods (rows):
   adamw    full fine-tuning, AdamW, float32 parameters and moments.
   freeze   AdamW with --freeze 'blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed' (attention projections and the embedding
            table, tied to the head in `base` / `llama-3b`) and --frozen-dtype bfloat16 (fine-tuning's default).
-  freeze-half  AdamW with --freeze-layers L/2 (research/train/steps/layerfreeze.py): the bottom half of the layers and the
-           embedding frozen in bfloat16, the backward stopping at layer L/2; the top half trains on a float32 master.
+  freeze-half  AdamW with --freeze-layers L/2 (research/train/steps/layerfreeze.py): the bottom half of the layers and
+           the embedding frozen in bfloat16, the backward stopping at layer L/2; the top half trains on a float32
+           master.
   lora, dora, prediag, sora   --peft METHOD, rank `rank`, base weights bfloat16 (`PeftFlags(base_dtype="bfloat16")`).
   badam    --optimizer badam run by the blockwise step (`research.train.steps.blockstep`), storage bfloat16. Its layer
            scans are cond-masked (only the layers below / above the active one run): a static count takes each
@@ -72,19 +74,20 @@ import numpy as np
 from models import TransformerConfig, count_params, preset
 from research.bench.report import Progress, call_command, machine, table
 from research.data import Corpus
-from research.train.setup.blockwise import blockwise_parts
-from research.train.steps import blockstep, frozen
+from research.train.config import TrainConfig
 from research.train.setup import memory
 from research.train.setup.adapters import PeftFlags
+from research.train.setup.blockwise import blockwise_parts
 from research.train.setup.build import make_optimizer
-from research.train.config import TrainConfig
 from research.train.setup.initial_state import abstract_initial_state, initial_state
 from research.train.setup.run import train_programs
+from research.train.steps import blockstep, frozen
 from sharding import batch_sharding, devices_for, make_mesh
 
 METHODS = ("adamw", "freeze", "freeze-half", "lora", "dora", "prediag", "sora", "badam", "bread", "bread-sgd")
 KNOWN = METHODS + ("muon", "sparse_adapter", "bread-sgd-f32")  # measurable rows the default table leaves out
-BLOCKWISE = ("badam", "bread", "bread-sgd", "bread-sgd-f32")  # run by the blockwise step (research/train/steps/blockstep.py)
+# run by the blockwise step (research/train/steps/blockstep.py)
+BLOCKWISE = ("badam", "bread", "bread-sgd", "bread-sgd-f32")
 LAYER_LOOP = BLOCKWISE[1:]  # BREAD's: a backward written as a loop over the layers above the active one
 PEFT = ("lora", "dora", "prediag", "sora", "sparse_adapter")
 FREEZE = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed"
@@ -114,8 +117,9 @@ def train_config(method: str, mcfg: TransformerConfig, batch_size: int, seq_len:
   """The trainer's flags for `method` (the model fields are overridden by `mcfg` where it matters); `peft`: the
   adapters' flags (default: rank `rank`, bfloat16 base); `opt`: more --opt KEY=VALUE items."""
   flags = {"freeze": {"freeze": FREEZE, "frozen_dtype": "bfloat16"},
-           "freeze-half": {"freeze_layers": mcfg.n_layers // 2, "frozen_dtype": "bfloat16"}, "badam": {"optimizer": "badam",
-           "frozen_dtype": "bfloat16"}, "bread": {"optimizer": "bread", "frozen_dtype": "bfloat16"},
+           "freeze-half": {"freeze_layers": mcfg.n_layers // 2, "frozen_dtype": "bfloat16"},
+           "badam": {"optimizer": "badam", "frozen_dtype": "bfloat16"},
+           "bread": {"optimizer": "bread", "frozen_dtype": "bfloat16"},
            "muon": {"optimizer": "muon"},
            "bread-sgd": {"optimizer": "bread", "opt": ('mode="sgd"',), "frozen_dtype": "bfloat16"},
            "bread-sgd-f32": {"optimizer": "bread", "opt": ('mode="sgd"',), "frozen_dtype": "float32"}}.get(method, {})

@@ -13,9 +13,9 @@ bfloat16 storage, one layer's float32 master and AdamW state), `badam-f32` (the 
 `lora` (rank-`rank` adapters on a bfloat16 base), `bread` (BREAD-SGD, `--opt mode="sgd"`: the blockwise step whose
 layer-by-layer backward also steps every layer above the active one by its gradient; `order="ascending"`, so the
 first block is layer 0 and all 27 layers above it take SGD steps, the whole backward pass: under the default
-descending order the first block is the top layer and BREAD is BAdam until the first switch) and `bread-lowrank` (BREAD's
-low-rank mode, rank 8: the same blockwise step, the 27 layers above moved through their factors' AdamW steps in the
-same backward; `order="ascending"` likewise). Finished
+descending order the first block is the top layer and BREAD is BAdam until the first switch) and `bread-lowrank`
+(BREAD's low-rank mode, rank 8: the same blockwise step, the 27 layers above moved through their factors' AdamW steps in
+the same backward; `order="ascending"` likewise). Finished
 methods are kept in `work/results.json`, so a rerun continues with the others.
 """
 
@@ -52,7 +52,8 @@ GIB = 2 ** 30
 
 
 def method_flags(method: str, rank: int) -> list[str]:
-  return {"adamw": [], "badam": ["--optimizer", "badam"], "bread": ["--optimizer", "bread", "--opt", 'mode="sgd"', 'order="ascending"'],
+  return {"adamw": [], "badam": ["--optimizer", "badam"],
+          "bread": ["--optimizer", "bread", "--opt", 'mode="sgd"', 'order="ascending"'],
           "bread-lowrank": ["--optimizer", "bread", "--opt", 'order="ascending"'],
           "badam-f32": ["--optimizer", "badam", "--frozen-dtype", "float32"],
           "lora": ["--peft", "lora", "--peft.rank", str(rank), "--peft.alpha", str(2 * rank),
@@ -78,7 +79,8 @@ def run_method(method: str, model: str, run_dir: str, steps: int, batch_size: in
   cmd = [sys.executable, "-m", "research.train", "--init-from", f"hf:{model}", "--out", run_dir, "--steps",
          str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--mesh", "data=1", "--devices", "1",
          "--lr", str(lr), "--warmup-steps", "0", "--eval-every", str(steps), "--eval-batches", "1", "--log-every", "1",
-         "--ckpt-every", str(steps), "--keep", "1", *(["--remat", "True"] if remat else []), *method_flags(method, rank)]
+         "--ckpt-every", str(steps), "--keep", "1", *(["--remat", "True"] if remat else []),
+         *method_flags(method, rank)]
   code, peak_rss, stdout, stderr, wall = run_child(cmd, run_dir)  # logs beside the run directory, kept
   records = []
   if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
@@ -86,7 +88,8 @@ def run_method(method: str, model: str, run_dir: str, steps: int, batch_size: in
   memory = next((l for l in stdout.splitlines() if l.startswith("memory: the step")), None)
   measured = next((l for l in stdout.splitlines() if l.startswith("memory: measured")), None)
   return {"method": method, "command": " ".join(["python", "-m", "research.train"] + cmd[3:]), "exit": code,
-          "memory_line": memory, "measured_line": measured, "error": stderr.strip().splitlines()[-1] if code and stderr.strip() else None,
+          "memory_line": memory, "measured_line": measured,
+          "error": stderr.strip().splitlines()[-1] if code and stderr.strip() else None,
           "stderr_tail": stderr.strip().splitlines()[-6:], "stdout": stdout.strip().splitlines(),
           "losses": [r["loss"] for r in records if "loss" in r],
           "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),

@@ -81,6 +81,7 @@ def _checkpoint(a: Args) -> tuple[str, int]:
   path = os.path.join(a.work, f"llama_d{a.d_model}_l{a.n_layers}_v{a.vocab}")
   if not os.path.exists(os.path.join(path, "model.safetensors")):
     from flax import nnx
+
     import models
     config = models.TransformerConfig(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.n_layers, n_heads=16,
                                       n_kv_heads=4, d_ff=a.d_ff, tie_embeddings=False)

@@ -55,12 +55,11 @@ import numpy as np
 from flax import nnx
 
 from models import ConfigError, Transformer, count_params, preset
-from research.bench.report import git_commit
-from research.bench.report import publish
+from research.bench.report import git_commit, publish
 from research.data import get_batch, load_corpus
-from research.train.setup.build import make_optimizer
 from research.train.config import TrainConfig
 from research.train.runtime.devices import setup_jax
+from research.train.setup.build import make_optimizer
 from research.train.steps import train_state
 from research.train.steps.step import make_steps
 from sharding import batch_sharding, collectives, devices_for, make_mesh, mesh_spec, shard_batch

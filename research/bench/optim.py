@@ -158,8 +158,9 @@ def optim_step(repeats: int = 5, out: str | None = None, skip: tuple[str, ...] =
   n_params = tree_bytes(params)
   for name in memory:
     ts = t[("step", name)]
-    lines.append(f"| {name} | {ts * 1e3:.1f} | {ts / floor:.2f} | {ts / ref:.2f} | {ts / adamw:.1f} | {ts / muon:.2f} | "
-                 f"{memory[name] / 2 ** 20:.1f} | {state[name] / 2 ** 20:.1f} | {state[name] / n_params:.2f} |")
+    lines.append(f"| {name} | {ts * 1e3:.1f} | {ts / floor:.2f} | {ts / ref:.2f} | {ts / adamw:.1f} | "
+                 f"{ts / muon:.2f} | {memory[name] / 2 ** 20:.1f} | {state[name] / 2 ** 20:.1f} | "
+                 f"{state[name] / n_params:.2f} |")
 
   # 4. accuracy vs the SVD polar factor (fp32, one (768, 3072) matrix)
   lines += ["", "| NS on (768, 3072), fp32, 5 steps | max abs error vs SVD polar factor | max |σ - 1| |",

@@ -29,13 +29,23 @@ from flax import nnx
 
 from models import Transformer, count_params
 from research.bench.report import machine, publish, table
-from research.train.store.checkpoint import Checkpointer
 from research.train.config import TrainConfig
-from research.train.setup.build import model_config, make_optimizer
+from research.train.setup.build import make_optimizer, model_config
 from research.train.steps.step import make_steps
 from research.train.steps.train_state import TrainState
-from sharding import (abstract_state, batch_sharding, devices_for, init_train_state, logical_names, make_mesh,
-                      mesh_spec, moved_bytes, reshard, state_shardings)
+from research.train.store.checkpoint import Checkpointer
+from sharding import (
+  abstract_state,
+  batch_sharding,
+  devices_for,
+  init_train_state,
+  logical_names,
+  make_mesh,
+  mesh_spec,
+  moved_bytes,
+  reshard,
+  state_shardings,
+)
 
 
 def _nbytes(tree) -> int:

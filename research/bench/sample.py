@@ -62,7 +62,8 @@ def sample(a: tyro.conf.OmitArgPrefixes[Args]):
   lines = [f"`{a.preset}` ({models.count_params(config) / 1e6:.1f}M params), batch {a.batch}, prompt {a.prompt} "
            f"tokens, greedy, {jax.devices()[0].platform} ({len(jax.devices())} device(s) visible, 1 used), median of "
            f"{a.repeats} after a warm-up.", "",
-           "| new tokens | KV cache tokens/s | re-run prefix tokens/s | speedup | same tokens |", "|---|---|---|---|---|"]
+           "| new tokens | KV cache tokens/s | re-run prefix tokens/s | speedup | same tokens |",
+           "|---|---|---|---|---|"]
   lines += [f"| {n} | {c:,.0f} | {r:,.0f} | {s:.1f}x | {'yes' if same else 'NO'} |" for n, c, r, s, same in rows]
   cmd = command("sample", a)
   lines += ["", f"Command: `{cmd}`"]

@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models import Transformer, TransformerConfig, count_params, flops_per_token
 from research.data import get_batch
-from research.train.setup.build import make_optimizer, model_config, step_options
 from research.train.config import TrainConfig
+from research.train.setup.build import make_optimizer, model_config, step_options
 from research.train.steps import train_state
 from research.train.steps.step import make_steps
 from sharding import batch_sharding, devices_for, make_mesh, mesh_spec

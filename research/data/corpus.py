@@ -122,7 +122,7 @@ def cache_writable(root: str, error: OSError | None = None) -> bool:
   if root not in _UNWRITABLE:
     _UNWRITABLE.add(root)
     warnings.warn(f"the cache {root} cannot be written ({reason}): nothing is cached there this run (built corpora, "
-                  f"compiled programs); set $OPTLAB_CACHE to a writable directory")
+                  f"compiled programs); set $OPTLAB_CACHE to a writable directory", stacklevel=2)
   return False
 
 

@@ -400,8 +400,9 @@ def write(cfg: Config, result: dict, lr_png: str, cmd: str | None = None):
            "(finished runs are skipped, a partial one continues from its checkpoint); their time is not counted."
            if result.get("resumed") else "")
   table = tables(result) + ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine "
-                            f"(other jobs may share it); {result['cpu_s']:.0f} s of CPU in this process (all threads).{prior} Plots: "
-                            "`badam.png` (val curves, state bytes), `lr.png` (the lr grid at the first seed)."]
+                            f"(other jobs may share it); {result['cpu_s']:.0f} s of CPU in this process (all "
+                            f"threads).{prior} Plots: `badam.png` (val curves, state bytes), `lr.png` (the lr grid "
+                            "at the first seed)."]
   common.write_results(cfg.out, NAME, QUESTION, table, findings=findings(result), settings=result["settings"],
                        data=result, cmd=cmd)
   fig = plot(result)

@@ -10,8 +10,9 @@ paper starts.
 
 Setup. Pretraining: the `tiny` preset with `n_layers` = 6, AdamW from random init on the default corpus (the standard
 library's Python source, bytes) by the train CLI, one run (seed 0). Fine-tuning: `--init-from` that run, on the second
-corpus (`research.data.docs_corpus`: the package descriptions of optlab's runtime dependencies, English prose and markup,
-split by package), by the same CLI (warmup + cosine schedule, clip 1.0, weight decay 0.1, one device). Contenders:
+corpus (`research.data.docs_corpus`: the package descriptions of optlab's runtime dependencies, English prose and
+markup, split by package), by the same CLI (warmup + cosine schedule, clip 1.0, weight decay 0.1, one
+device). Contenders:
   adamw  full AdamW on every parameter.
   badam  `badam` with the reference's defaults: the 6 layers as blocks in descending order, K = `switch_every`
          updates per block, the embedding (tied: also the head) and the final norm frozen.
@@ -37,8 +38,7 @@ import jax
 import numpy as np
 
 from optim.trees import path_name
-from research.data import docs_corpus
-from research.data import eval_batches, load_corpus
+from research.data import docs_corpus, eval_batches, load_corpus
 from research.experiments import badam, common
 from research.sweep import Run, SweepConfig, run_grid
 from research.train.config import TrainConfig
@@ -154,8 +154,10 @@ def main(cfg: Config) -> dict:
     result = {"settings": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "work")},
                            "tokens_per_run": cfg.steps * cfg.batch_size * cfg.seq_len,
                            "pretrain_tokens": cfg.pretrain_steps * cfg.pretrain_batch * cfg.seq_len, "labels": names,
-                           "docs_corpus": {"path_name": os.path.basename(docs), "fingerprint": corpora["docs"].fingerprint,
-                                           "documents": len(os.listdir(docs)), "train_bytes": len(corpora["docs"].train),
+                           "docs_corpus": {"path_name": os.path.basename(docs),
+                                           "fingerprint": corpora["docs"].fingerprint,
+                                           "documents": len(os.listdir(docs)),
+                                           "train_bytes": len(corpora["docs"].train),
                                            "val_bytes": len(corpora["docs"].val)},
                            "stdlib_fingerprint": corpora["stdlib"].fingerprint},
               "params": int(sum(np.size(x) for x in before.values())),
@@ -223,10 +225,12 @@ def findings(result: dict) -> list[str]:
          f"with AdamW and {b['final_mean']:.3f} with BAdam: BAdam gets {gain_b / gain_a:.0%} of AdamW's improvement "
          f"({b['diff_mean']:+.3f} nats/byte, {sig}).",
          f"Reading (forgetting): the stdlib val loss goes from {start['stdlib']:.3f} to {fa[0]:.3f} ± {fa[1]:.3f} "
-         f"(AdamW, {fa[0] - start['stdlib']:+.3f}) and {fb[0]:.3f} ± {fb[1]:.3f} (BAdam, {fb[0] - start['stdlib']:+.3f}): "
+         f"(AdamW, {fa[0] - start['stdlib']:+.3f}) and {fb[0]:.3f} ± {fb[1]:.3f} "
+         f"(BAdam, {fb[0] - start['stdlib']:+.3f}): "
          f"BAdam ends {abs(fb[0] - fa[0]):.3f} nats/byte {'lower' if fb[0] < fa[0] else 'higher'} than AdamW on the "
          "pretraining corpus.",
-         f"Reading (memory): BAdam's optimizer state is {result['state_bytes']['badam'] / result['state_bytes']['adamw']:.3f}× "
+         "Reading (memory): BAdam's optimizer state is "
+         f"{result['state_bytes']['badam'] / result['state_bytes']['adamw']:.3f}× "
          f"AdamW's ({result['state_bytes']['badam']:,} vs {result['state_bytes']['adamw']:,} bytes: one layer's "
          "moments, the embedding frozen), as the formula gives."]
   out += tradeoff(result)
@@ -300,9 +304,10 @@ def plot(result: dict):
 
 def write(cfg: Config, result: dict, cmd: str | None = None):
   import matplotlib.pyplot as plt
-  table = tables(result) + ([""] + [result["note"]] if result.get("note") else []) + ["", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine; "
-                            f"{result['cpu_s']:.0f} s of CPU in this process (finished runs found in `work` are "
-                            "skipped, their time not counted). Plot: `badam_finetune.png`."]
+  table = tables(result) + ([""] + [result["note"]] if result.get("note") else []) + [
+      "", f"Time of the whole command: {result['wall_s']:.0f} s wall on a 2-core machine; "
+      f"{result['cpu_s']:.0f} s of CPU in this process (finished runs found in `work` are "
+      "skipped, their time not counted). Plot: `badam_finetune.png`."]
   common.write_results(cfg.out, NAME, QUESTION, table, findings=findings(result), settings=result["settings"],
                        data=result, cmd=cmd)
   fig = plot(result)

@@ -3,8 +3,8 @@ between phases (upcycling, depth expansion, MoE-DisCo, ...), held-out evaluation
 
 `research.train` is the CLI for whole runs on meshes; the experiments here need to train a `Transformer`
 they hold, change it, and go on, so they use `fit` on one device. `fit` steps with the trainer's own pieces
-(`research.train.steps.step`: the loss, cross entropy + the MoE aux losses, and the update path with the optimizer's extra
-arguments and the aux-loss-free router-bias update) and the same data functions.
+(`research.train.steps.step`: the loss, cross entropy + the MoE aux losses, and the update path with the optimizer's
+extra arguments and the aux-loss-free router-bias update) and the same data functions.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,8 @@ from models import Transformer
 from optim import get_optimizer, make_schedule
 from research import entry
 from research.data import eval_batches, get_batch, load_corpus
-from research.train.store.rundir import aside_name
 from research.train.steps.step import eval_loss, lm_loss, make_update
+from research.train.store.rundir import aside_name
 
 
 @dataclasses.dataclass
@@ -387,7 +387,7 @@ def load_partial(cfg) -> dict | None:
   except (ValueError, KeyError, AttributeError, TypeError) as e:  # not what save_partial writes: kept aside
     aside = aside_name(path, ".unreadable")
     os.rename(path, aside)
-    warnings.warn(f"{path} is unreadable ({type(e).__name__}); moved to {aside}, starting over")
+    warnings.warn(f"{path} is unreadable ({type(e).__name__}); moved to {aside}, starting over", stacklevel=2)
     return None
   return saved if config == _as_saved(cfg) else None
 

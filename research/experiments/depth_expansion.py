@@ -172,7 +172,8 @@ def run_one(cfg: Config, train, val, n: int, seed: int) -> dict:
   arms = {}
   for arm, model in start.items():
     f = fit(model, common.phase_optimizer(cfg.lr, T), steps=T, start=N, eval_every=cfg.eval_every)
-    arms[arm] = {"curve": [(N, pre.final_val)] + f.curve(), "final": f.final_val, "train_tail": common.train_tail(f.records)}
+    arms[arm] = {"curve": [(N, pre.final_val)] + f.curve(), "final": f.final_val,
+                 "train_tail": common.train_tail(f.records)}
     if arm == "expanded":
       arms[arm]["new_out_norm"] = _out_norm(f.model, index)
       arms[arm]["old_out_norm"] = float(np.mean([_out_norm(f.model, i) for i in range(c.n_layers + 1) if i != index]))

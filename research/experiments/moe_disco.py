@@ -428,7 +428,8 @@ def _main(cfg: Config) -> dict:
     sizes_E = np.bincount(d["labels"]["disco"], minlength=E)
     runs["disco_size", lr, seed] = {**s, **g_phase(s, d["init"], d["pool"], val, lr, seed, cfg, n, weights=sizes_E)}
 
-  result = {"config": dataclasses.asdict(cfg), "command": common.command(), "steps": n, "tokens_per_arm": n["e2e"] * cfg.batch_size * cfg.seq_len,
+  result = {"config": dataclasses.asdict(cfg), "command": common.command(), "steps": n,
+            "tokens_per_arm": n["e2e"] * cfg.batch_size * cfg.seq_len,
             "g_token_share": n["g"] / n["e2e"], "tune": {a: {str(k): v for k, v in t.items()} for a, t in tune.items()},
             "best_lr": best, "start": start, "seeds": {}}
   for seed in cfg.seeds:
@@ -499,7 +500,8 @@ def tables(result: dict) -> list[str]:
   lines = [f"Tokens per arm: {result['tokens_per_arm']:,} (end-to-end: {n['e2e']} steps; DisCo: {E} submodels × "
            f"{n['s']} S-phase steps + {n['g']} G-phase steps, G-phase share {100 * result['g_token_share']:.0f}%). "
            f"Seeds {', '.join(map(str, seeds))}: mean ± std (ddof 1); paired = this arm minus end-to-end, per seed.",
-           *_start_lines(result), "", "| arm | lr (best on seed 0) | final val loss | paired vs end-to-end | S-phase submodels' mean val "
+           *_start_lines(result), "",
+           "| arm | lr (best on seed 0) | final val loss | paired vs end-to-end | S-phase submodels' mean val "
            "| val at merge (S-phase tokens only) | specialisation gap |", "|---|---|---|---|---|---|---|"]
   lrs = [float(lr) for lr in result["tune"]["e2e"]]
   for arm in ARMS:
@@ -533,7 +535,8 @@ def _start_lines(result: dict) -> list[str]:
     return []
   up = common.mean_std(start["upcycled_val"].values())
   return ["", f"Start (every arm, every seed): the dense model (d_ff {cfg['num_experts'] * cfg['d_expert']}) after "
-          f"{cfg['pretrain_steps']} AdamW steps at lr {cfg['pretrain_lr']:g} ({cfg['pretrain_steps'] * cfg['batch_size'] * cfg['seq_len']:,} "
+          f"{cfg['pretrain_steps']} AdamW steps at lr {cfg['pretrain_lr']:g} "
+          f"({cfg['pretrain_steps'] * cfg['batch_size'] * cfg['seq_len']:,} "
           f"pretraining tokens, not counted above): val {start['dense_val']:.4f}; upcycled to the MoE (random neuron "
           f"split, fresh router per seed): val {common.pm(up)}."]
 
@@ -591,8 +594,8 @@ def _caveats(result: dict) -> list[str]:
     up = common.mean_std(start["upcycled_val"].values())
     e2e = summary(result)["e2e"]["final"]
     out.append(f"Reading: upcycling costs {up[0] - start['dense_val']:+.3f} nats/byte (dense {start['dense_val']:.4f}, "
-               f"upcycled MoE {common.pm(up)}); after {result['tokens_per_arm']:,} tokens the best arm, end-to-end, is at "
-               f"{common.pm(e2e)}, {'still above' if e2e[0] > start['dense_val'] else 'below'} the dense model it "
+               f"upcycled MoE {common.pm(up)}); after {result['tokens_per_arm']:,} tokens the best arm, end-to-end, is "
+               f"at {common.pm(e2e)}, {'still above' if e2e[0] > start['dense_val'] else 'below'} the dense model it "
                "started from.")
   return out
 

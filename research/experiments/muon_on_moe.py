@@ -598,7 +598,8 @@ QUESTION = ("How should Muon treat a stacked expert weight (L, E, d_in, d_out)? 
 
 
 STRESS_QUESTION = (" Stress setting (`--stress`): without QK-norm, at higher lrs and 5× the steps, do the attention "
-                   "logits grow under Muon, and does MuonClip's QK-clip (τ = 100) keep them bounded and the loss lower?")
+                   "logits grow under Muon, and does MuonClip's QK-clip (τ = 100) keep them bounded and the loss "
+                   "lower?")
 
 
 def write(cfg: Config, result: dict):

@@ -43,7 +43,6 @@ import os
 import shutil
 import tempfile
 
-
 from research.experiments import common
 from research.experiments.common import past_edge, smoke_compiles_quickly, write_results
 from research.sweep import SweepConfig, draw_curves, run_grid, summarize

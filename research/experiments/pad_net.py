@@ -194,8 +194,9 @@ def tables(result: dict) -> list[str]:
     delta = "–" if arm == "moe" else common.pm(paired(result, arm), sign=True)
     phi = first["arms"][arm]["phi"]
     lines.append(f"| {label(arm)} | {dyn:,} | {result['lr'][arm]:g} | "
-                 f"{common.pm(stat(result, arm, lambda r: r['start']['docs']))} | {common.pm(stat(result, arm, 'final'))}"
-                 f" | {delta} | {common.pm(stat(result, arm, 'stdlib_final'))} | "
+                 f"{common.pm(stat(result, arm, lambda r: r['start']['docs']))} | "
+                 f"{common.pm(stat(result, arm, 'final'))} | {delta} | "
+                 f"{common.pm(stat(result, arm, 'stdlib_final'))} | "
                  f"{'–' if phi is None else ', '.join(f'{p:.3f}' for p in phi)} (seed {seeds[0]}) |")
   lines += common.lr_grid_table(result["tune"], label, f"Fine-tuning lr grid (seed {seeds[0]}, final docs val loss):")
   return lines + common.timing_lines(result)

@@ -13,8 +13,8 @@ NeurIPS 2025; optim/badam.py, optim/bread.py): BREAD's cheap updates of the inac
 
 Setup. Pretraining: the `small` preset (d 256, 4 layers) with AdamW from random init on the default corpus (the
 standard library's Python source, bytes) by the train CLI, one run (seed 0). Fine-tuning: `--init-from` that run on
-the second corpus (`research.data.docs_corpus`: package descriptions, split by package), by the same CLI (warmup + cosine,
-clip 1.0, the optimizer's default weight decay, one device), at equal steps and tokens for every contender:
+the second corpus (`research.data.docs_corpus`: package descriptions, split by package), by the same CLI (warmup +
+cosine, clip 1.0, the optimizer's default weight decay, one device), at equal steps and tokens for every contender:
   adamw, muon        full fine-tuning, every parameter.
   badam              BAdam with the reference defaults (one layer at a time, embedding and final norm frozen), run by
                      the blockwise step (parameters stored in bfloat16, the active layer's float32 master).
@@ -68,13 +68,12 @@ from flax import nnx
 
 from models import count_params
 from research.bench import finetune as bench
-from research.data import docs_corpus
-from research.data import eval_batches, load_corpus
+from research.data import docs_corpus, eval_batches, load_corpus
 from research.experiments import common
 from research.sweep import Run, SweepConfig, parse_grid, run_grid
+from research.train.config import TrainConfig
 from research.train.setup.adapters import PeftFlags
 from research.train.setup.build import make_optimizer
-from research.train.config import TrainConfig
 from research.train.store.pretrained import load_run
 
 NAME = "peft"
@@ -261,7 +260,8 @@ def main(cfg: Config) -> dict:
                            "peft": {n: dataclasses.asdict(f) for n in cfg.contenders
                                     if (f := contender(cfg, n)[2]) is not None},
                            "docs_corpus": {"fingerprint": corpora["docs"].fingerprint,
-                                           "documents": len(os.listdir(docs)), "train_bytes": len(corpora["docs"].train),
+                                           "documents": len(os.listdir(docs)),
+                                           "train_bytes": len(corpora["docs"].train),
                                            "val_bytes": len(corpora["docs"].val)},
                            "stdlib_fingerprint": corpora["stdlib"].fingerprint},
               "params": total, "start": start, "tuning": tuning, "best_lr": best, "runs": runs,
@@ -330,7 +330,7 @@ def summarize(runs: list[dict], names) -> dict:
                  "H_seed_std": float(h.mean(axis=(1, 2)).std(ddof=1)) if len(rs) > 1 else 0.0,
                  "curve": [[s, v] for s, v in rs[0]["curve"]]}
   base = out.get("adamw", {})
-  for name, s in out.items():
+  for s in out.values():
     if s.get("diverged") or base.get("diverged"):
       continue
     for key in ("docs", "stdlib"):
@@ -390,8 +390,8 @@ def tables(result: dict) -> list[str]:
   n_layers = len(next(x for x in s.values() if not x.get("diverged"))["H_layer"])
   lines += ["", "Singular-value entropy of ΔW = W_final − W_pretrained (p = σ/Σσ, H = −Σ p ln p in nats; mean over "
             "the 7 projections and the seeds; H / ln min(I, O) normalises by a flat full-rank spectrum):", "",
-            "| contender | " + " | ".join(f"layer {i}" for i in range(n_layers)) + " | mean H | ± seeds | H / ln min(I,O) "
-            "|", "|---|" + "---:|" * (n_layers + 3)]
+            "| contender | " + " | ".join(f"layer {i}" for i in range(n_layers))
+            + " | mean H | ± seeds | H / ln min(I,O) |", "|---|" + "---:|" * (n_layers + 3)]
   for name in names:
     x = s[name]
     if not x.get("diverged"):
@@ -450,7 +450,8 @@ def findings(result: dict) -> list[str]:
   out += blocks_claim(result)
   edges = [TITLES[n] for n in result["best_lr"] if result["best_lr"][n] is not None and _grid_edge(result, n)]
   if edges:
-    out.append(f"Reading: the best lr of {', '.join(edges)} lies at the edge of its grid; a wider grid might do better.")
+    out.append(f"Reading: the best lr of {', '.join(edges)} lies at the edge of its grid; a wider grid might do "
+               "better.")
   return out
 
 
@@ -468,7 +469,8 @@ def claim(result: dict) -> list[str]:
   if any(n not in s or s[n].get("diverged") for n in need):
     return []
   h = {n: s[n]["H"] for n in need}
-  keeps = all(h[n] >= h["dora"] - 2 * max(s[n]["H_seed_std"], s["dora"]["H_seed_std"], 1e-3) for n in ("prediag", "sora"))
+  keeps = all(h[n] >= h["dora"] - 2 * max(s[n]["H_seed_std"], s["dora"]["H_seed_std"], 1e-3)
+              for n in ("prediag", "sora"))
   out = [f"Reading (the paper's claim): DoRA raises H(ΔW) from LoRA's {h['lora']:.2f} to {h['dora']:.2f} (full AdamW "
          f"{h['adamw']:.2f}): {'holds' if h['lora'] < h['dora'] <= h['adamw'] + 0.5 else 'does not hold'} here. "
          f"Pre-Diag ({h['prediag']:.2f}) and SORA ({h['sora']:.2f}) raise it above LoRA's too, but "

@@ -28,9 +28,9 @@ float32).
 Mixed precision (RTN, per output channel): a width per (layer, projection) from {2, 3, 4, 8, 16} within the bytes of
 uniform b-bit RTN, b ∈ `mixed_bits`, by the first-order term ⟨∂L/∂W, ΔW⟩ on the calibration windows (exact knapsack
 and greedy), by HAWQ's ½·Tr(H)/n·‖ΔW‖² (exact; Hutchinson with `hessian_samples` probes), by their sum (the
-second-order expansion: §6 asks for a negative first-order term *and* a small second-order one), and uniform b. Reported: the
-held-out and calibration ΔL of each layout, its predicted ΔL, the share of layouts whose held-out ΔL < 0, and the
-correlation between predicted and measured ΔL.
+second-order expansion: §6 asks for a negative first-order term *and* a small second-order one), and uniform b.
+Reported: the held-out and calibration ΔL of each layout, its predicted ΔL, the share of layouts whose held-out ΔL < 0,
+and the correlation between predicted and measured ΔL.
 
 Speed: held-out evaluation (jitted forward and loss, after compilation, median of 3) of the float32 model, uniform
 W3 RTN and W8A8 SmoothQuant, as a ratio to float32, on this CPU. Quantized weights are dequantized inside the forward
@@ -58,10 +58,10 @@ from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
 from research.data import eval_batches, get_batch, load_corpus
 from research.data.tokenized import tokenize_corpus
 from research.experiments import common
-from research.train.store import integrity
 from research.train.config import TrainConfig
-from research.train.store.pretrained import LOAD_ERRORS, load_model
 from research.train.hooks.throughput import median_seconds
+from research.train.store import integrity
+from research.train.store.pretrained import LOAD_ERRORS, load_model
 
 NAME = "quantization"
 QUESTION = ("Post-training quantization of models trained here: how do RTN, GPTQ, AWQ and SmoothQuant compare at W3 "
@@ -446,7 +446,7 @@ def plot(result: dict):
         if k != "diagnostics":
           method = k.removeprefix("uniform ")
           point(ax, v["bytes"] / 2**20, np.mean(v["delta_val"]), method, marker, f"{budget}: {k}")
-    for bits, layouts in s["mixed"].items():
+    for layouts in s["mixed"].values():
       for k, v in layouts.items():  # "first_order exact", "hessian greedy", "uniform 4", ...
         criterion, search = k.split(" ")
         method = "rtn" if criterion == "uniform" else f"mixed {criterion}"

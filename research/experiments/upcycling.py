@@ -206,9 +206,9 @@ def tables(result: dict) -> list[str]:
   dense_val = common.mean_std([r["dense_val"] for r in result["seeds"].values()])
   split_err = max(e for r in result["seeds"].values() for e in r["split_error"].values())
   p, fl = result["params"], result["flops_per_token"]
-  lines = [f"Dense model after N = {N} steps: val loss {common.pm(dense_val)} (nats/byte). Split exactness (Σ_e Expert_e "
-           f"= s·FFN, float64 on Gaussian inputs): max relative error {split_err:.1e} over layers, splits and seeds. "
-           f"Continued arms: T = {T} steps = "
+  lines = [f"Dense model after N = {N} steps: val loss {common.pm(dense_val)} (nats/byte). Split exactness "
+           f"(Σ_e Expert_e = s·FFN, float64 on Gaussian inputs): max relative error {split_err:.1e} over layers, "
+           f"splits and seeds. Continued arms: T = {T} steps = "
            f"{result['tokens']['continue']:,} tokens each; scratch: {N + T} steps = {result['tokens']['total']:,} "
            f"tokens (= dense pretraining + continuation). Seeds {', '.join(map(str, seeds))}; mean ± std (ddof 1); "
            "Δ = per-seed difference to the dense arm.", "",
@@ -244,8 +244,8 @@ def findings(result: dict) -> list[str]:
   ratio = result["params"]["moe"]["active"] / result["params"]["dense"]["active"]
   lines = [
       f"Reading: the conversion costs {common.pm(gap['random'], True)} nats/byte (random split) and "
-      f"{common.pm(gap['clustered'], True)} (clustered) of val loss over the dense model; the experts sum to the dense FFN "
-      "exactly (table), so the cost is the top-2 routing by a router that has not learned anything yet.",
+      f"{common.pm(gap['clustered'], True)} (clustered) of val loss over the dense model; the experts sum to the dense "
+      "FFN exactly (table), so the cost is the top-2 routing by a router that has not learned anything yet.",
       f"Reading: after T more steps the random-split MoE is {common.pm(after['random'], True)} from the dense model "
       f"continued on the same tokens ({_agree(result, 'random')}; clustered {common.pm(after['clustered'], True)}, "
       f"{_agree(result, 'clustered')})"
@@ -261,8 +261,8 @@ def findings(result: dict) -> list[str]:
                          for r in result["seeds"].values()])
     ahead = sum(r["arms"]["random"]["final"] < r["arms"]["scratch"]["final"] for r in result["seeds"].values())
     lines.append(f"Reading: the upcycled MoE (random) − the same MoE trained from scratch on the same N+T steps' "
-                 f"tokens: {common.pm(d, True)} (upcycled lower in {ahead} of {len(result['seeds'])} seeds); the scratch "
-                 f"MoE runs at the untuned pretraining lr {result['lr']['scratch']:g}"
+                 f"tokens: {common.pm(d, True)} (upcycled lower in {ahead} of {len(result['seeds'])} seeds); the "
+                 f"scratch MoE runs at the untuned pretraining lr {result['lr']['scratch']:g}"
                  + (", below the continued arms' tuned one, so this comparison may favour upcycling."
                     if result["lr"]["scratch"] < result["lr"]["random"] else "."))
   return lines

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.test_util import check_grads
 from flax import nnx
+from jax.test_util import check_grads
 
 import sharding
 from models import ConfigError, MoEConfig, Transformer, cross_entropy, preset
@@ -76,8 +76,8 @@ def test_bad_choices_are_one_line_errors():
       attend(*x, impl="cudnn")
   with pytest.raises(ConfigError, match="attention must be one of auto, xla, flash, cudnn, ring, allgather"):
     dataclasses.replace(preset("tiny"), attention="sdpa")
-  with jax.set_mesh(sharding.make_mesh("context=8")), pytest.raises(AttentionError, match="attention 'flash' does "
-                                                                    "not split the sequence, but the mesh has context=8"):
+  with jax.set_mesh(sharding.make_mesh("context=8")), pytest.raises(
+      AttentionError, match="attention 'flash' does not split the sequence, but the mesh has context=8"):
     attend(*x, impl="flash")
   with pytest.raises(AttentionError, match="seq_len=60 does not split into the 2\\*context=8 zig-zag chunks"):
     check_attention("ring", 60, 4)
@@ -165,6 +165,7 @@ def test_auto_falls_back_when_cudnn_refuses(monkeypatch):
   """On an NVIDIA GPU in bfloat16 auto asks cuDNN first; if cuDNN refuses at trace time (not installed, its version),
   the run goes on with flash past one tile (else xla), and the outputs are the reference's."""
   import types
+
   import models.attention as attention
   monkeypatch.setattr(attention.jax, "devices", lambda: [types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3",
                                                                                compute_capability="9.0")])

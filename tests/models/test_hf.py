@@ -21,6 +21,7 @@ import models
 from models import HFError, from_hf, to_hf
 from sharding import make_mesh
 
+
 def _hf_logits(model, tokens):
   with torch.no_grad():
     return model(torch.tensor(np.asarray(tokens))).logits.numpy()

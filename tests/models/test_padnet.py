@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from test_moe import D, G, cfg, layer_and_input, np_moe, run, weights
 
 import models
 import sharding
 from models import MoEConfig, TransformerConfig, count_params, padnet, surgery
-from test_moe import D, G, cfg, layer_and_input, np_moe, run, weights
 
 CFG = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=32, tie_embeddings=False,
                         moe=MoEConfig(num_experts=8, top_k=2, d_expert=16, num_shared=1))
@@ -163,7 +163,8 @@ def test_partition_on_a_model_scores_with_the_loss_and_is_deterministic():
   graphdef, masks, rest = nnx.split(c, padnet.PadMask, ...)
   grads = [jax.grad(lambda m: loss_fn(nnx.merge(graphdef, m, rest), x))(
       jax.tree.map(lambda m: m.astype(jnp.float32), masks)) for x in batches]
-  score = np.abs(np.asarray(grads[0]["blocks"]["moe"]["mask_up_EDF"][...] + grads[1]["blocks"]["moe"]["mask_up_EDF"][...]))
+  score = np.abs(np.asarray(grads[0]["blocks"]["moe"]["mask_up_EDF"][...]
+                            + grads[1]["blocks"]["moe"]["mask_up_EDF"][...]))
   one = fresh()
   padnet.partition(one, loss_fn, batches, 0.5, rounds=1, scope="local")
   kept = np.asarray(one.blocks.moe.mask_up_EDF[...]).reshape(-1, 32 * 16)

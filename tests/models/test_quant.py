@@ -22,7 +22,8 @@ from sharding.state import place_variables
 def _load_reference():
   import importlib.util
   import pathlib
-  spec = importlib.util.spec_from_file_location("quant_reference", pathlib.Path(__file__).with_name("quant_reference.py"))
+  spec = importlib.util.spec_from_file_location("quant_reference",
+                                                pathlib.Path(__file__).with_name("quant_reference.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

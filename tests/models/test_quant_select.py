@@ -12,7 +12,8 @@ from scipy.stats import ortho_group
 from models import Transformer, cross_entropy, preset, quant
 from models.quant_select import choose, linear_cka, one_layer_losses, pick
 
-_spec = importlib.util.spec_from_file_location("quant_reference", pathlib.Path(__file__).with_name("quant_reference.py"))
+_spec = importlib.util.spec_from_file_location("quant_reference",
+                                               pathlib.Path(__file__).with_name("quant_reference.py"))
 ref = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ref)  # float64 NumPy, from the papers
 

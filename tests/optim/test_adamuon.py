@@ -25,12 +25,13 @@ import numpy as np
 import optax
 import pytest
 import torch
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from pytorch_optimizer.optimizer.muon import adamuon as po_adamuon
+from sharded_steps import assert_stack_is_separate, run_steps, sine_grads
 
 import sharding
 from optim import adamuon
-from sharded_steps import assert_stack_is_separate, run_steps, sine_grads
 
 RNG = np.random.default_rng(0)
 # w_up: a stack of two wide (fan_in 6 < fan_out 10) matrices, w_down: tall; head and bias go to AdamW

@@ -10,12 +10,12 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from sharded_steps import flat, unflat
 
 import models
 import optim
 import sharding
 from optim.badam import BAdamError, badam, badam_adamw, badam_labels, block_index
-from sharded_steps import flat, unflat
 
 RNG = np.random.default_rng(0)
 LR, B1, B2, EPS, WD = 0.05, 0.9, 0.95, 1e-8, 0.1
@@ -221,7 +221,8 @@ def test_labels_freeze_embedding_head_and_final_norm_by_default():
     (dict(blocks=lambda p: 0, include_head=True), {"w": jnp.ones(3)}, "give those leaves their own block id"),
     (dict(blocks=lambda p: {"w": "x"}), {"w": jnp.ones(3)}, "use a block id >= 0, 'active' or 'frozen'"),
     (dict(start_block=3), {"blocks": {"w": jnp.ones((3, 2))}}, "start_block=3 is outside the 3 blocks"),
-    (dict(blocks="layers"), {"layers": {"w": jnp.ones((3, 2))}}, "found no stacked leaves under 'blocks'; pass stacked="),
+    (dict(blocks="layers"), {"layers": {"w": jnp.ones((3, 2))}},
+     "found no stacked leaves under 'blocks'; pass stacked="),
     ({}, {"blocks": {"w": jnp.ones((3, 2)), "v": jnp.ones((2, 2))}}, "share one leading .layer. axis"),
 ])
 def test_bad_configurations_say_how_to_fix_them(kwargs, params, match):

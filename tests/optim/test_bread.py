@@ -10,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from sharded_steps import flat, run_steps, sine_grads, unflat
 
 import models
 import optim
@@ -17,7 +18,6 @@ import sharding
 from optim.badam import badam_adamw
 from optim.bread import BreadError, bread_adamw
 from optim.trees import tree_bytes
-from sharded_steps import flat, run_steps, sine_grads, unflat
 
 RNG = np.random.default_rng(0)
 LR, B1, B2, EPS, WD = 0.05, 0.9, 0.95, 1e-8, 0.1

@@ -16,14 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from sharded_steps import assert_no_hang_patterns, compile_update, run_steps
 
 import optim
+import sharding
 from optim import DionError, DionState, dion, dion_rank, right_factor_spec, scale_by_dion
 from optim.dion import _cholesky_qr2, _inverse_cholesky_factor
 from research.bench.dion import dion_expected_bytes, state_shardings, step_bytes
-import sharding
-from sharded_steps import assert_no_hang_patterns, compile_update, run_steps
 
 RNG = np.random.default_rng(0)
 SHAPES = {"tall": (12, 5), "wide": (5, 12), "square": (8, 8), "stack": (3, 6, 10)}

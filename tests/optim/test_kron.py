@@ -24,10 +24,10 @@ import pytest
 import torch
 from jax.sharding import PartitionSpec as P
 from pytorch_optimizer.optimizer import psgd as po_psgd
+from sharded_steps import assert_no_hang_patterns, compile_update, sharded_and_single
 
 from optim import KronError, kron, kron_draws, precond_update_prob_schedule, scale_by_kron
 from optim.registry import STATIC_ARGS
-from sharded_steps import assert_no_hang_patterns, compile_update, sharded_and_single
 
 STATIC = tuple(a for a in STATIC_ARGS if a in inspect.signature(kron).parameters)  # max_size_triangular
 

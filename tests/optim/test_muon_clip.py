@@ -147,8 +147,8 @@ def test_qk_norm_models_and_misfit_statistics_are_refused():
 def test_cli_trains_with_muonclip_and_logs_max_logits(tmp_path):
   from research.train import main
   out = str(tmp_path / "run")
-  main(["--model", "tiny", "--qk-norm", "False", "--optimizer", "muonclip", "--opt", "clip_threshold=0.5", "--steps", "3",
-        "--batch-size", "4", "--seq-len", "16", "--log-every", "1", "--eval-every", "3", "--out", out,
+  main(["--model", "tiny", "--qk-norm", "False", "--optimizer", "muonclip", "--opt", "clip_threshold=0.5",
+        "--steps", "3", "--batch-size", "4", "--seq-len", "16", "--log-every", "1", "--eval-every", "3", "--out", out,
         "--no-progress"])
   recs = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
   assert all(np.isfinite(r["attn/max_logit"]) and len(r["attn/max_logit_layer"]) == 2 for r in recs)
@@ -162,7 +162,9 @@ def test_cli_trains_with_muonclip_and_logs_max_logits(tmp_path):
 def test_muonclip_sharded_equals_unsharded():
   """3 steps with max logits above τ in some heads, on 8 devices (fsdp=4, tensor=2, Explicit axes) and on one: the
   same parameters, each update in its parameter's sharding."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   import sharding
   specs = {"wq_DQ": P(None, "fsdp", "tensor"), "wk_DK": P(None, "fsdp", "tensor"), "w_up": P(None, "fsdp", "tensor")}
   params = {"wq_DQ": RNG.standard_normal((2, 16, 32)), "wk_DK": RNG.standard_normal((2, 16, 16)),

@@ -39,13 +39,13 @@ import torch
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from pytorch_optimizer.optimizer import soap as po_soap
+from sharded_steps import assert_no_hang_patterns, compile_update, lapack_calls, sharded_and_single
 
 import models
 import optim
 from optim import SoapError, soap, soap_labels
-from optim.soap import _eigenbasis, _power_step
 from optim.registry import STATIC_ARGS
-from sharded_steps import assert_no_hang_patterns, compile_update, lapack_calls, sharded_and_single
+from optim.soap import _eigenbasis, _power_step
 
 RNG = np.random.default_rng(0)
 SHAPES = {"w": (2, 6, 4), "wide": (4, 7), "attn_norm": (7,), "big": (4, 12)}

@@ -9,7 +9,8 @@ import os
 
 import optax
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from models import ConfigError, TransformerConfig
 from optim import OPTIMIZERS, UnknownOptimizerError, get_optimizer, hyperparameters
@@ -80,7 +81,8 @@ FLAGS = st.one_of(
                                "--stop-at"]),
               st.sampled_from(["0", "-1", "-100", "1.5", "abc", ""])),
     # 0 is valid for these two (no warmup; never stop on bad steps)
-    st.tuples(st.sampled_from(["--warmup-steps", "--max-bad-steps"]), st.sampled_from(["-1", "-100", "1.5", "abc", ""])),
+    st.tuples(st.sampled_from(["--warmup-steps", "--max-bad-steps"]),
+              st.sampled_from(["-1", "-100", "1.5", "abc", ""])),
     st.tuples(st.just("--mesh"), st.sampled_from(["data=3", "data=2,data=4", "foo=8", "data=-1,fsdp=-1", "data",
                                                    "data=0", "tensor=16", "data=x"])),
     st.tuples(st.just("--opt"), st.sampled_from(["ns_steps=abc", "b1=2", "eps=-1", "nesterov=3", "beta1=0.9",

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import research.train.config.checks
+import research.train.steps.step
 from models import Transformer, cross_entropy
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, main, make_steps, run
-from research.train.setup.build import make_optimizer, model_config
 from research.train.feed import Feed, make_loader
-from research.train.steps.health import Monitor
+from research.train.setup.build import make_optimizer, model_config
 from research.train.steps import train_state
-import research.train.config.checks
-import research.train.steps.step
+from research.train.steps.health import Monitor
 from sharding import batch_sharding, local_batch, make_mesh
 
 # The programs of tests/research/test_crash.py and test_multiprocess.py (same model, optimizer, schedule, mesh):
@@ -55,7 +55,8 @@ def poisoned_batches(marks: dict[int, str], order=None):
   step index to the step whose batch it replays. The batches are the run's own loader's."""
   def next_(feed):
     src = order[feed.step] - 1 if order else feed.step
-    x, y = spoil(*make_loader(feed.corpus, feed.training, feed.data, feed.options, feed.rows).batch(src), marks.get(src + 1))
+    x, y = spoil(*make_loader(feed.corpus, feed.training, feed.data, feed.options, feed.rows).batch(src),
+                 marks.get(src + 1))
     next(feed.iterator)  # the iterator (whose state checkpoints keep) moves on as in a clean run
     feed.step += 1
     return local_batch((x, y), feed.mesh, feed.rows, feed.training.batch_size)
@@ -174,8 +175,9 @@ def test_max_bad_steps_counts_every_step_not_only_logged_ones(poison, tmp_path, 
   one step behind), not at the next logged step."""
   poison({s: "nan_loss" for s in range(3, 9)})
   with pytest.raises(SystemExit) as e:
-    main([f"--{k.replace('_', '-')}={v}" for k, v in {**TINY, "log_every": 10, "eval_every": 10, "ckpt_every": 10}.items()
-          if k != "progress"] + ["--no-progress", "--max-bad-steps=3", f"--out={tmp_path}"])
+    main([f"--{k.replace('_', '-')}={v}"
+          for k, v in {**TINY, "log_every": 10, "eval_every": 10, "ckpt_every": 10}.items() if k != "progress"]
+         + ["--no-progress", "--max-bad-steps=3", f"--out={tmp_path}"])
   err = capsys.readouterr().err.strip().splitlines()
   assert e.value.code == 3 and len(err) == 1, err
   assert err[0].startswith("error: 3 non-finite steps in a row (steps 3-5, none applied; --max-bad-steps 3): "

@@ -3,7 +3,9 @@
 import jax
 import pytest
 
-from research.bench import attention as bench_attention, cli as bench, optim as bench_optim
+from research.bench import attention as bench_attention
+from research.bench import cli as bench
+from research.bench import optim as bench_optim
 from research.bench.ckpt import ckpt_bench
 
 
@@ -115,8 +117,8 @@ def test_data_bench_at_smoke_size(tmp_path):
   reads the finished parts back instead of running them again."""
   from research.bench.data import data
   out, work = tmp_path / "d.md", tmp_path / "work"
-  kw = dict(gb=0.002, small_mb=1, model="tiny", batch_size=4, seq_len=16, steps=2, loader_batches=5, mesh="data=1", devices=1,
-            work=str(work), out=str(out))
+  kw = dict(gb=0.002, small_mb=1, model="tiny", batch_size=4, seq_len=16, steps=2, loader_batches=5, mesh="data=1",
+            devices=1, work=str(work), out=str(out))
   got = bench.BENCHMARKS["data"](**kw)
   assert (work / "tokens-0.002gb.bin").stat().st_size == 2_000_000
   assert (work / "tokens-1mb.bin").stat().st_size == 2 ** 20

@@ -1,7 +1,7 @@
-"""The blockwise BAdam step (research/train/steps/blockstep.py) equals optim.badam_adamw with full backprop (the trainer's
-step before it), update for update across block switches, and its BREAD-SGD form optim.bread_adamw(mode="sgd") (whose
-update is tested against a float64 reference of the equations in tests/optim/test_bread.py); with bfloat16 storage
-only the active layer moves."""
+"""The blockwise BAdam step (research/train/steps/blockstep.py) equals optim.badam_adamw with full backprop (the
+trainer's step before it), update for update across block switches, and its BREAD-SGD form optim.bread_adamw(mode="sgd")
+(whose update is tested against a float64 reference of the equations in tests/optim/test_bread.py); with bfloat16
+storage only the active layer moves."""
 
 import dataclasses
 
@@ -14,9 +14,9 @@ from flax import nnx
 from models import Transformer
 from research.train import TrainConfig, make_steps
 from research.train.setup.blockwise import eligible
-from research.train.steps.blockstep import Parts, init_state, make_block_steps
 from research.train.setup.build import make_optimizer, model_config, optimizer_needs
 from research.train.steps import train_state
+from research.train.steps.blockstep import Parts, init_state, make_block_steps
 from sharding import batch_sharding, devices_for, make_mesh
 
 B, T, L = 4, 16, 3
@@ -28,8 +28,8 @@ def setup(model, mesh_spec, optimizer="badam", opt=(), **kw):
   # by 1% of a step at eps 1e-8); with eps above the gradients' rounding both steps are well conditioned.
   cfg = TrainConfig(model=model, n_layers=L, optimizer=optimizer,
                     opt=("switch_every=2", "order=\"ascending\"", "eps=1e-3", *opt),
-                    **{"grad_clip": 0.0, "batch_size": B, "seq_len": T, "mesh": mesh_spec, "steps": 50, "warmup_steps": 2,
-                       "lr": 3e-3, **kw})
+                    **{"grad_clip": 0.0, "batch_size": B, "seq_len": T, "mesh": mesh_spec, "steps": 50,
+                       "warmup_steps": 2, "lr": 3e-3, **kw})
   mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
   tx, schedule = make_optimizer(cfg)
   mcfg = model_config(cfg)
@@ -47,8 +47,9 @@ BREAD_LOWRANK = ("rank=2", "alpha=4.0", "inactive_lr_ratio=0.5")
 
 
 @pytest.mark.parametrize("model,mesh_spec,optimizer,opt", [
-    ("tiny", "data=1", "badam", ()), ("tiny", "data=2,fsdp=2,tensor=2", "badam", ()), ("moe_tiny", "data=1", "badam", ()),
-    ("tiny", "data=1", "bread", BREAD_SGD), ("tiny", "data=2,fsdp=2,tensor=2", "bread", (*BREAD_SGD, "sgd_sign=true")),
+    ("tiny", "data=1", "badam", ()), ("tiny", "data=2,fsdp=2,tensor=2", "badam", ()),
+    ("moe_tiny", "data=1", "badam", ()), ("tiny", "data=1", "bread", BREAD_SGD),
+    ("tiny", "data=2,fsdp=2,tensor=2", "bread", (*BREAD_SGD, "sgd_sign=true")),
     ("moe_tiny", "data=1", "bread", BREAD_SGD), ("tiny", "data=2,fsdp=2,tensor=2", "bread", BREAD_LOWRANK),
     ("moe_tiny", "data=1", "bread", BREAD_LOWRANK)])
 def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer, opt):

@@ -3,10 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from research.train.store.checkpoint import Checkpointer
 import sharding
+from research.train.store.checkpoint import Checkpointer
 
 
 def test_zero_size_arrays_round_trip_with_their_shape_dtype_and_sharding(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 from models import PRESETS
 from optim import OPTIMIZERS
 from research.train import RunError, TrainConfig, main
-from research.train.setup.build import model_config
 from research.train.config import MoEFlags
+from research.train.setup.build import model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

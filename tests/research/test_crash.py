@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from runs import files, trace
 
 from research.train import TrainConfig, main, run
-from runs import files, trace
 
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
             warmup_steps=1, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12)

@@ -15,10 +15,11 @@ import shutil
 import tempfile
 
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+from runs import files, trace
 
 from research.train import TrainConfig, main, run
-from runs import files, trace
 
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
             warmup_steps=1, eval_batches=2, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12, keep=10)  # (keep-N

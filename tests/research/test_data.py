@@ -15,8 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from research.data import corpus
-from research.data import DataError, eval_batches, get_batch, load_corpus
+from research.data import DataError, corpus, eval_batches, get_batch, load_corpus
 
 
 def _stdlib_files():

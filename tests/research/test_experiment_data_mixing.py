@@ -22,7 +22,8 @@ def test_the_fixed_arms_keep_their_weights_and_the_dynamic_arm_moves_at_its_peri
   assert list(run["arms"]) == ["uniform", "size", "dynamic"]
   sizes = {n: result["corpora"][n]["train_bytes"] for n in data_mixing.SOURCES}
   assert run["arms"]["uniform"]["weights"] == [[0, [1 / 3] * 3]]
-  np.testing.assert_allclose(run["arms"]["size"]["weights"][0][1], parse_mix("size", data_mixing.SOURCES).initial(sizes))
+  np.testing.assert_allclose(run["arms"]["size"]["weights"][0][1],
+                             parse_mix("size", data_mixing.SOURCES).initial(sizes))
   assert len(run["arms"]["size"]["weights"]) == 1
   dyn = run["arms"]["dynamic"]["weights"]
   s = data_mixing.SMOKE
@@ -32,7 +33,7 @@ def test_the_fixed_arms_keep_their_weights_and_the_dynamic_arm_moves_at_its_peri
 
 
 def test_each_corpus_is_evaluated_and_the_mean_is_their_mean(result):
-  for arm, r in result["seeds"][0]["arms"].items():
+  for r in result["seeds"][0]["arms"].values():
     assert set(r["held_out"]) == set(data_mixing.SOURCES) and all(math.isfinite(v) for v in r["held_out"].values())
     assert r["final"] == pytest.approx(np.mean(list(r["held_out"].values())))
   assert set(result["seeds"][0]["upcycled"]) == set(data_mixing.SOURCES)

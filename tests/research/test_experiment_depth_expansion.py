@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 import models
-from research.experiments import common, depth_expansion as de
+from research.experiments import common
+from research.experiments import depth_expansion as de
 
 
 @pytest.fixture(scope="module")

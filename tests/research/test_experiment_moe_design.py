@@ -26,7 +26,7 @@ def test_every_full_size_arm_has_the_same_active_ffn_and_the_chains_hold_what_th
       m = c.moe
       assert (m.top_k + m.num_shared) * m.d_expert == cfg.active, arm  # the active FFN width per token
   router = lambda e: 2 * 64 * e  # noqa: E731  (D x E per layer, 2 layers)
-  for arm, (e, k, s) in specs.items():  # active = dense + the router (+ the shared expert's gate, none here)
+  for arm, (e, _k, _s) in specs.items():  # active = dense + the router (+ the shared expert's gate, none here)
     assert sizes[arm]["active"] == sizes["dense"]["active"] + (router(e) if e else 0), arm
   for fine in ("E16k2", "E32k4"):  # G2's chain: equal total parameters but the router
     assert sizes[fine]["total"] - router(specs[fine][0]) == sizes["E8k1"]["total"] - router(8)

@@ -1,5 +1,6 @@
 """research/experiments/pad_net: the smoke run's invariants (as notebooks/pad_net.ipynb ran it) and the refusal of a
-ratio PAD-Net cannot use. (Resuming a stopped full run: `common.run_seeds`, tests/research/test_experiments_common.py.)"""
+ratio PAD-Net cannot use. (Resuming a stopped full run: `common.run_seeds`,
+tests/research/test_experiments_common.py.)"""
 
 import math
 

@@ -20,7 +20,8 @@ def test_protocol(result):
   smoke = peft.Config(**peft.SMOKE)
   assert {(r["contender"], r["lr"]) for r in result["tuning"]} == {
       (n, lr) for n in smoke.contenders for lr in peft.lrs(smoke, n)}
-  assert {(r["contender"], r["seed"]) for r in result["runs"]} == {(n, s) for n in smoke.contenders for s in smoke.seeds}
+  assert {(r["contender"], r["seed"]) for r in result["runs"]} == {
+      (n, s) for n in smoke.contenders for s in smoke.seeds}
   for r in result["tuning"] + result["runs"]:
     assert not r.get("diverged")
     assert r["held_out"]["docs"] == pytest.approx(r["final_val_loss"], abs=1e-5), r["contender"]

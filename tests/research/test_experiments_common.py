@@ -149,9 +149,10 @@ def test_fit_steps_as_the_trainer_does(case):
   """`fit` and the trainer's `make_steps` (one device) take the same steps: each step's loss, and after them the
   parameters (MuonClip given max_logits, with a threshold it crosses) and buffers (the MoE router-bias update)."""
   import chex
+  from flax import nnx
+
   import models
   import optim
-  from flax import nnx
   from research.train import make_steps
   from research.train.steps.train_state import create
   from sharding import batch_sharding, devices_for, make_mesh

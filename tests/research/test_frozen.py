@@ -11,10 +11,9 @@ from flax import nnx
 
 from models import Transformer
 from research.train import TrainConfig, make_steps
-from research.train.steps import frozen
 from research.train.setup.build import make_optimizer, model_config, step_options
+from research.train.steps import frozen, train_state
 from research.train.steps.step import value_and_grad_trained
-from research.train.steps import train_state
 from sharding import batch_sharding, devices_for, make_mesh
 
 # tiny: D = 64 = N·H, K·H = 32, F = 128, V = 256. Batch 4 x 24 = 96 tokens: no activation is 64 x 64.

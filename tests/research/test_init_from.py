@@ -113,6 +113,7 @@ def test_fine_tunes_an_moe_on_an_expert_mesh_with_freeze(moe_source, tmp_path, o
   after = params_of(load_run(str(tmp_path / "ft"))[0])
   np.testing.assert_array_equal(after["embed_VD"], before["embed_VD"])
   assert not np.array_equal(after["blocks"]["moe"]["w_up_EDF"], before["blocks"]["moe"]["w_up_EDF"])
-  with pytest.raises(RunError, match="--freeze does not combine with --optimizer muon_mvr's update argument prev_grads"):
+  with pytest.raises(RunError,
+                     match="--freeze does not combine with --optimizer muon_mvr's update argument prev_grads"):
     run(TrainConfig(out=str(tmp_path / "mvr2"), **moe, init_from=moe_source, optimizer="muon_mvr",
                     opt=("mode=mvr2",), freeze="embed"))

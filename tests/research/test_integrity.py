@@ -1,5 +1,5 @@
-"""Checkpoint integrity: the state checksums (research/train/store/integrity.py) are independent of sharding and catch every
-single-bit error; a checkpoint whose bytes changed on disk after it was written (a flipped bit that still decodes,
+"""Checkpoint integrity: the state checksums (research/train/store/integrity.py) are independent of sharding and catch
+every single-bit error; a checkpoint whose bytes changed on disk after it was written (a flipped bit that still decodes,
 a truncated shard, a data file swapped with another step's) is refused on resume in one line, moved aside byte for
 byte, and the run goes on from the newest intact step with the losses of an uninterrupted run."""
 
@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from runs import files, trace
 
 from research.train import TrainConfig, run
 from research.train.store.integrity import fingerprints, mismatches
-from runs import files, trace
 
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,
             warmup_steps=1, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1e12)

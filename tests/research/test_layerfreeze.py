@@ -1,7 +1,7 @@
-"""--freeze-layers N (research/train/steps/layerfreeze.py): the same updates as full backprop with the frozen part's updates
-masked (AdamW and Muon, dense and MoE, one device and a 3-axis mesh), the backward provably stopping at layer N (its
-matmul FLOPs are full backprop's less exactly 2N layers' forwards), frozen layers keeping every bit in bfloat16 (and
-an MoE's frozen routing), exact resume, and the combinations it cannot run refused in one line."""
+"""--freeze-layers N (research/train/steps/layerfreeze.py): the same updates as full backprop with the frozen part's
+updates masked (AdamW and Muon, dense and MoE, one device and a 3-axis mesh), the backward provably stopping at layer N
+(its matmul FLOPs are full backprop's less exactly 2N layers' forwards), frozen layers keeping every bit in bfloat16
+(and an MoE's frozen routing), exact resume, and the combinations it cannot run refused in one line."""
 
 import jax
 import jax.numpy as jnp
@@ -9,15 +9,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from refusals import bad
 
 from models import Transformer
-from refusals import bad
 from research.bench.finetune import matmul_flops
 from research.train import RunError, TrainConfig, make_steps, run
-from research.train.setup.build import make_optimizer, model_config
 from research.train.config import MoEFlags
-from research.train.steps.layerfreeze import init_state, make_layer_steps
+from research.train.setup.build import make_optimizer, model_config
 from research.train.steps import train_state
+from research.train.steps.layerfreeze import init_state, make_layer_steps
 from sharding import batch_sharding, devices_for, make_mesh
 
 B, T, L = 4, 16, 4

@@ -11,9 +11,9 @@ from research.data import get_batch, load_corpus
 from research.data.loader import Loader
 from research.data.records import IGNORE
 from research.train import RunError, TrainConfig, run
-from research.train.store.checkpoint import Checkpointer
 from research.train.config import DataFlags
 from research.train.feed import Feed
+from research.train.store.checkpoint import Checkpointer
 from sharding import make_mesh
 
 TOKENS = np.arange(1003, dtype=np.uint16) * 7 % 1009  # distinct values: a window is known by its first token
@@ -191,7 +191,8 @@ def test_reader_threads_and_the_old_data_flag_are_no_change_of_settings():
 def test_every_format_resumes_its_batches_from_the_saved_state(tmp_path, fmt, monkeypatch):
   """Whatever the format, a corpus loaded again (from its cache, as a resumed run loads it) feeds, from a saved
   iterator state, the batches the uninterrupted iterator goes on with."""
-  pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+  pa = pytest.importorskip("pyarrow")
+  pytest.importorskip("pyarrow.parquet")  # every format starts from write_docs's Parquet file
   monkeypatch.setenv("OPTLAB_CACHE", str(tmp_path / "cache"))
   docs = write_docs(tmp_path)
   if fmt == "txt":

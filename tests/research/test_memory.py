@@ -1,6 +1,7 @@
-"""The memory pre-flight (research/train/setup/memory.py): every run prints its estimate from its own compiled step before
-its state exists; a run over the limit is refused in one line naming the estimate and the fix, with nothing written
-and nothing of an existing run touched; the estimate is XLA's per-device bytes of the step the run then executes."""
+"""The memory pre-flight (research/train/setup/memory.py): every run prints its estimate from its own compiled step
+before its state exists; a run over the limit is refused in one line naming the estimate and the fix, with nothing
+written and nothing of an existing run touched; the estimate is XLA's per-device bytes of the step the run then
+executes."""
 
 import dataclasses
 import json
@@ -10,16 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from refusals import bad
+
 from research.train import TrainConfig, run
 from research.train.setup import memory
 from research.train.setup.adapters import PeftFlags
 from research.train.setup.blockwise import blockwise_parts
-from research.train.steps.blockstep import make_block_steps
 from research.train.setup.build import make_optimizer, model_config, step_options
-from research.train.setup.startup import setup
 from research.train.setup.initial_state import abstract_initial_state
+from research.train.setup.startup import setup
+from research.train.steps.blockstep import make_block_steps
 from research.train.steps.step import make_steps
 from sharding import batch_sharding, devices_for, make_mesh
 

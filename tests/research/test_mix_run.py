@@ -1,13 +1,13 @@
-"""--data NAME=PATH ... --mix (research/train/hooks/source_weights.py): a fixed mixture reads each source at its weight, the dynamic
-rule moves the weights from the router's loads, every record logs the weights and each source's held-out loss, a
-stopped and resumed run logs what the uninterrupted one does, and bad specs are refused in one line."""
+"""--data NAME=PATH ... --mix (research/train/hooks/source_weights.py): a fixed mixture reads each source at its weight,
+the dynamic rule moves the weights from the router's loads, every record logs the weights and each source's held-out
+loss, a stopped and resumed run logs what the uninterrupted one does, and bad specs are refused in one line."""
 
 import json
 
 import numpy as np
 import pytest
-
 from refusals import bad
+
 from research.train import TrainConfig, run
 from research.train.feed import make_loader
 from research.train.hooks.source_weights import load_data

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from research.train.runtime import processes
 from research.train import TrainConfig, run
+from research.train.runtime import processes
 from research.train.runtime.processes import DistributedError
 
 TINY = dict(model="tiny", n_layers=1, steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=2,

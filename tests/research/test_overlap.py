@@ -13,7 +13,8 @@ from jax._src import array as jax_array
 
 from research.data import load_corpus
 from research.data.loader import Loader
-from research.train import TrainConfig, feed as feed_module, run
+from research.train import TrainConfig, run
+from research.train import feed as feed_module
 from research.train.steps import health
 from sharding import make_mesh
 
@@ -67,7 +68,8 @@ def test_the_next_batch_is_read_ahead_on_the_feed_thread_and_the_state_names_the
   monkeypatch.setattr(feed_module, "local_batch", lambda *a: threads.append(threading.current_thread().name) or put(*a))
   cfg, corpus = TrainConfig(**TINY), load_corpus()
   mesh = make_mesh(cfg.mesh.spec)
-  want = Loader(corpus.train, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=cfg.training.seed)  # read in the loop
+  # read in the loop
+  want = Loader(corpus.train, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len, seed=cfg.training.seed)
   feed = feed_module.Feed(corpus, cfg.training, cfg.data, cfg.data_options, mesh, 0)
   for t in range(3):
     np.testing.assert_array_equal(np.asarray(feed.next()[0]), want.batch(t)[0])

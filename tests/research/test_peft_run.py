@@ -35,7 +35,8 @@ def test_adapters_train_on_a_frozen_base_and_resume_exactly(source, tmp_path):
   assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in whole]
 
   adapted = load_run(str(tmp_path / "whole"), merge=False)[0]
-  for path, a in peft.adapters(adapted):  # the base weights are the source's, stored in bfloat16 (fine-tuning's default)
+  # the base weights are the source's, stored in bfloat16 (fine-tuning's default)
+  for path, a in peft.adapters(adapted):
     keys = path.split("/")
     assert a.w0[...].dtype == jnp.bfloat16, path
     np.testing.assert_array_equal(np.asarray(a.w0[...]), np.asarray(base[keys[0]][keys[1]].astype(jnp.bfloat16)),

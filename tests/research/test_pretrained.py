@@ -59,7 +59,8 @@ def test_sampling_a_run_and_its_export_gives_the_same_text(trained, tmp_path, ca
 
 
 def test_a_tokenizer_json_is_used_and_checked(tmp_path, capsys):
-  from tokenizers import Tokenizer, models as tmodels, pre_tokenizers
+  from tokenizers import Tokenizer, pre_tokenizers
+  from tokenizers import models as tmodels
   vocab = {w: i for i, w in enumerate(["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog"])}
   tok = Tokenizer(tmodels.WordLevel(vocab, unk_token="[UNK]"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -81,7 +82,8 @@ def test_a_tokenizer_json_is_used_and_checked(tmp_path, capsys):
 def test_a_run_trained_with_a_tokenizer_samples_and_exports_with_it(tmp_path, capsys):
   """The run directory knows its tokenizer: research.sample uses it without --tokenizer, research.export writes it
   beside the weights, and a tokenizer that has gone away is one error line, not bytes in and out."""
-  from tokenizers import Tokenizer, models as tmodels, pre_tokenizers, trainers
+  from tokenizers import Tokenizer, pre_tokenizers, trainers
+  from tokenizers import models as tmodels
   docs = [f"def f{i}(x):\n    return x * {i} + 1\n" * 20 for i in range(30)]
   data = tmp_path / "data"
   data.mkdir()

@@ -13,7 +13,8 @@ from research import soak
 @pytest.mark.parametrize("how", ["kill", "term"])
 def test_signalled_and_restarted_runs_end_exactly_like_an_uninterrupted_one(tmp_path, capsys, how):
   report = tmp_path / "new" / "report.md"  # --report's folders are made
-  status = soak.main(["--signal", how, "--kills", "2", "--steps", "10", "--out", str(tmp_path), "--report", str(report)])
+  status = soak.main(["--signal", how, "--kills", "2", "--steps", "10", "--out", str(tmp_path),
+                      "--report", str(report)])
   text = capsys.readouterr().out
   assert report.read_text().strip() == text.strip()
   rounds = [json.loads(line) for line in open(tmp_path / f"rounds_{how}_10steps_seed0.jsonl")]

@@ -4,17 +4,18 @@ continues exactly like one that stopped and resumed from its checkpoint on the n
 import jax
 import numpy as np
 import pytest
+import refusals
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from runs import trace
 
 import models
-from optim import get_optimizer
-from research.train.store.checkpoint import Checkpointer
 import research.train.store.integrity
 import sharding
-import refusals
+from optim import get_optimizer
 from research.train import TrainConfig, run
-from runs import trace
+from research.train.store.checkpoint import Checkpointer
 
 # test_train's tiny run (its compiled programs are shared through the session's cache), evaluated at the end only
 TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=8, ckpt_every=4,

@@ -1,5 +1,5 @@
-"""The train CLI's --sync modes (research/train/steps/sync.py): the equalities that pin them to data parallelism, exact resume,
-the metrics, and the refusals."""
+"""The train CLI's --sync modes (research/train/steps/sync.py): the equalities that pin them to data parallelism, exact
+resume, the metrics, and the refusals."""
 
 import json
 
@@ -8,14 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from refusals import bad
 
 import sharding
-from refusals import bad
-from research.train.store import rundir
+from research.train import RunError, TrainConfig, main, run
 from research.train.steps import sync
 from research.train.steps.train_state import TrainState
-from research.train import RunError, TrainConfig, main, run
+from research.train.store import rundir
 from sharding import replicas as rep
 
 TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=1, eval_every=2, ckpt_every=2, warmup_steps=1,
@@ -141,7 +142,7 @@ def test_resuming_with_another_sync_or_replica_count_is_refused(tmp_path):
     run(cfg(tmp_path, sync="gossip", steps=4, mesh="data=4,fsdp=2", amend=True))
 
 
-# ---- the programs against float64 NumPy: least squares, W = 4 replicas of 2 rows, plain SGD ---------------------------
+# ---- the programs against float64 NumPy: least squares, W = 4 replicas of 2 rows, plain SGD --------------------------
 
 R, ROWS, D, LR = 4, 2, 3, 0.2
 RNG = np.random.default_rng(0)

@@ -6,7 +6,8 @@ import itertools
 import os
 
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 
 from research import export, plot, quantize, sample
 from research.train import TrainConfig, run

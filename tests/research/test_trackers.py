@@ -1,5 +1,6 @@
-"""The experiment trackers (research/train/hooks/trackers.py): what TensorBoard, W&B and MLflow hold is metrics.jsonl, read
-back with each tool's own reader, through a stop and a resume; a failing tracker costs one warning line, not the run.
+"""The experiment trackers (research/train/hooks/trackers.py): what TensorBoard, W&B and MLflow hold is metrics.jsonl,
+read back with each tool's own reader, through a stop and a resume; a failing tracker costs one warning line, not the
+run.
 
 Every run here has the same shapes (one compilation for the file); `peak_flops` is given so no run measures it.
 """
@@ -21,8 +22,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from refusals import bad
+
 from research.train import RunError, TrainConfig, run
 from research.train.command import failure
 from research.train.hooks import trackers

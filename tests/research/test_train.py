@@ -6,10 +6,10 @@ import shutil
 
 import numpy as np
 import pytest
-
 from refusals import bad
-from research.train import RunError, TrainConfig, run
 from runs import trace
+
+from research.train import RunError, TrainConfig, run
 
 TINY = dict(model="tiny", steps=8, batch_size=8, seq_len=32, log_every=1, eval_every=4, ckpt_every=4,
             warmup_steps=2, eval_batches=2, progress=False, mesh="data=2,fsdp=2,tensor=2")
@@ -80,7 +80,8 @@ def test_resume_refuses_a_shape_change_and_keeps_the_checkpoint(tmp_path):
     (["--batch-size", "6", "--mesh", "data=8"], "size 6.*does not divide"),
     (["--n-heads", "3", "--mesh", "fsdp=4,tensor=2"], "n_heads=3 must be a multiple of n_kv_heads=2"),
     (["--d-ff", "99", "--mesh", "data=4,tensor=2"], "size 99.*does not divide by mesh axes \\('tensor',\\)"),
-    (["--optimizer", "adamax"], "unknown optimizer .adamax.; registered: adamuon, adamw, badam, bread, cautious_adamw, "),
+    (["--optimizer", "adamax"],
+     "unknown optimizer .adamax.; registered: adamuon, adamw, badam, bread, cautious_adamw, "),
     (["--opt", "beta1=0.8"], "optimizer 'adamw' has no hyperparameter beta1"),
     (["--data", "/nonexistent/corpus.txt"], "data path does not exist: /nonexistent/corpus.txt"),
     (["--steps", "0"], "--steps must be positive"),

@@ -9,15 +9,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from runs import trace
 
-from models import Transformer, preset
 import optim
+import sharding
+from models import Transformer, preset
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, make_steps, run
-from research.train.steps.step import keep_prev_params
 from research.train.steps import train_state
-import sharding
-from runs import trace
+from research.train.steps.step import keep_prev_params
 
 SMALL = dict(model="tiny", n_layers=1, steps=6, batch_size=8, seq_len=32, log_every=1, eval_every=3, ckpt_every=3,
              warmup_steps=1, eval_batches=1, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1.0,

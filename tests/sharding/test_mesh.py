@@ -1,12 +1,14 @@
 import jax
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from sharding import AXES, MeshError, ShardingError, logical_to_spec, make_mesh, mesh_spec, parse_mesh_spec
 
 
 def test_spec_fills_omitted_axes_with_one():
-  assert parse_mesh_spec("data=2,fsdp=2,tensor=2", 8) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+  assert parse_mesh_spec("data=2,fsdp=2,tensor=2", 8) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1,
+                                                          "tensor": 2}
 
 
 def test_minus_one_takes_the_rest():

@@ -9,15 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import models
 import sharding
 from models import moe
 from research.train import RunError, TrainConfig, main, run
-from sharding.pipeline import (PipelineError, bubble_fraction, check_pipeline, pipeline, run_stages,
-                               shift_stages)
-
+from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline, pipeline, run_stages, shift_stages
 
 # --- the schedule on a generic residual layer, against a float64 NumPy reference ---------------------------------
 

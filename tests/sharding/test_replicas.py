@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 import torch
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import sharding
 from sharding import replicas as rep

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import tyro
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import models
 import optim

@@ -5,8 +5,19 @@
   python -m research.experiments.scalability --smoke    # a minute; writes nothing (the tests run this)
 """
 
-from research.experiments.scalability.study import (ALGORITHMS, LM_ALGORITHMS, LM_DATASETS, NAME, QUESTION, SMOKE,
-                                                    Config, main, predicted_speedup, steps_to, sync_flag)
+from research.experiments.scalability.study import (
+                                                    ALGORITHMS,
+                                                    LM_ALGORITHMS,
+                                                    LM_DATASETS,
+                                                    NAME,
+                                                    QUESTION,
+                                                    SMOKE,
+                                                    Config,
+                                                    main,
+                                                    predicted_speedup,
+                                                    steps_to,
+                                                    sync_flag,
+)
 
 __all__ = ["ALGORITHMS", "Config", "LM_ALGORITHMS", "LM_DATASETS", "NAME", "QUESTION", "SMOKE", "main",
            "predicted_speedup", "steps_to", "sync_flag"]

@@ -1,10 +1,10 @@
-"""The scalability study's convex case (research/experiments/scalability/study.py runs it): multinomial logistic regression
-on scikit-learn's handwritten digits (1,797 8×8 images shipped in the package, 10 classes), trained by W workers with
-each --sync algorithm of the train CLI, on dataset variants whose characters differ.
+"""The scalability study's convex case (research/experiments/scalability/study.py runs it): multinomial logistic
+regression on scikit-learn's handwritten digits (1,797 8×8 images shipped in the package, 10 classes), trained by W
+workers with each --sync algorithm of the train CLI, on dataset variants whose characters differ.
 
-Every run goes through the CLI's own programs (`research.train.steps.sync.Steps` on a mesh `data=W` of W devices, the plain
-step below for allreduce): per-worker batch `batch` rows, plain SGD with a constant learning rate (inside the workers
-for local SGD, with outer plain averaging: model-averaging SGD, outer lr 1, no momentum), `steps` steps.
+Every run goes through the CLI's own programs (`research.train.steps.sync.Steps` on a mesh `data=W` of W devices, the
+plain step below for allreduce): per-worker batch `batch` rows, plain SGD with a constant learning rate (inside the
+workers for local SGD, with outer plain averaging: model-averaging SGD, outer lr 1, no momentum), `steps` steps.
 
 Variants (the knobs of Cheng et al.'s characters; held-out data is the same 20% of the images for all):
   shuffled   rows drawn uniformly at random each step
@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import sharding
 from research.data import datastats
 from research.train.steps import sync
 from research.train.steps.train_state import TrainState
-import sharding
 
 VARIANTS = ("shuffled", "sorted", "repeated", "binary")
 

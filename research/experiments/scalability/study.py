@@ -59,10 +59,10 @@ import time
 
 import numpy as np
 
-from research.data import datastats
-from research.data import get_batch, load_corpus
+from research.data import datastats, get_batch, load_corpus
 from research.experiments import common
-from research.experiments.scalability import convex as cv, report
+from research.experiments.scalability import convex as cv
+from research.experiments.scalability import report
 
 NAME = "scalability"
 QUESTION = ("Do a dataset's characters (feature variance, sparsity, diversity, similarity along the sampling order) "
@@ -114,9 +114,9 @@ class Config:
   """The H sweep's outer steps: DiLoCo's Nesterov step, and plain averaging (each at its tuned W = h_workers lr)."""
 
 
-SMOKE = dict(workers=(1, 2), seeds=(0,), tune_seed=0, local_period=2, convex_variants=("shuffled", "sorted"), convex_steps=16,
-             convex_lrs=(1.0,), lm_datasets=("stdlib",), lm_algorithms=("allreduce", "local"), lm_steps=4, lm_batch=8,
-             seq_len=32, lm_lrs=(3e-3,), lm_eval=2, eval_batches=1, h_sweep=(2,), h_workers=2,
+SMOKE = dict(workers=(1, 2), seeds=(0,), tune_seed=0, local_period=2, convex_variants=("shuffled", "sorted"),
+             convex_steps=16, convex_lrs=(1.0,), lm_datasets=("stdlib",), lm_algorithms=("allreduce", "local"),
+             lm_steps=4, lm_batch=8, seq_len=32, lm_lrs=(3e-3,), lm_eval=2, eval_batches=1, h_sweep=(2,), h_workers=2,
              sweep_algorithms=("local",))
 
 
