@@ -40,8 +40,12 @@ import functools
 import math
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from sharding import hlo
+
+if TYPE_CHECKING:
+  import jax
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 
@@ -91,10 +95,11 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class KindTotal:
-  count: int
-  operand_bytes: int
-  result_bytes: int
-  wire_bytes: float
+  """The collectives of one kind in a program, summed: every total counts each op `count` times (loop trip counts)."""
+  count: int  # executions per program run
+  operand_bytes: int  # per device
+  result_bytes: int  # per device
+  wire_bytes: float  # what one device sends (ring algorithms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +109,15 @@ class Audit:
   num_devices: int
 
   def summary(self, fold_scatter: bool = False) -> dict[str, KindTotal]:
-    """{kind: KindTotal} over the kinds present. `fold_scatter` reports all-reduce + dynamic-slice as reduce-scatter."""
+    """Totals by kind over the kinds present, loop trip counts included.
+
+    Args:
+      fold_scatter: report the part of an all-reduce that is only 1/n-sliced afterwards (`Collective.scatter_bytes`,
+        XLA:CPU's reduce-scatter) as the reduce-scatter it stands for (module docstring); default False.
+
+    Returns:
+      {kind: KindTotal}, kinds in the order of KINDS.
+    """
     acc: dict[str, list] = {}
 
     def add(op, kind, operand, result):
@@ -122,10 +135,26 @@ class Audit:
     return {k: KindTotal(*acc[k]) for k in KINDS if k in acc}
 
   def wire_bytes(self, fold_scatter: bool = False) -> float:
+    """Bytes one device sends in one program execution, over all collectives.
+
+    Args:
+      fold_scatter: count all-reduce + dynamic-slice as reduce-scatter, as `summary` does; default False.
+
+    Returns:
+      The sum of `summary(fold_scatter)`'s wire bytes.
+    """
     return sum(t.wire_bytes for t in self.summary(fold_scatter).values())
 
   def table(self, fold_scatter: bool = False) -> str:
-    """The summary as a markdown table (MiB)."""
+    """The summary as a markdown table (MiB).
+
+    Args:
+      fold_scatter: count all-reduce + dynamic-slice as reduce-scatter, as `summary` does; default False.
+
+    Returns:
+      One row per kind (count, operand, result and wire MiB per device), then, if any collective is inside a while
+      loop, a line counting them and naming the first 8.
+    """
     mib = 2 ** 20
     rows = ["| collective | count | operand MiB | result MiB | wire MiB/device |", "|---|---|---|---|---|"]
     for k, t in self.summary(fold_scatter).items():
@@ -138,8 +167,19 @@ class Audit:
 
 
 @_reads_hlo
-def collectives(compiled_or_hlo) -> Audit:
-  """Every collective of a compiled program (a `jax.stages.Compiled` or its `.as_text()`). See the module docstring."""
+def collectives(compiled_or_hlo: jax.stages.Compiled | str) -> Audit:
+  """Every collective of a compiled program, with its bytes per device and its replica groups.
+
+  The reading rules (async pairs, replica groups, loops, XLA:CPU's reduce-scatter as all-reduce + dynamic-slice) and
+  the byte counts are the module docstring's. Input that is not the HLO of a compiled program raises AuditError
+  (sharding/hlo.py's HloError, re-raised).
+
+  Args:
+    compiled_or_hlo: a `jax.stages.Compiled`, or its `.as_text()`.
+
+  Returns:
+    The program's collectives, in program order, and its device count.
+  """
   module = hlo.Module(hlo.hlo_text(compiled_or_hlo))
   ops = []
   for comp, instr in module.walk():
@@ -169,9 +209,19 @@ def collectives(compiled_or_hlo) -> Audit:
 
 
 @_reads_hlo
-def matmul_flops(compiled_or_hlo) -> float:
-  """FLOPs of every `dot` one device runs per program execution (2 · result elements · contracted size), with
-  loop bodies multiplied by their known trip counts (once per program text where XLA does not know it)."""
+def matmul_flops(compiled_or_hlo: jax.stages.Compiled | str) -> float:
+  """FLOPs of every `dot` one device runs per program execution, loop trip counts included.
+
+  Each dot counts 2 · result elements · contracted size; loop bodies are multiplied by their known trip counts (once
+  per program text where XLA does not know it). XLA's own `cost_analysis()` counts a loop body once. Input that is
+  not the HLO of a compiled program raises AuditError.
+
+  Args:
+    compiled_or_hlo: a `jax.stages.Compiled`, or its `.as_text()`.
+
+  Returns:
+    The FLOPs, summed over the program's dots.
+  """
   module = hlo.Module(hlo.hlo_text(compiled_or_hlo))
   total = 0.0
   for comp, instr in module.walk():
@@ -184,8 +234,9 @@ def matmul_flops(compiled_or_hlo) -> float:
   return total
 
 
-def analytic_bytes(n_params: int, mesh, *, zero1: bool = False, param_bytes: int = 4, grad_bytes: int | None = None,
-                   n_layers: int = 0, d_model: int = 0, tokens: int = 0, act_bytes: int = 4) -> dict[str, float]:
+def analytic_bytes(n_params: int, mesh: jax.sharding.Mesh | Mapping[str, int] | str, *, zero1: bool = False,
+                   param_bytes: int = 4, grad_bytes: int | None = None, n_layers: int = 0, d_model: int = 0,
+                   tokens: int = 0, act_bytes: int = 4) -> dict[str, float]:
   """Textbook wire bytes one device sends in one training step, by term, plus "total".
 
   With r(n) = (n−1)/n (a ring over n devices), P parameters, mesh axes D = data, X = fsdp, Y = tensor, b_p / b_g /
@@ -201,19 +252,36 @@ def analytic_bytes(n_params: int, mesh, *, zero1: bool = False, param_bytes: int
                            the MLP down projection; 2 backward: their transposes at the QKV and up projections),
                            each 2·r(Y)·(tokens/(D·X))·d_model·b_a
 
-  Sources: ZeRO (Rajbhandari et al., arXiv 1910.02054, §7: DP and ZeRO-1/2 move 2Ψ, ZeRO-3 3Ψ per step);
-  scaling-book (jax-ml/scaling-book, sharding.md collective costs, training.md per-layer DP / FSDP / TP
-  communication); Megatron-LM (Shoeybi et al., arXiv 1909.08053, §3: two all-reduces forward, two backward per
-  layer). TP is taken to split all P parameters by Y (norms and biases, which it replicates, are negligible).
-  Pipeline and expert axes are not modelled.
+  TP is taken to split all P parameters by Y (norms and biases, which it replicates, are negligible). Pipeline and
+  expert axes are not modelled.
 
   Args:
     n_params: trainable parameters P.
     mesh: a `jax.sharding.Mesh`, a {axis: size} mapping, or a spec such as "data=2,fsdp=4".
-    zero1: gradients reduce-scattered and parameters all-gathered over `data` instead of an all-reduce.
-    param_bytes, grad_bytes: bytes per parameter / gradient element (grad_bytes defaults to param_bytes).
-    n_layers, d_model, tokens: for the TP term: layers, model width and tokens per global batch (batch · seq).
-    act_bytes: bytes per activation element.
+    zero1: gradients reduce-scattered and parameters all-gathered over `data` instead of an all-reduce; default False.
+    param_bytes: bytes per parameter element b_p; default 4.
+    grad_bytes: bytes per gradient element b_g; default None, `param_bytes`.
+    n_layers: layers, for the TP term (needed when tensor > 1).
+    d_model: model width, for the TP term (needed when tensor > 1).
+    tokens: tokens per global batch (batch · seq), for the TP term (needed when tensor > 1).
+    act_bytes: bytes per activation element b_a; default 4.
+
+  Returns:
+    {term: bytes} for the terms the mesh has (e.g. "data all-reduce grads", "fsdp reduce-scatter grads"), plus
+    "total", their sum.
+
+  Raises:
+    AuditError: when the mesh has a stage or expert axis larger than 1, `zero1` is set on a mesh whose `data` axis is
+      1, a tensor axis larger than 1 comes without `n_layers`, `d_model` and `tokens`, or `mesh` is a spec or object
+      the function cannot read.
+
+  References:
+    Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2019, arXiv
+      1910.02054, §7 (DP and ZeRO-1/2 move 2Ψ, ZeRO-3 3Ψ per step).
+    "How to Scale Your Model" (jax-ml/scaling-book): sharding.md (collective costs), training.md (per-layer DP /
+      FSDP / TP communication).
+    Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism", 2019,
+      arXiv 1909.08053, §3 (two all-reduces forward, two backward per layer).
   """
   sizes = _mesh_sizes(mesh)
   for axis in ("stage", "expert"):
@@ -272,7 +340,9 @@ def _scatter_bytes(module: hlo.Module, comp: hlo.Computation, instr: hlo.Instruc
   for u in comp.users.get(name, ()):
     if u.opcode != "get-tuple-element":
       return 0
-    k = int(re.search(r"index=(\d+)", u.attrs).group(1))
+    m = re.search(r"index=(\d+)", u.attrs)
+    assert m is not None  # XLA prints every get-tuple-element with its index
+    k = int(m.group(1))
     sliced[k] = sliced.get(k, True) and _only_sliced(module, comp, u.name, n)
   return sum(math.ceil(hlo.element_bits(arrays[k][0]) * math.prod(arrays[k][1]) / 8)
              for k, ok in sliced.items() if ok)
@@ -282,8 +352,11 @@ _LAYOUT_OPS = ("bitcast", "copy", "transpose", "reshape")
 
 
 def _only_sliced(module: hlo.Module, comp: hlo.Computation, name: str, n: int, depth: int = 0) -> bool:
-  """Whether every use of value `name` ends in a dynamic-slice keeping 1/n of it (through layout ops and into
-  fusions: the fusion's parameter for that operand is followed inside the fused computation)."""
+  """Whether every use of value `name` ends in a dynamic-slice keeping 1/n of it.
+
+  Uses are followed through layout ops and into fusions: the fusion's parameter for that operand is followed inside
+  the fused computation.
+  """
   users = comp.users.get(name, [])
   if not users or depth > 8:
     return False

@@ -1,5 +1,6 @@
-"""Context parallelism over the `context` mesh axis: the sequence split across devices, zig-zag balanced, with ring or
-all-gather attention.
+"""Context parallelism over the `context` mesh axis: the sequence split across devices, zig-zag balanced.
+
+Attention runs as a ring or an all-gather of K/V (`algorithm`, below).
 
 Shapes: B batch, T sequence, C context devices, h = T/(2C) positions per chunk, N query heads, K kv heads, G = N/K
 query heads per kv head, H head_dim.
@@ -57,13 +58,27 @@ class ContextError(ValueError):
 
 
 def mesh_context() -> int:
-  """Size of the `context` axis of the current mesh (`jax.set_mesh`); 1 outside a mesh."""
+  """Size of the `context` axis of the current mesh (`jax.set_mesh`).
+
+  Returns:
+    The axis size; 1 outside a mesh or on a mesh without the axis.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   return 1 if mesh.empty else mesh.shape.get(AXIS, 1)
 
 
-def check_context(seq_len: int, context: int, block: int = BLOCK):
-  """Raises ContextError, naming the fix, unless a `seq_len`-token sequence splits into 2·`context` zig-zag chunks."""
+def check_context(seq_len: int, context: int, block: int = BLOCK) -> None:
+  """Check that a `seq_len`-token sequence splits into 2·`context` zig-zag chunks that the attention's tiles fit.
+
+  Args:
+    seq_len: T, tokens per sequence.
+    context: C, devices on the `context` axis; 1 passes any length.
+    block: the attention's tile of positions; default models/flash.py's `BLOCK`.
+
+  Raises:
+    ContextError: naming the fix, when T is not a multiple of 2C, or its chunks of h = T/(2C) positions are larger
+      than `block` and not a multiple of it.
+  """
   if context > 1 and seq_len % (2 * context):
     raise ContextError(f"seq_len={seq_len} does not split into the 2*context={2 * context} zig-zag chunks of "
                        f"context={context}; use a seq_len that is a multiple of {2 * context}")
@@ -75,7 +90,17 @@ def check_context(seq_len: int, context: int, block: int = BLOCK):
 
 
 def zigzag_positions(seq_len: int, context: int) -> np.ndarray:
-  """(T,) int: the global position held in each slot of the zig-zag layout (device c: chunks c, 2C-1-c)."""
+  """The global position held in each slot of the zig-zag layout (device c: chunks c, 2C-1-c).
+
+  A sequence the layout cannot split raises ContextError (`check_context`).
+
+  Args:
+    seq_len: T, tokens per sequence.
+    context: C, devices on the `context` axis.
+
+  Returns:
+    (T,) int: slot i holds position out[i]; `np.arange(T)` when C = 1.
+  """
   check_context(seq_len, context)
   if context == 1:
     return np.arange(seq_len)
@@ -84,8 +109,17 @@ def zigzag_positions(seq_len: int, context: int) -> np.ndarray:
   return (chunks[:, None] * h + np.arange(h)).reshape(-1)
 
 
-def to_zigzag(x, context: int, axis: int = 1):
-  """`x` with its sequence `axis` reordered into the zig-zag layout: out[..., i, ...] = x[..., positions[i], ...]."""
+def to_zigzag(x: jax.Array, context: int, axis: int = 1) -> jax.Array:
+  """`x` with its sequence axis reordered into the zig-zag layout.
+
+  Args:
+    x: an array with a sequence axis of T positions, T a multiple of 2C.
+    context: C, devices on the `context` axis; 1 returns `x` unchanged.
+    axis: the sequence axis; default 1, as in (B, T, ...).
+
+  Returns:
+    out[..., i, ...] = x[..., positions[i], ...], positions = `zigzag_positions(T, C)`.
+  """
   if context == 1:
     return x
   x = jnp.moveaxis(x, axis, 0)
@@ -94,8 +128,17 @@ def to_zigzag(x, context: int, axis: int = 1):
   return jnp.moveaxis(y.reshape(x.shape), 0, axis)
 
 
-def from_zigzag(x, context: int, axis: int = 1):
-  """The inverse of `to_zigzag`: the sequence `axis` back in position order."""
+def from_zigzag(x: jax.Array, context: int, axis: int = 1) -> jax.Array:
+  """The inverse of `to_zigzag`: the sequence axis back in position order.
+
+  Args:
+    x: an array whose sequence axis is in the zig-zag layout.
+    context: C, devices on the `context` axis; 1 returns `x` unchanged.
+    axis: the sequence axis; default 1, as in (B, T, ...).
+
+  Returns:
+    `x` with out[..., positions[i], ...] = x[..., i, ...].
+  """
   if context == 1:
     return x
   x = jnp.moveaxis(x, axis, 0)
@@ -105,9 +148,19 @@ def from_zigzag(x, context: int, axis: int = 1):
 
 
 def balance(seq_len: int, context: int) -> dict:
-  """Causal work per device: the (query, key) pairs under the mask each device owns, for the contiguous split (device
-  c: positions [cT/C, (c+1)T/C)) and for zig-zag, and what the zig-zag kernel computes (three of its own block's four
-  half-chunk pairs, then two per step). max/mean = 1 is perfect balance."""
+  """Causal work per device: the (query, key) pairs under the mask each device owns.
+
+  For the contiguous split (device c: positions [cT/C, (c+1)T/C)) and for zig-zag, and what the zig-zag kernel
+  computes (three of its own block's four half-chunk pairs, then two per step). max/mean = 1 is perfect balance.
+
+  Args:
+    seq_len: T, tokens per sequence.
+    context: C, devices on the `context` axis.
+
+  Returns:
+    {"contiguous", "zigzag", "zigzag_computed": per-device pair counts (lists of C ints),
+    "contiguous_max_over_mean", "zigzag_max_over_mean": max/mean of the first two}.
+  """
   T, C = seq_len, context
   causal = lambda pos: int(np.sum(pos + 1))  # query p sees keys 0..p
   contiguous = [causal(np.arange(c * T // C, (c + 1) * T // C)) for c in range(C)]
@@ -123,9 +176,34 @@ def balance(seq_len: int, context: int) -> dict:
 # --- context-parallel attention ------------------------------------------------------------------------------------
 
 
-def context_attention(q_BTNH, k_BTKH, v_BTKH, *, algorithm: str = "ring", block: int = BLOCK):
-  """Causal attention of sequences laid out in zig-zag order over the mesh's `context` axis (T split C ways); equals
-  `jax.nn.dot_product_attention(..., is_causal=True)` on the sequences in position order. GQA: K divides N."""
+def context_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, algorithm: str = "ring",
+                      block: int = BLOCK) -> jax.Array:
+  """Causal attention of sequences laid out in zig-zag order over the mesh's `context` axis (T split C ways).
+
+  Equals `jax.nn.dot_product_attention(..., is_causal=True)` on the sequences in position order. GQA: K divides N.
+  The schedule (step 0 on the own block, then C-1 steps of two unmasked half-chunk products) and both algorithms are
+  the module docstring's. A sequence the layout cannot split raises ContextError (`check_context`).
+
+  Args:
+    q_BTNH: queries (B, T, N, H), T in zig-zag order and split over `context`.
+    k_BTKH: keys (B, T, K, H), laid out as the queries.
+    v_BTKH: values (B, T, K, H), laid out as the queries.
+    algorithm: "ring" (K/V blocks passed around the ring by `ppermute`) or "allgather" (one all-gather of K and V);
+      default "ring".
+    block: the flash kernel's tile of positions; default models/flash.py's `BLOCK`.
+
+  Returns:
+    The attention output (B, T, N, H), in the queries' layout.
+
+  Raises:
+    ContextError: when `algorithm` is not one of ALGORITHMS.
+
+  References:
+    Liu et al., "Ring Attention with Blockwise Transformers for Near-Infinite Context", 2023, arXiv 2310.01889
+      ("ring").
+    Llama Team, "The Llama 3 Herd of Models", 2024, arXiv 2407.21783, §3.3.2 ("allgather").
+    The zig-zag layout: Megatron-LM's context parallelism (NVIDIA/Megatron-LM) and ring-flash-attention.
+  """
   if algorithm not in ALGORITHMS:
     raise ContextError(f"unknown context-parallel attention {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
   C = mesh_context()
@@ -161,10 +239,11 @@ def _where(pred, a, b):
 
 
 def _chunk_tile(h: int, block: int) -> int:
-  """The tile of a chunk of h positions: `block`; a chunk that fits in one is still cut in two (from 128 positions),
-  so that every pair runs in a loop whose body scopes its score tiles. Unrolled, XLA:CPU keeps the tiles of all the
-  ring's steps alive together: one `small` layer at T = 8192 on context=8 (h = 512) needed 222 MiB of temp in one
-  tile, 82 MiB in two."""
+  """The tile of a chunk of h positions: `block`; a chunk that fits in one is still cut in two (from 128 positions).
+
+  Cutting it lets every pair run in a loop whose body scopes its score tiles; unrolled, XLA:CPU keeps the tiles of
+  all the ring's steps alive together.
+  """
   return block if h > block else h // 2 if h >= 128 and h % 2 == 0 else h
 
 

@@ -42,14 +42,38 @@ Dense = Callable[[jax.Array, dict], jax.Array]
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-  """Slots per expert: ceil(capacity_factor · tokens · k / E)."""
+  """Slots per expert: ceil(capacity_factor · tokens · k / E).
+
+  Args:
+    num_tokens: G, the tokens of one group (a device's batch shard).
+    top_k: K, experts per token.
+    num_experts: E.
+    capacity_factor: slots per expert over the even share G·K/E; 1.0 fits a perfectly balanced router.
+
+  Returns:
+    C, at least 1.
+
+  References:
+    Lepikhin et al., "GShard: Scaling Giant Models with Conditional Computation and Automatic Sharding", 2020.
+    Fedus, Zoph, Shazeer, "Switch Transformers", 2021, arXiv 2101.03961 (capacity factor); NVIDIA/Megatron-LM
+      `get_capacity` (moe_utils.py), the same formula.
+  """
   return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
-def expert_slots(idx_GK, num_experts: int, cap: int):
-  """(slot_GK, keep_GK): each assignment's slot e·C + position in its expert's buffer, or E·C (dropped).
+def expert_slots(idx_GK: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
+  """Each assignment's slot in the (E·C) buffer of expert slots.
 
-  Priority is k-major (every token's first choice before any second choice), then token order."""
+  Priority is k-major (every token's first choice before any second choice), then token order.
+
+  Args:
+    idx_GK: each token's top-k expert ids (G, K).
+    num_experts: E.
+    cap: C, slots per expert (`capacity`).
+
+  Returns:
+    (slot_GK, keep_GK): slot e·C + position in its expert's buffer, or E·C (dropped); keep False where dropped.
+  """
   G, K = idx_GK.shape
   e_A = idx_GK.T.reshape(-1)
   order_A = jnp.argsort(e_A, stable=True)
@@ -75,8 +99,23 @@ def _combine(y_AD, gate_GK):
   return jnp.einsum("gkd,gk->gd", y_AD.reshape(G, K, -1), gate_GK.astype(y_AD.dtype))
 
 
-def dropless_local(x_GD, idx_GK, gate_GK, w, grouped: Grouped, num_experts: int, reduce=lambda y: y):
-  """Sort the G·K assignments by expert, run `grouped`, unsort, combine. Nothing is dropped."""
+def dropless_local(x_GD: jax.Array, idx_GK: jax.Array, gate_GK: jax.Array, w: dict, grouped: Grouped,
+                   num_experts: int, reduce: Callable[[jax.Array], jax.Array] = lambda y: y
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Sort the G·K assignments by expert, run `grouped`, unsort, combine. Nothing is dropped.
+
+  Args:
+    x_GD: the tokens (G, D).
+    idx_GK: their top-k expert ids (G, K).
+    gate_GK: their gate weights (G, K).
+    w: the stacked expert weights (leading axis E).
+    grouped: the expert math on rows sorted by expert (module docstring).
+    num_experts: E.
+    reduce: applied to the experts' output rows (the `psum` over `tensor` of partial sums); default the identity.
+
+  Returns:
+    (y_GD, keep_GK): Σ_k gate·expert_k(x) per token, and keep all True.
+  """
   G, K = idx_GK.shape
   e_A = idx_GK.reshape(-1)
   order_A = jnp.argsort(e_A, stable=True)
@@ -84,8 +123,23 @@ def dropless_local(x_GD, idx_GK, gate_GK, w, grouped: Grouped, num_experts: int,
   return _combine(y_AD[_inverse(order_A)], gate_GK), jnp.ones_like(idx_GK, bool)
 
 
-def capacity_local(x_GD, idx_GK, gate_GK, w, dense: Dense, num_experts: int, cap: int, reduce=lambda y: y):
-  """Scatter tokens into (E, C, D) slots, run `dense`, gather back; assignments past C drop."""
+def capacity_local(x_GD: jax.Array, idx_GK: jax.Array, gate_GK: jax.Array, w: dict, dense: Dense, num_experts: int,
+                   cap: int, reduce: Callable[[jax.Array], jax.Array] = lambda y: y) -> tuple[jax.Array, jax.Array]:
+  """Scatter tokens into (E, C, D) slots, run `dense`, gather back; assignments past C drop.
+
+  Args:
+    x_GD: the tokens (G, D).
+    idx_GK: their top-k expert ids (G, K).
+    gate_GK: their gate weights (G, K).
+    w: the stacked expert weights (leading axis E).
+    dense: the expert math on (E, C, D) slots (module docstring).
+    num_experts: E.
+    cap: C, slots per expert (`capacity`).
+    reduce: applied to the experts' output slots (the `psum` over `tensor` of partial sums); default the identity.
+
+  Returns:
+    (y_GD, keep_GK): Σ_k gate·expert_k(x) over the kept assignments, and keep False where one was dropped.
+  """
   G, K = idx_GK.shape
   E, D = num_experts, x_GD.shape[1]
   slot_GK, keep_GK = expert_slots(idx_GK, E, cap)
@@ -120,8 +174,10 @@ def _local_grouped(x_MD, e_M, valid_M, w, grouped, El, reduce):
 
 
 def _dropless_ep(x_GD, idx_GK, gate_GK, w, grouped, E, ep, reduce):
-  """Dropless dispatch over `ep` devices with a fixed-capacity all_to_all: every destination gets a
-  buffer of A = G·K rows (enough if all local assignments pick its experts)."""
+  """Dropless dispatch over `ep` devices with a fixed-capacity all_to_all.
+
+  Every destination gets a buffer of A = G·K rows (enough if all local assignments pick its experts).
+  """
   G, K = idx_GK.shape
   D, Pn, A = x_GD.shape[1], jax.lax.axis_size(ep), G * K
   El = E // Pn
@@ -144,8 +200,10 @@ def _dropless_ep(x_GD, idx_GK, gate_GK, w, grouped, E, ep, reduce):
 
 
 def _dropless_ep_ragged(x_GD, idx_GK, gate_GK, w, grouped, E, ep, reduce):
-  """Dropless dispatch over `ep` devices with `ragged_all_to_all`: each source sends exactly its rows
-  per destination; receivers learn the sizes from an all_gather of every source's expert counts."""
+  """Dropless dispatch over `ep` devices with `ragged_all_to_all`: each source sends exactly its rows per destination.
+
+  Receivers learn the sizes from an all_gather of every source's expert counts.
+  """
   G, K = idx_GK.shape
   D, Pn, A = x_GD.shape[1], jax.lax.axis_size(ep), G * K
   El = E // Pn
@@ -169,18 +227,38 @@ def _dropless_ep_ragged(x_GD, idx_GK, gate_GK, w, grouped, E, ep, reduce):
   return _combine(y_sorted[_inverse(order_A)], gate_GK), jnp.ones_like(idx_GK, bool)
 
 
-def dispatch(x_BTD, idx_BTK, gate_BTK, w: dict, names: dict, *, num_experts: int, grouped: Grouped, dense: Dense,
-             capacity_factor: float | None = None, ragged: bool = False):
+def dispatch(x_BTD: jax.Array, idx_BTK: jax.Array, gate_BTK: jax.Array, w: dict, names: dict, *, num_experts: int,
+             grouped: Grouped, dense: Dense, capacity_factor: float | None = None, ragged: bool = False
+             ) -> tuple[jax.Array, jax.Array]:
   """Σ_k gate·expert_k(x) for every token, on the layout the current mesh implies.
 
+  The path (one device, a shard_map over the mesh, expert parallelism by all-to-all) is chosen by the mesh alone;
+  the module docstring describes each.
+
   Args:
-    x_BTD, idx_BTK, gate_BTK: tokens, their top-k expert ids and gate weights.
-    w: stacked expert weights (leading axis E); names: their logical axis names *as used in
-      compute* (an FSDP-split axis named None, so it is gathered before the shard_map).
-    grouped, dense: the expert math (module docstring); capacity_factor: None = dropless.
-    ragged: expert parallelism through `ragged_all_to_all` (GPU/TPU) instead of a fixed-capacity
-      all_to_all (which XLA:CPU runs).
-  Returns (y_BTD, keep_BTK), keep False where an assignment was dropped.
+    x_BTD: the tokens (B, T, D).
+    idx_BTK: their top-k expert ids (B, T, K).
+    gate_BTK: their gate weights (B, T, K).
+    w: stacked expert weights (leading axis E).
+    names: the logical axis names of `w`'s leaves *as used in compute* (an FSDP-split axis named None, so it is
+      gathered before the shard_map).
+    num_experts: E.
+    grouped: the expert math on rows sorted by expert, for the dropless paths (module docstring).
+    dense: the expert math on (E, C, D) capacity slots (module docstring).
+    capacity_factor: C = ceil(capacity_factor · G·K / E) slots per expert (`capacity`); default None, dropless.
+    ragged: expert parallelism through `ragged_all_to_all` (GPU/TPU) instead of a fixed-capacity all_to_all (which
+      XLA:CPU runs); default False.
+
+  Returns:
+    (y_BTD, keep_BTK), keep False where an assignment was dropped.
+
+  Raises:
+    ShardingError: when the rules split the weights' expert axis over mesh axes that do not split the batch, or
+      their F axis over one that does.
+
+  References:
+    Lepikhin et al., "GShard: Scaling Giant Models with Conditional Computation and Automatic Sharding", 2020 (groups
+      and capacity). MaxText's `RoutedMoE` (AI-Hypercomputer/maxtext, layers/moe.py: `ragged_all_to_all`).
   """
   D, K = x_BTD.shape[-1], idx_BTK.shape[-1]
   mesh = jax.sharding.get_abstract_mesh()
@@ -188,7 +266,7 @@ def dispatch(x_BTD, idx_BTK, gate_BTK, w: dict, names: dict, *, num_experts: int
   # every axis of size > 1 but `stage` (the pipeline's) and those already manual (an enclosing shard_map)
   axes = [] if mesh.empty else [a for a in mesh.axis_names if mesh.shape[a] > 1 and a != "stage" and a not in manual]
 
-  def local(x, idx, gate, w, ep=(), tp=()):
+  def local(x, idx, gate, w, *, ep=(), tp=()):
     G = x.shape[0] * x.shape[1]
     x_GD, idx_GK, gate_GK = x.reshape(G, D), idx.reshape(G, K), gate.reshape(G, K)
     # the partial sums over F slices, added in fp32 (XLA:CPU fails on a bf16 all-reduce here; fp32 is also exact-er)
@@ -211,7 +289,7 @@ def dispatch(x_BTD, idx_BTK, gate_BTK, w: dict, names: dict, *, num_experts: int
 
   x_spec = _restrict(logical_to_spec(("batch", "seq", "act_embed"), mesh, x_BTD.shape), axes)
   w_specs = {k: _restrict(logical_to_spec(names[k], mesh, v.shape), axes) for k, v in w.items()}
-  ep = _entry(next(iter(w_specs.values())), 0)  # the expert (leading) axis of the weights
+  ep: str | tuple[str, ...] = _entry(next(iter(w_specs.values())), 0)  # the expert (leading) axis of the weights
   tp = tuple(dict.fromkeys(a for s in w_specs.values() for i in range(1, len(s)) for a in _entry(s, i)))
   batch = _entry(x_spec, 0)
   if not set(ep) <= set(batch) or set(tp) & set(batch):

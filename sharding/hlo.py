@@ -1,5 +1,6 @@
-"""HLO text reader: a compiled program's text parsed into computations and instructions, with how often each
-computation runs, and the shapes, bytes and replica groups that its instructions spell.
+"""HLO text reader: a compiled program's text parsed into computations and instructions.
+
+It also gives how often each computation runs, and the shapes, bytes and replica groups that its instructions spell.
 
 `Module(hlo_text(compiled))` reads `compiled.as_text()` (HLO after SPMD partitioning: the program ONE device runs):
 - `Module.comps`: each computation (`Computation`) with its instructions in order (`Instruction`: name, result shape,
@@ -21,8 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+  import jax
 
 
 class HloError(ValueError):
@@ -48,7 +54,14 @@ class Computation:
   shapes: dict[str, str]
 
   def shape_of(self, name: str) -> str:
-    """The shape text of value `name`; "" when it is not defined in this computation."""
+    """The shape text of value `name`.
+
+    Args:
+      name: an instruction's name, without `%`.
+
+    Returns:
+      Its shape text, e.g. `f32[8,4]{1,0}`; "" when it is not defined in this computation.
+    """
     return self.shapes.get(name, "")
 
 
@@ -58,15 +71,17 @@ _CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true
                      r"(\{[^}]*\}|%?[\w.\-]+)")
 
 
-def hlo_text(x) -> str:
+def hlo_text(x: jax.stages.Compiled | str) -> str:
   """The HLO text of a compiled program.
 
   Args:
     x: a `jax.stages.Compiled`, or its `.as_text()`.
 
   Returns:
-    The text, after SPMD partitioning (the program one device runs); HloError for a Lowered program, StableHLO or
-    anything else.
+    The text, after SPMD partitioning (the program one device runs).
+
+  Raises:
+    HloError: when `x` is a Lowered program (its text is pre-partitioning), StableHLO text or anything else.
   """
   import jax
   if isinstance(x, jax.stages.Lowered):
@@ -94,7 +109,9 @@ def _balanced(s: str, start: int, open_: str = "(", close: str = ")") -> int:
 
 
 def _split_top(s: str) -> list[str]:
-  parts, depth, cur = [], 0, []
+  parts: list[str] = []
+  cur: list[str] = []
+  depth = 0
   for ch in s:
     if ch in "([{":
       depth += 1
@@ -131,7 +148,7 @@ def _parse_instr(line: str) -> Instruction | None:
 
 def _logical_lines(text: str):
   """Lines of the HLO text; an instruction split over several lines (open parenthesis or trailing comma) joined."""
-  pending = []
+  pending: list[str] = []
   for raw in text.splitlines():
     raw = re.sub(r"/\*.*?\*/", "", raw)  # `/*index=5*/` markers in long tuples and operand lists
     pending.append(raw.strip() if pending else raw)
@@ -146,9 +163,18 @@ def _logical_lines(text: str):
 class Module:
   """Computations, each instruction's users, and how often each computation runs per program execution.
 
-  Attributes: `num_devices` (the larger of num_partitions and replica_count), `comps` ({name: Computation}), `entry`
-  (the entry computation's name), `calls` ({name: (executions per program run, in a while loop, every enclosing
-  loop's trip count known, reached through an async wrapper)} for each computation reached from the entry).
+  Attributes:
+    num_devices: the larger of num_partitions and replica_count.
+    comps: {name: Computation}.
+    entry: the entry computation's name.
+    calls: {name: (executions per program run, in a while loop, every enclosing loop's trip count known, reached
+      through an async wrapper)} for each computation reached from the entry.
+
+  Args:
+    text: the HLO text (`hlo_text`), or a bare snippet of instructions (one implicit entry computation).
+
+  Raises:
+    HloError: when the text holds no HLO instructions.
   """
 
   def __init__(self, text: str):
@@ -200,8 +226,12 @@ class Module:
           else:
             self._visit(t, mult, in_loop, known, is_async or ins.opcode == "async-start")
 
-  def walk(self):
-    """(computation, instruction) of every instruction in the computations reached from the entry."""
+  def walk(self) -> Iterator[tuple[Computation, Instruction]]:
+    """Every instruction in the computations reached from the entry, computation by computation.
+
+    Yields:
+      (computation, instruction) pairs, instructions in program order.
+    """
     for name in self.calls:
       comp = self.comps[name]
       for ins in comp.instrs:
@@ -214,7 +244,14 @@ def _trip_count(attrs: str) -> int | None:
 
 
 def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-  """[(element type, dims)] of a shape string, tuples flattened."""
+  """The arrays of a shape string, tuples flattened.
+
+  Args:
+    shape: a shape text, e.g. `f32[8,4]{1,0}` or `(f32[8]{0}, s32[])`; dynamic dims `<=n` read as n.
+
+  Returns:
+    [(element type, dims)], one per array.
+  """
   out = []
   for t, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]", shape):
     out.append((t, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d)))
@@ -222,7 +259,14 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def element_bits(t: str) -> int:
-  """Bits of one element of HLO type `t` (pred 8; s8 / u8 / f8* 8, bf16 16, f32 32, ...; token, opaque 0)."""
+  """Bits of one element of an HLO type.
+
+  Args:
+    t: the element type, e.g. `pred`, `bf16`, `f8e4m3fn`.
+
+  Returns:
+    pred 8; s8 / u8 / f8* 8, bf16 16, f32 32, ...; token, opaque 0.
+  """
   if t == "pred":
     return 8
   m = re.fullmatch(r"(?:s|u|f|bf|c)(\d+)[a-z0-9]*", t)
@@ -230,13 +274,30 @@ def element_bits(t: str) -> int:
 
 
 def shape_bytes(shape: str) -> int:
-  """Bytes of the buffers of a shape text on one device, summed over a tuple's elements."""
+  """Bytes of the buffers of a shape text on one device, summed over a tuple's elements.
+
+  Args:
+    shape: a shape text (`Instruction.shape`).
+
+  Returns:
+    The bytes, each array rounded up to whole bytes (`element_bits`).
+  """
   return sum(math.ceil(element_bits(t) * math.prod(d) / 8) for t, d in arrays(shape))
 
 
 def start_result(kind: str, shape: str, n_operands: int) -> str:
-  """The destination buffer of an async start whose `-done` is not in the text: all-gather-start's tuple is
-  (operands..., results...), collective-permute-start's (operand, result, context...)."""
+  """The destination buffer of an async start whose `-done` is not in the text.
+
+  All-gather-start's tuple is (operands..., results...), collective-permute-start's (operand, result, context...).
+
+  Args:
+    kind: the collective's base kind, e.g. "all-gather" (the opcode without `-start`).
+    shape: the start instruction's shape text.
+    n_operands: the start instruction's operand count.
+
+  Returns:
+    The result part of the shape text (its arrays joined by commas), or `shape` itself otherwise.
+  """
   parts = [f"{t}[{','.join(map(str, d))}]" for t, d in arrays(shape)]
   if kind == "all-gather" and len(parts) >= 2 * n_operands:
     return ",".join(parts[n_operands:2 * n_operands])
@@ -254,6 +315,9 @@ def replica_groups(attrs: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
 
   Returns:
     One tuple of device ids per group.
+
+  Raises:
+    HloError: when the groups are spelled in a way this reader does not know.
   """
   m = re.search(r"replica_groups=", attrs)
   if not m:
@@ -283,10 +347,13 @@ def _iota(dims: str, perm: str | None) -> np.ndarray:
 
 
 def _mesh_groups(s: str) -> tuple[tuple[int, ...], ...]:
-  """`mesh['a'=2,'b'=4] {'b'}`, optionally `, device_ids=([2,4]T(1,0))` (an iota, reshaped and transposed, or a
-  list) after the mesh and sub-axes `'a':(1)2`: the devices of the mesh array that differ only along the listed
-  axes form a group (XLA MeshAxesReplicaGroupList)."""
+  """The groups of `mesh['a'=2,'b'=4] {'b'}` (XLA MeshAxesReplicaGroupList).
+
+  Optionally `, device_ids=([2,4]T(1,0))` (an iota, reshaped and transposed, or a list) after the mesh and sub-axes
+  `'a':(1)2`: the devices of the mesh array that differ only along the listed axes form a group.
+  """
   m = re.match(r"mesh\[([^\]]*)\]", s)
+  assert m is not None  # the caller saw `mesh[`, and XLA always closes the bracket
   axes = [(n, int(v)) for n, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1))]
   rest = s[m.end():]
   ids = np.arange(math.prod(v for _, v in axes))
@@ -305,7 +372,8 @@ def _mesh_groups(s: str) -> tuple[tuple[int, ...], ...]:
     raise HloError(f"replica groups name axes {unknown} that are not in {s[:80]!r}")
   # reshape every mesh axis into pieces (pre-size padding, a grouped sub-axis, the rest); groups vary the grouped
   # pieces, in the listed order, and share all others
-  dims, grouped = [], {}
+  dims: list[int] = []
+  grouped: dict[int, int] = {}
   for name, size in axes:
     whole = [i for i, (n, p, _) in enumerate(refs) if n == name and not p]
     if whole:
@@ -330,6 +398,13 @@ def _mesh_groups(s: str) -> tuple[tuple[int, ...], ...]:
 
 
 def source_target_pairs(attrs: str) -> tuple[tuple[int, ...], ...]:
-  """A collective-permute's (source, target) device pairs, from its attribute text; () when it has none."""
+  """A collective-permute's (source, target) device pairs.
+
+  Args:
+    attrs: the instruction's attribute text (`Instruction.attrs`).
+
+  Returns:
+    The pairs, in the text's order; () when it has none.
+  """
   m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
   return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))) if m else ()

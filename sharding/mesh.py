@@ -7,6 +7,9 @@ axis may be -1 to take the remaining devices. Axis types are always passed expli
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -24,7 +27,22 @@ class MeshError(ValueError):
 
 
 def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
-  """"data=2,fsdp=-1" -> {"data": 2, "stage": 1, "fsdp": 4, ...} for 8 devices."""
+  """The size of every axis of AXES that a mesh spec gives on `num_devices` devices.
+
+  "data=2,fsdp=-1" -> {"data": 2, "stage": 1, "fsdp": 4, ...} for 8 devices.
+
+  Args:
+    spec: comma-separated `axis=size`; omitted axes are 1, one axis may be -1 (the remaining devices).
+    num_devices: the devices the mesh must use, all of them.
+
+  Returns:
+    {axis: size} for every axis of AXES, in that order.
+
+  Raises:
+    MeshError: when the fixed sizes do not divide `num_devices` (with a -1 axis) or do not multiply to it (without),
+      or when an item is malformed, names an unknown axis or one axis twice, makes a second axis -1, or has a size
+      neither positive nor -1.
+  """
   sizes, fill = _parse_items(spec)
   known = math.prod(v for k, v in sizes.items() if k != fill)
   if fill is not None:
@@ -36,9 +54,21 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
   return sizes
 
 
-def devices_for(spec: str, devices=None) -> list:
-  """The first prod(sizes) of `devices` (default: all) that a spec with fixed sizes needs; all of
-  them if one axis is -1. For running several mesh sizes in one process (benchmarks)."""
+def devices_for(spec: str, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+  """The devices a spec needs: the first prod(sizes) of `devices` for fixed sizes, all of them if one axis is -1.
+
+  For running several mesh sizes in one process (benchmarks).
+
+  Args:
+    spec: comma-separated `axis=size`, as `make_mesh` takes.
+    devices: the devices to pick from; default None, all (`jax.devices()`).
+
+  Returns:
+    The leading devices, in order.
+
+  Raises:
+    MeshError: when the spec needs more devices than there are (or is malformed, as `parse_mesh_spec` says).
+  """
   devices = jax.devices() if devices is None else list(devices)
   sizes, fill = _parse_items(spec)
   n = len(devices) if fill is not None else math.prod(sizes.values())
@@ -77,13 +107,18 @@ def _parse_items(spec: str) -> tuple[dict[str, int], str | None]:
   return sizes, fill
 
 
-def make_mesh(spec: str = "data=-1", *, devices=None, explicit: bool = False) -> Mesh:
+def make_mesh(spec: str = "data=-1", *, devices: Sequence[jax.Device] | None = None, explicit: bool = False) -> Mesh:
   """A mesh over `devices` (default: all) with the axes of AXES.
 
+  A spec that does not describe the devices raises MeshError (`parse_mesh_spec`).
+
   Args:
-    spec: comma-separated `axis=size`; omitted axes are 1, one axis may be -1.
-    devices: the devices to use, e.g. `jax.devices()[:4]`.
-    explicit: `AxisType.Explicit` for every axis (sharding in types) instead of `Auto` (GSPMD).
+    spec: comma-separated `axis=size`; omitted axes are 1, one axis may be -1; default "data=-1".
+    devices: the devices to use, e.g. `jax.devices()[:4]`; default None, all.
+    explicit: `AxisType.Explicit` for every axis (sharding in types) instead of `Auto` (GSPMD); default False.
+
+  Returns:
+    The mesh, its axes AXES in that order, every axis type given explicitly.
   """
   devices = jax.devices() if devices is None else list(devices)
   sizes = parse_mesh_spec(spec, len(devices))
@@ -92,14 +127,30 @@ def make_mesh(spec: str = "data=-1", *, devices=None, explicit: bool = False) ->
 
 
 def mesh_spec(mesh: Mesh) -> str:
-  """The compact spec of a mesh: only axes larger than 1 ("data=1" for a single device)."""
+  """The compact spec of a mesh: only axes larger than 1.
+
+  Args:
+    mesh: the mesh.
+
+  Returns:
+    E.g. "data=2,tensor=4"; "data=1" for a single device.
+  """
   parts = [f"{a}={n}" for a, n in mesh.shape.items() if n > 1]
   return ",".join(parts) or "data=1"
 
 
-def mesh_scope(mesh: Mesh):
-  """`jax.set_mesh(mesh)`, or inside a trace (where set_mesh is refused: `jax.eval_shape` of a state's construction,
-  say) `jax.sharding.use_abstract_mesh`, which gives the traced code the same axes for its sharding hints."""
+def mesh_scope(mesh: Mesh) -> AbstractContextManager[Any]:
+  """A context in which `mesh` is the current mesh, inside a trace or not.
+
+  `jax.set_mesh(mesh)`, or inside a trace (where set_mesh is refused: `jax.eval_shape` of a state's construction,
+  say) `jax.sharding.use_abstract_mesh`, which gives the traced code the same axes for its sharding hints.
+
+  Args:
+    mesh: the mesh.
+
+  Returns:
+    The context manager to enter (`with mesh_scope(mesh): ...`).
+  """
   from jax._src import core  # trace_state_clean: the one test of "not inside a trace"; no public equivalent
   if core.trace_state_clean():
     return jax.set_mesh(mesh)

@@ -39,14 +39,33 @@ class PipelineError(ValueError):
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
-  """Idle fraction of each stage under GPipe: (S - 1) / (M + S - 1); 0 for a single stage."""
+  """Idle fraction of each stage under GPipe: (S - 1) / (M + S - 1); 0 for a single stage.
+
+  Args:
+    stages: S, pipeline stages.
+    microbatches: M, microbatches per batch.
+
+  Returns:
+    The fraction of the M + S - 1 iterations in which a stage idles.
+
+  Raises:
+    PipelineError: when `stages` or `microbatches` is below 1.
+
+  References:
+    Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism", 2019, arXiv
+      1811.06965.
+  """
   if stages < 1 or microbatches < 1:
     raise PipelineError(f"stages ({stages}) and microbatches ({microbatches}) must be positive")
   return (stages - 1) / (microbatches + stages - 1)
 
 
 def mesh_stages() -> int:
-  """Size of the `stage` axis of the current mesh (`jax.set_mesh`); 1 outside a mesh."""
+  """Size of the `stage` axis of the current mesh (`jax.set_mesh`).
+
+  Returns:
+    The axis size; 1 outside a mesh or on a mesh without the axis.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   return 1 if mesh.empty else mesh.shape.get(AXIS, 1)
 
@@ -56,9 +75,20 @@ def _data_parallel() -> int:
   return 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in DATA_AXES)
 
 
-def check_pipeline(n_layers: int, batch: int, stages: int, microbatches: int, data_parallel: int = 1):
-  """Raises PipelineError, naming the fix, unless `n_layers` layers and a `batch`-row batch can run as `stages`
-  stages of `microbatches` microbatches whose rows split over `data_parallel` devices."""
+def check_pipeline(n_layers: int, batch: int, stages: int, microbatches: int, data_parallel: int = 1) -> None:
+  """Check that a layer stack and a batch can run as a pipeline whose microbatches split over the data axes.
+
+  Args:
+    n_layers: L, layers in the stack.
+    batch: B, rows per batch.
+    stages: S, pipeline stages.
+    microbatches: M, microbatches per batch.
+    data_parallel: devices a microbatch's rows split over (the data axes DATA_AXES); default 1.
+
+  Raises:
+    PipelineError: naming the fix, when S or M is below 1, S does not divide L, M does not divide B, or
+      `data_parallel` does not divide B/M.
+  """
   if stages < 1 or microbatches < 1:
     raise PipelineError(f"pipeline stages ({stages}) and microbatches ({microbatches}) must be positive")
   if n_layers % stages:
@@ -79,6 +109,12 @@ def shift_stages(x_S: PyTree) -> PyTree:
   On a mesh with a `stage` axis this is one collective-permute per leaf: a shard_map that is manual over `stage`
   only (data / fsdp / tensor stay with GSPMD) around `jax.lax.ppermute`. Elsewhere it is `jnp.roll(x, 1, axis=0)`,
   which it equals.
+
+  Args:
+    x_S: the loop state, every leaf leading with S (split over `stage`).
+
+  Returns:
+    The state with every leaf rolled one stage on.
   """
   S = mesh_stages()
   if S == 1:
@@ -98,6 +134,14 @@ def run_stages(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]]
   dispatch, which then see `stage` as manual) stay as they are. Elsewhere `jax.vmap(stage_fn)`, which it equals.
   (MaxText uses `jax.vmap(..., spmd_axis_name="stage")`; vmap cannot batch a shard_map over the other axes inside
   `stage_fn` that way, so the stage axis is made manual instead.)
+
+  Args:
+    stage_fn: `(stage_weights, x) -> (y, aux)` for one stage, as `pipeline` takes.
+    w_S: the stages' weights, every leaf leading with S.
+    x_S: one slot per stage (S, ...).
+
+  Returns:
+    (y_S, aux_S): every stage's output and aux, stacked on a leading S axis.
   """
   if mesh_stages() == 1:
     return jax.vmap(stage_fn)(w_S, x_S)
@@ -135,6 +179,15 @@ def pipeline(stage_fn: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]], 
     a product of batch means (a Switch loss f·P computed inside the layer) would become the mean of its
     per-microbatch values (gradient accumulation semantics, as in Megatron and MaxText), so form such products
     from the returned means.
+
+  Raises:
+    PipelineError: when `stages` differs from the mesh's stage axis, the layer stack's leaves lead with different
+      layer counts, or (`check_pipeline`) the layers or the batch do not split as asked.
+
+  References:
+    Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism", 2019, arXiv
+      1811.06965 (the schedule and its bubble).
+    MaxText's pipeline (AI-Hypercomputer/maxtext, layers/pipeline.py): stage-stacked weights and a `ppermute` shift.
   """
   S = stages or mesh_stages()
   if mesh_stages() not in (1, S):

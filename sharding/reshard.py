@@ -1,6 +1,6 @@
 """Move a live train state (parameters and any optax state) to another mesh and layout, in-process.
 
-DynaTrain (Wang, Zhang et al., "Fast Online Parallelism Switching for Elastic LLM Training",
+DynaTrain (Wang, Zhang et al., "DynaTrain: Fast Online Parallelism Switching for Elastic LLM Training",
 arXiv 2605.18815) describes every distributed state in one global coordinate space and reshards
 by intersecting each device's old and new boxes. A `jax.Array` already is that global object, so
 here a switch is: derive the new layout from the logical names exactly as `init_train_state` does
@@ -20,7 +20,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
+from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import PartitionSpec as P
 
 from sharding.state import param_shardings, shardings_like_params, zero1_shardings
 
@@ -40,16 +41,20 @@ def state_shardings(state: PyTree, names: PyTree, mesh: Mesh, *, zero1: bool = F
     mesh: the target mesh (any shape, any devices).
     zero1: also split "opt_state" over the data axis (`zero1_shardings`), as `init_train_state(zero1=True)`.
 
-  Returns: a tree like `state` of NamedShardings on `mesh`: params from `names` (sharding/rules.py),
-  every other leaf shaped like a parameter and under its path ("opt_state" moments, "prev_params")
-  takes that parameter's sharding, "buffers" and anything else (the step, counters) are replicated.
+  Returns:
+    A tree like `state` of NamedShardings on `mesh`: params from `names` (sharding/rules.py), every other leaf
+    shaped like a parameter and under its path ("opt_state" moments, "prev_params") takes that parameter's sharding,
+    "buffers" and anything else (the step, counters) are replicated.
+
+  Raises:
+    ReshardError: when `state` is not a dict with a "params" entry, or `names` does not match `state["params"]`.
   """
   if not isinstance(state, dict) or "params" not in state:
     raise ReshardError(f"a train state is a dict with a 'params' entry, got {type(state).__name__}"
                        + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
   params = state["params"]
   is_name = lambda x: isinstance(x, tuple)
-  if jax.tree.structure(params) != jax.tree.structure(names, is_leaf=is_name):
+  if jax.tree.structure(params) != jax.tree.structure(names, is_leaf=is_name):  # type: ignore[operator]  # jaxlib stub
     raise ReshardError("the logical-name tree does not match state['params']; pass the names of the model that "
                        "built this state (sharding.logical_names(model_fn)[2])")
   p_sh = param_shardings(params, names, mesh)
@@ -67,7 +72,15 @@ def state_shardings(state: PyTree, names: PyTree, mesh: Mesh, *, zero1: bool = F
 
 
 def abstract_state(state: PyTree, shardings: PyTree) -> PyTree:
-  """ShapeDtypeStructs of `state` carrying `shardings`: the arguments to lower a step for a new layout."""
+  """ShapeDtypeStructs of `state` carrying `shardings`: the arguments to lower a step for a new layout.
+
+  Args:
+    state: the train state, concrete or abstract leaves.
+    shardings: the target shardings, a tree like `state` (`state_shardings`).
+
+  Returns:
+    A tree like `state` of `jax.ShapeDtypeStruct`s, each with its leaf's shape and dtype and its target sharding.
+  """
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s), state, shardings)
 
 
@@ -83,7 +96,12 @@ def reshard(state: PyTree, new_mesh: Mesh | None = None, names: PyTree = None, *
     donate: free the source buffers (peak memory is still old + new state, as all leaves move at once);
       the old `state` must not be used afterwards.
 
-  Returns: the new state, every leaf a jax.Array with its target sharding.
+  Returns:
+    The new state, every leaf a jax.Array with its target sharding.
+
+  Raises:
+    ReshardError: when neither `shardings` nor both `new_mesh` and `names` are given, `shardings` lie on another mesh
+      than `new_mesh`, or their tree does not match the state's.
   """
   if shardings is None:
     if new_mesh is None or names is None:
@@ -94,7 +112,7 @@ def reshard(state: PyTree, new_mesh: Mesh | None = None, names: PyTree = None, *
     if meshes - {new_mesh}:
       raise ReshardError("shardings= lie on another mesh than new_mesh; compute them with state_shardings(state, "
                          "names, new_mesh)")
-  if jax.tree.structure(state) != jax.tree.structure(shardings):
+  if jax.tree.structure(state) != jax.tree.structure(shardings):  # type: ignore[operator]  # jaxlib stub
     raise ReshardError("shardings= do not match the state's tree; compute them with state_shardings(state, names, "
                        "mesh) for this state")
   new = jax.device_put(state, shardings, donate=donate)
@@ -122,8 +140,21 @@ def moved_bytes(state: PyTree, old: PyTree, new: PyTree) -> int:
   """Bytes that must cross between devices to go from shardings `old` to `new` (a lower bound on traffic).
 
     moved = sum over leaves, over devices d of the new sharding:  |new box(d)| − |old box(d) ∩ new box(d)|
+
   times the item size; |·| counts elements, box(d) is d's index range (`Sharding.devices_indices_map`),
   old box(d) = ∅ if d held nothing. Replicas are counted once per receiving device.
+
+  Args:
+    state: the train state (concrete or abstract leaves: only shapes and dtypes are read).
+    old: its current shardings, a tree like `state`.
+    new: its target shardings, a tree like `state`.
+
+  Returns:
+    The bytes all devices together must receive.
+
+  References:
+    Wang, Zhang et al., "DynaTrain: Fast Online Parallelism Switching for Elastic LLM Training", 2026, arXiv
+      2605.18815 (resharding as the intersection of each device's old and new boxes).
   """
   total = 0
   for leaf, s_old, s_new in zip(jax.tree.leaves(state), jax.tree.leaves(old, is_leaf=_is_sharding),

@@ -17,7 +17,8 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 RULES: dict[str, tuple[str, ...]] = {
     # weights
@@ -47,11 +48,27 @@ class ShardingError(ValueError):
   """A shape that the mesh cannot split as the rules ask."""
 
 
-def logical_to_spec(names: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None,
+def logical_to_spec(names: Sequence[str | None], mesh: Mesh | AbstractMesh, shape: Sequence[int] | None = None,
                     rules: dict[str, tuple[str, ...]] = RULES) -> P:
-  """PartitionSpec for an array whose dimensions carry logical `names` (None = replicated)."""
+  """PartitionSpec for an array whose dimensions carry logical `names` (None = replicated).
+
+  Each name takes the mesh axes of its rule that are larger than 1, not manual and not used by an earlier dimension
+  (module docstring); trailing unsplit dimensions are left out of the spec.
+
+  Args:
+    names: one logical axis name per dimension, None for a replicated one.
+    mesh: the mesh, concrete or abstract (`jax.sharding.get_abstract_mesh()` inside jit).
+    shape: the array's shape, to check that every split dimension divides; default None, unchecked.
+    rules: {logical name: mesh axes}; default RULES.
+
+  Returns:
+    The PartitionSpec.
+
+  Raises:
+    ShardingError: when a name has no rule, or a dimension's size does not divide by the product of its mesh axes.
+  """
   used: set[str] = set(getattr(mesh, "manual_axes", ()))  # inside a shard_map: its manual axes are not GSPMD's
-  spec = []
+  spec: list[str | tuple[str, ...] | None] = []
   for dim, name in enumerate(names):
     if name is None:
       spec.append(None)
@@ -72,11 +89,29 @@ def logical_to_spec(names: Sequence[str | None], mesh: Mesh, shape: Sequence[int
 
 
 def named_sharding(names: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None) -> NamedSharding:
+  """The NamedSharding on `mesh` of an array whose dimensions carry logical `names` (`logical_to_spec`).
+
+  Args:
+    names: one logical axis name per dimension, None for a replicated one.
+    mesh: the mesh.
+    shape: the array's shape, to check that every split dimension divides; default None, unchecked.
+
+  Returns:
+    `NamedSharding(mesh, logical_to_spec(names, mesh, shape))`.
+  """
   return NamedSharding(mesh, logical_to_spec(names, mesh, shape))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-  """Sharding hint for an activation inside jit; a no-op outside a mesh context (jax.set_mesh)."""
+  """Sharding hint for an activation inside jit; a no-op outside a mesh context (jax.set_mesh).
+
+  Args:
+    x: the activation.
+    names: the logical axis names of its dimensions.
+
+  Returns:
+    `x` under `with_sharding_constraint` to the spec of `names`, or `x` itself outside a mesh or on one device.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or all(n == 1 for n in mesh.shape.values()):
     return x

@@ -11,16 +11,20 @@ graphdef turns them back into a module with `nnx.merge(graphdef, params)`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import mesh_scope
 from sharding.rules import logical_to_spec
+
+if TYPE_CHECKING:
+  import optax
 
 PyTree = Any
 
@@ -39,8 +43,16 @@ def logical_names(model_fn: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dic
   """(graphdef, abstract params, logical names) of the module `model_fn()` builds, without allocating it.
 
   Only `nnx.Param`s: other variables (an MoE router's selection bias) are `buffers`, kept beside the
-  params and out of the optimizer (`init_buffers`)."""
-  graphdef, abstract, _ = nnx.split(nnx.eval_shape(model_fn), nnx.Param, ...)
+  params and out of the optimizer (`init_buffers`).
+
+  Args:
+    model_fn: builds the module, e.g. `lambda: Transformer(config, rngs=nnx.Rngs(0))`.
+
+  Returns:
+    (graphdef, abstract params, logical names): the params as nested dicts of `jax.ShapeDtypeStruct`s, the names as
+    nested dicts of tuples like them (`variable_names`).
+  """
+  graphdef, abstract, *_ = nnx.split(nnx.eval_shape(model_fn), nnx.Param, ...)
   flat = nnx.to_flat_state(abstract)
   shapes = {p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in flat}
   names = {p: variable_names(v) for p, v in flat}
@@ -48,12 +60,28 @@ def logical_names(model_fn: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dic
 
 
 def variable_names(v: nnx.Variable) -> tuple:
-  """A variable's logical axis names (its `out_sharding` metadata; unnamed axes None)."""
+  """A variable's logical axis names (its `out_sharding` metadata; unnamed axes None).
+
+  Args:
+    v: the variable, concrete or abstract.
+
+  Returns:
+    One name per dimension; all None when the variable has no `out_sharding`.
+  """
   return tuple(v.get_metadata().get("out_sharding") or (None,) * len(v.shape))
 
 
 def param_shardings(abstract_params: PyTree, names: PyTree, mesh: Mesh | None) -> PyTree:
-  """Each parameter's NamedSharding from its logical names; mesh None: everything on the first device."""
+  """Each parameter's NamedSharding from its logical names; mesh None: everything on the first device.
+
+  Args:
+    abstract_params: the parameters (shapes are read), e.g. `logical_names(model_fn)[1]`.
+    names: their logical names, a tree like them with tuple leaves (`logical_names(model_fn)[2]`).
+    mesh: the mesh, or None for one device.
+
+  Returns:
+    A tree like `abstract_params` of NamedShardings (SingleDeviceShardings when `mesh` is None).
+  """
   if mesh is None:
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.tree.map(lambda _: one, abstract_params)
@@ -61,9 +89,18 @@ def param_shardings(abstract_params: PyTree, names: PyTree, mesh: Mesh | None) -
                       is_leaf=lambda x: isinstance(x, tuple))
 
 
-def place_variables(state, mesh: Mesh):
-  """`state` (an `nnx.State`) with every variable's value on `mesh` by its logical names (`out_sharding` metadata):
-  parameters and other variables alike, e.g. the frozen base weights of an adapted model (models/peft.py)."""
+def place_variables(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """`state` with every variable's value on `mesh` by its logical names (`out_sharding` metadata).
+
+  Parameters and other variables alike, e.g. the frozen base weights of an adapted model (models/peft.py).
+
+  Args:
+    state: an `nnx.State`.
+    mesh: the mesh.
+
+  Returns:
+    The state, every variable's value a jax.Array with its sharding.
+  """
   return jax.tree.map(lambda v: v.replace(jax.device_put(v.get_value(), _variable_sharding(v, mesh))), state,
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -75,7 +112,15 @@ def _variable_sharding(v: nnx.Variable, mesh: Mesh | None):
 
 
 def init_params(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> tuple[nnx.GraphDef, dict, dict]:
-  """(graphdef, params, shardings): the parameters created directly with their shardings."""
+  """The parameters created directly with their shardings, inside jit: no device holds an unsharded copy.
+
+  Args:
+    model_fn: builds the module.
+    mesh: the mesh.
+
+  Returns:
+    (graphdef, params, shardings): params as nested dicts of jax.Arrays, shardings a tree like them.
+  """
   graphdef, abstract, names = logical_names(model_fn)
   shardings = param_shardings(abstract, names, mesh)
   with mesh_scope(mesh):
@@ -87,7 +132,15 @@ def init_buffers(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> dict:
   """The module's non-Param variables as a nested dict, replicated on `mesh` ({} if it has none).
 
   A model with buffers is rebuilt with `nnx.merge(graphdef, params, buffers)`; they are state that
-  the training loop updates itself (e.g. `models.moe.update_router_bias`), never the optimizer."""
+  the training loop updates itself (e.g. `models.moe.update_router_bias`), never the optimizer.
+
+  Args:
+    model_fn: builds the module.
+    mesh: the mesh.
+
+  Returns:
+    The buffers, as `nnx.to_pure_dict` gives them.
+  """
   abstract = nnx.state(nnx.eval_shape(model_fn), nnx.Not(nnx.Param))
   if not jax.tree.leaves(abstract):
     return {}
@@ -98,10 +151,20 @@ def init_buffers(model_fn: Callable[[], nnx.Module], mesh: Mesh) -> dict:
 
 
 def shardings_like_params(tree: PyTree, params: PyTree, shardings: PyTree, mesh: Mesh) -> PyTree:
-  """Shardings for a tree whose parameter-shaped leaves (an optimizer's moments, say) sit under
-  the parameter's own path: such a leaf takes its parameter's sharding; a leaf shaped like the
-  parameter's trailing dimensions (one layer of a stack: BAdam's per-block moments) takes the spec
-  of those dimensions; any other leaf is replicated."""
+  """Shardings for a tree whose parameter-shaped leaves (an optimizer's moments, say) sit under the parameter's path.
+
+  Such a leaf takes its parameter's sharding; a leaf shaped like the parameter's trailing dimensions (one layer of a
+  stack: BAdam's per-block moments) takes the spec of those dimensions; any other leaf is replicated.
+
+  Args:
+    tree: the tree to shard, e.g. an optax state (concrete or abstract leaves).
+    params: the parameters.
+    shardings: their shardings, a tree like `params`.
+    mesh: the mesh.
+
+  Returns:
+    A tree like `tree` of NamedShardings.
+  """
   by_path = {tuple(p): (leaf.shape, s) for (p, leaf), s in
              zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings))}
   replicated = NamedSharding(mesh, P())
@@ -124,10 +187,25 @@ def shardings_like_params(tree: PyTree, params: PyTree, shardings: PyTree, mesh:
 
 
 def zero1_shardings(shardings: PyTree, shapes: PyTree, axis: str = "data") -> PyTree:
-  """ZeRO-1 (Rajbhandari et al., arXiv 1910.02054, stage 1): each leaf further split over mesh `axis` on
-  its first dimension that does not use `axis` yet and whose size divides by all its mesh axes, `axis`
-  included (appended as the minor one). A leaf already split over `axis`, a scalar, or one with no such
-  dimension (sizes prime to the axis size) keeps its sharding: that state stays replicated over `axis`."""
+  """ZeRO-1: each leaf further split over mesh `axis` on its first dimension that can take it.
+
+  That is the first dimension that does not use `axis` yet and whose size divides by all its mesh axes, `axis`
+  included (appended as the minor one). A leaf already split over `axis`, a scalar, or one with no such dimension
+  (sizes prime to the axis size) keeps its sharding: that state stays replicated over `axis`.
+
+  Args:
+    shardings: the optimizer state's NamedShardings (`shardings_like_params`).
+    shapes: the state's leaves (shapes are read), a tree like `shardings`.
+    axis: the mesh axis to split over; default "data".
+
+  Returns:
+    A tree like `shardings` of NamedShardings.
+
+  References:
+    Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2019, arXiv
+      1910.02054 (stage 1: optimizer state partitioning). MaxText's `add_data_to_sharding`
+      (`shard_optimizer_over_data`), the same rule.
+  """
   def split(sh: NamedSharding, leaf):
     size = sh.mesh.shape.get(axis, 1)
     shape = np.shape(leaf)
@@ -145,15 +223,24 @@ def zero1_shardings(shardings: PyTree, shapes: PyTree, axis: str = "data") -> Py
   return jax.tree.map(split, shardings, shapes)
 
 
-def init_train_state(model_fn: Callable[[], nnx.Module], tx, mesh: Mesh, zero1: bool = False):
-  """(graphdef, state, state_shardings) with state = {"step", "params", "opt_state"}, all created sharded,
-  plus "buffers" (replicated, see `init_buffers`) if the model has non-Param variables.
+def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
+                     zero1: bool = False) -> tuple[nnx.GraphDef, dict, dict]:
+  """The train state {"step", "params", "opt_state"}, all created sharded.
 
-  `tx` is any optax GradientTransformation; its state leaves shaped like a parameter take that
-  parameter's sharding (see `shardings_like_params`). `zero1` further splits the optimizer state over
-  the `data` axis (`zero1_shardings`) while the parameters stay replicated there; a train step jitted
-  with these shardings gets from XLA the collectives that move gradients into the state's shards and
-  updates back to the parameters.
+  Plus "buffers" (replicated, see `init_buffers`) if the model has non-Param variables. A train step jitted with
+  these shardings gets from XLA the collectives that move gradients into the state's shards and updates back to the
+  parameters.
+
+  Args:
+    model_fn: builds the module.
+    tx: any optax GradientTransformation; its state leaves shaped like a parameter take that parameter's sharding
+      (see `shardings_like_params`).
+    mesh: the mesh.
+    zero1: further split the optimizer state over the `data` axis (`zero1_shardings`) while the parameters stay
+      replicated there; default False.
+
+  Returns:
+    (graphdef, state, state_shardings), state_shardings a tree like state.
   """
   graphdef, params, p_sh = init_params(model_fn, mesh)
   buffers = init_buffers(model_fn, mesh)
@@ -177,18 +264,40 @@ def _with_optimizer(params, p_sh, tx, mesh: Mesh, zero1: bool):
   return state, {"step": replicated, "params": p_sh, "opt_state": o_sh}
 
 
-def variable_shardings(state, mesh: Mesh | None) -> dict:
-  """A plain dict like `nnx.to_pure_dict(state)` of each variable's NamedSharding from its logical names; mesh None:
-  everything on the first device (as `param_shardings`)."""
+def variable_shardings(state: nnx.State, mesh: Mesh | None) -> dict:
+  """Each variable's NamedSharding from its logical names; mesh None: everything on the first device.
+
+  As `param_shardings`, for the variables of an existing state.
+
+  Args:
+    state: an `nnx.State`.
+    mesh: the mesh, or None for one device.
+
+  Returns:
+    A plain dict like `nnx.to_pure_dict(state)` of shardings.
+  """
   return nnx.to_pure_dict(jax.tree.map(lambda v: _variable_sharding(v, mesh), state,
                                       is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def train_state_of(model: nnx.Module, tx, mesh: Mesh, zero1: bool = False):
-  """`init_train_state` for a model that already exists (loaded, or adapted by models/peft.py): its `nnx.Param`s
-  are "params", every other variable is a "buffer" (the frozen base weights of an adapted model included), and both
-  are placed on `mesh` by their logical names, not replicated (a frozen base is as large as the model)."""
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+def train_state_of(model: nnx.Module, tx: optax.GradientTransformation, mesh: Mesh, zero1: bool = False
+                   ) -> tuple[nnx.GraphDef, dict, dict]:
+  """`init_train_state` for a model that already exists (loaded, or adapted by models/peft.py).
+
+  Its `nnx.Param`s are "params", every other variable is a "buffer" (the frozen base weights of an adapted model
+  included), and both are placed on `mesh` by their logical names, not replicated (a frozen base is as large as the
+  model).
+
+  Args:
+    model: the module.
+    tx: any optax GradientTransformation, its state sharded like the parameters (`shardings_like_params`).
+    mesh: the mesh.
+    zero1: further split the optimizer state over the `data` axis (`zero1_shardings`); default False.
+
+  Returns:
+    (graphdef, state, state_shardings) as `init_train_state`'s.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax: one State per filter
   p_sh, b_sh = variable_shardings(params, mesh), variable_shardings(rest, mesh)
   state, shardings = _with_optimizer(jax.device_put(nnx.to_pure_dict(params), p_sh), p_sh, tx, mesh, zero1)
   if jax.tree.leaves(b_sh):
@@ -196,13 +305,29 @@ def train_state_of(model: nnx.Module, tx, mesh: Mesh, zero1: bool = False):
   return graphdef, state, shardings
 
 
-def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
-  """Rows of a (batch, ...) array split over the data axes of `mesh`."""
+def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+  """Rows of a (batch, ...) array split over the data axes of `mesh`.
+
+  Args:
+    mesh: the mesh.
+    shape: the global array's shape.
+
+  Returns:
+    The NamedSharding of the logical `batch` axis on the first dimension, the rest replicated.
+  """
   return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (len(shape) - 1), mesh, shape))
 
 
 def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
-  """Place host arrays (each process's rows of the global batch) on the mesh, split over the data axes."""
+  """Place host arrays (each process's rows of the global batch) on the mesh, split over the data axes.
+
+  Args:
+    batch: host arrays, this process's rows; the processes' rows together make the global batch.
+    mesh: the mesh.
+
+  Returns:
+    Global jax.Arrays of (processes × local rows) rows, laid out by `batch_sharding`.
+  """
   def put(x):
     x = np.asarray(x)
     if jax.process_count() == 1:
@@ -212,16 +337,37 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
   return jax.tree.map(put, batch)
 
 
-def process_rows(mesh: Mesh, shape) -> np.ndarray:
-  """The rows (sorted indices) of a global (batch, ...) array of `shape` that this process's devices hold under
-  `batch_sharding`: what a loader reading only its own rows reads (`local_batch` places them)."""
+def process_rows(mesh: Mesh, shape: Sequence[int]) -> np.ndarray:
+  """The rows of a global (batch, ...) array that this process's devices hold under `batch_sharding`.
+
+  What a loader reading only its own rows reads (`local_batch` places them).
+
+  Args:
+    mesh: the mesh.
+    shape: the global array's shape.
+
+  Returns:
+    The row indices, sorted.
+  """
   index = batch_sharding(mesh, tuple(shape)).addressable_devices_indices_map(tuple(shape))
-  return np.unique(np.concatenate([np.arange(shape[0])[i[0]] for i in index.values()]))
+  # jax types the values Index | None; they are devices_indices_map's, never None
+  return np.unique(np.concatenate([np.arange(shape[0])[i[0]] for i in index.values()]))  # type: ignore[index]
 
 
-def local_batch(batch, mesh: Mesh, rows: np.ndarray, size: int):
-  """Host arrays holding rows `rows` (`process_rows`) of a global batch of `size` rows, as global arrays split over
-  the data axes of `mesh`: each device gets its rows from this process's copy."""
+def local_batch(batch: PyTree, mesh: Mesh, rows: np.ndarray, size: int) -> PyTree:
+  """Host arrays holding some rows of a global batch, as global arrays split over the data axes of `mesh`.
+
+  Each device gets its rows from this process's copy.
+
+  Args:
+    batch: host arrays, rows `rows` of the global batch, in that order.
+    mesh: the mesh.
+    rows: the global row indices held, sorted (`process_rows`).
+    size: the global batch's rows.
+
+  Returns:
+    Global jax.Arrays of `size` rows, laid out by `batch_sharding`.
+  """
   def put(x):
     x = np.asarray(x)
     shape = (size,) + x.shape[1:]
@@ -234,10 +380,19 @@ def local_batch(batch, mesh: Mesh, rows: np.ndarray, size: int):
   return jax.tree.map(put, batch)
 
 
-def global_batch(batch, mesh: Mesh):
-  """Host arrays holding the whole global batch (the same on every process: `get_batch` is a pure function of
-  (seed, step)) as global arrays whose rows are split over the data axes of `mesh`; each process copies onto its
-  devices only the rows those devices hold, whatever their layout over processes."""
+def global_batch(batch: PyTree, mesh: Mesh) -> PyTree:
+  """Host arrays holding the whole global batch as global arrays whose rows are split over the data axes of `mesh`.
+
+  The batch is the same on every process (`get_batch` is a pure function of (seed, step)); each process copies onto
+  its devices only the rows those devices hold, whatever their layout over processes.
+
+  Args:
+    batch: host arrays, the whole global batch.
+    mesh: the mesh.
+
+  Returns:
+    Global jax.Arrays, laid out by `batch_sharding`.
+  """
   def put(x):
     x = np.asarray(x)
     sh = batch_sharding(mesh, x.shape)
