@@ -11,9 +11,9 @@
   one they are "flash", which they equal.
 - "auto" (`resolve`): the fastest exact kernel for the platform, dtype and length: "ring" on a mesh with context > 1;
   "cudnn" on an NVIDIA GPU for bfloat16/float16 with a head dim cuDNN's fused kernel takes (≤ 128, a multiple of 8);
-  else "flash" when the sequence spans several of its tiles (T > `block`, a multiple of it: on the CPU 0.46-0.49x
-  xla's time and 0.01-0.13x its temporaries at T 2048-8192, research/results/bench_attention.md; on a GPU in float32
-  it keeps no T·T scores, which xla holds for the backward); else "xla" (one tile: the same work, xla's is fused).
+  else "flash" when the sequence spans several of its tiles (T > `block`, a multiple of it: faster than xla on the
+  CPU and with a fraction of its temporaries, see research/results/bench_attention.md; on a GPU in float32 it keeps
+  no T·T scores, which xla holds for the backward); else "xla" (one tile: the same work, xla's is fused).
   Kernel libraries: tokamax (Pallas flash attention for GPU/TPU) was evaluated and is not used: tokamax 0.0.12 pins
   typeguard==2.13.3 and does not import with typeguard 4, which tyro (the command lines) requires.
 With context > 1 the sequence is in zig-zag order (sharding/context.py), which only the context-parallel ones read.
@@ -24,12 +24,15 @@ Shapes: q_BTNH, k_BTKH, v_BTKH (GQA: K divides N); out o_BTNH.
 from __future__ import annotations
 
 import math
+from typing import Literal, cast
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from models.config import ATTENTION
 from models.flash import BLOCK, FlashError, finish, head_major, pair_grads, pair_stats, row_dot, sub_block, token_major
+
 # the module, not its names: sharding/context.py imports models.flash, so importing it first runs this file while it
 # is half loaded; its names are read at call time, when it is whole
 from sharding import context as cx
@@ -41,9 +44,16 @@ class AttentionError(ValueError):
   """An attention implementation that cannot run as asked."""
 
 
-def check_implementation(impl: str, context: int = 1):
-  """Raises AttentionError, naming the fix, unless `impl` exists and can run on a mesh with `context` devices per
-  sequence."""
+def check_implementation(impl: str, context: int = 1) -> None:
+  """Checks that attention `impl` exists and can run on a mesh with `context` devices per sequence.
+
+  Args:
+    impl: an implementation name of `IMPLEMENTATIONS`.
+    context: devices per sequence (the mesh's `context` axis); 1: no context parallelism.
+
+  Raises:
+    AttentionError: naming the fix, when `impl` is unknown, or does not split the sequence while `context` > 1.
+  """
   if impl not in IMPLEMENTATIONS:
     raise AttentionError(f"unknown attention {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
   if context > 1 and impl not in ("auto",) + cx.ALGORITHMS:
@@ -51,9 +61,21 @@ def check_implementation(impl: str, context: int = 1):
                          f"use attention ring or allgather (or auto)")
 
 
-def check_attention(impl: str, seq_len: int, context: int = 1, block: int = BLOCK):
-  """Every check `attend` makes at trace time, ahead of it (for CLIs): `check_implementation`, the zig-zag split of
-  `seq_len` over `context` devices, and flash's block (which the context-parallel ones run on one device)."""
+def check_attention(impl: str, seq_len: int, context: int = 1, block: int = BLOCK) -> None:
+  """Every check `attend` makes at trace time, ahead of it (for CLIs).
+
+  They are `check_implementation`, the zig-zag split of `seq_len` over `context` devices, and flash's block (which the
+  context-parallel ones run on one device).
+
+  Args:
+    impl: an implementation name of `IMPLEMENTATIONS`.
+    seq_len: T, the sequence length.
+    context: devices per sequence (the mesh's `context` axis).
+    block: flash's tile size in positions (default models/flash.py's `BLOCK`).
+
+  Raises:
+    AttentionError: when any of the checks fails.
+  """
   check_implementation(impl, context)
   try:
     cx.check_context(seq_len, context, block)
@@ -63,9 +85,26 @@ def check_attention(impl: str, seq_len: int, context: int = 1, block: int = BLOC
     flash_block(seq_len, block)
 
 
-def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
-  """Causal grouped-query attention by implementation `impl` (module docstring); every one gives the same output and
-  gradients."""
+def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, impl: str = "auto",
+           block: int = BLOCK) -> jax.Array:
+  """Causal grouped-query attention by implementation `impl` (module docstring).
+
+  Every implementation gives the same output and gradients.
+
+  Args:
+    q_BTNH: queries (B, T, N, H).
+    k_BTKH: keys (B, T, K, H), K dividing N.
+    v_BTKH: values (B, T, K, H).
+    impl: an implementation name of `IMPLEMENTATIONS`; "auto" (default) chooses by `resolve`.
+    block: flash's tile size in positions.
+
+  Returns:
+    The attention output o_BTNH.
+
+  Raises:
+    AttentionError: when `impl` is unknown or cannot run on this mesh (`check_implementation`), or is "cudnn" on a
+      backend other than an NVIDIA GPU.
+  """
   C = cx.mesh_context()
   check_implementation(impl, C)
   if impl == "auto":
@@ -86,14 +125,29 @@ def attend(q_BTNH, k_BTKH, v_BTKH, *, impl: str = "auto", block: int = BLOCK):
   if impl == "cudnn" and jax.default_backend() != "gpu":
     raise AttentionError(f"attention 'cudnn' needs an NVIDIA GPU, this backend is {jax.default_backend()}; "
                          f"use xla or flash")
-  return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=impl)
+  # every other name has returned above: impl is "xla" or "cudnn" here
+  return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                      implementation=cast(Literal["xla", "cudnn"], impl))
 
 
-def resolve(impl: str, dtype, seq_len: int, head_dim: int, context: int = 1, device_kind: str = "",
+def resolve(impl: str, dtype: DTypeLike, seq_len: int, head_dim: int, context: int = 1, device_kind: str = "",
             block: int = BLOCK, capability: str | None = None) -> str:
-  """The implementation `impl` runs as: itself, or for "auto" the choice the module docstring gives (`device_kind`
-  is jax's, e.g. "NVIDIA H100 80GB HBM3" or "cpu"; `capability` the GPU's compute capability, e.g. "9.0": cuDNN's
-  fused attention needs 8.0, Ampere, or newer)."""
+  """The implementation `impl` runs as: itself, or for "auto" the choice the module docstring gives.
+
+  Args:
+    impl: an implementation name of `IMPLEMENTATIONS`.
+    dtype: the dtype of q, k and v.
+    seq_len: T, the sequence length.
+    head_dim: H, the head dimension.
+    context: devices per sequence (the mesh's `context` axis).
+    device_kind: jax's device kind, e.g. "NVIDIA H100 80GB HBM3" or "cpu".
+    block: flash's tile size in positions.
+    capability: the GPU's compute capability, e.g. "9.0" (cuDNN's fused attention needs 8.0, Ampere, or newer);
+      None: unknown, taken as new enough.
+
+  Returns:
+    The name of a concrete implementation ("xla", "flash", "cudnn" or a context-parallel one).
+  """
   if impl != "auto":
     return impl
   if context > 1:
@@ -107,16 +161,41 @@ def resolve(impl: str, dtype, seq_len: int, head_dim: int, context: int = 1, dev
 
 
 def flash_block(seq_len: int, block: int = BLOCK) -> int:
-  """The block flash uses for `seq_len` positions: `block`, or the whole sequence when shorter (the tiles of
-  models/flash.py's `sub_block`); raises AttentionError when `block` does not divide a longer sequence."""
+  """The block flash uses for `seq_len` positions: `block`, or the whole sequence when shorter.
+
+  The tiles are those of models/flash.py's `sub_block`.
+
+  Args:
+    seq_len: T, the sequence length.
+    block: the requested tile size in positions.
+
+  Returns:
+    The tile size flash runs with.
+
+  Raises:
+    AttentionError: when `block` does not divide a longer sequence.
+  """
   try:
     return sub_block(seq_len, block)
   except FlashError as e:
     raise AttentionError(f"flash attention: {e}") from None
 
 
-def flash(q_BTNH, k_BTKH, v_BTKH, *, block: int = BLOCK):
-  """Blockwise causal attention (module docstring), equal to the reference."""
+def flash(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, block: int = BLOCK) -> jax.Array:
+  """Blockwise causal attention (module docstring), equal to the reference.
+
+  Args:
+    q_BTNH: queries (B, T, N, H).
+    k_BTKH: keys (B, T, K, H), K dividing N.
+    v_BTKH: values (B, T, K, H).
+    block: the tile size in positions (`flash_block` adapts it to T).
+
+  Returns:
+    The attention output o_BTNH, in q's dtype.
+
+  References:
+    Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness", 2022, arXiv 2205.14135.
+  """
   q, k, v = head_major(q_BTNH, k_BTKH, v_BTKH)
   return token_major(_flash(q, k, v, flash_block(q_BTNH.shape[1], block)))
 

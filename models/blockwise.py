@@ -1,5 +1,6 @@
-"""Backprop that stops at one layer: the loss as a function of layer b's weights alone (BAdam's active block), so
-that its gradient computes no other layer's weight gradient and no activation gradient below layer b.
+"""Backprop that stops at one layer: the loss as a function of layer b's weights alone (BAdam's active block).
+
+Its gradient so computes no other layer's weight gradient and no activation gradient below layer b.
 
 The blocks are stacked (leading axis L) and scanned; b is traced, so one compiled program serves every block (BAdam
 switches blocks without recompiling). `active_layer_loss` runs the forward in three pieces:
@@ -24,12 +25,18 @@ gradient equal full backprop's restricted to layer b. Not for the pipeline (`sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from sharding.context import mesh_context
 from sharding.pipeline import mesh_stages
+
+if TYPE_CHECKING:
+  from models.transformer import Transformer
 
 
 class BlockwiseError(ValueError):
@@ -42,8 +49,10 @@ def _at(stacked, l):
 
 
 def _layers(model, remat: bool):
-  """(the stacked block state, layer(x, state) -> (x, aux) applying one layer's state; rematerialised in the
-  backward when `remat`)."""
+  """(the stacked block state, layer(x, state) -> (x, aux) applying one layer's state).
+
+  The layer is rematerialised in the backward when `remat`.
+  """
   graphdef, stacked = nnx.split(model.blocks)
 
   def layer(x, state):
@@ -52,14 +61,41 @@ def _layers(model, remat: bool):
   return stacked, (jax.checkpoint(layer, prevent_cse=False) if remat else layer)
 
 
-def layer_weights(model, b):
-  """Layer b's slice of the stacked block state (an nnx State of one layer; b may be traced)."""
+def layer_weights(model: Transformer, b: int | jax.Array) -> nnx.State:
+  """Layer b's slice of the stacked block state.
+
+  Args:
+    model: the transformer.
+    b: the layer index (may be traced).
+
+  Returns:
+    An nnx State of one layer (the stack's leading axis L indexed away).
+  """
   return _at(nnx.split(model.blocks)[1], b)
 
 
-def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
-  """(logits_BTV, aux) of `model` with layer b's weights replaced by `w` (a `layer_weights` slice), differentiable
-  w.r.t. `w` only. `static_split`: b is a Python int and the stack is sliced statically (one program per block)."""
+def active_layer_forward(model: Transformer, tokens_BT: jax.Array, w: nnx.State, b: int | jax.Array, *,
+                         static_split: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The forward of `model` with layer b's weights replaced by `w`, differentiable w.r.t. `w` only (module docstring).
+
+  Args:
+    model: the transformer (not under a pipeline or context-parallel mesh).
+    tokens_BT: the input tokens.
+    w: layer b's weights, a `layer_weights` slice.
+    b: the active layer (traced, unless `static_split`).
+    static_split: b is a Python int and the stack is sliced statically (one program per block, whose cost analysis is
+      exact); default False: one program for every b.
+
+  Returns:
+    (logits_BTV, aux), aux stacked over the L layers as `Transformer.forward`'s.
+
+  Raises:
+    BlockwiseError: when the mesh has a pipeline (`stage`) or context-parallel axis.
+
+  References:
+    Luo, Yu, Li, "BAdam: A Memory Efficient Full Parameter Optimization Method for Large Language Models", 2024,
+    arXiv 2404.02827; Ledzy/BAdam.
+  """
   if mesh_stages() > 1 or mesh_context() > 1:
     raise BlockwiseError("the active-layer backward (BAdam's truncated backprop) runs without a pipeline (stage) "
                          "or context-parallel mesh axis")
@@ -85,10 +121,10 @@ def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
     return step
 
   def scan(run, x):
-    """With remat the stack is the scan's constant, sliced in a step that is recomputed whole in the backward, so
-    the scan keeps only x and l per layer. Scanning the stack as an input instead, a layer's weights handed to the
-    cond come out of it as residuals, which the scan stacks: a copy of the model (measured at the 3B shape: 4.2 GB
-    of the step's 8.1 GB of temporaries). Without remat the layers' weights are residuals anyway."""
+    # With remat the stack is the scan's constant, sliced in a step that is recomputed whole in the backward, so
+    # the scan keeps only x and l per layer. Scanning the stack as an input instead, a layer's weights handed to the
+    # cond come out of it as residuals, which the scan stacks: a copy of the model (see README.md, "A 3B model on
+    # this 24 GiB machine"). Without remat the layers' weights are residuals anyway.
     if remat:
       step = masked(run, lambda l: (_at(frozen, l), l))
       return jax.lax.scan(jax.checkpoint(step, prevent_cse=False), x, ls)
@@ -105,10 +141,13 @@ def active_layer_forward(model, tokens_BT, w, b, *, static_split: bool = False):
   return model.unembed(x_BTD), aux
 
 
-def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra):
-  """The loss and its gradient w.r.t. layer b's weights `w` (a `layer_weights` slice, b traced), by a backward pass
-  written out layer by layer from the top down to b, which hands each deeper layer l > b its weight gradient as it
-  goes: `(new_l, extra) = visit(l, weights_l, grads_l, extra)` (BREAD's inactive blocks in reach, updated in the same
+def backprop_to_layer(model: Transformer, tokens_BT: jax.Array, w: nnx.State, b: int | jax.Array,
+                      head_loss: Callable[[jax.Array, Any], tuple[jax.Array, Any]],
+                      visit: Callable[[jax.Array, Any, Any, Any], tuple[Any, Any]], extra: Any) -> tuple:
+  """The loss and its gradient w.r.t. layer b's weights `w`, by a backward pass written out layer by layer.
+
+  The backward runs from the top down to b and hands each deeper layer l > b its weight gradient as it goes:
+  `(new_l, extra) = visit(l, weights_l, grads_l, extra)` (BREAD's inactive blocks in reach, updated in the same
   pass), the layer's weights in the stack replaced by `new_l` in place. No gradient of a layer below b and no
   activation gradient below b is computed; no stack-sized gradient ever exists.
 
@@ -118,8 +157,28 @@ def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra):
   ∂loss/∂w. FLOPs per step in units of one layer's forward F: L·F + 3F·(L − b) (each layer at or above b recomputed,
   then differentiated), against 3·L·F + L·F for remat'd full backprop.
 
-  Returns (loss, out, ∂loss/∂w, the stacked block weights after the visits, extra). Dense and MoE layers alike (the
-  aux outputs' cotangents come from `head_loss`); not for the pipeline (`stage`) or context-parallel layouts.
+  Dense and MoE layers alike (the aux outputs' cotangents come from `head_loss`); not for the pipeline (`stage`) or
+  context-parallel layouts.
+
+  Args:
+    model: the transformer.
+    tokens_BT: the input tokens.
+    w: layer b's weights, a `layer_weights` slice.
+    b: the active layer (traced).
+    head_loss: `head_loss(logits_BTV, aux) -> (loss, out)`, the loss on top of the blocks and any auxiliary output.
+    visit: `visit(l, weights_l, grads_l, extra) -> (new_l, extra)`, called for each layer l > b from the top down
+      with its weights and weight gradient; `new_l` replaces the layer's weights in the stack.
+    extra: the state `visit` threads through the layers.
+
+  Returns:
+    (loss, out, ∂loss/∂w, the stacked block weights after the visits as a pure dict, extra).
+
+  Raises:
+    BlockwiseError: when the mesh has a pipeline (`stage`) or context-parallel axis.
+
+  References:
+    Luo, Shen, Peng, Li, Li, "Accelerating Block Coordinate Descent for LLM Finetuning via Landscape Expansion"
+    (BREAD), NeurIPS 2025 (OpenReview DBybUx7ARy).
   """
   if mesh_stages() > 1 or mesh_context() > 1:
     raise BlockwiseError("the layer-by-layer backward (BREAD's blockwise step) runs without a pipeline (stage) or "
@@ -153,11 +212,26 @@ def backprop_to_layer(model, tokens_BT, w, b, head_loss, visit, extra):
   return loss, out, g_w, nnx.to_pure_dict(stack), extra
 
 
-def frozen_below_forward(model, tokens_BT, upper, n: int):
-  """(logits_BTV, aux) of `model` with layers 0..n−1 frozen: they run from the model's own stack under stop_gradient
-  (as does the embedding below them), layers n..L−1 from `upper` (a State of the stack's layers n.., differentiable).
-  The backward therefore stops at layer n: no weight gradient and no activation gradient below it (--freeze-layers).
-  `n` is static (one program). Dense and MoE alike; not for the pipeline (`stage`) or context-parallel layouts."""
+def frozen_below_forward(model: Transformer, tokens_BT: jax.Array, upper: nnx.State,
+                         n: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The forward of `model` with layers 0..n−1 frozen (--freeze-layers).
+
+  The frozen layers run from the model's own stack under stop_gradient (as does the embedding below them), layers
+  n..L−1 from `upper`. The backward therefore stops at layer n: no weight gradient and no activation gradient below
+  it. Dense and MoE alike; not for the pipeline (`stage`) or context-parallel layouts.
+
+  Args:
+    model: the transformer.
+    tokens_BT: the input tokens.
+    upper: a State of the stack's layers n.. (`upper_layers`), the differentiable part.
+    n: the number of frozen layers; static (one program).
+
+  Returns:
+    (logits_BTV, aux), aux stacked over the L layers.
+
+  Raises:
+    BlockwiseError: when the mesh has a pipeline (`stage`) or context-parallel axis.
+  """
   if mesh_stages() > 1 or mesh_context() > 1:
     raise BlockwiseError("--freeze-layers runs without a pipeline (stage) or context-parallel mesh axis")
   stacked, layer = _layers(model, model.c.remat)
@@ -168,8 +242,17 @@ def frozen_below_forward(model, tokens_BT, upper, n: int):
   return model.unembed(x_BTD), aux
 
 
-def upper_layers(model, n: int, weights: dict):
-  """The stack's layers n.. as a State (for `frozen_below_forward`), their values the pure dict `weights`."""
+def upper_layers(model: Transformer, n: int, weights: dict) -> nnx.State:
+  """The stack's layers n.. as a State, for `frozen_below_forward`.
+
+  Args:
+    model: the transformer whose stack gives the State's structure.
+    n: the number of frozen layers below.
+    weights: the layers' values, a pure dict shaped like the stack's layers n...
+
+  Returns:
+    A State of layers n..L−1 holding `weights`.
+  """
   upper = jax.tree.map(lambda a: a[n:], nnx.split(model.blocks)[1])
   nnx.replace_by_pure_dict(upper, weights)
   return upper

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -114,10 +114,12 @@ class TransformerConfig:
 
   @property
   def kv_heads(self) -> int:
+    """The number of key/value heads: `n_kv_heads`, or `n_heads` when None."""
     return self.n_kv_heads or self.n_heads
 
   @property
   def hd(self) -> int:
+    """The head dimension: `head_dim`, or `d_model // n_heads` when None."""
     return self.head_dim or self.d_model // self.n_heads
 
 
@@ -132,15 +134,29 @@ PRESETS: dict[str, TransformerConfig] = {
 }
 
 
-def preset(name: str, **overrides) -> TransformerConfig:
+def preset(name: str, **overrides: Any) -> TransformerConfig:
+  """A size preset of `PRESETS`, with some fields replaced.
+
+  Args:
+    name: a key of `PRESETS` ("tiny", "small", "base", "moe_tiny").
+    **overrides: `TransformerConfig` fields to replace.
+
+  Returns:
+    The preset's config with `overrides` applied (checked again by `TransformerConfig`).
+
+  Raises:
+    ConfigError: when `name` is not a preset.
+  """
   if name not in PRESETS:
     raise ConfigError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
   return dataclasses.replace(PRESETS[name], **overrides)
 
 
 def _ffn_params(c: TransformerConfig, active: bool = False) -> int:
-  """SwiGLU weights of one block's FFN; for MoE the router, all E experts (or, `active`, the k a
-  token uses) and the shared experts."""
+  """SwiGLU weights of one block's FFN.
+
+  For MoE: the router, all E experts (or, `active`, the k a token uses) and the shared experts.
+  """
   if c.moe is None:
     return 3 * c.d_model * c.d_ff
   m = c.moe
@@ -161,7 +177,14 @@ def _block_params(c: TransformerConfig, active: bool = False) -> int:
 
 
 def count_params(c: TransformerConfig) -> int:
-  """Total trainable parameters (the tied table counted once)."""
+  """Total trainable parameters (the tied table counted once).
+
+  Args:
+    c: the model configuration.
+
+  Returns:
+    The parameter count, every expert included (PAD-Net's static matrices and φ too).
+  """
   embed = c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2)
   return embed + c.n_layers * _block_params(c) + c.d_model
 
@@ -173,6 +196,16 @@ def flops_per_token(c: TransformerConfig, seq_len: int) -> float:
   the embedding lookup costs nothing; an MoE block counts its router, its k routed and its shared
   experts. Attention adds 12·L·n_heads·head_dim·T (PaLM, App. B: forward QK^T and AV at 2·2·T·d_attn
   each, times 3 for the backward; no causal halving).
+
+  Args:
+    c: the model configuration.
+    seq_len: T, the training sequence length.
+
+  Returns:
+    FLOPs per token of one training step (forward and backward).
+
+  References:
+    Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways", 2022, Appendix B.
   """
   matmul = c.n_layers * (_block_params(c, active=True) - _vector_params(c))
   matmul += c.d_model * c.vocab_size

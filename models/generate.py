@@ -10,6 +10,7 @@ jitted program (prefill + `lax.fori_loop`). Dense and MoE models; not the pipeli
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,19 @@ def _block_step(block, x_BTD, k_BSKH, v_BSKH, pos):
   return x_BTD, k_BSKH, v_BSKH
 
 
-def forward_cached(model: Transformer, tokens_BT, cache, pos):
-  """Logits of T new tokens at positions pos.. given the cache (k_LBSKH, v_LBSKH); returns (logits_BTV, cache)."""
+def forward_cached(model: Transformer, tokens_BT: jax.Array, cache: tuple[jax.Array, jax.Array],
+                   pos: int | jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """Logits of T new tokens at positions pos.., given the KV cache.
+
+  Args:
+    model: the transformer (not the pipeline layout).
+    tokens_BT: the new tokens.
+    cache: (k_LBSKH, v_LBSKH), every layer's rotated keys and values (`init_cache`).
+    pos: the first new token's position (may be traced).
+
+  Returns:
+    (logits_BTV, cache), the cache with the new tokens' keys and values written at pos..pos+T-1.
+  """
   graphdef, stacked = nnx.split(model.blocks)
 
   def layer(x, xs):
@@ -44,7 +56,17 @@ def forward_cached(model: Transformer, tokens_BT, cache, pos):
   return model.unembed(x_BTD), cache
 
 
-def init_cache(model: Transformer, batch: int, length: int):
+def init_cache(model: Transformer, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+  """An empty KV cache.
+
+  Args:
+    model: the transformer.
+    batch: B, the sequences sampled at once.
+    length: S, the positions the cache holds (prompt + new tokens).
+
+  Returns:
+    (k_LBSKH, v_LBSKH) zeros in the compute dtype.
+  """
   c = model.c
   shape = (c.n_layers, batch, length, c.kv_heads, c.hd)
   return jnp.zeros(shape, c.compute_dtype), jnp.zeros(shape, c.compute_dtype)
@@ -79,11 +101,24 @@ def _generate(graphdef, state, prompt_BP, seed, *, max_new_tokens, temperature, 
   return out
 
 
-def generate(model: Transformer, prompt_tokens, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0):
-  """prompt_tokens (B, P) or (P,) ints -> (B, P + max_new_tokens) (or 1-D): the prompt followed by the sampled
-  tokens. temperature 0 is greedy (argmax); otherwise softmax(logits / temperature), restricted to the `top_k`
-  most likely tokens if given, drawn with a key from `seed` and the step. No stop token: always max_new_tokens."""
+def generate(model: Transformer, prompt_tokens: Any, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, seed: int = 0) -> jax.Array:
+  """The prompt followed by `max_new_tokens` sampled tokens (no stop token).
+
+  Args:
+    model: the transformer (dense or MoE; not the pipeline layout).
+    prompt_tokens: (B, P) or (P,) token ids (an array or nested lists).
+    max_new_tokens: the tokens to sample, at least 1; always all of them.
+    temperature: 0 (default) is greedy (argmax); otherwise softmax(logits / temperature).
+    top_k: sample among the `top_k` most likely tokens only; None: all.
+    seed: the sampling key's seed (each step's key folds in the step).
+
+  Returns:
+    (B, P + max_new_tokens) int32 tokens (1-D for a 1-D prompt).
+
+  Raises:
+    ValueError: when max_new_tokens < 1, temperature < 0 or top_k lies outside [1, vocab].
+  """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   if temperature < 0 or (top_k is not None and not 1 <= top_k <= model.c.vocab_size):

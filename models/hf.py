@@ -12,6 +12,7 @@ never a silently different model.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -44,8 +45,10 @@ class HFError(ValueError):
 
 
 def _rope_theta(hf: dict) -> float:
-  """rope_theta from a v4 config (`rope_theta`, `rope_scaling`) or a v5 one (`rope_parameters`); only the plain
-  rotary embedding is implemented."""
+  """rope_theta from a v4 config (`rope_theta`, `rope_scaling`) or a v5 one (`rope_parameters`).
+
+  Only the plain rotary embedding is implemented.
+  """
   params = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or {}
   for field, d in (("rope_scaling", scaling), ("rope_parameters", params)):
@@ -65,7 +68,19 @@ def _refuse(hf: dict, field: str, ok, why: str):
 
 
 def config_from_hf(hf: dict, dtype: str | None = None) -> tuple[str, TransformerConfig]:
-  """(architecture, TransformerConfig) of an HF config.json dict; HFError naming the first field that differs."""
+  """The architecture and `TransformerConfig` of an HF config.json.
+
+  Args:
+    hf: the config.json as a dict.
+    dtype: the parameter dtype; None: the config's `dtype` or `torch_dtype` (float32 if neither).
+
+  Returns:
+    (architecture, TransformerConfig).
+
+  Raises:
+    HFError: naming the first field the model cannot represent (an unknown architecture, a rope scaling, sliding
+      windows, biases, non-MoE layers in an MoE).
+  """
   archs = hf.get("architectures") or []
   if len(archs) != 1 or archs[0] not in ARCHITECTURES:
     raise HFError(f"architectures={archs!r}: supported are {', '.join(ARCHITECTURES)}")
@@ -88,18 +103,19 @@ def config_from_hf(hf: dict, dtype: str | None = None) -> tuple[str, Transformer
                     lb_weight=hf.get("router_aux_loss_coef", 0.02), z_weight=0.0)
   elif moe_family == "qwen":
     shared = (hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
-    experts = hf.get("num_experts") or hf.get("num_local_experts")  # v4 name, v5 name
+    experts: Any = hf.get("num_experts") or hf.get("num_local_experts")  # v4 name, v5 name
     moe = MoEConfig(num_experts=experts, top_k=hf["num_experts_per_tok"],
                     d_expert=hf["moe_intermediate_size"], normalize_top_k=bool(hf.get("norm_topk_prob", False)),
                     num_shared=1 if shared else 0, d_shared=shared or None, shared_gate=bool(shared),
                     lb_weight=hf.get("router_aux_loss_coef", 0.001), z_weight=0.0)
   if dtype is None:
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+  d_ff: Any = hf.get("intermediate_size") or (moe.d_expert if moe else 0)  # a JSON value; TransformerConfig checks it
   config = TransformerConfig(
       vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
       n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
       head_dim=None if hf.get("head_dim") in (None, hf["hidden_size"] // hf["num_attention_heads"]) else hf["head_dim"],
-      d_ff=hf.get("intermediate_size") or (moe.d_expert if moe else 0),
+      d_ff=d_ff,
       qk_norm=model_type in ("qwen3", "qwen3_moe"),
       qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=_rope_theta(hf),
@@ -108,7 +124,18 @@ def config_from_hf(hf: dict, dtype: str | None = None) -> tuple[str, Transformer
 
 
 def architecture_of(c: TransformerConfig) -> str:
-  """The HF architecture that represents `c` exactly; HFError naming what none can."""
+  """The HF architecture that represents `c` exactly.
+
+  Args:
+    c: the model configuration.
+
+  Returns:
+    A key of `ARCHITECTURES`.
+
+  Raises:
+    HFError: naming what no supported architecture can represent (a sigmoid router, a shared expert other than
+      Qwen2-MoE's, q/k/v biases with QK-norm or in an MoE without a shared expert).
+  """
   m = c.moe
   if m is not None:
     if m.router != "softmax":
@@ -127,6 +154,15 @@ def architecture_of(c: TransformerConfig) -> str:
 
 
 def config_to_hf(c: TransformerConfig, arch: str) -> dict:
+  """The HF config.json of `c` as architecture `arch`.
+
+  Args:
+    c: the model configuration.
+    arch: a key of `ARCHITECTURES` that represents `c` (`architecture_of`).
+
+  Returns:
+    The config.json dict.
+  """
   model_type, family = ARCHITECTURES[arch]
   hf: dict[str, Any] = dict(
       architectures=[arch], model_type=model_type, vocab_size=c.vocab_size, hidden_size=c.d_model,
@@ -136,9 +172,11 @@ def config_to_hf(c: TransformerConfig, arch: str) -> dict:
       attention_bias=False, use_sliding_window=False, sliding_window=None)
   m = c.moe
   if family == "mixtral":
+    assert m is not None  # an MoE architecture: `arch` represents c, so c has an MoE
     hf.update(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k, intermediate_size=m.d_expert or c.d_ff,
               router_aux_loss_coef=m.lb_weight)
   elif family == "qwen":
+    assert m is not None
     hf.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.d_expert or c.d_ff,
               norm_topk_prob=m.normalize_top_k, decoder_sparse_step=1, mlp_only_layers=[],
               router_aux_loss_coef=m.lb_weight)
@@ -152,16 +190,28 @@ def config_to_hf(c: TransformerConfig, arch: str) -> dict:
 
 
 def tensor_map(c: TransformerConfig, arch: str) -> dict[tuple, tuple[str, bool]]:
-  """Our parameter path -> (HF name template, transposed). Templates take {l} (layer) and {e} (expert); the
-  number of placeholders is the number of leading stack axes of our leaf."""
+  """Our parameter path -> (HF name template, transposed).
+
+  Templates take {l} (layer) and {e} (expert); the number of placeholders is the number of leading stack axes of our
+  leaf.
+
+  Args:
+    c: the model configuration.
+    arch: a key of `ARCHITECTURES`.
+
+  Returns:
+    {path: (template, transposed)} for every parameter of `Transformer(c)`.
+  """
   family = ARCHITECTURES[arch][1]
   L = "model.layers.{l}."
-  out = {("embed_VD",): ("model.embed_tokens.weight", False), ("final_norm",): ("model.norm.weight", False)}
+  out: dict[tuple, tuple[str, bool]] = {("embed_VD",): ("model.embed_tokens.weight", False),
+                                        ("final_norm",): ("model.norm.weight", False)}
   if not c.tie_embeddings:
     out[("head_DV",)] = ("lm_head.weight", True)
-  blk = {"attn_norm": (L + "input_layernorm.weight", False), "mlp_norm": (L + "post_attention_layernorm.weight", False),
-         "wq_DQ": (L + "self_attn.q_proj.weight", True), "wk_DK": (L + "self_attn.k_proj.weight", True),
-         "wv_DK": (L + "self_attn.v_proj.weight", True), "wo_QD": (L + "self_attn.o_proj.weight", True)}
+  blk: dict[str | tuple[str, str], tuple[str, bool]] = {
+      "attn_norm": (L + "input_layernorm.weight", False), "mlp_norm": (L + "post_attention_layernorm.weight", False),
+      "wq_DQ": (L + "self_attn.q_proj.weight", True), "wk_DK": (L + "self_attn.k_proj.weight", True),
+      "wv_DK": (L + "self_attn.v_proj.weight", True), "wo_QD": (L + "self_attn.o_proj.weight", True)}
   if c.qkv_bias:
     blk |= {"q_bias_Q": (L + "self_attn.q_proj.bias", False), "k_bias_K": (L + "self_attn.k_proj.bias", False),
             "v_bias_K": (L + "self_attn.v_proj.bias", False)}
@@ -201,7 +251,7 @@ def _names(template: str, lead: tuple[int, ...]) -> str:
 
 
 def _flat(tree: dict, prefix=()) -> dict[tuple, Any]:
-  out = {}
+  out: dict[tuple, Any] = {}
   for k, v in tree.items():
     out.update(_flat(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v})
   return out
@@ -211,10 +261,18 @@ def _flat(tree: dict, prefix=()) -> dict[tuple, Any]:
 
 
 class _Checkpoint:
-  """The tensors of an HF directory: model.safetensors or model.safetensors.index.json + shards. Files are opened
-  for each read and closed after it: safetensors memory-maps them, and the mapped pages a read touches count as this
-  process's resident memory until the file is closed, so keeping every file open would hold the whole checkpoint's
-  pages resident beside the arrays built from them."""
+  """The tensors of an HF directory: model.safetensors or model.safetensors.index.json + shards.
+
+  Files are opened for each read and closed after it: safetensors memory-maps them, and the mapped pages a read
+  touches count as this process's resident memory until the file is closed, so keeping every file open would hold
+  the whole checkpoint's pages resident beside the arrays built from them.
+
+  Args:
+    path: the HF model directory.
+
+  Raises:
+    HFError: when the directory has no safetensors, a file cannot be read, or the index lists a tensor no file holds.
+  """
 
   def __init__(self, path: str):
     from safetensors import safe_open
@@ -244,9 +302,20 @@ class _Checkpoint:
       if missing:
         raise HFError(f"{missing[0]}: listed in the index but not in {weight_map[missing[0]]}")
 
-  def read(self, name: str, index=None, shape=None):
-    """Tensor `name` (its region `index`, a tuple of slices, if given) as a numpy array; with `shape`, HFError
-    unless the stored tensor has that shape."""
+  def read(self, name: str, index: tuple | None = None, shape: tuple | None = None) -> np.ndarray:
+    """Tensor `name`, or its region `index`, as a numpy array.
+
+    Args:
+      name: the HF tensor name.
+      index: a tuple of slices, the region to read; None: the whole tensor.
+      shape: the shape the stored tensor must have; None: any.
+
+    Returns:
+      The tensor (region).
+
+    Raises:
+      HFError: when the tensor is missing, or its shape is not `shape`.
+    """
     if name not in self.where:
       raise HFError(f"{name}: missing from the checkpoint")
     with self._open(self.where[name], framework="np") as h:
@@ -270,7 +339,8 @@ def _read_region(ckpt: _Checkpoint, template: str, transposed: bool, index: tupl
   return out
 
 
-def from_hf(path: str, mesh=None, dtype: str | None = None) -> tuple[Transformer, TransformerConfig]:
+def from_hf(path: str, mesh: jax.sharding.Mesh | None = None,
+            dtype: str | None = None) -> tuple[Transformer, TransformerConfig]:
   """The Hugging Face model in directory `path` as (Transformer, TransformerConfig).
 
   Args:
@@ -278,8 +348,13 @@ def from_hf(path: str, mesh=None, dtype: str | None = None) -> tuple[Transformer
     mesh: place each parameter on its shards of this mesh (the logical rules in sharding/rules.py); None: one
       device. Each shard is read from the files on its own.
     dtype: parameter dtype ("float32", "bfloat16"); None keeps the checkpoint's `torch_dtype`.
-  Raises HFError naming the config field or tensor that the model cannot represent (a rope scaling or sliding
-  window, an unknown architecture, a missing, extra or misshapen tensor).
+
+  Returns:
+    (model, config): the `Transformer`, its parameters placed by `mesh`, and its `TransformerConfig`.
+
+  Raises:
+    HFError: naming the config field or tensor that the model cannot represent (a rope scaling or sliding window, an
+      unknown architecture, a missing, extra or misshapen tensor), or a missing or invalid config.json.
   """
   cfg_path = os.path.join(path, "config.json")
   try:
@@ -296,7 +371,7 @@ def from_hf(path: str, mesh=None, dtype: str | None = None) -> tuple[Transformer
   flat_abs, flat_sh = _flat(abstract), _flat(shardings)
   if set(flat_abs) != set(names):
     raise HFError(f"internal: no HF name for {sorted(set(flat_abs) - set(names))}")
-  used = set()
+  used: set[str] = set()
   for p, (template, _) in names.items():
     lead = flat_abs[p].shape[:_stack_axes(template)]
     used.update(_names(template, i) for i in np.ndindex(*lead))
@@ -311,9 +386,8 @@ def from_hf(path: str, mesh=None, dtype: str | None = None) -> tuple[Transformer
   for p, (template, transposed) in names.items():
     a = flat_abs[p]
     flat[p] = jax.make_array_from_callback(
-        a.shape, flat_sh[p], lambda idx, t=template, tr=transposed, a=a: _read_region(ckpt, t, tr, idx, a.shape,
-                                                                                      a.dtype))
-  params = {}
+        a.shape, flat_sh[p], functools.partial(_read_region, ckpt, template, transposed, shape=a.shape, dtype=a.dtype))
+  params: dict[str, Any] = {}
   for p, v in flat.items():
     node = params
     for k in p[:-1]:
@@ -324,10 +398,24 @@ def from_hf(path: str, mesh=None, dtype: str | None = None) -> tuple[Transformer
 
 
 def to_hf(model: Transformer, path: str, architecture: str | None = None) -> str:
-  """Write `model` as a Hugging Face directory (config.json + model.safetensors) that
-  `transformers.AutoModelForCausalLM.from_pretrained(path)` loads. The architecture is the one that represents the
-  config exactly (`architecture_of`), or `architecture` if given (checked). Refuses to write into a non-empty
-  directory; the files appear together (written to a temporary directory, then renamed)."""
+  """Write `model` as a Hugging Face directory (config.json + model.safetensors).
+
+  `transformers.AutoModelForCausalLM.from_pretrained(path)` loads it. Refuses to write into a non-empty directory; the
+  files appear together (written to a temporary directory, then renamed).
+
+  Args:
+    model: the transformer.
+    path: the directory to create.
+    architecture: the HF architecture (checked); None: the one that represents the config exactly
+      (`architecture_of`).
+
+  Returns:
+    `path`.
+
+  Raises:
+    HFError: when no supported architecture (or not `architecture`) represents the config, the router's selection
+      bias is nonzero, or `path` is not empty.
+  """
   c = model.c
   arch = architecture or architecture_of(c)
   if arch not in ARCHITECTURES:
@@ -352,8 +440,19 @@ def to_hf(model: Transformer, path: str, architecture: str | None = None) -> str
 
 
 def write_dir(path: str, files: dict[str, Any]) -> str:
-  """Creates directory `path` holding `files` (name -> a dict of arrays, written as safetensors, or a JSON-able
-  object), all at once: written to a temporary directory beside it, then renamed. A non-empty `path` is refused."""
+  """Creates directory `path` holding `files`, all at once: written to a temporary directory beside it, then renamed.
+
+  Args:
+    path: the directory to create (it may exist empty).
+    files: name -> content: a dict of arrays for a name ending in .safetensors, else a JSON-able object.
+
+  Returns:
+    `path`.
+
+  Raises:
+    HFError: when `path` exists and is not empty.
+    BaseException: any error of the writing, re-raised once the temporary directory is removed.
+  """
   from safetensors.numpy import save_file
   if os.path.exists(path) and os.listdir(path):
     raise HFError(f"{path}: exists and is not empty; nothing was written")

@@ -24,6 +24,8 @@ parallelism live in `sharding/experts.py`; this module supplies the expert math.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -43,8 +45,23 @@ class RouterBias(nnx.Variable):
   """Aux-loss-free selection bias, one per expert: state beside the params, outside the optimizer."""
 
 
-def route(logits_GE, bias_E, *, router: str, top_k: int, normalize: bool = False):
-  """(idx_GK, gate_GK, scores_GE): top-k of scores + bias (selection only), gates from the scores."""
+def route(logits_GE: jax.Array, bias_E: jax.Array | None, *, router: str, top_k: int,
+          normalize: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Token-choice top-k routing: top-k of scores + bias (selection only), gates from the scores.
+
+  Args:
+    logits_GE: the router logits x·W_r per token (computed in at least float32).
+    bias_E: the aux-loss-free selection bias (no gradient), or None.
+    router: "softmax" or "sigmoid", the scores from the logits.
+    top_k: K, the experts per token.
+    normalize: renormalise the K selected gates to sum 1 (always done for sigmoid).
+
+  Returns:
+    (idx_GK, gate_GK, scores_GE): the selected experts, their gates and every expert's score.
+
+  References:
+    DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024, arXiv 2412.19437, §2.1.2 (the bias in selection only).
+  """
   logits_GE = logits_GE.astype(jnp.promote_types(jnp.float32, logits_GE.dtype))
   scores = jax.nn.softmax(logits_GE, -1) if router == "softmax" else jax.nn.sigmoid(logits_GE)
   select = scores if bias_E is None else scores + jax.lax.stop_gradient(bias_E.astype(scores.dtype))
@@ -55,10 +72,20 @@ def route(logits_GE, bias_E, *, router: str, top_k: int, normalize: bool = False
   return idx_GK, gate_GK, scores
 
 
-def router_stats(logits_GE, scores_GE, idx_GK, keep_GK) -> dict:
-  """Per-layer float32 statistics, each a mean over the tokens: load per expert f_E (fraction of the
-  G·K assignments, before dropping), mean normalised router probability P_E, z-loss, dropped fraction,
-  and router entropy in nats."""
+def router_stats(logits_GE: jax.Array, scores_GE: jax.Array, idx_GK: jax.Array,
+                 keep_GK: jax.Array) -> dict[str, jax.Array]:
+  """Per-layer float32 router statistics, each a mean over the tokens (module docstring).
+
+  Args:
+    logits_GE: the router logits.
+    scores_GE: the router scores (softmax or sigmoid of the logits).
+    idx_GK: the selected experts.
+    keep_GK: whether each assignment was kept (not dropped over capacity).
+
+  Returns:
+    {"load": f_E, the fraction of the G·K assignments per expert, before dropping; "prob": P_E, the mean normalised
+    router probability; "z_loss"; "dropped": the dropped fraction; "entropy": the router entropy in nats}.
+  """
   E = logits_GE.shape[-1]
   p_GE = scores_GE / jnp.sum(scores_GE, -1, keepdims=True)
   load_E = jnp.mean(jnp.sum(jax.nn.one_hot(idx_GK, E, dtype=p_GE.dtype), 1), 0) / idx_GK.shape[-1]
@@ -69,16 +96,33 @@ def router_stats(logits_GE, scores_GE, idx_GK, keep_GK) -> dict:
   return {k: v.astype(jnp.float32) for k, v in stats.items()}
 
 
-def swiglu_grouped(x_MD, sizes_E, w):
-  """Rows of x sorted by expert, sizes_E rows per expert: SwiGLU_e on each group (`ragged_dot`)."""
+def swiglu_grouped(x_MD: jax.Array, sizes_E: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+  """SwiGLU_e on each group of rows of x sorted by expert (`ragged_dot`).
+
+  Args:
+    x_MD: the rows, sorted by expert.
+    sizes_E: the number of rows of each expert.
+    w: the expert stacks {"gate": (E, D, F), "up": (E, D, F), "down": (E, F, D)}.
+
+  Returns:
+    y_MD, in x's dtype.
+  """
   dt = x_MD.dtype
   g = jax.lax.ragged_dot(x_MD, w["gate"].astype(dt), sizes_E)
   u = jax.lax.ragged_dot(x_MD, w["up"].astype(dt), sizes_E)
   return jax.lax.ragged_dot(jax.nn.silu(g) * u, w["down"].astype(dt), sizes_E)
 
 
-def swiglu_dense(x_ECD, w):
-  """C slots per expert: SwiGLU_e on slot buffer e (einsum)."""
+def swiglu_dense(x_ECD: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+  """SwiGLU_e on slot buffer e, C slots per expert (einsum).
+
+  Args:
+    x_ECD: each expert's slot buffer.
+    w: the expert stacks {"gate": (E, D, F), "up": (E, D, F), "down": (E, F, D)}.
+
+  Returns:
+    y_ECD, in x's dtype.
+  """
   dt = x_ECD.dtype
   g = jnp.einsum("ecd,edf->ecf", x_ECD, w["gate"].astype(dt))
   u = jnp.einsum("ecd,edf->ecf", x_ECD, w["up"].astype(dt))
@@ -86,10 +130,16 @@ def swiglu_dense(x_ECD, w):
 
 
 class MoE(nnx.Module):
-  """h_BTD -> (y_BTD, aux): router, top-k dispatch to E SwiGLU experts, optional shared experts."""
+  """h_BTD -> (y_BTD, aux): router, top-k dispatch to E SwiGLU experts, optional shared experts.
+
+  Args:
+    c: the model configuration; `c.moe` must be set.
+    rngs: the random streams the weights are drawn from.
+  """
 
   def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
     m, pd = c.moe, c.param_dtype
+    assert m is not None, "MoE needs c.moe"  # Block builds one only for an MoE config
     D, E, F = c.d_model, m.num_experts, m.d_expert or c.d_ff
     out_std = c.init_std / (2 * c.n_layers) ** 0.5
     self.c = c
@@ -109,8 +159,17 @@ class MoE(nnx.Module):
     if m.pad:  # static weights, all-dynamic masks, φ = 0: the plain MoE until a partition (models/padnet.py)
       padnet.add_parameters(self, rngs, D, E, F, c.init_std, out_std, pd)
 
-  def __call__(self, h_BTD):
+  def __call__(self, h_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Routes each token to its top-k experts and adds the shared experts' output.
+
+    Args:
+      h_BTD: the normalised residual stream.
+
+    Returns:
+      (y_BTD in h's dtype, aux): aux the `router_stats` of this layer.
+    """
     c, m = self.c, self.c.moe
+    assert m is not None
     dt = jnp.dtype(c.compute_dtype)
     B, T, D = h_BTD.shape
     rdt = jnp.promote_types(jnp.float32, dt)  # the router in at least fp32 (ST-MoE's selective precision)
@@ -136,22 +195,57 @@ class MoE(nnx.Module):
     return y_BTD.astype(h_BTD.dtype), router_stats(logits_BTE.reshape(B * T, -1), scores, idx, keep.reshape(B * T, K))
 
 
-def lb_loss(aux: dict):
-  """Switch load-balancing loss per layer, E·Σ_e f_e·P_e, from the aux statistics (f carries no gradient)."""
+def lb_loss(aux: dict) -> jax.Array:
+  """Switch load-balancing loss per layer, E·Σ_e f_e·P_e, from the aux statistics (f carries no gradient).
+
+  Args:
+    aux: the router statistics ("load", "prob"), stacked over layers or not.
+
+  Returns:
+    L_lb per layer (a scalar for one layer's aux); 1 under uniform routing.
+
+  References:
+    Fedus, Zoph, Shazeer, "Switch Transformers", 2021, arXiv 2101.03961, eq. 4.
+  """
   E = aux["load"].shape[-1]
   return E * jnp.sum(jax.lax.stop_gradient(aux["load"]) * aux["prob"], -1)
 
 
-def aux_loss(aux: dict, c: TransformerConfig):
-  """The weighted auxiliary loss lb_weight·Σ_layers L_lb + z_weight·Σ_layers L_z (0 for a dense model)."""
+def aux_loss(aux: dict, c: TransformerConfig) -> jax.Array:
+  """The weighted auxiliary loss lb_weight·Σ_layers L_lb + z_weight·Σ_layers L_z (0 for a dense model).
+
+  Args:
+    aux: the model's aux, stacked over layers (`Transformer.forward`).
+    c: the model configuration, whose `moe` gives the weights.
+
+  Returns:
+    The scalar float32 loss to add to the train loss.
+
+  References:
+    Fedus, Zoph, Shazeer, "Switch Transformers", 2021, arXiv 2101.03961, eq. 4 (L_lb); Zoph et al., "ST-MoE", 2022,
+    arXiv 2202.08906, eq. 5 (L_z).
+  """
   if c.moe is None or not aux:
     return jnp.zeros((), jnp.float32)
   return c.moe.lb_weight * jnp.sum(lb_loss(aux)) + c.moe.z_weight * jnp.sum(aux["z_loss"])
 
 
-def update_router_bias(buffers, aux: dict, rate: float):
-  """b ← b + rate·sign(mean(load) − load) on every `router_bias` leaf of `buffers` (stacked like the
-  blocks, e.g. (L, E)), from the matching `aux["load"]` of the same step; other leaves unchanged."""
+def update_router_bias(buffers: Any, aux: dict, rate: float) -> Any:
+  """Aux-loss-free balancing: b ← b + rate·sign(mean(load) − load) on every `router_bias` leaf of `buffers`.
+
+  Args:
+    buffers: the model's non-Param variables, a pytree whose `router_bias` leaves are stacked like the blocks,
+      e.g. (L, E).
+    aux: the aux of the same step; its "load" (L, E) matches the bias leaves.
+    rate: the step u (`moe.bias_rate`).
+
+  Returns:
+    `buffers` with every `router_bias` leaf updated; other leaves unchanged (all of them without "load" in `aux`).
+
+  References:
+    Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts", 2024, arXiv 2408.15664;
+    DeepSeek-V3, arXiv 2412.19437, §2.1.2.
+  """
   if not aux or "load" not in aux:
     return buffers
   load = aux["load"]
@@ -165,8 +259,15 @@ def update_router_bias(buffers, aux: dict, rate: float):
 
 
 def summarize(aux: dict) -> dict:
-  """Router metrics for logging from one step's stacked aux (layers first): means over layers, and
-  the load balance as max/min of the per-expert load (averaged over layers) and its coefficient of variation."""
+  """Router metrics for logging from one step's stacked aux (layers first).
+
+  Args:
+    aux: the model's aux, stacked over layers; {} for a dense model.
+
+  Returns:
+    {"moe/...": value}: means over layers, and the load balance as max/min of the per-expert load (averaged over
+    layers, times E) and its coefficient of variation; {} for a dense model.
+  """
   if not aux:
     return {}
   load_LE = aux["load"].reshape(-1, aux["load"].shape[-1])

@@ -1,23 +1,51 @@
-"""Parameters with logical axis names: the one constructor the dense and MoE blocks build their weights with, and the one
-product they apply them by."""
+"""Parameters with logical axis names, and the product the blocks apply them by.
+
+`param` is the one constructor the dense and MoE blocks build their weights with; `matmul` the one product they apply
+them by.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 from flax import nnx
+from jax.typing import DTypeLike
 
 
-def param(rngs: nnx.Rngs, shape, names, std, dtype):
-  """A Param with logical axis `names`: truncated normal of `std`, ones for std 0 (norm scales), zeros for None
-  (biases)."""
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], std: float | None,
+          dtype: DTypeLike) -> nnx.Param:
+  """A Param with logical axis `names`.
+
+  Args:
+    rngs: the random streams; the `params` stream draws the initial value.
+    shape: the parameter's shape.
+    names: one logical axis name (or None) per dimension (sharding/rules.py maps them to mesh axes).
+    std: truncated normal of this standard deviation; 0: ones (norm scales); None: zeros (biases).
+    dtype: the parameter dtype.
+
+  Returns:
+    The `nnx.Param`, its sharding given by `names` (not applied eagerly).
+  """
   init = (nnx.initializers.zeros if std is None else
           nnx.initializers.truncated_normal(std) if std else nnx.initializers.ones)
   return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
 
 
-def matmul(x, w, dt):
-  """x @ w for a weight variable `w` in compute dtype `dt`. A weight that computes its own product (a quantized weight
-  of models/quant.py, which may quantize x too; an adapter of models/peft.py, in factorized form) is asked to; any other
-  is read whole (`w[...]`)."""
+def matmul(x: jax.Array, w: Any, dt: DTypeLike) -> jax.Array:
+  """`x @ w` for a weight variable `w` in compute dtype `dt`.
+
+  A weight that computes its own product (a quantized weight of models/quant.py, which may quantize x too; an adapter
+  of models/peft.py, in factorized form) is asked to; any other is read whole (`w[...]`).
+
+  Args:
+    x: the activations, (..., fan_in).
+    w: the weight variable: an `nnx.Param` of (fan_in, fan_out), or a variable with a `matmul(x, dt)` method.
+    dt: the compute dtype.
+
+  Returns:
+    The product, (..., fan_out).
+  """
   if hasattr(w, "matmul"):
     return w.matmul(x, dt)
   return x @ w[...].astype(dt)

@@ -1,5 +1,7 @@
-"""Model surgery on a trained `Transformer`: dense → MoE upcycling, depth expansion by an inserted block, and an MoE
-to PAD-Net form and back (`to_padnet`, `to_moe`; models/padnet.py).
+"""Model surgery on a trained `Transformer`: dense → MoE upcycling, depth expansion, MoE ↔ PAD-Net.
+
+Dense → MoE upcycling (`upcycle`), depth expansion by an inserted block (`insert_block`), and an MoE to PAD-Net form
+and back (`to_padnet`, `to_moe`; models/padnet.py).
 
 Shapes: L layers, D d_model, F the dense FFN width (d_ff), E experts, f = F/E neurons per expert, k top-k.
 Both functions take a `Transformer` and return a new one (its config at `.c`); a train state's params become a
@@ -42,6 +44,7 @@ non-zero factor: both zero would be a saddle).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -61,23 +64,38 @@ class SurgeryError(ValueError):
   """A model or argument that the surgery cannot handle."""
 
 
-def balanced_kmeans(x_ND, k: int, *, seed: int = 0, iters: int = 100) -> np.ndarray:
+def balanced_kmeans(x_ND: Any, k: int, *, seed: int = 0, iters: int = 100) -> np.ndarray:
   """Labels (N,) in 0..k-1, each used exactly N/k times, from k-means with an equal-size assignment step.
 
   Lloyd's algorithm: centroids c from k-means++ (Arthur & Vassilvitskii 2007); then repeat until the labels stop
   changing (or `iters`): assign by min Σ_n ||x_n − c_{l(n)}||² subject to |{n: l(n) = j}| = N/k (solved exactly as a
   linear assignment of N points to N slots, centroid j owning N/k slots), then c_j = mean of its points.
+
+  Args:
+    x_ND: the N points (an array-like, computed in float64).
+    k: the number of clusters; it must divide N.
+    seed: the k-means++ initialisation's randomness.
+    iters: the most Lloyd iterations (at least 1).
+
+  Returns:
+    The labels (N,) int64.
+
+  Raises:
+    SurgeryError: when N is not a multiple of k.
+
+  References:
+    Arthur, Vassilvitskii, "k-means++: The Advantages of Careful Seeding", 2007.
   """
   x = np.asarray(x_ND, np.float64)
   N = x.shape[0]
   if N % k:
     raise SurgeryError(f"{N} points do not split into {k} equal clusters")
   rng = np.random.default_rng(seed)
-  c = [x[rng.integers(N)]]
+  picked = [x[rng.integers(N)]]
   for _ in range(1, k):
-    d2 = np.min(((x[:, None] - np.asarray(c)[None]) ** 2).sum(-1), 1)
-    c.append(x[rng.choice(N, p=d2 / d2.sum())] if d2.sum() > 0 else x[rng.integers(N)])
-  c = np.asarray(c)
+    d2 = np.min(((x[:, None] - np.asarray(picked)[None]) ** 2).sum(-1), 1)
+    picked.append(x[rng.choice(N, p=d2 / d2.sum())] if d2.sum() > 0 else x[rng.integers(N)])
+  c = np.asarray(picked)
   labels = None
   from scipy.optimize import linear_sum_assignment  # here: scipy.optimize adds ~0.3 s to every `import models`
   for _ in range(iters):
@@ -89,11 +107,24 @@ def balanced_kmeans(x_ND, k: int, *, seed: int = 0, iters: int = 100) -> np.ndar
       break
     labels = new
     c = np.stack([x[labels == j].mean(0) for j in range(k)])
-  return labels
+  return cast(np.ndarray, labels)  # None only for iters < 1
 
 
-def split_neurons(w_up_DF, num_experts: int, split: str = "random", *, seed: int = 0) -> np.ndarray:
-  """Expert label (F,) of each intermediate neuron of one layer, each label used F/E times (module docstring)."""
+def split_neurons(w_up_DF: Any, num_experts: int, split: str = "random", *, seed: int = 0) -> np.ndarray:
+  """Expert label of each intermediate neuron of one layer, each label used F/E times (module docstring).
+
+  Args:
+    w_up_DF: the layer's W_up (D, F); its columns are the neuron vectors the clustered split groups.
+    num_experts: E; it must divide F.
+    split: "random" (default) or "clustered".
+    seed: the split's randomness.
+
+  Returns:
+    The labels (F,) in 0..E-1.
+
+  Raises:
+    SurgeryError: when `split` is unknown or E does not divide F.
+  """
   F = w_up_DF.shape[-1]
   if split not in SPLITS:
     raise SurgeryError(f"split must be one of {SPLITS}, got {split!r}")
@@ -114,8 +145,11 @@ def _variables(model: nnx.Module) -> dict[tuple, tuple]:
 
 
 def _fresh(shape, names, dtype, std: float, rng: np.random.Generator) -> jax.Array:
-  """A new weight as models/transformer.py initialises one: a norm scale (logical axis "norm") is ones, any other
-  weight N(0, std²) truncated to ±2 std (`nnx.initializers.truncated_normal`), drawn on the host: no compile."""
+  """A new weight as models/transformer.py initialises one, drawn on the host: no compile.
+
+  A norm scale (logical axis "norm") is ones, any other weight N(0, std²) truncated to ±2 std
+  (`nnx.initializers.truncated_normal`).
+  """
   if any(n == "norm" for n in names):
     return jnp.ones(shape, dtype)
   z = rng.standard_normal(shape)
@@ -125,8 +159,10 @@ def _fresh(shape, names, dtype, std: float, rng: np.random.Generator) -> jax.Arr
 
 
 def _build(c, values: dict[tuple, jax.Array]) -> Transformer:
-  """A `Transformer(c)` holding `values` ({path: array} for every variable), built abstractly (`nnx.eval_shape`)
-  so that no initializer runs."""
+  """A `Transformer(c)` holding `values` ({path: array} for every variable).
+
+  It is built abstractly (`nnx.eval_shape`) so that no initializer runs.
+  """
   model = nnx.eval_shape(lambda: Transformer(c, rngs=nnx.Rngs(0)))
   state = nnx.state(model)
   missing = [p for p, _ in nnx.to_flat_state(state) if p not in values]
@@ -143,7 +179,7 @@ def _check_transformer(model, what: str):
 
 
 def upcycle(dense: Transformer, num_experts: int, top_k: int, split: str = "random", *, seed: int = 0,
-            scale: float | None = None, **moe) -> Transformer:
+            scale: float | None = None, **moe: Any) -> Transformer:
   """A mixture-of-experts copy of a dense transformer, each FFN's neurons split into `num_experts` experts.
 
   Args:
@@ -159,6 +195,14 @@ def upcycle(dense: Transformer, num_experts: int, top_k: int, split: str = "rand
 
   Returns:
     The MoE `Transformer`; `.c` is the new config, `.c.moe` its `MoEConfig`.
+
+  Raises:
+    SurgeryError: when `dense` is not a dense `Transformer`, `moe` sets d_expert, shared experts or an unknown field,
+      or E does not divide d_ff.
+
+  References:
+    Zhu et al., "LLaMA-MoE: Building Mixture-of-Experts from LLaMA with Continual Pre-training", 2024,
+    arXiv 2406.16554, §2; pjlab-sys4nlp/llama-moe.
   """
   _check_transformer(dense, "upcycle")
   c = dense.c
@@ -200,11 +244,25 @@ def upcycle(dense: Transformer, num_experts: int, top_k: int, split: str = "rand
 
 
 def insert_block(model: Transformer, index: int, *, seed: int = 0) -> Transformer:
-  """A copy of `model` with one more block at position `index` of the layer stack (0 = first, L = last) that is
-  the identity at insertion: its output projections (attention W_o, FFN W_down; for MoE every expert's and the
-  shared expert's) are zero, its other weights freshly initialised (seed `seed`), an MoE router bias zero.
+  """A copy of `model` with one more block, the identity at insertion (module docstring).
 
-  Returns the `Transformer` with n_layers + 1 (config at `.c`); logits equal the old model's exactly.
+  The new block's output projections (attention W_o, FFN W_down; for MoE every expert's and the shared expert's) are
+  zero, its other weights freshly initialised, an MoE router bias zero.
+
+  Args:
+    model: the transformer.
+    index: the new block's position in the layer stack (0 = first, L = last).
+    seed: the fresh weights' randomness.
+
+  Returns:
+    The `Transformer` with n_layers + 1 (config at `.c`); logits equal the old model's exactly.
+
+  Raises:
+    SurgeryError: when `model` is not a `Transformer` or `index` lies outside [0, L].
+
+  References:
+    Cheng et al., "A Qualitative Test-Risk Mechanism for Scaling Behavior in Normalized Residual Networks", 2026,
+    arXiv 2605.08297.
   """
   _check_transformer(model, "insert_block")
   c = model.c
@@ -224,9 +282,21 @@ def insert_block(model: Transformer, index: int, *, seed: int = 0) -> Transforme
 
 
 def to_padnet(model: Transformer) -> Transformer:
-  """The PAD-Net form of an MoE transformer (models/padnet.py): the same experts, every entry dynamic, φ = 0, each
-  static weight the experts' mean (the dense FFN for experts copied from one). Its logits equal the MoE's exactly
-  (λ_d = 1 and the static term is 0·W^static); `padnet.partition` then moves entries to the static part."""
+  """The PAD-Net form of an MoE transformer (models/padnet.py).
+
+  The same experts, every entry dynamic, φ = 0, each static weight the experts' mean (the dense FFN for experts
+  copied from one). Its logits equal the MoE's exactly (λ_d = 1 and the static term is 0·W^static);
+  `padnet.partition` then moves entries to the static part.
+
+  Args:
+    model: a plain MoE transformer (moe.pad False).
+
+  Returns:
+    The PAD-Net `Transformer` (moe.pad True).
+
+  Raises:
+    SurgeryError: when `model` is not a `Transformer`, is dense, or is already a PAD-Net.
+  """
   _check_transformer(model, "to_padnet")
   c = model.c
   if c.moe is None or c.moe.pad:
@@ -244,8 +314,20 @@ def to_padnet(model: Transformer) -> Transformer:
 
 
 def to_moe(model: Transformer) -> Transformer:
-  """A PAD-Net transformer folded back into a plain MoE: each expert's weights the effective
-  λ_d·M⊙W + λ_s·(1 − M)⊙W^static the layer computes (`padnet.mix`); exact for an all-dynamic model with φ = 0."""
+  """A PAD-Net transformer folded back into a plain MoE.
+
+  Each expert's weights are the effective λ_d·M⊙W + λ_s·(1 − M)⊙W^static the layer computes (`padnet.mix`); exact
+  for an all-dynamic model with φ = 0.
+
+  Args:
+    model: a PAD-Net transformer (moe.pad True).
+
+  Returns:
+    The plain MoE `Transformer` (moe.pad False).
+
+  Raises:
+    SurgeryError: when `model` is not a `Transformer` or not a PAD-Net.
+  """
   _check_transformer(model, "to_moe")
   c = model.c
   if c.moe is None or not c.moe.pad:

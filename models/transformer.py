@@ -1,6 +1,7 @@
-"""Decoder-only transformer in Flax NNX: RoPE, pre-norm RMSNorm, causal GQA attention with
-optional QK-norm and q/k/v biases, SwiGLU MLP, tied or untied head; blocks stacked on a leading `layers` axis
-and run with `lax.scan` (one compiled block, whatever the depth).
+"""Decoder-only transformer in Flax NNX.
+
+RoPE, pre-norm RMSNorm, causal GQA attention with optional QK-norm and q/k/v biases, SwiGLU MLP, tied or untied head;
+blocks stacked on a leading `layers` axis and run with `lax.scan` (one compiled block, whatever the depth).
 
 Shapes: B batch, T sequence, D d_model, N query heads, K kv heads, H head_dim, F d_ff,
 V vocab, L layers. Every parameter carries logical axis names (see sharding/rules.py), and every
@@ -9,6 +10,8 @@ need no per-layer shape rules: attention projections are stored as (D, N*H) and 
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ from models.attention import attend
 from models.config import TransformerConfig
 from models.moe import MoE
 from models.params import matmul, param
+
 # the module, not its names: sharding/context.py imports models.flash, so importing it first runs this file while it
 # is half loaded; its names are read at call time, when it is whole
 from sharding import context as cx
@@ -26,15 +30,37 @@ from sharding.pipeline import mesh_stages, pipeline
 from sharding.rules import constrain
 
 
-def rms_norm(x, scale, eps):
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm over the last axis, computed in float32: x / sqrt(mean(x²) + eps) · scale.
+
+  Args:
+    x: the activations (..., D).
+    scale: the norm's scale (D,).
+    eps: added to the mean square.
+
+  Returns:
+    The normalised x, in x's dtype.
+  """
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTNH, theta, offset=0, positions=None):
-  """Rotary position embedding, rotate-half form, at positions offset..offset+T-1 (offset may be traced), or at the
-  given (T,) `positions` (the context-parallel layout's)."""
+def rope(x_BTNH: jax.Array, theta: float, offset: int | jax.Array = 0, positions: Any = None) -> jax.Array:
+  """Rotary position embedding, rotate-half form.
+
+  Args:
+    x_BTNH: queries or keys (B, T, N, H), H even.
+    theta: the base of the rotation frequencies (`rope_theta`).
+    offset: the first position: positions offset..offset+T-1 (may be traced).
+    positions: the (T,) positions instead (the context-parallel layout's); None: from `offset`.
+
+  Returns:
+    x_BTNH rotated, in its dtype.
+
+  References:
+    Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
+  """
   T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
   freq = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
   pos_T = offset + jnp.arange(T, dtype=jnp.float32) if positions is None else jnp.asarray(positions, jnp.float32)
@@ -45,7 +71,12 @@ def rope(x_BTNH, theta, offset=0, positions=None):
 
 
 class Block(nnx.Module):
-  """x + Attn(Norm(x)); then x + FFN(Norm(x)), the FFN a SwiGLU MLP or a mixture of SwiGLU experts."""
+  """x + Attn(Norm(x)); then x + FFN(Norm(x)), the FFN a SwiGLU MLP or a mixture of SwiGLU experts.
+
+  Args:
+    c: the model configuration.
+    rngs: the random streams the weights are drawn from.
+  """
 
   def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
     D, N, K, H, F, pd = c.d_model, c.n_heads, c.kv_heads, c.hd, c.d_ff, c.param_dtype
@@ -71,9 +102,16 @@ class Block(nnx.Module):
       self.w_up_DF = param(rngs, (D, F), ("embed", "mlp"), c.init_std, pd)
       self.w_down_FD = param(rngs, (F, D), ("mlp", "embed"), out_std, pd)
 
-  def __call__(self, x_BTD):
-    """x_BTD -> (x_BTD, aux): aux holds float32 router statistics of an MoE block ({} for a dense one) and, with
-    `logit_stats`, "max_logit" (N,): each query head's largest attention logit over the batch."""
+  def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Applies the block: x_BTD -> (x_BTD, aux).
+
+    Args:
+      x_BTD: the residual stream.
+
+    Returns:
+      (x_BTD, aux): aux holds float32 router statistics of an MoE block ({} for a dense one) and, with
+      `logit_stats`, "max_logit" (N,): each query head's largest attention logit over the batch.
+    """
     h_BTD = rms_norm(x_BTD, self.attn_norm[...], self.c.norm_eps)
     positions = cx.zigzag_positions(h_BTD.shape[1], cx.mesh_context())  # 0..T-1 without context parallelism
     q, k, v = self.qkv(h_BTD, positions=positions)
@@ -82,8 +120,15 @@ class Block(nnx.Module):
     x_BTD, aux = self.ffn(x_BTD)
     return x_BTD, {**aux, **stats}
 
-  def ffn(self, x_BTD):
-    """The residual FFN half: x + FFN(Norm(x)), and the MoE aux ({} for a dense block)."""
+  def ffn(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The residual FFN half: x + FFN(Norm(x)).
+
+    Args:
+      x_BTD: the residual stream after attention.
+
+    Returns:
+      (x_BTD, aux): the new residual stream and the MoE aux ({} for a dense block).
+    """
     h = rms_norm(x_BTD, self.mlp_norm[...], self.c.norm_eps)
     if self.c.moe is not None:
       y_BTD, aux = self.moe(h)
@@ -91,8 +136,18 @@ class Block(nnx.Module):
       y_BTD, aux = self.mlp(h), {}
     return x_BTD + constrain(y_BTD, ("batch", "seq", "act_embed")), aux
 
-  def qkv(self, h_BTD, offset=0, positions=None):
-    """Rotated q_BTNH and k_BTKH, and v_BTKH, for tokens at positions offset..offset+T-1 (or `positions`)."""
+  def qkv(self, h_BTD: jax.Array, offset: int | jax.Array = 0,
+          positions: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rotated queries and keys, and values, for tokens at positions offset..offset+T-1 (or `positions`).
+
+    Args:
+      h_BTD: the normalised residual stream.
+      offset: the first token's position (may be traced).
+      positions: the (T,) positions instead; None: from `offset`.
+
+    Returns:
+      (q_BTNH, k_BTKH, v_BTKH), q and k rotated, in the compute dtype.
+    """
     c, dt = self.c, jnp.dtype(self.c.compute_dtype)
     B, T, _ = h_BTD.shape
     heads = lambda y, n, names: constrain(y.reshape(B, T, n, c.hd), ("batch", "seq", names, "kv"))
@@ -104,23 +159,52 @@ class Block(nnx.Module):
       q, k = rms_norm(q, self.q_norm[...], c.norm_eps), rms_norm(k, self.k_norm[...], c.norm_eps)
     return rope(q, c.rope_theta, offset, positions), rope(k, c.rope_theta, offset, positions), v
 
-  def out_proj(self, o_BTNH):
+  def out_proj(self, o_BTNH: jax.Array) -> jax.Array:
+    """The attention output projection W_o.
+
+    Args:
+      o_BTNH: the attention output.
+
+    Returns:
+      The projected o_BTD, in the compute dtype.
+    """
     B, T = o_BTNH.shape[:2]
     o = constrain(o_BTNH, ("batch", "seq", "act_heads", "kv"))
     return constrain(matmul(o.reshape(B, T, -1), self.wo_QD, jnp.dtype(self.c.compute_dtype)),
                      ("batch", "seq", "act_embed"))
 
-  def mlp(self, h_BTD):
+  def mlp(self, h_BTD: jax.Array) -> jax.Array:
+    """The dense SwiGLU MLP: (silu(h·W_gate) ⊙ h·W_up)·W_down.
+
+    Args:
+      h_BTD: the normalised residual stream.
+
+    Returns:
+      The MLP output y_BTD, in the compute dtype.
+    """
     dt = jnp.dtype(self.c.compute_dtype)
     gate, up = matmul(h_BTD, self.w_gate_DF, dt), matmul(h_BTD, self.w_up_DF, dt)
     a_BTF = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
     return matmul(a_BTF, self.w_down_FD, dt)
 
 
-def max_logits(q_BTNH, k_BSKH, positions=None):
-  """(N,) float32: each query head's largest causal attention logit q·k/√H over the batch (no gradient), the
-  statistic MuonClip's QK-clip reads (Kimi K2, arXiv 2507.20534). Forms the B·N·T² logits once more: a diagnostic
-  switched on by `logit_stats`, not the attention itself. `positions` (T,): each slot's position (default 0..T-1)."""
+def max_logits(q_BTNH: jax.Array, k_BSKH: jax.Array, positions: Any = None) -> jax.Array:
+  """Each query head's largest causal attention logit q·k/√H over the batch (no gradient).
+
+  The statistic MuonClip's QK-clip reads. Forms the B·N·T² logits once more: a diagnostic switched on by
+  `logit_stats`, not the attention itself.
+
+  Args:
+    q_BTNH: the rotated queries.
+    k_BSKH: the rotated keys (GQA: K divides N).
+    positions: (T,) each slot's position; None: 0..T-1.
+
+  Returns:
+    (N,) float32 maxima.
+
+  References:
+    Kimi Team, "Kimi K2: Open Agentic Intelligence", 2025, arXiv 2507.20534 (MuonClip's QK-clip).
+  """
   B, T, N, H = q_BTNH.shape
   K = k_BSKH.shape[2]
   q = jax.lax.stop_gradient(q_BTNH).astype(jnp.float32).reshape(B, T, K, N // K, H)
@@ -131,11 +215,18 @@ def max_logits(q_BTNH, k_BSKH, positions=None):
   return jnp.max(jnp.where(causal_TS, s_BKGTS, -jnp.inf), axis=(0, 3, 4)).reshape(N)
 
 
-def run_blocks(blocks: Block, x_BTD, *, remat: bool = False):
+def run_blocks(blocks: Block, x_BTD: jax.Array, *, remat: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Apply layer-stacked blocks (a vmapped `Block`, leading axis L) in order with `lax.scan`.
 
-  Returns (x_BTD, aux) with every aux leaf stacked over the L layers (leading axis L). The pipeline
-  calls this on each stage's slice of the stack.
+  The pipeline calls this on each stage's slice of the stack.
+
+  Args:
+    blocks: the stacked blocks.
+    x_BTD: the residual stream in.
+    remat: recompute each block in the backward pass (`jax.checkpoint`).
+
+  Returns:
+    (x_BTD, aux) with every aux leaf stacked over the L layers (leading axis L).
   """
   graphdef, stacked = nnx.split(blocks)
 
@@ -148,7 +239,12 @@ def run_blocks(blocks: Block, x_BTD, *, remat: bool = False):
 
 
 class Transformer(nnx.Module):
-  """tokens_BT (int) -> logits_BTV (float32); `forward` also returns the per-layer aux (MoE router statistics)."""
+  """tokens_BT (int) -> logits_BTV (float32); `forward` also returns the per-layer aux (MoE router statistics).
+
+  Args:
+    c: the model configuration.
+    rngs: the random streams the weights are drawn from (split over the layers).
+  """
 
   def __init__(self, c: TransformerConfig, *, rngs: nnx.Rngs):
     self.c = c
@@ -164,11 +260,26 @@ class Transformer(nnx.Module):
     if not c.tie_embeddings:
       self.head_DV = param(rngs, (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
 
-  def __call__(self, tokens_BT):
+  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    """The logits of `forward`, without the aux.
+
+    Args:
+      tokens_BT: the input token ids.
+
+    Returns:
+      logits_BTV in float32.
+    """
     return self.forward(tokens_BT)[0]
 
-  def forward(self, tokens_BT):
-    """tokens_BT -> (logits_BTV, aux), aux the blocks' router statistics stacked over layers ({} if dense)."""
+  def forward(self, tokens_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """tokens_BT -> (logits_BTV, aux).
+
+    Args:
+      tokens_BT: the input token ids.
+
+    Returns:
+      (logits_BTV float32, aux), aux the blocks' router statistics stacked over layers ({} if dense).
+    """
     C = cx.mesh_context()
     cx.check_context(tokens_BT.shape[1], C)
     x_BTD = self.embed(cx.to_zigzag(tokens_BT, C))  # context > 1: the sequence in zig-zag order (sharding/context.py)
@@ -181,14 +292,30 @@ class Transformer(nnx.Module):
       x_BTD, aux = run_blocks(self.blocks, x_BTD, remat=self.c.remat)
     return self.unembed(cx.from_zigzag(x_BTD, C)), aux
 
-  def embed(self, tokens_BT):
+  def embed(self, tokens_BT: jax.Array) -> jax.Array:
+    """The token embeddings.
+
+    Args:
+      tokens_BT: the input token ids.
+
+    Returns:
+      x_BTD in the compute dtype.
+    """
     dt = jnp.dtype(self.c.compute_dtype)
     # Look up in a whole copy of the table: a gather from a vocab/embed-split table makes GSPMD
     # replicate the *output*; gathering the (V, D) table is what FSDP does for every weight anyway.
     table_VD = constrain(self.embed_VD[...], (None, None))
     return constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dt), ("batch", "seq", "act_embed"))
 
-  def unembed(self, x_BTD):
+  def unembed(self, x_BTD: jax.Array) -> jax.Array:
+    """The final norm and the output head (the embedding table when tied).
+
+    Args:
+      x_BTD: the residual stream after the last block.
+
+    Returns:
+      logits_BTV in float32.
+    """
     c, dt = self.c, jnp.dtype(self.c.compute_dtype)
     h = rms_norm(x_BTD, self.final_norm[...], c.norm_eps)
     if c.tie_embeddings:
@@ -201,12 +328,21 @@ class Transformer(nnx.Module):
 IGNORE_TARGET = -(2 ** 31)  # a target the loss leaves out (padding): int32's minimum, no vocabulary's id
 
 
-def cross_entropy(logits_BTV, targets_BT):
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
   """Mean next-token cross entropy in nats over the targets that are not `IGNORE_TARGET` (padding; none left: 0).
+
   The target's log-probability is picked by a masked sum over the vocabulary (exact: one term is non-zero), not a
   gather: with the vocabulary split over `tensor` each device sums its own slice and GSPMD all-reduces (B, T)
   numbers, and XLA's partitioner aborts on the gather inside a shard_map manual over `data` with fsdp and tensor both
-  split (sharding/replicas.py)."""
+  split (sharding/replicas.py).
+
+  Args:
+    logits_BTV: the logits.
+    targets_BT: the target ids; `IGNORE_TARGET` where left out, negative ids count from the vocabulary's end.
+
+  Returns:
+    The scalar float32 mean loss; NaN when a target lies outside the vocabulary (bad data is a bad step).
+  """
   logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
   V = logp_BTV.shape[-1]
   used_BT = targets_BT != IGNORE_TARGET
