@@ -1,4 +1,5 @@
-# The two quick-start commands: `make run` (train the default model) and `make test`.
+# The two quick-start commands: `make run` (train the default model) and `make test`. Besides them: `make lint` (ruff,
+# pydoclint, mypy: the checks .pre-commit-config.yaml runs) and `make docs` (the site, into site/).
 # `make run` installs the package and its runtime dependencies only; `make test` adds the test tools and the oracles
 # (torch's CPU build, pytorch-optimizer, transformers) to the same .venv. Each install runs once (a stamp file) and
 # again when pyproject.toml changes.
@@ -7,6 +8,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
+LINT_STAMP := $(VENV)/.installed-lint
+DOCS_STAMP := $(VENV)/.installed-docs
 # torch's CPU build: a wheel named +cpu where the configured indexes have one, else PyTorch's CPU index (PyPI's
 # Linux wheel is the CUDA build, several GB with its nvidia-* dependencies).
 TORCH := torch==2.13.0
@@ -25,7 +28,17 @@ $(TEST_STAMP): $(RUN_STAMP)
 	$(BIN)/pip install -q -e ".[dev,oracles,wandb,mlflow,viz]"
 	touch $(TEST_STAMP)
 
-.PHONY: install install-test run test bench
+$(LINT_STAMP): $(RUN_STAMP)
+	$(BIN)/pip install -q -e ".[lint]"
+	touch $(LINT_STAMP)
+
+# the site renders the stored notebook executions (docs/notebooks/) and reads the trainer's --help, so it needs the
+# runtime install, not the test tools
+$(DOCS_STAMP): $(RUN_STAMP)
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+.PHONY: install install-test run test bench lint docs
 install: $(RUN_STAMP)
 install-test: $(TEST_STAMP)
 
@@ -37,3 +50,15 @@ test: $(TEST_STAMP)
 
 bench: $(TEST_STAMP)
 	$(BIN)/python -m research.bench $(ARGS)
+
+# the library and the trainer's front door: docstring sections (pydoclint), ruff everywhere, types (mypy)
+TYPED := optim models sharding research/train
+DOCUMENTED := optim models sharding research/train/__init__.py research/train/command.py research/train/loop.py \
+	research/train/config/__init__.py research/train/steps/step.py
+lint: $(LINT_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pydoclint $(DOCUMENTED)
+	$(BIN)/mypy $(TYPED)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

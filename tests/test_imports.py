@@ -123,7 +123,8 @@ def test_the_graph_sees_the_imports_it_must():
   graph = import_graph()
   assert "research.train.steps.step" in graph["research.train.loop"]
   assert "research.train.store.checkpoint" in graph["research.train.setup.resume"]  # a `from X import Name`
-  assert "research.train.setup.adapters" in graph["research.train.setup.initial_state"]  # a `from package import submodule`
+  # a `from package import submodule`
+  assert "research.train.setup.adapters" in graph["research.train.setup.initial_state"]
   assert "research.data.tokenized" in graph["research.data"]
   assert "models.moe" in graph["models.transformer"] and "models.params" in graph["models.moe"]
 
@@ -214,9 +215,10 @@ def test_the_trainer_stays_readable():
 
 def test_every_trainer_module_is_listed_where_a_reader_looks():
   """Each module of research/train/ is named in its package's docstring (research/train/__init__.py for the top-level
-  ones) and in the README map's research/train row, so neither can fall behind the tree."""
+  ones) and in the site map's research/train row (docs/architecture.md), so neither can fall behind the tree."""
   folder = os.path.join(ROOT, "research", "train")
-  readme_row = next(line for line in open(os.path.join(ROOT, "README.md")) if line.startswith("| `research/train/` |"))
+  map_page = os.path.join(ROOT, "docs", "architecture.md")
+  readme_row = next(line for line in open(map_page) if line.startswith("| `research/train/` |"))
   missing = []
   for d, _, fs in os.walk(folder):
     doc = ast.get_docstring(ast.parse(open(os.path.join(d, "__init__.py")).read())) or ""
@@ -228,5 +230,5 @@ def test_every_trainer_module_is_listed_where_a_reader_looks():
         if f not in doc:
           missing.append(f"{where}: not in its package docstring")
         if f not in readme_row:
-          missing.append(f"{where}: not in the README map")
+          missing.append(f"{where}: not in the site's map (docs/architecture.md)")
   assert missing == []

@@ -1,5 +1,6 @@
-"""The README says what the code does: its quick start, flags, presets, optimizers and commands exist, and its lists
-are the registries' (a flag, preset or optimizer that disappears, or a new one left out, fails here)."""
+"""The README and the site say what the code does: the quick start, flags, presets, optimizers and commands exist, and
+the lists are the registries' (a flag, preset or optimizer that disappears, or a new one left out, fails here). Every
+`python -m` command of both is checked against its parser in tests/docs/test_commands.py."""
 
 import importlib.util
 import os
@@ -14,10 +15,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
 
 
-def section(title: str) -> str:
-  start = README.index(f"\n## {title}\n")
-  end = README.find("\n## ", start + 1)
-  return README[start:end if end > 0 else None]
+def page(path: str) -> str:
+  """A page of the site (docs/<path>)."""
+  return open(os.path.join(ROOT, "docs", path)).read()
+
+
+def section(title: str, text: str = README) -> str:
+  start = text.index(f"\n## {title}\n")
+  end = text.find("\n## ", start + 1)
+  return text[start:end if end > 0 else None]
+
+
+def test_the_readme_is_a_welcome_and_every_page_is_in_the_site():
+  assert len(README.splitlines()) <= 250
+  docs = os.path.join(ROOT, "docs")
+  pages = {os.path.relpath(os.path.join(d, f), docs) for d, _, fs in os.walk(docs) for f in fs if f.endswith(".md")}
+  linked = set(re.findall(r"\]\(docs/([\w/.-]+\.md)", README))
+  assert linked and linked <= pages, sorted(linked - pages)
 
 
 def train_flags() -> set[str]:
@@ -38,22 +52,23 @@ def test_quick_start_is_two_make_commands_that_exist():
 
 def test_documented_flags_exist():
   flags = train_flags()
-  documented = set(re.findall(r"`(--[a-z][\w.-]*)", section("Training CLI") + section("First hour")))
-  documented |= set(re.findall(r"python -m research\.train[^\n`]*?(--[a-z][\w.-]*)", README))
+  documented = set(re.findall(r"`(--[a-z][\w.-]*)", page("train-cli.md") + section("First hour")))
   documented = {f for f in documented if not f.startswith("--no-")} - {"--help"}
   assert documented and documented <= flags, sorted(documented - flags)
   assert {"--moe.num-experts", "--moe.top-k", "--moe.d-expert", "--peak-flops", "--progress"} <= flags
 
 
 def test_presets_and_optimizers_listed_are_the_registries():
-  model_row = next(line for line in section("Training CLI").splitlines() if line.startswith("| `--model`"))
+  model_row = next(line for line in page("train-cli.md").splitlines() if line.startswith("| `--model`"))
   assert re.findall(r"`(\w+)`", model_row.split("|")[3].split(";")[0]) == list(PRESETS)
-  listed = re.search(r"\(`optim\.OPTIMIZERS`\):\n(.*?)\.\n", section("Optimizers"), re.S).group(1)
+  listed = re.search(r"\(`optim\.OPTIMIZERS`\):\n(.*?)\.\n", page("optimizers/index.md"), re.S).group(1)
   assert re.findall(r"`(\w+)`", listed) == sorted(OPTIMIZERS)
 
 
-def test_modules_the_readme_runs_exist():
-  modules = set(re.findall(r"python -m ([a-z]\w*(?:\.[a-z]\w*)*)", README))  # not research.experiments.<name>
+def test_modules_the_readme_and_the_site_run_exist():
+  text = README + "".join(open(os.path.join(d, f)).read() for d, _, fs in os.walk(os.path.join(ROOT, "docs"))
+                          for f in fs if f.endswith(".md"))
+  modules = set(re.findall(r"python -m ([a-z]\w*(?:\.[a-z]\w*)*)", text))  # not research.experiments.<name>
   assert {"research.train", "research.plot", "research.sample", "research.export"} <= modules
   missing = [m for m in modules if importlib.util.find_spec(m) is None]
   assert not missing, missing
@@ -64,10 +79,12 @@ def test_the_first_hours_resume_step_is_accepted_by_the_resume_check(tmp_path):
   trainer runs (research/train/setup/resume.py) must accept them, recording the change in the history."""
   import dataclasses
   import shlex
+
   import tyro
-  from research.train.store import rundir
+
   from research.train.config import TrainConfig
   from research.train.setup.resume import check_resume
+  from research.train.store import rundir
   block = re.search(r"```bash\n(.*?)```", section("First hour"), re.S).group(1)
   step3 = next(line for line in block.splitlines() if line.split("#")[-1].strip().startswith("3."))
   args = shlex.split(re.search(r'ARGS="([^"]*)"', step3).group(1))

@@ -126,6 +126,9 @@ def build(cache_dir: str | None = None, kind: str = "descriptions") -> str:
 def main(argv=None) -> int:
   from research.data import load_corpus
   args = sys.argv[1:] if argv is None else argv
+  if args in (["-h"], ["--help"]):
+    print("usage: python -m research.data.docs_corpus [CACHE_DIR]\n\n" + (__doc__ or "").split("\n\n")[0])
+    return 0
   with entry.one_line_errors(OSError):
     if len(args) > 1 or (args and args[0].startswith("-")):
       raise entry.UsageError("usage: python -m research.data.docs_corpus [CACHE_DIR]")
