@@ -1,6 +1,8 @@
-"""AdaMuon (Si, Zhang, Shen, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005): Newton–Schulz of the sign
-of the momentum, an element-wise Adam-style second moment on the orthogonalized update, and an RMS-aligned
-rescale that gives every matrix's update the RMS of Adam's (0.2), so AdamW's learning rate carries over.
+"""AdaMuon: Newton–Schulz of the momentum's sign, an element-wise second moment on it, and an RMS-aligned rescale.
+
+Si, Zhang, Shen, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005: Newton–Schulz of the sign of the momentum, an
+element-wise Adam-style second moment on the orthogonalized update, and an RMS-aligned rescale that gives every
+matrix's update the RMS of Adam's (0.2), so AdamW's learning rate carries over.
 
 Three sources differ (tests/optim/test_adamuon.py checks each):
   paper, Algorithm 1 (v3): M ← β·M + G; O = NS(sign(M)); V ← β·V + (1−β)·O⊙O; Ô = O ⊘ (√V + ε);
@@ -16,28 +18,36 @@ Our defaults are the authors' code (sign, Nesterov, β2 = β = 0.95, ε = 1e-8, 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optim.muon import muon_with_adamw, orthogonalize_tree, shape_scale
+from optim.newton_schulz import Coeffs
 from optim.normuon import check_matrix, frobenius, momentum_direction
 from optim.registry import register
 from optim.trees import reject_complex
 
+PyTree = Any
+
 
 class AdaMuonState(NamedTuple):
-  count: jax.Array  # int32 step counter
+  """AdaMuon's state: the step count, the momentum and the element-wise second moment."""
+
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count in typeshed; int32 step counter
   mu: optax.Updates  # momentum, shaped (and sharded) like the parameters
   nu: optax.Updates  # element-wise second moment of O, like the parameters (real dtype)
 
 
 def scale_by_adamuon(beta: float = 0.95, b2: float = 0.95, *, nesterov: bool = True, sign: bool = True,
-                     eps: float = 1e-8, bias_correction: bool = False, scale: str = "moonlight", coeffs="quintic",
-                     ns_steps: int = 5, ns_eps: float = 1e-7, ns_dtype=None, method: str = "standard",
-                     mu_dtype=None, distributed: bool = False) -> optax.GradientTransformation:
+                     eps: float = 1e-8, bias_correction: bool = False, scale: str = "moonlight",
+                     coeffs: Coeffs = "quintic", ns_steps: int = 5, ns_eps: float = 1e-7,
+                     ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+                     mu_dtype: jax.typing.DTypeLike | None = None,
+                     distributed: bool = False) -> optax.GradientTransformation:
   """Orthogonalized sign of the momentum, normalized by an element-wise second moment, RMS-aligned.
 
     M ← β·M + (1−β)·G;  U = β·M + (1−β)·G (Nesterov) or M;  O = NS(sign(U)) (or NS(U) without `sign`)
@@ -48,6 +58,30 @@ def scale_by_adamuon(beta: float = 0.95, b2: float = 0.95, *, nesterov: bool = T
   has Frobenius norm 0.2·√(mn), the paper's RMS alignment. Leaves must have ndim ≥ 2 (stacks of matrices, each
   on its own). `ns_eps` is Newton–Schulz's eps; `coeffs`, `ns_steps`, `ns_dtype`, `method`, `distributed` go to
   `orthogonalize_tree`. With `sign`, complex parameters are refused at init (a sign has no complex meaning).
+
+  Args:
+    beta: the momentum β (default 0.95).
+    b2: the second moment's β (default 0.95).
+    nesterov: U = β·M + (1−β)·G (default) or M.
+    sign: orthogonalize sign(U) (default) or U.
+    eps: in √V̂ + eps and ‖Ô‖_F + eps (default 1e-8).
+    bias_correction: divide V by 1 − b2^t (default False).
+    scale: the shape scale, a name in `optim.muon.SHAPE_SCALES` (default "moonlight").
+    coeffs: the Newton–Schulz coefficients (default "quintic").
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    ns_eps: Newton–Schulz's eps (default 1e-7).
+    ns_dtype: the Newton–Schulz iteration's dtype (default: the update's).
+    method: "standard" or "gram" Newton–Schulz.
+    mu_dtype: the momentum's dtype (default: the parameter's).
+    distributed: orthogonalize each matrix once across the mesh's devices (`optim.distributed`).
+
+  Returns:
+    A transformation whose update is the RMS-aligned Ô, with an `AdaMuonState`; init and update raise `ValueError`
+    on a leaf with fewer than two axes, and an unknown `scale` raises `ValueError` here (`shape_scale`).
+
+  References:
+    Si, Zhang and Shen, "AdaMuon: Adaptive Muon Optimizer", 2025, arXiv 2507.11005, Algorithm 1; reference code
+      Chongjie-Si/AdaMuon.
   """
   shape_scale(scale, 1, 1)  # validates the name
 
@@ -91,31 +125,52 @@ def scale_by_adamuon(beta: float = 0.95, b2: float = 0.95, *, nesterov: bool = T
 @register("adamuon")
 def adamuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: float = 0.95,
             weight_decay: float = 0.1, nesterov: bool = True, sign: bool = True, eps: float = 1e-8,
-            bias_correction: bool = False, scale: str = "moonlight", coeffs="quintic", ns_steps: int = 5,
-            ns_eps: float = 1e-7, ns_dtype=None, method: str = "standard", mu_dtype=None, adam_learning_rate=None,
+            bias_correction: bool = False, scale: str = "moonlight", coeffs: Coeffs = "quintic", ns_steps: int = 5,
+            ns_eps: float = 1e-7, ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+            mu_dtype: jax.typing.DTypeLike | None = None, adam_learning_rate: optax.ScalarOrSchedule | None = None,
             adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
-            adam_weight_decay: float | None = None, labels=None,
+            adam_weight_decay: float | None = None, labels: PyTree | Callable[[PyTree], PyTree] | None = None,
             distributed: bool = False) -> optax.GradientTransformation:
   """AdaMuon (arXiv 2507.11005) on hidden matrices, AdamW on the rest (`muon_with_adamw`, `muon_labels`).
 
     W ← W − lr·(shape_scale·√min(m, n)·Ô/(‖Ô‖_F + eps) + weight_decay·W)      (Ô: `scale_by_adamuon`)
 
-  Args:
-    learning_rate: a number or a schedule; the AdamW group's too unless `adam_learning_rate` is given.
-    beta: momentum β.  b2: the second moment's β (the paper uses β for both).  eps: in √V̂ + eps and ‖Ô‖_F + eps.
-    nesterov: U = β·M + (1−β)·G (the authors' code) or M (the paper's Algorithm 1, pytorch_optimizer).
-    sign: orthogonalize sign(U) (paper and authors' code) or U (pytorch_optimizer).
-    bias_correction: divide V by 1 − b2^t (pytorch_optimizer); the rescale cancels it up to eps.
-    scale: Muon's shape factor (`optim.muon.shape_scale`): "moonlight" 0.2·√max(m, n) (default, the paper's
-      RMS 0.2), "keller" √max(1, fan_out/fan_in) (pytorch_optimizer's use_adjusted_lr=False), ...
-    weight_decay: decoupled, times the unscaled lr.  coeffs, ns_steps, ns_eps, ns_dtype, method, distributed:
-      Newton–Schulz (`orthogonalize_tree`).  mu_dtype: the momentum's dtype (both groups).
-    adam_*: the AdamW group (`optim.muon.muon_with_adamw`).  labels: "muon"/"adam" per leaf (`muon_labels`).
-
   pytorch_optimizer 4.1.0 `AdaMuon` with its defaults is beta=0.9, b2=0.95, nesterov=False, sign=False,
   eps=1e-10, bias_correction=True, scale="moonlight" (module docstring); its Newton–Schulz runs in bfloat16 and
   divides by max(‖X‖_F, 1e-7), ours in the parameter's dtype (`ns_dtype`) and by ‖X‖_F + ns_eps. Under
   `optax.inject_hyperparams` list `ns_steps` (and a `labels` function) in `static_args`.
+
+  Args:
+    learning_rate: a number or a schedule; the AdamW group's too unless `adam_learning_rate` is given.
+    beta: momentum β (default 0.95).
+    b2: the second moment's β (the paper uses β for both; default 0.95).
+    weight_decay: decoupled, times the unscaled lr (default 0.1).
+    nesterov: U = β·M + (1−β)·G (the authors' code) or M (the paper's Algorithm 1, pytorch_optimizer).
+    sign: orthogonalize sign(U) (paper and authors' code) or U (pytorch_optimizer).
+    eps: in √V̂ + eps and ‖Ô‖_F + eps (default 1e-8).
+    bias_correction: divide V by 1 − b2^t (pytorch_optimizer); the rescale cancels it up to eps.
+    scale: Muon's shape factor (`optim.muon.shape_scale`): "moonlight" 0.2·√max(m, n) (default, the paper's
+      RMS 0.2), "keller" √max(1, fan_out/fan_in) (pytorch_optimizer's use_adjusted_lr=False), ...
+    coeffs: Newton–Schulz coefficients (`orthogonalize_tree`; default "quintic").
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    ns_eps: Newton–Schulz's eps (default 1e-7).
+    ns_dtype: Newton–Schulz's dtype (default: the update's).
+    method: "standard" or "gram" Newton–Schulz.
+    mu_dtype: the momentum's dtype (both groups).
+    adam_learning_rate: the AdamW group's learning rate (`optim.muon.muon_with_adamw`); None: `learning_rate`.
+    adam_b1: the AdamW group's β1 (default 0.9).
+    adam_b2: the AdamW group's β2 (default 0.95).
+    adam_eps: the AdamW group's ε (default 1e-8).
+    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    labels: "muon"/"adam" per leaf (`muon_labels`).
+    distributed: orthogonalize each matrix once across the mesh's devices (`orthogonalize_tree`).
+
+  Returns:
+    `optim.muon.muon_with_adamw` over `scale_by_adamuon`.
+
+  References:
+    Si, Zhang and Shen, "AdaMuon: Adaptive Muon Optimizer", 2025, arXiv 2507.11005, Algorithm 1; reference code
+      Chongjie-Si/AdaMuon.
   """
   core = scale_by_adamuon(beta, b2, nesterov=nesterov, sign=sign, eps=eps, bias_correction=bias_correction,
                           scale=scale, coeffs=coeffs, ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype,

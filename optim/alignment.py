@@ -22,7 +22,7 @@ Python τ gives K = int(τ·N) as in the reference code; a traced τ gives ⌊τ
 inject_hyperparams the parameters' dtype: pass hyperparam_dtype=jnp.float32 for bf16 parameters, else τ is
 rounded to bf16 before K is taken). On a mesh the sort gathers each matrix whole, once, outside any loop.
 (A counting radix select keeps the leaf sharded and needs only per-matrix all-reduces, but its unrolled
-rounds compiled ~15× slower than the sort on XLA:CPU; loops around collectives are not an option there.)
+rounds compiled far slower than the sort on XLA:CPU; loops around collectives are not an option there.)
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ from jax.sharding import PartitionSpec as P
 from optim.trees import reject_complex
 
 MaskFn = Callable[[jax.Array, jax.Array], jax.Array]
+# A hyperparameter as the factories take it: a Python number or an (injected, traced) array; and α or γ, which may
+# also be the paper's tie to τ ("1/tau", "tau"). Aliases, so the registry's annotation check
+# (optim.registry.get_optimizer) leaves them to these functions' own checks.
+Scalar = float | jax.Array
+Factor = float | str | jax.Array
 NORMALIZATIONS = ("mean", "count")
 
 
@@ -51,8 +56,10 @@ def _axes(x) -> tuple[int, ...]:
 
 
 def _ordered_key(s):
-  """An unsigned integer with the order of the float s (-0.0 folded into 0.0): sign bit set for s ≥ 0,
-  all bits flipped for s < 0."""
+  """An unsigned integer with the order of the float s (-0.0 folded into 0.0).
+
+  Sign bit set for s ≥ 0, all bits flipped for s < 0.
+  """
   s = s.astype(jnp.promote_types(s.dtype, jnp.float32))
   s = jnp.where(s == 0, jnp.zeros_like(s), s)
   bits = jnp.finfo(s.dtype).bits
@@ -62,12 +69,22 @@ def _ordered_key(s):
   return jnp.where(b >= sign, ~b, b | sign)
 
 
-def topk_mask(score: jax.Array, fraction) -> jax.Array:
+def topk_mask(score: jax.Array, fraction: float | jax.Array) -> jax.Array:
   """Boolean mask of the K = ⌊fraction·N⌋ largest scores of each tensor (ties: lower flat index first).
 
   `fraction` is a Python float (K = int(fraction·N), as the reference's `int(mask_ratio * numel)`) or a
   traced scalar. On a mesh each tensor is gathered whole for the sort and the mask comes back in the
   score's sharding (as `orthogonalize` does), so a sharded leaf selects what the unsharded one selects.
+
+  Args:
+    score: the scores; a tensor is a matrix of the last two axes (ndim ≥ 2) or the whole array (module docstring).
+    fraction: τ, the fraction of each tensor's elements selected; a Python number must lie in [0, 1].
+
+  Returns:
+    A boolean array of score's shape (and sharding), True on each tensor's K selected elements.
+
+  Raises:
+    AlignmentError: when a Python `fraction` lies outside [0, 1].
   """
   if isinstance(fraction, (int, float)) and not 0.0 <= fraction <= 1.0:
     raise AlignmentError(f"the top-K fraction tau must lie in [0, 1], got {fraction}")
@@ -82,8 +99,11 @@ def topk_mask(score: jax.Array, fraction) -> jax.Array:
 
 
 def _topk(score, fraction):
-  """One stable sort per tensor by descending key; T = the K-th key, J = its flat index. The selection is
-  key > T, plus the tied keys (= T) at flat indices ≤ J, which the stable sort placed before position K."""
+  """One stable sort per tensor by descending key; T = the K-th key, J = its flat index.
+
+  The selection is key > T, plus the tied keys (= T) at flat indices ≤ J, which the stable sort placed before
+  position K.
+  """
   axes = _axes(score)
   n = math.prod(score.shape[a] for a in axes)
   if isinstance(fraction, (int, float)):
@@ -107,19 +127,70 @@ def _check(u, g):
   return u * g
 
 
-def mgup_mask(u: jax.Array, g: jax.Array, tau=0.5, alpha=2.0, gamma=0.1) -> jax.Array:
-  """MGUP's φ: α on the ⌊τ·N⌋ largest u⊙g of each tensor, γ elsewhere (dtype of u)."""
+def mgup_mask(u: jax.Array, g: jax.Array, tau: float | jax.Array = 0.5, alpha: float | jax.Array = 2.0,
+              gamma: float | jax.Array = 0.1) -> jax.Array:
+  """MGUP's φ: α on the ⌊τ·N⌋ largest u⊙g of each tensor, γ elsewhere (dtype of u).
+
+  u and g of different shapes, or a Python τ outside [0, 1], raise `AlignmentError` (the shape check, `topk_mask`).
+
+  Args:
+    u: the base optimizer's update direction.
+    g: the raw gradient, u's shape.
+    tau: τ, the boosted fraction of each tensor (default 0.5).
+    alpha: α, the factor on the selected coordinates (default 2.0, the reference code's).
+    gamma: γ, the factor on the others (default 0.1, the reference code's).
+
+  Returns:
+    φ, u's shape and dtype.
+
+  References:
+    Chang and Yuan, "A Momentum-Gradient Alignment Update Policy for Stochastic Optimization" (MGUP), NeurIPS 2025,
+      arXiv 2606.17526, Eq. 3; reference code MaeChd/MGUP.
+  """
   return jnp.where(topk_mask(_check(u, g), tau), alpha, gamma).astype(u.dtype)
 
 
-def cautious_mgup_mask(u: jax.Array, g: jax.Array, alpha=2.0, gamma=0.1) -> jax.Array:
-  """Cautious-MGUP's φ: α where u·g ≥ 0, γ elsewhere (the reference code's ≥; its README writes >)."""
+def cautious_mgup_mask(u: jax.Array, g: jax.Array, alpha: float | jax.Array = 2.0,
+                       gamma: float | jax.Array = 0.1) -> jax.Array:
+  """Cautious-MGUP's φ: α where u·g ≥ 0, γ elsewhere (the reference code's ≥; its README writes >).
+
+  Args:
+    u: the base optimizer's update direction.
+    g: the raw gradient, u's shape (else `AlignmentError`).
+    alpha: α, the factor on the aligned coordinates (default 2.0).
+    gamma: γ, the factor on the others (default 0.1).
+
+  Returns:
+    φ, u's shape and dtype.
+
+  References:
+    Chang and Yuan, "A Momentum-Gradient Alignment Update Policy for Stochastic Optimization" (MGUP), NeurIPS 2025,
+      arXiv 2606.17526, Eq. 3; reference code MaeChd/MGUP. (`CMGUP_AdamW`)
+  """
   return jnp.where(_check(u, g) >= 0, alpha, gamma).astype(u.dtype)
 
 
-def cautious_mask(u: jax.Array, g: jax.Array, floor=1e-3, normalize: str = "mean") -> jax.Array:
-  """Cautious φ: c = (u·g > 0) rescaled per tensor, by 1/max(mean(c), floor) ("mean") or N/(Σc + 1)
-  ("count"). A tensor with no aligned coordinate gets φ = 0, never a division by zero."""
+def cautious_mask(u: jax.Array, g: jax.Array, floor: float | jax.Array = 1e-3, normalize: str = "mean") -> jax.Array:
+  """Cautious φ: c = (u·g > 0) rescaled per tensor, by 1/max(mean(c), floor) ("mean") or N/(Σc + 1) ("count").
+
+  A tensor with no aligned coordinate gets φ = 0, never a division by zero.
+
+  Args:
+    u: the base optimizer's update direction.
+    g: the raw gradient, u's shape (else `AlignmentError`).
+    floor: the smallest mean(c) divided by ("mean"; default 1e-3).
+    normalize: "mean" (the C-Optim single-tensor code) or "count" (C-Optim's first form, pytorch_optimizer).
+
+  Returns:
+    φ, u's shape and dtype.
+
+  Raises:
+    AlignmentError: when `normalize` is not one of `NORMALIZATIONS`.
+
+  References:
+    Liang, Chen, Liu and Liu, "Cautious Optimizers: Improving Training with One Line of Code", 2024,
+      arXiv 2411.16085; reference code kyleliang919/C-Optim.
+  """
   if normalize not in NORMALIZATIONS:
     raise AlignmentError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}")
   c = (_check(u, g) > 0).astype(jnp.promote_types(u.dtype, jnp.float32))
@@ -132,11 +203,29 @@ def cautious_mask(u: jax.Array, g: jax.Array, floor=1e-3, normalize: str = "mean
   return phi.astype(u.dtype)
 
 
-def mgup_policy(policy: str = "topk", *, tau=0.5, alpha=2.0, gamma=0.1) -> MaskFn:
+def mgup_policy(policy: str = "topk", *, tau: float | jax.Array = 0.5, alpha: float | str | jax.Array = 2.0,
+                gamma: float | str | jax.Array = 0.1) -> MaskFn:
   """mask_fn(u, g) for MGUP: policy "topk" (MGUP) or "cautious" (Cautious-MGUP: α where u·g ≥ 0).
 
   alpha="1/tau" and gamma="tau" tie them to τ as in the paper's Eq. 3 (α = 1/τ, γ = τ; the reference code's
   defaults are α = 2, γ = 0.1); tied, they follow an injected τ.
+
+  Args:
+    policy: "topk" (MGUP) or "cautious" (Cautious-MGUP).
+    tau: τ, the boosted fraction ("topk"); a Python number must lie in [0, 1], in (0, 1] with alpha="1/tau".
+    alpha: α, the factor on the selected (aligned) coordinates, or "1/tau" (default 2.0).
+    gamma: γ, the factor on the others, or "tau" (default 0.1).
+
+  Returns:
+    The mask function `mask_fn(u, g) -> φ` (`mgup_mask` or `cautious_mgup_mask`).
+
+  Raises:
+    AlignmentError: when a Python τ lies outside its range, `policy` is unknown, or a string α or γ is not "1/tau"
+      or "tau" respectively.
+
+  References:
+    Chang and Yuan, "A Momentum-Gradient Alignment Update Policy for Stochastic Optimization" (MGUP), NeurIPS 2025,
+      arXiv 2606.17526, Eq. 3; reference code MaeChd/MGUP.
   """
   if isinstance(tau, (int, float)) and not (0.0 < tau <= 1.0 if alpha == "1/tau" else 0.0 <= tau <= 1.0):
     raise AlignmentError(f"MGUP's tau (the boosted fraction) must lie in {'(0' if alpha == '1/tau' else '[0'}, 1], "
@@ -149,7 +238,7 @@ def mgup_policy(policy: str = "topk", *, tau=0.5, alpha=2.0, gamma=0.1) -> MaskF
   raise AlignmentError(f"unknown MGUP policy {policy!r}; use 'topk' (MGUP) or 'cautious' (Cautious-MGUP)")
 
 
-def _tied(value, word: str, tie):
+def _tied(value: Factor, word: str, tie: Callable[[], Scalar]) -> Scalar:
   if isinstance(value, str):
     if value != word:
       raise AlignmentError(f"a string here must be {word!r} (the paper's choice), got {value!r}")
@@ -157,21 +246,45 @@ def _tied(value, word: str, tie):
   return value
 
 
-def cautious_policy(*, floor=1e-3, normalize: str = "mean") -> MaskFn:
-  """mask_fn(u, g) for Cautious (see `cautious_mask`)."""
+def cautious_policy(*, floor: float | jax.Array = 1e-3, normalize: str = "mean") -> MaskFn:
+  """mask_fn(u, g) for Cautious (see `cautious_mask`).
+
+  Args:
+    floor: the smallest mean(c) divided by ("mean"; default 1e-3).
+    normalize: "mean" or "count" (`cautious_mask`).
+
+  Returns:
+    The mask function `mask_fn(u, g) -> φ`.
+
+  Raises:
+    AlignmentError: when `normalize` is not one of `NORMALIZATIONS`.
+
+  References:
+    Liang, Chen, Liu and Liu, "Cautious Optimizers: Improving Training with One Line of Code", 2024,
+      arXiv 2411.16085; reference code kyleliang919/C-Optim.
+  """
   if normalize not in NORMALIZATIONS:
     raise AlignmentError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}")
   return lambda u, g: cautious_mask(u, g, floor, normalize)
 
 
 def with_alignment_mask(inner: optax.GradientTransformation, mask_fn: MaskFn) -> optax.GradientTransformation:
-  """`inner`'s update u multiplied by φ = mask_fn(u, g), per leaf, where g is the raw gradient `inner`
-  received. Put it first in a chain, and decoupled weight decay after it, so decay is never masked:
+  """`inner`'s update u multiplied by φ = mask_fn(u, g), per leaf, where g is the raw gradient `inner` received.
+
+  Put it first in a chain, and decoupled weight decay after it, so decay is never masked:
 
     optax.chain(with_alignment_mask(base, mask_fn), optax.add_decayed_weights(wd, mask),
                 optax.scale_by_learning_rate(lr))   # W ← W − lr·(φ ⊙ u + wd·W)
 
   The state is `inner`'s; φ has each leaf's shape and sharding.
+
+  Args:
+    inner: the base optimizer's direction (e.g. `optax.scale_by_adam()`).
+    mask_fn: the policy, `mask_fn(u, g) -> φ` (`mgup_policy`, `cautious_policy`).
+
+  Returns:
+    A transformation with `inner`'s init and state whose update is φ ⊙ u; its init rejects complex parameters (it
+    compares the signs of u·g).
   """
   def update(updates, state, params=None):
     u, state = inner.update(updates, state, params)

@@ -1,6 +1,7 @@
-"""BAdam: block coordinate descent with Adam as the inner solver (Luo, Yu & Li, "BAdam: A Memory Efficient Full
-Parameter Optimization Method for Large Language Models", arXiv 2404.02827, NeurIPS 2024; Ledzy/BAdam
-`src/badam/block_optim.py`, class `BlockOptimizer`).
+"""BAdam: block coordinate descent with Adam as the inner solver.
+
+Luo, Yu & Li, "BAdam: A Memory Efficient Full Parameter Optimization Method for Large Language Models", arXiv
+2404.02827, NeurIPS 2024; Ledzy/BAdam `src/badam/block_optim.py`, class `BlockOptimizer`.
 
 The parameters are split into D blocks (by default one per transformer layer). One block is active at a time; the
 inner optimizer runs K = `switch_every` steps on it, its state (moments and bias-correction count) is discarded, and
@@ -15,19 +16,20 @@ always-active leaves whole, and whole-leaf blocks in shared slots. Its state the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optim.needs import Blockwise, Needs
+from optim.needs import Blockwise, Inactive, Needs
 from optim.registry import decay_mask, register
 from optim.trees import leaf_name, path_name
 
 ORDERS = ("descending", "ascending", "random", "fixed")
 LABELS = ("layers", "embedding", "head", "active", "frozen")
+PyTree = Any
 
 
 class BAdamError(ValueError):
@@ -35,7 +37,10 @@ class BAdamError(ValueError):
 
 
 class BAdamState(NamedTuple):
-  count: jax.Array  # int32: updates taken so far (the reference's global_step)
+  """BAdam's state: the update count, the block the next update trains, and the inner state over its view."""
+
+  # int32: updates taken so far (the reference's global_step)
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count in typeshed
   block: jax.Array  # int32: the block the next update trains (position in the block list, see `badam`)
   inner_state: optax.OptState  # the inner optimizer's state over one block's view
 
@@ -49,25 +54,45 @@ def _matches(params, patterns) -> Any:
   return jax.tree_util.tree_map_with_path(lambda p, _: any(s in path_name(p) for s in patterns), params)
 
 
-def switches_before(step, switch_every):
-  """j = ⌊(t+1)/K⌋ − ⌊1/K⌋: the block switches before update number t (0-based), K = `switch_every` (`block_index`);
-  update t ends with a switch when switches_before(t + 1) != switches_before(t)."""
+def switches_before(step: int | jax.Array, switch_every: int | jax.Array) -> int | jax.Array:
+  """J = ⌊(t+1)/K⌋ − ⌊1/K⌋: the block switches before update number t (0-based), K = `switch_every`.
+
+  See `block_index`; update t ends with a switch when switches_before(t + 1) != switches_before(t).
+
+  Args:
+    step: t, the update number (0-based; a Python int or a traced one).
+    switch_every: K, updates per block.
+
+  Returns:
+    J, the number of switches before update t.
+  """
   return (step + 1) // switch_every - 1 // switch_every
 
 
-def badam_labels(params, *, stacked: str | Callable = "blocks", include_embedding: bool = False,
+def badam_labels(params: PyTree, *, stacked: str | Callable = "blocks", include_embedding: bool = False,
                  include_head: bool = False, always_active: Sequence[str] | Callable = ()) -> Any:
   """What `badam(blocks="layers")` does with each leaf: one of LABELS.
 
-    active     always trained: the path contains a string of `always_active` (or `always_active(params)` says so);
-               the reference's `active_modules`. Checked first, so it can take a whole stacked leaf out of the blocks.
-    layers     stacked: under the top-level key `stacked` (models/transformer.py's "blocks"), or where
-               `stacked(params)` is True; leading axis = layer. Layer i of every such leaf is block i.
-    embedding  other leaves whose path contains "embed" (the reference's regex): one block before the layers if
-               `include_embedding`, else frozen. A tied output head is this table.
-    head       every remaining leaf (untied head, final norm): one block after the layers if `include_head`
-               (the reference's "lm_head and others"), else frozen.
-    frozen     never updated, as in the reference (`final_norm` by default: name it in `always_active` to train it).
+  active     always trained: the path contains a string of `always_active` (or `always_active(params)` says so);
+             the reference's `active_modules`. Checked first, so it can take a whole stacked leaf out of the blocks.
+  layers     stacked: under the top-level key `stacked` (models/transformer.py's "blocks"), or where
+             `stacked(params)` is True; leading axis = layer. Layer i of every such leaf is block i.
+  embedding  other leaves whose path contains "embed" (the reference's regex): one block before the layers if
+             `include_embedding`, else frozen. A tied output head is this table.
+  head       every remaining leaf (untied head, final norm): one block after the layers if `include_head`
+             (the reference's "lm_head and others"), else frozen.
+  frozen     never updated, as in the reference (`final_norm` by default: name it in `always_active` to train it).
+
+  Args:
+    params: the parameter tree.
+    stacked: the top-level key of the stacked layers (default "blocks"), or a function of the params giving a
+      bool tree.
+    include_embedding: the embedding leaves form a block instead of being frozen (default False).
+    include_head: the remaining leaves form a block instead of being frozen (default False).
+    always_active: substrings of leaf paths (or a function of the params giving a bool tree) trained at every step.
+
+  Returns:
+    The params' structure with one of `LABELS` per leaf.
   """
   if callable(stacked):
     is_stacked = stacked(params)
@@ -86,7 +111,9 @@ def badam_labels(params, *, stacked: str | Callable = "blocks", include_embeddin
   return jax.tree_util.tree_map_with_path(label, params, is_stacked, active)
 
 
-def block_index(step, num_blocks: int, *, switch_every=50, order: str = "descending", seed=0, start_block=None):
+def block_index(step: int | jax.Array, num_blocks: int, *, switch_every: int | jax.Array = 50,
+                order: str = "descending", seed: int | jax.Array = 0,
+                start_block: int | jax.Array | None = None) -> jax.Array:
   """The block that update number `step` (0-based) trains, as int32; works on traced steps.
 
   Timing as in the reference: after its n-th update (n = global_step, already incremented) it switches when
@@ -97,9 +124,28 @@ def block_index(step, num_blocks: int, *, switch_every=50, order: str = "descend
     random:     permutation_e[j mod D], e = ⌊j/D⌋: each block-epoch visits all D blocks once, in a fresh order drawn
                 from (seed, e) (the reference reshuffles with torch.randperm when its order list runs out)
     fixed:      s (needs `start_block`; the reference fails without it)
+
+  Args:
+    step: t, the update number (0-based).
+    num_blocks: D, the number of blocks.
+    switch_every: K, updates per block (default 50, the reference class's).
+    order: one of `ORDERS` (default "descending").
+    seed: the "random" order's stream (default 0).
+    start_block: s, the first block (ascending, descending) or the only one (fixed); None: the order's default.
+
+  Returns:
+    The block's position in the block list, int32.
+
+  Raises:
+    BAdamError: when `order` is not one of `ORDERS`.
+
+  References:
+    Luo, Yu and Li, "BAdam: A Memory Efficient Full Parameter Optimization Method for Large Language Models", 2024,
+      arXiv 2404.02827 (NeurIPS 2024), Algorithm 1; reference code Ledzy/BAdam `src/badam/block_optim.py`
+      (`BlockOptimizer`).
   """
   step = jnp.asarray(step, jnp.int32)
-  j = switches_before(step, switch_every)
+  j = cast(jax.Array, switches_before(step, switch_every))  # an array: step is one
   if order == "descending":
     return ((num_blocks - 1 if start_block is None else start_block) - j) % num_blocks
   if order == "ascending":
@@ -131,8 +177,11 @@ def _has_stacked(tree, stacked) -> bool:
 
 
 def _each_leaf(tree, include_embedding, always_active):
-  """blocks="leaves": every leaf its own block, in flattening order; `always_active` leaves train at every step, and
-  leaves whose path contains "embed" are frozen unless `include_embedding` (as with blocks="layers")."""
+  """blocks="leaves": every leaf its own block, in flattening order.
+
+  `always_active` leaves train at every step, and leaves whose path contains "embed" are frozen unless
+  `include_embedding` (as with blocks="layers").
+  """
   active = jax.tree.leaves(_matches(tree, always_active))
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   ids, n = [], 0
@@ -147,8 +196,27 @@ def _each_leaf(tree, include_embedding, always_active):
   return jax.tree_util.tree_unflatten(treedef, ids)
 
 
-def block_plan(tree, blocks, stacked, include_embedding, include_head, always_active) -> _Plan:
-  """The static block layout of a parameter tree (`badam`'s arguments; BREAD builds on it)."""
+def block_plan(tree: PyTree, blocks: str | Callable, stacked: str | Callable, include_embedding: bool,
+               include_head: bool, always_active: Sequence[str] | Callable) -> _Plan:
+  """The static block layout of a parameter tree (`badam`'s arguments; BREAD builds on it).
+
+  Args:
+    tree: the parameter tree (its arrays, or their shapes).
+    blocks: "auto", "layers", "leaves" or a function of the params giving block ids (`badam`).
+    stacked: the top-level key of the stacked layers, or a function of the params giving a bool tree.
+    include_embedding: put the embedding leaves in a block (blocks="layers" only).
+    include_head: put the remaining leaves in a block (blocks="layers" only).
+    always_active: substrings of leaf paths (or a function giving a bool tree) trained at every step.
+
+  Returns:
+    The layout: the stacked leaves and their layer count, the always-active leaves, and the whole-leaf blocks'
+    shared slots.
+
+  Raises:
+    BAdamError: when the tree is empty; include_head is given with blocks="leaves", or include_embedding /
+      include_head with a label function; blocks="layers" finds no stacked leaves or stacked leaves of different
+      layer counts; or a label function gives an invalid label or no block id at all.
+  """
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   paths, leaves = [p for p, _ in flat], [x for _, x in flat]
   if not leaves:
@@ -164,9 +232,12 @@ def block_plan(tree, blocks, stacked, include_embedding, include_head, always_ac
                        "block already)")
     labels = _each_leaf(tree, include_embedding, always_active)
     blocks, include_embedding, always_active = (lambda _: labels), False, ()
-  stacked_ix, active_ix, groups = [], [], {}  # groups: block key -> whole leaves
+  stacked_ix: list[int] = []
+  active_ix: list[int] = []
+  groups: dict[int, list[int]] = {}  # block key -> whole leaves
   if blocks == "layers":
-    labels = treedef.flatten_up_to(badam_labels(tree, stacked=stacked, include_embedding=include_embedding,
+    labels = treedef.flatten_up_to(badam_labels(  # type: ignore[attr-defined]  # jaxlib ships no PyTreeDef stub
+tree, stacked=stacked, include_embedding=include_embedding,
                                                 include_head=include_head, always_active=always_active))
     for i, lab in enumerate(labels):
       if lab == "layers":
@@ -189,7 +260,9 @@ def block_plan(tree, blocks, stacked, include_embedding, include_head, always_ac
       raise BAdamError("include_embedding/include_head apply to blocks='layers'; with a label_fn give those leaves "
                        "their own block id")
     num_layers, layer_offset = 0, 0
-    for i, lab in enumerate(treedef.flatten_up_to(blocks(tree))):
+    # a function here: "auto" and "leaves" became "layers" or a function above (badam checks the names)
+    label_fn = cast(Callable, blocks)
+    for i, lab in enumerate(treedef.flatten_up_to(label_fn(tree))):  # type: ignore[attr-defined]  # no stub
       if lab == "active":
         active_ix.append(i)
       elif lab == "frozen" or lab is None:
@@ -206,9 +279,12 @@ def block_plan(tree, blocks, stacked, include_embedding, include_head, always_ac
   block_of_group = dict(zip(sorted(groups), positions))
   # Whole-leaf blocks share slots: the r-th leaf of a block with a given (name, shape, dtype) uses slot (key, r),
   # so blocks of the same structure (layers not stacked, say) need one block's worth of state.
-  slot_ids, slots, whole = {}, [], {}
+  slot_ids: dict[tuple, int] = {}
+  slots: list[tuple[str, tuple[int, ...], Any, np.ndarray, list[int]]] = []
+  whole: dict[int, tuple[int, int]] = {}
   for g in sorted(groups):
-    b, seen = block_of_group[g], {}
+    b = block_of_group[g]
+    seen: dict[tuple, int] = {}
     for i in groups[g]:
       key = (leaf_name(paths[i]), tuple(np.shape(leaves[i])), jnp.result_type(leaves[i]))
       r = seen[key] = seen.get(key, -1) + 1
@@ -219,8 +295,8 @@ def block_plan(tree, blocks, stacked, include_embedding, include_head, always_ac
       slots[s][4].append(i)
       slots[s][3][b] = len(slots[s][4])  # case 0 of the select is zeros (block not using the slot)
       whole[i] = (s, b)
-  slots = tuple((n, sh, dt, tab, tuple(ls)) for n, sh, dt, tab, ls in slots)
-  return _Plan(treedef, num_blocks, tuple(stacked_ix), num_layers, layer_offset, tuple(active_ix), slots, whole)
+  slot_table = tuple((n, sh, dt, tab, tuple(ls)) for n, sh, dt, tab, ls in slots)
+  return _Plan(treedef, num_blocks, tuple(stacked_ix), num_layers, layer_offset, tuple(active_ix), slot_table, whole)
 
 
 def _layer(plan: _Plan, block):
@@ -232,7 +308,7 @@ def _layer(plan: _Plan, block):
 def _gather(plan: _Plan, leaves, block):
   """One block's view {"params": tree like the parameters (None off the view), "slots": {i: {name: leaf}}}."""
   is_layer, k = _layer(plan, block)
-  main = [None] * len(leaves)
+  main: list[Any] = [None] * len(leaves)
   for i in plan.stacked:
     main[i] = jnp.where(is_layer, jax.lax.dynamic_index_in_dim(leaves[i], k, 0, keepdims=False), 0)
   for i in plan.active:
@@ -262,9 +338,9 @@ def _scatter(plan: _Plan, view, like, block):
   return jax.tree_util.tree_unflatten(plan.treedef, out)
 
 
-def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto", switch_every=50,
-          order: str = "descending", seed=0, start_block=None, include_embedding: bool = False,
-          include_head: bool = False, always_active: Sequence[str] | Callable = (),
+def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto", switch_every: int | jax.Array = 50,
+          order: str = "descending", seed: int | jax.Array = 0, start_block: int | jax.Array | None = None,
+          include_embedding: bool = False, include_head: bool = False, always_active: Sequence[str] | Callable = (),
           stacked: str | Callable = "blocks") -> optax.GradientTransformation:
   """BAdam around an elementwise inner optimizer (adam, adamw, ...): only the active block moves.
 
@@ -274,26 +350,6 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto
     the always-active leaves step with it; every other parameter gets an update of exactly 0.
   Switch timing and orders are those of the reference: see `block_index` (the first block runs K − 1 updates).
 
-  Args:
-    inner: any optax transform whose state is elementwise-shaped like its input (scale_by_adam + decayed
-      weights, say); its masks see the view (param-like names, see below), so name-based masks work, and weight
-      decay inside it touches the active block only. Keep learning-rate schedules OUTSIDE (`badam_adamw` does):
-      a schedule inside `inner` would restart with its state at every switch.
-    blocks: "layers": one block per layer of the stacked leaves, plus an embedding block first and a head block
-      last when asked (`badam_labels` lists each leaf's fate). "leaves": every leaf is a block, in flattening
-      order (a bare array is one block: Adam restarted every K updates), `always_active` and embeddings (frozen
-      unless `include_embedding`) as with "layers". "auto" (default): "layers" when the tree has stacked leaves under
-      `stacked`, else "leaves", so any parameter tree works; pass blocks="layers" to get an error instead when the
-      stacked key is missing. Or a function of the params
-      giving each leaf a block id (int ≥ 0; blocks ordered by id), "active" or "frozen"; such blocks are whole
-      leaves.
-    switch_every: K, updates per block (≥ 1). order: one of ORDERS. seed: the "random" order's stream.
-    start_block: first block (ascending/descending) or the only one (fixed, where it is required).
-    include_embedding, include_head: put those leaves in blocks instead of freezing them (blocks="layers" only).
-    always_active: substrings of leaf paths (or a function of the params giving a bool tree) trained at every step,
-      like the reference's `active_modules`; their inner state also restarts at every switch, as there.
-    stacked: the top-level key of the stacked layers, or a function of the params giving a bool tree.
-
   State: the inner state over one block's view: per stacked leaf one slice, shaped leaf.shape[1:]; always-active
   leaves whole; whole-leaf blocks in slots keyed by (leaf name, shape, dtype), shared across blocks, so blocks of
   equal structure cost one block (different structures cost their union). The view is a dict
@@ -302,6 +358,42 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto
   the saving is optimizer-state memory. An inner whose init depends on parameter values is initialised on zeros.
   Under `optax.inject_hyperparams`, list callable `blocks`, `always_active` or `stacked` in `static_args` (it
   treats callables as schedules); switch_every, seed and start_block may be injected (traced) numbers.
+
+  Args:
+    inner: any optax transform whose state is elementwise-shaped like its input (scale_by_adam + decayed
+      weights, say); its masks see the view (param-like names, see above), so name-based masks work, and weight
+      decay inside it touches the active block only. Keep learning-rate schedules OUTSIDE (`badam_adamw` does):
+      a schedule inside `inner` would restart with its state at every switch.
+    blocks: "layers": one block per layer of the stacked leaves, plus an embedding block first and a head block
+      last when asked (`badam_labels` lists each leaf's fate). "leaves": every leaf is a block, in flattening
+      order (a bare array is one block: Adam restarted every K updates), `always_active` and embeddings (frozen
+      unless `include_embedding`) as with "layers". "auto" (default): "layers" when the tree has stacked leaves
+      under `stacked`, else "leaves", so any parameter tree works; pass blocks="layers" to get an error instead
+      when the stacked key is missing. Or a function of the params giving each leaf a block id (int ≥ 0; blocks
+      ordered by id), "active" or "frozen"; such blocks are whole leaves.
+    switch_every: K, updates per block (≥ 1; default 50).
+    order: one of ORDERS (default "descending").
+    seed: the "random" order's stream.
+    start_block: first block (ascending/descending) or the only one (fixed, where it is required).
+    include_embedding: put the embedding leaves in a block instead of freezing them (blocks="layers" only).
+    include_head: put the head leaves in a block instead of freezing them (blocks="layers" only).
+    always_active: substrings of leaf paths (or a function of the params giving a bool tree) trained at every step,
+      like the reference's `active_modules`; their inner state also restarts at every switch, as there.
+    stacked: the top-level key of the stacked layers, or a function of the params giving a bool tree.
+
+  Returns:
+    A transformation whose update is the inner update on the active block's entries and exact zeros elsewhere,
+    with a `BAdamState`. Its init and update raise `BAdamError` when the tree defines no blocks (`block_plan`) or a
+    Python `start_block` lies outside them.
+
+  Raises:
+    BAdamError: when `order` or `blocks` is unknown, a Python `switch_every` is below 1, order "fixed" has no
+      `start_block`, or order "random" has one.
+
+  References:
+    Luo, Yu and Li, "BAdam: A Memory Efficient Full Parameter Optimization Method for Large Language Models", 2024,
+      arXiv 2404.02827 (NeurIPS 2024), Algorithm 1; reference code Ledzy/BAdam `src/badam/block_optim.py`
+      (`BlockOptimizer`).
   """
   if order not in ORDERS:
     raise BAdamError(f"unknown BAdam order {order!r}; choose from {', '.join(ORDERS)}")
@@ -340,7 +432,8 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto
     view_u, inner_state = inner.update(_gather(plan, grads, state.block), state.inner_state, view_p)
     count = optax.safe_increment(state.count)
     nxt = index(count, plan).astype(jnp.int32)
-    switch = switches_before(count, switch_every) != switches_before(state.count, switch_every)  # the reference: (global_step + 1) % K == 0 after global_step += 1
+    # the reference: (global_step + 1) % K == 0 after global_step += 1
+    switch = switches_before(count, switch_every) != switches_before(state.count, switch_every)
     inner_state = jax.tree.map(lambda f, s: jnp.where(switch, f, s), fresh(plan, grads), inner_state)
     return _scatter(plan, view_u, grads, state.block), BAdamState(count, nxt, inner_state)
 
@@ -351,9 +444,10 @@ def badam(inner: optax.GradientTransformation, *, blocks: str | Callable = "auto
 BLOCKWISE_DEFAULTS = {"include_embedding": False, "include_head": False, "always_active": ()}
 
 
-def blockwise_needs(hp: dict, inactive=None) -> Needs:
-  """`badam_adamw`'s (and `bread_adamw`'s) declaration for the trainer: a blockwise step when its block layout is
-  the default one (`BLOCKWISE_DEFAULTS`), else why not.
+def blockwise_needs(hp: dict, inactive: Inactive | None = None) -> Needs:
+  """`badam_adamw`'s (and `bread_adamw`'s) declaration for the trainer: a blockwise step, or why not.
+
+  A blockwise step when its block layout is the default one (`BLOCKWISE_DEFAULTS`), else why not.
 
   Args:
     hp: every hyperparameter of the optimizer, defaults filled in.
@@ -373,8 +467,9 @@ def blockwise_needs(hp: dict, inactive=None) -> Needs:
 def badam_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
                 weight_decay: float = 0.1, switch_every: int = 50, order: str = "descending", seed: int = 0,
                 start_block: int | None = None, include_embedding: bool = False, include_head: bool = False,
-                always_active: Sequence[str] = (), mask=None) -> optax.GradientTransformation:
-  """BAdam with AdamW inside, the learning rate (and its schedule) outside the per-block restarts:
+                always_active: Sequence[str] = (),
+                mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
+  """BAdam with AdamW inside, the learning rate (and its schedule) outside the per-block restarts.
 
     active block:  θ ← θ − lr_t·(m̂/(√v̂ + eps) + weight_decay·θ)   (m̂, v̂ over the updates since the last switch)
     all others:    θ ← θ
@@ -382,6 +477,29 @@ def badam_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: f
   Betas are the house AdamW's (0.9, 0.95); the reference's examples wrap torch Adam(W) with its defaults
   (0.9, 0.999). Weight decay follows `mask` (default `decay_mask`: not on norms); the reference meant the same
   but its LayerNorm test never matches a tensor, so there norm scales decay too. Other arguments: `badam`.
+
+  Args:
+    learning_rate: the learning rate or schedule, outside the per-block restarts.
+    b1: AdamW's β1 (default 0.9).
+    b2: AdamW's β2 (default 0.95).
+    eps: AdamW's ε (default 1e-8).
+    weight_decay: decoupled weight decay of the active block (default 0.1).
+    switch_every: K, updates per block (default 50).
+    order: one of `ORDERS` (default "descending").
+    seed: the "random" order's stream (default 0).
+    start_block: the first (or, fixed, the only) block; None: the order's default.
+    include_embedding: put the embedding leaves in a block instead of freezing them (default False).
+    include_head: put the head leaves in a block instead of freezing them (default False).
+    always_active: substrings of leaf paths trained at every step (the reference's `active_modules`).
+    mask: where weight decay applies: a bool tree or a function of the params; None: `decay_mask`.
+
+  Returns:
+    The chain of `badam` over AdamW and the learning rate.
+
+  References:
+    Luo, Yu and Li, "BAdam: A Memory Efficient Full Parameter Optimization Method for Large Language Models", 2024,
+      arXiv 2404.02827 (NeurIPS 2024), Algorithm 1; reference code Ledzy/BAdam `src/badam/block_optim.py`
+      (`BlockOptimizer`).
   """
   inner = optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
                       optax.add_decayed_weights(weight_decay, decay_mask if mask is None else mask))

@@ -71,15 +71,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-from optim.badam import BAdamError, BAdamState, badam, block_plan, blockwise_needs, switches_before
+from optim.badam import BAdamError, BAdamState, _Plan, badam, block_plan, blockwise_needs, switches_before
 from optim.needs import Inactive, Needs
 from optim.registry import decay_mask, register
 from optim.trees import path_name
 
 MODES = ("sgd", "lowrank")
 REACHES = ("deeper", "all")
+PyTree = Any
 
 
 class BreadError(BAdamError):
@@ -87,6 +89,8 @@ class BreadError(BAdamError):
 
 
 class BreadState(NamedTuple):
+  """BREAD's state: BAdam's, and in low-rank mode the factors and their inner state."""
+
   badam: BAdamState  # count, the active block, the inner state over its view
   factors: Any  # lowrank: {path name: {"a_IR": A, "b_RO": B}} for the matrices of blocks that can be in reach; sgd: ()
   factor_state: Any  # lowrank: the inner state over `factors`, restarted at every switch; sgd: ()
@@ -133,9 +137,12 @@ def _ct(x):
 
 
 def _keep_layout(new, old):
-  """`new` laid out as `old` is: on Explicit mesh axes, `old`'s type sharding; on Auto axes replicated, the layout
-  `sharding.shardings_like_params` gives the factors and their moments (not parameter-shaped), which XLA would
-  otherwise change into the weight's split; with no mesh, as it is."""
+  """`new` laid out as `old` is.
+
+  On Explicit mesh axes, `old`'s type sharding; on Auto axes replicated, the layout `sharding.shardings_like_params`
+  gives the factors and their moments (not parameter-shaped), which XLA would otherwise change into the weight's
+  split; with no mesh, as it is.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return new
@@ -144,13 +151,25 @@ def _keep_layout(new, old):
   return jax.lax.with_sharding_constraint(new, P())
 
 
-def init_factors(params, plan, *, reach: str, rank: int, seed) -> dict:
-  """BREAD's initial factors {path name: {"a_IR": A, "b_RO": B}} for the matrices of `plan`'s blocks that can be in
-  reach (stacked leaves: layers `_first_layer`.. only): A ~ U(±1/√fan_in) keyed by `seed` and the leaf's index in
-  `params`, B = 0 (module docstring). The blockwise step (research/train/blockstep.py) starts from the same factors."""
+def init_factors(params: PyTree, plan: _Plan, *, reach: str, rank: int, seed: int | jax.Array) -> dict:
+  """BREAD's initial factors {path name: {"a_IR": A, "b_RO": B}} for the matrices of blocks that can be in reach.
+
+  Stacked leaves: layers `_first_layer`.. only. A ~ U(±1/√fan_in) keyed by `seed` and the leaf's index in `params`,
+  B = 0 (module docstring). The blockwise step (research/train/blockstep.py) starts from the same factors.
+
+  Args:
+    params: the parameter tree.
+    plan: its block layout (`optim.badam.block_plan`).
+    reach: "deeper" or "all" (which blocks can be in reach).
+    rank: r, the factors' rank.
+    seed: keys A's draw (with the leaf's index).
+
+  Returns:
+    {path name: {"a_IR": A (..., fan_in, r), "b_RO": B (..., r, fan_out)}}, in promote(param dtype, float32).
+  """
   leaves = plan.treedef.flatten_up_to(params)
   paths = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  out = {}
+  out: dict[str, dict[str, jax.Array]] = {}
   lo = _first_layer(plan, reach)
   for i in _factored(plan, leaves, reach):
     *lead, m, n = np.shape(leaves[i])
@@ -164,37 +183,81 @@ def init_factors(params, plan, *, reach: str, rank: int, seed) -> dict:
   return out
 
 
-def factor_grads(g, a, b, s) -> dict:
-  """The factors' gradients from W's, W = W_base + s·A B: {"a_IR": s·G Bᴴ, "b_RO": s·Aᴴ G} (leading axes batched)."""
+def factor_grads(g: jax.Array, a: jax.Array, b: jax.Array, s: float | jax.Array) -> dict:
+  """The factors' gradients from W's, W = W_base + s·A B: {"a_IR": s·G Bᴴ, "b_RO": s·Aᴴ G} (leading axes batched).
+
+  Args:
+    g: G, the gradient at W (..., m, n).
+    a: A (..., m, r).
+    b: B (..., r, n).
+    s: the factors' scale α/r.
+
+  Returns:
+    {"a_IR": s·G Bᴴ, "b_RO": s·Aᴴ G}.
+  """
   return {"a_IR": s * _matmul(g, _ct(b)), "b_RO": s * _matmul(_ct(a), g)}
 
 
-def factor_delta(da, db, a2, b, s):
-  """W's update from the factors' steps dA, dB (A' = A + dA, B = the old B): s·(A'B' − AB) = s·(dA·B + A'·dB)."""
+def factor_delta(da: jax.Array, db: jax.Array, a2: jax.Array, b: jax.Array, s: float | jax.Array) -> jax.Array:
+  """W's update from the factors' steps dA, dB (A' = A + dA, B = the old B): s·(A'B' − AB) = s·(dA·B + A'·dB).
+
+  Args:
+    da: dA, A's step (..., m, r).
+    db: dB, B's step (..., r, n).
+    a2: A' = A + dA.
+    b: the old B.
+    s: the factors' scale α/r.
+
+  Returns:
+    s·(dA·B + A'·dB), W's update (..., m, n).
+  """
   return s * (_matmul(da, b) + _matmul(a2, db))
 
 
 def bread(inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule, *, mode: str = "lowrank",
-          rank: int = 8, alpha=16.0, inactive_lr_ratio=1.0, reach: str = "deeper", sgd_sign: bool = False,
-          blocks: str | Callable = "auto", switch_every=50, order: str = "descending", seed=0, start_block=None,
-          include_embedding: bool = False, include_head: bool = False,
+          rank: int = 8, alpha: float | jax.Array = 16.0, inactive_lr_ratio: float | jax.Array = 1.0,
+          reach: str = "deeper", sgd_sign: bool = False, blocks: str | Callable = "auto",
+          switch_every: int | jax.Array = 50, order: str = "descending", seed: int | jax.Array = 0,
+          start_block: int | jax.Array | None = None, include_embedding: bool = False, include_head: bool = False,
           always_active: Sequence[str] | Callable = (), stacked: str | Callable = "blocks"
           ) -> optax.GradientTransformation:
-  """BREAD around an elementwise inner optimizer: BAdam on the active block plus SGD or low-rank steps on the
-  inactive blocks in reach (module docstring: equations, sources, every choice). Returns parameter updates, the
-  learning rate applied (a low-rank step is not linear in it); do not chain a learning-rate scale after it.
+  """BREAD around an elementwise inner optimizer: BAdam on the active block plus steps on the inactive ones in reach.
+
+  The inactive blocks in reach take SGD or low-rank steps (module docstring: equations, sources, every choice).
+  Returns parameter updates, the learning rate applied (a low-rank step is not linear in it); do not chain a
+  learning-rate scale after it. BAdam's settings are checked by `badam` (`BAdamError`).
 
   Args:
     inner: as `badam`'s (scale_by_adam + decayed weights, say); in low-rank mode it also drives the factors, whose
       tree is {path name: {"a_IR": A, "b_RO": B}} (name-based masks see "<path>/a_IR").
     learning_rate: η, a number or a schedule of BAdam's update count.
     mode: "sgd" (BREAD-SGD) or "lowrank" (BREAD).
-    rank: r of the factors (static: it fixes the state's shapes). alpha: α, the factors' scale s = α/r.
+    rank: r of the factors (static: it fixes the state's shapes).
+    alpha: α, the factors' scale s = α/r.
     inactive_lr_ratio: ρ, the inactive update's learning rate over η (SGD steps, factor steps); 0 is BAdam.
     reach: "deeper" (blocks after the active one in depth order) or "all" (every other block).
     sgd_sign: SGD mode steps by ρ·η·sign(g) (the reference's sgd_use_sign).
-    blocks, switch_every, order, seed, start_block, include_embedding, include_head, always_active, stacked: as
-      `badam`'s; `seed` also keys the factors' initial A.
+    blocks: as `badam`'s.
+    switch_every: as `badam`'s.
+    order: as `badam`'s.
+    seed: as `badam`'s; it also keys the factors' initial A.
+    start_block: as `badam`'s.
+    include_embedding: as `badam`'s.
+    include_head: as `badam`'s.
+    always_active: as `badam`'s.
+    stacked: as `badam`'s.
+
+  Returns:
+    A transformation with extra-argument support (ignored) whose update is the parameter update, learning rate
+    included, with a `BreadState`; init and update raise `BAdamError` where `optim.badam.block_plan` does.
+
+  Raises:
+    BreadError: when `mode` or `reach` is unknown, `rank` is not a positive int, or a numeric `inactive_lr_ratio` is
+      negative.
+
+  References:
+    Luo, Shen, Peng, Li and Li, "Accelerating Block Coordinate Descent for LLM Finetuning via Landscape Expansion",
+      NeurIPS 2025 (OpenReview DBybUx7ARy); reference code microsoft/BlockOptimizers `block_optim.py`.
   """
   if mode not in MODES:
     raise BreadError(f"unknown BREAD mode {mode!r}; choose from {', '.join(MODES)}")
@@ -262,9 +325,11 @@ def bread(inner: optax.GradientTransformation, learning_rate: optax.ScalarOrSche
 
 
 def _needs(hp: dict) -> Needs:
-  """`bread_adamw`'s declaration for the trainer: BAdam's blockwise step with the layers above the active one
-  updated in its backward (`optim.needs.Inactive`), when the reach is "deeper" (the backward stops at the active
-  layer) and the block layout the default."""
+  """`bread_adamw`'s declaration for the trainer: BAdam's blockwise step, the layers above the active one included.
+
+  The layers above the active one are updated in its backward (`optim.needs.Inactive`), when the reach is "deeper"
+  (the backward stops at the active layer) and the block layout the default.
+  """
   if hp["reach"] != "deeper":
     return Needs(not_blockwise=f"reach={hp['reach']} (the backward then reaches every layer)")
   return blockwise_needs(hp, Inactive(hp["mode"], hp["inactive_lr_ratio"], hp["sgd_sign"], hp["rank"],
@@ -277,8 +342,8 @@ def bread_adamw(learning_rate: optax.ScalarOrSchedule, *, mode: str = "lowrank",
                 b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1, switch_every: int = 50,
                 order: str = "descending", seed: int = 0, start_block: int | None = None,
                 include_embedding: bool = False, include_head: bool = False, always_active: Sequence[str] = (),
-                mask=None) -> optax.GradientTransformation:
-  """BREAD with AdamW inside (`badam_adamw`'s, the learning rate outside its restarts), ρ = inactive_lr_ratio:
+                mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
+  """BREAD with AdamW inside (`badam_adamw`'s, the learning rate outside its restarts), ρ = inactive_lr_ratio.
 
     active block a:        θ ← θ − η_t·(m̂/(√v̂ + eps) + weight_decay·θ)      (m̂, v̂ since the last switch)
     blocks b in reach, sgd:     θ_b ← θ_b − ρ·η_t·g_b
@@ -286,6 +351,34 @@ def bread_adamw(learning_rate: optax.ScalarOrSchedule, *, mode: str = "lowrank",
     everything else:       θ ← θ
 
   With inactive_lr_ratio = 0 it is `badam_adamw`. Other arguments: `bread`, `badam_adamw`.
+
+  Args:
+    learning_rate: η, a number or a schedule of BAdam's update count.
+    mode: "lowrank" (BREAD, default) or "sgd" (BREAD-SGD).
+    rank: r of the factors (static; default 8).
+    alpha: α, the factors' scale s = α/r (default 16).
+    inactive_lr_ratio: ρ, the inactive update's learning rate over η (default 1; 0 is `badam_adamw`).
+    reach: "deeper" (default) or "all".
+    sgd_sign: SGD mode steps by ρ·η·sign(g) (default False).
+    b1: AdamW's β1 (default 0.9).
+    b2: AdamW's β2 (default 0.95).
+    eps: AdamW's ε (default 1e-8).
+    weight_decay: AdamW's decoupled weight decay (default 0.1), also on the factors.
+    switch_every: K, updates per block (default 50).
+    order: one of `optim.badam.ORDERS` (default "descending").
+    seed: the "random" order's stream and the factors' initial draw (default 0).
+    start_block: the first (or, fixed, the only) block; None: the order's default.
+    include_embedding: put the embedding leaves in a block (default False).
+    include_head: put the head leaves in a block (default False).
+    always_active: substrings of leaf paths trained at every step.
+    mask: where weight decay applies: a bool tree or a function of the params; None: `decay_mask`.
+
+  Returns:
+    `bread` over AdamW.
+
+  References:
+    Luo, Shen, Peng, Li and Li, "Accelerating Block Coordinate Descent for LLM Finetuning via Landscape Expansion",
+      NeurIPS 2025 (OpenReview DBybUx7ARy); reference code microsoft/BlockOptimizers `block_optim.py`.
   """
   inner = optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
                       optax.add_decayed_weights(weight_decay, decay_mask if mask is None else mask))

@@ -1,5 +1,7 @@
-"""Cautious optimizers (Kaizhao Liang, Lizhang Chen, Bo Liu, Qiang Liu, "Cautious Optimizers: Improving Training
-with One Line of Code", arXiv 2411.16085; code kyleliang919/C-Optim).
+"""Cautious optimizers: only the coordinates whose update agrees with the current gradient move.
+
+Kaizhao Liang, Lizhang Chen, Bo Liu, Qiang Liu, "Cautious Optimizers: Improving Training with One Line of Code",
+arXiv 2411.16085; code kyleliang919/C-Optim.
 
 Per tensor (per matrix of a stack, see `optim.alignment`): c = (u·g > 0), φ = c / max(mean(c), floor), update
 φ ⊙ u: coordinates whose update disagrees with the current gradient are dropped and the rest rescaled to keep
@@ -10,26 +12,51 @@ multiplies the raw learning rate, as in C-Optim's `c_adamw.py`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import jax
 import optax
 
-from optim.alignment import cautious_policy, with_alignment_mask
+from optim.alignment import Scalar, cautious_policy, with_alignment_mask
 from optim.mgup import scale_by_reference_adam
 from optim.muon import muon_with_adamw, scale_by_muon
+from optim.newton_schulz import Coeffs
 from optim.registry import decay_mask, register
+
+PyTree = Any
 
 
 @register("cautious_adamw")
 def cautious_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                   weight_decay: float = 0.1, floor=1e-3, normalize: str = "mean", mu_dtype=None,
-                   mask=None) -> optax.GradientTransformation:
+                   weight_decay: float = 0.1, floor: Scalar = 1e-3, normalize: str = "mean",
+                   mu_dtype: jax.typing.DTypeLike | None = None,
+                   mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """C-AdamW (C-Optim `c_adamw.py`, single-tensor path).
 
     u = m/(√v + eps) (`scale_by_reference_adam`: eps on the uncorrected √v, as C-Optim),  φ = Cautious(u, g)
     W ← W − lr·(√(1−β2^t)/(1−β1^t) · φ ⊙ u + weight_decay·W)
 
-  The mask from u·g equals C-Optim's from m·g (√v + eps > 0). Args: house defaults (0.9, 0.95), eps 1e-8,
-  weight_decay 0.1 as `adamw` (C-Optim's experiments: betas (0.9, 0.95), wd 0.1); floor and normalize
-  as `optim.alignment.cautious_mask`; mask: the decay mask (default `decay_mask`).
+  The mask from u·g equals C-Optim's from m·g (√v + eps > 0). House defaults (0.9, 0.95), eps 1e-8, weight_decay 0.1
+  as `adamw` (C-Optim's experiments: betas (0.9, 0.95), wd 0.1).
+
+  Args:
+    learning_rate: the learning rate or schedule.
+    b1: β1 (default 0.9).
+    b2: β2 (default 0.95).
+    eps: added to the uncorrected √v (default 1e-8).
+    weight_decay: decoupled weight decay, never masked (default 0.1).
+    floor: as `optim.alignment.cautious_mask` (default 1e-3).
+    normalize: "mean" or "count", as `optim.alignment.cautious_mask`.
+    mu_dtype: the first moment's dtype (default: the parameter's).
+    mask: the decay mask (default `decay_mask`).
+
+  Returns:
+    The chain of the masked reference Adam, decoupled weight decay and the learning rate.
+
+  References:
+    Liang, Chen, Liu and Liu, "Cautious Optimizers: Improving Training with One Line of Code", 2024,
+      arXiv 2411.16085; reference code kyleliang919/C-Optim (`c_adamw.py`).
   """
   return optax.chain(
       with_alignment_mask(scale_by_reference_adam(b1, b2, eps, mu_dtype),
@@ -40,10 +67,31 @@ def cautious_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2
 
 @register("cautious_lion")
 def cautious_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.99,
-                  weight_decay: float = 0.1, floor=1e-3, normalize: str = "mean", mu_dtype=None,
-                  mask=None) -> optax.GradientTransformation:
-  """C-Lion: c = sign(β1·m + (1−β1)·g), φ = Cautious(c, g), W ← W − lr·(φ ⊙ c + weight_decay·W),
-  m ← β2·m + (1−β2)·g. House defaults as `lion` (C-Optim's C-Lion: betas (0.95, 0.98), count normalization).
+                  weight_decay: float = 0.1, floor: Scalar = 1e-3, normalize: str = "mean",
+                  mu_dtype: jax.typing.DTypeLike | None = None,
+                  mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
+  """C-Lion: Lion's sign update, masked where it disagrees with the gradient.
+
+    c = sign(β1·m + (1−β1)·g), φ = Cautious(c, g), W ← W − lr·(φ ⊙ c + weight_decay·W), m ← β2·m + (1−β2)·g
+
+  House defaults as `lion` (C-Optim's C-Lion: betas (0.95, 0.98), count normalization).
+
+  Args:
+    learning_rate: the learning rate or schedule.
+    b1: β1, the interpolation whose sign is the update (default 0.9).
+    b2: β2, the momentum's decay (default 0.99).
+    weight_decay: decoupled weight decay, never masked (default 0.1).
+    floor: as `optim.alignment.cautious_mask` (default 1e-3).
+    normalize: "mean" or "count", as `optim.alignment.cautious_mask`.
+    mu_dtype: the momentum's dtype (default: the parameter's).
+    mask: the decay mask (default `decay_mask`).
+
+  Returns:
+    The chain of the masked `optax.scale_by_lion`, decoupled weight decay and the learning rate.
+
+  References:
+    Liang, Chen, Liu and Liu, "Cautious Optimizers: Improving Training with One Line of Code", 2024,
+      arXiv 2411.16085; reference code kyleliang919/C-Optim.
   """
   return optax.chain(
       with_alignment_mask(optax.scale_by_lion(b1, b2, mu_dtype), cautious_policy(floor=floor, normalize=normalize)),
@@ -53,11 +101,13 @@ def cautious_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2:
 
 @register("cautious_muon")
 def cautious_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1,
-                  momentum: str = "classic", nesterov: bool = True, coeffs="quintic", ns_steps: int = 5,
-                  eps: float = 1e-7, scale: str = "moonlight", ns_dtype=None, method: str = "standard", mu_dtype=None,
-                  adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
-                  adam_weight_decay: float | None = None, labels=None, distributed: bool = False, floor=1e-3,
-                  normalize: str = "mean") -> optax.GradientTransformation:
+                  momentum: str = "classic", nesterov: bool = True, coeffs: Coeffs = "quintic", ns_steps: int = 5,
+                  eps: float = 1e-7, scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None,
+                  method: str = "standard", mu_dtype: jax.typing.DTypeLike | None = None,
+                  adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9,
+                  adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+                  labels: PyTree | Callable[[PyTree], PyTree] | None = None, distributed: bool = False,
+                  floor: Scalar = 1e-3, normalize: str = "mean") -> optax.GradientTransformation:
   """C-Muon with C-Optim's placement (`c_muon.py`): the mask multiplies the momentum BEFORE orthogonalization.
 
     B ← μB + G;  U = G + μB (Nesterov);  φ = Cautious(U, G);  O = NS(φ ⊙ U)
@@ -68,6 +118,36 @@ def cautious_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, 
   repo's cautious-Muon baseline and pytorch_optimizer's Muon(cautious=True) mask the ORTHOGONALIZED
   update with O·G > 0 instead. Arguments as `mgup_muon` (same default momentum form, "classic"), floor
   and normalize as `cautious_adamw`.
+
+  Args:
+    learning_rate: the learning rate or schedule of both groups unless `adam_learning_rate` is given.
+    beta: μ, the momentum coefficient (default 0.95).
+    weight_decay: decoupled weight decay (default 0.1).
+    momentum: "classic" (default) or "ema" (`optim.muon.scale_by_muon`).
+    nesterov: Nesterov momentum (default True).
+    coeffs: the Newton–Schulz coefficients (default "quintic").
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    eps: added to the Frobenius norm before Newton–Schulz (default 1e-7).
+    scale: the shape scale (default "moonlight").
+    ns_dtype: the Newton–Schulz iteration's dtype (default: the update's).
+    method: "standard" or "gram" Newton–Schulz.
+    mu_dtype: the momentum's (and AdamW's first moment's) dtype (default: the parameter's).
+    adam_learning_rate: the AdamW group's learning rate; None: `learning_rate`.
+    adam_b1: AdamW's β1 (default 0.9).
+    adam_b2: AdamW's β2 (default 0.95).
+    adam_eps: AdamW's ε (default 1e-8).
+    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `optim.muon_labels`.
+    distributed: orthogonalize each matrix once across the mesh's devices (`scale_by_muon`).
+    floor: as `optim.alignment.cautious_mask` (default 1e-3).
+    normalize: "mean" or "count", as `optim.alignment.cautious_mask`.
+
+  Returns:
+    `optim.muon.muon_with_adamw` over `scale_by_muon(mask_fn=Cautious, mask_at="pre")`.
+
+  References:
+    Liang, Chen, Liu and Liu, "Cautious Optimizers: Improving Training with One Line of Code", 2024,
+      arXiv 2411.16085; reference code kyleliang919/C-Optim (`c_muon.py`).
   """
   core = scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
                        scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype,

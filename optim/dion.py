@@ -1,4 +1,6 @@
-"""Dion (Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv 2504.05295; microsoft/dion).
+"""Dion: a rank-r orthonormalized update by power iteration with error feedback.
+
+Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv 2504.05295; microsoft/dion.
 
 A rank-r orthonormalized update from one step of power iteration per optimizer step, warm-started from the last
 step's right factor, with error feedback: what the rank-r factor leaves of the momentum stays in it. Per matrix
@@ -42,17 +44,21 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from optim.linalg import per_matrix
 from optim.muon import muon_with_adamw, shape_scale
 from optim.registry import UnknownOptimizerError, register
 from optim.trees import path_name, reject_complex
+
+PyTree = Any
 
 
 class DionError(UnknownOptimizerError):
@@ -60,21 +66,41 @@ class DionError(UnknownOptimizerError):
 
 
 class DionState(NamedTuple):
-  count: jax.Array  # int32 steps taken
+  """Dion's state: the step count, the momentum M and the right factors Q."""
+
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count in typeshed; int32 steps taken
   mu: optax.Updates  # momentum M, shaped (and sharded) like the parameters
   q: optax.Updates  # right factor Q per matrix: (..., min(m, n), r)
 
 
-def dion_rank(shape, rank_fraction: float) -> int:
-  """r = ⌈rank_fraction · min(m, n)⌉ of a (..., m, n) matrix (at least 1)."""
+def dion_rank(shape: tuple[int, ...], rank_fraction: float) -> int:
+  """R = ⌈rank_fraction · min(m, n)⌉ of a (..., m, n) matrix (at least 1).
+
+  Args:
+    shape: the parameter's shape (..., m, n).
+    rank_fraction: the fraction of min(m, n) kept, in (0, 1].
+
+  Returns:
+    r, between 1 and min(m, n).
+  """
   s = min(shape[-2:])
   return max(1, min(s, math.ceil(rank_fraction * s - 1e-9)))
 
 
-def right_factor_spec(spec: P, shape) -> P:
-  """Q's natural PartitionSpec for a (..., m, n) parameter with PartitionSpec `spec`: the stack axes as the
-  parameter's, Q's rows split like the parameter's shorter side (the side Q spans), the rank axis whole. With it
-  the distributed step needs no collective to keep Q (a replicated Q costs one all-gather of R per step)."""
+def right_factor_spec(spec: P, shape: tuple[int, ...]) -> P:
+  """Q's natural PartitionSpec for a (..., m, n) parameter with PartitionSpec `spec`.
+
+  The stack axes as the parameter's, Q's rows split like the parameter's shorter side (the side Q spans), the rank
+  axis whole. With it the distributed step needs no collective to keep Q (a replicated Q costs one all-gather of R
+  per step).
+
+  Args:
+    spec: the parameter's PartitionSpec (missing trailing entries are None).
+    shape: the parameter's shape (..., m, n).
+
+  Returns:
+    Q's PartitionSpec, for its shape (..., min(m, n), r).
+  """
   entries = tuple(spec) + (None,) * (len(shape) - len(spec))
   short = entries[-1] if shape[-2] > shape[-1] else entries[-2]
   return P(*entries[:-2], short, None)
@@ -94,8 +120,10 @@ def _householder(p):
 
 
 def _inverse_cholesky_factor(g, t):
-  """L⁻¹ for L Lᵀ = g + s·I of Grams g (..., r, r) with traces t (..., 1, 1) (the module docstring's shifts; I where
-  t = 0)."""
+  """L⁻¹ for L Lᵀ = g + s·I of Grams g (..., r, r) with traces t (..., 1, 1).
+
+  The shifts are the module docstring's; I where t = 0.
+  """
   r = g.shape[-1]
   eye = jnp.eye(r, dtype=g.dtype)
   u = jnp.finfo(g.dtype).eps
@@ -152,9 +180,12 @@ def _step(m, g, q, beta, eps, *, cholesky: bool, spec=None):
 
 
 def _step_tree(ms, gs, qs, beta, eps, *, distributed: bool):
-  """`_step` on every leaf. On a mesh with Explicit axes it runs under `auto_axes`, each output pinned to its
-  input's type sharding, and `distributed` shards P and R as the momentum (`_specs`); on Auto axes the
-  partitioner propagates the inputs' shardings (from the jit boundary) itself."""
+  """`_step` on every leaf.
+
+  On a mesh with Explicit axes it runs under `auto_axes`, each output pinned to its input's type sharding, and
+  `distributed` shards P and R as the momentum (`_specs`); on Auto axes the partitioner propagates the inputs'
+  shardings (from the jit boundary) itself.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   explicit = () if mesh.empty else tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
                                          if t == AxisType.Explicit)
@@ -170,7 +201,8 @@ def _step_tree(ms, gs, qs, beta, eps, *, distributed: bool):
 
 
 def scale_by_dion(beta: float = 0.95, *, rank_fraction: float = 1.0, eps: float = 1e-8, scale: str = "spectral",
-                  seed: int = 0, mu_dtype=None, distributed: bool = False) -> optax.GradientTransformation:
+                  seed: int = 0, mu_dtype: jax.typing.DTypeLike | None = None,
+                  distributed: bool = False) -> optax.GradientTransformation:
   """Dion's direction scale·P Qᵀ for every leaf (a stack of matrices (..., m, n)); see the module docstring.
 
   Args:
@@ -182,6 +214,18 @@ def scale_by_dion(beta: float = 0.95, *, rank_fraction: float = 1.0, eps: float 
     seed: Q's initial N(0, 1) draw (with the parameter's path).
     mu_dtype: dtype of M and Q (default: the parameter's). The step computes in float32 at least.
     distributed: orthonormalize by CholeskyQR2 on P where it lies (see the module docstring).
+
+  Returns:
+    A transformation whose update is scale·P Qᵀ per matrix, with a `DionState`; its init rejects complex parameters
+    and raises `DionError` on a leaf with fewer than two axes.
+
+  Raises:
+    TypeError: when `rank_fraction` is traced (list it in `static_args` under `optax.inject_hyperparams`).
+    DionError: when `rank_fraction` lies outside (0, 1] or `scale` is not a shape-scale kind.
+
+  References:
+    Ahn et al., "Dion: Distributed Orthonormalized Updates", 2025, arXiv 2504.05295; reference code microsoft/dion
+      (`dion_reference.py`).
   """
   if isinstance(rank_fraction, jax.core.Tracer):
     raise TypeError("Dion's rank_fraction fixes the shape of Q: make it static, "
@@ -220,9 +264,10 @@ def scale_by_dion(beta: float = 0.95, *, rank_fraction: float = 1.0, eps: float 
 
 @register("dion")
 def dion(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, rank_fraction: float = 1.0,
-         weight_decay: float = 0.01, eps: float = 1e-8, scale: str = "spectral", seed: int = 0, mu_dtype=None,
-         adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
-         adam_weight_decay: float | None = None, labels=None,
+         weight_decay: float = 0.01, eps: float = 1e-8, scale: str = "spectral", seed: int = 0,
+         mu_dtype: jax.typing.DTypeLike | None = None, adam_learning_rate: optax.ScalarOrSchedule | None = None,
+         adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+         labels: PyTree | Callable[[PyTree], PyTree] | None = None,
          distributed: bool = False) -> optax.GradientTransformation:
   """Dion on hidden matrices, AdamW on the rest (`optim.muon.muon_with_adamw`, routed by `muon_labels`).
 
@@ -237,6 +282,30 @@ def dion(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, rank_frac
   Not offered: its `rank_multiple_of` rounding, decoupled (compressed) data-parallel gradient sync, power_iters > 1.
   Under `optax.inject_hyperparams` list `rank_fraction` (and a `labels` function) in `static_args`; `seed` and the
   floats are injectable.
+
+  Args:
+    learning_rate: the learning rate or schedule of both groups unless `adam_learning_rate` is given.
+    beta: μ, the momentum kept of the rank-r part (default 0.95).
+    rank_fraction: r = ⌈rank_fraction·min(m, n)⌉ (static; default 1.0).
+    weight_decay: decoupled weight decay of both groups unless `adam_weight_decay` is given (default 0.01).
+    eps: added to R's column norms (default 1e-8).
+    scale: the shape scale (default "spectral", the reference's √(fan_out/fan_in)).
+    seed: Q's initial draw (default 0).
+    mu_dtype: dtype of M and Q, and of AdamW's first moment (default: the parameter's).
+    adam_learning_rate: the AdamW group's learning rate; None: `learning_rate`.
+    adam_b1: AdamW's β1 (default 0.9).
+    adam_b2: AdamW's β2 (default 0.95).
+    adam_eps: AdamW's ε (default 1e-8).
+    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `optim.muon_labels`.
+    distributed: orthonormalize by CholeskyQR2 on P where it lies (`scale_by_dion`).
+
+  Returns:
+    `optim.muon.muon_with_adamw` over `scale_by_dion`.
+
+  References:
+    Ahn et al., "Dion: Distributed Orthonormalized Updates", 2025, arXiv 2504.05295; reference code microsoft/dion
+      (`dion_reference.py`).
   """
   core = scale_by_dion(beta, rank_fraction=rank_fraction, eps=eps, scale=scale, seed=seed, mu_dtype=mu_dtype,
                        distributed=distributed)

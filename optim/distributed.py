@@ -38,42 +38,74 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from optim.newton_schulz import ns_flops, orthogonalize
+
+PyTree = Any
 
 
 class DistributedError(ValueError):
   """Input that distributed orthogonalization cannot take."""
 
 
-def batch_axes(mesh) -> tuple[str, ...]:
-  """The mesh axes a group's batch is split over: all of them larger than 1, in mesh order."""
+def batch_axes(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> tuple[str, ...]:
+  """The mesh axes a group's batch is split over: all of them larger than 1, in mesh order.
+
+  Args:
+    mesh: a concrete or abstract mesh.
+
+  Returns:
+    The names of the mesh axes of size > 1.
+  """
   return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
 
 
-def shape_groups(tree) -> dict[tuple, int]:
-  """{(short side, long side, dtype name): matrices K} over the leaves (arrays or shapes) of `tree`."""
+def shape_groups(tree: PyTree) -> dict[tuple, int]:
+  """{(short side, long side, dtype name): matrices K} over the leaves (arrays or shapes) of `tree`.
+
+  Args:
+    tree: a pytree of matrix stacks (..., m, n): arrays or `jax.ShapeDtypeStruct`s.
+
+  Returns:
+    For each (short side, long side, dtype name), the number of matrices K of that group over all the leaves.
+  """
   counts: dict[tuple, int] = {}
   for x in jax.tree.leaves(tree):
     counts[_key(x)] = counts.get(_key(x), 0) + math.prod(x.shape[:-2])
   return counts
 
 
-def ns_flops_per_device(tree, devices: int, steps: int = 5, method: str = "standard",
+def ns_flops_per_device(tree: PyTree, devices: int, steps: int = 5, method: str = "standard",
                         distributed: bool = True) -> float:
-  """Newton–Schulz matmul FLOPs one device spends on `tree`: Σ_groups ⌈K/D⌉·ns_flops(S, L) distributed over
-  `devices`, Σ K·ns_flops(S, L) when every device orthogonalizes every matrix (the per-leaf path on a mesh)."""
+  """Newton–Schulz matmul FLOPs one device spends on `tree`.
+
+  Σ_groups ⌈K/D⌉·ns_flops(S, L) distributed over `devices`, Σ K·ns_flops(S, L) when every device orthogonalizes every
+  matrix (the per-leaf path on a mesh).
+
+  Args:
+    tree: a pytree of matrix stacks (..., m, n): arrays or `jax.ShapeDtypeStruct`s.
+    devices: D, the devices the groups are split over.
+    steps: Newton–Schulz iterations (default 5).
+    method: "standard" or "gram" (`optim.newton_schulz.ns_flops`).
+    distributed: True: each device takes ⌈K/D⌉ matrices of a group; False: every device does all K.
+
+  Returns:
+    The FLOPs of one device's matrix products.
+  """
   return sum((-(-k // devices) if distributed else k) * ns_flops(s, l, steps, method)
              for (s, l, _), k in shape_groups(tree).items())
 
 
-def orthogonalize_distributed(tree, *, coeffs: str | Sequence = "quintic", steps: int = 5, eps: float = 1e-7,
-                              compute_dtype=None, method: str = "standard", fn=None):
+def orthogonalize_distributed(tree: PyTree, *, coeffs: str | Sequence = "quintic", steps: int = 5, eps: float = 1e-7,
+                              compute_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+                              fn: Callable[[jax.Array], jax.Array] | None = None) -> PyTree:
   """`orthogonalize` of every leaf (a stack of matrices (..., m, n)), each matrix computed once in the mesh.
 
   Call inside `jax.jit` under `jax.set_mesh(mesh)` (Auto or Explicit axes). Returns the tree with each leaf in
@@ -81,8 +113,27 @@ def orthogonalize_distributed(tree, *, coeffs: str | Sequence = "quintic", steps
   compute dtype and method; see `optim.newton_schulz`). Without a mesh, on one device, or inside `shard_map`
   (manual axes), it is exactly that per-leaf call. `fn`, any function of a matrix stack, replaces `orthogonalize`
   (and its settings) and receives each device's whole matrices the same way (transposed to short × long).
+
+  Args:
+    tree: a pytree of matrix stacks (..., m, n).
+    coeffs: the Newton–Schulz coefficients (`optim.newton_schulz.orthogonalize`; default "quintic").
+    steps: Newton–Schulz iterations (static; default 5).
+    eps: added to the Frobenius norm before dividing (default 1e-7).
+    compute_dtype: the iteration's dtype; default: each leaf's.
+    method: "standard" or "gram" (`optim.newton_schulz`).
+    fn: a function of a matrix stack replacing `orthogonalize` and its settings; None: `orthogonalize`.
+
+  Returns:
+    The orthogonalized tree, each leaf in its own shape, dtype and sharding.
+
+  Raises:
+    DistributedError: when a leaf has fewer than two axes (route vectors to another optimizer: `optim.muon_labels`).
+
+  References:
+    Liu et al., "Muon is Scalable for LLM Training", 2025, arXiv 2502.16982, Algorithm 1 (Distributed Muon).
+    microsoft/dion `megabatch_base.py` (megabatch Muon); marin-community/marin `grugmuon.py` (`stack_batch_sharded`).
   """
-  kwargs = dict(coeffs=coeffs, steps=steps, eps=eps, compute_dtype=compute_dtype, method=method)
+  kwargs: dict[str, Any] = dict(coeffs=coeffs, steps=steps, eps=eps, compute_dtype=compute_dtype, method=method)
   fn = fn or functools.partial(orthogonalize, **kwargs)
   leaves, treedef = jax.tree.flatten(tree)
   for x in leaves:

@@ -1,6 +1,7 @@
-"""PSGD-Kron: preconditioned SGD with a Kronecker-factored preconditioner fitted online (Xi-Lin Li, "Preconditioned
-stochastic gradient descent", arXiv 1512.04202; "Black box Lie group preconditioners for SGD", arXiv 2211.04422;
-lixilinx/psgd_torch, evanatyourservice/psgd_jax; oracle: pytorch_optimizer 4.1.0 `Kron`).
+"""PSGD-Kron: preconditioned SGD with a Kronecker-factored preconditioner fitted online.
+
+Xi-Lin Li, "Preconditioned stochastic gradient descent", arXiv 1512.04202; "Black box Lie group preconditioners for
+SGD", arXiv 2211.04422; lixilinx/psgd_torch, evanatyourservice/psgd_jax; oracle: pytorch_optimizer 4.1.0 `Kron`.
 
 Each matrix G (m, n) gets upper-triangular factors Q_L (m, m), Q_R (n, n) and the preconditioner
 P = Q_Lᵀ Q_L ⊗ Q_Rᵀ Q_R, applied as P·G = Q_Lᵀ Q_L G Q_Rᵀ Q_R. A factor whose dimension exceeds `max_size_triangular`
@@ -23,7 +24,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from optim.trees import reject_complex, replicated, sharded_like
 MEMORY_SAVE_MODES = (None, "one_diag", "smart_one_diag", "all_diag")
 TINY = float(jnp.finfo(jnp.float32).tiny)  # the oracle's eps: torch.finfo(torch.bfloat16).tiny, equal to fp32's
 _mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+PyTree = Any
 
 
 class KronError(UnknownOptimizerError):
@@ -43,7 +45,9 @@ class KronError(UnknownOptimizerError):
 
 
 class KronState(NamedTuple):
-  count: jax.Array  # int32 steps taken
+  """PSGD-Kron's state: the step count, the PRNG key, the update counter, the momentum and the factors."""
+
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count in typeshed; int32 steps taken
   key: jax.Array  # uint32[2] PRNG key from `seed`, fixed: step t draws from fold_in(key, t) (`kron_draws`)
   update_counter: jax.Array  # int32 steps since the last preconditioner update (the oracle's counter)
   mu: optax.Updates  # momentum, shaped (and sharded) like the params
@@ -54,9 +58,21 @@ class KronState(NamedTuple):
 
 
 def precond_update_prob_schedule(max_prob: float = 1.0, min_prob: float = 0.03, decay: float = 0.001,
-                                 flat_start: float = 500) -> Callable:
-  """The oracle's update-probability schedule of the step n (steps taken): clip(max_prob·exp(−decay·(n −
-  flat_start)), min_prob, max_prob), in float32 as the oracle: 1 up to step 500, 0.03 from step 4007 on."""
+                                 flat_start: float = 500) -> Callable[[jax.typing.ArrayLike], jax.Array]:
+  """The oracle's update-probability schedule of the step n (steps taken).
+
+  clip(max_prob·exp(−decay·(n − flat_start)), min_prob, max_prob), in float32 as the oracle: with the defaults 1 up
+  to step 500, 0.03 from step 4007 on.
+
+  Args:
+    max_prob: the probability up to `flat_start` (default 1).
+    min_prob: the floor (default 0.03).
+    decay: the exponential decay rate per step (default 0.001).
+    flat_start: the step the decay starts from (default 500).
+
+  Returns:
+    The schedule, a function of the step count returning a float32 probability.
+  """
   def schedule(n):
     n = jnp.asarray(n, jnp.float32)
     return jnp.clip(max_prob * jnp.exp(-decay * (n - flat_start)), min_prob, max_prob)
@@ -71,9 +87,12 @@ def _split(shape) -> tuple[tuple, tuple]:
 
 
 def _triangular(core, max_size: int, memory_save_mode) -> tuple[bool, ...]:
-  """Per core dimension: True for a triangular factor. Vectors: diagonal. `one_diag` makes the larger dimension's
-  factor diagonal (on a tie fan_in's, which is torch's (out, in) last axis, as the oracle's argsort picks);
-  `smart_one_diag` only when it is strictly larger; `all_diag` all."""
+  """Per core dimension: True for a triangular factor.
+
+  Vectors: diagonal. `one_diag` makes the larger dimension's factor diagonal (on a tie fan_in's, which is torch's
+  (out, in) last axis, as the oracle's argsort picks); `smart_one_diag` only when it is strictly larger; `all_diag`
+  all.
+  """
   if len(core) < 2:
     return (False,)
   larger = 0 if core[0] >= core[1] else 1
@@ -83,13 +102,24 @@ def _triangular(core, max_size: int, memory_save_mode) -> tuple[bool, ...]:
   return tuple(not d and 1 < size <= max_size for size, d in zip(core, diag))
 
 
-def kron_draws(key, count, like):
-  """The step's random numbers (the step with `count` steps before it): the balance coin's uniform u (float32) and
-  one standard normal V per array of the list `like` (the leaves in tree order, in the preconditioner's dtype).
+def kron_draws(key: jax.Array, count: int | jax.Array, like: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+  """The step's random numbers (the step with `count` steps before it): the balance coin's u and one V per leaf.
+
+  u is uniform (float32); V is standard normal, one per array of the list `like` (the leaves in tree order, in the
+  preconditioner's dtype).
 
   V is one float32 draw of all the leaves' sizes together, cut in leaf order and cast to each leaf's dtype (one
   threefry call to compile, not one per leaf): a stack and its matrices given as consecutive separate leaves get
-  the same numbers, and a seed gives the same V in every precision."""
+  the same numbers, and a seed gives the same V in every precision.
+
+  Args:
+    key: the state's fixed PRNG key (from `seed`).
+    count: the steps taken before this one.
+    like: arrays whose shapes and dtypes the V's take.
+
+  Returns:
+    (u, [V per array of `like`]).
+  """
   k_balance, k_noise = jax.random.split(jax.random.fold_in(key, count))
   u = jax.random.uniform(k_balance, (), jnp.float32)
   if not like:
@@ -100,10 +130,12 @@ def kron_draws(key, count, like):
 
 
 def _norm_lower_bound(a):
-  """A cheap lower bound of the spectral norm of the symmetric matrix `a` (Li: ‖a‖₂ ≤ √2 × it in practice):
+  """A cheap lower bound of the spectral norm of the symmetric matrix `a` (Li: ‖a‖₂ ≤ √2 × it in practice).
+
   ‖x·a‖ for x the normalized product a·r of a with its heaviest row r, after scaling a by max|a|. (The oracle also
   forms the candidate from the heaviest column and keeps the one whose sum of squares is larger: for the symmetric
-  T₁ + T₂ both are the same up to rounding.)"""
+  T₁ + T₂ both are the same up to rounding.)
+  """
   max_abs = jnp.max(jnp.abs(a))
   a = a / jnp.where(max_abs > 0, max_abs, 1.0)
   row = jax.lax.dynamic_index_in_dim(a, jnp.argmax(jnp.sum(a * a, axis=1)), 0, keepdims=False)
@@ -159,9 +191,11 @@ def _balance(qs):
   return tuple(q * (mean / n) for q, n in zip(qs, norms))
 
 
-def scale_by_kron(b1: float = 0.9, *, preconditioner_update_probability=None, max_size_triangular: int = 8192,
-                  memory_save_mode: str | None = None, precond_lr: float = 0.1, precond_init_scale: float = 1.0,
-                  balance_prob: float = 0.01, momentum_into_precond_update: bool = True, mu_dtype=None,
+def scale_by_kron(b1: float = 0.9, *,
+                  preconditioner_update_probability: float | Callable[[jax.Array], jax.Array] | None = None,
+                  max_size_triangular: int = 8192, memory_save_mode: str | None = None, precond_lr: float = 0.1,
+                  precond_init_scale: float = 1.0, balance_prob: float = 0.01,
+                  momentum_into_precond_update: bool = True, mu_dtype: jax.typing.DTypeLike | None = None,
                   precond_dtype: str | None = "float32", seed: int = 0) -> optax.GradientTransformation:
   """PSGD-Kron's direction: momentum, preconditioned by the online-fitted Kronecker factors, RMS-capped at 1.1.
 
@@ -174,6 +208,32 @@ def scale_by_kron(b1: float = 0.9, *, preconditioner_update_probability=None, ma
   (then c ← 0), i.e. every ⌈1/p⌉ steps, not a coin. The balance coin and V come from `seed` (`kron_draws`).
   Factor shapes (`max_size_triangular`, `memory_save_mode`) are fixed at init. `precond_dtype` (a dtype name, or
   None for each leaf's dtype) holds Q, V and the preconditioning; `mu_dtype` the momentum (default the param's).
+
+  Args:
+    b1: momentum β1 (default 0.9).
+    preconditioner_update_probability: p, a number or a function of the step count; None: the oracle's schedule.
+    max_size_triangular: a dimension above it gets a diagonal factor (static; default 8192).
+    memory_save_mode: None, "one_diag", "smart_one_diag" or "all_diag" (which factors are diagonal).
+    precond_lr: the factors' normalized step size (default 0.1).
+    precond_init_scale: the factors' initial scale, Q = scale^(1/ndim)·I (default 1).
+    balance_prob: probability per preconditioner update of balancing the factors' norms first (default 0.01).
+    momentum_into_precond_update: fit Q on the debiased momentum (True, default) or on the gradient.
+    mu_dtype: the momentum's dtype (default: the parameter's).
+    precond_dtype: a dtype name for Q, V and the preconditioning (default "float32"; None: each leaf's dtype).
+    seed: the PRNG seed of V and the balance coin (default 0).
+
+  Returns:
+    A transformation whose update is the capped P m̂, in the gradient's dtype and sharding, with a `KronState`; its
+    init rejects complex parameters.
+
+  Raises:
+    KronError: when `max_size_triangular` is an array (injected: it must be static) or `memory_save_mode` is not
+      one of `MEMORY_SAVE_MODES`.
+
+  References:
+    Xi-Lin Li, "Preconditioned stochastic gradient descent", arXiv 1512.04202; "Black box Lie group preconditioners
+      for SGD", arXiv 2211.04422; reference code lixilinx/psgd_torch, evanatyourservice/psgd_jax; oracle
+      pytorch_optimizer 4.1.0 `Kron`.
   """
   if isinstance(max_size_triangular, jax.Array):  # optax.inject_hyperparams made it an array (traced in update)
     raise KronError("Kron's max_size_triangular fixes the factors' shapes (triangular or diagonal): make it static, "
@@ -255,30 +315,42 @@ def scale_by_kron(b1: float = 0.9, *, preconditioner_update_probability=None, ma
 def kron(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, weight_decay: float = 0.0,
          preconditioner_update_probability: float | None = None, max_size_triangular: int = 8192,
          memory_save_mode: str | None = None, precond_lr: float = 0.1, precond_init_scale: float = 1.0,
-         balance_prob: float = 0.01, momentum_into_precond_update: bool = True, mu_dtype=None,
-         precond_dtype: str | None = "float32", seed: int = 0, mask=None) -> optax.GradientTransformation:
-  """PSGD-Kron (Li, arXiv 1512.04202 / 2211.04422) on every leaf, with decoupled weight decay:
+         balance_prob: float = 0.01, momentum_into_precond_update: bool = True,
+         mu_dtype: jax.typing.DTypeLike | None = None, precond_dtype: str | None = "float32", seed: int = 0,
+         mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
+  """PSGD-Kron (Li, arXiv 1512.04202 / 2211.04422) on every leaf, with decoupled weight decay.
 
     W ← W − lr·(u + weight_decay·W),   u = min(1, 1.1/RMS(P m̂))·P m̂   (`scale_by_kron`)
-
-  Args:
-    learning_rate: a number or schedule.
-    b1: momentum β1 (the oracle's `momentum`).
-    weight_decay: decoupled decay on `mask` (a bool tree or a function of the params; None = `decay_mask`).
-    preconditioner_update_probability: p of the update counter (every ⌈1/p⌉ steps); None: the oracle's
-      schedule, 1 for 500 steps then exp(−0.001·(n − 500)) down to 0.03.
-    max_size_triangular: a dimension above it gets a diagonal factor (static; fixed at init).
-    memory_save_mode: None, "one_diag", "smart_one_diag" or "all_diag" (which factors are diagonal).
-    precond_lr, precond_init_scale: the factors' normalized step size and initial scale (Q = scale^(1/ndim)·I).
-    balance_prob: probability per preconditioner update of balancing the factors' norms first.
-    momentum_into_precond_update: fit Q on the debiased momentum (True, default) or on the gradient.
-    mu_dtype, precond_dtype: dtype names of the momentum and of the preconditioner (None: the param's).
-    seed: the PRNG seed of V and the balance coin.
 
   Oracle (pytorch_optimizer 4.1.0 `Kron`) differences: stacks (ndim ≥ 3) get per-matrix factors (the oracle one
   factor per axis); decay follows `decay_mask` (names; the oracle decays every ndim ≥ 2 tensor); the triangular
   solve runs in `precond_dtype` (the oracle's always in float32); the RMS cap is applied before casting to the
   param's dtype; no `min_ndim_triangular` (always 2) or `maximize`; complex parameters are refused, as there.
+
+  Args:
+    learning_rate: a number or schedule.
+    b1: momentum β1 (the oracle's `momentum`).
+    weight_decay: decoupled decay on `mask`'s leaves (default 0).
+    preconditioner_update_probability: p of the update counter (every ⌈1/p⌉ steps); None: the oracle's
+      schedule, 1 for 500 steps then exp(−0.001·(n − 500)) down to 0.03.
+    max_size_triangular: a dimension above it gets a diagonal factor (static; fixed at init).
+    memory_save_mode: None, "one_diag", "smart_one_diag" or "all_diag" (which factors are diagonal).
+    precond_lr: the factors' normalized step size (default 0.1).
+    precond_init_scale: the factors' initial scale (Q = scale^(1/ndim)·I; default 1).
+    balance_prob: probability per preconditioner update of balancing the factors' norms first.
+    momentum_into_precond_update: fit Q on the debiased momentum (True, default) or on the gradient.
+    mu_dtype: dtype name of the momentum (None: the param's).
+    precond_dtype: dtype name of the preconditioner (default "float32"; None: the param's).
+    seed: the PRNG seed of V and the balance coin.
+    mask: where weight decay applies: a bool tree or a function of the params; None = `decay_mask`.
+
+  Returns:
+    The chain of `scale_by_kron`, decoupled weight decay and the learning rate.
+
+  References:
+    Xi-Lin Li, "Preconditioned stochastic gradient descent", arXiv 1512.04202; "Black box Lie group preconditioners
+      for SGD", arXiv 2211.04422; reference code lixilinx/psgd_torch, evanatyourservice/psgd_jax; oracle
+      pytorch_optimizer 4.1.0 `Kron`.
   """
   tx = scale_by_kron(b1, preconditioner_update_probability=preconditioner_update_probability,
                      max_size_triangular=max_size_triangular, memory_save_mode=memory_save_mode,

@@ -1,5 +1,7 @@
-"""MARS variance reduction (Yuan et al., arXiv 2411.10438, AGI-Arena/MARS) and Muon-MVR = MARS-M (Chang et al.,
-arXiv 2509.15816; Liu et al., arXiv 2510.21800).
+"""MARS variance reduction and Muon-MVR = MARS-M: a corrected, clipped gradient fed to AdamW, Lion, Shampoo or Muon.
+
+MARS: Yuan et al., arXiv 2411.10438, AGI-Arena/MARS. Muon-MVR = MARS-M: Chang et al., arXiv 2509.15816; Liu et al.,
+arXiv 2510.21800.
 
 Both replace the gradient g = ∇f(x_t, ξ_t) by a corrected, clipped one before the optimizer's moments:
 
@@ -20,7 +22,8 @@ stacked vectors (norm scales stored as (layers, D)); a leaf with fewer axes is o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +31,13 @@ import optax
 
 from optim.muon import muon_with_adamw, scale_by_muon
 from optim.needs import Needs
+from optim.newton_schulz import Coeffs
 from optim.registry import UnknownOptimizerError, register
 from optim.trees import path_name, reject_complex, resolve_labels
 
 MODES = ("approx", "exact")
 VARIANTS = ("adamw", "lion", "shampoo")
+PyTree = Any
 
 
 class MarsError(UnknownOptimizerError):
@@ -40,7 +45,9 @@ class MarsError(UnknownOptimizerError):
 
 
 class MarsState(NamedTuple):
-  count: jax.Array  # int32 steps taken
+  """The MARS correction's state: the step count and, in the approximate mode, the previous gradient."""
+
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count in typeshed; int32 steps taken
   last_grad: optax.Updates  # approx: the previous gradient, shaped (and sharded) like the params; exact: None
 
 
@@ -62,6 +69,17 @@ def mars_correction(gamma: float = 0.025, beta: float = 0.95, *, mode: str = "ap
       like the gradients). Inside `optax.partition`, pass `mask_compatible_extra_args=True` so each group
       receives its own part of `prev_grads`; `optax.chain` and `optax.inject_hyperparams` forward it as is.
     tensor_ndim: trailing axes that form one tensor (2: matrices, 1: vectors).
+
+  Returns:
+    A transformation with extra-argument support whose update is c̃, with a `MarsState`. Its update raises
+    `MarsError` when the exact mode gets no `prev_grads`, or the approximate mode gets one.
+
+  Raises:
+    MarsError: when `mode` is not one of `MODES` or `tensor_ndim` is not 1 or 2.
+
+  References:
+    Yuan, Liu, Wu, Zhou and Gu, "MARS: Unleashing the Power of Variance Reduction for Training Large Models", 2024,
+      arXiv 2411.10438 (ICML 2025); reference code AGI-Arena/MARS `MARS/optimizers/mars.py`.
   """
   if mode not in MODES:
     raise MarsError(f"MARS mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -94,10 +112,20 @@ def mars_correction(gamma: float = 0.025, beta: float = 0.95, *, mode: str = "ap
 
 
 def with_global_norm_clip(tx: optax.GradientTransformation, max_norm: float) -> optax.GradientTransformationExtraArgs:
-  """`optax.chain(optax.clip_by_global_norm(max_norm), tx)` (same state) whose clip also applies to the extra
-  argument `prev_grads`, by its own global norm: g̃ is then exactly what the optimizer would have received as the
-  gradient at the previous parameters, as in the approximate mode (which stores the clipped gradient) and in the
-  reference's exact loop (`MARS/train_mars.py` clips each backward pass's gradients separately)."""
+  """`optax.chain(optax.clip_by_global_norm(max_norm), tx)` (same state) whose clip also applies to `prev_grads`.
+
+  The extra argument `prev_grads` is clipped by its own global norm: g̃ is then exactly what the optimizer would have
+  received as the gradient at the previous parameters, as in the approximate mode (which stores the clipped
+  gradient) and in the reference's exact loop (`MARS/train_mars.py` clips each backward pass's gradients
+  separately).
+
+  Args:
+    tx: the optimizer the clipped gradients go to.
+    max_norm: the global norm the gradients (and `prev_grads`, separately) are clipped to.
+
+  Returns:
+    A transformation with extra-argument support and the state (clip state, tx's state).
+  """
   clip = optax.clip_by_global_norm(max_norm)
   tx = optax.with_extra_args_support(tx)
 
@@ -115,10 +143,19 @@ def with_global_norm_clip(tx: optax.GradientTransformation, max_norm: float) -> 
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def mars_labels(params) -> optax.Params:
-  """"matrix" for weights (ndim ≥ 2: hidden matrices, embeddings, the head — MARS routes 2-D embeddings and head to
-  MARS too), "vector" for norm scales, biases (by name, though the blocks stack them as (layers, D)) and any leaf
-  with ndim ≤ 1."""
+def mars_labels(params: PyTree) -> optax.Params:
+  """"matrix" for weights (ndim ≥ 2), "vector" for norm scales, biases and any leaf with ndim ≤ 1.
+
+  Weights are hidden matrices, embeddings and the head — MARS routes 2-D embeddings and head to MARS too. Norm scales
+  and biases go by name, though the blocks stack them as (layers, D).
+
+  Args:
+    params: the parameter tree.
+
+  Returns:
+    The params' structure with "vector" on leaves whose path names "norm" or "bias" or with ndim < 2, "matrix" on
+    the others.
+  """
   def label(path, p):
     name = path_name(path).lower()
     vector = "norm" in name or "bias" in name or jnp.ndim(p) < 2
@@ -137,11 +174,13 @@ def _mars_core(variant: str, b1, b2, eps, *, matrix: bool, ns_steps: int, ns_dty
                        scale="keller", ns_dtype=ns_dtype)
 
 
-@register("mars", needs=lambda hp: Needs(update_args={"prev_grads"} if hp["mode"] == "exact" else ()))
+@register("mars", needs=lambda hp: Needs(update_args=frozenset({"prev_grads"} if hp["mode"] == "exact" else ())))
 def mars(learning_rate: optax.ScalarOrSchedule, *, variant: str = "adamw", gamma: float = 0.025, b1: float = 0.95,
          b2: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, mode: str = "approx",
-         optimize_1d: bool = False, lr_1d=None, b1_1d: float = 0.9, b2_1d: float = 0.95, weight_decay_1d: float = 0.1,
-         ns_steps: int = 5, ns_dtype=None, labels=None) -> optax.GradientTransformationExtraArgs:
+         optimize_1d: bool = False, lr_1d: optax.ScalarOrSchedule | None = None, b1_1d: float = 0.9,
+         b2_1d: float = 0.95, weight_decay_1d: float = 0.1, ns_steps: int = 5,
+         ns_dtype: jax.typing.DTypeLike | None = None,
+         labels: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformationExtraArgs:
   """MARS (Yuan et al., 2025): the corrected gradient c̃ (`mars_correction`) feeds AdamW, Lion or Shampoo.
 
     m ← β1·m + (1−β1)·c̃
@@ -156,6 +195,35 @@ def mars(learning_rate: optax.ScalarOrSchedule, *, variant: str = "adamw", gamma
   is used as given. Defaults are the reference class's (weight_decay 0; its GPT-2 recipe uses 1e-2).
   mode="exact" needs `update(..., prev_grads=)` (see `mars_correction`). Under `optax.inject_hyperparams` list
   `ns_steps` (and a `labels` function) in `static_args`; γ, the betas, eps, lrs and decays are injectable.
+
+  Args:
+    learning_rate: the learning rate or schedule (of both groups with `optimize_1d`).
+    variant: "adamw", "lion" or "shampoo" (`VARIANTS`).
+    gamma: γ, the correction's strength (default 0.025).
+    b1: β1, the momentum (and the correction's β) (default 0.95).
+    b2: β2, AdamW's second moment (default 0.99).
+    eps: AdamW's ε, also the "vector" group's; Shampoo's NS eps is eps·(1−β1) (default 1e-8).
+    weight_decay: decoupled weight decay of the MARS group (default 0, the reference class's).
+    mode: "approx" or "exact" (`mars_correction`).
+    optimize_1d: give the "vector" leaves MARS too (default False).
+    lr_1d: the "vector" group's AdamW learning rate; None follows `learning_rate`.
+    b1_1d: the "vector" group's β1 (default 0.9).
+    b2_1d: the "vector" group's β2 (default 0.95).
+    weight_decay_1d: the "vector" group's weight decay (default 0.1).
+    ns_steps: Newton–Schulz iterations of the Shampoo variant (static; default 5).
+    ns_dtype: the Newton–Schulz iteration's dtype (default: the update's).
+    labels: "matrix" / "vector" per leaf (a tree, a prefix, or a function of the params); None: `mars_labels`.
+
+  Returns:
+    The `optax.partition` of the two groups (extra arguments split per group); with variant "lion" its init rejects
+    complex parameters.
+
+  Raises:
+    MarsError: when `variant` is not one of `VARIANTS`.
+
+  References:
+    Yuan, Liu, Wu, Zhou and Gu, "MARS: Unleashing the Power of Variance Reduction for Training Large Models", 2024,
+      arXiv 2411.10438 (ICML 2025); reference code AGI-Arena/MARS `MARS/optimizers/mars.py`.
   """
   if variant not in VARIANTS:
     raise MarsError(f"MARS variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
@@ -173,12 +241,13 @@ def mars(learning_rate: optax.ScalarOrSchedule, *, variant: str = "adamw", gamma
   return reject_complex(tx, "MARS-Lion", "the sign of a complex number") if variant == "lion" else tx
 
 
-@register("muon_mvr", needs=lambda hp: Needs(update_args={"prev_grads"} if hp["mode"] == "mvr2" else ()))
+@register("muon_mvr", needs=lambda hp: Needs(update_args=frozenset({"prev_grads"} if hp["mode"] == "mvr2" else ())))
 def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: str = "mvr1", gamma: float = 0.025, beta: float = 0.95,
-             weight_decay: float = 0.1, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7,
-             scale: str = "moonlight", ns_dtype=None, method: str = "standard", mu_dtype=None,
-             adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
-             adam_weight_decay: float | None = None, labels=None,
+             weight_decay: float = 0.1, coeffs: Coeffs = "quintic", ns_steps: int = 5, eps: float = 1e-7,
+             scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+             mu_dtype: jax.typing.DTypeLike | None = None, adam_learning_rate: optax.ScalarOrSchedule | None = None,
+             adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
+             adam_weight_decay: float | None = None, labels: PyTree | Callable[[PyTree], PyTree] | None = None,
              distributed: bool = False) -> optax.GradientTransformationExtraArgs:
   """Muon-MVR / MARS-M: Muon whose EMA momentum is fed the corrected, clipped gradient c̃ (`mars_correction`).
 
@@ -188,6 +257,39 @@ def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: str = "mvr1", gamma
   Muon-routed leaves (`muon_labels`, or `labels`) as above; the rest ("adam": embeddings, head, norms, biases) on
   AdamW exactly as in `optim.muon`. `distributed` is handed to `scale_by_muon`. Under `optax.inject_hyperparams`
   list `ns_steps` (and a `labels` function) in `static_args`.
+
+  Args:
+    learning_rate: the learning rate or schedule of both groups unless `adam_learning_rate` is given.
+    mode: "mvr1" (approximate) or "mvr2" (exact).
+    gamma: γ, the correction's strength (default 0.025).
+    beta: β, the EMA momentum (default 0.95).
+    weight_decay: decoupled weight decay (default 0.1).
+    coeffs: the Newton–Schulz coefficients (default "quintic").
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    eps: added to the Frobenius norm before Newton–Schulz (default 1e-7).
+    scale: the shape scale (default "moonlight": 0.2·√max(A, B)).
+    ns_dtype: the Newton–Schulz iteration's dtype (default: the update's).
+    method: "standard" or "gram" Newton–Schulz.
+    mu_dtype: the momentum's (and AdamW's first moment's) dtype (default: the parameter's).
+    adam_learning_rate: the AdamW group's learning rate; None: `learning_rate`.
+    adam_b1: AdamW's β1 (default 0.9).
+    adam_b2: AdamW's β2 (default 0.95).
+    adam_eps: AdamW's ε (default 1e-8).
+    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `optim.muon_labels`.
+    distributed: orthogonalize each matrix once across the mesh's devices (`scale_by_muon`).
+
+  Returns:
+    `optim.muon.muon_with_adamw` over the chain `mars_correction` → `scale_by_muon` (extra arguments split per
+    group).
+
+  Raises:
+    MarsError: when `mode` is not "mvr1" or "mvr2".
+
+  References:
+    Chang, Liu and Yuan, "On the Convergence of Muon and Beyond", 2025, arXiv 2509.15816 (Muon-MVR; reference code
+      MaeChd/muon-eq `MuonMVR`).
+    Liu et al., MARS-M, 2025, arXiv 2510.21800 (AGI-Arena/MARS `MARS_M/optimizers/mars_m.py`).
   """
   if mode not in ("mvr1", "mvr2"):
     raise MarsError(f"Muon-MVR mode must be 'mvr1' (approximate) or 'mvr2' (exact), got {mode!r}")

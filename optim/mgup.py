@@ -1,5 +1,7 @@
-"""MGUP: momentum–gradient alignment update policy for AdamW, Lion and Muon (Da Chang & Ganzhao Yuan, "A
-Momentum-Gradient Alignment Update Policy for Stochastic Optimization", NeurIPS 2025; code MaeChd/MGUP).
+"""MGUP: momentum–gradient alignment update policy for AdamW, Lion and Muon.
+
+Da Chang & Ganzhao Yuan, "A Momentum-Gradient Alignment Update Policy for Stochastic Optimization", NeurIPS 2025;
+code MaeChd/MGUP.
 
 Per tensor (per matrix of a stack, see `optim.alignment`), the K = ⌊τ·N⌋ coordinates with the largest signed
 u⊙g take α·u, the rest γ·u; u is the base optimizer's direction, g the raw gradient. The reference code's
@@ -13,23 +15,42 @@ runs compare with them at equal settings; the reference classes' defaults differ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
 
-from optim.alignment import mgup_policy, with_alignment_mask
+from optim.alignment import Factor, Scalar, mgup_policy, with_alignment_mask
 from optim.muon import muon_with_adamw, scale_by_muon
+from optim.newton_schulz import Coeffs
 from optim.registry import decay_mask, register
+
+PyTree = Any
 
 
 def scale_by_reference_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                            mu_dtype=None) -> optax.GradientTransformation:
-  """Adam as the MGUP and C-Optim reference code (and the old transformers.AdamW they derive from) write it:
+                            mu_dtype: jax.typing.DTypeLike | None = None) -> optax.GradientTransformation:
+  """Adam as the MGUP and C-Optim reference code (and the old transformers.AdamW they derive from) write it.
 
     m ← β1·m + (1−β1)·g;   v ← β2·v + (1−β2)·g²;   u = √(1−β2^t)/(1−β1^t) · m/(√v + eps)
 
   eps sits on the UNcorrected √v; optax.scale_by_adam (and torch.optim.AdamW) put it on √v̂, which is this
   with eps·√(1−β2^t) in place of eps: the two agree once eps ≪ √v. State: optax.ScaleByAdamState.
+
+  Args:
+    b1: β1, the first moment's decay (default 0.9).
+    b2: β2, the second moment's decay (default 0.95).
+    eps: added to the uncorrected √v (default 1e-8).
+    mu_dtype: the first moment's dtype (default: the parameter's).
+
+  Returns:
+    A transformation whose update is u, in the gradient's dtype, with an `optax.ScaleByAdamState`.
+
+  References:
+    Chang and Yuan, "A Momentum-Gradient Alignment Update Policy for Stochastic Optimization" (MGUP), NeurIPS 2025,
+      arXiv 2606.17526, Eq. 3; reference code MaeChd/MGUP (`MGUP_AdamW.py`); kyleliang919/C-Optim (`c_adamw.py`).
   """
   def init(params):
     mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
@@ -50,17 +71,36 @@ def scale_by_reference_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8
 
 @register("mgup_adamw")
 def mgup_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-               weight_decay: float = 0.1, tau=0.5, alpha=2.0, gamma=0.1, policy: str = "topk", mu_dtype=None,
-               mask=None) -> optax.GradientTransformation:
+               weight_decay: float = 0.1, tau: Scalar = 0.5, alpha: Factor = 2.0, gamma: Factor = 0.1,
+               policy: str = "topk", mu_dtype: jax.typing.DTypeLike | None = None,
+               mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """MGUP-AdamW (MGUP/MGUP_AdamW.py `AdamW`; `CMGUP_AdamW` with policy="cautious").
 
     u = m/(√v + eps) (`scale_by_reference_adam`),  φ = MGUP(u, g; τ, α, γ)
     W ← W − lr·(√(1−β2^t)/(1−β1^t) · φ ⊙ u + weight_decay·W)        (decay not masked, not bias-scaled)
 
-  Args: house defaults (0.9, 0.95), eps 1e-8, weight_decay 0.1 as `adamw` (reference class: betas
-  (0.9, 0.999), eps 1e-6, weight_decay 0, correct_bias True). tau, alpha, gamma: MGUP (α="1/tau",
-  γ="tau" for the paper's form). mask: decay mask tree or function (default `decay_mask`: norms and
-  biases are not decayed).
+  House defaults (0.9, 0.95), eps 1e-8, weight_decay 0.1 as `adamw` (reference class: betas (0.9, 0.999), eps 1e-6,
+  weight_decay 0, correct_bias True).
+
+  Args:
+    learning_rate: the learning rate or schedule.
+    b1: β1 (default 0.9).
+    b2: β2 (default 0.95).
+    eps: added to the uncorrected √v (default 1e-8).
+    weight_decay: decoupled weight decay, never masked (default 0.1).
+    tau: MGUP's τ, the boosted fraction of each tensor (default 0.5).
+    alpha: MGUP's α, the factor on the selected coordinates (default 2.0; "1/tau" for the paper's form).
+    gamma: MGUP's γ, the factor on the others (default 0.1; "tau" for the paper's form).
+    policy: "topk" (MGUP) or "cautious" (Cautious-MGUP, `CMGUP_AdamW`).
+    mu_dtype: the first moment's dtype (default: the parameter's).
+    mask: decay mask tree or function (default `decay_mask`: norms and biases are not decayed).
+
+  Returns:
+    The chain of the masked reference Adam, decoupled weight decay and the learning rate.
+
+  References:
+    Chang and Yuan, "A Momentum-Gradient Alignment Update Policy for Stochastic Optimization" (MGUP), NeurIPS 2025,
+      arXiv 2606.17526, Eq. 3; reference code MaeChd/MGUP (`MGUP_AdamW.py`).
   """
   return optax.chain(
       with_alignment_mask(scale_by_reference_adam(b1, b2, eps, mu_dtype),
@@ -71,14 +111,34 @@ def mgup_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: fl
 
 @register("mgup_lion")
 def mgup_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
-              tau=0.5, alpha=2.0, gamma=0.1, policy: str = "topk", mu_dtype=None,
-              mask=None) -> optax.GradientTransformation:
+              tau: Scalar = 0.5, alpha: Factor = 2.0, gamma: Factor = 0.1, policy: str = "topk",
+              mu_dtype: jax.typing.DTypeLike | None = None,
+              mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """MGUP-Lion (MGUP/MGUP_Lion.py).
 
     c = sign(β1·m + (1−β1)·g),  φ = MGUP(c, g),  W ← W − lr·(φ ⊙ c + weight_decay·W),  m ← β2·m + (1−β2)·g
 
-  Args: house defaults betas (0.9, 0.99) and weight_decay 0.1 as `lion` (reference class: betas
-  (0.9, 0.99), weight_decay 0; its experiments used (0.95, 0.98)); the rest as `mgup_adamw`.
+  House defaults betas (0.9, 0.99) and weight_decay 0.1 as `lion` (reference class: betas (0.9, 0.99),
+  weight_decay 0; its experiments used (0.95, 0.98)); the rest as `mgup_adamw`.
+
+  Args:
+    learning_rate: the learning rate or schedule.
+    b1: β1, the interpolation whose sign is the update (default 0.9).
+    b2: β2, the momentum's decay (default 0.99).
+    weight_decay: decoupled weight decay, never masked (default 0.1).
+    tau: MGUP's τ (default 0.5).
+    alpha: MGUP's α (default 2.0; "1/tau" for the paper's form).
+    gamma: MGUP's γ (default 0.1; "tau" for the paper's form).
+    policy: "topk" (MGUP) or "cautious" (Cautious-MGUP).
+    mu_dtype: the momentum's dtype (default: the parameter's).
+    mask: decay mask tree or function (default `decay_mask`).
+
+  Returns:
+    The chain of the masked `optax.scale_by_lion`, decoupled weight decay and the learning rate.
+
+  References:
+    Chang and Yuan, "A Momentum-Gradient Alignment Update Policy for Stochastic Optimization" (MGUP), NeurIPS 2025,
+      arXiv 2606.17526, Eq. 3; reference code MaeChd/MGUP (`MGUP_Lion.py`).
   """
   return optax.chain(
       with_alignment_mask(optax.scale_by_lion(b1, b2, mu_dtype),
@@ -89,11 +149,14 @@ def mgup_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: flo
 
 @register("mgup_muon")
 def mgup_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1,
-              momentum: str = "classic", nesterov: bool = True, coeffs="quintic", ns_steps: int = 5,
-              eps: float = 1e-7, scale: str = "moonlight", ns_dtype=None, method: str = "standard", mu_dtype=None,
-              adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
-              adam_weight_decay: float | None = None, labels=None, distributed: bool = False, tau=0.5, alpha=2.0,
-              gamma=0.1, policy: str = "topk") -> optax.GradientTransformation:
+              momentum: str = "classic", nesterov: bool = True, coeffs: Coeffs = "quintic", ns_steps: int = 5,
+              eps: float = 1e-7, scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None,
+              method: str = "standard", mu_dtype: jax.typing.DTypeLike | None = None,
+              adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9, adam_b2: float = 0.95,
+              adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+              labels: PyTree | Callable[[PyTree], PyTree] | None = None, distributed: bool = False,
+              tau: Scalar = 0.5, alpha: Factor = 2.0, gamma: Factor = 0.1,
+              policy: str = "topk") -> optax.GradientTransformation:
   """MGUP-Muon (MGUP/MGUP_Muon.py): Moonlight Muon with the MGUP mask applied AFTER orthogonalization.
 
     B ← μB + G;  Gn = G + μB (Nesterov);  φ = MGUP(Gn, G);  O = NS(Gn)
@@ -107,6 +170,39 @@ def mgup_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weig
   default momentum form, "classic" as in the reference ("ema" gives the same update up to NS's eps: NS
   removes the (1−β) factor and the top-K ranking ignores it). tau, alpha, gamma, policy: as `mgup_adamw`.
   `distributed` goes to `scale_by_muon`.
+
+  Args:
+    learning_rate: the learning rate or schedule of both groups unless `adam_learning_rate` is given.
+    beta: μ, the momentum coefficient (default 0.95).
+    weight_decay: decoupled weight decay, never masked (default 0.1).
+    momentum: "classic" (default, as the reference) or "ema" (`optim.muon.scale_by_muon`).
+    nesterov: Nesterov momentum (default True).
+    coeffs: the Newton–Schulz coefficients (default "quintic").
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    eps: added to the Frobenius norm before Newton–Schulz (default 1e-7).
+    scale: the shape scale (default "moonlight": 0.2·√max(A, B)).
+    ns_dtype: the Newton–Schulz iteration's dtype (default: the update's).
+    method: "standard" or "gram" Newton–Schulz.
+    mu_dtype: the momentum's (and AdamW's first moment's) dtype (default: the parameter's).
+    adam_learning_rate: the AdamW group's learning rate; None: `learning_rate`.
+    adam_b1: AdamW's β1 (default 0.9).
+    adam_b2: AdamW's β2 (default 0.95).
+    adam_eps: AdamW's ε (default 1e-8).
+    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `optim.muon_labels`.
+    distributed: orthogonalize each matrix once across the mesh's devices (`scale_by_muon`).
+    tau: MGUP's τ (default 0.5).
+    alpha: MGUP's α (default 2.0; "1/tau" for the paper's form).
+    gamma: MGUP's γ (default 0.1; "tau" for the paper's form).
+    policy: "topk" (MGUP) or "cautious" (Cautious-MGUP).
+
+  Returns:
+    `optim.muon.muon_with_adamw` over `scale_by_muon(mask_fn=MGUP, mask_at="post")`.
+
+  References:
+    Chang and Yuan, "A Momentum-Gradient Alignment Update Policy for Stochastic Optimization" (MGUP), NeurIPS 2025,
+      arXiv 2606.17526, Eq. 3; reference code MaeChd/MGUP (`MGUP_Muon.py`).
+    Liu et al., "Muon is Scalable for LLM Training", 2025, arXiv 2502.16982 (the Moonlight Muon it builds on).
   """
   core = scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
                        scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype,

@@ -8,17 +8,20 @@ Routing (which parameters get Muon) is a label function over parameter paths, `m
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optim.newton_schulz import orthogonalize
+from optim.newton_schulz import Coeffs, orthogonalize
+from optim.orthogonalizers import Split
 from optim.registry import decay_mask, register
 from optim.trees import is_named_vector, path_name, reject_complex, resolve_labels
 
 SHAPE_SCALES = ("keller", "moonlight", "spectral", "none")
+PyTree = Any
 
 
 def shape_scale(kind: str, fan_in: int, fan_out: int) -> float:
@@ -28,6 +31,21 @@ def shape_scale(kind: str, fan_in: int, fan_out: int) -> float:
   moonlight: 0.2·√max(fan_in, fan_out)    (update RMS ≈ 0.2, AdamW's: reuse its lr and wd)
   spectral:  √(fan_out/fan_in)            (Dion's default; spectral-norm steepest descent)
   none:      1
+
+  Args:
+    kind: "keller", "moonlight", "spectral" or "none" (`SHAPE_SCALES`).
+    fan_in: the matrix's input dimension (its rows in the (fan_in, fan_out) layout).
+    fan_out: the matrix's output dimension.
+
+  Returns:
+    The factor.
+
+  Raises:
+    ValueError: when `kind` is not one of `SHAPE_SCALES`.
+
+  References:
+    KellerJordan/Muon (keller); Liu et al., "Muon is Scalable for LLM Training", 2025, arXiv 2502.16982, Lemma 1 and
+      Eq. 4 (moonlight: update RMS 0.2, AdamW's); microsoft/dion `adjust_lr="spectral_norm"` (spectral).
   """
   if kind == "keller":
     return math.sqrt(max(1.0, fan_out / fan_in))
@@ -41,14 +59,19 @@ def shape_scale(kind: str, fan_in: int, fan_out: int) -> float:
 
 
 class MuonState(NamedTuple):
-  count: jax.Array  # int32 step counter
+  """Muon's state: the step count and the momentum buffer."""
+
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count in typeshed; int32 step counter
   mu: optax.Updates  # momentum buffer, shaped (and sharded) like the parameters
 
 
-def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool = True, coeffs="quintic",
-                  ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight", ns_dtype=None,
-                  method: str = "standard", mu_dtype=None, mask_fn=None, mask_at: str = "post",
-                  distributed: bool = False, orthogonalize=None, split=None) -> optax.GradientTransformation:
+def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool = True,
+                  coeffs: Coeffs = "quintic", ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight",
+                  ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+                  mu_dtype: jax.typing.DTypeLike | None = None,
+                  mask_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None, mask_at: str = "post",
+                  distributed: bool = False, orthogonalize: Callable[[jax.Array], jax.Array] | None = None,
+                  split: Split | None = None) -> optax.GradientTransformation:
   """Momentum, then Newton–Schulz orthogonalization of each matrix, then a shape scale.
 
     ema:      M ← β·M + (1−β)·G;   U = β·M + (1−β)·G (Nesterov) or M      (KellerJordan/Muon, torch.optim.Muon)
@@ -70,6 +93,41 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
   `split(path, shape) -> (axis, sizes) | None` cuts leaves into blocks that are orthogonalized and shape-scaled
   as matrices of their own (`orthogonalizers.heads(head_dim)`: per-head; `orthogonalizers.fused(sizes)`: fused
   QKV). Under `optax.inject_hyperparams` list both in `static_args` (injection calls any callable).
+
+  Args:
+    beta: the momentum coefficient β (default 0.95).
+    momentum: "ema" or "classic" (the forms above).
+    nesterov: whether U is the Nesterov look-ahead (default True) or the momentum itself.
+    coeffs: the Newton–Schulz coefficients: a name in `optim.newton_schulz.COEFFICIENTS` or rows of (a, b, c).
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    eps: added to the Frobenius norm before Newton–Schulz divides by it (default 1e-7).
+    scale: the shape scale, a name in `SHAPE_SCALES` (default "moonlight": update RMS 0.2).
+    ns_dtype: the Newton–Schulz iteration's dtype (e.g. "bfloat16"); default: the update's.
+    method: "standard" or "gram", the Newton–Schulz iteration (`optim.newton_schulz`).
+    mu_dtype: the momentum buffer's dtype; default: the parameter's.
+    mask_fn: an alignment policy `mask_fn(u, g) -> φ` per leaf (MGUP, Cautious); None: no mask.
+    mask_at: "post" (φ ⊙ scale·NS(U), MGUP-Muon) or "pre" (scale·NS(φ ⊙ U), Cautious-Muon).
+    distributed: orthogonalize each matrix once across the devices of the current mesh (`optim.distributed`).
+    orthogonalize: a function of a matrix stack replacing Newton–Schulz (`optim.orthogonalizers`); None: NS.
+    split: `split(path name, shape) -> (axis, sizes) | None`, cutting leaves into blocks orthogonalized on their own.
+
+  Returns:
+    A transformation whose update is the shape-scaled orthogonalized momentum of each leaf (masked by `mask_fn`'s φ
+    when given), in the gradient's dtype; its state is a `MuonState`. With `mask_fn` its init rejects complex
+    parameters. Its update raises `ValueError` on a leaf with fewer than two axes.
+
+  Raises:
+    ValueError: when `momentum`, `mask_at` or `scale` is not a known name, or `orthogonalize` / `split` is given but
+      not callable.
+
+  References:
+    Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024 (blog post; reference code
+      KellerJordan/Muon, the "ema" form).
+    Liu et al., "Muon is Scalable for LLM Training", 2025, arXiv 2502.16982, Eq. 1–4 (the "classic" form and the
+      "moonlight" scale; MoonshotAI/Moonlight).
+    Chang and Yuan, "A Momentum-Gradient Alignment Update Policy for Stochastic Optimization" (MGUP), NeurIPS 2025
+      (mask_at="post"; MaeChd/MGUP `MGUP_Muon.py`).
+    Liang et al., "Cautious Optimizers", 2024, arXiv 2411.16085 (mask_at="pre"; kyleliang919/C-Optim `c_muon.py`).
   """
   if momentum not in ("ema", "classic"):
     raise ValueError(f"momentum must be 'ema' or 'classic', got {momentum!r}")
@@ -109,13 +167,33 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
   return reject_complex(tx, "Muon with an alignment mask (MGUP, Cautious)", "it compares the signs of u·g")
 
 
-def orthogonalize_tree(tree, *, coeffs="quintic", steps: int = 5, eps: float = 1e-7, compute_dtype=None,
-                       method: str = "standard", distributed: bool = False, fn=None, split=None, scale=None):
-  """`orthogonalize` (or `fn`, any function of a matrix stack) on every leaf (each a stack of matrices), or, with
-  `distributed`, the same result computed once per matrix across the devices of the current mesh
+def orthogonalize_tree(tree: PyTree, *, coeffs: Coeffs = "quintic", steps: int = 5, eps: float = 1e-7,
+                       compute_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+                       distributed: bool = False, fn: Callable[[jax.Array], jax.Array] | None = None,
+                       split: Split | None = None,
+                       scale: Callable[[int, int], float] | None = None) -> PyTree:
+  """`orthogonalize` (or `fn`, any function of a matrix stack) on every leaf, each a stack of matrices.
+
+  With `distributed`, the same result is computed once per matrix across the devices of the current mesh
   (`optim.distributed`). `split` cuts leaves into blocks orthogonalized on their own (`optim.orthogonalizers`);
-  `scale(fan_in, fan_out)` multiplies each matrix (each block) by a factor of its own shape."""
-  kwargs = dict(coeffs=coeffs, steps=steps, eps=eps, compute_dtype=compute_dtype, method=method)
+  `scale(fan_in, fan_out)` multiplies each matrix (each block) by a factor of its own shape.
+
+  Args:
+    tree: a pytree of matrix stacks (..., fan_in, fan_out).
+    coeffs: the Newton–Schulz coefficients (`optim.newton_schulz.orthogonalize`; default "quintic").
+    steps: Newton–Schulz iterations (static; default 5).
+    eps: added to the Frobenius norm before dividing (default 1e-7).
+    compute_dtype: the iteration's dtype; default: each leaf's.
+    method: "standard" or "gram" (`optim.newton_schulz`).
+    distributed: split the matrices over the devices of the current mesh (`optim.distributed`).
+    fn: a function of a matrix stack used instead of Newton–Schulz; None: `orthogonalize`.
+    split: `split(path name, shape) -> (axis, sizes) | None`, the blocks of a leaf (`optim.orthogonalizers`).
+    scale: `scale(fan_in, fan_out)`, the factor on each matrix (block); None: 1.
+
+  Returns:
+    The tree of orthogonalized, scaled matrix stacks, in the leaves' shapes.
+  """
+  kwargs: dict[str, Any] = dict(coeffs=coeffs, steps=steps, eps=eps, compute_dtype=compute_dtype, method=method)
   if distributed:
     from optim.distributed import orthogonalize_distributed
     run = lambda t: orthogonalize_distributed(t, fn=fn, **kwargs)
@@ -128,10 +206,19 @@ def orthogonalize_tree(tree, *, coeffs="quintic", steps: int = 5, eps: float = 1
   return jax.tree.map(lambda o: o * scale(o.shape[-2], o.shape[-1]), run(tree))
 
 
-def muon_labels(params) -> optax.Params:
-  """"muon" for hidden weight matrices, "adam" for embeddings, the output head, norms, biases and
-  vectors (decided by parameter name, then rank; a stacked vector named with a one-letter shape suffix, a DoRA
-  magnitude `m_O` of shape (layers, O), is a vector: `is_named_vector`)."""
+def muon_labels(params: PyTree) -> optax.Params:
+  """"muon" for hidden weight matrices, "adam" for embeddings, the output head, norms, biases and vectors.
+
+  Decided by parameter name, then rank; a stacked vector named with a one-letter shape suffix, a DoRA magnitude `m_O`
+  of shape (layers, O), is a vector: `is_named_vector`.
+
+  Args:
+    params: the parameter tree.
+
+  Returns:
+    The params' structure with "muon" on every leaf of rank ≥ 2 whose path names no "embed", "head", "norm" or "bias"
+    and that is not a named vector, "adam" on every other leaf.
+  """
   def label(path, p):
     name = path_name(path).lower()
     hidden = not any(s in name for s in ("embed", "head", "norm", "bias"))
@@ -141,10 +228,13 @@ def muon_labels(params) -> optax.Params:
 
 @register("muon")
 def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "ema",
-         nesterov: bool = True, coeffs="quintic", ns_steps: int = 5, eps: float = 1e-7, scale: str = "moonlight",
-         ns_dtype=None, method: str = "standard", mu_dtype=None, adam_learning_rate=None, adam_b1: float = 0.9,
-         adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
-         labels=None, distributed: bool = False, orthogonalize=None, split=None) -> optax.GradientTransformation:
+         nesterov: bool = True, coeffs: Coeffs = "quintic", ns_steps: int = 5, eps: float = 1e-7,
+         scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+         mu_dtype: jax.typing.DTypeLike | None = None, adam_learning_rate: optax.ScalarOrSchedule | None = None,
+         adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+         labels: PyTree | Callable[[PyTree], PyTree] | None = None, distributed: bool = False,
+         orthogonalize: Callable[[jax.Array], jax.Array] | None = None,
+         split: Split | None = None) -> optax.GradientTransformation:
   """Muon on hidden matrices, AdamW on the rest (`optax.partition` by `labels`).
 
     Muon group: W ← W − lr·(scale·NS(U) + weight_decay·W)     (decay times the unscaled lr)
@@ -157,6 +247,41 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_de
   loop count and always goes there: `optax.inject_hyperparams(muon, static_args=("ns_steps",))`.
   `orthogonalize` and `split` plug in another polar-factor method and per-head / fused-QKV blocks
   (`scale_by_muon`, `optim.orthogonalizers`).
+
+  Args:
+    learning_rate: the learning rate (or schedule) of both groups unless `adam_learning_rate` is given.
+    beta: Muon's momentum coefficient (default 0.95).
+    weight_decay: decoupled weight decay of the Muon group, and of the AdamW group unless `adam_weight_decay` is
+      given (default 0.1).
+    momentum: "ema" or "classic" (`scale_by_muon`).
+    nesterov: Nesterov momentum (default True).
+    coeffs: the Newton–Schulz coefficients (default "quintic").
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    eps: added to the Frobenius norm before Newton–Schulz (default 1e-7).
+    scale: the shape scale, a name in `SHAPE_SCALES` (default "moonlight").
+    ns_dtype: the Newton–Schulz iteration's dtype; default: the update's.
+    method: "standard" or "gram", the Newton–Schulz iteration (`optim.newton_schulz`).
+    mu_dtype: the dtype of Muon's momentum and AdamW's first moment; default: the parameter's.
+    adam_learning_rate: the AdamW group's learning rate; None: `learning_rate`.
+    adam_b1: AdamW's β1 (default 0.9).
+    adam_b2: AdamW's β2 (default 0.95).
+    adam_eps: AdamW's ε (default 1e-8).
+    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    labels: "muon" / "adam" per leaf: a tree, a prefix of the params' tree, or a function of the params; None:
+      `muon_labels`.
+    distributed: orthogonalize each matrix once across the devices of the current mesh (`optim.distributed`).
+    orthogonalize: a polar-factor method replacing Newton–Schulz (`optim.orthogonalizers`); None: Newton–Schulz.
+    split: per-head / fused-QKV blocks, `split(path name, shape) -> (axis, sizes) | None` (`optim.orthogonalizers`).
+
+  Returns:
+    The optimizer: `optax.partition` of the Muon chain (`scale_by_muon`, decoupled decay, learning rate) on the
+    "muon" leaves and `optax.adamw` on the "adam" leaves.
+
+  References:
+    Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024 (KellerJordan/Muon,
+      `MuonWithAuxAdam`).
+    Liu et al., "Muon is Scalable for LLM Training", 2025, arXiv 2502.16982, Eq. 4 (the scale that lets AdamW's
+      learning rate and weight decay serve both groups; MoonshotAI/Moonlight).
   """
   core = scale_by_muon(beta, momentum=momentum, nesterov=nesterov, coeffs=coeffs, ns_steps=ns_steps, eps=eps,
                        scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed,
@@ -167,13 +292,38 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_de
                          labels=labels)
 
 
-def muon_with_adamw(core: optax.GradientTransformation, learning_rate, *, weight_decay: float, mu_dtype=None,
-                    adam_learning_rate=None, adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
-                    adam_weight_decay: float | None = None, labels=None, extra_args: bool = False):
-  """The Muon family's parameter groups: `core` (a Muon-style direction) + decoupled decay + lr on the "muon"
-  leaves, `optax.adamw` (no decay on norms; first moment in `mu_dtype`) on the "adam" ones, by `labels` (default
-  `muon_labels`; a tree, a prefix of the params' tree, or a function of the params). Shared by muon, mgup_muon,
-  cautious_muon and muon_mvr; `extra_args` splits extra update arguments (Muon-MVR's `prev_grads`) per group."""
+def muon_with_adamw(core: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule, *,
+                    weight_decay: float, mu_dtype: jax.typing.DTypeLike | None = None,
+                    adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9,
+                    adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+                    labels: PyTree | Callable[[PyTree], PyTree] | None = None,
+                    extra_args: bool = False) -> optax.GradientTransformation:
+  """The Muon family's parameter groups: `core` + decoupled decay + lr on "muon" leaves, `optax.adamw` on "adam" ones.
+
+  `core` is a Muon-style direction; `optax.adamw` has no decay on norms and its first moment in `mu_dtype`. The groups
+  come from `labels` (default `muon_labels`; a tree, a prefix of the params' tree, or a function of the params).
+  Shared by muon, mgup_muon, cautious_muon and muon_mvr; `extra_args` splits extra update arguments (Muon-MVR's
+  `prev_grads`) per group.
+
+  Args:
+    core: the "muon" group's direction (e.g. `scale_by_muon`).
+    learning_rate: the learning rate (or schedule) of both groups unless `adam_learning_rate` is given.
+    weight_decay: decoupled weight decay of the "muon" group, and of the "adam" one unless `adam_weight_decay` is
+      given.
+    mu_dtype: AdamW's first-moment dtype; default: the parameter's.
+    adam_learning_rate: the "adam" group's learning rate; None: `learning_rate`.
+    adam_b1: AdamW's β1 (default 0.9).
+    adam_b2: AdamW's β2 (default 0.95).
+    adam_eps: AdamW's ε (default 1e-8).
+    adam_weight_decay: the "adam" group's weight decay; None: `weight_decay`.
+    labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `muon_labels`. Checked
+      at init (`optim.trees.resolve_labels`).
+    extra_args: pass extra update keyword arguments to each group, split like the params
+      (`mask_compatible_extra_args`).
+
+  Returns:
+    The `optax.partition` of the two groups.
+  """
   muon_tx = optax.chain(core, optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
   adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
                         eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,

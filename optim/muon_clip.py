@@ -16,6 +16,9 @@ like the blocks) and reach `update` as the extra argument `max_logits`; without 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -26,6 +29,7 @@ from optim.registry import register
 from optim.trees import leaf_name
 
 QUERY, KEY = ("wq", "q_bias"), ("wk", "k_bias")
+PyTree = Any
 
 
 class QKClipError(ValueError):
@@ -42,9 +46,25 @@ def _role(path) -> str | None:
   return None
 
 
-def head_scales(max_logits, threshold, alpha, kv_heads: int, dtype=jnp.float32):
-  """(s_q (..., N), s_k (..., K)): the query and key scales of the module docstring from max_logits (..., N), in
-  `dtype` (at least float32; the parameters' dtype in `qk_clip`, so float64 parameters get float64 scales)."""
+def head_scales(max_logits: jax.typing.ArrayLike, threshold: float | jax.Array, alpha: float | jax.Array,
+                kv_heads: int, dtype: jax.typing.DTypeLike = jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """(s_q (..., N), s_k (..., K)): the query and key scales of the module docstring from max_logits (..., N).
+
+  In `dtype` (at least float32; the parameters' dtype in `qk_clip`, so float64 parameters get float64 scales).
+
+  Args:
+    max_logits: S, each head's largest logit (..., N).
+    threshold: τ.
+    alpha: α, the query's share of the scale (the key's is 1 − α).
+    kv_heads: K, the key/value heads; N / K query heads share each.
+    dtype: the scales' dtype, promoted to at least float32 (default float32).
+
+  Returns:
+    (s_q, s_k): the query heads' scales (..., N) and the key heads' (..., K).
+
+  References:
+    Kimi Team, "Kimi K2: Open Agentic Intelligence", 2025, arXiv 2507.20534, §2.1 (MuonClip / QK-clip).
+  """
   S = jnp.asarray(max_logits, jnp.promote_types(jnp.float32, dtype))
   N = S.shape[-1]
   eta = jnp.where(S > threshold, threshold / jnp.where(S > 0, S, 1.0), 1.0)  # min(1, τ/S); S ≤ τ: 1
@@ -55,9 +75,24 @@ def head_scales(max_logits, threshold, alpha, kv_heads: int, dtype=jnp.float32):
 
 
 def qk_clip(threshold: float = 100.0, alpha: float = 0.5) -> optax.GradientTransformationExtraArgs:
-  """QK-clip as an update transformation, last in a chain: with `update(..., params, max_logits=(..., N))` it turns
-  each query/key update u (leaves named wq*/q_bias*, wk*/k_bias*, stacked like `max_logits`) into s⊙(p+u) − p, so
-  the new parameters are the clipped ones; every other leaf, and every step without max_logits, passes through."""
+  """QK-clip as an update transformation, last in a chain.
+
+  With `update(..., params, max_logits=(..., N))` it turns each query/key update u (leaves named wq*/q_bias*,
+  wk*/k_bias*, stacked like `max_logits`) into s⊙(p+u) − p, so the new parameters are the clipped ones; every other
+  leaf, and every step without max_logits, passes through.
+
+  Args:
+    threshold: τ, the largest logit a head keeps (default 100, Kimi K2's).
+    alpha: α, the query's share of the scale (default 0.5, Kimi K2's).
+
+  Returns:
+    A stateless transformation with extra-argument support. Its update raises `QKClipError` when given
+    `max_logits` without the params, on a model with QK-norm, without exactly one layer-stacked wq* and wk*, or with
+    `max_logits` that do not fit the query projection.
+
+  References:
+    Kimi Team, "Kimi K2: Open Agentic Intelligence", 2025, arXiv 2507.20534, §2.1 (MuonClip / QK-clip).
+  """
 
   def init(params):
     del params
@@ -104,15 +139,39 @@ def qk_clip(threshold: float = 100.0, alpha: float = 0.5) -> optax.GradientTrans
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-@register("muonclip", needs=Needs(update_args={"max_logits"}, model_refuses=(
+@register("muonclip", needs=Needs(update_args=frozenset({"max_logits"}), model_refuses=(
     ("qk_norm", "clips W_q and W_k, which QK-norm undoes"),)))
 def muonclip(learning_rate: optax.ScalarOrSchedule, *, clip_threshold: float = 100.0, clip_alpha: float = 0.5,
              beta: float = 0.95, weight_decay: float = 0.1, nesterov: bool = True, ns_steps: int = 5,
              eps: float = 1e-7, scale: str = "moonlight", adam_b1: float = 0.9, adam_b2: float = 0.95,
-             labels=None, distributed: bool = False) -> optax.GradientTransformationExtraArgs:
+             labels: PyTree | Callable[[PyTree], PyTree] | None = None,
+             distributed: bool = False) -> optax.GradientTransformationExtraArgs:
   """Muon (`optim.muon`, Moonlight scale: Kimi K2's) followed by `qk_clip(clip_threshold τ, clip_alpha α)`.
+
   Kimi K2 uses τ = 100 and α = 0.5. The train CLI switches the model's `logit_stats` on and passes the step's
-  max_logits, as its registry entry declares (`optim.needs.Needs`)."""
+  max_logits, as its registry entry declares (`optim.needs.Needs`).
+
+  Args:
+    learning_rate: the learning rate or schedule (both of Muon's groups).
+    clip_threshold: τ (default 100).
+    clip_alpha: α (default 0.5).
+    beta: Muon's momentum (default 0.95).
+    weight_decay: decoupled weight decay (default 0.1).
+    nesterov: Nesterov momentum (default True).
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    eps: added to the Frobenius norm before Newton–Schulz (default 1e-7).
+    scale: Muon's shape scale (default "moonlight").
+    adam_b1: the AdamW group's β1 (default 0.9).
+    adam_b2: the AdamW group's β2 (default 0.95).
+    labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `optim.muon_labels`.
+    distributed: orthogonalize each matrix once across the mesh's devices (`optim.distributed`).
+
+  Returns:
+    `optax.chain(muon(...), qk_clip(clip_threshold, clip_alpha))`, taking `max_logits` as an extra argument.
+
+  References:
+    Kimi Team, "Kimi K2: Open Agentic Intelligence", 2025, arXiv 2507.20534, §2.1 (MuonClip / QK-clip).
+  """
   base = muon(learning_rate, beta=beta, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps, eps=eps,
               scale=scale, adam_b1=adam_b1, adam_b2=adam_b2, labels=labels, distributed=distributed)
   return optax.chain(base, qk_clip(clip_threshold, clip_alpha))

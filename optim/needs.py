@@ -48,7 +48,10 @@ class Blockwise:
     order: the block order ("ascending", "descending", "random").
     seed: the random order's seed.
     start_block: the first active block (None: the order's first).
-    b1, b2, eps, weight_decay: the active block's AdamW (weight decay on `optim.decay_mask`'s leaves).
+    b1: the active block's AdamW β1.
+    b2: the active block's AdamW β2.
+    eps: the active block's AdamW ε.
+    weight_decay: the active block's AdamW weight decay (on `optim.decay_mask`'s leaves).
     inactive: what happens to the layers above the active one in the same backward (None: nothing).
   """
   switch_every: int

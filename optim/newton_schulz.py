@@ -46,10 +46,26 @@ COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
 }
 # Polar Express divides by (1 + 2e-2)·‖X‖_F so rounding cannot push σ past its polynomial's range.
 NORM_SAFETY = {"polar_express": 1.02}
+# Newton–Schulz coefficients as the factories take them: a name in COEFFICIENTS or rows of (a, b, c). An alias, so the
+# registry's annotation check (optim.registry.get_optimizer) leaves a table through as it does a name.
+Coeffs = str | Sequence
 
 
 def coefficient_table(coeffs: str | Sequence, steps: int) -> np.ndarray:
-  """(steps, 3) rows (a, b, c): a named set or an explicit table; a short table repeats its last row."""
+  """(steps, 3) rows (a, b, c): a named set or an explicit table; a short table repeats its last row.
+
+  Args:
+    coeffs: a name in `COEFFICIENTS` ("quintic", "polar_express", "tuned5", "cubic") or rows of (a, b, c).
+    steps: the number of Newton–Schulz iterations (static: a Python int, not a tracer).
+
+  Returns:
+    A float64 (steps, 3) array, row k the coefficients of iteration k; rows past the table's end repeat its last row,
+    rows past `steps` are dropped.
+
+  Raises:
+    ValueError: when `coeffs` names no set, is not rows of three, or `steps` < 1.
+    TypeError: when `steps` is traced (under `optax.inject_hyperparams` without `static_args=('ns_steps',)`).
+  """
   if isinstance(coeffs, str):
     if coeffs not in COEFFICIENTS:
       raise ValueError(f"unknown Newton-Schulz coefficients {coeffs!r}; named sets: {', '.join(COEFFICIENTS)}")
@@ -66,7 +82,18 @@ def coefficient_table(coeffs: str | Sequence, steps: int) -> np.ndarray:
 
 
 def ns_flops(m: int, n: int, steps: int, method: str = "standard") -> float:
-  """Matmul FLOPs of one orthogonalization of an m×n matrix (either orientation)."""
+  """Matmul FLOPs of one orthogonalization of an m×n matrix (either orientation).
+
+  Args:
+    m: one side of the matrix.
+    n: the other side.
+    steps: the number of iterations.
+    method: "standard" or "gram" (see the module docstring); "gram" counts the cheaper of the two, as
+      `orthogonalize` runs it (default "standard").
+
+  Returns:
+    The FLOPs of the iteration's matrix products (the normalization and the polynomial's sums not counted).
+  """
   m, n = min(m, n), max(m, n)
   standard = steps * (4.0 * m * m * n + 2.0 * m ** 3)
   if method == "standard":
@@ -77,11 +104,13 @@ def ns_flops(m: int, n: int, steps: int, method: str = "standard") -> float:
 
 
 def _products(dtype):
-  """(matmul, round) for an iteration stored in `dtype`: products and the fused sums around them
-  (b·A + c·A², a·X + B·X, as torch's addmm) are computed in at least fp32 with fp32 coefficients,
-  and each stored matrix is rounded to `dtype` once. `reduce_precision` rather than a cast
-  round-trip, which XLA may fold away in one place and not another (the same product then enters
-  two terms at different precisions)."""
+  """(matmul, round) for an iteration stored in `dtype`.
+
+  Products and the fused sums around them (b·A + c·A², a·X + B·X, as torch's addmm) are computed in at least fp32
+  with fp32 coefficients, and each stored matrix is rounded to `dtype` once. `reduce_precision` rather than a cast
+  round-trip, which XLA may fold away in one place and not another (the same product then enters two terms at
+  different precisions).
+  """
   acc = jnp.promote_types(dtype, jnp.float32)
   fi = jnp.finfo(dtype)
   rnd = (lambda y: y) if acc == dtype else (
@@ -91,8 +120,10 @@ def _products(dtype):
 
 
 def _adjoint(x):
-  """Xᴴ: the conjugate transpose of each matrix (the transpose for real x, where conj is the identity). With it the
-  polynomial maps a complex X = U Σ Vᴴ to U p(Σ) Vᴴ, so the iteration unitarizes complex matrices too."""
+  """Xᴴ: the conjugate transpose of each matrix (the transpose for real x, where conj is the identity).
+
+  With it the polynomial maps a complex X = U Σ Vᴴ to U p(Σ) Vᴴ, so the iteration unitarizes complex matrices too.
+  """
   return jnp.conj(jnp.swapaxes(x, -1, -2))
 
 
@@ -108,8 +139,11 @@ def _standard(x, table):
 
 
 def _gram(x, table):
-  """The same polynomial through the m×m side: with Z_k = aI + bR_k + cR_k², X_{k+1} = Z_k X_k,
-  so Q_{k+1} = Z_k Q_k and R_{k+1} = Z_k R_k Z_k (Z_k is a polynomial in R_k: they commute)."""
+  """The same polynomial through the m×m side.
+
+  With Z_k = aI + bR_k + cR_k², X_{k+1} = Z_k X_k, so Q_{k+1} = Z_k Q_k and R_{k+1} = Z_k R_k Z_k (Z_k is a
+  polynomial in R_k: they commute).
+  """
   mm, rnd = _products(x.dtype)
   eye = jnp.eye(x.shape[-2], dtype=table.dtype)
   poly = lambda R, abc: rnd(abc[0] * eye + abc[1] * R + abc[2] * mm(R, R))
@@ -129,16 +163,34 @@ def _gram(x, table):
 
 
 def orthogonalize(x: jax.Array, *, coeffs: str | Sequence = "quintic", steps: int = 5, eps: float = 1e-7,
-                  compute_dtype=None, method: str = "standard", restart: int | None = None) -> jax.Array:
+                  compute_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+                  restart: int | None = None) -> jax.Array:
   """Approximate U Vᵀ of every matrix in `x` (..., m, n) (U Vᴴ if complex); returns x's shape and dtype.
 
+  X is scaled by its Frobenius norm (Polar Express: by 1.02 times it), then each step applies
+  X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X (module docstring). On a mesh every device gathers whole matrices and iterates
+  locally; the result comes back in x's sharding. Unknown coefficients, a traced `steps`, an unknown `method` or a
+  real compute dtype for a complex x raise `ValueError` / `TypeError` from the helpers.
+
   Args:
-    coeffs: "quintic", "polar_express", "tuned5", "cubic", or a (steps, 3) table of (a, b, c).
-    steps: iterations (static). A named set with fewer rows repeats its last row.
-    eps: added to the Frobenius norm before dividing (1e-7 as in the torch references).
-    compute_dtype: dtype of the iteration (e.g. jnp.bfloat16); default: x's dtype.
+    x: a matrix or a stack of them (..., m, n), real or complex.
+    coeffs: "quintic", "polar_express", "tuned5", "cubic", or a (steps, 3) table of (a, b, c) (default "quintic").
+    steps: iterations (static; default 5). A named set with fewer rows repeats its last row.
+    eps: added to the Frobenius norm before dividing (default 1e-7 as in the torch references).
+    compute_dtype: dtype of the iteration (e.g. jnp.bfloat16); default: x's dtype. A complex x needs a complex one.
     method: "standard" or "gram" (see the module docstring).
     restart: with "gram", re-form X = Q·X₀ and R every `restart` steps.
+
+  Returns:
+    The approximate polar factor of each matrix, in x's shape and dtype.
+
+  Raises:
+    ValueError: when x has fewer than two axes.
+
+  References:
+    Keller Jordan, Muon (the "quintic" coefficients; reference code KellerJordan/Muon).
+    Amsel et al., "The Polar Express: Optimal Matrix Sign Methods and Their Application to the Muon Algorithm",
+      2025, arXiv 2505.16932 (the "polar_express" rows; as used in KellerJordan/modded-nanogpt).
   """
   if x.ndim < 2:
     raise ValueError(f"orthogonalize needs a matrix (or a stack of them), got shape {x.shape}")

@@ -1,6 +1,7 @@
-"""NorMuon (Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491):
-Muon, then an Adam-style second moment per neuron on the orthogonalized update, which evens out the neurons'
-update norms that Newton–Schulz leaves unequal.
+"""NorMuon: Muon, then an Adam-style second moment per neuron on the orthogonalized update.
+
+Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491. The second moment
+evens out the neurons' update norms that Newton–Schulz leaves unequal.
 
 Neurons. A parameter here is (..., fan_in, fan_out) and a neuron is an output unit: column j of each matrix,
 which is row j of torch's (out, in) weight, the row that the paper, its code (zichongli5/NorMuon), Dion and
@@ -13,56 +14,100 @@ height vs width, which its 2025-12 record found wrong for gates and attention ou
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optim.muon import muon_with_adamw, orthogonalize_tree, shape_scale
+from optim.newton_schulz import Coeffs
 from optim.registry import register
+
+PyTree = Any
 
 
 class NorMuonState(NamedTuple):
-  count: jax.Array  # int32 step counter
+  """NorMuon's state: the step count, the momentum and the per-neuron second moment."""
+
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count in typeshed; int32 step counter
   mu: optax.Updates  # momentum, shaped (and sharded) like the parameters
   nu: optax.Updates  # per-neuron second moment of O, (..., fan_out) per leaf, real, at least float32
 
 
-def check_matrix(x, who: str):
+def check_matrix(x: jax.Array, who: str) -> None:
+  """Refuses a leaf that is not a matrix or a stack of them.
+
+  Args:
+    x: the leaf.
+    who: the optimizer's name, for the error message.
+
+  Raises:
+    ValueError: when x has fewer than two axes (route vectors to AdamW: `muon_labels`).
+  """
   if x.ndim < 2:
     raise ValueError(f"{who} got a parameter of shape {x.shape}; route vectors to AdamW (muon_labels)")
 
 
-def stat_dtype(dtype):
-  """A real dtype of at least fp32 for a second moment of `dtype` entries (complex64 -> float32)."""
+def stat_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
+  """A real dtype of at least fp32 for a second moment of `dtype` entries (complex64 -> float32).
+
+  Args:
+    dtype: the entries' (real or complex floating) dtype.
+
+  Returns:
+    The real dtype of `dtype`'s precision, promoted to at least float32.
+  """
   return jnp.promote_types(jnp.finfo(dtype).dtype, jnp.float32)
 
 
 def _keep_sharding(new, old):
-  """`new` in `old`'s sharding on an Explicit mesh (a state leaf must come out as it went in, whatever sharding
-  its creator chose: ours from `init`, a replicated one from `sharding.shardings_like_params`)."""
+  """`new` in `old`'s sharding on an Explicit mesh.
+
+  A state leaf must come out as it went in, whatever sharding its creator chose: ours from `init`, a replicated one
+  from `sharding.shardings_like_params`.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
     return new
   return jax.sharding.reshard(new, jax.typeof(old).sharding.spec)
 
 
-def frobenius(x):
-  """‖x‖_F of each matrix of a stack (..., m, n), kept as (..., 1, 1); real for complex x."""
+def frobenius(x: jax.Array) -> jax.Array:
+  """‖x‖_F of each matrix of a stack (..., m, n), kept as (..., 1, 1); real for complex x.
+
+  Args:
+    x: a matrix or a stack of them (..., m, n).
+
+  Returns:
+    The Frobenius norms, shaped (..., 1, 1).
+  """
   return jnp.sqrt(jnp.sum(jnp.real(x * jnp.conj(x)), axis=(-2, -1), keepdims=True))
 
 
-def momentum_direction(updates, mu, beta, nesterov: bool):
-  """EMA momentum M ← β·M + (1−β)·G (in M's dtype) and the direction U = β·M + (1−β)·G (Nesterov) or M."""
+def momentum_direction(updates: PyTree, mu: PyTree, beta: float | jax.Array,
+                       nesterov: bool) -> tuple[PyTree, PyTree]:
+  """EMA momentum M ← β·M + (1−β)·G (in M's dtype) and the direction U = β·M + (1−β)·G (Nesterov) or M.
+
+  Args:
+    updates: the gradients G.
+    mu: the momentum M, G's structure.
+    beta: β.
+    nesterov: whether U is the Nesterov look-ahead or M itself.
+
+  Returns:
+    (the new M, U).
+  """
   mu = jax.tree.map(lambda m, g: (beta * m + (1.0 - beta) * g).astype(m.dtype), mu, updates)
   u = jax.tree.map(lambda m, g: beta * m + (1.0 - beta) * g, mu, updates) if nesterov else mu
   return mu, u
 
 
 def scale_by_normuon(beta: float = 0.95, b2: float = 0.95, *, nesterov: bool = True, eps: float = 1e-10,
-                     preserve_norm: bool = False, scale: str = "moonlight", coeffs="quintic", ns_steps: int = 5,
-                     ns_eps: float = 1e-7, ns_dtype=None, method: str = "standard", mu_dtype=None,
+                     preserve_norm: bool = False, scale: str = "moonlight", coeffs: Coeffs = "quintic",
+                     ns_steps: int = 5, ns_eps: float = 1e-7, ns_dtype: jax.typing.DTypeLike | None = None,
+                     method: str = "standard", mu_dtype: jax.typing.DTypeLike | None = None,
                      distributed: bool = False) -> optax.GradientTransformation:
   """Muon's orthogonalized momentum with per-neuron (per output column) second-moment normalization.
 
@@ -75,6 +120,30 @@ def scale_by_normuon(beta: float = 0.95, b2: float = 0.95, *, nesterov: bool = T
   the paper's η̂ = 0.2·η·√(mn)/‖Ô‖_F. Leaves must have ndim ≥ 2 (stacks of matrices, each on its own).
   `ns_eps` is Newton–Schulz's eps (X/(‖X‖_F + ns_eps)); `coeffs`, `ns_steps`, `ns_dtype`, `method` and
   `distributed` are handed to `orthogonalize_tree`. v starts at zero and is not bias-corrected (as the paper).
+
+  Args:
+    beta: the momentum β (default 0.95).
+    b2: the per-neuron second moment's β2 (default 0.95).
+    nesterov: U = β·M + (1−β)·G (default) or M.
+    eps: in √v + eps and ‖Ô‖_F + eps (default 1e-10).
+    preserve_norm: N = ‖O‖_F instead of √min(fan_in, fan_out) (default False).
+    scale: the shape scale, a name in `optim.muon.SHAPE_SCALES` (default "moonlight").
+    coeffs: the Newton–Schulz coefficients (default "quintic").
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    ns_eps: Newton–Schulz's eps (default 1e-7).
+    ns_dtype: the Newton–Schulz iteration's dtype (default: the update's).
+    method: "standard" or "gram" Newton–Schulz.
+    mu_dtype: the momentum's dtype (default: the parameter's).
+    distributed: orthogonalize each matrix once across the mesh's devices (`optim.distributed`).
+
+  Returns:
+    A transformation whose update is the normalized, scaled orthogonalized momentum, with a `NorMuonState`; init
+    and update raise `ValueError` on a leaf with fewer than two axes, and an unknown `scale` raises `ValueError`
+    here (`shape_scale`).
+
+  References:
+    Li, Liu, Liang, Chen and Zhao, "NorMuon: Making Muon more efficient and scalable", 2025, arXiv 2510.05491;
+      reference code zichongli5/NorMuon.
   """
   shape_scale(scale, 1, 1)  # validates the name
 
@@ -112,25 +181,15 @@ def scale_by_normuon(beta: float = 0.95, b2: float = 0.95, *, nesterov: bool = T
 @register("normuon")
 def normuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: float = 0.95,
             weight_decay: float = 0.1, nesterov: bool = True, eps: float = 1e-10, preserve_norm: bool = False,
-            scale: str = "moonlight", coeffs="quintic", ns_steps: int = 5, ns_eps: float = 1e-7, ns_dtype=None,
-            method: str = "standard", mu_dtype=None, adam_learning_rate=None, adam_b1: float = 0.9,
-            adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None, labels=None,
+            scale: str = "moonlight", coeffs: Coeffs = "quintic", ns_steps: int = 5, ns_eps: float = 1e-7,
+            ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+            mu_dtype: jax.typing.DTypeLike | None = None, adam_learning_rate: optax.ScalarOrSchedule | None = None,
+            adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
+            adam_weight_decay: float | None = None, labels: PyTree | Callable[[PyTree], PyTree] | None = None,
             distributed: bool = False) -> optax.GradientTransformation:
   """NorMuon (arXiv 2510.05491) on hidden matrices, AdamW on the rest (`muon_with_adamw`, `muon_labels`).
 
     W ← W − lr·(shape_scale·N·Ô/(‖Ô‖_F + eps) + weight_decay·W)      (Ô, N: `scale_by_normuon`)
-
-  Args:
-    learning_rate: a number or a schedule; the AdamW group's too unless `adam_learning_rate` is given.
-    beta: momentum β1.  b2: the per-neuron second moment's β2.  eps: in √v + eps and ‖Ô‖_F + eps.
-    nesterov: U = β·M + (1−β)·G (the authors' code, pytorch_optimizer) or M (the paper's Algorithm 1).
-    preserve_norm: rescale Ô to ‖O‖_F, the authors' code ("preserve_norm" in pytorch_optimizer), instead of
-      √min(m, n), the Frobenius norm of an orthogonal m×n matrix (with scale "moonlight": the paper's RMS 0.2).
-    scale: Muon's shape factor (`optim.muon.shape_scale`): "moonlight" 0.2·√max(m, n) (default: AdamW's lr
-      and decay serve both groups), "keller" √max(1, fan_out/fan_in) (the authors' code), "spectral", "none".
-    weight_decay: decoupled, times the unscaled lr.  coeffs, ns_steps, ns_eps, ns_dtype, method, distributed:
-      Newton–Schulz (`orthogonalize_tree`).  mu_dtype: the momentum's dtype (both groups).
-    adam_*: the AdamW group (`optim.muon.muon_with_adamw`).  labels: "muon"/"adam" per leaf (`muon_labels`).
 
   Settings of the oracle, pytorch_optimizer 4.1.0 `NorMuon` (tests/optim/test_normuon.py): its defaults
   (update_scale="preserve_norm", use_adjusted_lr=False) are preserve_norm=True, scale="keller", the authors'
@@ -138,6 +197,38 @@ def normuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: fl
   "preserve_norm" is scale="moonlight". Its Newton–Schulz runs in bfloat16 and divides by max(‖X‖_F, 1e-7); ours
   in the parameter's dtype (`ns_dtype`) and by ‖X‖_F + ns_eps. Its eps default (1e-10) is ours. Under
   `optax.inject_hyperparams` list `ns_steps` (and a `labels` function) in `static_args`.
+
+  Args:
+    learning_rate: a number or a schedule; the AdamW group's too unless `adam_learning_rate` is given.
+    beta: momentum β1 (default 0.95).
+    b2: the per-neuron second moment's β2 (default 0.95).
+    weight_decay: decoupled, times the unscaled lr (default 0.1).
+    nesterov: U = β·M + (1−β)·G (the authors' code, pytorch_optimizer) or M (the paper's Algorithm 1).
+    eps: in √v + eps and ‖Ô‖_F + eps (default 1e-10).
+    preserve_norm: rescale Ô to ‖O‖_F, the authors' code ("preserve_norm" in pytorch_optimizer), instead of
+      √min(m, n), the Frobenius norm of an orthogonal m×n matrix (with scale "moonlight": the paper's RMS 0.2).
+    scale: Muon's shape factor (`optim.muon.shape_scale`): "moonlight" 0.2·√max(m, n) (default: AdamW's lr
+      and decay serve both groups), "keller" √max(1, fan_out/fan_in) (the authors' code), "spectral", "none".
+    coeffs: Newton–Schulz coefficients (`orthogonalize_tree`; default "quintic").
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    ns_eps: Newton–Schulz's eps (default 1e-7).
+    ns_dtype: Newton–Schulz's dtype (default: the update's).
+    method: "standard" or "gram" Newton–Schulz.
+    mu_dtype: the momentum's dtype (both groups).
+    adam_learning_rate: the AdamW group's learning rate (`optim.muon.muon_with_adamw`); None: `learning_rate`.
+    adam_b1: the AdamW group's β1 (default 0.9).
+    adam_b2: the AdamW group's β2 (default 0.95).
+    adam_eps: the AdamW group's ε (default 1e-8).
+    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    labels: "muon"/"adam" per leaf (`muon_labels`).
+    distributed: orthogonalize each matrix once across the mesh's devices (`orthogonalize_tree`).
+
+  Returns:
+    `optim.muon.muon_with_adamw` over `scale_by_normuon`.
+
+  References:
+    Li, Liu, Liang, Chen and Zhao, "NorMuon: Making Muon more efficient and scalable", 2025, arXiv 2510.05491;
+      reference code zichongli5/NorMuon.
   """
   core = scale_by_normuon(beta, b2, nesterov=nesterov, eps=eps, preserve_norm=preserve_norm, scale=scale,
                           coeffs=coeffs, ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype, method=method,

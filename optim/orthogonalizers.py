@@ -16,6 +16,7 @@ Leaves a split returns None for stay whole.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +26,21 @@ from optim.linalg import per_matrix
 from optim.trees import path_name
 
 Split = Callable[[str, tuple], "tuple[int, tuple[int, ...]] | None"]
+PyTree = Any
 
 
 def svd_polar(x: jax.Array) -> jax.Array:
-  """The exact polar factor U Vᵀ of each matrix of x (..., m, n), by SVD in at least float32 (0 maps to 0); on the CPU
-  one matrix of a stack at a time (`optim.linalg.per_matrix`: jaxlib 0.10's batched SVD can deadlock a multi-device
-  step)."""
+  """The exact polar factor U Vᵀ of each matrix of x (..., m, n), by SVD in at least float32 (0 maps to 0).
+
+  On the CPU one matrix of a stack at a time (`optim.linalg.per_matrix`: jaxlib 0.10's batched SVD can deadlock a
+  multi-device step). A rank-deficient matrix gives U_r V_rᵀ (singular values below max(m, n)·eps·σ_max dropped).
+
+  Args:
+    x: a matrix or a stack of them (..., m, n).
+
+  Returns:
+    The polar factor of each matrix, in x's shape and dtype.
+  """
   acc = jnp.promote_types(x.dtype, jnp.float32)
   u, s, vt = per_matrix(lambda a: jnp.linalg.svd(a, full_matrices=False), x.astype(acc))
   keep = (s > s[..., :1] * jnp.finfo(acc).eps * max(x.shape[-2:])).astype(acc)  # rank-deficient: U_r V_rᵀ
@@ -43,8 +53,26 @@ def _matches(path: str, names: Sequence[str]) -> bool:
 
 
 def heads(head_dim: int, *, columns: Sequence[str] = ("wq", "wk", "wv"), rows: Sequence[str] = ("wo",)) -> Split:
-  """Per-head split: leaves named `columns` (fan_out = heads·head_dim) in column blocks, `rows` (fan_in =
-  heads·head_dim) in row blocks, each of `head_dim` (a name matches a leaf 'wq' or 'wq_DQ')."""
+  """Per-head split: leaves named `columns` in column blocks, `rows` in row blocks, each of `head_dim`.
+
+  `columns` have fan_out = heads·head_dim, `rows` fan_in = heads·head_dim; a name matches a leaf 'wq' or 'wq_DQ'.
+
+  Args:
+    head_dim: the block size H, each head's width.
+    columns: leaf names cut along fan_out (axis -1; default w_q, w_k, w_v).
+    rows: leaf names cut along fan_in (axis -2; default w_o).
+
+  Returns:
+    The split, `split(path name, shape) -> (axis, (head_dim,) * heads) | None`; it raises `ValueError` on a matching
+    leaf whose cut axis is not a multiple of `head_dim`.
+
+  Raises:
+    ValueError: when `head_dim` < 1.
+
+  References:
+    Liu et al., "Muon is Scalable for LLM Training", 2025, arXiv 2502.16982, §A (per-head Muon); modded-nanogpt and
+      microsoft/dion's `num_heads` option.
+  """
   if head_dim < 1:
     raise ValueError(f"head_dim must be >= 1, got {head_dim}")
 
@@ -60,7 +88,20 @@ def heads(head_dim: int, *, columns: Sequence[str] = ("wq", "wk", "wv"), rows: S
 
 
 def fused(sizes: Sequence[int], *, names: Sequence[str] = ("wqkv",), axis: int = -1) -> Split:
-  """A fused projection's blocks: leaves named `names` cut along `axis` into `sizes` (e.g. (N·H, K·H, K·H))."""
+  """A fused projection's blocks: leaves named `names` cut along `axis` into `sizes` (e.g. (N·H, K·H, K·H)).
+
+  Args:
+    sizes: the blocks' sizes along `axis`, in order (microsoft/dion's `split_sizes`).
+    names: the fused leaves' names (default "wqkv").
+    axis: -1 (fan_out, the default) or -2 (fan_in).
+
+  Returns:
+    The split, `split(path name, shape) -> (axis, sizes) | None`; it raises `ValueError` on a matching leaf whose
+    `axis` does not have `sum(sizes)` entries.
+
+  Raises:
+    ValueError: when `axis` is not -1 or -2, or `sizes` is empty or has a size < 1.
+  """
   sizes = tuple(int(s) for s in sizes)
   if axis not in (-1, -2) or not sizes or min(sizes) < 1:
     raise ValueError(f"fused split needs axis -1 or -2 and positive sizes, got axis={axis}, sizes={sizes}")
@@ -76,8 +117,10 @@ def fused(sizes: Sequence[int], *, names: Sequence[str] = ("wqkv",), axis: int =
 
 
 def _blocks(x, axis: int, sizes: tuple[int, ...]) -> tuple[list, list]:
-  """x's blocks as stacks (one per distinct block size, the blocks on a new axis before the matrix axes), and
-  for each block (its stack index, its position in the stack)."""
+  """X's blocks as stacks, and for each block (its stack index, its position in the stack).
+
+  One stack per distinct block size, the blocks on a new axis before the matrix axes.
+  """
   if len(set(sizes)) == 1:  # equal blocks (heads): one reshape, no slicing
     n, s = len(sizes), sizes[0]
     if axis == -1:
@@ -104,12 +147,24 @@ def _unblocks(stacks: list, where: list, axis: int, shape: tuple):
   return jnp.concatenate([jnp.take(stacks[k], i, axis=-3) for k, i in where], axis=axis)
 
 
-def split_apply(tree, split: Split, run: Callable[[list], list], scale: Callable[[int, int], float]):
-  """`run` (a list of matrix stacks -> their orthogonalized stacks, e.g. distributed) on every leaf's blocks at
-  once, each block scaled by `scale(fan_in, fan_out)` of its own shape, put back in place; unsplit leaves go to
-  `run` whole and are scaled by their own shape."""
+def split_apply(tree: PyTree, split: Split, run: Callable[[list], list],
+                scale: Callable[[int, int], float]) -> PyTree:
+  """`run` on every leaf's blocks at once, each block scaled by `scale(fan_in, fan_out)` of its own shape, put back.
+
+  Unsplit leaves go to `run` whole and are scaled by their own shape.
+
+  Args:
+    tree: a pytree of matrix stacks (..., fan_in, fan_out).
+    split: `split(path name, shape) -> (axis, sizes) | None`, a leaf's blocks (`heads`, `fused`).
+    run: a list of matrix stacks -> their orthogonalized stacks (e.g. distributed), all at once.
+    scale: `scale(fan_in, fan_out)`, the factor on each block (leaf) of that shape.
+
+  Returns:
+    The tree with every leaf orthogonalized block by block and scaled, in its own shape.
+  """
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  flat, plans = [], []
+  flat: list[jax.Array] = []
+  plans: list[tuple[Any, list[int], Any]] = []  # (None or (axis, shape), ids in flat, the blocks' places)
   for path, x in leaves:
     cut = split(path_name(path), tuple(x.shape))
     if cut is None:

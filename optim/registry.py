@@ -10,7 +10,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import optax
@@ -22,6 +22,8 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {}
 DEFAULT_OPTIMIZER = "adamw"  # what a trainer uses when no optimizer is named
 # name -> what it asks of the trainer (optim/needs.py): a Needs, or a function of the resolved hyperparameters
 NEEDS: dict[str, Needs | Callable[[dict], Needs]] = {}
+PyTree = Any
+Factory = TypeVar("Factory", bound=Callable[..., optax.GradientTransformation])
 
 
 # Hyperparameters that `optax.inject_hyperparams` must be told are static (`static_args=`): loop counts, which a
@@ -39,8 +41,9 @@ class UnknownOptimizerError(ValueError):
 
 # Ranges of the hyperparameters whose meaning fixes them (closed intervals; None: unbounded), checked where a
 # factory annotates the hyperparameter as a number. A value must match its annotation (`float`: a finite number,
-# `int`: an integer, `bool`, `str`, each optionally `| None`); unannotated ones (MGUP's tau, alpha, gamma, which
-# also take symbolic strings, dtypes, schedules) are the factory's to check.
+# `int`: an integer, `bool`, `str`, each optionally `| None`); other annotations (MGUP's tau, alpha, gamma as
+# `optim.alignment.Scalar` / `Factor`, which also take symbolic strings; dtypes, schedules, label trees, Newton–Schulz
+# tables as `optim.newton_schulz.Coeffs`) are the factory's to check.
 _RANGES = {**dict.fromkeys(("b1", "b2", "adam_b1", "adam_b2", "b1_1d", "b2_1d", "beta", "momentum"), (0, 1)),
            **dict.fromkeys(("eps", "adam_eps", "weight_decay", "adam_weight_decay", "weight_decay_1d", "gamma"),
                            (0, None)),
@@ -73,7 +76,8 @@ def _check_value(name: str, key: str, value, annotation):
       refuse(f"must lie in [{lo}, {'inf' if hi is None else hi}]")
 
 
-def register(name: str, *, needs: Needs | Callable[[dict], Needs] | None = None):
+def register(name: str, *,
+             needs: Needs | Callable[[dict], Needs] | None = None) -> Callable[[Factory], Factory]:
   """Registers an optimizer factory under `name` (a decorator).
 
   Args:
@@ -92,9 +96,19 @@ def register(name: str, *, needs: Needs | Callable[[dict], Needs] | None = None)
   return add
 
 
-def decay_mask(params) -> Any:
-  """Weight decay applies to weight matrices and embeddings, never to norm scales, biases or other named vectors
-  (`m_O`: `is_named_vector`) (chosen by parameter name, so the rule is visible and overridable)."""
+def decay_mask(params: PyTree) -> Any:
+  """Weight decay applies to weight matrices and embeddings, never to norm scales, biases or other named vectors.
+
+  Named vectors are `m_O` and the like (`is_named_vector`). The rule goes by parameter name, so it is visible and
+  overridable.
+
+  Args:
+    params: the parameter tree.
+
+  Returns:
+    The params' structure of bools: False where the leaf's name contains "norm" or "bias" or is a named vector, True
+    elsewhere (a bare array decays).
+  """
   def decays(path, _):
     name = leaf_name(path).lower()  # '' for a bare array: it decays
     return not ("norm" in name or "bias" in name or is_named_vector(path))
@@ -103,21 +117,51 @@ def decay_mask(params) -> Any:
 
 @register("adamw")
 def adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-          weight_decay: float = 0.1, mu_dtype=None, mask=None) -> optax.GradientTransformation:
-  """AdamW (Loshchilov & Hutter, 2019) with decoupled weight decay on matrices and embeddings (`mask`: a bool
-  tree or a function of the params; None = `decay_mask`). Complex parameters work as in optax.adamw;
-  `mu_dtype` stores the first moment in that dtype (default: the parameter's)."""
+          weight_decay: float = 0.1, mu_dtype: jax.typing.DTypeLike | None = None,
+          mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
+  """AdamW (Loshchilov & Hutter, 2019) with decoupled weight decay on matrices and embeddings.
+
+  Complex parameters work as in optax.adamw.
+
+  Args:
+    learning_rate: the learning rate or schedule.
+    b1: the first moment's decay β1 (default 0.9).
+    b2: the second moment's decay β2 (default 0.95).
+    eps: added to the second moment's root (default 1e-8).
+    weight_decay: decoupled weight decay (default 0.1).
+    mu_dtype: stores the first moment in that dtype (default: the parameter's).
+    mask: where weight decay applies: a bool tree or a function of the params; None = `decay_mask`.
+
+  Returns:
+    `optax.adamw` with these hyperparameters.
+
+  References:
+    Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
+  """
   return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mu_dtype=mu_dtype,
                      mask=decay_mask if mask is None else mask)
 
 
 @register("sgd")
 def sgd(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.9, nesterov: bool = True,
-        weight_decay: float = 0.0, accumulator_dtype=None, mask=None) -> optax.GradientTransformation:
+        weight_decay: float = 0.0, accumulator_dtype: jax.typing.DTypeLike | None = None,
+        mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """SGD with (Nesterov) momentum; weight decay added to the gradient (L2, coupled; `mask` as `adamw`).
 
   The momentum buffer (in `accumulator_dtype`, default the parameter's) is always kept, so `momentum` can be
-  injected or scheduled; momentum=0 is plain SGD (the buffer then equals the gradient)."""
+  injected or scheduled; momentum=0 is plain SGD (the buffer then equals the gradient).
+
+  Args:
+    learning_rate: the learning rate or schedule.
+    momentum: the momentum coefficient (default 0.9; 0 is plain SGD).
+    nesterov: Nesterov momentum (default True).
+    weight_decay: L2 weight decay added to the gradient (default 0).
+    accumulator_dtype: the momentum buffer's dtype (default: the parameter's).
+    mask: where weight decay applies: a bool tree or a function of the params; None = `decay_mask`.
+
+  Returns:
+    `optax.add_decayed_weights` chained with `optax.sgd`.
+  """
   return optax.chain(optax.add_decayed_weights(weight_decay, decay_mask if mask is None else mask),
                      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov,
                                accumulator_dtype=accumulator_dtype))
@@ -125,14 +169,47 @@ def sgd(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.9, nestero
 
 @register("lion")
 def lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
-         mask=None) -> optax.GradientTransformation:
-  """Lion (Chen et al., 2023): sign of an interpolated momentum, decoupled weight decay (`mask` as `adamw`)."""
+         mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
+  """Lion (Chen et al., 2023): sign of an interpolated momentum, decoupled weight decay (`mask` as `adamw`).
+
+  Args:
+    learning_rate: the learning rate or schedule.
+    b1: the interpolation between momentum and gradient whose sign is the update (default 0.9).
+    b2: the momentum's decay (default 0.99).
+    weight_decay: decoupled weight decay (default 0.1).
+    mask: where weight decay applies: a bool tree or a function of the params; None = `decay_mask`.
+
+  Returns:
+    `optax.lion` with these hyperparameters, whose init rejects complex parameters (the sign of a complex number).
+
+  References:
+    Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023.
+  """
   return reject_complex(optax.lion(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
                                    mask=decay_mask if mask is None else mask), "lion", "the sign of a complex number")
 
 
-def get_optimizer(name: str, learning_rate, **hparams) -> optax.GradientTransformation:
-  """The registered optimizer `name`; unknown names and hyperparameters raise UnknownOptimizerError."""
+def get_optimizer(name: str, learning_rate: optax.ScalarOrSchedule, **hparams: Any) -> optax.GradientTransformation:
+  """The registered optimizer `name`; unknown names and hyperparameters raise UnknownOptimizerError.
+
+  Each hyperparameter is checked against its annotation in the factory's signature and its range (`_RANGES`) before
+  the factory runs; a plain ValueError or TypeError from the factory becomes an UnknownOptimizerError of one line
+  (the optimizers' own errors, e.g. AlignmentError, pass through).
+
+  Args:
+    name: a registered optimizer.
+    learning_rate: the learning rate or schedule; a number must be finite and >= 0.
+    **hparams: hyperparameters of the factory; the ones left out take its defaults.
+
+  Returns:
+    The factory's transformation.
+
+  Raises:
+    UnknownOptimizerError: when `name` is not registered, a hyperparameter is not the factory's, a value does not
+      suit its annotation or range, the learning rate is negative or not finite, or the factory refuses a value
+      with a plain ValueError or TypeError.
+    ValueError: the factory's own error (a class defined in `optim`, e.g. AlignmentError, BAdamError), re-raised.
+  """
   if name not in OPTIMIZERS:
     raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
   factory = OPTIMIZERS[name]
@@ -160,7 +237,17 @@ def get_optimizer(name: str, learning_rate, **hparams) -> optax.GradientTransfor
 
 
 def hyperparameters(name: str) -> dict[str, Any]:
-  """The defaults of optimizer `name`'s hyperparameters (for the CLI's help and saved configs)."""
+  """The defaults of optimizer `name`'s hyperparameters (for the CLI's help and saved configs).
+
+  Args:
+    name: a registered optimizer.
+
+  Returns:
+    Each parameter of its factory but `learning_rate`, `mask` and `labels`, with its default.
+
+  Raises:
+    UnknownOptimizerError: when `name` is not registered.
+  """
   if name not in OPTIMIZERS:
     raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
   sig = inspect.signature(OPTIMIZERS[name])

@@ -13,6 +13,24 @@ def make_schedule(kind: str, peak: float, steps: int, *, warmup: int = 0, min_ra
   wsd:      warmup, constant `peak`, then linear decay to `min_ratio * peak` over the last
             `decay_fraction` of the steps (Hu et al., 2024, MiniCPM).
   constant: warmup, then `peak`.
+
+  Args:
+    kind: "cosine", "wsd" or "constant".
+    peak: the learning rate after the warmup.
+    steps: the number of training steps the schedule spans.
+    warmup: steps of linear warmup from 0 (default 0: start at `peak`); must lie in [0, steps].
+    min_ratio: the final learning rate as a fraction of `peak` (cosine and wsd; default 0.1).
+    decay_fraction: wsd: the fraction of the steps spent in the final linear decay (default 0.2).
+
+  Returns:
+    The schedule, a function of the step.
+
+  Raises:
+    ValueError: when `warmup` is outside [0, steps], or `kind` is not a known schedule.
+
+  References:
+    Hu et al., "MiniCPM: Unveiling the Potential of Small Language Models with Scalable Training Strategies", 2024
+      (the warmup-stable-decay schedule).
   """
   if not 0 <= warmup <= steps:
     raise ValueError(f"warmup ({warmup}) must lie in [0, steps={steps}]")

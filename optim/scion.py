@@ -1,5 +1,6 @@
-"""Scion (Pethick et al., "Training Deep Learning Models with Norm-Constrained LMOs", arXiv 2502.07529;
-LIONS-EPFL/scion): momentum, then the linear minimization oracle (LMO) of a norm ball chosen per layer type.
+"""Scion: momentum, then the linear minimization oracle (LMO) of a norm ball chosen per layer type.
+
+Pethick et al., "Training Deep Learning Models with Norm-Constrained LMOs", arXiv 2502.07529; LIONS-EPFL/scion.
 
 For a direction d and the unit ball of a norm, the LMO argmin_{‖x‖≤1} ⟨d, x⟩ is −lmo(d) with lmo(d) below; each
 layer moves along ρ·lmo(d), ρ (`scale`) being the ball's radius. Layouts: every matrix is (fan_in, fan_out)
@@ -19,19 +20,22 @@ after the normalization factors, as the reference code does (so every LMO maps 0
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optim.muon import orthogonalize_tree
+from optim.newton_schulz import Coeffs
 from optim.registry import UnknownOptimizerError, register
 from optim.trees import is_named_vector, path_name, resolve_labels
 
 LMOS = ("spectral", "colnorm", "rownorm", "sign", "bias_rms")
 MATRIX_LMOS = ("spectral", "colnorm", "rownorm")  # defined on matrices only
 LAYER_TYPES = ("hidden", "embed", "head", "vector")
+PyTree = Any
 
 
 class ScionError(UnknownOptimizerError):
@@ -39,7 +43,9 @@ class ScionError(UnknownOptimizerError):
 
 
 class ScionState(NamedTuple):
-  count: jax.Array  # int32 steps taken
+  """Scion's state: the step count and the averaged gradient d."""
+
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count in typeshed; int32 steps taken
   mu: optax.Updates  # the averaged gradient d (the paper's d), shaped (and sharded) like the parameters
 
 
@@ -49,8 +55,26 @@ def _sumsq(x, axis):
 
 def lmo_direction(d: jax.Array, lmo: str, *, normalized: bool = True, eps: float = 1e-8) -> jax.Array:
   """lmo(d) of one leaf for every LMO but "spectral" (see the module docstring), in at least float32.
+
   Matrix LMOs read the last two axes as (fan_in, fan_out); "bias_rms" normalizes over the last axis (a 0-d
-  leaf by its modulus); "sign" on a leaf with fewer than 2 axes is never normalized (it has no fan_in)."""
+  leaf by its modulus); "sign" on a leaf with fewer than 2 axes is never normalized (it has no fan_in).
+
+  Args:
+    d: the direction, one leaf.
+    lmo: "colnorm", "rownorm", "sign" or "bias_rms".
+    normalized: divide by the fan_in factor (module docstring; default True).
+    eps: added to the colnorm / rownorm / bias_rms denominators (default 1e-8).
+
+  Returns:
+    lmo(d), d's shape, in d's dtype promoted to at least float32.
+
+  Raises:
+    ScionError: when a matrix LMO gets a leaf with fewer than two axes, or `lmo` is unknown (or "spectral").
+
+  References:
+    Pethick et al., "Training Deep Learning Models with Norm-Constrained LMOs", 2025, arXiv 2502.07529; reference
+      code LIONS-EPFL/scion.
+  """
   x = d.astype(jnp.promote_types(d.dtype, jnp.float32))
   if lmo == "sign":
     out = jnp.sign(x)  # x/|x| for complex entries: the LMO of the complex max-modulus ball
@@ -72,14 +96,27 @@ def lmo_direction(d: jax.Array, lmo: str, *, normalized: bool = True, eps: float
 
 
 def spectral_scale(fan_in: int, fan_out: int, normalized: bool = True) -> float:
-  """The spectral LMO's factor on NS(d): √(fan_out/fan_in) (RMS→RMS norm) or √fan_out (unnormalized)."""
+  """The spectral LMO's factor on NS(d): √(fan_out/fan_in) (RMS→RMS norm) or √fan_out (unnormalized).
+
+  Args:
+    fan_in: the matrix's input dimension.
+    fan_out: the matrix's output dimension.
+    normalized: the RMS→RMS factor (default True) or the unnormalized one.
+
+  Returns:
+    The factor.
+  """
   return math.sqrt(fan_out / fan_in) if normalized else math.sqrt(fan_out)
 
 
 def scale_by_scion(lmo: str = "spectral", *, momentum: float = 0.1, scale: float = 1.0, normalized: bool = True,
-                   eps: float = 1e-8, coeffs="quintic", ns_steps: int = 5, ns_eps: float = 1e-7, ns_dtype=None,
-                   mu_dtype=None, distributed: bool = False) -> optax.GradientTransformation:
-  """d ← (1−α)·d + α·g (α = `momentum`, Scion's convention: α = 1 keeps no history); returns scale·lmo(d).
+                   eps: float = 1e-8, coeffs: Coeffs = "quintic", ns_steps: int = 5, ns_eps: float = 1e-7,
+                   ns_dtype: jax.typing.DTypeLike | None = None, mu_dtype: jax.typing.DTypeLike | None = None,
+                   distributed: bool = False) -> optax.GradientTransformation:
+  """D ← (1−α)·d + α·g (α = `momentum`, Scion's convention: α = 1 keeps no history); returns scale·lmo(d).
+
+  The spectral LMO's Newton–Schulz is `optim.newton_schulz.orthogonalize`: X/(‖X‖_F + ns_eps), then the polynomial
+  ns_steps times, in ns_dtype (default: d's dtype).
 
   Args:
     lmo: "spectral", "colnorm", "rownorm", "sign" or "bias_rms" (module docstring), for every leaf.
@@ -87,10 +124,23 @@ def scale_by_scion(lmo: str = "spectral", *, momentum: float = 0.1, scale: float
     scale: ρ, the norm ball's radius.
     normalized: divide by the fan_in factor (the paper's choice for every layer but the input one).
     eps: added to the colnorm / rownorm / bias_rms denominators.
-    coeffs, ns_steps, ns_eps, ns_dtype: the spectral LMO's Newton–Schulz (`optim.newton_schulz.orthogonalize`:
-      X/(‖X‖_F + ns_eps), then the polynomial ns_steps times, in ns_dtype (default: d's dtype)).
+    coeffs: the spectral LMO's Newton–Schulz coefficients (default "quintic").
+    ns_steps: the spectral LMO's Newton–Schulz iterations (static; default 5).
+    ns_eps: the spectral LMO's Newton–Schulz eps (default 1e-7).
+    ns_dtype: the spectral LMO's Newton–Schulz dtype (default: d's dtype).
     mu_dtype: dtype of d (default: the parameter's).
     distributed: the spectral LMO's Newton–Schulz once per matrix across the mesh (`optim.distributed`).
+
+  Returns:
+    A transformation whose update is scale·lmo(d) in the gradient's dtype, with a `ScionState`; its update raises
+    `ScionError` when a matrix LMO meets a leaf with fewer than two axes.
+
+  Raises:
+    ScionError: when `lmo` is not one of `LMOS`.
+
+  References:
+    Pethick et al., "Training Deep Learning Models with Norm-Constrained LMOs", 2025, arXiv 2502.07529; reference
+      code LIONS-EPFL/scion.
   """
   if lmo not in LMOS:
     raise ScionError(f"unknown Scion LMO {lmo!r}; choose from {', '.join(LMOS)}")
@@ -118,11 +168,20 @@ def scale_by_scion(lmo: str = "spectral", *, momentum: float = 0.1, scale: float
   return optax.GradientTransformation(init, update)
 
 
-def scion_labels(params) -> optax.Params:
-  """The layer type of every leaf, by parameter name, then rank: "vector" for norms, biases, named vectors
-  (`m_O`: `is_named_vector`) and leaves with fewer than 2 axes; "embed" for names containing "embed" (the
-  input layer); "head" for "head" (the output layer); "hidden" for the other matrices and stacks of them.
-  A tied embedding (used as the head too) is "embed"; relabel it to take the head's LMO instead."""
+def scion_labels(params: PyTree) -> optax.Params:
+  """The layer type of every leaf, by parameter name, then rank.
+
+  "vector" for norms, biases, named vectors (`m_O`: `is_named_vector`) and leaves with fewer than 2 axes; "embed"
+  for names containing "embed" (the input layer); "head" for "head" (the output layer); "hidden" for the other
+  matrices and stacks of them. A tied embedding (used as the head too) is "embed"; relabel it to take the head's
+  LMO instead.
+
+  Args:
+    params: the parameter tree.
+
+  Returns:
+    The params' structure with one of `LAYER_TYPES` per leaf.
+  """
   def label(path, p):
     name = path_name(path).lower()
     if "norm" in name or "bias" in name or jnp.ndim(p) < 2 or is_named_vector(path):
@@ -135,8 +194,9 @@ def scion_labels(params) -> optax.Params:
 def scion(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.1, constrained: bool = True,
           weight_decay: float = 0.0, hidden_scale: float = 3.0, embed_scale: float = 1.0, head_scale: float = 10.0,
           vector_scale: float = 1.0, hidden_lmo: str = "spectral", embed_lmo: str = "colnorm",
-          head_lmo: str = "sign", vector_lmo: str = "bias_rms", eps: float = 1e-8, coeffs="quintic",
-          ns_steps: int = 5, ns_eps: float = 1e-7, ns_dtype=None, mu_dtype=None, labels=None,
+          head_lmo: str = "sign", vector_lmo: str = "bias_rms", eps: float = 1e-8, coeffs: Coeffs = "quintic",
+          ns_steps: int = 5, ns_eps: float = 1e-7, ns_dtype: jax.typing.DTypeLike | None = None,
+          mu_dtype: jax.typing.DTypeLike | None = None, labels: PyTree | Callable[[PyTree], PyTree] | None = None,
           distributed: bool = False) -> optax.GradientTransformation:
   """Scion: per layer type, the LMO of its norm ball applied to the averaged gradient (`scale_by_scion`).
 
@@ -158,14 +218,48 @@ def scion(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.1, const
   Newton–Schulz's input by max(‖X‖_F, 1e-7) (here ‖X‖_F + ns_eps, the reference's) and iterates in bf16 (both
   references; here in d's dtype unless `ns_dtype`). Under `optax.inject_hyperparams` list `ns_steps` (and a
   `labels` function) in `static_args`; α, the scales, weight_decay, eps and ns_eps are injectable.
+
+  Args:
+    learning_rate: the learning rate or schedule.
+    momentum: α, the new gradient's weight (default 0.1).
+    constrained: the constrained mode (SCG; default True) or the unconstrained one (uSCG).
+    weight_decay: decoupled, times lr; the unconstrained mode only, never on "vector" leaves (default 0).
+    hidden_scale: ρ of the "hidden" leaves (default 3).
+    embed_scale: ρ of the "embed" leaves (default 1).
+    head_scale: ρ of the "head" leaves (default 10).
+    vector_scale: ρ of the "vector" leaves (default 1).
+    hidden_lmo: the "hidden" leaves' LMO (default "spectral").
+    embed_lmo: the "embed" leaves' LMO (default "colnorm").
+    head_lmo: the "head" leaves' LMO (default "sign").
+    vector_lmo: the "vector" leaves' LMO, "bias_rms" (default) or "sign".
+    eps: added to the colnorm / rownorm / bias_rms denominators (default 1e-8).
+    coeffs: the spectral LMO's Newton–Schulz coefficients (default "quintic").
+    ns_steps: Newton–Schulz iterations (static; default 5).
+    ns_eps: Newton–Schulz's eps (default 1e-7).
+    ns_dtype: Newton–Schulz's dtype (default: d's).
+    mu_dtype: dtype of d (default: the parameter's).
+    labels: the layer type per leaf (a tree, a prefix, or a function of the params); None: `scion_labels`.
+    distributed: the spectral LMO's Newton–Schulz once per matrix across the mesh (`optim.distributed`).
+
+  Returns:
+    The `optax.partition` of the four layer types, each `scale_by_scion`, decay (the constrained mode's shrink) and
+    the learning rate.
+
+  Raises:
+    ScionError: when a hidden / embed / head LMO is not a matrix or sign LMO, or `vector_lmo` is not "bias_rms" or
+      "sign".
+
+  References:
+    Pethick et al., "Training Deep Learning Models with Norm-Constrained LMOs", 2025, arXiv 2502.07529; reference
+      code LIONS-EPFL/scion.
   """
   for kind, name in (("hidden", hidden_lmo), ("embed", embed_lmo), ("head", head_lmo)):
     if name not in LMOS or name == "bias_rms":
       raise ScionError(f"Scion's {kind}_lmo must be one of {', '.join(LMOS[:-1])}, got {name!r}")
   if vector_lmo not in ("bias_rms", "sign"):
     raise ScionError(f"Scion's vector_lmo must be 'bias_rms' or 'sign', got {vector_lmo!r}")
-  ns = dict(momentum=momentum, eps=eps, coeffs=coeffs, ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype,
-            mu_dtype=mu_dtype, distributed=distributed)
+  ns: dict[str, Any] = dict(momentum=momentum, eps=eps, coeffs=coeffs, ns_steps=ns_steps, ns_eps=ns_eps,
+                            ns_dtype=ns_dtype, mu_dtype=mu_dtype, distributed=distributed)
   shrink = 1.0 if constrained else weight_decay
 
   def group(lmo, scale, normalized, decay):

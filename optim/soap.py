@@ -1,6 +1,7 @@
-"""SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas, Morwani, Zhao, Shapira, Brandfonbrener, Janson,
-Kakade, "SOAP: Improving and Stabilizing Shampoo using Adam", arXiv 2409.11321; nikhilvyas/SOAP; oracle:
-pytorch_optimizer 4.1.0 `SOAP`, optimizer/soap.py).
+"""SOAP: Adam in the eigenbasis of Shampoo's preconditioner.
+
+Vyas, Morwani, Zhao, Shapira, Brandfonbrener, Janson, Kakade, "SOAP: Improving and Stabilizing Shampoo using Adam",
+arXiv 2409.11321; nikhilvyas/SOAP; oracle: pytorch_optimizer 4.1.0 `SOAP`, optimizer/soap.py.
 
 Every matrix G (m, n) keeps Shampoo's factors and their eigenbases Q_L (m, m), Q_R (n, n); step t (t = 1, 2, …):
 
@@ -18,11 +19,11 @@ and its code do the same). A dimension above `max_precondition_dim` is left unro
 
 A rank-deficient factor (the larger side of a single G, rows that never see a gradient) has a null space whose
 eigenvectors eigh and QR pick from rounding noise: the oracle's steps then depend on bits that differ between devices,
-batch layouts and fusions (measured: 1e-2 apart after two steps, a jitted nnx training step against the same step
-by hand). Here the first basis gives them a canonical one instead (`_eigenbasis`); a factor of full numerical rank
-(eigenvalues above 32·ε·λ_max) gets exactly the oracle's eigenvectors. A refresh of a factor still rank-deficient
-then (a tall G with m/n > precondition_frequency + 1) takes QR's pick for those columns, as the oracle; exact zero
-rows (an embedding's unseen tokens) keep their canonical eᵢ through it.
+batch layouts and fusions (a jitted nnx training step and the same step by hand part within two steps). Here the
+first basis gives them a canonical one instead (`_eigenbasis`); a factor of full numerical rank (eigenvalues above
+32·ε·λ_max) gets exactly the oracle's eigenvectors. A refresh of a factor still rank-deficient then (a tall G with
+m/n > precondition_frequency + 1) takes QR's pick for those columns, as the oracle; exact zero rows (an embedding's
+unseen tokens) keep their canonical eᵢ through it.
 
 Leaves: matrices and stacks of them (ndim ≥ 2, leading axes = layers or experts: one SOAP per matrix) are rotated;
 norm scales, biases, named vectors (`soap_labels`) and leaves with ndim ≤ 1 get the same steps with Q = identity,
@@ -38,7 +39,8 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,7 @@ _mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 # no better than noise in that dtype anyway.
 _NULL = 32
 _T = lambda x: jnp.swapaxes(x, -1, -2)
+PyTree = Any
 
 
 class SoapError(UnknownOptimizerError):
@@ -61,7 +64,9 @@ class SoapError(UnknownOptimizerError):
 
 
 class SoapState(NamedTuple):
-  count: jax.Array  # int32 steps taken
+  """SOAP's state: the step count, the moments, and per matrix Shampoo's factors and their eigenbases."""
+
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count in typeshed; int32 steps taken
   mu: optax.Updates  # first moment of the gradient, original basis, shaped (and sharded) like the params
   nu: optax.Updates  # second moment of the rotated gradient (eigenbasis), shaped (and sharded) like the params
   # Shaped like the params tree (optax.tree.map_params finds them, as Adafactor's factored moments), each leaf
@@ -72,9 +77,18 @@ class SoapState(NamedTuple):
   basis_r: optax.Params  # Q_R
 
 
-def soap_labels(params) -> optax.Params:
-  """"soap" for matrices and stacks of them (ndim ≥ 2: hidden weights, embeddings, the head); "adam" (Q = identity)
-  for norm scales, biases and named vectors (by name, however they are stacked) and leaves with ndim ≤ 1."""
+def soap_labels(params: PyTree) -> optax.Params:
+  """"soap" for matrices and stacks of them, "adam" (Q = identity) for norm scales, biases and other vectors.
+
+  "soap": ndim ≥ 2 (hidden weights, embeddings, the head); "adam": norm scales, biases and named vectors (by name,
+  however they are stacked) and leaves with ndim ≤ 1.
+
+  Args:
+    params: the parameter tree.
+
+  Returns:
+    The params' structure with "soap" or "adam" per leaf.
+  """
   def label(path, p):
     name = path_name(path).lower()
     vector = "norm" in name or "bias" in name or is_named_vector(path) or jnp.ndim(p) < 2
@@ -93,11 +107,13 @@ def _project(x, bases, back=False):
 
 
 def _eigenbasis(f):
-  """Eigenvectors of the symmetric f (..., d, d) by decreasing eigenvalue: the oracle's eigh (with its 1e-30·I),
-  except on a numerical null space (eigenvalues ≤ 32·ε·λ_max, e.g. L = G Gᵀ of one tall G), whose eigenvectors eigh
-  picks by rounding (another device layout, batch or fusion picks others, and SOAP's steps depend on the choice):
-  those columns are the canonical basis of that null space, the eigenvectors of C·diag(d, …, 1)·C (C its projector),
-  continuous in f. A factor of full numerical rank gets exactly eigh's columns."""
+  """Eigenvectors of the symmetric f (..., d, d) by decreasing eigenvalue, canonical on a numerical null space.
+
+  The oracle's eigh (with its 1e-30·I), except on a numerical null space (eigenvalues ≤ 32·ε·λ_max, e.g. L = G Gᵀ of
+  one tall G), whose eigenvectors eigh picks by rounding (another device layout, batch or fusion picks others, and
+  SOAP's steps depend on the choice): those columns are the canonical basis of that null space, the eigenvectors of
+  C·diag(d, …, 1)·C (C its projector), continuous in f. A factor of full numerical rank gets exactly eigh's columns.
+  """
   d = f.shape[-1]
   eye = jnp.eye(d, dtype=f.dtype)
   w, q = per_matrix(jnp.linalg.eigh, f + 1e-30 * eye)
@@ -112,8 +128,10 @@ def _eigenbasis(f):
 
 
 def _power_step(f, q, v, axis: int):
-  """One power-iteration step from the basis q: the columns of f·q by decreasing Rayleigh quotient qᵢᵀ f qᵢ, then
-  QR; v's `axis` (the one that q rotates) reordered alike."""
+  """One power-iteration step from the basis q: the columns of f·q by decreasing Rayleigh quotient qᵢᵀ f qᵢ, then QR.
+
+  v's `axis` (the one that q rotates) is reordered alike.
+  """
   fq = _mm(f, q)
   order = jnp.argsort(-jnp.sum(q * fq, axis=-2), axis=-1, stable=True)  # (..., d)
   v = jnp.take_along_axis(v, order[..., :, None] if axis == -2 else order[..., None, :], axis=axis)
@@ -128,11 +146,13 @@ def _norm_axes(ndim: int, matrix: bool) -> tuple[int, ...]:
 
 def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None = None, eps: float = 1e-8, *,
                   precondition_frequency: int = 10, max_precondition_dim: int = 10000, correct_bias: bool = True,
-                  normalize_gradient: bool = False, labels=None) -> optax.GradientTransformation:
+                  normalize_gradient: bool = False,
+                  labels: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """SOAP's direction U (see the module docstring), without learning rate or weight decay.
 
   Args:
-    b1, b2: Adam's decay rates, for m and for the rotated v.
+    b1: Adam's decay rate for m (default 0.95).
+    b2: Adam's decay rate for the rotated v (default 0.95).
     shampoo_beta: decay rate of the factors L, R (None: b2, as the oracle).
     eps: added to √v (not to the bias-corrected √v̂: the effective eps is eps/√(1−β2^(t−1)), as the oracle).
     precondition_frequency: steps between eigenbasis refreshes (the first basis comes from eigh at step 1).
@@ -140,6 +160,17 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
     correct_bias: c_t as above; False: c_t = 1.
     normalize_gradient: U ← U / (RMS(U) + eps) per matrix (per vector for the "adam" leaves) before c_t.
     labels: "soap" / "adam" per leaf, a tree or a function of the params (default `soap_labels`).
+
+  Returns:
+    A transformation whose update is U (zero at step 1), with a `SoapState`; its init rejects complex parameters.
+
+  Raises:
+    SoapError: when `max_precondition_dim` is not a positive integer, a numeric `precondition_frequency` is below 1,
+      or a numeric `shampoo_beta` lies outside [0, 1].
+
+  References:
+    Vyas, Morwani, Zhao, Shapira, Brandfonbrener, Janson and Kakade, "SOAP: Improving and Stabilizing Shampoo using
+      Adam", 2024, arXiv 2409.11321; reference code nikhilvyas/SOAP; oracle pytorch_optimizer 4.1.0 `SOAP`.
   """
   if not (isinstance(max_precondition_dim, numbers.Integral) and max_precondition_dim >= 1):
     raise SoapError(f"max_precondition_dim must be a positive integer (static), got {max_precondition_dim!r}")
@@ -239,17 +270,11 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
 def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float = 0.95,
          shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
          precondition_frequency: int = 10, max_precondition_dim: int = 10000, correct_bias: bool = True,
-         normalize_gradient: bool = False, mask=None, labels=None) -> optax.GradientTransformation:
+         normalize_gradient: bool = False, mask: PyTree | Callable[[PyTree], PyTree] | None = None,
+         labels: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """SOAP (Vyas et al., 2024, arXiv 2409.11321): Adam in the eigenbasis of Shampoo's factors, on every leaf.
 
     W ← W − lr·(U + weight_decay·W)      (U = `scale_by_soap`; W unchanged at step 1, decay included)
-
-  Args:
-    learning_rate: a number or an optax schedule.
-    b1, b2, shampoo_beta, eps, precondition_frequency, max_precondition_dim, correct_bias, normalize_gradient,
-      labels: as `scale_by_soap`.
-    weight_decay: decoupled, on the leaves of `mask` (a bool tree or a function of the params; None:
-      `optim.registry.decay_mask`, which spares norms, biases and named vectors).
 
   Defaults are the oracle's, which are the official README's recommendation (lr 3e-3, betas (0.95, 0.95), weight
   decay 0.01, frequency 10); the official soap.py's class defaults have since moved (betas (0.9, 0.95),
@@ -263,6 +288,29 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
     here both run in the factors' dtype: float32, or float64 for float64 parameters.
   Under `optax.inject_hyperparams` list `max_precondition_dim` in `static_args` (`optim.registry.STATIC_ARGS`);
   the betas, eps, decay, frequency and lr are injectable.
+
+  Args:
+    learning_rate: a number or an optax schedule.
+    b1: as `scale_by_soap` (default 0.95).
+    b2: as `scale_by_soap` (default 0.95).
+    shampoo_beta: as `scale_by_soap` (None: b2).
+    eps: as `scale_by_soap` (default 1e-8).
+    weight_decay: decoupled, on the leaves of `mask` (default 0.01).
+    precondition_frequency: as `scale_by_soap` (default 10).
+    max_precondition_dim: as `scale_by_soap` (static; default 10000).
+    correct_bias: as `scale_by_soap` (default True).
+    normalize_gradient: as `scale_by_soap` (default False).
+    mask: where weight decay applies: a bool tree or a function of the params; None: `optim.registry.decay_mask`,
+      which spares norms, biases and named vectors.
+    labels: as `scale_by_soap`.
+
+  Returns:
+    The chain of `scale_by_soap`, the decay (skipped at step 1, as the oracle skips step 1 entirely) and the
+    learning rate.
+
+  References:
+    Vyas, Morwani, Zhao, Shapira, Brandfonbrener, Janson and Kakade, "SOAP: Improving and Stabilizing Shampoo using
+      Adam", 2024, arXiv 2409.11321; reference code nikhilvyas/SOAP; oracle pytorch_optimizer 4.1.0 `SOAP`.
   """
   return optax.chain(
       scale_by_soap(b1, b2, shampoo_beta, eps, precondition_frequency=precondition_frequency,

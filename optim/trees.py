@@ -1,5 +1,7 @@
-"""Parameter-tree helpers every optimizer shares: names from key paths, and the checks that turn input an
-optimizer cannot handle (complex parameters, a label tree that does not fit) into one clear error at `init`.
+"""Parameter-tree helpers every optimizer shares: names from key paths, and the checks that reject bad trees at `init`.
+
+The checks turn input an optimizer cannot handle (complex parameters, a label tree that does not fit) into one clear
+error at `init`.
 
 Any pytree is a parameter tree: a bare array (its key path is empty), nested dicts, lists, tuples, NamedTuples,
 `None` leaves (empty subtrees), flax `nnx.State`.
@@ -7,6 +9,7 @@ Any pytree is a parameter tree: a bare array (its key path is empty), nested dic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,9 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+PyTree = Any
 
-def key_name(key) -> str:
-  """One key of a path as text: a dict key, attribute name or sequence index."""
+
+def key_name(key: Any) -> str:
+  """One key of a path as text: a dict key, attribute name or sequence index.
+
+  Args:
+    key: one entry of a `jax.tree_util` key path (`DictKey`, `GetAttrKey`, `SequenceKey`, ...).
+
+  Returns:
+    The entry's `key`, `name` or `idx` as text; `str(key)` for any other entry.
+  """
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
       return str(getattr(key, attr))
@@ -24,18 +36,35 @@ def key_name(key) -> str:
 
 
 def _keys(path) -> list:
-  """The path without flax Variable wrappers: an `nnx.State` of Variables (what `nnx.Optimizer` hands to `init`)
-  flattens each leaf through `.value`, the plain arrays it hands to `update` do not; both must name one leaf."""
+  """The path without flax Variable wrappers.
+
+  An `nnx.State` of Variables (what `nnx.Optimizer` hands to `init`) flattens each leaf through `.value`, the plain
+  arrays it hands to `update` do not; both must name one leaf.
+  """
   return [k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
 
 
-def path_name(path) -> str:
-  """'blocks/attn/wq' for a key path; '' for a bare array (the empty path)."""
+def path_name(path: jax.tree_util.KeyPath) -> str:
+  """A key path as slash-separated text, flax Variable wrappers (`.value`) left out.
+
+  Args:
+    path: a `jax.tree_util` key path.
+
+  Returns:
+    'blocks/attn/wq' for a key path; '' for a bare array (the empty path).
+  """
   return "/".join(key_name(k) for k in _keys(path))
 
 
-def leaf_name(path) -> str:
-  """The last key of a path ('wq'); '' for a bare array."""
+def leaf_name(path: jax.tree_util.KeyPath) -> str:
+  """The last key of a path ('wq'); '' for a bare array.
+
+  Args:
+    path: a `jax.tree_util` key path.
+
+  Returns:
+    The last key as text (flax Variable wrappers left out), or '' for the empty path.
+  """
   keys = _keys(path)
   return key_name(keys[-1]) if keys else ""
 
@@ -44,27 +73,59 @@ class ParameterTreeError(ValueError):
   """A parameter tree an optimizer cannot take (complex leaves, labels that do not fit)."""
 
 
-def is_named_vector(path) -> bool:
-  """Whether the leaf's name ends in a one-letter shape suffix (`m_O`, `d_O`, `q_bias_Q`: a vector per layer, however
-  many stack axes it has). Such a parameter is a scale or offset, like a norm: no weight decay, not orthogonalized.
-  The adapters of models/peft.py name their per-output magnitude and diagonal so."""
+def is_named_vector(path: jax.tree_util.KeyPath) -> bool:
+  """Whether the leaf's name ends in a one-letter shape suffix (`m_O`, `d_O`, `q_bias_Q`).
+
+  Such a leaf is a vector per layer, however many stack axes it has: a scale or offset, like a norm (no weight decay,
+  not orthogonalized). The adapters of models/peft.py name their per-output magnitude and diagonal so.
+
+  Args:
+    path: the leaf's `jax.tree_util` key path.
+
+  Returns:
+    True when the leaf's name is longer than two characters and ends in "_" and an upper-case letter.
+  """
   name = leaf_name(path)
   return len(name) > 2 and name[-2] == "_" and name[-1].isupper()
 
 
-def tree_bytes(tree) -> int:
-  """Bytes of a tree's array leaves (concrete or abstract, e.g. `jax.eval_shape(tx.init, params)`)."""
+def tree_bytes(tree: PyTree) -> int:
+  """Bytes of a tree's array leaves (concrete or abstract, e.g. `jax.eval_shape(tx.init, params)`).
+
+  Args:
+    tree: a pytree whose leaves have `shape` and `dtype` (arrays or `jax.ShapeDtypeStruct`s).
+
+  Returns:
+    The sum over the leaves of their element count times their dtype's item size.
+  """
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def cast_like(tree, like):
-  """`tree` with each leaf cast to the dtype of the matching leaf of `like` (same structure)."""
+def cast_like(tree: PyTree, like: PyTree) -> PyTree:
+  """`tree` with each leaf cast to the dtype of the matching leaf of `like` (same structure).
+
+  Args:
+    tree: a pytree of arrays.
+    like: a pytree of the same structure whose leaves give the dtypes.
+
+  Returns:
+    `tree`'s leaves, each `astype` the matching leaf's dtype.
+  """
   return jax.tree.map(lambda x, ref: x.astype(ref.dtype), tree, like)
 
 
 def reject_complex(tx: optax.GradientTransformation, name: str, why: str) -> optax.GradientTransformation:
-  """`tx` whose init raises ParameterTreeError on complex parameters (instead of NaN or a silent wrong answer
-  later); the state and update are `tx`'s, unchanged."""
+  """`tx` whose init raises ParameterTreeError on complex parameters (instead of NaN or a silent wrong answer later).
+
+  Args:
+    tx: the transformation to guard (a `GradientTransformationExtraArgs` stays one).
+    name: the optimizer's name, for the error message.
+    why: why it cannot take complex parameters, for the error message.
+
+  Returns:
+    A transformation with `tx`'s state and update, unchanged, whose `init` raises `ParameterTreeError` naming (up
+    to three of) the complex leaves.
+  """
   def init(params):
     bad = [path_name(p) or "<array>" for p, x in jax.tree_util.tree_leaves_with_path(params)
            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.complexfloating)]
@@ -78,10 +139,26 @@ def reject_complex(tx: optax.GradientTransformation, name: str, why: str) -> opt
   return optax.GradientTransformation(init, tx.update)
 
 
-def resolve_labels(labels, params, allowed: tuple[str, ...], owner: str) -> Any:
-  """The label tree of `labels` (a tree or a function of the params), expanded to one label per leaf when it
-  is a prefix of the params (as optax.partition reads it), after checking that it fits the params and uses only
-  `allowed` labels: a clear ParameterTreeError at init instead of a state that does not match the parameters."""
+def resolve_labels(labels: PyTree | Callable[[PyTree], PyTree], params: PyTree, allowed: tuple[str, ...],
+                   owner: str) -> Any:
+  """The label tree of `labels`, expanded to one label per leaf and checked against the params.
+
+  `labels` may be a prefix of the params (as optax.partition reads it). Checking that it fits the params and uses only
+  `allowed` labels gives a clear ParameterTreeError at init instead of a state that does not match the parameters.
+
+  Args:
+    labels: a tree of labels, the params' structure or a prefix of it, or a function of the params returning one.
+    params: the parameter tree.
+    allowed: the labels the optimizer knows.
+    owner: the optimizer's name, for the error messages.
+
+  Returns:
+    The params' structure with one label per leaf.
+
+  Raises:
+    ParameterTreeError: when the label tree is not the params' structure or a prefix of it, or uses a label not in
+      `allowed`.
+  """
   tree = labels(params) if callable(labels) else labels
   try:
     full = jax.tree.map(lambda lab, p: jax.tree.map(lambda _: lab, p), tree, params)
@@ -95,9 +172,17 @@ def resolve_labels(labels, params, allowed: tuple[str, ...], owner: str) -> Any:
   return full
 
 
-def replicated(x):
-  """x replicated on the current mesh (`jax.set_mesh`): each device then holds whole matrices, for the optimizers that
-  factor or rotate them (SOAP, Kron) as `orthogonalize` does; x itself off a mesh or on one device."""
+def replicated(x: jax.Array) -> jax.Array:
+  """X replicated on the current mesh (`jax.set_mesh`): each device then holds whole matrices.
+
+  For the optimizers that factor or rotate them (SOAP, Kron) as `orthogonalize` does.
+
+  Args:
+    x: an array.
+
+  Returns:
+    x resharded (an Explicit mesh) or constrained (otherwise) to be replicated; x itself off a mesh or on one device.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return x
@@ -106,8 +191,16 @@ def replicated(x):
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
 
 
-def sharded_like(x, ref):
-  """x back in ref's sharding on an Explicit mesh (which types it); elsewhere the partitioner propagates it."""
+def sharded_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+  """X back in ref's sharding on an Explicit mesh (which types it); elsewhere the partitioner propagates it.
+
+  Args:
+    x: an array of `ref`'s shape.
+    ref: the array whose sharding x takes.
+
+  Returns:
+    x resharded to `ref`'s partition spec on an Explicit mesh; x itself elsewhere.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1 or jax.sharding.AxisType.Explicit not in mesh.axis_types:
     return x
