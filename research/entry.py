@@ -36,9 +36,10 @@ def show_warning(message, category, filename, lineno, file=None, line=None):
 @contextlib.contextmanager
 def one_line_errors(*errors: type[BaseException]):
   """The errors given (bad input) as one `error:` line and exit 2; `UsageError` always."""
+  caught: tuple[type[BaseException], ...] = (UsageError, *errors)
   try:
     yield
-  except (UsageError, *errors) as e:
+  except caught as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_BAD_INPUT) from None
 
@@ -59,7 +60,7 @@ def command(main: Callable[[], object], interrupted: str | Callable[[], str] = "
     raise SystemExit(status)
 
 
-_INTERRUPTED = []
+_INTERRUPTED: list[int] = []
 
 
 def _on_interrupt(signum, _frame):

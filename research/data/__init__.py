@@ -11,6 +11,7 @@ eval_batches` is all a trainer needs.
 import glob
 import os
 from collections.abc import Sequence
+from typing import cast
 
 from research.data import documents
 from research.data.batches import ORDERS, eval_batches, get_batch
@@ -46,7 +47,8 @@ def load_corpus(path: str | Sequence[str] | None = None, *, cache_dir: str | Non
   if len(paths) == 1 and (paths[0] is None or _read_as_before(paths[0])):
     corpus = read_corpus(paths[0], cache_dir=cache_dir, val_fraction=val_fraction)
     return corpus if tokenizer is None else tokenize_corpus(corpus, tokenizer, cache_dir)
-  return build_shards(paths, field=field, tokenizer=tokenizer, cache_dir=cache_dir, val_fraction=val_fraction)
+  return build_shards(cast(list[str], paths), field=field, tokenizer=tokenizer, cache_dir=cache_dir,
+                      val_fraction=val_fraction)
 
 
 def _read_as_before(path) -> bool:

@@ -211,7 +211,8 @@ def _is_text(data: bytes) -> bool:
 def _text_files(root, relpaths) -> dict[str, bytes]:
   """{relpath: contents} of the text files among `relpaths` (`_is_text`), in order; what was left out is said in one
   line on stderr, and a directory with no text file at all is refused (DataError)."""
-  text, skipped = {}, {}
+  text: dict[str, bytes] = {}
+  skipped: dict[str, tuple[int, int]] = {}
   for r in relpaths:
     data = _read(root, r)
     if _is_text(data):

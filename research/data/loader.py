@@ -48,6 +48,7 @@ class Loader:
     self.tokens, self.B, self.L, self.seed, self.sampling = tokens, batch_size, seq_len, seed, sampling
     self.rows = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
     self.workers = workers
+    self.source: Windows | Packed | Padded
     if layout == "windows":
       self.source = Windows(tokens, seq_len, seed, grid=sampling == "shuffle")
     else:
@@ -70,7 +71,7 @@ class Loader:
 
   def _unshuffled(self, t: int):
     zeros = np.zeros(self.B, np.int64)
-    if self.layout == "windows":  # `get_batch`'s starts
+    if isinstance(self.source, Windows):  # layout "windows": `get_batch`'s starts
       return zeros, window_starts(self.source.span, self.seed, t, self.B, self.L, self.sampling)
     if self.sampling == "random":
       return zeros, np.random.default_rng([self.seed, t]).integers(0, self.source.count, size=self.B)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from typing import Any
 
 import grain
 import numpy as np
@@ -82,7 +83,7 @@ def parse_mix(text: str, names) -> MixSpec:
       raise DataError(f"--mix {text!r}: give {len(names)} non-negative weights, not all 0, one per --data source "
                       f"({', '.join(names)})")
     return MixSpec(rule, names, fixed=w)
-  options = {}
+  options: dict[str, Any] = {}
   for item in filter(None, args.split(",")):
     key, eq, value = item.partition("=")
     if key not in ("eta", "c", "every", "batches") or not eq:
@@ -175,7 +176,7 @@ def named_sources(entries) -> dict[str, str] | None:
   or path, and a name given twice."""
   if not entries:
     return None
-  items = []
+  items: list[str] = []
   for entry in entries:
     parts = entry.split(",") if all("=" in p for p in entry.split(",")) else [entry]
     items += parts

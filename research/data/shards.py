@@ -65,7 +65,8 @@ def build_shards(paths: str | Sequence[str], *, field: str = "text", tokenizer: 
   if arrays:  # they are tokens already; read as text they would be garbage
     raise DataError(f"{arrays[0]} is a token array; pass it as the only data path (it is read as it is)")
   if tokenizer is None:
-    tok, raw, file, vocab, dtype, eos = None, b"", None, 256, np.uint8, SEPARATOR
+    tok, raw, file, vocab, dtype = None, b"", None, 256, np.uint8
+    eos: int | None = SEPARATOR
   else:
     tok, raw, file = open_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
