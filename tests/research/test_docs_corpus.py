@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-from research.data import docs_corpus
-from research.data import DataError, load_corpus
+from research.data import DataError, docs_corpus, load_corpus
 from research.data.corpus import _is_val
 
 
@@ -56,7 +55,9 @@ def test_cli_prints_the_directory(built, capsys):
   assert docs_corpus.main([os.path.dirname(built)]) == 0
   assert capsys.readouterr().out.strip() == built
   capsys.readouterr()
-  for argv, says in ((["--help"], "usage: python -m research.data.docs_corpus [CACHE_DIR]"),
+  assert docs_corpus.main(["--help"]) == 0  # the usage, as every command answers --help (the docs' command check asks)
+  assert capsys.readouterr().out.startswith("usage: python -m research.data.docs_corpus [CACHE_DIR]\n")
+  for argv, says in ((["--bogus"], "usage: python -m research.data.docs_corpus [CACHE_DIR]"),
                      ([__file__], f"{__file__}")):  # a file for the cache directory: one line, not a traceback
     with pytest.raises(SystemExit) as e:
       docs_corpus.main(argv)
