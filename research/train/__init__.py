@@ -24,6 +24,8 @@ The loop (`loop.py`: `run`) is a composition of named hooks over one step; every
 """
 
 from research.train.runtime import early  # noqa: F401  (first: as a command, signals are kept during the imports)
+
+# isort: split
 from research.train.command import USER_ERRORS, main
 from research.train.config import RunError, TrainConfig
 from research.train.loop import run

@@ -1,5 +1,8 @@
-"""`python -m research.train`: the flags parsed, the run, and every failure the CLI reports as one line with its exit
-status (2 bad input, 3 non-finite steps, 4 a dead peer) instead of a traceback."""
+"""`python -m research.train`: the flags parsed, the run, and the failures the CLI reports in one line.
+
+Every such failure is one line with its exit status (2 bad input, 3 non-finite steps, 4 a dead peer) instead of a
+traceback.
+"""
 
 from __future__ import annotations
 
@@ -15,20 +18,18 @@ from models.attention import AttentionError
 from models.config import ConfigError
 from optim import UnknownOptimizerError
 from research.data import DataError
-from research.train.steps import frozen
-from research.train.setup import init_from
-from research.train.config import checks
-from research.train.store import rundir
-from research.train.store.checkpoint import CheckpointError, quiet_orbax_errors
-from research.train.config import RunError, TrainConfig
-from research.train.runtime.processes import DistributedError, is_primary
-from research.train.steps.health import BadStepsError
-from research.train.loop import run
+from research.train.config import RunError, TrainConfig, checks
 from research.train.hooks.progress import summary
 from research.train.hooks.watchdog import EXIT_STATUS as WATCHDOG_EXIT
+from research.train.loop import run
+from research.train.runtime.processes import DistributedError, is_primary
+from research.train.setup import init_from
+from research.train.steps import frozen
+from research.train.steps.health import BadStepsError
+from research.train.store import rundir
+from research.train.store.checkpoint import CheckpointError, quiet_orbax_errors
 from sharding import MeshError, ShardingError
 from sharding.pipeline import PipelineError
-
 
 USER_ERRORS = (RunError, checks.PreflightError, rundir.RunDirError, ConfigError, UnknownOptimizerError,
                CheckpointError, DataError, MeshError, ShardingError, DistributedError, PipelineError,
@@ -36,7 +37,11 @@ USER_ERRORS = (RunError, checks.PreflightError, rundir.RunDirError, ConfigError,
 
 
 def optimizer_help() -> str:
-  """Every registered optimizer with its hyperparameters and defaults (shown by --help)."""
+  """Every registered optimizer with its hyperparameters and defaults (shown by --help).
+
+  Returns:
+    The help text, one line per optimizer.
+  """
   from optim import OPTIMIZERS, hyperparameters
   lines = ["optimizers (--optimizer NAME; any hyperparameter below by --opt KEY=VALUE, or --weight-decay/--b1/--b2):"]
   for name in sorted(OPTIMIZERS):
@@ -49,8 +54,16 @@ COLLECTIVE_FAILED = r"Gloo|NCCL|[Cc]onnection (reset|closed) by peer|heartbeat"
 
 
 def failure(e: Exception) -> tuple[int, str] | None:
-  """(exit status, error line) of a run that failed in a way the CLI reports in one line, or None (a bug: the
-  traceback is shown)."""
+  """How the CLI reports a run's failure: in one line with an exit status, or with the traceback (a bug).
+
+  Args:
+    e: what the run raised.
+
+  Returns:
+    (exit status, error line): 2 bad input (`USER_ERRORS`, an OSError of the run directory, out of memory), 3
+    non-finite steps, 4 a collective that failed in a multi-process run (a dead peer); None for a bug (the traceback
+    is shown).
+  """
   text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
   peers = jax.distributed.is_initialized() and jax.process_count() > 1
   if peers and (isinstance(e, jax.errors.JaxRuntimeError) or re.search(COLLECTIVE_FAILED, str(e))):
@@ -67,7 +80,16 @@ def failure(e: Exception) -> tuple[int, str] | None:
   return None
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> None:
+  """`python -m research.train`: parses the flags and trains; the failures `failure` knows end in one line.
+
+  Args:
+    argv: the command line's arguments (None: `sys.argv[1:]`).
+
+  Raises:
+    SystemExit: with the failure's exit status (`failure`), after its error line on stderr.
+    Exception: what the run raised when `failure` does not know it (a bug: the traceback is shown).
+  """
   cfg = tyro.cli(TrainConfig, args=argv, prog="python -m research.train",
                  description=f"{TrainConfig.__doc__}\n\n{optimizer_help()}")
   quiet_orbax_errors()  # a failed save is reported in one line of ours

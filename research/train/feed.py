@@ -30,7 +30,7 @@ from sharding import local_batch, process_rows
 
 
 def make_loader(corpus: Corpus, training: TrainingSection, data: DataSection, options: DataFlags,
-                rows=None) -> Loader:
+                rows=None) -> Loader | MixedLoader:
   """The run's loader over `corpus.train` (every row of the global batch unless `rows`): the batch, length and seed
   of the config's training section, the order of its data section, the layout and readers of --data.*; for a
   mixture (--mix), one loader per source under the mixture's sampler."""

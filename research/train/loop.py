@@ -21,7 +21,8 @@ from research.train.config import TrainConfig, checks
 from research.train.hooks.cadence import Hooks, StepInfo
 from research.train.hooks.metrics import MetricsProcessor
 from research.train.runtime.devices import setup_jax
-from research.train.runtime.processes import initialize as init_distributed, is_primary
+from research.train.runtime.processes import initialize as init_distributed
+from research.train.runtime.processes import is_primary
 from research.train.runtime.signals import Stop
 from research.train.setup import memory
 from research.train.setup.build import resolved
@@ -121,6 +122,7 @@ def _watchdog(r: Run):
 
 def _switch(r: Run):
   """Moves the live state onto the next --switch-at layout, whose steps are already compiled."""
+  assert r.in_mesh is not None  # set by `_train` before its loop runs the hooks
   t = time.perf_counter()
   r.layout = r.switches.pop(0)[1]
   r.syncer.switched(r.layout.train_step)
@@ -146,8 +148,10 @@ def _may_save(r: Run, info: StepInfo) -> bool:
 
 
 def _evaluate(r: Run, info: StepInfo) -> dict:
-  """The held-out loss of the model (--sync gossip's: the replicas' mean) on each fixed held-out batch; the losses
-  are left for the mixture's per-source record."""
+  """The held-out loss of the model (--sync gossip's: the replicas' mean) on each fixed held-out batch.
+
+  The losses are left for the mixture's per-source record.
+  """
   params = r.syncer.model(r.state).params
   losses = [r.layout.eval_step(params, x, y, r.state.model_buffers) for x, y in r.layout.val]
   info.shared["held_out"] = losses
@@ -155,8 +159,11 @@ def _evaluate(r: Run, info: StepInfo) -> dict:
 
 
 def _checkpoint(r: Run, info: StepInfo):
-  """Saves every --ckpt-every steps (not amid bad steps) and at the end or a stop. Deciding here, not in orbax,
-  keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked for)."""
+  """Saves every --ckpt-every steps (not amid bad steps) and at the end or a stop.
+
+  Deciding here, not in orbax, keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked
+  for).
+  """
   if (r.monitor.bad_run == 0 and info.step % r.cfg.checkpoint.ckpt_every == 0) or info.final:
     r.state = r.syncer.model(r.state)  # gossip: "params" (what export and sampling read) = the replicas' mean
     r.ckpt.save(info.step, r.state.as_dict(), {**r.meta, "health": r.monitor.state(), "loader": r.feed.state()},

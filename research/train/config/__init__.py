@@ -15,15 +15,26 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Annotated
+from typing import Annotated, Any
 
 import tyro
 
-from research.train.setup.adapters import PeftFlags
 from research.train.config.prefixed import DataFlags, MoEFlags
-from research.train.config.sections import (CheckpointSection, DataSection, DistributedSection, FinetuneSection,
-                                            HealthSection, LoggingSection, MeshSection, ModelSection, OptimSection,
-                                            RuntimeSection, SyncSection, TrainingSection)
+from research.train.config.sections import (
+  CheckpointSection,
+  DataSection,
+  DistributedSection,
+  FinetuneSection,
+  HealthSection,
+  LoggingSection,
+  MeshSection,
+  ModelSection,
+  OptimSection,
+  RuntimeSection,
+  SyncSection,
+  TrainingSection,
+)
+from research.train.setup.adapters import PeftFlags
 
 _Section = tyro.conf.OmitArgPrefixes  # a section's flags carry no prefix; --help groups them under its name
 
@@ -56,29 +67,33 @@ class TrainConfig:
   runtime: Annotated[RuntimeSection, _Section] = _section(RuntimeSection)
   distributed: Annotated[DistributedSection, _Section] = _section(DistributedSection)
 
-  def __init__(self, **given):
-    """A config from whole sections (`optim=OptimSection(lr=1e-2)`, as tyro builds it) and from keyword arguments
-    named as the flags are (`TrainConfig(model="tiny", lr=1e-2, moe=MoEFlags(top_k=1))`: the flag names with
-    underscores, `data_options` and `peft_options` for --data.* and --peft.*), the flags applied over the sections;
-    the rest at their defaults. A name that is both (`model`, `data`, `mesh`, `sync`, `distributed`) is the section
-    when the value is one, else the flag. `dataclasses.replace(cfg, lr=...)` works the same way.
+  def __init__(self, **given: Any):
+    """A config from whole sections and from keyword arguments named as the flags are; the rest at their defaults.
+
+    `dataclasses.replace(cfg, lr=...)` works the same way.
+
+    Args:
+      **given: whole sections (`optim=OptimSection(lr=1e-2)`, as tyro builds it) and flags
+        (`TrainConfig(model="tiny", lr=1e-2, moe=MoEFlags(top_k=1))`: the flag names with underscores, `data_options`
+        and `peft_options` for --data.* and --peft.*), the flags applied over the sections. A name that is both
+        (`model`, `data`, `mesh`, `sync`, `distributed`) is the section when the value is one, else the flag.
 
     Raises:
       TypeError: a keyword that is neither a section nor a flag.
     """
-    sections = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    sections: dict[str, Any] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}  # their classes
     flags = {}
     for name, value in given.items():
-      if name in sections and isinstance(value, sections[name].default_factory):
+      if name in sections and isinstance(value, sections[name]):
         setattr(self, name, value)
       elif name in FLAGS:
         flags[name] = value
       else:
         raise TypeError(f"TrainConfig has no section or flag {name!r}")
-    for name, f in sections.items():
+    for name, cls in sections.items():
       if not hasattr(self, name):
-        setattr(self, name, f.default_factory())
-    changed = {}
+        setattr(self, name, cls())
+    changed: dict[str, dict[str, Any]] = {}
     for flag, value in flags.items():
       section, attr = FLAGS[flag]
       if attr is None:
@@ -98,8 +113,10 @@ class TrainConfig:
 
 
 def _nested() -> type:
-  """`TrainConfig` as a field of another tool's config (the sweep's `train`: `--train.lr`, `--train.moe.top-k`): the
-  same class with each section's flags under that field's prefix (a section's own prefix still left out)."""
+  """`TrainConfig` as a field of another tool's config (the sweep's `train`: `--train.lr`, `--train.moe.top-k`).
+
+  The same class with each section's flags under that field's prefix (a section's own prefix still left out).
+  """
   unboxed = lambda f: Annotated[f.default_factory, tyro.conf.arg(name="")]  # its flags under the field's prefix
   fields = [(f.name, unboxed(f) if f.name in _SECTIONS else _HINTS[f.name],
              dataclasses.field(default_factory=f.default_factory)) for f in dataclasses.fields(TrainConfig)]
@@ -107,8 +124,10 @@ def _nested() -> type:
 
 
 def _flag_name(section: type, field: str) -> str:
-  """The flag a section's field is spelled as: its own name, or the name its annotation gives tyro (`--model` for
-  `ModelSection.preset`)."""
+  """The flag a section's field is spelled as.
+
+  Its own name, or the name its annotation gives tyro (`--model` for `ModelSection.preset`).
+  """
   hint = typing.get_type_hints(section, include_extras=True)[field]
   return next((m.name for m in getattr(hint, "__metadata__", ()) if getattr(m, "name", None)), field)
 
@@ -122,8 +141,9 @@ for _f in dataclasses.fields(TrainConfig):
   if _f.name not in _SECTIONS:
     FLAGS[_f.name] = (_f.name, None)
   else:
-    for _g in dataclasses.fields(_f.default_factory):
-      FLAGS[_flag_name(_f.default_factory, _g.name)] = (_f.name, _g.name)
+    _cls: typing.Any = _f.default_factory  # the section's class
+    for _g in dataclasses.fields(_cls):
+      FLAGS[_flag_name(_cls, _g.name)] = (_f.name, _g.name)
 
 
 NestedTrainConfig = _nested()

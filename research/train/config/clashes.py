@@ -8,8 +8,8 @@ research/train/config/trainable.py.
 
 from __future__ import annotations
 
-from research.train.setup.build import optimizer_needs
 from research.train.config import RunError
+from research.train.setup.build import optimizer_needs
 
 # (feature, the features it does not combine with, why): each row one RunError line when it applies
 CLASHES = (
@@ -66,7 +66,7 @@ def check(cfg, mesh, mcfg) -> None:
   """
   on = features(cfg, mesh, mcfg)
   for subject, others, why in CLASHES:
-    named = [on[o] for o in others if on[o]]
+    named = [n for n in (on[o] for o in others) if n]
     if on[subject] and named:
       raise RunError(f"{on[subject]} does not combine with {', '.join(named)} ({why})")
 
@@ -82,4 +82,4 @@ def blockwise_blockers(cfg, mesh) -> list[str]:
     The run's features among `BLOCKWISE_BLOCKERS`, as messages name them (empty: none).
   """
   on = features(cfg, mesh)
-  return [on[b] for b in BLOCKWISE_BLOCKERS if on[b]]
+  return [n for n in (on[b] for b in BLOCKWISE_BLOCKERS) if n]

@@ -170,7 +170,7 @@ class FinetuneSection:
   --freeze-layers every parameter (what trains has a float32 master copy). Unset: bfloat16 when fine-tuning (with
   --init-from), else float32. They are read in the compute dtype; bfloat16 halves their memory. Runs with none of
   these use no such storage and ignore it (as a study sharing one config over several optimizers needs)."""
-  peft: Literal[peft.METHODS] | None = None
+  peft: Literal[peft.METHODS] | None = None  # type: ignore[valid-type]  # tyro reads the choices from the tuple
   """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
   base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes
   it merged or (LoRA, DoRA) as a PEFT adapter."""

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from research.train.config import flat_record
 from research.train.steps.frozen import frozen_dtype, frozen_mask, saved_frozen_dtype
 
+
 @dataclasses.dataclass(frozen=True)
 class Trainable:
   """What a run trains (see the module docstring).
@@ -38,7 +39,7 @@ class Trainable:
   frozen_dtype: str = "float32"
 
   @classmethod
-  def of_meta(cls, meta: dict) -> "Trainable":
+  def of_meta(cls, meta: dict) -> Trainable:
     """What a recorded run trains.
 
     Args:
@@ -54,7 +55,7 @@ class Trainable:
                whole["dtype"] if whole else None, saved_frozen_dtype(train))
 
   @classmethod
-  def of_run(cls, finetune, blockwise: bool) -> "Trainable":
+  def of_run(cls, finetune, blockwise: bool) -> Trainable:
     """What a run about to start trains.
 
     Args:

@@ -5,7 +5,7 @@ the metrics processor) registers with `every=1` and decides itself."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 
 @dataclasses.dataclass
@@ -60,11 +60,11 @@ class Hook:
 class Hooks:
   """The loop's hooks, before and after each step, in registration order."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._before: list[Hook] = []
     self._after: list[Hook] = []
 
-  def before(self, name: str, fn: Callable[[int], None]) -> None:
+  def before(self, name: str, fn: Callable[[int], object]) -> None:
     """Registers a hook called before each step.
 
     Args:
@@ -73,7 +73,7 @@ class Hooks:
     """
     self._before.append(Hook(name, fn))
 
-  def add(self, name: str, fn: Callable[[StepInfo], None], *, every: int = 1, at_end: bool = False) -> None:
+  def add(self, name: str, fn: Callable[[StepInfo], object], *, every: int = 1, at_end: bool = False) -> None:
     """Registers a hook called after the steps it is due at (`Hook.due`).
 
     Args:

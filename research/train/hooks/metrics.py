@@ -8,7 +8,7 @@ logged every --log-every and --eval-every steps and at the last.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from research.train.hooks.cadence import Hook, StepInfo
 from research.train.store import rundir

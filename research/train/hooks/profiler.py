@@ -18,6 +18,7 @@ import gzip
 import json
 import os
 import sys
+from typing import cast
 
 import jax
 
@@ -30,9 +31,9 @@ def parse(spec: str | None) -> tuple[int, int] | None:
   """(first step, count) of "STEP:COUNT" or "STEP" (one step); None for no profile."""
   if not spec:
     return None
-  first, _, count = spec.partition(":")
+  head, _, tail = spec.partition(":")
   try:
-    first, count = int(first), int(count or 1)
+    first, count = int(head), int(tail or 1)
   except ValueError:
     raise ProfileError(f"--profile {spec!r}: give STEP:COUNT, e.g. 10:3 (steps 10, 11, 12)") from None
   if first < 1 or count < 1:
@@ -60,7 +61,7 @@ class Profiler:
   def after(self, step: int, outputs) -> bool:
     """Called after step `step` was dispatched, with its outputs; True when the trace was just written (the time it
     took, and reading it back, is not training time)."""
-    if not (self.tracing and step == sum(self.window) - 1):
+    if not (self.tracing and self.window is not None and step == sum(self.window) - 1):
       return False
     jax.block_until_ready(outputs)
     if self.close():
@@ -86,6 +87,7 @@ class Profiler:
       self._warn(f"--profile: the trace could not be written ({_line(e)})")
       return False
     if step is not None:
+      assert self.window is not None  # a trace runs only inside the window
       self._warn(f"--profile: the run stopped at step {step}, inside the window {self.window[0]}:{self.window[1]}; "
                  f"the steps traced are in {self.dir}")
     return True
@@ -108,11 +110,11 @@ def top_ops(directory: str, n: int = 5) -> list[tuple[str, float]]:
     return []
   with gzip.open(traces[-1], "rt") as f:
     events = json.load(f).get("traceEvents", [])
-  total = collections.Counter()
+  total: collections.Counter[str] = collections.Counter()
   for e in events:
     if e.get("ph") == "X" and "dur" in e and "hlo_op" in e.get("args", {}):  # an XLA operation's execution
       total[e["args"]["hlo_op"]] += e["dur"] / 1e3
-  return total.most_common(n)
+  return cast(list[tuple[str, float]], total.most_common(n))  # Counter's stubs type its counts int; these are ms
 
 
 def format_top(ops: list[tuple[str, float]]) -> str:

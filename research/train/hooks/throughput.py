@@ -91,7 +91,8 @@ class Peak:
       self.flops, self.source = float(given), "--peak-flops"
       return
     device = jax.local_devices()[0]
-    spec = spec_peak(getattr(device, "device_kind", ""), dtype, jax.config.jax_default_matmul_precision)
+    precision = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]  # jax.config: flags set at runtime
+    spec = spec_peak(getattr(device, "device_kind", ""), dtype, precision)
     chips = 1 if device.platform == "cpu" else devices
     if spec is not None:
       self.flops, self.source = spec[0] * chips, spec[1] + (f"; x {chips} chips" if chips > 1 else "")
@@ -126,7 +127,8 @@ class Meter:
 
   def __init__(self, tokens_per_step: int, steady_after: int = STEADY_AFTER):
     self.tokens_per_step, self.steady_after = tokens_per_step, steady_after
-    self.t = self.step = self.warm = None
+    self.t: float | None = None
+    self.step = self.warm = 0  # read only once `compiled` set `t`
     self.seconds, self.steps = 0.0, 0
     self.steady_seconds, self.steady_steps = 0.0, 0
 
@@ -160,14 +162,15 @@ class Meter:
     """A metrics record's throughput fields: the window's tokens/s and MFU (once a whole step has run after
     compilation); at the last step the run's average, the steady state's (with `steady_after`) and the peak's
     source."""
-    rec = {}
+    rec: dict = {}
     rate = self.window(step)
     if rate is not None:
       rec["tokens_per_s"], rec["mfu"] = rate, peak.mfu(rate * flops_per_token)
-    if last and self.average() is not None:
-      rec.update(run_tokens_per_s=self.average(), run_mfu=peak.mfu(self.average() * flops_per_token),
-                 peak_source=peak.source)
-      if self.steady() is not None:
-        rec.update(steady_tokens_per_s=self.steady(), steady_mfu=peak.mfu(self.steady() * flops_per_token),
+    average = self.average() if last else None
+    if average is not None:
+      rec.update(run_tokens_per_s=average, run_mfu=peak.mfu(average * flops_per_token), peak_source=peak.source)
+      steady = self.steady()
+      if steady is not None:
+        rec.update(steady_tokens_per_s=steady, steady_mfu=peak.mfu(steady * flops_per_token),
                    steady_after=self.steady_after)
     return rec

@@ -42,10 +42,10 @@ import os
 import sys
 import time
 
-from research.train.store import rundir
 from research.train.config import RunError, flat_meta
-from research.train.runtime.processes import is_primary
 from research.train.hooks._tbimport import tensorboardx
+from research.train.runtime.processes import is_primary
+from research.train.store import rundir
 
 # tracker -> (the package it needs, how to install it)
 PACKAGES = {"tensorboard": ("tensorboardX", "pip install tensorboardX"),
@@ -120,7 +120,7 @@ class _TensorBoard:
 
   def __init__(self, out: str, steps: int, meta: dict, start: int, stored: dict):
     summary, EventsWriter, Event, SessionLog = tensorboardx()
-    self.summary, self.event, self.stored = summary, Event, {}
+    self.summary, self.event, self.stored = summary, Event, dict[str, object]()
     # a time-ordered suffix: the name holds whole seconds only, and a second session within the same second would
     # reopen (truncate) the first one's file
     self.writer = EventsWriter(os.path.join(out, "events"), f".{time.time_ns()}")
@@ -177,18 +177,18 @@ class _MLflow:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     uri = os.environ.get("MLFLOW_TRACKING_URI") or stored.get("tracking_uri") or _local_mlflow_store()
     self.client, self.steps, self.done = MlflowClient(tracking_uri=uri), steps, False
-    self.run_id = self._resumed(stored.get("run_id"))
+    run_id = self._resumed(stored.get("run_id"))
     self.last = 0  # the last step the run holds: a resumed run skips what MLflow already has
-    if self.run_id is None:
+    if run_id is None:
       name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "optlab"
       experiment = self.client.get_experiment_by_name(name)
       experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
-      self.run_id = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(out)),
-                                           tags={"optlab.out": os.path.abspath(out)}).info.run_id
+      run_id = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(out)),
+                                      tags={"optlab.out": os.path.abspath(out)}).info.run_id
     else:
-      self.last = max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
+      self.last = max((m.step for m in self.client.get_metric_history(run_id, "loss")), default=0)
+    self.run_id, self.stored = run_id, {"run_id": run_id, "tracking_uri": uri}
     self._params(meta)
-    self.stored = {"run_id": self.run_id, "tracking_uri": uri}
 
   def _resumed(self, run_id: str | None) -> str | None:
     """The stored run, marked running again; None if there is none in this store."""
@@ -246,7 +246,7 @@ def _stored(path: str) -> dict:
   return stored if isinstance(stored, dict) else {}
 
 
-SINKS = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
+SINKS: dict[str, type] = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
 
 
 class Trackers:

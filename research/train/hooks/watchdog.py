@@ -25,7 +25,8 @@ class Watchdog:
   def __init__(self, timeout: float, what: str):
     """`what` ends the error line; "{step}" in it becomes the step of the last beat."""
     self.timeout, self.what = timeout, what
-    self.last, self.step = None, None  # armed once set
+    self.last: float | None = None  # armed once set
+    self.step: int | None = None
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._watch, name="optlab-watchdog", daemon=True)
 

@@ -15,7 +15,8 @@ def setup_jax(devices: int, compile_cache: bool):
   except RuntimeError:  # backend already up (a test or notebook set it): keep what is there
     pass
   one_blas_thread()
-  if compile_cache and not jax.config.jax_compilation_cache_dir:  # reruns and resumes skip compilation
+  cache_dir = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax.config: flags set at runtime
+  if compile_cache and not cache_dir:  # reruns and resumes skip compilation
     root = default_cache_dir()
     if cache_writable(root):  # else one warning, no cache (JAX would warn at each program with its source path)
       jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))

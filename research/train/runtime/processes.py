@@ -54,7 +54,7 @@ def launcher() -> str | None:
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               mode: Literal["auto", "on", "off"] = "auto", heartbeat_timeout: int = 100) -> bool:
+               mode: Literal["auto", "on", "off"] = "auto", heartbeat_timeout: float = 100) -> bool:
   """Starts `jax.distributed` when the arguments or the environment ask for several processes.
 
   Args:

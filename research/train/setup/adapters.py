@@ -12,7 +12,7 @@ training batch. `research.export` writes a PEFT run merged, or its LoRA/DoRA ada
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +69,7 @@ def random_base(config: TransformerConfig, mesh, seed: int) -> nnx.Module:
 def with_arrays(base: nnx.Module, params: dict, buffers: dict) -> nnx.Module:
   """`base` with its parameters and other variables replaced by these plain dicts' arrays (--init-from's), each cast
   to the dtype `base` has (a bfloat16 checkpoint read into a float32 model)."""
-  graphdef, p, rest = nnx.split(base, nnx.Param, ...)
+  graphdef, p, rest = nnx.split(base, nnx.Param, ...)  # type: ignore[misc]  # flax: variadic tuple of states
   nnx.replace_by_pure_dict(p, cast_like(params, nnx.to_pure_dict(p)))
   if buffers:
     nnx.replace_by_pure_dict(rest, cast_like(buffers, nnx.to_pure_dict(rest)))
@@ -94,7 +94,8 @@ def initial_state(base: nnx.Module, method: str, flags: PeftFlags, seed: int, tx
   model = adapted(base, method, flags, seed)
   if method == "sparse_adapter":
     x, y = batch
-    peft.snip_prune(model, lambda m: cross_entropy(m.forward(x)[0], y), flags.sparsity, seed=seed)
+    loss = lambda m: cross_entropy(cast(Transformer, m).forward(x)[0], y)  # the adapted Transformer's
+    peft.snip_prune(model, loss, flags.sparsity, seed=seed)
   graphdef, state, shardings = train_state_of(model, tx, mesh, zero1)
   trainable = peft.trainable_count(model)
   frozen_bytes = tree_bytes(state.get("buffers", {}))
@@ -107,8 +108,8 @@ def initial_state(base: nnx.Module, method: str, flags: PeftFlags, seed: int, tx
 def report_line(report: dict) -> str:
   return (f"peft {report['method']}: {report['trainable']:,} trainable parameters, "
           f"{report['trainable_share']:.2%} of the base's {report['base_params']:,}; optimizer state "
-          f"{report['opt_state_bytes'] / 2**20:.2f} MiB (full fine-tuning: {report['full_ft_opt_state_bytes'] / 2**20:.1f}"
-          f" MiB); frozen base {report['frozen_bytes'] / 2**20:.1f} MiB")
+          f"{report['opt_state_bytes'] / 2**20:.2f} MiB (full fine-tuning: "
+          f"{report['full_ft_opt_state_bytes'] / 2**20:.1f} MiB); frozen base {report['frozen_bytes'] / 2**20:.1f} MiB")
 
 
 def abstract_adapted(config: TransformerConfig, settings_: dict):

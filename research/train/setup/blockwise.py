@@ -32,7 +32,7 @@ def eligible(cfg, mesh) -> str | None:
   return ", ".join(named) if named else None
 
 
-def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
+def blockwise_parts(cfg, mcfg, mesh, schedule) -> Parts | None:
   """The blockwise step's pieces for this run.
 
   Args:
@@ -47,8 +47,9 @@ def blockwise_parts(cfg, mcfg, mesh, schedule) -> "Parts | None":
   """
   why = eligible(cfg, mesh)
   if why is None:
-    return Parts(schedule, optimizer_needs(cfg.optim).blockwise, mcfg.n_layers, cfg.optim.grad_clip,
-                 cfg.optim.optimizer)
+    plan = optimizer_needs(cfg.optim).blockwise
+    assert plan is not None  # `eligible` said so
+    return Parts(schedule, plan, mcfg.n_layers, cfg.optim.grad_clip, cfg.optim.optimizer)
   if why != "not blockwise" and is_primary():
     name = cfg.optim.optimizer
     print(f"note: --optimizer {name} with {why} runs optim.{name} over full gradients (every gradient computed, every "

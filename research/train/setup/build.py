@@ -10,10 +10,10 @@ import optax
 
 from models import PRESETS, MoEConfig, preset
 from optim import Needs, UnknownOptimizerError, get_optimizer, make_schedule, needs, with_global_norm_clip
-from research.train.steps import frozen
-from research.train.setup import init_from
 from research.train.config import RunError, TrainConfig
 from research.train.config.sections import OptimSection
+from research.train.setup import init_from
+from research.train.steps import frozen
 
 
 def model_config(cfg: TrainConfig):

@@ -66,5 +66,5 @@ def load_arrays(source: str, mesh) -> tuple[dict, dict]:
   from flax import nnx
   path = hf_path(source)
   model = from_hf(path, mesh=mesh)[0] if path else load_run(source, mesh=mesh)[0]
-  _, params, rest = nnx.split(model, nnx.Param, ...)
+  _, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax: variadic tuple of states
   return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)

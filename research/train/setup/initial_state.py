@@ -11,22 +11,22 @@ from flax import nnx
 
 from models import Transformer
 from optim.trees import cast_like
-from research.train.setup import adapters, init_from
-from research.train.steps import blockstep, frozen, layerfreeze, sync
-from research.train.setup.build import make_optimizer, optimizer_needs
 from research.train.config import TrainConfig
-from research.train.runtime.processes import is_primary
 from research.train.feed import make_loader
-from research.train.steps.train_state import TrainState
+from research.train.runtime.processes import is_primary
+from research.train.setup import adapters, init_from
+from research.train.setup.build import make_optimizer, optimizer_needs
+from research.train.steps import blockstep, frozen, layerfreeze, sync
 from research.train.steps.step import keep_prev_params, lm_loss
+from research.train.steps.train_state import TrainState
 from sharding import global_batch, init_train_state, mesh_scope
 
 
 def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings) -> tuple[TrainState, dict]:
   """(state, report) of a new run at step 0 (a resumed run restores into `abstract_initial_state`'s shapes instead):
-  random parameters, or --init-from's, or --peft's adapters on either, --freeze's frozen leaves in their dtype, the exact modes' copy of the
-  parameters, or the blockwise BAdam state (`blockwise`: its `blockstep.Parts`), laid out for --sync; `report`: what
-  config.json records of it (--peft's sizes, the blockwise step's storage dtype) or {}.
+  random parameters, or --init-from's, or --peft's adapters on either, --freeze's frozen leaves in their dtype, the
+  exact modes' copy of the parameters, or the blockwise BAdam state (`blockwise`: its `blockstep.Parts`), laid out
+  for --sync; `report`: what config.json records of it (--peft's sizes, the blockwise step's storage dtype) or {}.
 
   The whole construction is one compiled program with `shardings` (`abstract_initial_state`'s) as its outputs', so
   only the state's own buffers are allocated: a model stored in bfloat16 never exists in float32 beside it, and
@@ -93,7 +93,7 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     state = state.replace(params=frozen.store_frozen(state.params, shardings.params, cfg.finetune.freeze,
                                                      frozen.frozen_dtype(cfg.finetune)))
     lines.append(frozen.frozen_summary(state.params, frozen.freeze(tx, cfg.finetune.freeze)[1], make_optimizer(
-        dataclasses.replace(cfg, freeze=None))[0], tx))
+        dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, freeze=None)))[0], tx))
   if "prev_grads" in optimizer_needs(cfg.optim).update_args:  # one more copy of the parameters, a second backward pass
     state, shardings = keep_prev_params(state, shardings)
   if blockwise is not None:  # parameters in the storage dtype, the active layer's float32 master and AdamW state

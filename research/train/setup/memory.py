@@ -31,9 +31,9 @@ import jax.numpy as jnp
 
 from models.attention import BLOCK, resolve
 from optim import OPTIMIZERS, needs
+from research.train.config import RunError
 from research.train.config.trainable import Trainable
 from research.train.setup.build import model_config, optimizer_needs
-from research.train.config import RunError
 from sharding import mesh_scope
 
 GIB = 2 ** 30
@@ -53,7 +53,7 @@ class StepBytes:
     return self.argument + self.output - self.alias + self.temp
 
   @classmethod
-  def of(cls, compiled) -> "StepBytes":
+  def of(cls, compiled) -> StepBytes:
     m = compiled.memory_analysis()
     return cls(int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
                int(m.temp_size_in_bytes))
@@ -153,7 +153,7 @@ def measured(est: Estimate, mesh) -> str:
   if local[0].platform == "cpu":
     got, what, want = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS", est.total
   else:
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in local]
+    peaks: list = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in local]
     if None in peaks:
       return f"memory: {local[0].platform} reports no peak; the estimate was {size(est.step.peak)} per device"
     n = len(local)

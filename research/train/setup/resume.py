@@ -4,14 +4,15 @@ it holds another model or optimizer, or other training settings without --amend.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
-from research.train.store import rundir
+from research.train.config import RunError, flat_meta
+from research.train.runtime.processes import all_agree, is_primary
 from research.train.steps import sync
 from research.train.steps.frozen import saved_frozen_dtype
 from research.train.steps.train_state import TrainState
+from research.train.store import rundir
 from research.train.store.checkpoint import CheckpointError
-from research.train.config import RunError, flat_meta
-from research.train.runtime.processes import all_agree, is_primary
 from research.train.store.pretrained import peft_settings
 from sharding import parse_mesh_spec
 
@@ -27,7 +28,8 @@ def state_signature(meta: dict) -> dict:
   flag = train.get("sync", "allreduce")
   mode = sync.parse(flag)
   replicas = parse_mesh_spec(meta["mesh"], len(meta["devices"]))["data"]
-  stored = {"frozen_dtype": saved_frozen_dtype(train)} if train.get("freeze") else {}  # the frozen leaves' dtype
+  # the frozen leaves' dtype
+  stored: dict[str, Any] = {"frozen_dtype": saved_frozen_dtype(train)} if train.get("freeze") else {}
   if meta.get("blockwise_badam"):  # every parameter in this dtype, a master and AdamW state over one layer
     stored["blockwise_badam"] = meta["blockwise_badam"]["dtype"]
   # --freeze-layers: every parameter in its dtype, a master and optimizer state over layers N.. (None: off)
@@ -76,8 +78,8 @@ def newest_readable(ckpt, meta: dict, state, shardings, switches, out: str):
   if damaged and start is None:
     raise CheckpointError(f"{damaged[0][1]}; no older checkpoint is readable: move {ckpt.directory} aside or use a "
                           f"new --out")
-  for s, e in damaged:  # kept byte for byte, out of orbax's sight (no overwrite, no keep-N deletion)
+  for s, err in damaged:  # kept byte for byte, out of orbax's sight (no overwrite, no keep-N deletion)
     moved = ckpt.quarantine(s)
     if is_primary():
-      print(f"warning: {e}; moved to {moved}, resuming from step {start}", file=sys.stderr)
+      print(f"warning: {err}; moved to {moved}, resuming from step {start}", file=sys.stderr)
   return (start, restored, saved) if start is not None else (None, None, None)

@@ -9,7 +9,8 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
+from typing import cast
 
 import jax
 from flax import nnx
@@ -126,7 +127,9 @@ def start(cfg: TrainConfig) -> Run:
     rundir.write_json_lines(os.path.join(out, "config.json"), [meta], indent=2)
   watchdog = Watchdog(cfg.distributed.peer_timeout, f"after step {{step}} of a {jax.process_count()}-process run: a "
                       f"peer process probably died; restart every process with the same command to resume")
-  return Run(cfg=cfg, corpus=corpus, feed=feed, layout=layout, switches=switches, syncer=syncer, state=state,
+  return Run(cfg=cfg, corpus=corpus, feed=feed, layout=layout, switches=switches, syncer=syncer,
+             state=cast(TrainState, state),  # a new run's, or the restored checkpoint's
+
              start=begin, schedule=schedule, meta=meta, ckpt=ckpt, metrics=metrics, records=records,
              trackers=trackers, mixing=Mixing(corpus, graphdef, layout.val), monitor=monitor, peak=peak,
              meter=Meter(cfg.training.batch_size * cfg.training.seq_len),

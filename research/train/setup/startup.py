@@ -13,14 +13,13 @@ import jax
 from models.attention import AttentionError, check_attention
 from research.data import Corpus
 from research.data.mixture import MixedCorpus
-from research.train.config import clashes
-from research.train.steps import layerfreeze, sync
-from research.train.hooks import source_weights
-from research.train.setup.build import model_config, optimizer_needs
-from research.train.config import RunError, TrainConfig
+from research.train.config import RunError, TrainConfig, clashes
 from research.train.config.sections import SyncSection
 from research.train.feed import held_out, make_loader
+from research.train.hooks import source_weights
+from research.train.setup.build import model_config, optimizer_needs
 from research.train.setup.switch import switch_plan
+from research.train.steps import layerfreeze, sync
 from sharding import batch_sharding, global_batch, make_mesh, mesh_spec
 from sharding.mesh import DATA_AXES
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline

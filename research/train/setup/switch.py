@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from research.train.setup.build import step_options
 from research.train.config import RunError, TrainConfig
+from research.train.setup.build import step_options
 from research.train.steps.step import make_steps
 from research.train.steps.train_state import TrainState
-from sharding import ShardingError, abstract_state, batch_sharding, devices_for, global_batch, make_mesh, mesh_spec
-from sharding import state_shardings
+from sharding import (
+  ShardingError,
+  abstract_state,
+  batch_sharding,
+  devices_for,
+  global_batch,
+  make_mesh,
+  mesh_spec,
+  state_shardings,
+)
 
 
 class Layout(NamedTuple):
@@ -56,12 +65,12 @@ def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
   except ShardingError as e:
     raise ShardingError(f"--switch-at to {mesh_spec(mesh)}: {e}") from None
   batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
-  train, evaluate = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
+  jitted_train, jitted_eval = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
   x = jax.ShapeDtypeStruct((cfg.training.batch_size, cfg.training.seq_len), jnp.int32, sharding=batch_sh)
   t = time.perf_counter()
   with jax.set_mesh(mesh):
-    train = train.lower(abstract_state(state, shardings), x, x).compile()
-    evaluate = evaluate.lower(abstract_state(state.params, shardings.params), x, x,
-                              abstract_state(state.model_buffers, shardings.model_buffers)).compile()
+    train = jitted_train.lower(abstract_state(state, shardings), x, x).compile()
+    evaluate = jitted_eval.lower(abstract_state(state.params, shardings.params), x, x,
+                                 abstract_state(state.model_buffers, shardings.model_buffers)).compile()
   print(f"compiled the steps for mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
   return Layout(mesh, shardings, batch_sh, [global_batch(b, mesh) for b in val_host], train, evaluate)

@@ -56,9 +56,9 @@ def lowrank_backward(model, params, master, b, x, y, factors, fstate, inner, ste
   once per update, as the transform's do. A layer whose gradient is not finite keeps its weights, factors and
   moments (BREAD-SGD's rule); layers above it have moved. A step found non-finite only afterwards (its loss, or the
   active layer's update) keeps what the pass already moved, those layers' moments one update ahead of the count it
-  keeps (the transform would keep everything: a difference in a step that is being discarded anyway). Merging after the pass instead, in a second loop over the
-  stored stack, made XLA:CPU fuse the read of layer l into the write and copy the stack (caught by
-  tests/research/test_memory.py)."""
+  keeps (the transform would keep everything: a difference in a step that is being discarded anyway). Merging after
+  the pass instead, in a second loop over the stored stack, made XLA:CPU fuse the read of layer l into the write and
+  copy the stack (caught by tests/research/test_memory.py)."""
   w = layer_weights(model, b)
   nnx.replace_by_pure_dict(w, master)
   sliced = lambda tree, l: jax.tree.map(lambda z: jax.lax.dynamic_index_in_dim(z, l - 1, 0, keepdims=False)

@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.blockwise import active_layer_forward, layer_weights
 from optim import Blockwise, block_index, block_plan, decay_mask, init_factors, switches_before
@@ -52,6 +53,7 @@ from research.train.steps.health import step_ok
 from research.train.steps.step import aux_outputs, eval_loss, head_loss, jit_steps
 from research.train.steps.train_state import TrainState
 from sharding.state import shardings_like_params
+
 
 class Parts:
   """The blockwise step's pieces: the optimizer's declared `optim.Blockwise` plan, the schedule, the layer count."""
@@ -81,7 +83,8 @@ class Parts:
 
 
 def _plan(params: dict):
-  """optim.badam's block layout of the blockwise step's parameters (layer blocks, nothing else: `setup.blockwise.eligible`)."""
+  """optim.badam's block layout of the blockwise step's parameters (layer blocks, nothing else:
+  `setup.blockwise.eligible`)."""
   return block_plan(params, "auto", "blocks", False, False, ())
 
 
@@ -104,7 +107,8 @@ def init_state(state: TrainState, shardings: TrainState, parts: Parts, dtype) ->
   """(state, shardings) of the blockwise step from a plain train state: the parameters in `dtype`, the first block's
   float32 master, AdamW's state over it (the plain state's `opt_state` is replaced)."""
   m_sh = jax.tree.map(_layer_sharding, shardings.params["blocks"])
-  replicated = NamedSharding(jax.tree.leaves(shardings.params)[0].mesh, P())
+  mesh = jax.tree.leaves(shardings.params)[0].mesh
+  replicated = NamedSharding(mesh, P())
   b0 = parts.block(jnp.int32(0)).astype(jnp.int32)
 
   def build(params):
@@ -113,11 +117,12 @@ def init_state(state: TrainState, shardings: TrainState, parts: Parts, dtype) ->
     return params, master, parts.inner.init(master)
 
   _, abstract_master, abstract_inner = jax.eval_shape(build, state.params)
-  i_sh = shardings_like_params(abstract_inner, abstract_master, m_sh, replicated.mesh)
+  i_sh = shardings_like_params(abstract_inner, abstract_master, m_sh, mesh)
   params, master, inner = jax.jit(build, out_shardings=(shardings.params, m_sh, i_sh))(state.params)
   opt = {"count": jnp.zeros([], jnp.int32), "block": jnp.asarray(b0, jnp.int32), "inner": inner}
   opt_sh = {"count": replicated, "block": replicated, "inner": i_sh}
   if parts.lowrank:  # BREAD's factors of layers 1.. (optim.bread's, from the same draw) and AdamW's state over them
+    assert parts.inactive is not None  # `lowrank` says so
     rank = parts.inactive.rank
     factors = jax.jit(lambda p: init_factors(p, _plan(p), reach="deeper", rank=rank, seed=parts.seed),
                       out_shardings=replicated)(state.params)

@@ -75,7 +75,8 @@ class Monitor:
     self.max_bad_steps, self.spike_factor = max_bad_steps, spike_factor
     self.window: collections.deque = collections.deque(maxlen=spike_window)
     self.skipped = self.spikes = self.bad_run = 0
-    self.bad_from = self.bad_last = None  # first and last step of the current run of non-finite steps
+    self.bad_from: int | None = None  # first and last step of the current run of non-finite steps
+    self.bad_last: int | None = None
     self.flagged: dict[str, list[int]] = {"nonfinite": [], "spike": []}  # steps since the last `take`
     self._pending: list = []
 
@@ -109,7 +110,7 @@ class Monitor:
   def take(self) -> dict:
     """The fields for a metrics record: the counts so far, plus `spike: true` and the steps that were skipped
     (`nonfinite_steps`) or spiked (`spike_steps`) since the last record, if any."""
-    rec = {"skipped": self.skipped, "spikes": self.spikes}
+    rec: dict = {"skipped": self.skipped, "spikes": self.spikes}
     if self.flagged["spike"]:
       rec.update(spike=True, spike_steps=self.flagged["spike"])
     if self.flagged["nonfinite"]:

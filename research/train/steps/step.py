@@ -1,8 +1,11 @@
-"""The train step: the loss (cross entropy + MoE aux losses), its gradients, the optimizer update, the non-finite guard,
-and the eval step; jitted with the state's shardings pinned."""
+"""The train step: the loss, its gradients, the optimizer update, the non-finite guard, and the eval step.
+
+The loss is the cross entropy plus the weighted MoE aux losses; both steps are jitted with the state's shardings pinned.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -11,10 +14,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import cross_entropy
-from models.moe import aux_loss, summarize as moe_summary, update_router_bias
-from research.train.steps.health import keep_if_finite, step_ok
+from models import MoEConfig, Transformer, cross_entropy
+from models.moe import aux_loss, update_router_bias
+from models.moe import summarize as moe_summary
 from research.train.runtime.xla import compiler_options
+from research.train.steps.health import keep_if_finite, step_ok
 from research.train.steps.train_state import TrainState
 
 
@@ -32,35 +36,72 @@ def keep_prev_params(state: TrainState, shardings: TrainState) -> tuple[TrainSta
   return state.replace(prev_params=prev), shardings.replace(prev_params=shardings.params)
 
 
-def head_loss(model, y):
-  """(logits, aux) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)): the loss on top of a forward,
-  `model.forward`'s or a blockwise one's (research/train/steps/blockstep.py, _reachstep.py, layerfreeze.py)."""
+LossOut = tuple[jax.Array, tuple[jax.Array, dict]]  # (cross entropy + weighted MoE aux losses, (cross entropy, aux))
+
+
+def head_loss(model: Transformer, y: jax.Array) -> Callable[[jax.Array, dict], LossOut]:
+  """The loss on top of a forward, `model.forward`'s or a blockwise one's.
+
+  The blockwise forwards are research/train/steps/blockstep.py's, _reachstep.py's and layerfreeze.py's.
+
+  Args:
+    model: the model (its config weighs the MoE aux losses).
+    y: the batch's targets.
+
+  Returns:
+    head(logits, aux) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)).
+  """
   def head(logits, aux):
     ce = cross_entropy(logits, y)
     return ce + aux_loss(aux, model.c), (ce, aux)
   return head
 
 
-def lm_loss(graphdef):
-  """loss_fn(params, x, y, buffers) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)), aux the
-  model's (per-layer router stats, attention-logit maxima)."""
+def lm_loss(graphdef: nnx.GraphDef) -> Callable[..., LossOut]:
+  """The language-model loss of a model structure, a function of its parameters and buffers.
+
+  Args:
+    graphdef: the model's structure, `nnx.split(model, nnx.Param, ...)`'s first part.
+
+  Returns:
+    loss_fn(params, x, y, buffers) -> (cross entropy + weighted MoE aux losses, (cross entropy, aux)), aux the
+    model's (per-layer router stats, attention-logit maxima).
+  """
   def loss_fn(params, x, y, buffers):
     model = nnx.merge(graphdef, params, buffers)
     return head_loss(model, y)(*model.forward(x))
   return loss_fn
 
 
-def eval_loss(graphdef):
-  """eval_fn(params, x, y, buffers) -> the cross entropy: every step's held-out evaluation."""
+def eval_loss(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
+  """The loss every held-out evaluation takes: the cross entropy of a model structure.
+
+  Args:
+    graphdef: the model's structure, `nnx.split(model, nnx.Param, ...)`'s first part.
+
+  Returns:
+    eval_fn(params, x, y, buffers) -> the cross entropy.
+  """
   loss_fn = lm_loss(graphdef)
   return lambda params, x, y, buffers: loss_fn(params, x, y, buffers)[1][0]
 
 
-def value_and_grad_trained(loss_fn, params, frozen, *args):
-  """`jax.value_and_grad(loss_fn, has_aux=True)(params, *args)` taken w.r.t. the leaves whose `frozen` flag is False
-  only: the frozen ones enter the loss as constants, so XLA computes no gradient (no weight-gradient dot) for them.
-  Their entries of the returned gradient tree are zeros of their shape (free: nothing computes them), so the
-  optimizer sees the whole tree; `frozen` is a tree of Python bools like `params` (None: nothing frozen)."""
+def value_and_grad_trained(loss_fn: Callable[..., Any], params: Any, frozen: Any, *args: Any) -> tuple[Any, Any]:
+  """`jax.value_and_grad(loss_fn, has_aux=True)(params, *args)` taken w.r.t. the leaves not `frozen` only.
+
+  The frozen leaves enter the loss as constants, so XLA computes no gradient (no weight-gradient dot) for them. Their
+  entries of the returned gradient tree are zeros of their shape (free: nothing computes them), so the optimizer
+  sees the whole tree.
+
+  Args:
+    loss_fn: loss_fn(params, *args) -> (loss, aux).
+    params: the parameter tree.
+    frozen: a tree of Python bools like `params`, True for a frozen leaf (None: nothing frozen).
+    *args: the loss's other arguments.
+
+  Returns:
+    ((loss, aux), gradients), the gradients a tree like `params`.
+  """
   if frozen is None:
     return jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
   leaves, treedef = jax.tree.flatten(params)
@@ -68,26 +109,37 @@ def value_and_grad_trained(loss_fn, params, frozen, *args):
 
   def loss_of_trained(trained):
     it = iter(trained)
-    return loss_fn(treedef.unflatten([leaf if f else next(it) for leaf, f in zip(leaves, flags)]), *args)
+    return loss_fn(jax.tree.unflatten(treedef, [leaf if f else next(it) for leaf, f in zip(leaves, flags)]), *args)
 
   value, grads = jax.value_and_grad(loss_of_trained, has_aux=True)([x for x, f in zip(leaves, flags) if not f])
   it = iter(grads)
-  return value, treedef.unflatten([jnp.zeros(x.shape, x.dtype) if f else next(it) for x, f in zip(leaves, flags)])
+  return value, jax.tree.unflatten(treedef, [jnp.zeros(x.shape, x.dtype) if f else next(it)
+                                             for x, f in zip(leaves, flags)])
 
 
-def make_steps(graphdef, tx, shardings, batch_sh, *, update_args=frozenset(), frozen=None):
+def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, shardings: TrainState,
+               batch_sh: jax.sharding.Sharding, *, update_args: Iterable[str] = frozenset(),
+               frozen: Callable[[Any], Any] | None = None) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
   """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state.
 
-  `frozen` (--freeze): a function of the parameter tree giving a Python bool per leaf; the gradient is taken w.r.t.
-  the other leaves only (`value_and_grad_trained`), the frozen ones are neither differentiated nor written (the
-  optimizer gives them no state, `research.train.steps.frozen.freeze`), and the gradient norm (the one logged, and the
-  one --grad-clip clips by) is the trained parameters'.
-
-  `update_args` (the optimizer's declared `optim.Needs.update_args`) are supplied to `tx.update` by `update_extras`:
-  "prev_grads" needs a state with `prev_params` (`keep_prev_params`; such a state implies it), "max_logits" the
-  model's per-head attention-logit maxima (aux "max_logit", `logit_stats`).
   A step whose loss, gradient norm or update norm is not finite leaves the state unchanged but for `step`, and reports
   finite=False (`research.train.steps.health`).
+
+  Args:
+    graphdef: the model's structure, `nnx.split(model, nnx.Param, ...)`'s first part.
+    tx: the optimizer.
+    shardings: the state's shardings, a `TrainState` of them (with `prev_params`: the exact "prev_grads" mode).
+    batch_sh: a batch's sharding.
+    update_args: the optimizer's declared `optim.Needs.update_args`, supplied to `tx.update` by `update_extras`:
+      "prev_grads" needs a state with `prev_params` (`keep_prev_params`; such a state implies it), "max_logits" the
+      model's per-head attention-logit maxima (aux "max_logit", `logit_stats`).
+    frozen: --freeze's mask, a function of the parameter tree giving a Python bool per leaf (None: all trained); the
+      gradient is taken w.r.t. the other leaves only (`value_and_grad_trained`), the frozen ones are neither
+      differentiated nor written (the optimizer gives them no state, `research.train.steps.frozen.freeze`), and the
+      gradient norm (the one logged, and the one --grad-clip clips by) is the trained parameters'.
+
+  Returns:
+    (train_step(state, x, y) -> (state, outputs), eval_step(params, x, y, buffers) -> cross entropy), both jitted.
   """
   exact = shardings.prev_params is not None
   update = make_update(graphdef, tx, update_args=frozenset(update_args) | ({"prev_grads"} if exact else set()),
@@ -105,14 +157,16 @@ def make_steps(graphdef, tx, shardings, batch_sh, *, update_args=frozenset(), fr
   return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
 
 
-def update_extras(names, loss_fn, prev_params, x, y, buffers: dict, aux: dict) -> dict:
+def update_extras(names: Iterable[str], loss_fn: Callable[..., Any], prev_params: Any, x: jax.Array, y: jax.Array,
+                  buffers: dict, aux: dict) -> dict:
   """The extra keyword arguments of `tx.update` an optimizer declared (`optim.needs.UPDATE_ARGS`), traced in the step.
 
   Args:
     names: the declared update arguments.
     loss_fn: `lm_loss`'s loss function.
     prev_params: the parameters before the last update ("prev_grads"), else None.
-    x, y: the batch.
+    x: the batch's inputs.
+    y: the batch's targets.
     buffers: the model's buffers.
     aux: the forward's aux ("max_logits" reads its "max_logit").
 
@@ -125,22 +179,25 @@ def update_extras(names, loss_fn, prev_params, x, y, buffers: dict, aux: dict) -
   return {name: supply[name]() for name in sorted(names, key=list(supply).index)}
 
 
-def aux_outputs(aux: dict, buffers: dict, moe, total, loss, keep) -> tuple[dict, dict]:
+def aux_outputs(aux: dict, buffers: dict, moe: MoEConfig | None, total: jax.Array, loss: jax.Array,
+                keep: Callable[[Any, Any], Any]) -> tuple[dict, dict]:
   """(buffers, metrics): a step's outputs from the model's aux (the plain, blockwise and --freeze-layers steps).
 
   Args:
     aux: the forward's aux (per-layer router stats, attention-logit maxima).
     buffers: the model's buffers before the step.
-    moe: the model's MoE config (its router-bias rate).
-    total, loss: the step's total loss and cross entropy.
+    moe: the model's MoE config (its router-bias rate; None: a dense model).
+    total: the step's total loss.
+    loss: the step's cross entropy.
     keep: `keep(new, old)`, the buffers a non-finite step keeps.
 
   Returns:
     The buffers after the step (an MoE's with the aux-loss-free router-bias update, DeepSeek-V3's) and the step's
     metrics: an MoE's aux loss and router metrics; with --logit-stats the attention-logit maxima.
   """
-  metrics = {}
+  metrics: dict = {}
   if "load" in aux:
+    assert moe is not None  # router loads come from an MoE
     if buffers:
       buffers = keep(update_router_bias(buffers, aux, moe.bias_rate), buffers)
     metrics = {"aux_loss": total - loss, **moe_summary(aux)}
@@ -150,10 +207,21 @@ def aux_outputs(aux: dict, buffers: dict, moe, total, loss, keep) -> tuple[dict,
   return buffers, metrics
 
 
-def jit_steps(train_step, eval_fn, shardings, batch_sh):
-  """(train_step, eval_fn) jitted with the state's shardings pinned; train_step donates the state, eval_fn takes
-  (params, x, y, buffers). Both compiled with `xla.compiler_options()` (no float32 copy of a bfloat16 model on
-  the CPU)."""
+def jit_steps(train_step: Callable[..., Any], eval_fn: Callable[..., Any], shardings: TrainState,
+              batch_sh: jax.sharding.Sharding) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
+  """(train_step, eval_fn) jitted with the state's shardings pinned; train_step donates the state.
+
+  Both are compiled with `xla.compiler_options()` (no float32 copy of a bfloat16 model on the CPU).
+
+  Args:
+    train_step: train_step(state, x, y) -> (state, outputs).
+    eval_fn: eval_fn(params, x, y, buffers) -> the cross entropy.
+    shardings: the state's shardings, a `TrainState` of them.
+    batch_sh: a batch's sharding.
+
+  Returns:
+    (train_step, eval_fn), jitted.
+  """
   opts = compiler_options()
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
                   donate_argnums=0, compiler_options=opts)
@@ -163,8 +231,14 @@ def jit_steps(train_step, eval_fn, shardings, batch_sh):
 
 
 def router_metrics(out: dict) -> dict:
-  """The MoE and attention-logit entries of a step's outputs as JSON numbers (per-expert loads, per-layer maxima as
-  lists)."""
+  """The MoE and attention-logit entries of a step's outputs as JSON numbers.
+
+  Args:
+    out: a step's outputs, on the device.
+
+  Returns:
+    {name: number or list}: "aux_loss", the "moe/" and "attn/" entries (per-expert loads, per-layer maxima as lists).
+  """
   got = jax.device_get({k: v for k, v in out.items() if k.startswith(("moe/", "attn/")) or k == "aux_loss"})
   return {k: np.asarray(v).tolist() for k, v in got.items()}
 
@@ -182,7 +256,8 @@ class Update(NamedTuple):
   metrics: dict  # the step's router and logit metrics (`aux_outputs`)
 
 
-def make_update(graphdef, tx, *, update_args=frozenset(), frozen=None):
+def make_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, update_args: Iterable[str] = frozenset(),
+                frozen: Callable[[Any], Any] | None = None) -> Callable[..., Update]:
   """The one update path: the trainer's plain step (`make_steps`) and the experiments' `fit` both take it.
 
   The loss and its gradients (`lm_loss`; with `frozen`, only the trained leaves differentiated:

@@ -31,17 +31,20 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from research.train.steps.health import keep_if_finite, step_ok
 from research.train.steps.step import update_extras
 from research.train.steps.train_state import TrainState
-from sharding import collectives, replicas as rep, shardings_like_params
+from sharding import collectives, shardings_like_params
+from sharding import replicas as rep
 from sharding.replicas import ReplicaError
 
 
@@ -154,14 +157,14 @@ class Steps:
     plain: allreduce's step, research/train/steps/step.py `make_steps`'s.
   """
 
-  def __init__(self, sync: Sync, loss_fn: Callable, tx, outer_tx, shardings: dict, batch_sh, *,
+  def __init__(self, sync: Sync, loss_fn: Callable, tx, outer_tx, shardings: TrainState, batch_sh, *,
                update_args=frozenset(), mixing: np.ndarray | None = None, plain: Callable | None = None):
     self.sync, self.loss_fn, self.tx, self.mixing = sync, loss_fn, tx, mixing
     self.update_args = frozenset(update_args)
     self.mesh, self.r = batch_sh.mesh, rep.replica_count(batch_sh.mesh)
-    self.bytes: dict[str, float] = {}
+    self.bytes: dict[str, tuple[float, float]] = {}  # program -> (all, cross-replica) bytes of one run
     self.counting = True  # comm_bytes is logged while every step ran one known program
-    self.drift = None  # local: (step, consensus distance before that step's outer averaging)
+    self.drift: tuple[int, Any] | None = None  # local: (step, consensus distance before that step's outer averaging)
     if sync.kind == "allreduce":
       self.train = plain
       return
@@ -262,12 +265,13 @@ class Steps:
     the run, with its outer step): (all, those that cross replicas)."""
     outer = step // self.sync.period + (last and step % self.sync.period > 0) if self.sync.kind == "local" else 0
     runs = {"step": step, "outer": outer}
-    return tuple(sum(runs[k] * b[i] for k, b in self.bytes.items()) for i in (0, 1))
+    total = lambda i: sum(runs[k] * b[i] for k, b in self.bytes.items())
+    return total(0), total(1)
 
   def metrics(self, state, step: int, out, last: bool = False) -> dict:
     """A logged step's record entries: replica losses, consensus distance (local: at an outer step, the replicas'
     distance just before they were averaged), cumulative collective bytes."""
-    rec = dict(zip(("comm_bytes", "comm_bytes_replicas"), self.comm_bytes(step, last))) if self.counting else {}
+    rec: dict = dict(zip(("comm_bytes", "comm_bytes_replicas"), self.comm_bytes(step, last))) if self.counting else {}
     if "replica_loss" in out:
       rec["replica_loss"] = [float(v) for v in np.asarray(out["replica_loss"])]
     if self.sync.replicated:

@@ -9,7 +9,7 @@ before this class restore into it (`of`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flax import struct
 
@@ -41,8 +41,11 @@ class TrainState:
   history: Any = None
   delay_key: Any = None
 
+  if TYPE_CHECKING:  # flax.struct.dataclass adds it at runtime, where type checkers do not see it
+    def replace(self, **changes: Any) -> TrainState: ...
+
   @classmethod
-  def of(cls, tree: dict) -> "TrainState":
+  def of(cls, tree: dict) -> TrainState:
     """The typed state of a dict.
 
     Args:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import cast
 
 import jax
 from flax import nnx
@@ -13,10 +14,10 @@ from flax import nnx
 from models import HFError, Transformer, TransformerConfig, from_hf, peft, quant, quant_store
 from models.hf import config_from_hf
 from research.data.tokenizer import ByteTokenizer, HFTokenizer, check_fits
-from research.train.setup import adapters
-from research.train.store.checkpoint import Checkpointer, CheckpointError
 from research.train.config import flat_record
 from research.train.config.trainable import Trainable
+from research.train.setup import adapters
+from research.train.store.checkpoint import Checkpointer, CheckpointError
 from sharding import logical_names
 from sharding.state import param_shardings, variable_shardings
 
@@ -67,7 +68,7 @@ def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = Tru
       params, buffers = ckpt.restore_params(step, nnx.to_pure_dict(abstract), sh(abstract),
                                             nnx.to_pure_dict(abstract_buffers), sh(abstract_buffers))
       model = nnx.merge(graphdef, params, buffers)
-      return (peft.merge(model) if merge else model), config, step
+      return (cast(Transformer, peft.merge(model)) if merge else model), config, step  # merged in place
     graphdef, abstract, names = logical_names(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     shardings = param_shardings(abstract, names, mesh)
     params = ckpt.restore_params(step, Trainable.of_meta(meta).stored(abstract), shardings)
@@ -111,8 +112,8 @@ def load_model(path: str, mesh=None, tokenizer: str | None = None):
         else ByteTokenizer()
   else:
     model, config, _ = load_run(path, mesh=mesh)
-    own = run_tokenizer(path, meta) if tokenizer is None else None
-    tok = HFTokenizer(tokenizer or own) if (tokenizer or own) else ByteTokenizer()
+    name = tokenizer or (run_tokenizer(path, meta) if tokenizer is None else None)
+    tok = HFTokenizer(name) if name else ByteTokenizer()
   check_fits(tok, config.vocab_size)
   return model, config, tok
 

@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import sys
-
+from typing import TextIO
 
 REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # the run directory's disk is full or read-only
 
@@ -184,11 +184,11 @@ class MetricsLog:
 
   def __init__(self, path: str, enabled: bool = True):
     self.path, self.enabled = path, enabled
-    self.file = None
+    self.file: TextIO | None = None
     self.ends: list[tuple[int, int]] = []  # (step, file offset after its record)
 
   def open(self, up_to: int | None) -> list[dict]:
-    records = []
+    records: list[dict] = []
     if up_to is not None and os.path.exists(self.path):
       records, damaged = read_records(self.path)
       records = [r for r in records if r["step"] <= up_to]
