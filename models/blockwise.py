@@ -123,8 +123,8 @@ def active_layer_forward(model: Transformer, tokens_BT: jax.Array, w: nnx.State,
   def scan(run, x):
     # With remat the stack is the scan's constant, sliced in a step that is recomputed whole in the backward, so
     # the scan keeps only x and l per layer. Scanning the stack as an input instead, a layer's weights handed to the
-    # cond come out of it as residuals, which the scan stacks: a copy of the model (see README.md, "A 3B model on
-    # this 24 GiB machine"). Without remat the layers' weights are residuals anyway.
+    # cond come out of it as residuals, which the scan stacks: a copy of the model (see docs/benchmarks.md, "A 3B
+    # model on this 24 GiB machine"). Without remat the layers' weights are residuals anyway.
     if remat:
       step = masked(run, lambda l: (_at(frozen, l), l))
       return jax.lax.scan(jax.checkpoint(step, prevent_cse=False), x, ls)

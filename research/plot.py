@@ -3,7 +3,7 @@
   python -m research.plot runs/default            # writes runs/default/curves.png and prints its path
   python -m research.plot runs/a runs/b --out cmp.png
 
-Reads each run's metrics.jsonl (one record per logged step, see README: Training CLI); runs share the axes, so
+Reads each run's metrics.jsonl (one record per logged step, see docs/watching-runs.md); runs share the axes, so
 several runs compare at a glance.
 """
 

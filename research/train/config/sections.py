@@ -208,7 +208,7 @@ class LoggingSection:
   (./mlruns, or $MLFLOW_TRACKING_URI); none: metrics.jsonl only (research/train/hooks/trackers.py)."""
   peak_flops: float | None = None
   """FLOP/s that MFU is relative to (unset: the chip's datasheet peak for the compute dtype, or on a device without
-  one the best matmul rate this machine has shown; see README)."""
+  one the best matmul rate this machine has shown; see docs/train-cli.md, MFU)."""
   profile: str | None = None
   """STEP:COUNT: a jax.profiler trace of steps STEP .. STEP+COUNT-1 in <out>/profile/ (TensorBoard's profile plugin
   or XProf), and their top ops by device time printed. Step 1 compiles: start at 2 or later."""
@@ -250,7 +250,7 @@ class DistributedSection:
   RANGES: ClassVar[dict] = {"peer_timeout": (0, None, False)}
   coordinator: str | None = None
   """HOST:PORT of process 0 in a multi-process run (or $JAX_COORDINATOR_ADDRESS); every process runs the same
-  command with its own --process-id (see README, Multi-host)."""
+  command with its own --process-id (see docs/reliability.md, multi-host)."""
   num_processes: int | None = None
   """Processes in a multi-process run (or $JAX_NUM_PROCESSES)."""
   process_id: int | None = None
