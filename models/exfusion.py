@@ -1,5 +1,7 @@
-"""ExFusion (Ruan, Dong, Qu et al., "ExFusion: Efficient Transformer Training via Multi-Experts Fusion", arXiv
-2603.27965, IEEE TMM 2026): a dense FFN trained as several experts fused in weight space, deployed as one dense FFN.
+"""ExFusion: a dense FFN trained as several experts fused in weight space, deployed as one dense FFN.
+
+Ruan, Dong, Qu et al., "ExFusion: Efficient Transformer Training via Multi-Experts Fusion", arXiv 2603.27965, IEEE TMM
+2026.
 
 What the paper states (its abstract; no code is public and the method section was not readable here): at
 initialisation each FFN is upcycled into E experts, each with a weight for parameter fusion; during training the
@@ -37,9 +39,19 @@ def _names(v: nnx.Variable) -> tuple:
 
 
 class Fused(nnx.Module):
-  """E experts of one weight, (..., E, I, O), and fusion logits (..., E): the weight used is Σ_e softmax(a)_e W_e."""
+  """E experts of one weight, (..., E, I, O), and fusion logits (..., E): the weight used is Σ_e softmax(a)_e W_e.
 
-  def __init__(self, w: nnx.Variable, experts: int, noise: float, key):
+  The experts start at W_e = W + ε_e, ε_e ~ N(0, (noise·std(W))²) per entry, centred over the experts (Σ_e ε_e = 0),
+  and the logits at 0 (α_e = 1/E): the fused weight is W exactly.
+
+  Args:
+    w: the weight it replaces (..., I, O); the experts inherit its logical axis names, with "expert" before I.
+    experts: E.
+    noise: the perturbation's scale relative to std(W) (per matrix).
+    key: the perturbation's PRNG key.
+  """
+
+  def __init__(self, w: nnx.Variable, experts: int, noise: float, key: jax.Array):
     *lead, fan_in, fan_out = w.shape
     names = _names(w)
     base = w.get_value()
@@ -53,16 +65,34 @@ class Fused(nnx.Module):
     self.names = names
 
   def alphas(self) -> jax.Array:
+    """The fusion weights α = softmax(a).
+
+    Returns:
+      (..., E), summing to 1 over E.
+    """
     return jax.nn.softmax(self.logits_E[...], axis=-1)
 
   def weight(self) -> jax.Array:
-    """W̄ = Σ_e α_e W_e, in the parameters' dtype."""
+    """W̄ = Σ_e α_e W_e, in the parameters' dtype.
+
+    Returns:
+      (..., I, O).
+    """
     return jnp.einsum("...e,...eio->...io", self.alphas().astype(self.experts_EIO.dtype), self.experts_EIO[...])
 
   def __getitem__(self, index):
     return self.weight()[index]
 
-  def matmul(self, x_NI, dt) -> jax.Array:
+  def matmul(self, x_NI: jax.Array, dt: jax.typing.DTypeLike) -> jax.Array:
+    """The projection by the fused weight: x W̄ (what the model's `matmul(x, w, dt)` calls).
+
+    Args:
+      x_NI: the input rows.
+      dt: the compute dtype.
+
+    Returns:
+      x W̄ in `dt`, (N, O).
+    """
     return x_NI @ self.weight().astype(dt)
 
 
@@ -75,8 +105,23 @@ def _slots(model: nnx.Module):
 
 def expand(model: nnx.Module, experts: int = 4, *, noise: float = 0.01, targets: str = DEFAULT_TARGETS,
            seed: int = 0) -> nnx.Module:
-  """The training form, in place (and returned): every parameter whose path matches `targets` (by default the dense
-  FFN matrices) becomes `Fused` with `experts` experts at α = 1/E; the model's function is unchanged."""
+  """The training form, in place: every target weight becomes `Fused`; the model's function is unchanged.
+
+  Args:
+    model: a dense transformer (changed in place).
+    experts: E, the experts of each weight (default 4).
+    noise: the experts' perturbation relative to std(W) (default 0.01; 0: identical copies, which stay identical).
+    targets: a regular expression searched in each parameter's path (default `DEFAULT_TARGETS`: the dense SwiGLU
+      matrices of every block).
+    seed: the perturbations' seed (default 0).
+
+  Returns:
+    The model, each target at α = 1/E.
+
+  Raises:
+    ExFusionError: when experts < 1 or noise < 0, the model is already expanded, or `targets` matches no weight
+      matrix (an MoE model's FFNs are experts already).
+  """
   if experts < 1 or noise < 0:
     raise ExFusionError(f"experts must be >= 1 and noise >= 0, got experts={experts}, noise={noise}")
   if any(isinstance(n, Fused) for _, n in nnx.iter_graph(model)):
@@ -93,7 +138,18 @@ def expand(model: nnx.Module, experts: int = 4, *, noise: float = 0.01, targets:
 
 
 def fuse(model: nnx.Module) -> nnx.Module:
-  """The deployed form, in place (and returned): each `Fused` replaced by the plain weight Σ_e α_e W_e."""
+  """The deployed form, in place: each `Fused` replaced by the plain weight Σ_e α_e W_e.
+
+  Args:
+    model: a model `expand` expanded (changed in place); it then computes what the trained one did, at the dense
+      model's inference cost.
+
+  Returns:
+    The model.
+
+  Raises:
+    ExFusionError: when the model has no `Fused` weight.
+  """
   found = False
   for module, name, _, value in list(_slots(model)):
     if isinstance(value, Fused):
@@ -105,5 +161,12 @@ def fuse(model: nnx.Module) -> nnx.Module:
 
 
 def fusion_weights(model: nnx.Module) -> dict[str, jax.Array]:
-  """{path: α (..., E)} of every `Fused` weight."""
+  """The fusion weights of every `Fused` weight.
+
+  Args:
+    model: an expanded model.
+
+  Returns:
+    {path: α (..., E)}.
+  """
   return {"/".join(str(k) for k in p): n.alphas() for p, n in nnx.iter_graph(model) if isinstance(n, Fused)}

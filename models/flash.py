@@ -31,22 +31,45 @@ class FlashError(ValueError):
   """A length that the attention's tiles cannot split."""
 
 
-def head_major(q_BTNH, k_BTKH, v_BTKH):
-  """(q_BKGTH, k_BKTH, v_BKTH): the layout the kernel's products run in without transposes."""
+def head_major(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The kernel's head-major layout, in which its products run without transposes.
+
+  Args:
+    q_BTNH: the queries (B, T, N, H).
+    k_BTKH: the keys (B, T, K, H).
+    v_BTKH: the values (B, T, K, H).
+
+  Returns:
+    (q_BKGTH, k_BKTH, v_BKTH): the queries grouped by kv head (G = N/K), the keys and values head-major.
+  """
   B, T, N, H = q_BTNH.shape
   K = k_BTKH.shape[2]
   q = q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
   return q, k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
 
 
-def token_major(o_BKGTH):
-  """o_BTNH from the kernel's head-major output."""
+def token_major(o_BKGTH: jax.Array) -> jax.Array:
+  """The kernel's head-major output back in the model's token-major layout.
+
+  Args:
+    o_BKGTH: the attention output (B, K, G, T, H), as the kernel computes it.
+
+  Returns:
+    o_BTNH, N = K·G.
+  """
   B, K, G, T, H = o_BKGTH.shape
   return o_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
 
 
-def acc_dtype(x):
-  """The dtype scores and statistics accumulate in for inputs like `x`: at least float32."""
+def acc_dtype(x: jax.Array) -> np.dtype:
+  """The dtype scores and statistics accumulate in for inputs like `x`: at least float32.
+
+  Args:
+    x: an input of the kernel (only its dtype is read).
+
+  Returns:
+    float32, or x's dtype where it is wider (float64).
+  """
   return jnp.promote_types(x.dtype, jnp.float32)
 
 
@@ -54,9 +77,20 @@ def _scores(q, k, scale):
   return jnp.einsum("bkgqh,bksh->bkgqs", q, k, preferred_element_type=acc_dtype(q)) * scale
 
 
-def block_stats(q, k, v, mask=None, *, scale):
-  """(acc, m, l) of q attending to one key block: the running statistics of a block alone. `mask` (Q, S) bool or
-  None (all visible); a row with no visible key has m = -inf, l = 0, acc = 0."""
+def block_stats(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | np.ndarray | None = None, *,
+                scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(acc, m, l) of q attending to one key block: the running statistics of a block alone.
+
+  Args:
+    q: the queries q_BKGQH.
+    k: the block's keys k_BKSH.
+    v: the block's values v_BKSH.
+    mask: (Q, S) bool, True where a query sees a key; None (default): every key visible.
+    scale: the scores' factor (1/√H).
+
+  Returns:
+    (acc_BKGQH, m_BKGQ, l_BKGQ) in the accumulation dtype; a row with no visible key has m = -inf, l = 0, acc = 0.
+  """
   s = _scores(q, k, scale)
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
@@ -66,24 +100,55 @@ def block_stats(q, k, v, mask=None, *, scale):
   return acc, m, jnp.sum(p, axis=-1)
 
 
-def merge(a, b):
-  """The statistics of the union of two key sets from each one's (acc, m, l)."""
+def merge(a: tuple[jax.Array, jax.Array, jax.Array],
+          b: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The statistics of the union of two key sets from each one's (acc, m, l).
+
+  Args:
+    a: (acc, m, l) of the same queries over one key set.
+    b: (acc, m, l) over another.
+
+  Returns:
+    (acc, m, l) over both: each side rescaled to the larger running maximum.
+  """
   (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
   m = jnp.maximum(m_a, m_b)
   wa, wb = jnp.exp(m_a - _finite(m)), jnp.exp(m_b - _finite(m))
   return acc_a * wa[..., None] + acc_b * wb[..., None], m, l_a * wa + l_b * wb
 
 
-def finish(stats, dtype):
-  """(o_BKGQH in `dtype`, lse_BKGQ in the accumulation dtype) from the statistics over all keys (every row sees at
-  least one)."""
+def finish(stats: tuple[jax.Array, jax.Array, jax.Array], dtype: jax.typing.DTypeLike) -> tuple[jax.Array, jax.Array]:
+  """The output and its log-sum-exp from the statistics over all keys.
+
+  Args:
+    stats: (acc, m, l) over all keys (every row sees at least one).
+    dtype: the output's dtype.
+
+  Returns:
+    (o_BKGQH in `dtype`, lse_BKGQ in the accumulation dtype).
+  """
   acc, m, l = stats
   return (acc / l[..., None]).astype(dtype), m + jnp.log(l)
 
 
-def block_grads(q, k, v, do, lse, delta, mask=None, *, scale):
-  """(dq, dk, dv) of one key block's share, given the final log-sum-exp `lse` and delta = rowsum(do · o) (both
-  B, K, G, Q; accumulation dtype): the flash-attention backward, scores recomputed."""
+def block_grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
+                mask: jax.Array | np.ndarray | None = None, *,
+                scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One key block's share of the gradients: the flash-attention backward, scores recomputed.
+
+  Args:
+    q: the queries q_BKGQH.
+    k: the block's keys k_BKSH.
+    v: the block's values v_BKSH.
+    do: the output's gradient (B, K, G, Q, H).
+    lse: the final log-sum-exp (B, K, G, Q; accumulation dtype), from `finish`.
+    delta: rowsum(do · o) (B, K, G, Q; accumulation dtype), from `row_dot`.
+    mask: (Q, S) bool, True where a query sees a key; None (default): every key visible.
+    scale: the scores' factor (1/√H).
+
+  Returns:
+    (dq, dk, dv) of this block, in the accumulation dtype.
+  """
   p = jnp.exp(_scores(q, k, scale) - lse[..., None])
   if mask is not None:
     p = jnp.where(mask, p, 0.0)
@@ -96,8 +161,16 @@ def block_grads(q, k, v, do, lse, delta, mask=None, *, scale):
   return dq, dk, dv
 
 
-def row_dot(do, o):
-  """delta_BKGQ = Σ_h do·o per query, in the accumulation dtype: the backward's softmax correction."""
+def row_dot(do: jax.Array, o: jax.Array) -> jax.Array:
+  """delta_BKGQ = Σ_h do·o per query, in the accumulation dtype: the backward's softmax correction.
+
+  Args:
+    do: the output's gradient (B, K, G, Q, H).
+    o: the output (B, K, G, Q, H).
+
+  Returns:
+    delta_BKGQ.
+  """
   dt = acc_dtype(o)
   return jnp.sum(do.astype(dt) * o.astype(dt), axis=-1)
 
@@ -106,7 +179,7 @@ def _finite(m):
   return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-def causal_mask(q_pos, k_pos):
+def causal_mask(q_pos: jax.Array | np.ndarray, k_pos: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
   """The (Q, S) bool mask of which keys each query sees under causality.
 
   Args:
@@ -128,7 +201,18 @@ def _diag(n):
 
 
 def sub_block(n: int, block: int = BLOCK) -> int:
-  """The tile size for `n` positions: all of them when n <= block, else `block`, which must divide n (FlashError)."""
+  """The tile size for `n` positions: all of them when n <= block, else `block`, which must divide n.
+
+  Args:
+    n: the number of positions (queries or keys).
+    block: the tile size (default `BLOCK`).
+
+  Returns:
+    n when n <= block, else block.
+
+  Raises:
+    FlashError: when n > block and block does not divide n.
+  """
   if n <= block:
     return n
   if n % block:
@@ -147,10 +231,25 @@ def _unstack(x, axis):
   return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
 
 
-def pair_stats(q, k, v, *, causal: bool, scale, block: int = BLOCK):
-  """(acc, m, l) of q (Q positions) on k, v (S positions) tile by tile: a `lax.map` over query tiles, each a
-  `fori_loop` over the key tiles it sees. `causal`: Q == S, aligned (query i sees keys <= i: the diagonal tile under
-  the mask, the earlier ones whole, the later ones skipped); else every key is visible."""
+def pair_stats(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float,
+               block: int = BLOCK) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(acc, m, l) of q (Q positions) on k, v (S positions), tile by tile.
+
+  A `lax.map` over query tiles, each a `fori_loop` over the key tiles it sees; at most one (block x block) tile of
+  scores per head exists at a time.
+
+  Args:
+    q: the queries q_BKGQH.
+    k: the keys k_BKSH.
+    v: the values v_BKSH.
+    causal: Q == S, aligned (query i sees keys <= i: the diagonal tile under the mask, the earlier ones whole, the
+      later ones skipped); False: every key is visible.
+    scale: the scores' factor (1/√H).
+    block: the tile size (default `BLOCK`; see `sub_block`).
+
+  Returns:
+    (acc_BKGQH, m_BKGQ, l_BKGQ), as `block_stats` computes them over all of k, v.
+  """
   Q, S = q.shape[3], k.shape[2]
   bq, bk = sub_block(Q, block), sub_block(S, block)
   if bq == Q and bk == S:
@@ -167,9 +266,26 @@ def pair_stats(q, k, v, *, causal: bool, scale, block: int = BLOCK):
   return _unstack(acc, 3), _unstack(m, 3), _unstack(l, 3)
 
 
-def pair_grads(q, k, v, do, lse, delta, *, causal: bool, scale, block: int = BLOCK):
-  """(dq, dk, dv) of `pair_stats`'s pairs, in the accumulation dtype, tile by tile: a `lax.scan` over key tiles
-  carrying dq, each a `fori_loop` over the query tiles that see it."""
+def pair_grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+               causal: bool, scale: float, block: int = BLOCK) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(dq, dk, dv) of `pair_stats`'s pairs, in the accumulation dtype, tile by tile.
+
+  A `lax.scan` over key tiles carrying dq, each a `fori_loop` over the query tiles that see it.
+
+  Args:
+    q: the queries q_BKGQH.
+    k: the keys k_BKSH.
+    v: the values v_BKSH.
+    do: the output's gradient (B, K, G, Q, H).
+    lse: the final log-sum-exp (B, K, G, Q), from `finish`.
+    delta: rowsum(do · o) (B, K, G, Q), from `row_dot`.
+    causal: Q == S, aligned (query i sees keys <= i), as in `pair_stats`; False: every key is visible.
+    scale: the scores' factor (1/√H).
+    block: the tile size (default `BLOCK`; see `sub_block`).
+
+  Returns:
+    (dq, dk, dv), in the accumulation dtype.
+  """
   Q, S = q.shape[3], k.shape[2]
   bq, bk = sub_block(Q, block), sub_block(S, block)
   if bq == Q and bk == S:

@@ -1,5 +1,7 @@
-"""PAD-Net (He, Ding, Dong et al., ACL 2023, arXiv 2211.05528; code Shwai-He/PAD-Net): a Mixture-of-Experts FFN whose
-expert weights are partitioned into dynamic (per-expert) and static (shared) entries.
+"""PAD-Net: a Mixture-of-Experts FFN whose expert weights are partitioned into dynamic and static entries.
+
+He, Ding, Dong et al., ACL 2023, arXiv 2211.05528; code Shwai-He/PAD-Net. Dynamic entries are per expert, static ones
+shared by the experts.
 
 Shapes: E experts, D d_model, F expert width; a block stack adds leading layer axes (L, ...).
 For each of the three SwiGLU matrices (gate, up, down) of expert e:
@@ -15,21 +17,27 @@ a dynamic share of
   exponential: r^{t/T}        linear: 1 − (1 − r)·t/T        (r the final dynamic ratio)
 of the entries ranked over all PAD-Net matrices of the model together ("global", the code's default `mask_scope`) or
 per expert matrix ("local", its `_local_mask`: each expert's matrix is its own parameter there). The code partitions
-once, at the start of fine-tuning (`trainer_pad.py`, epoch 0), on a random subset of the training data. Every entry is re-ranked each round: a static entry's mask gradient is defined too,
+once, at the start of fine-tuning (`trainer_pad.py`, epoch 0), on a random subset of the training data. Every entry
+is re-ranked each round: a static entry's mask gradient is defined too,
   ∂L/∂M_e = (λ_d W_e^dyn − λ_s W^static) ⊙ ∂L/∂W_e,
 the first-order loss change of switching the entry's mode, so an entry may turn dynamic again (the code does not set
 the scores of static entries to −inf either). No training happens between rounds (as in `prune_loop`).
 
-Choices of ours, stated: 5 rounds by default (the code's `prune_epochs` defaults to 1); masks are per expert entry (the code's `PadMoE` keeps one (out, in) mask buffer per layer
-that its `SingleExpert_Pad` takes as an argument); φ is one scalar per layer shared by the three matrices; the static
-weights of a converted MoE (models/surgery.py `to_padnet`) start at the experts' mean, which is the dense FFN for
-experts copied from it. The mask buffers are replicated on every device like the other buffers (bool: a quarter of a
-float32 expert stack).
+Choices of ours, stated: 5 rounds by default (the code's `prune_epochs` defaults to 1); masks are per expert entry
+(the code's `PadMoE` keeps one (out, in) mask buffer per layer that its `SingleExpert_Pad` takes as an argument); φ
+is one scalar per layer shared by the three matrices; the static weights of a converted MoE (models/surgery.py
+`to_padnet`) start at the experts' mean, which is the dense FFN for experts copied from it. The mask buffers are
+replicated on every device like the other buffers (bool: a quarter of a float32 expert stack).
+
+References:
+  He, Ding, Dong, Liu, Yu, Tao, "PAD-Net: An Efficient Framework for Dynamic Networks", ACL 2023, arXiv 2211.05528
+  (code Shwai-He/PAD-Net: `PadMoE`, `pruning/prune.py::prune_loop`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -53,33 +61,73 @@ class PadMask(nnx.Variable):
   """PAD-Net's mode mask: True where an expert's entry is dynamic (its own), False where it takes the static weight."""
 
 
-def add_parameters(moe: nnx.Module, rngs: nnx.Rngs, D: int, E: int, F: int, std: float, out_std: float, dtype):
-  """The static weights (initialised like the experts), the all-dynamic masks and φ = 0 on an MoE module."""
-  moe.static_gate_DF = param(rngs, (D, F), ("embed", "mlp"), std, dtype)
-  moe.static_up_DF = param(rngs, (D, F), ("embed", "mlp"), std, dtype)
-  moe.static_down_FD = param(rngs, (F, D), ("mlp", "embed"), out_std, dtype)
-  moe.pad_phi = param(rngs, (), (), None, dtype)  # zeros: λ_d = λ_s = 1
+def add_parameters(moe: nnx.Module, rngs: nnx.Rngs, D: int, E: int, F: int, std: float, out_std: float,
+                   dtype: jax.typing.DTypeLike):
+  """Adds PAD-Net's parameters to an MoE module, in place: with them it is still the plain MoE.
+
+  The static weights are initialised like the experts, the masks all dynamic (ones) and φ = 0 (λ_d = λ_s = 1).
+
+  Args:
+    moe: the MoE module (models/moe.py's `MoE`).
+    rngs: the static weights' random streams.
+    D: d_model.
+    E: the number of experts.
+    F: the expert width.
+    std: the initial std of the gate and up matrices.
+    out_std: the initial std of the down matrix.
+    dtype: the parameters' dtype.
+  """
+  # nnx.Module's type declares no attributes: the MoE gains these here
+  moe.static_gate_DF = param(rngs, (D, F), ("embed", "mlp"), std, dtype)  # type: ignore[attr-defined]
+  moe.static_up_DF = param(rngs, (D, F), ("embed", "mlp"), std, dtype)  # type: ignore[attr-defined]
+  moe.static_down_FD = param(rngs, (F, D), ("mlp", "embed"), out_std, dtype)  # type: ignore[attr-defined]
+  moe.pad_phi = param(rngs, (), (), None, dtype)  # type: ignore[attr-defined]  # zeros: λ_d = λ_s = 1
   for name, shape in (("mask_gate_EDF", (E, D, F)), ("mask_up_EDF", (E, D, F)), ("mask_down_EFD", (E, F, D))):
     setattr(moe, name, PadMask(jnp.ones(shape, jnp.bool_), out_sharding=(None, None, None), eager_sharding=False))
 
 
-def scales(phi) -> tuple[jax.Array, jax.Array]:
-  """(λ_d, λ_s) = (2σ(φ), 2 − 2σ(φ))."""
+def scales(phi: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(λ_d, λ_s) = (2σ(φ), 2 − 2σ(φ)).
+
+  Args:
+    phi: φ, any shape.
+
+  Returns:
+    (λ_d, λ_s), each shaped like φ; they sum to 2.
+  """
   dynamic = 2 * jax.nn.sigmoid(phi)
   return dynamic, 2 - dynamic
 
 
-def mix(w_EIO, static_IO, mask_EIO, phi):
-  """λ_d·M⊙W + λ_s·(1 − M)⊙W^static in the weights' dtype (a float mask, as IMP differentiates it, works too);
-  leading layer axes allowed: w, mask (..., E, I, O), static (..., I, O), φ (...)."""
+def mix(w_EIO: jax.Array, static_IO: jax.Array, mask_EIO: jax.Array, phi: jax.Array) -> jax.Array:
+  """The effective expert weights λ_d·M⊙W + λ_s·(1 − M)⊙W^static, in the weights' dtype.
+
+  Leading layer axes are allowed on every argument.
+
+  Args:
+    w_EIO: the experts' dynamic weights (..., E, I, O).
+    static_IO: the static weight shared by the experts (..., I, O).
+    mask_EIO: M (..., E, I, O), bool or float (a float mask, as IMP differentiates it, works too).
+    phi: φ (...).
+
+  Returns:
+    (..., E, I, O).
+  """
   dynamic, static = scales(jnp.asarray(phi, w_EIO.dtype)[..., None, None, None])
   m = mask_EIO.astype(w_EIO.dtype)
   return dynamic * m * w_EIO + static * (1 - m) * static_IO[..., None, :, :].astype(w_EIO.dtype)
 
 
 def expert_weights(moe: nnx.Module) -> dict[str, jax.Array]:
-  """{"gate", "up", "down"}: the effective expert stacks of a PAD-Net MoE module."""
-  phi = moe.pad_phi[...]
+  """The effective expert stacks of a PAD-Net MoE module (`mix` of each matrix).
+
+  Args:
+    moe: an MoE module with PAD-Net's parameters (`add_parameters`).
+
+  Returns:
+    {"gate", "up", "down": (..., E, I, O)}.
+  """
+  phi = moe.pad_phi[...]  # type: ignore[attr-defined]  # added by add_parameters, unknown to nnx.Module's type
   return {k: mix(getattr(moe, MATRICES[k])[...], getattr(moe, STATIC[k])[...], getattr(moe, MASKS[k])[...], phi)
           for k in MATRICES}
 
@@ -92,14 +140,28 @@ def _masks(model: nnx.Module) -> list[np.ndarray]:
 
 
 def dynamic_share(model: nnx.Module) -> float:
-  """The dynamic entries' share of all PAD-Net expert entries of `model` (1.0 before any partition)."""
+  """The dynamic entries' share of all PAD-Net expert entries of `model`.
+
+  Args:
+    model: a model with PAD-Net layers.
+
+  Returns:
+    The share in [0, 1] (1.0 before any partition).
+  """
   masks = _masks(model)
   return float(sum(m.sum() for m in masks) / sum(m.size for m in masks))
 
 
 def counts(model: nnx.Module) -> dict[str, int]:
-  """{"dynamic": expert entries that are dynamic, "masked": expert entries that are static (their own value unused),
-  "static": the shared static weights' entries}."""
+  """The PAD-Net entries of `model` by mode.
+
+  Args:
+    model: a model with PAD-Net layers.
+
+  Returns:
+    {"dynamic": expert entries that are dynamic, "masked": expert entries that are static (their own value unused),
+    "static": the shared static weights' entries}.
+  """
   masks = _masks(model)
   static = sum(int(np.prod(v.shape)) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
                if str(p[-1]) in STATIC.values())
@@ -108,7 +170,19 @@ def counts(model: nnx.Module) -> dict[str, int]:
 
 
 def share_at(round_: int, rounds: int, ratio: float, schedule: str) -> float:
-  """The dynamic share after IMP round `round_` (1..rounds) of `rounds`, ending at `ratio`."""
+  """The dynamic share after an IMP round.
+
+  exponential: r^{t/T}; linear: 1 − (1 − r)·t/T.
+
+  Args:
+    round_: t, the round (1..rounds).
+    rounds: T.
+    ratio: r, the final dynamic share.
+    schedule: "exponential", else linear.
+
+  Returns:
+    The share after round t (`ratio` after the last).
+  """
   if schedule == "exponential":
     return ratio ** (round_ / rounds)
   return 1.0 - (1.0 - ratio) * round_ / rounds
@@ -134,9 +208,21 @@ def _keep_top(scores: list[np.ndarray], share: float, scope: str, lead: list[int
 
 def iterative_partition(masks: list, grad_sum: Callable[[list], list], ratio: float, *, rounds: int = 5,
                         schedule: str = "exponential", scope: str = "global") -> tuple[list[np.ndarray], list[float]]:
-  """Iterative Mode Partition of PAD-Net masks (arrays of shape (..., E, I, O)) to a dynamic share `ratio`:
-  `grad_sum(float masks)` returns ∂L/∂M for each (summed over the scoring batches). Returns the new boolean masks and
-  the dynamic share after each round."""
+  """Iterative Mode Partition of PAD-Net masks to a dynamic share `ratio` (the paper's §3.2).
+
+  Each round scores every entry by |∂L/∂M| and keeps the top share (`share_at`) dynamic.
+
+  Args:
+    masks: the current masks, arrays of shape (..., E, I, O).
+    grad_sum: float masks → ∂L/∂M for each (summed over the scoring batches).
+    ratio: the final dynamic share, in (0, 1].
+    rounds: T (default 5).
+    schedule: "exponential" (default) or "linear".
+    scope: "global" (default: one ranking over all masks) or "local" (one per expert matrix).
+
+  Returns:
+    (the new boolean masks, the dynamic share after each round).
+  """
   check(ratio, rounds, schedule, scope)
   masks, shares = [np.asarray(m, bool) for m in masks], []
   for t in range(1, rounds + 1):
@@ -148,7 +234,17 @@ def iterative_partition(masks: list, grad_sum: Callable[[list], list], ratio: fl
 
 
 def check(ratio: float, rounds: int = 5, schedule: str = "exponential", scope: str = "global"):
-  """Refuses (PadNetError, one line) a partition's arguments that cannot work."""
+  """Refuses a partition's arguments that cannot work, in one line.
+
+  Args:
+    ratio: the final dynamic share, which must lie in (0, 1].
+    rounds: the IMP rounds, at least 1 (default 5).
+    schedule: one of `SCHEDULES` (default "exponential").
+    scope: one of `SCOPES` (default "global").
+
+  Raises:
+    PadNetError: when an argument is out of range or unknown.
+  """
   if not 0.0 < ratio <= 1.0:
     raise PadNetError(f"the dynamic ratio must lie in (0, 1], got {ratio}")
   if rounds < 1:
@@ -157,13 +253,25 @@ def check(ratio: float, rounds: int = 5, schedule: str = "exponential", scope: s
     raise PadNetError(f"schedule must be one of {SCHEDULES} and scope one of {SCOPES}, got {schedule!r}, {scope!r}")
 
 
-def partition(model: nnx.Module, loss_fn: Callable[[nnx.Module, object], jax.Array], batches, ratio: float, *,
+def partition(model: nnx.Module, loss_fn: Callable[[nnx.Module, object], jax.Array], batches: list, ratio: float, *,
               rounds: int = 5, schedule: Literal["exponential", "linear"] = "exponential",
               scope: Literal["local", "global"] = "global") -> list[float]:
-  """`iterative_partition` of every PAD-Net layer of `model`, in place, scored on `batches` (a list;
-  `loss_fn(model, batch)` → the scalar loss). Returns the dynamic share after each round."""
+  """`iterative_partition` of every PAD-Net layer of `model`, in place.
+
+  Args:
+    model: a model with PAD-Net layers (refused otherwise: PadNetError); its masks are replaced.
+    loss_fn: `loss_fn(model, batch)` → the scalar loss.
+    batches: the scoring batches (a list); the mask gradients are summed over them.
+    ratio: the final dynamic share, in (0, 1].
+    rounds: the IMP rounds (default 5).
+    schedule: "exponential" (default) or "linear".
+    scope: "global" (default) or "local".
+
+  Returns:
+    The dynamic share after each round.
+  """
   _masks(model)  # refuses a model without PAD-Net layers
-  graphdef, masks, rest = nnx.split(model, PadMask, ...)
+  graphdef, masks, rest = nnx.split(model, PadMask, ...)  # type: ignore[misc]  # flax: variadic tuple of states
   leaves, treedef = jax.tree.flatten(masks)
 
   @jax.jit

@@ -10,7 +10,8 @@ back into plain `Param`s.
 
 Methods, in this file's (fan_in, fan_out) layout (a Hugging Face / PEFT weight is the transpose, (out, in)); A is
 (fan_in, r), B is (r, fan_out), s = alpha / r, every adapter is the identity at initialisation:
-  lora            W = W0 + s·A B                                  A ~ U(±1/√fan_in) (PEFT's kaiming-uniform, a=√5), B = 0
+  lora            W = W0 + s·A B                                  A ~ U(±1/√fan_in) (PEFT's kaiming-uniform, a=√5),
+                                                                  B = 0
   dora            W = (W0 + s·A B) · diag(m / ‖W0 + s·A B‖_col)   m (fan_out,) = ‖W0‖_col at init; the column norm
                                                                   (PEFT's per-output-row norm) is treated as a
                                                                   constant in the backward pass, as PEFT and the
@@ -57,13 +58,23 @@ dense products' flops when r ≪ I, O) and a step 6IOr more. `weight()` (`[...]`
 export and the tests read it, and so do the MoE experts, whose dispatch (sharding/experts.py) takes whole expert
 stacks: adapters on routed experts run merged (their W formed, dL/dW projected), as before.
 Shapes: ... leading axes (layers, experts), N rows of x (any leading shape), I fan_in, O fan_out, R rank, P r_p.
+
+References:
+  Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022, arXiv 2106.09685.
+  Liu et al., "DoRA: Weight-Decomposed Low-Rank Adaptation", ICML 2024, arXiv 2402.09353 (code NVlabs/DoRA).
+  Chang, Xue, Li, Liu, Xu, Zhang, "Calibrating and Rotating: A Unified Framework for Weight Conditioning in PEFT",
+  AAAI 2026, arXiv 2511.00051 (Pre-Diag and SORA; code MaeChd/SORA, `SoraLinear`).
+  He, Ding, Dong, Zhang, Tao, "SparseAdapter: An Easy Approach for Improving the Parameter-Efficiency of Adapters",
+  Findings of EMNLP 2022, arXiv 2210.04284 (code Shwai-He/SparseAdapter).
+  Lee, Ajanthan, Torr, "SNIP: Single-shot Network Pruning based on Connection Sensitivity", ICLR 2019,
+  arXiv 1810.02340.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -102,9 +113,20 @@ def _uniform(key, shape, bound, dtype):
 
 
 class Adapter(nnx.Module):
-  """A frozen weight `w0` (..., I, O) and a low-rank update s·A B; `[...]` reads the effective weight."""
+  """A frozen weight `w0` (..., I, O) and a low-rank update s·A B; `[...]` reads the effective weight.
 
-  def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key, dtype):
+  A ~ U(±1/√fan_in) (PEFT's kaiming-uniform, a=√5), B = 0: the identity at initialisation.
+
+  Args:
+    w0: the weight it adapts (..., I, O), kept as a `Frozen` variable; A and B inherit its logical axis names, the
+      rank axis named `ADAPTER_AXIS`.
+    rank: r.
+    alpha: α; the update's scale is s = α / r.
+    key: A's PRNG key.
+    dtype: A's and B's dtype.
+  """
+
+  def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike):
     *lead, fan_in, fan_out = w0.shape
     names = _names(w0)
     self.w0 = _var(Frozen, w0.get_value(), names)
@@ -115,56 +137,132 @@ class Adapter(nnx.Module):
 
   @property
   def names(self) -> tuple:
+    """The logical axis names of the adapted weight (those of w0)."""
     return _names(self.w0)
 
-  def factors(self):
+  def factors(self) -> tuple[jax.Array, jax.Array]:
+    """The factors as the products use them.
+
+    Returns:
+      (A (..., I, R), B (..., R, O)).
+    """
     return self.a_IR[...], self.b_RO[...]
 
   def delta(self) -> jax.Array:
+    """The update s·A B, formed.
+
+    Returns:
+      (..., I, O).
+    """
     a, b = self.factors()
     return self.scale * jnp.einsum("...ir,...ro->...io", a, b)
 
   def base(self) -> jax.Array:
+    """The frozen weight W0 in the adapters' dtype.
+
+    Returns:
+      (..., I, O).
+    """
     return self.w0[...].astype(self.a_IR.dtype)
 
   def weight(self) -> jax.Array:
+    """The effective weight W0 + s·A B, formed (what `[...]` reads, and `merge` keeps).
+
+    Returns:
+      (..., I, O).
+    """
     return self.base() + self.delta()
 
   def __getitem__(self, index):
     return self.weight()[index]
 
-  def matmul(self, x_NI, dt) -> jax.Array:
-    """x @ weight() in compute dtype `dt`, factorized: x W0 + s·(x A) B. With leading axes, x_NI has them too."""
+  def matmul(self, x_NI: jax.Array, dt: jax.typing.DTypeLike) -> jax.Array:
+    """X @ weight() in compute dtype `dt`, factorized: x W0 + s·(x A) B.
+
+    Args:
+      x_NI: the input rows (N, I); with leading axes, x_NI has them too.
+      dt: the compute dtype.
+
+    Returns:
+      (N, O) in `dt`.
+    """
     return self.base_matmul(x_NI, dt) + self.low_rank(x_NI, dt)
 
-  def base_matmul(self, x_NI, dt) -> jax.Array:
-    """x W0, the frozen weight read as `base()` does (adapter dtype), then in `dt`."""
+  def base_matmul(self, x_NI: jax.Array, dt: jax.typing.DTypeLike) -> jax.Array:
+    """X W0, the frozen weight read as `base()` does (adapter dtype), then in `dt`.
+
+    Args:
+      x_NI: the input rows (N, I).
+      dt: the compute dtype.
+
+    Returns:
+      (N, O) in `dt`.
+    """
     return x_NI @ self.base().astype(dt)
 
-  def low_rank(self, x_NI, dt) -> jax.Array:
-    """s·(x A) B: two rank-R products, never A B."""
+  def low_rank(self, x_NI: jax.Array, dt: jax.typing.DTypeLike) -> jax.Array:
+    """s·(x A) B: two rank-R products, never A B.
+
+    Args:
+      x_NI: the input rows (N, I).
+      dt: the compute dtype.
+
+    Returns:
+      (N, O) in `dt`.
+    """
     a_IR, b_RO = self.factors()
     return self.scale * ((x_NI @ a_IR.astype(dt)) @ b_RO.astype(dt))
 
 
 class LoRA(Adapter):
-  pass
+  """LoRA: W = W0 + s·A B (the `Adapter` itself), its product x W0 + s·(x A) B.
+
+  References:
+    Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022, arXiv 2106.09685.
+  """
 
 
 class DoRA(Adapter):
-  def __init__(self, w0, rank, alpha, key, dtype):
+  """DoRA: W = (W0 + s·A B) · diag(m / ‖W0 + s·A B‖_col), m (..., O) = ‖W0‖_col at init.
+
+  The column norm (PEFT's per-output-row norm) is a constant of the backward pass, as PEFT and the DoRA paper (§4.3)
+  treat it.
+
+  Args:
+    w0: the weight it adapts (..., I, O).
+    rank: r.
+    alpha: α (s = α / r).
+    key: A's PRNG key.
+    dtype: the adapter's dtype.
+
+  References:
+    Liu et al., "DoRA: Weight-Decomposed Low-Rank Adaptation", ICML 2024, arXiv 2402.09353, §4.3 (code NVlabs/DoRA;
+    PEFT's `tuners/lora/dora.py`).
+  """
+
+  def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike):
     super().__init__(w0, rank, alpha, key, dtype)
     names = self.names
     self.m_O = _var(nnx.Param, jnp.linalg.norm(self.base(), axis=-2), (*names[:-2], names[-1]))
 
-  def weight(self):
+  def weight(self) -> jax.Array:
+    """The effective weight (W0 + s·A B) · diag(m / ‖W0 + s·A B‖_col), the norm a constant of the backward.
+
+    Returns:
+      (..., I, O).
+    """
     v = self.base() + self.delta()
     norm = jax.lax.stop_gradient(jnp.linalg.norm(v, axis=-2, keepdims=True))
     return v * (self.m_O[...][..., None, :] / norm)
 
   def column_norm(self) -> jax.Array:
-    """(..., O) ‖W0 + s·A B‖_col without A B, a constant of the backward:
-    n² = ‖W0‖²_col + 2s·diag((W0ᵀA) B) + s²·diag(Bᵀ(AᵀA) B)."""
+    """‖W0 + s·A B‖_col without forming A B, a constant of the backward.
+
+    n² = ‖W0‖²_col + 2s·diag((W0ᵀA) B) + s²·diag(Bᵀ(AᵀA) B).
+
+    Returns:
+      n (..., O), ≥ 0.
+    """
     w0_IO = self.base()
     a_IR, b_RO = (jax.lax.stop_gradient(f) for f in self.factors())
     cross_O = jnp.sum(jnp.einsum("...io,...ir->...ro", w0_IO, a_IR) * b_RO, axis=-2)  # (W0ᵀA)ᵀ: (R, O), not AB
@@ -173,27 +271,83 @@ class DoRA(Adapter):
     n2_O = jnp.sum(jnp.square(w0_IO), axis=-2) + 2 * self.scale * cross_O + self.scale ** 2 * square_O
     return jax.lax.stop_gradient(jnp.sqrt(jnp.maximum(n2_O, 0.0)))  # ≥ 0 up to rounding
 
-  def matmul(self, x_NI, dt):
-    """(x W0 + s·(x A) B) ⊙ m / n."""
+  def matmul(self, x_NI: jax.Array, dt: jax.typing.DTypeLike) -> jax.Array:
+    """(x W0 + s·(x A) B) ⊙ m / n, n the `column_norm`.
+
+    Args:
+      x_NI: the input rows (N, I).
+      dt: the compute dtype.
+
+    Returns:
+      (N, O) in `dt`.
+    """
     return super().matmul(x_NI, dt) * (self.m_O[...] / self.column_norm())[..., None, :].astype(dt)
 
 
 class PreDiag(Adapter):
-  def __init__(self, w0, rank, alpha, key, dtype):
+  """Pre-Diag ("calibrating"): W = W0 · diag(d) + s·A B, d (..., O) = 1 at init: the diagonal before the update.
+
+  Args:
+    w0: the weight it adapts (..., I, O).
+    rank: r.
+    alpha: α (s = α / r).
+    key: A's PRNG key.
+    dtype: the adapter's dtype.
+
+  References:
+    Chang et al., "Calibrating and Rotating: A Unified Framework for Weight Conditioning in PEFT", AAAI 2026,
+    arXiv 2511.00051 (code MaeChd/SORA; shared/reference/methods.md §7).
+  """
+
+  def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike):
     super().__init__(w0, rank, alpha, key, dtype)
     names = self.names
     self.d_O = _var(nnx.Param, jnp.ones(w0.shape[:-2] + w0.shape[-1:], dtype), (*names[:-2], names[-1]))
 
-  def weight(self):
+  def weight(self) -> jax.Array:
+    """The effective weight W0 · diag(d) + s·A B.
+
+    Returns:
+      (..., I, O).
+    """
     return self.base() * self.d_O[...][..., None, :] + self.delta()
 
-  def matmul(self, x_NI, dt):
-    """(x W0) ⊙ d + s·(x A) B."""
+  def matmul(self, x_NI: jax.Array, dt: jax.typing.DTypeLike) -> jax.Array:
+    """(x W0) ⊙ d + s·(x A) B.
+
+    Args:
+      x_NI: the input rows (N, I).
+      dt: the compute dtype.
+
+    Returns:
+      (N, O) in `dt`.
+    """
     return self.base_matmul(x_NI, dt) * self.d_O[...][..., None, :].astype(dt) + self.low_rank(x_NI, dt)
 
 
 class SORA(PreDiag):
-  def __init__(self, w0, rank, alpha, key, dtype, r_p: int = 4, s0: float = 1.0):
+  """SORA: W = W'(I + S), W' Pre-Diag's, S = s_p (C Dᵀ − D Cᵀ) skew-symmetric (an output-side rotation).
+
+  s_p = min(s0 / (‖C‖_F + ‖D‖_F + 1e-6), 1); C, D (..., O, r_p): C ~ U(±1/√fan_out), D = C, so S = 0 at init.
+  y(I + S) is the reference forward (`SoraLinear`); the merge uses the same formula (the reference's merge omits the
+  identity, shared/reference/methods.md §7's caveat).
+
+  Args:
+    w0: the weight it adapts (..., I, O).
+    rank: r.
+    alpha: α (s = α / r).
+    key: split into A's and C's PRNG keys (D = C).
+    dtype: the adapter's dtype.
+    r_p: the rotation's rank (default 4).
+    s0: the reference's initial_s_p (default 1.0).
+
+  References:
+    Chang et al., "Calibrating and Rotating: A Unified Framework for Weight Conditioning in PEFT", AAAI 2026,
+    arXiv 2511.00051 (code MaeChd/SORA, `peft/tuners/sora/layer.py`).
+  """
+
+  def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike,
+               r_p: int = 4, s0: float = 1.0):
     k1, k2 = jax.random.split(key)
     super().__init__(w0, rank, alpha, k1, dtype)
     names, fan_out = self.names, w0.shape[-1]
@@ -203,19 +357,38 @@ class SORA(PreDiag):
     self.d_OP = _var(nnx.Param, jnp.copy(c), (*names[:-2], names[-1], ADAPTER_AXIS))  # equal, not the same buffer
 
   def s_p(self) -> jax.Array:
-    """(...,): per matrix, min(s0 / (‖C‖_F + ‖D‖_F + 1e-6), 1)."""
+    """The rotation's scale per matrix, min(s0 / (‖C‖_F + ‖D‖_F + 1e-6), 1).
+
+    Returns:
+      (...,).
+    """
     fro = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1)))
     return jnp.minimum(self.s0 / (fro(self.c_OP[...]) + fro(self.d_OP[...]) + 1e-6), 1.0)
 
-  def weight(self):
+  def weight(self) -> jax.Array:
+    """The effective weight W'(I + S) = W' + s_p((W'C)Dᵀ − (W'D)Cᵀ).
+
+    Returns:
+      (..., I, O).
+    """
     w = super().weight()
     c, d = self.c_OP[...], self.d_OP[...]
     ws = jnp.einsum("...io,...op,...qp->...iq", w, c, d) - jnp.einsum("...io,...op,...qp->...iq", w, d, c)
     return w + self.s_p()[..., None, None] * ws
 
-  def matmul(self, x_NI, dt):
-    """y' + s_p·((y' C) Dᵀ − (y' D) Cᵀ) = y'(I + S), y' Pre-Diag's x W'. The two terms are formed apart (not as
-    (y'[C D]) [D −C]ᵀ, the same flops) so that they cancel exactly while C = D: the identity at init is exact."""
+  def matmul(self, x_NI: jax.Array, dt: jax.typing.DTypeLike) -> jax.Array:
+    """Y' + s_p·((y' C) Dᵀ − (y' D) Cᵀ) = y'(I + S), y' Pre-Diag's x W'.
+
+    The two terms are formed apart (not as (y'[C D]) [D −C]ᵀ, the same flops) so that they cancel exactly while
+    C = D: the identity at init is exact.
+
+    Args:
+      x_NI: the input rows (N, I).
+      dt: the compute dtype.
+
+    Returns:
+      (N, O) in `dt`.
+    """
     y_NO = super().matmul(x_NI, dt)
     c_OP, d_OP = self.c_OP[...].astype(dt), self.d_OP[...].astype(dt)
     t = lambda m: jnp.swapaxes(m, -1, -2)
@@ -224,12 +397,33 @@ class SORA(PreDiag):
 
 
 class SparseAdapter(Adapter):
-  def __init__(self, w0, rank, alpha, key, dtype):
+  """A LoRA whose factors are masked: W = W0 + s·(A ⊙ M_A)(B ⊙ M_B), the masks `Mask`s (all ones until `snip_prune`).
+
+  `apply` gives it rank r/(1 − sparsity) ("Large-Sparse": the same surviving budget as rank r).
+
+  Args:
+    w0: the weight it adapts (..., I, O).
+    rank: its rank before pruning.
+    alpha: α (s = α / rank).
+    key: A's PRNG key.
+    dtype: the adapter's dtype (and the masks').
+
+  References:
+    He, Ding, Dong, Zhang, Tao, "SparseAdapter: An Easy Approach for Improving the Parameter-Efficiency of Adapters",
+    Findings of EMNLP 2022, arXiv 2210.04284 (code Shwai-He/SparseAdapter).
+  """
+
+  def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike):
     super().__init__(w0, rank, alpha, key, dtype)
     self.mask_a = _var(Mask, jnp.ones(self.a_IR.shape, dtype), _names(self.a_IR))
     self.mask_b = _var(Mask, jnp.ones(self.b_RO.shape, dtype), _names(self.b_RO))
 
-  def factors(self):
+  def factors(self) -> tuple[jax.Array, jax.Array]:
+    """The masked factors, as the products use them.
+
+    Returns:
+      (A ⊙ M_A, B ⊙ M_B).
+    """
     return self.a_IR[...] * self.mask_a[...], self.b_RO[...] * self.mask_b[...]
 
 
@@ -250,17 +444,33 @@ def _param_slots(model: nnx.Module):
 
 
 def apply(model: nnx.Module, method: str, targets: str = DEFAULT_TARGETS, rank: int = 8, alpha: float = 16.0, *,
-          seed: int = 0, base_dtype=None, r_p: int = 4, s0: float = 1.0, sparsity: float = 0.5) -> nnx.Module:
-  """Adapts `model` in place (and returns it): target weights become adapters, every other parameter `Frozen`.
+          seed: int = 0, base_dtype: jax.typing.DTypeLike | None = None, r_p: int = 4, s0: float = 1.0,
+          sparsity: float = 0.5) -> nnx.Module:
+  """Adapts `model` in place: target weights become adapters, every other parameter `Frozen`.
+
+  Every check runs before the model changes.
 
   Args:
+    model: the model (changed in place).
     method: one of `METHODS`.
     targets: a regular expression searched in each parameter's path (`blocks/wq_DQ`, `blocks/moe/w_up_EDF`, ...);
-      it must match at least one weight of two or more dimensions.
-    rank, alpha: r and α (scale α/r). For `sparse_adapter`, r is the budget: the adapter has rank
-      round(r / (1 − sparsity)) before pruning, so r·(I + O) weights survive it on average.
+      it must match at least one weight of two or more dimensions (default `DEFAULT_TARGETS`).
+    rank: r (default 8). For `sparse_adapter`, r is the budget: the adapter has rank round(r / (1 − sparsity))
+      before pruning, so r·(I + O) weights survive it on average.
+    alpha: α (default 16.0); the update's scale is α/r.
+    seed: the adapters' initialisation seed (default 0).
     base_dtype: the frozen weights' dtype (e.g. jnp.bfloat16); default unchanged. Adapters keep the parameter dtype.
-    r_p, s0: SORA's rotation rank and initial_s_p. sparsity: `sparse_adapter`'s pruned share, in [0, 1).
+    r_p: SORA's rotation rank (default 4).
+    s0: SORA's initial_s_p (default 1.0).
+    sparsity: `sparse_adapter`'s pruned share, in [0, 1) (default 0.5).
+
+  Returns:
+    The model.
+
+  Raises:
+    PEFTError: when the method is unknown, rank (or SORA's r_p) < 1, sparsity lies outside [0, 1), `targets` is not
+      a regular expression or matches no weight matrix, the model already has adapters, or prediag / sora targets a
+      projection with a bias.
   """
   if method not in CLASSES:
     raise PEFTError(f"unknown PEFT method {method!r}; choose one of {', '.join(METHODS)}")
@@ -285,7 +495,7 @@ def apply(model: nnx.Module, method: str, targets: str = DEFAULT_TARGETS, rank: 
     if method in ("prediag", "sora") and getattr(module, BIASES.get(name, ""), None) is not None:
       raise PEFTError(f"{method} on {path}: the projection has a bias, which the reference scales and rotates with "
                       "the output; not supported (use lora or dora, or targets without q/k/v)")
-  for (module, name, path, param), key in zip(chosen, keys):
+  for (module, name, _, param), key in zip(chosen, keys):
     extra = {"r_p": r_p, "s0": s0} if method == "sora" else {}
     adapter = CLASSES[method](param, width, alpha, key, param.dtype, **extra)
     if base_dtype is not None:
@@ -299,16 +509,32 @@ def apply(model: nnx.Module, method: str, targets: str = DEFAULT_TARGETS, rank: 
 
 
 def adapters(model: nnx.Module) -> list[tuple[str, Adapter]]:
+  """The adapters of a model.
+
+  Args:
+    model: a model `apply` adapted.
+
+  Returns:
+    [(path, Adapter)] in graph order.
+  """
   return [(_path(p), n) for p, n in nnx.iter_graph(model) if isinstance(n, Adapter)]
 
 
 def merge(model: nnx.Module) -> nnx.Module:
-  """Folds every adapter into a plain `Param` (its effective weight) and makes `Frozen` parameters `Param`s again,
-  in place; the merged model computes what the adapted one did. Merged weights take the model's parameter dtype
+  """Folds every adapter into a plain `Param` and makes `Frozen` parameters `Param`s again, in place.
+
+  The merged model computes what the adapted one did. Merged weights take the model's parameter dtype
   (`model.c.param_dtype`, the adapters' own: a bfloat16 base plus a float32 update is not rounded to bfloat16), and
-  so do frozen ones (exactly: a widening cast). A model without a config keeps the stored dtypes."""
+  so do frozen ones (exactly: a widening cast). A model without a config keeps the stored dtypes.
+
+  Args:
+    model: an adapted model (changed in place).
+
+  Returns:
+    The model, its adapters folded into their effective weights.
+  """
   config = getattr(model, "c", None)
-  for path, node in list(nnx.iter_graph(model)):
+  for _, node in list(nnx.iter_graph(model)):
     if isinstance(node, nnx.Module) and not isinstance(node, Adapter):
       for name, value in list(vars(node).items()):
         if isinstance(value, Adapter):
@@ -321,7 +547,14 @@ def merge(model: nnx.Module) -> nnx.Module:
 
 
 def trainable_count(model: nnx.Module) -> int:
-  """Adapter weights that can change: every Param entry, less the pruned ones of sparse adapters."""
+  """Adapter weights that can change: every Param entry, less the pruned ones of sparse adapters.
+
+  Args:
+    model: an adapted model (or one under `jax.eval_shape`: then the count before pruning).
+
+  Returns:
+    The number of trainable entries.
+  """
   total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   for _, a in adapters(model):
     if isinstance(a, SparseAdapter):
@@ -333,11 +566,30 @@ def trainable_count(model: nnx.Module) -> int:
 
 def snip_prune(model: nnx.Module, loss_fn: Callable[[nnx.Module], jax.Array], sparsity: float, *,
                seed: int = 0) -> nnx.Module:
-  """Prunes the sparse adapters of `model` at initialisation by SNIP (Lee et al. 2019; SparseAdapter's criterion):
-  connection sensitivity |θ · ∂L/∂θ| of every adapter weight on `loss_fn(model)` (one batch), the `sparsity` share
-  with the smallest scores masked out over all adapters together (global, as SNIP ranks). B is zero at init, which
-  gives every weight a zero score, so the scores are taken with B at a probe draw (A's distribution, U(±1/√r)) and
-  B is zeroed again afterwards: the model stays the identity and pruned entries never train (their mask is 0)."""
+  """Prunes the sparse adapters of `model` at initialisation by SNIP (SparseAdapter's criterion), in place.
+
+  The connection sensitivity |θ · ∂L/∂θ| of every adapter weight is taken on `loss_fn(model)` (one batch), and the
+  `sparsity` share with the smallest scores masked out over all adapters together (global, as SNIP ranks). B is zero
+  at init, which gives every weight a zero score, so the scores are taken with B at a probe draw (A's distribution,
+  U(±1/√r)) and B is zeroed again afterwards: the model stays the identity and pruned entries never train (their
+  mask is 0).
+
+  Args:
+    model: a model adapted with method="sparse_adapter" (changed in place).
+    loss_fn: the loss of the model on one batch.
+    sparsity: the pruned share, in [0, 1).
+    seed: the seed of B's probe draw (default 0).
+
+  Returns:
+    The model, its masks set.
+
+  Raises:
+    PEFTError: when the model has no sparse adapter, or sparsity lies outside [0, 1).
+
+  References:
+    Lee, Ajanthan, Torr, "SNIP: Single-shot Network Pruning based on Connection Sensitivity", ICLR 2019,
+    arXiv 1810.02340.
+  """
   sparse = [(p, a) for p, a in nnx.iter_graph(model) if isinstance(a, SparseAdapter)]
   if not sparse:
     raise PEFTError("snip_prune needs a model adapted with method='sparse_adapter'")

@@ -13,22 +13,39 @@ experts (transformers stores the experts of a layer fused, where PEFT's LoRA doe
 
 from __future__ import annotations
 
-import numpy as np
 import jax
+import numpy as np
 
 from models import peft
 from models.hf import HFError, architecture_of, tensor_map, write_dir
+from models.transformer import Transformer
 
 
-def to_hf_peft(model, path: str, base_model_name_or_path: str | None = None) -> str:
-  """Writes the adapters of `model` (adapted by `models.peft.apply` with lora or dora) to directory `path`."""
+def to_hf_peft(model: Transformer, path: str, base_model_name_or_path: str | None = None) -> str:
+  """Writes the adapters of `model` to directory `path` in PEFT's adapter format.
+
+  The files are adapter_config.json and adapter_model.safetensors, with each layer's A and B transposed to PEFT's
+  (r, in) and (out, r) (and DoRA's magnitude vector), under the Hugging Face module names of the model's architecture.
+
+  Args:
+    model: a model adapted by `models.peft.apply` with lora or dora.
+    path: the directory to write.
+    base_model_name_or_path: recorded in adapter_config.json (PEFT's field); default None.
+
+  Returns:
+    `path`.
+
+  Raises:
+    HFError: when the model has no adapters, or adapters PEFT's format cannot hold: other kinds than LoRA or DoRA, a
+      mix of them, different ranks or scales, or adapters on MoE experts.
+  """
   found = peft.adapters(model)
   if not found:
     raise HFError("the model has no adapters (models.peft.apply first)")
   kinds = {type(a) for _, a in found}
   if not kinds <= {peft.LoRA, peft.DoRA} or len(kinds) > 1:
-    names = sorted(k.__name__ for k in kinds)
-    raise HFError(f"PEFT's adapter format holds LoRA or DoRA adapters, this model has {', '.join(names)}; export "
+    kind_names = sorted(k.__name__ for k in kinds)
+    raise HFError(f"PEFT's adapter format holds LoRA or DoRA adapters, this model has {', '.join(kind_names)}; export "
                   f"the merged weights instead")
   ranks = {(a.a_IR.shape[-1], a.scale) for _, a in found}
   if len(ranks) > 1:

@@ -1,5 +1,7 @@
-"""Post-training quantization of the transformer's projections on qwix's quantizer: weights at 2, 3, 4, 8 or 16 bits
-(per output channel or per group of inputs, symmetric or not) and, for W8A8, activations at 8 bits.
+"""Post-training quantization of the transformer's projections on qwix's quantizer.
+
+Weights at 2, 3, 4, 8 or 16 bits (per output channel or per group of inputs, symmetric or not) and, for W8A8,
+activations at 8 bits.
 
 A plan says, for every layer of every target projection, how it is quantized: a `Spec` (algorithm, bits, group,
 symmetric, act_bits, alpha). `quantize(model, plan, tokens)` replaces each target weight, a layer-stacked Param
@@ -24,14 +26,22 @@ A 16-bit layer is not quantized: its weight is rounded to bfloat16 (scale 1); a 
 so a plan can quantize some layers of a projection and not others. Embeddings, the head, norms, biases and
 MoE routers stay in full precision (as GPTQ, AWQ and SmoothQuant leave them).
 
-Written here, not taken from qwix.contrib: GPTQ (qwix's unrolls a Python loop over columns: ~100 s for one 32×256
-matrix on this CPU, eager or jitted; this one runs a `lax.fori_loop` per batch, the same arithmetic, and is checked
-against qwix's on a small matrix) and AWQ's search (qwix scores a scale by the activation-weighted weight error, the
-paper by the output error on the calibration set, which is what this does). Calibration is sequential: layer l is
-calibrated on the inputs the already-quantized layers 0..l−1 give it (within a layer, every projection sees the
-full-precision layer's inputs). Algorithms other than rtn need the projection's inputs, recorded on dense blocks'
-attention and MLP projections; MoE experts take rtn only.
+Written here, not taken from qwix.contrib: GPTQ (qwix's unrolls a Python loop over columns, slow whether eager or
+jitted: see docs/quantization.md; this one runs a `lax.fori_loop` per batch, the same arithmetic,
+and is checked against qwix's on a small matrix) and AWQ's search (qwix scores a scale by the activation-weighted
+weight error, the paper by the output error on the calibration set, which is what this does). Calibration is
+sequential: layer l is calibrated on the inputs the already-quantized layers 0..l−1 give it (within a layer, every
+projection sees the full-precision layer's inputs). Algorithms other than rtn need the projection's inputs, recorded
+on dense blocks' attention and MLP projections; MoE experts take rtn only.
 Shapes: ... leading axes of one layer's weight (experts), I fan_in, O fan_out, G groups (I / group, or 1).
+
+References:
+  Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+  Transformers", ICLR 2023, arXiv 2210.17323 (code IST-DASLab/gptq).
+  Lin et al., "AWQ: Activation-aware Weight Quantization for LLM Compression and Acceleration", MLSys 2024,
+  arXiv 2306.00978 (code mit-han-lab/llm-awq).
+  Xiao et al., "SmoothQuant: Accurate and Efficient Post-Training Quantization for Large Language Models", ICML 2023,
+  arXiv 2211.10438 (code mit-han-lab/smoothquant).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +58,7 @@ from flax import nnx
 from qwix._src.core import qarray
 from qwix.contrib import smooth_quant
 
+from models.transformer import Transformer
 from sharding.state import variable_names
 
 ALGORITHMS = ("rtn", "gptq", "awq", "smoothquant")
@@ -68,7 +80,16 @@ class QuantError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """How one layer of one projection is quantized."""
+  """How one layer of one projection is quantized.
+
+  Attributes:
+    algorithm: one of `ALGORITHMS` (default "rtn").
+    bits: the weight's width, one of `BITS` (default 4; 16: rounded to bfloat16, 32: left in float32).
+    group: inputs per scale; 0 (default): one scale per output channel.
+    symmetric: absmax scales (default), else min/max with zero points (4 or 8 bits).
+    act_bits: 0 (default): activations in full precision; 8: W8A8-style per-token int8.
+    alpha: SmoothQuant's migration strength, in [0, 1] (default 0.5).
+  """
   algorithm: str = "rtn"
   bits: int = 4
   group: int = 0  # inputs per scale; 0: one scale per output channel
@@ -76,7 +97,19 @@ class Spec:
   act_bits: int = 0  # 0: activations in full precision; 8: W8A8-style per-token int8
   alpha: float = 0.5  # SmoothQuant's migration strength
 
-  def check(self, where: str = "") -> "Spec":
+  def check(self, where: str = "") -> Spec:
+    """Refuses a spec that cannot be applied.
+
+    Args:
+      where: what the spec is for (e.g. "blocks/wq_DQ layer 3"), to name it in the message; default none.
+
+    Returns:
+      The spec itself.
+
+    Raises:
+      QuantError: when the algorithm, bits or act_bits is unknown, an asymmetric spec is not at 4 or 8 bits, the
+        group is negative or alpha lies outside [0, 1].
+    """
     at = f"{where}: " if where else ""
     if self.algorithm not in ALGORITHMS:
       raise QuantError(f"{at}unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -96,13 +129,28 @@ class Spec:
 Plan = dict  # projection path (e.g. "blocks/wq_DQ") -> [Spec per layer]
 
 
-def qtype(bits: int):
-  """qwix's logical type for a width: int4/int8 dtypes, its emulated 'int2'/'int3'."""
+def qtype(bits: int) -> Any:
+  """Qwix's logical type for a width.
+
+  Args:
+    bits: 2, 3, 4 or 8.
+
+  Returns:
+    jnp.int4 / jnp.int8, or qwix's emulated "int2" / "int3".
+  """
   return {2: "int2", 3: "int3", 4: jnp.int4, 8: jnp.int8}[bits]
 
 
 def how(spec: Spec, ndim: int = 2) -> qarray.HowToQuantize:
-  """qwix's recipe for a weight (..., I, O): one scale per output channel (and per leading index) or per group."""
+  """Qwix's recipe for a weight (..., I, O): one scale per output channel (and per leading index) or per group.
+
+  Args:
+    spec: the layer's spec (its bits, group and symmetric are read).
+    ndim: the weight's number of dimensions (default 2: (I, O)).
+
+  Returns:
+    The `qarray.HowToQuantize`: absmax calibration when symmetric, else min/max.
+  """
   return qarray.HowToQuantize(qtype=qtype(spec.bits), channelwise_axes=tuple(a for a in range(ndim) if a != ndim - 2),
                               tiled_axes={ndim - 2: spec.group} if spec.group else {},
                               calibration_method="absmax" if spec.symmetric else "minmax")
@@ -113,8 +161,16 @@ def how(spec: Spec, ndim: int = 2) -> qarray.HowToQuantize:
 
 @dataclasses.dataclass
 class Piece:
-  """One layer of a quantized projection: codes (..., I, O) (integers, or bfloat16 weights at 16 bits), scale
-  (..., G, O), zero (..., G, O) or None, smooth (..., I): w ≈ (codes − zero) · scale / smooth."""
+  """One layer of a quantized projection: w ≈ (codes − zero) · scale / smooth.
+
+  Attributes:
+    codes: (..., I, O), integers (bfloat16 weights at 16 bits).
+    scale: (..., G, O).
+    zero: (..., G, O), or None (symmetric).
+    smooth: (..., I), the per-input smoothing (ones for rtn and gptq).
+    bits: the weight's width.
+    act_bits: the activations' width (0: full precision).
+  """
   codes: jax.Array
   scale: jax.Array
   zero: jax.Array | None
@@ -131,20 +187,45 @@ class Stats:
   max_abs: jax.Array
 
   @staticmethod
-  def of(x) -> "Stats":
+  def of(x: jax.Array) -> Stats:
+    """The statistics of a projection's recorded inputs.
+
+    Args:
+      x: the inputs (..., I) (every leading axis a token), any float dtype.
+
+    Returns:
+      Their `Stats`, in float32.
+    """
     x = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1])
     return Stats(x.T @ x, jnp.mean(jnp.abs(x), 0), jnp.max(jnp.abs(x), 0))
 
 
-def rtn(w, spec: Spec) -> tuple:
-  """(codes, scale, zero | None) of qwix's round-to-nearest."""
+def rtn(w: jax.Array, spec: Spec) -> tuple:
+  """Qwix's round-to-nearest of one layer's weight.
+
+  Args:
+    w: the weight (..., I, O).
+    spec: its spec (bits, group, symmetric).
+
+  Returns:
+    (codes (..., I, O), scale (..., G, O), zero (..., G, O) or None), codes and zero in float32.
+  """
   q = qarray.quantize(jnp.asarray(w, jnp.float32), how(spec, w.ndim))
   zero = None if q.zero_point is None else q.zero_point.astype(jnp.float32)
   return q.qvalue.astype(jnp.float32), q.scale, zero
 
 
-def dequantize(codes, scale, zero=None):
-  """(codes − zero) · scale with scale (and zero) (..., G, O) repeated over the I / G inputs of each group."""
+def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array | None = None) -> jax.Array:
+  """(codes − zero) · scale with scale (and zero) (..., G, O) repeated over the I / G inputs of each group.
+
+  Args:
+    codes: (..., I, O).
+    scale: (..., G, O).
+    zero: (..., G, O), or None (default: symmetric, no zero point).
+
+  Returns:
+    The dequantized weight (..., I, O) in float32.
+  """
   codes = codes.astype(jnp.float32)
   rep = codes.shape[-2] // scale.shape[-2]
   if zero is not None:
@@ -165,7 +246,8 @@ def _gptq(w_IO, gram_II, *, bits: int, group: int, symmetric: bool, percdamp: fl
   H = H + percdamp * jnp.mean(diag) * jnp.eye(I)
   L = jnp.linalg.cholesky(H)
   U = jnp.linalg.cholesky(jax.scipy.linalg.cho_solve((L, True), jnp.eye(I)), upper=True)  # upper factor of H⁻¹
-  scales, zeros, codes = [], [], []
+  scales, codes = [], []
+  zeros: list[Any] = []  # None per group when symmetric, and then never stacked
   for i1 in range(0, I, GPTQ_BLOCK):
     i2 = min(i1 + GPTQ_BLOCK, I)
     for c in range(i1, i2):
@@ -199,8 +281,26 @@ def _gptq(w_IO, gram_II, *, bits: int, group: int, symmetric: bool, percdamp: fl
 _gptq_jit = jax.jit(_gptq, static_argnames=("bits", "group", "symmetric", "percdamp"))
 
 
-def gptq(w_IO, gram_II, spec: Spec) -> tuple:
-  """(codes (I, O), scale (G, O), zero | None) of GPTQ on one (I, O) weight with the inputs' Gram XᵀX."""
+def gptq(w_IO: jax.Array, gram_II: jax.Array, spec: Spec) -> tuple:
+  """GPTQ on one (I, O) weight with the inputs' Gram XᵀX.
+
+  Inputs are quantized in order, each one's rounding error fed back to those not yet quantized through the upper
+  Cholesky factor U of H⁻¹, H = XᵀX + λI (λ = 1% of H's mean diagonal; an input never seen keeps H's diagonal 1 and
+  a zero weight), in lazy batches of `GPTQ_BLOCK` columns; a group's scale is taken when the batch holding its first
+  column starts.
+
+  Args:
+    w_IO: the weight (I, O).
+    gram_II: the Gram XᵀX of its calibration inputs (I, I).
+    spec: its spec (bits, group, symmetric).
+
+  Returns:
+    (codes (I, O), scale (G, O), zero (G, O) or None).
+
+  References:
+    Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+    Transformers", ICLR 2023, arXiv 2210.17323 (code IST-DASLab/gptq).
+  """
   return _gptq_jit(w_IO, gram_II, bits=spec.bits, group=spec.group, symmetric=spec.symmetric)
 
 
@@ -221,18 +321,61 @@ def _awq_scale(w_IO, gram_II, mean_abs_I, spec: Spec):
 _awq_jit = jax.jit(_awq_scale, static_argnames=("spec",))
 
 
-def awq_scale(w_IO, stats: Stats, spec: Spec):
-  """AWQ's per-input scale s (I,) and the calibration output error of each α on the grid."""
+def awq_scale(w_IO: jax.Array, stats: Stats, spec: Spec) -> tuple[jax.Array, jax.Array]:
+  """AWQ's per-input scale, searched on a grid of α by the calibration output error.
+
+  s = mean|x|^α / √(max·min) for α in {0, 1/20, ..., 19/20}; the α whose ‖X W − (X / s) Q(diag(s) W)‖² (computed
+  through the Gram XᵀX) is least wins. No weight clipping search.
+
+  Args:
+    w_IO: the weight (I, O).
+    stats: its inputs' statistics (the Gram and mean|x| are read).
+    spec: its spec (the rounding of Q).
+
+  Returns:
+    (s (I,), the output error of each α on the grid (`AWQ_GRID`,)).
+
+  References:
+    Lin et al., "AWQ: Activation-aware Weight Quantization for LLM Compression and Acceleration", MLSys 2024,
+    arXiv 2306.00978 (code mit-han-lab/llm-awq).
+  """
   return _awq_jit(jnp.asarray(w_IO, jnp.float32), stats.gram, stats.mean_abs, spec)
 
 
-def smoothquant_scale(w_IO, stats: Stats, spec: Spec):
-  """SmoothQuant's per-input scale s_j = max|X_j|^α / max_o|W_jo|^(1−α) (qwix's formula)."""
+def smoothquant_scale(w_IO: jax.Array, stats: Stats, spec: Spec) -> jax.Array:
+  """SmoothQuant's per-input scale s_j = max|X_j|^α / max_o|W_jo|^(1−α) (qwix's formula).
+
+  Args:
+    w_IO: the weight (I, O).
+    stats: its inputs' statistics (max|x| is read).
+    spec: its spec (alpha is read).
+
+  Returns:
+    s (I,).
+
+  References:
+    Xiao et al., "SmoothQuant: Accurate and Efficient Post-Training Quantization for Large Language Models",
+    ICML 2023, arXiv 2211.10438 (code mit-han-lab/smoothquant).
+  """
   return smooth_quant.compute_scales_ratio(stats.max_abs, jnp.max(jnp.abs(w_IO), -1), spec.alpha)
 
 
-def quantize_weight(w, spec: Spec, stats: Stats | None = None) -> Piece:
-  """One layer's weight (..., I, O) quantized by `spec` (`stats` of its inputs for every algorithm but rtn)."""
+def quantize_weight(w: jax.Array, spec: Spec, stats: Stats | None = None) -> Piece:
+  """One layer's weight quantized by `spec`.
+
+  Args:
+    w: the weight (..., I, O).
+    spec: how it is quantized.
+    stats: its inputs' statistics, needed by every algorithm but rtn (a weight with leading axes, MoE experts, takes
+      rtn only); default None.
+
+  Returns:
+    The `Piece`; at 16 or 32 bits the weight itself (bfloat16 or float32) with scale 1.
+
+  Raises:
+    QuantError: when the group does not divide the inputs, or a calibrated algorithm has no `stats` or a weight with
+      leading axes.
+  """
   w = jnp.asarray(w, jnp.float32)
   I, O = w.shape[-2:]
   lead = w.shape[:-2]
@@ -247,10 +390,13 @@ def quantize_weight(w, spec: Spec, stats: Stats | None = None) -> Piece:
                      "only; MoE experts take rtn)")
   smooth = ones
   if spec.algorithm == "awq":
+    assert stats is not None  # refused above
     smooth = awq_scale(w, stats, spec)[0]
   elif spec.algorithm == "smoothquant":
+    assert stats is not None
     smooth = smoothquant_scale(w, stats, spec)
   if spec.algorithm == "gptq":
+    assert stats is not None
     codes, scale, zero = gptq(w, stats.gram, spec)
   else:
     codes, scale, zero = rtn(w * smooth[..., :, None], spec)
@@ -272,16 +418,33 @@ def _var(cls, value, names):
   return cls(value, out_sharding=tuple(names), eager_sharding=False)
 
 
-def fake_quant_tokens(x, bits: int = 8):
-  """x quantized and dequantized per token (every axis but the last), symmetric: qwix's dynamic activation recipe."""
+def fake_quant_tokens(x: jax.Array, bits: int = 8) -> jax.Array:
+  """X quantized and dequantized per token (every axis but the last), symmetric: qwix's dynamic activation recipe.
+
+  Args:
+    x: the activations (..., I).
+    bits: the width (default 8).
+
+  Returns:
+    x with each token rounded to `bits` (absmax scale per token), dequantized.
+  """
   h = qarray.HowToQuantize(qtype=qtype(bits), channelwise_axes=tuple(range(x.ndim - 1)))
   return qarray.dequantize(qarray.quantize(x, h))
 
 
 class Quantized(nnx.Module):
-  """A quantized weight stacked over layers: codes (L, ..., I, O), scale/zero (L, ..., G, O), smooth (L, ..., I),
-  act (L,); `bits` (per layer) and `specs` are static. `[...]` is the dequantized weight, `matmul(x, dt)` the
-  projection with its input smoothed and, where act > 0, quantized per token."""
+  """A quantized weight stacked over layers, standing in for the layer-stacked Param it replaces.
+
+  It holds codes (L, ..., I, O), scale/zero (L, ..., G, O), smooth (L, ..., I), act (L,); `bits` (per layer) and
+  `specs` are static. `[...]` is the dequantized weight, `matmul(x, dt)` the projection with its input smoothed and,
+  where act > 0, quantized per token. The codes' container is int8, or bfloat16 (float32) where a layer is kept at 16
+  (32) bits.
+
+  Args:
+    pieces: one `Piece` per layer.
+    names: the weight's logical axis names (L, ..., I, O), which the codes, scales and smoothing inherit.
+    specs: one `Spec` per layer.
+  """
 
   def __init__(self, pieces: list[Piece], names: tuple, specs: list[Spec]):
     G = max(p.scale.shape[-2] for p in pieces)
@@ -301,19 +464,38 @@ class Quantized(nnx.Module):
 
   @property
   def names(self) -> tuple:
+    """The logical axis names of the weight (those of its codes)."""
     return variable_names(self.codes)
 
-  def dequantized(self):
-    """deq(codes): the smoothed weight diag(s)·W, as the codes hold it."""
+  def dequantized(self) -> jax.Array:
+    """deq(codes): the smoothed weight diag(s)·W, as the codes hold it.
+
+    Returns:
+      (L, ..., I, O) in float32.
+    """
     return dequantize(self.codes[...], self.scale[...], None if self.zero is None else self.zero[...])
 
-  def weight(self):
+  def weight(self) -> jax.Array:
+    """The dequantized weight W = deq(codes) / s, what `[...]` reads.
+
+    Returns:
+      (L, ..., I, O) in float32.
+    """
     return self.dequantized() / self.smooth[...][..., None]
 
   def __getitem__(self, index):
     return self.weight()[index]
 
-  def matmul(self, x, dt):
+  def matmul(self, x: jax.Array, dt: jax.typing.DTypeLike) -> jax.Array:
+    """The projection (Q_act(x / s)) · deq(codes), without forming W.
+
+    Args:
+      x: the input (..., I).
+      dt: the compute dtype of the product.
+
+    Returns:
+      (..., O) in `dt`; the input is quantized per token (int8) where the layer's act > 0.
+    """
     x = x.astype(jnp.float32) / self.smooth[...]
     x = jnp.where(self.act[...] > 0, fake_quant_tokens(x), x)
     return x.astype(dt) @ self.dequantized().astype(dt)
@@ -322,18 +504,44 @@ class Quantized(nnx.Module):
 # ---- plans ------------------------------------------------------------------------------------------------------
 
 
-def path_name(path) -> str:
-  """A graph or state path as the plans name it: "blocks/wq_DQ"."""
+def path_name(path: tuple) -> str:
+  """A graph or state path as the plans name it.
+
+  Args:
+    path: the path's keys, e.g. ("blocks", "wq_DQ").
+
+  Returns:
+    The keys joined by "/": "blocks/wq_DQ".
+  """
   return "/".join(str(k) for k in path)
 
 
-def by_path(state) -> dict[str, nnx.Variable]:
-  """{path name: Variable} of an `nnx.State` (e.g. `nnx.state(model, nnx.Param)`, or gradients)."""
+def by_path(state: nnx.State) -> dict[str, nnx.Variable]:
+  """The leaves of an `nnx.State` by path name.
+
+  Args:
+    state: e.g. `nnx.state(model, nnx.Param)`, or gradients.
+
+  Returns:
+    {path name ("blocks/wq_DQ"): Variable}.
+  """
   return {path_name(k): v for k, v in nnx.to_flat_state(state)}
 
 
 def targets(model: nnx.Module, pattern: str = DEFAULT_TARGETS) -> dict[str, nnx.Param]:
-  """{path: Param} of the layer-stacked weights (3+ dimensions under `blocks`) whose path `pattern` searches."""
+  """The layer-stacked weights (3+ dimensions under `blocks`) whose path `pattern` searches.
+
+  Args:
+    model: the transformer.
+    pattern: a regular expression searched in each path (default `DEFAULT_TARGETS`: the projections and expert
+      weights, never embeddings, head, norms, biases or routers).
+
+  Returns:
+    {path: Param}.
+
+  Raises:
+    QuantError: when `pattern` is not a regular expression or matches no layer-stacked weight.
+  """
   try:
     rx = re.compile(pattern)
   except re.error as e:
@@ -351,21 +559,50 @@ def targets(model: nnx.Module, pattern: str = DEFAULT_TARGETS) -> dict[str, nnx.
 
 
 def uniform_plan(model: nnx.Module, spec: Spec, pattern: str = DEFAULT_TARGETS) -> Plan:
-  """Every target projection, every layer, quantized by `spec`."""
+  """Every target projection, every layer, quantized by `spec`.
+
+  Args:
+    model: the transformer.
+    spec: the spec of every layer (checked).
+    pattern: the targets' regular expression (default `DEFAULT_TARGETS`; see `targets`).
+
+  Returns:
+    The plan: {path: [spec] * layers}.
+  """
   spec.check()
   return {p: [spec] * v.shape[0] for p, v in targets(model, pattern).items()}
 
 
 def plan_to_json(plan: Plan) -> dict:
+  """A plan as JSON-able data, tagged with `PLAN_FORMAT`.
+
+  Args:
+    plan: {path: [Spec per layer]}.
+
+  Returns:
+    {"format": PLAN_FORMAT, "layers": {path: [spec as a dict per layer]}}.
+  """
   return {"format": PLAN_FORMAT,
           "layers": {p: [dataclasses.asdict(s) for s in specs] for p, specs in plan.items()}}
 
 
 def plan_from_json(data: dict) -> Plan:
+  """The plan that `plan_to_json` wrote, every spec checked.
+
+  Args:
+    data: the JSON data.
+
+  Returns:
+    {path: [Spec per layer]}.
+
+  Raises:
+    QuantError: when `data` is not a plan of this format, a path does not list its specs, or a spec has unknown
+      keys or values.
+  """
   if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT or not isinstance(data.get("layers"), dict):
     raise QuantError(f"not a quantization plan (expected {{'format': {PLAN_FORMAT!r}, 'layers': {{...}}}})")
   fields = {f.name for f in dataclasses.fields(Spec)}
-  plan = {}
+  plan: Plan = {}
   for p, specs in data["layers"].items():
     if not isinstance(specs, list):
       raise QuantError(f"plan: {p} must list one spec per layer")
@@ -378,12 +615,29 @@ def plan_from_json(data: dict) -> Plan:
 
 
 def write_plan(plan: Plan, path: str):
+  """Writes a plan as JSON (`plan_to_json`) to the file `path`.
+
+  Args:
+    plan: {path: [Spec per layer]}.
+    path: the file to write.
+  """
   with open(path, "w") as f:
     json.dump(plan_to_json(plan), f, indent=1)
     f.write("\n")
 
 
 def read_plan(path: str) -> Plan:
+  """Reads a plan that `write_plan` wrote.
+
+  Args:
+    path: the JSON file.
+
+  Returns:
+    {path: [Spec per layer]}, every spec checked.
+
+  Raises:
+    QuantError: when the file is missing or not valid JSON (and as `plan_from_json` does).
+  """
   try:
     with open(path) as f:
       data = json.load(f)
@@ -395,7 +649,19 @@ def read_plan(path: str) -> Plan:
 
 
 def check_plan(model: nnx.Module, plan: Plan):
-  """Every planned path is a target weight of `model` with one spec per layer, each spec fits it."""
+  """Refuses a plan that does not fit `model`.
+
+  Every planned path must be a layer-stacked weight of `model` with one spec per layer, and each spec must fit it.
+
+  Args:
+    model: the transformer.
+    plan: {path: [Spec per layer]}.
+
+  Raises:
+    QuantError: when a path is not a layer-stacked weight of the model, the number of specs is not the number of
+      layers, a projection mixes group sizes, a spec is invalid or its group does not divide the inputs, or a
+      projection whose inputs are not recorded (MoE experts) gets more than rtn weights.
+  """
   weights = targets(model, ".")
   for p, specs in plan.items():
     if p not in weights:
@@ -421,9 +687,14 @@ def check_plan(model: nnx.Module, plan: Plan):
 
 
 class _Recorder(nnx.Module):
-  """Stands in for a weight during calibration: records the input of each product, then computes it."""
+  """Stands in for a weight during calibration: records the input of each product, then computes it.
 
-  def __init__(self, w, sink: list):
+  Args:
+    w: the weight it stands in for (I, O).
+    sink: the list each product's input is appended to.
+  """
+
+  def __init__(self, w: jax.Array, sink: list):
     self.w, self.sink = w, sink
 
   def matmul(self, x, dt):
@@ -434,9 +705,18 @@ class _Recorder(nnx.Module):
     return self.w[index]
 
 
-def record_inputs(block: nnx.Module, x_BTD, names) -> dict[str, Stats]:
-  """Stats of the inputs each of `names` (attributes of one layer's block) sees when the block runs on x."""
-  sinks = {n: [] for n in names}
+def record_inputs(block: nnx.Module, x_BTD: jax.Array, names: list[str]) -> dict[str, Stats]:
+  """Stats of the inputs each of `names` sees when the block runs on x.
+
+  Args:
+    block: one layer's block (merged alone, no layer axis); its weights are restored afterwards.
+    x_BTD: the block's input.
+    names: attributes of the block (its dense projections, e.g. "wq_DQ").
+
+  Returns:
+    {name: Stats of the input of its first product}.
+  """
+  sinks: dict[str, list[jax.Array]] = {n: [] for n in names}
   saved = {n: getattr(block, n) for n in names}
   try:
     for n in names:
@@ -448,15 +728,25 @@ def record_inputs(block: nnx.Module, x_BTD, names) -> dict[str, Stats]:
   return {n: Stats.of(sinks[n][0]) for n in names}
 
 
-def quantize(model: nnx.Module, plan: Plan, tokens_NT) -> nnx.Module:
-  """Quantizes `model` in place by `plan` (and returns it), calibrating on `tokens_NT` (N sequences of T tokens),
-  layer by layer: layer l's inputs come through the already-quantized layers before it."""
+def quantize(model: Transformer, plan: Plan, tokens_NT: jax.Array | np.ndarray) -> nnx.Module:
+  """Quantizes `model` in place by `plan`, calibrating layer by layer.
+
+  Layer l's inputs come through the already-quantized layers before it; each target weight becomes a `Quantized`.
+
+  Args:
+    model: the transformer (changed in place).
+    plan: {path: [Spec per layer]} (checked against the model first: `check_plan`).
+    tokens_NT: the calibration set, N sequences of T tokens.
+
+  Returns:
+    The model.
+  """
   check_plan(model, plan)
   names = {p: p[len("blocks/"):] for p in plan}
   graphdef, state = nnx.split(model.blocks)  # layer l alone: nnx.merge(graphdef, state[l])
   n_layers = jax.tree.leaves(state)[0].shape[0]
   x = model.embed(jnp.asarray(tokens_NT))
-  pieces = {p: [] for p in plan}
+  pieces: dict[str, list[Piece]] = {p: [] for p in plan}
   for layer in range(n_layers):
     block = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer], state))
     done = quantize_layer(block, {names[p]: plan[p][layer] for p in plan}, x)
@@ -471,9 +761,21 @@ def quantize(model: nnx.Module, plan: Plan, tokens_NT) -> nnx.Module:
   return model
 
 
-def quantize_layer(block: nnx.Module, specs: dict[str, Spec], x_BTD) -> dict[str, Piece]:
-  """Quantizes one layer's block (merged alone, no layer axis) in place: each weight `specs` names (relative to the
-  block: "wq_DQ", "moe/w_up_EDF") by its spec, calibrated on the block's input `x_BTD`. Returns the pieces."""
+def quantize_layer(block: nnx.Module, specs: dict[str, Spec], x_BTD: jax.Array) -> dict[str, Piece]:
+  """Quantizes one layer's block (merged alone, no layer axis) in place.
+
+  Args:
+    block: the block; each weight `specs` names becomes a one-layer `Quantized`.
+    specs: {weight path relative to the block ("wq_DQ", "moe/w_up_EDF"): its spec}.
+    x_BTD: the block's input, on which the calibrated algorithms record their projections' inputs.
+
+  Returns:
+    {weight path: its `Piece`}.
+
+  Raises:
+    QuantError: when a calibrated algorithm (not rtn, under 16 bits) is asked of a weight below the block's top level
+      (MoE experts).
+  """
   wanted = [n for n, s in specs.items() if s.algorithm != "rtn" and s.bits < 16]  # 16, 32: nothing to calibrate
   if any("/" in n for n in wanted):
     raise QuantError(f"calibrated algorithms reach dense blocks' projections only, not {wanted}")
@@ -486,9 +788,16 @@ def quantize_layer(block: nnx.Module, specs: dict[str, Spec], x_BTD) -> dict[str
   return pieces
 
 
-def owner(root, name: str):
-  """(module, attribute) of a path relative to `root`: "wq_DQ" or "moe/w_up_EDF" in a block, "blocks/wq_DQ" in a
-  model."""
+def owner(root: nnx.Module, name: str) -> tuple[nnx.Module, str]:
+  """The module and attribute a path relative to `root` names.
+
+  Args:
+    root: a model or a block.
+    name: the path: "wq_DQ" or "moe/w_up_EDF" in a block, "blocks/wq_DQ" in a model.
+
+  Returns:
+    (module, attribute name).
+  """
   *mods, attr = name.split("/")
   for m in mods:
     root = getattr(root, m)
@@ -496,7 +805,12 @@ def owner(root, name: str):
 
 
 class _LayerQuantized(Quantized):
-  """One layer's quantized weight (no layer axis), for the calibration forward of later layers."""
+  """One layer's quantized weight (no layer axis), for the calibration forward of later layers.
+
+  Args:
+    piece: the layer's quantized weight.
+    spec: its spec.
+  """
 
   def __init__(self, piece: Piece, spec: Spec):
     super().__init__([piece], tuple([None] * (piece.codes.ndim + 1)), [spec])
@@ -505,4 +819,12 @@ class _LayerQuantized(Quantized):
 
 
 def quantized(model: nnx.Module) -> list[tuple[str, Quantized]]:
+  """The quantized weights of a model.
+
+  Args:
+    model: a model `quantize` quantized (or `models.quant_store.load` read).
+
+  Returns:
+    [(path, Quantized)] in graph order.
+  """
   return [(path_name(p), n) for p, n in nnx.iter_graph(model) if isinstance(n, Quantized) and p]

@@ -1,5 +1,6 @@
-"""Loss-aware mixed precision: a bit-width per (layer, projection) from {2, 3, 4, 8, 16} under a size budget
-(Cheng & Chen, arXiv 2207.10083, "… Lower Loss"; shared/reference/methods.md §6).
+"""Loss-aware mixed precision: a bit-width per (layer, projection) from {2, 3, 4, 8, 16} under a size budget.
+
+After Cheng & Chen, arXiv 2207.10083, "… Lower Loss" (shared/reference/methods.md §6).
 
 Quantizing weight W_p (a projection of one layer, y = x W_p) to b bits moves its output by x ΔW_p(b): noise on the
 input of what follows. To first order the loss moves by
@@ -19,6 +20,12 @@ it by dynamic programming over the budget in units of the greatest common diviso
 cheap here: every projection's size is a multiple of a few shapes); `greedy` starts every projection at its fewest
 bits and upgrades, while the budget allows, the step of largest cost decrease per byte. bytes_p(b) = ⌈n_p·b/8⌉ plus a
 float32 scale per output channel (or group) for b < 16: what `models/quant_store.py` writes.
+
+References:
+  Cheng, Chen, "Mixed-Precision Inference Quantization: Radically Towards Faster inference speed, Lower Storage
+  requirement, and Lower Loss", arXiv 2207.10083, 2022 (no public code).
+  Dong et al., "HAWQ: Hessian AWare Quantization of Neural Networks with Mixed-Precision", ICCV 2019, and
+  "HAWQ-V2: Hessian Aware trace-Weighted Quantization of Neural Networks", NeurIPS 2020.
 """
 
 from __future__ import annotations
@@ -50,8 +57,18 @@ class Sensitivity:
   trace_se: np.ndarray | None = None  # (units,): its standard error over the probes
 
   def cost(self, by: str) -> np.ndarray:
-    """Each unit's predicted loss change per width: "first_order", "hessian", or "first_plus_hessian" (their sum: the
-    second-order Taylor term with HAWQ's isotropic curvature)."""
+    """Each unit's predicted loss change per width.
+
+    Args:
+      by: "first_order", "hessian", or "first_plus_hessian" (their sum: the second-order Taylor term with HAWQ's
+        isotropic curvature).
+
+    Returns:
+      (units, bits).
+
+    Raises:
+      quant.QuantError: when `by` is unknown, or asks for the Hessian term before `add_hessian` ran.
+    """
     if by not in SENSITIVITIES:
       raise quant.QuantError(f"unknown sensitivity {by!r}; choose one of {', '.join(SENSITIVITIES)}")
     if by == "first_order":
@@ -61,9 +78,20 @@ class Sensitivity:
     return self.hessian if by == "hessian" else self.first_order + self.hessian
 
 
-def unit_bytes(shape, groups: int, bits: int) -> int:
-  """Bytes one layer's weight (shape (..., I, O)) takes in `models/quant_store.py`'s file: codes packed at `bits`,
-  and float32 scales (G, O) and smoothing (I,) for every leading index (written at 16 bits too)."""
+def unit_bytes(shape: tuple[int, ...], groups: int, bits: int) -> int:
+  """Bytes one layer's weight takes in `models/quant_store.py`'s file.
+
+  Codes packed at `bits`, and float32 scales (G, O) and smoothing (I,) for every leading index (written at 16 bits
+  too).
+
+  Args:
+    shape: the layer's weight shape (..., I, O).
+    groups: G, the scale rows (I / group, or 1 per output channel).
+    bits: the codes' width.
+
+  Returns:
+    ⌈n·bits/8⌉ + 4·(leading size)·(G·O + I), n the weight's entries.
+  """
   *lead, i, o = shape
   n, m = int(np.prod(shape)), int(np.prod(lead or [1]))
   return math.ceil(n * bits / 8) + 4 * m * (groups * o + i)
@@ -86,9 +114,23 @@ def _delta(w, bits: int, group: int):
   return quant.dequantize(codes, scale, zero) - w
 
 
-def sensitivity(model: nnx.Module, x_BT, y_BT, pattern: str = quant.DEFAULT_TARGETS, bits=BITS,
-                group: int = 0) -> Sensitivity:
-  """First-order loss changes of every (projection, layer) at every width, from the gradient on (x, y)."""
+def sensitivity(model: nnx.Module, x_BT: jax.Array | np.ndarray, y_BT: jax.Array | np.ndarray,
+                pattern: str = quant.DEFAULT_TARGETS, bits: tuple[int, ...] = BITS, group: int = 0) -> Sensitivity:
+  """First-order loss changes of every (projection, layer) at every width, from the gradient on (x, y).
+
+  ΔL_p(b) ≈ ⟨∂L/∂W_p, RTN_b(W_p) − W_p⟩, the cross-entropy's gradient taken once on the calibration batch.
+
+  Args:
+    model: the full-precision transformer (not changed).
+    x_BT: the calibration tokens.
+    y_BT: their targets.
+    pattern: the target weights' regular expression (default `quant.DEFAULT_TARGETS`).
+    bits: the widths to score (default `BITS`: 2, 3, 4, 8, 16).
+    group: inputs per scale of the RTN rounding; 0 (default): per output channel.
+
+  Returns:
+    The `Sensitivity` with its units, their sizes and first-order costs (no Hessian term yet).
+  """
   paths = list(quant.targets(model, pattern))
   grads = nnx.jit(nnx.grad(_loss))(model, jnp.asarray(x_BT), jnp.asarray(y_BT))
   flat_g = quant.by_path(grads)
@@ -106,13 +148,27 @@ def sensitivity(model: nnx.Module, x_BT, y_BT, pattern: str = quant.DEFAULT_TARG
   return Sensitivity(units, tuple(bits), np.array(sizes, np.int64), np.array(first))
 
 
-def add_hessian(sens: Sensitivity, model: nnx.Module, x_BT, y_BT, group: int = 0, samples: int = 8,
-                seed: int = 0) -> Sensitivity:
-  """Fills `sens.hessian` with HAWQ's ½ Tr(H_p)/n_p ‖ΔW_p(b)‖², and `sens.traces` / `sens.trace_se` with each unit's
-  Hutchinson estimate of Tr(H_p) and its standard error over the `samples` probes (Rademacher on the target weights,
-  zero elsewhere: the estimate of a block is v_pᵀ(Hv)_p, unbiased)."""
+def add_hessian(sens: Sensitivity, model: nnx.Module, x_BT: jax.Array | np.ndarray, y_BT: jax.Array | np.ndarray,
+                group: int = 0, samples: int = 8, seed: int = 0) -> Sensitivity:
+  """Adds HAWQ's second-order term ½ Tr(H_p)/n_p ‖ΔW_p(b)‖² to `sens`, in place.
+
+  Tr(H_p) is Hutchinson's estimate over `samples` probes (Rademacher on the target weights, zero elsewhere: the
+  estimate of a block is v_pᵀ(Hv)_p, unbiased), one Hessian-vector product per probe, a few probes per batch.
+
+  Args:
+    sens: what `sensitivity` returned; its `hessian`, `traces` and `trace_se` are filled.
+    model: the same full-precision transformer (not changed).
+    x_BT: the calibration tokens.
+    y_BT: their targets.
+    group: inputs per scale of the RTN rounding; 0 (default): per output channel.
+    samples: the Hutchinson probes (default 8).
+    seed: the probes' seed (default 0).
+
+  Returns:
+    `sens`, with each unit's trace estimate and its standard error over the probes (inf with one probe).
+  """
   paths = sorted({p for p, _ in sens.units})
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # flax: variadic tuple of states
 
   def loss(params, x, y):
     return _loss(nnx.merge(graphdef, params, rest), x, y)
@@ -153,9 +209,21 @@ def add_hessian(sens: Sensitivity, model: nnx.Module, x_BT, y_BT, group: int = 0
 
 
 def exact(cost: np.ndarray, sizes: np.ndarray, budget: int) -> np.ndarray:
-  """The least-cost choice (an index into the bit-widths per unit) with Σ size ≤ budget: dynamic programming over
-  the bytes above every unit's smallest choice, in units of their gcd. Raises QuantError if even the smallest choices
-  exceed the budget."""
+  """The least-cost choice with Σ size ≤ budget, exactly: the multiple-choice knapsack by dynamic programming.
+
+  The programme runs over the bytes above every unit's smallest choice, in units of their gcd.
+
+  Args:
+    cost: (units, bits), e.g. `Sensitivity.cost`.
+    sizes: (units, bits) bytes, e.g. `Sensitivity.bytes`.
+    budget: the bytes allowed.
+
+  Returns:
+    An index into the bit-widths per unit (units,).
+
+  Raises:
+    quant.QuantError: when even the smallest choices exceed the budget.
+  """
   floor = int(sizes.min(1).sum())
   if floor > budget:
     raise quant.QuantError(f"a budget of {budget} bytes is below the smallest layout ({floor})")
@@ -186,8 +254,22 @@ def exact(cost: np.ndarray, sizes: np.ndarray, budget: int) -> np.ndarray:
 
 
 def greedy(cost: np.ndarray, sizes: np.ndarray, budget: int) -> np.ndarray:
-  """Every unit at its smallest choice, then, while the budget allows, the upgrade with the largest cost decrease per
-  extra byte (ties: the cheaper upgrade)."""
+  """A greedy choice with Σ size ≤ budget: the knapsack's heuristic next to `exact`.
+
+  Every unit starts at its smallest choice; then, while the budget allows, the upgrade with the largest cost decrease
+  per extra byte is taken (ties: the cheaper upgrade).
+
+  Args:
+    cost: (units, bits), e.g. `Sensitivity.cost`.
+    sizes: (units, bits) bytes, e.g. `Sensitivity.bytes`.
+    budget: the bytes allowed.
+
+  Returns:
+    An index into the bit-widths per unit (units,).
+
+  Raises:
+    quant.QuantError: when even the smallest choices exceed the budget.
+  """
   choice = np.argmin(sizes, 1)
   if sizes[np.arange(len(cost)), choice].sum() > budget:
     raise quant.QuantError(f"a budget of {budget} bytes is below the smallest layout ({int(sizes.min(1).sum())})")
@@ -208,7 +290,16 @@ def greedy(cost: np.ndarray, sizes: np.ndarray, budget: int) -> np.ndarray:
 
 
 def plan_of(sens: Sensitivity, choice: np.ndarray, group: int = 0) -> quant.Plan:
-  """The RTN plan of a choice (one bit-width index per unit)."""
+  """The RTN plan of a choice.
+
+  Args:
+    sens: the sensitivities the choice was made on (their units and widths).
+    choice: one bit-width index per unit.
+    group: inputs per scale; 0 (default): per output channel.
+
+  Returns:
+    {path: [Spec per layer]}, for `quant.quantize`.
+  """
   plan: quant.Plan = {}
   for (p, layer), k in zip(sens.units, choice):
     plan.setdefault(p, {})[layer] = quant.Spec("rtn", sens.bits[k], group)
@@ -216,8 +307,27 @@ def plan_of(sens: Sensitivity, choice: np.ndarray, group: int = 0) -> quant.Plan
 
 
 def predicted(sens: Sensitivity, choice: np.ndarray, by: str = "first_order") -> float:
+  """The predicted loss change of a choice: the sum of its units' costs.
+
+  Args:
+    sens: the sensitivities.
+    choice: one bit-width index per unit.
+    by: the cost (see `Sensitivity.cost`; default "first_order").
+
+  Returns:
+    Σ_p cost_p(b_p).
+  """
   return float(sens.cost(by)[np.arange(len(choice)), choice].sum())
 
 
 def layout_bytes(sens: Sensitivity, choice: np.ndarray) -> int:
+  """The bytes of a choice's weights in `models/quant_store.py`'s file.
+
+  Args:
+    sens: the sensitivities (their sizes).
+    choice: one bit-width index per unit.
+
+  Returns:
+    Σ_p bytes_p(b_p).
+  """
   return int(sens.bytes[np.arange(len(choice)), choice].sum())

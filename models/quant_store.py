@@ -22,8 +22,18 @@ from flax import nnx
 
 from models.config import TransformerConfig
 from models.hf import write_dir
-from models.quant import (PLAN_FORMAT, Piece, Quantized, QuantError, by_path, check_plan, owner, plan_from_json,
-                          plan_to_json, quantized)
+from models.quant import (
+  PLAN_FORMAT,
+  Piece,
+  QuantError,
+  Quantized,
+  by_path,
+  check_plan,
+  owner,
+  plan_from_json,
+  plan_to_json,
+  quantized,
+)
 from models.transformer import Transformer
 from sharding.state import place_variables, variable_names
 
@@ -31,9 +41,17 @@ FORMAT = "optlab.quantized.v1"
 WEIGHTS = "quantized.safetensors"
 
 
-def pack(codes, bits: int) -> np.ndarray:
-  """uint8 bytes of `codes` at `bits` per entry: the low `bits` of each integer (two's complement), or the bfloat16
-  (float32) bit pattern of each weight at 16 (32) bits; little-endian bit order."""
+def pack(codes: jax.Array | np.ndarray, bits: int) -> np.ndarray:
+  """The uint8 bytes of `codes` at `bits` per entry, little-endian bit order.
+
+  Args:
+    codes: integer codes (any shape), or the weights themselves at 16 or 32 bits.
+    bits: 2, 3, 4 or 8: the low `bits` of each integer (two's complement); 16 (32): the bfloat16 (float32) bit
+      pattern of each weight.
+
+  Returns:
+    A flat uint8 array of ⌈n·bits/8⌉ bytes.
+  """
   if bits == 16:
     return np.asarray(jnp.asarray(codes, jnp.bfloat16)).view(np.uint16).astype("<u2").view(np.uint8).ravel()
   if bits == 32:
@@ -42,8 +60,17 @@ def pack(codes, bits: int) -> np.ndarray:
   return np.packbits(np.unpackbits(u[:, None], axis=1, bitorder="little")[:, :bits].ravel(), bitorder="little")
 
 
-def unpack(data: np.ndarray, bits: int, shape) -> np.ndarray:
-  """The inverse of `pack`: int8 codes of `shape` (bfloat16 weights at 16 bits)."""
+def unpack(data: np.ndarray, bits: int, shape: tuple[int, ...]) -> np.ndarray:
+  """The inverse of `pack`.
+
+  Args:
+    data: the uint8 bytes `pack` wrote.
+    bits: their width per entry.
+    shape: the codes' shape.
+
+  Returns:
+    int8 codes of `shape` (bfloat16 weights at 16 bits, float32 at 32).
+  """
   n = int(np.prod(shape))
   if bits == 16:
     return np.frombuffer(np.ascontiguousarray(data).tobytes()[:2 * n], "<u2").view(jnp.bfloat16).reshape(shape)
@@ -71,9 +98,24 @@ def _tensors(model: nnx.Module) -> tuple[dict, dict]:
   return out, shapes
 
 
-def save(model: nnx.Module, path: str, source: str | None = None, extra: dict | None = None) -> str:
-  """Writes the quantized `model` to a new directory `path` (refused if it exists and is not empty; written whole or
-  not at all), with the JSON-able `extra` files beside it. Returns `path`."""
+def save(model: Transformer, path: str, source: str | None = None, extra: dict | None = None) -> str:
+  """Writes the quantized `model` to a new directory `path`, written whole or not at all.
+
+  The directory holds config.json (the model config, the plan, the codes' shapes, `source`) and quantized.safetensors
+  (the packed codes, the float32 scales, zero points and smoothing, the other parameters in their dtype).
+
+  Args:
+    model: a model `models.quant.quantize` quantized.
+    path: the directory (refused if it exists and is not empty).
+    source: where the model came from, recorded in config.json; default None.
+    extra: {file name: JSON-able content} written beside it; default none.
+
+  Returns:
+    `path`.
+
+  Raises:
+    QuantError: when the model has no quantized weight.
+  """
   plan = {p: list(q.specs) for p, q in quantized(model)}
   if not plan:
     raise QuantError("the model has no quantized weight; quantize it first (models.quant.quantize)")
@@ -84,20 +126,45 @@ def save(model: nnx.Module, path: str, source: str | None = None, extra: dict | 
 
 
 def stored_bytes(path: str) -> int:
-  """Bytes of a saved quantized model: its weights file and its config.json (not the plan, tokenizer or reports
-  written beside them)."""
+  """Bytes of a saved quantized model.
+
+  Args:
+    path: the directory `save` wrote.
+
+  Returns:
+    The size of its weights file and its config.json (not the plan, tokenizer or reports written beside them).
+  """
   return sum(os.path.getsize(os.path.join(path, f)) for f in (WEIGHTS, "config.json"))
 
 
-def full_bytes(config: TransformerConfig, dtype=jnp.float32) -> int:
-  """Bytes of the model's parameters unquantized, at `dtype`."""
+def full_bytes(config: TransformerConfig, dtype: jax.typing.DTypeLike = jnp.float32) -> int:
+  """Bytes of the model's parameters unquantized, at `dtype`.
+
+  Args:
+    config: the model's config (the model is built abstractly, no parameter allocated).
+    dtype: the parameters' dtype (default float32).
+
+  Returns:
+    The parameter count times the dtype's item size.
+  """
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))) * jnp.dtype(dtype).itemsize
 
 
-def load(path: str, mesh=None) -> tuple[Transformer, TransformerConfig, dict]:
-  """(model, config, plan) of a saved quantized model, its variables placed on `mesh` by their logical names (None:
-  one device)."""
+def load(path: str, mesh: jax.sharding.Mesh | None = None) -> tuple[Transformer, TransformerConfig, dict]:
+  """A saved quantized model, ready to run.
+
+  Args:
+    path: the directory `save` wrote.
+    mesh: where its variables are placed, by their logical names; None (default): one device.
+
+  Returns:
+    (model, config, plan).
+
+  Raises:
+    QuantError: when config.json or the weights file is missing, unreadable or of another format, or a tensor is
+      missing, of the wrong shape or inconsistent (and as `models.quant.check_plan` does for the plan).
+  """
   from safetensors import SafetensorError
   from safetensors.numpy import load_file
   try:
