@@ -63,9 +63,9 @@ def help_text(module: str, sub: str | None) -> str:
 
 
 def subcommands(module: str) -> set[str]:
-  """The subcommands a module's parser offers (its usage line's {a,b,...}), or an empty set."""
+  """The subcommands a module's parser offers (its usage line's positional {a,b,...}), or an empty set."""
   usage = help_text(module, None).split("\n\n")[0]
-  m = re.search(r"\{([\w,-]+)\}", usage)
+  m = re.search(r"\[-h\] \{([\w,-]+)\}", usage)  # not a flag's choices (`--out {None}|STR`)
   return set(m.group(1).split(",")) if m else set()
 
 
