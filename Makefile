@@ -38,9 +38,11 @@ $(DOCS_STAMP): $(RUN_STAMP)
 	$(BIN)/pip install -q -e ".[docs]"
 	touch $(DOCS_STAMP)
 
-.PHONY: install install-test run test bench lint docs
+.PHONY: install install-test install-lint install-docs run test bench lint docs
 install: $(RUN_STAMP)
 install-test: $(TEST_STAMP)
+install-lint: $(LINT_STAMP)
+install-docs: $(DOCS_STAMP)
 
 run: $(RUN_STAMP)
 	$(BIN)/python -m research.train $(ARGS)
