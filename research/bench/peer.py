@@ -37,15 +37,19 @@ from models import Transformer, count_params, flops_per_token
 from models.attention import resolve
 from models.hf import to_hf
 from optim.newton_schulz import orthogonalize
+from research.bench.floor import floor_params, floor_step
 from research.bench.report import Progress, git_commit, machine, table
 from research.bench.timing import build_train_step
 from research.data import get_batch, load_corpus
+from research.train.config import TrainConfig
 from research.train.hooks.throughput import Peak
+from research.train.setup.build import make_optimizer
 
 
 def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int = 2816, seq_len: int = 2048,
          batch_size: int = 8, dtype: str = "bfloat16", warmup: int = 5, steps: int = 20, compile_torch: bool = True,
-         optimizers: tuple[str, ...] = ("adamw", "muon", "normuon"), out: str | None = None) -> dict:
+         optimizers: tuple[str, ...] = ("adamw", "muon", "normuon"), meshes: tuple[str, ...] = (),
+         out: str | None = None) -> dict:
   """optlab vs its PyTorch peer, optimizer overheads, Newton–Schulz precision (module docstring).
 
   Args:
@@ -55,6 +59,7 @@ def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int =
     warmup, steps: untimed and timed steps per contender.
     compile_torch: also time the peer under torch.compile (minutes to compile on a CPU).
     optimizers: optlab optimizers for the overhead table (the first is the baseline).
+    meshes: further meshes to time optlab's step on (e.g. "data=2,fsdp=2,tensor=2", `make run`'s layout).
     out: also write the report (markdown) to this file.
   """
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave the GPU to torch too (before jax starts)
@@ -69,13 +74,17 @@ def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int =
   report.lines += [f"{machine()}; git {git_commit()}; {_versions()}", f"model: {count_params(ours['mcfg']) / 1e6:.1f}M "
                    f"parameters ({_args(shape, seq_len, batch_size, dtype, warmup, steps)}), {fpt / 1e9:.2f} GFLOP per "
                    f"token; MFU over {peak.flops / 1e12:.1f} TFLOP/s ({peak.source})", ""]
-  rows = [dict(ours, name=f"optlab (jit, attention {ours['attention']})")]
+  floor = _floor(flags, ours, batches, warmup, steps)
+  rows = [dict(ours, name=f"optlab (jit, attention {ours['attention']}, 1 device)")]
+  rows += [dict(_optlab(flags, batches, warmup, steps, spec), name=f"optlab, mesh {spec}") for spec in meshes]
+  rows += [floor]
   rows += _torch_rows(ours, batches, warmup, steps, dtype, compile_torch, report)
   report.lines += ["### 1. Train step, side by side", ""] + table(
-      ["contender", "tokens/s", "step ms", "MFU", "x optlab", "peak memory", "loss at step 0"],
+      ["contender", "tokens/s", "step ms", "MFU", "x optlab", "x JAX floor", "peak memory", "loss at step 0"],
       [[r["name"], f"{r['tokens_per_s']:,.0f}", f"{r['step_s'] * 1e3:.1f}",
         f"{r['tokens_per_s'] * fpt / peak.flops:.1%}", f"{r['tokens_per_s'] / ours['tokens_per_s']:.2f}",
-        _gib(r.get("memory")), f"{r['loss0']:.5f}"] for r in rows])
+        f"{r['tokens_per_s'] / floor['tokens_per_s']:.2f}", _gib(r.get("memory")), f"{r['loss0']:.5f}"]
+       for r in rows])
   report.emit()
   overhead = [_optlab(dict(flags, optimizer=name), batches, warmup, steps) for name in optimizers]
   report.lines += ["", "### 2. optlab's optimizers: the whole train step", ""] + table(
@@ -88,7 +97,7 @@ def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int =
       ["dtype", "ms", "x float32", "error vs U Vᵀ (SVD)"],
       [[r["dtype"], f"{r['s'] * 1e3:.2f}", f"{r['s'] / ns[0]['s']:.2f}", f"{r['error']:.4f}"] for r in ns])
   report.emit()
-  return {"side_by_side": [{k: v for k, v in r.items() if k != "mcfg"} for r in rows],
+  return {"side_by_side": [{k: v for k, v in r.items() if k != "mcfg"} for r in rows], "floor": floor,
           "optimizers": dict(zip(optimizers, [r["step_s"] for r in overhead])), "newton_schulz": ns}
 
 
@@ -110,10 +119,10 @@ def _gib(nbytes) -> str:
   return "n/a" if nbytes is None else f"{nbytes / 2 ** 30:.2f} GiB"
 
 
-def _optlab(flags: dict, batches, warmup: int, steps: int) -> dict:
-  """optlab's train step (research/bench/timing.build_train_step) timed over the batches."""
+def _optlab(flags: dict, batches, warmup: int, steps: int, spec: str = "data=1") -> dict:
+  """optlab's train step (research/bench/timing.build_train_step) on the mesh `spec`, timed over the batches."""
   B, T = batches[0][0].shape
-  cfg, mcfg, mesh, state, step, batch_sh = build_train_step("small", "data=1", B, T, **flags)
+  cfg, mcfg, mesh, state, step, batch_sh = build_train_step("small", spec, B, T, **flags)
   device = [tuple(jax.device_put(a, batch_sh) for a in b) for b in batches]
   with jax.set_mesh(mesh):
     compiled = step.lower(state, *device[0]).compile()
@@ -132,6 +141,28 @@ def _optlab(flags: dict, batches, warmup: int, steps: int) -> dict:
   memory = stats.get("peak_bytes_in_use") or (mem.argument_size_in_bytes + mem.temp_size_in_bytes if mem else None)
   return dict(mcfg=mcfg, seed=cfg.training.seed, loss0=loss0, step_s=wall / steps, memory=memory,
               tokens_per_s=B * T * steps / wall, attention=_resolved(mcfg, T))
+
+
+def _floor(flags: dict, ours: dict, batches, warmup: int, steps: int) -> dict:
+  """The JAX floor (research/bench/floor.py) from optlab's initial weights with its optimizer, timed the same way."""
+  B, T = batches[0][0].shape
+  cfg = TrainConfig(model="small", batch_size=B, seq_len=T, mesh="data=1", **flags)
+  tx = make_optimizer(cfg)[0]
+  params = jax.device_put(floor_params(ours["mcfg"], ours["seed"]), jax.devices()[0])
+  opt_state, step = tx.init(params), floor_step(ours["mcfg"], tx)
+  data = [tuple(jax.device_put(np.asarray(a), jax.devices()[0]) for a in b) for b in batches]
+  params, opt_state, loss = step(params, opt_state, *data[0])
+  loss0 = float(loss)
+  for b in data[1:warmup]:
+    params, opt_state, loss = step(params, opt_state, *b)
+  jax.block_until_ready(loss)
+  t = time.perf_counter()
+  for b in data[warmup:]:
+    params, opt_state, loss = step(params, opt_state, *b)
+  jax.block_until_ready(loss)
+  wall = time.perf_counter() - t
+  return dict(name="JAX floor (plain jnp + optax, 2-D matmuls, layers unrolled, 1 device)", loss0=loss0,
+              step_s=wall / steps, tokens_per_s=B * T * steps / wall, memory=None)
 
 
 def _resolved(mcfg, T) -> str:
