@@ -49,7 +49,7 @@ from research.train.setup.build import make_optimizer
 def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int = 2816, seq_len: int = 2048,
          batch_size: int = 8, dtype: str = "bfloat16", warmup: int = 5, steps: int = 20, compile_torch: bool = True,
          optimizers: tuple[str, ...] = ("adamw", "muon", "normuon"), meshes: tuple[str, ...] = (),
-         out: str | None = None) -> dict:
+         repeats: int = 1, out: str | None = None) -> dict:
   """optlab vs its PyTorch peer, optimizer overheads, Newton–Schulz precision (module docstring).
 
   Args:
@@ -60,12 +60,15 @@ def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int =
     compile_torch: also time the peer under torch.compile (minutes to compile on a CPU).
     optimizers: optlab optimizers for the overhead table (the first is the baseline).
     meshes: further meshes to time optlab's step on (e.g. "data=2,fsdp=2,tensor=2", `make run`'s layout).
+    repeats: timing rounds; each round times every contender in turn, and the table gives the median and range.
     out: also write the report (markdown) to this file.
   """
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave the GPU to torch too (before jax starts)
   shape = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff)
   flags = dict(shape, compute_dtype=dtype, optimizer="adamw", lr=3e-4, grad_clip=1.0)
-  report = Progress(f"python -m research.bench peer {_args(shape, seq_len, batch_size, dtype, warmup, steps)}", out)
+  extra = (f" --meshes {' '.join(meshes)}" if meshes else "") + (f" --repeats {repeats}" if repeats > 1 else "")
+  report = Progress(f"python -m research.bench peer {_args(shape, seq_len, batch_size, dtype, warmup, steps)}{extra}",
+                    out)
   peak = Peak(dtype=dtype)
   corpus = load_corpus()
   batches = [get_batch(corpus.train, 0, s, batch_size, seq_len) for s in range(warmup + steps)]
@@ -79,9 +82,14 @@ def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int =
   rows += [dict(_optlab(flags, batches, warmup, steps, spec), name=f"optlab, mesh {spec}") for spec in meshes]
   rows += [floor]
   rows += _torch_rows(ours, batches, warmup, steps, dtype, compile_torch, report)
-  report.lines += ["### 1. Train step, side by side", ""] + table(
+  for _ in range(repeats - 1):  # the further rounds, every contender in turn: load drifts hit all of them alike
+    rows = [_timed(r) for r in rows]
+  ours, floor = rows[0], rows[len(meshes) + 1]
+  report.lines += [f"### 1. Train step, side by side ({repeats} interleaved rounds of {steps} steps: median "
+                   "tokens/s, min–max in brackets)", ""] + table(
       ["contender", "tokens/s", "step ms", "MFU", "x optlab", "x JAX floor", "peak memory", "loss at step 0"],
-      [[r["name"], f"{r['tokens_per_s']:,.0f}", f"{r['step_s'] * 1e3:.1f}",
+      [[r["name"], f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s_min']:,.0f}–{r['tokens_per_s_max']:,.0f})",
+        f"{r['step_s'] * 1e3:.1f}",
         f"{r['tokens_per_s'] * fpt / peak.flops:.1%}", f"{r['tokens_per_s'] / ours['tokens_per_s']:.2f}",
         f"{r['tokens_per_s'] / floor['tokens_per_s']:.2f}", _gib(r.get("memory")), f"{r['loss0']:.5f}"]
        for r in rows])
@@ -97,7 +105,8 @@ def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int =
       ["dtype", "ms", "x float32", "error vs U Vᵀ (SVD)"],
       [[r["dtype"], f"{r['s'] * 1e3:.2f}", f"{r['s'] / ns[0]['s']:.2f}", f"{r['error']:.4f}"] for r in ns])
   report.emit()
-  return {"side_by_side": [{k: v for k, v in r.items() if k != "mcfg"} for r in rows], "floor": floor,
+  plain = lambda r: {k: v for k, v in r.items() if k not in ("mcfg", "timer")}
+  return {"side_by_side": [plain(r) for r in rows], "floor": plain(floor),
           "optimizers": dict(zip(optimizers, [r["step_s"] for r in overhead])), "newton_schulz": ns}
 
 
@@ -132,15 +141,20 @@ def _optlab(flags: dict, batches, warmup: int, steps: int, spec: str = "data=1")
     for b in device[1:warmup]:
       state, out = compiled(state, *b)
     jax.block_until_ready(out)
-    t = time.perf_counter()
-    for b in device[warmup:]:
-      state, out = compiled(state, *b)
-    jax.block_until_ready(out)
-    wall = time.perf_counter() - t
+  held = [state]
+
+  def timer() -> float:  # the timed steps, continuing from the state the last call left
+    with jax.set_mesh(mesh):
+      st, t = held[0], time.perf_counter()
+      for b in device[warmup:]:
+        st, o = compiled(st, *b)
+      jax.block_until_ready(o)
+      held[0] = st
+      return time.perf_counter() - t
   stats = jax.devices()[0].memory_stats() or {}
   memory = stats.get("peak_bytes_in_use") or (mem.argument_size_in_bytes + mem.temp_size_in_bytes if mem else None)
-  return dict(mcfg=mcfg, seed=cfg.training.seed, loss0=loss0, step_s=wall / steps, memory=memory,
-              tokens_per_s=B * T * steps / wall, attention=_resolved(mcfg, T))
+  return _timed(dict(mcfg=mcfg, seed=cfg.training.seed, loss0=loss0, memory=memory, attention=_resolved(mcfg, T),
+                     timer=timer, tokens=B * T * steps, steps=steps))
 
 
 def _floor(flags: dict, ours: dict, batches, warmup: int, steps: int) -> dict:
@@ -156,13 +170,25 @@ def _floor(flags: dict, ours: dict, batches, warmup: int, steps: int) -> dict:
   for b in data[1:warmup]:
     params, opt_state, loss = step(params, opt_state, *b)
   jax.block_until_ready(loss)
-  t = time.perf_counter()
-  for b in data[warmup:]:
-    params, opt_state, loss = step(params, opt_state, *b)
-  jax.block_until_ready(loss)
-  wall = time.perf_counter() - t
-  return dict(name="JAX floor (plain jnp + optax, 2-D matmuls, layers unrolled, 1 device)", loss0=loss0,
-              step_s=wall / steps, tokens_per_s=B * T * steps / wall, memory=None)
+  held = [params, opt_state]
+
+  def timer() -> float:
+    p, o, t = *held, time.perf_counter()
+    for b in data[warmup:]:
+      p, o, loss = step(p, o, *b)
+    jax.block_until_ready(loss)
+    held[:] = [p, o]
+    return time.perf_counter() - t
+  return _timed(dict(name="JAX floor (plain jnp + optax, 2-D matmuls, layers unrolled, 1 device)", loss0=loss0,
+                     memory=None, timer=timer, tokens=B * T * steps, steps=steps))
+
+
+def _timed(row: dict) -> dict:
+  """A contender's row after one more timing round (`timer`): tokens/s and step time are the medians over rounds."""
+  row.setdefault("walls", []).append(row["timer"]())
+  wall = statistics.median(row["walls"])
+  return dict(row, step_s=wall / row["steps"], tokens_per_s=row["tokens"] / wall,
+              tokens_per_s_min=row["tokens"] / max(row["walls"]), tokens_per_s_max=row["tokens"] / min(row["walls"]))
 
 
 def _resolved(mcfg, T) -> str:
@@ -219,16 +245,18 @@ def _torch_train(torch, net, batches, warmup, steps, dtype, device, compiled) ->
   for b in data[1:warmup]:
     step(*b)
   sync()
-  t = time.perf_counter()
-  for b in data[warmup:]:
-    loss = step(*b)
-  float(loss), sync()
-  wall = time.perf_counter() - t
+
+  def timer() -> float:
+    t = time.perf_counter()
+    for b in data[warmup:]:
+      loss = step(*b)
+    float(loss), sync()
+    return time.perf_counter() - t
   B, T = batches[0][0].shape
-  return dict(name=f"PyTorch {torch.__version__} ({'torch.compile' if compiled else 'eager'}, SDPA, "
-                   f"{'fused ' if device == 'cuda' else ''}AdamW)", loss0=loss0, step_s=wall / len(data[warmup:]),
-              tokens_per_s=B * T * len(data[warmup:]) / wall,
-              memory=torch.cuda.max_memory_allocated() if device == "cuda" else None)
+  return _timed(dict(name=f"PyTorch {torch.__version__} ({'torch.compile' if compiled else 'eager'}, SDPA, "
+                          f"{'fused ' if device == 'cuda' else ''}AdamW)", loss0=loss0, timer=timer,
+                     tokens=B * T * len(data[warmup:]), steps=len(data[warmup:]),
+                     memory=torch.cuda.max_memory_allocated() if device == "cuda" else None))
 
 
 def _newton_schulz(m: int, n: int, dtype: str, repeats: int = 5) -> dict:

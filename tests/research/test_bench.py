@@ -136,12 +136,14 @@ def test_peer_bench_runs_the_same_model_in_optlab_and_pytorch(tmp_path):
   both train, the optimizer and Newton–Schulz tables are filled, the report is written."""
   from research.bench.peer import peer
   got = peer(d_model=64, n_layers=2, n_heads=4, d_ff=192, seq_len=64, batch_size=4, dtype="float32", warmup=1,
-             steps=2, compile_torch=False, optimizers=("adamw", "muon"), out=str(tmp_path / "peer.md"))
+             steps=2, compile_torch=False, optimizers=("adamw", "muon"), repeats=2, out=str(tmp_path / "peer.md"))
   ours, floor, torch_eager = got["side_by_side"]
   assert torch_eager["name"].startswith("PyTorch") and "eager" in torch_eager["name"]
   # the JAX floor is the same model from the same weights: its loss before the first update is optlab's
   assert floor["name"].startswith("JAX floor") and abs(floor["loss0"] - ours["loss0"]) < 1e-5, (floor, ours)
   assert floor["tokens_per_s"] > 0 and got["floor"] == floor
+  for row in (ours, floor, torch_eager):  # two interleaved rounds, the median between their extremes
+    assert len(row["walls"]) == 2 and row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
   assert abs(ours["loss0"] - torch_eager["loss0"]) < 1e-4 and 5.0 < ours["loss0"] < 6.0  # ~ln 256 at init
   assert ours["tokens_per_s"] > 0 and torch_eager["tokens_per_s"] > 0 and ours["memory"] > 0
   assert set(got["optimizers"]) == {"adamw", "muon"} and all(s > 0 for s in got["optimizers"].values())
