@@ -235,21 +235,30 @@ def run_blocks(blocks: Block, x_BTD: jax.Array, *, remat: bool = False) -> tuple
 
   if remat:
     layer = jax.checkpoint(layer, prevent_cse=False)
-  return jax.lax.scan(layer, x_BTD, stacked, unroll=scan_unroll())
+  return jax.lax.scan(layer, x_BTD, stacked, unroll=scan_unroll(stacked))
 
 
-def scan_unroll() -> int | bool:
-  """How far the layer scan is unrolled: whole on the CPU, not at all elsewhere.
+UNROLL_BYTES = 256 * 2 ** 20  # the largest layer stack whose scan the CPU unrolls
 
-  On XLA's CPU backend a scanned layer stacks its residuals and runs each layer's kernels one at a time; the same
-  layers unrolled ran the step ~15% faster (issue 50, against the JAX floor of research/bench/floor.py). On GPUs
-  and TPUs the scan's one compiled body is what keeps compile time flat in depth, and the step gains nothing measured
-  from unrolling, so it stays a loop there.
+
+def scan_unroll(stacked: Any) -> int | bool:
+  """How far the layer scan is unrolled: whole for a small stack on the CPU, not at all otherwise.
+
+  On XLA's CPU backend a scanned layer stacks its residuals and runs each layer's kernels one at a time; a small
+  model's layers unrolled ran the step ~15% faster (issue 50, against the JAX floor of research/bench/floor.py). That
+  is the models the CPU trains in seconds (the tests, the notebooks, `make run`). A stack over `UNROLL_BYTES` keeps
+  the loop: its step is compute-bound, and unrolling would multiply compile time by the depth and let XLA schedule
+  every layer's temporaries at once (the 3B fine-tune on the CPU is sized by its loop). On GPUs and TPUs the scan's
+  one compiled body keeps compile time flat in depth, and nothing measured favours unrolling there.
+
+  Args:
+    stacked: the layer-stacked parameters (arrays or abstract values with a leading layers axis).
 
   Returns:
-    `True` (unroll every layer) on the CPU, else 1.
+    `True` (unroll every layer) for a stack under `UNROLL_BYTES` on the CPU, else 1.
   """
-  return jax.default_backend() == "cpu" or 1
+  nbytes = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(stacked) if hasattr(x, "dtype"))
+  return (jax.default_backend() == "cpu" and nbytes <= UNROLL_BYTES) or 1
 
 
 class Transformer(nnx.Module):
