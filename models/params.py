@@ -12,8 +12,6 @@ import jax
 from flax import nnx
 from jax.typing import DTypeLike
 
-from sharding.context import mesh_context
-
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], std: float | None,
           dtype: DTypeLike) -> nnx.Param:
@@ -54,6 +52,18 @@ def matmul(x: jax.Array, w: Any, dt: DTypeLike) -> jax.Array:
   """
   if hasattr(w, "matmul"):
     return w.matmul(x, dt)
-  if x.ndim > 2 and mesh_context() == 1:
+  if x.ndim > 2 and context_size() == 1:
     return (x.reshape(-1, x.shape[-1]) @ w[...].astype(dt)).reshape(*x.shape[:-1], -1)
   return x @ w[...].astype(dt)
+
+
+def context_size() -> int:
+  """The size of the current mesh's `context` axis (1 outside a mesh or without the axis).
+
+  Read here rather than from sharding/context.py, which imports the attention kernels of this package.
+
+  Returns:
+    The axis size.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else mesh.shape.get("context", 1)

@@ -21,7 +21,7 @@ from flax import nnx
 from models.attention import attend
 from models.config import TransformerConfig
 from models.moe import MoE
-from models.params import matmul, param
+from models.params import context_size, matmul, param
 
 # the module, not its names: sharding/context.py imports models.flash, so importing it first runs this file while it
 # is half loaded; its names are read at call time, when it is whole
@@ -242,23 +242,27 @@ UNROLL_BYTES = 256 * 2 ** 20  # the largest layer stack whose scan the CPU unrol
 
 
 def scan_unroll(stacked: Any) -> int | bool:
-  """How far the layer scan is unrolled: whole for a small stack on the CPU, not at all otherwise.
+  """How far the layer scan is unrolled: whole for a small float32 stack on the CPU, not at all otherwise.
 
   On XLA's CPU backend a scanned layer stacks its residuals and runs each layer's kernels one at a time; a small
   model's layers unrolled ran the step ~15% faster (issue 50, against the JAX floor of research/bench/floor.py). That
-  is the models the CPU trains in seconds (the tests, the notebooks, `make run`). A stack over `UNROLL_BYTES` keeps
-  the loop: its step is compute-bound, and unrolling would multiply compile time by the depth and let XLA schedule
-  every layer's temporaries at once (the 3B fine-tune on the CPU is sized by its loop). On GPUs and TPUs the scan's
-  one compiled body keeps compile time flat in depth, and nothing measured favours unrolling there.
+  is the models the CPU trains in seconds (the tests, the notebooks, `make run`). The loop stays where it bounds
+  memory or where unrolling measured no gain: a stack over `UNROLL_BYTES` (compute-bound; unrolled, compile time
+  grows with depth and every layer's temporaries may be live at once), weights stored narrower than float32 (XLA:CPU
+  multiplies bfloat16 in float32: unrolled, each layer's float32 copy of its weights is a live temporary, which the
+  loop keeps to one layer), a `context` mesh axis (the ring attention's backward is written per scanned layer), and
+  every platform but the CPU (the scan's one compiled body keeps compile time flat in depth).
 
   Args:
     stacked: the layer-stacked parameters (arrays or abstract values with a leading layers axis).
 
   Returns:
-    `True` (unroll every layer) for a stack under `UNROLL_BYTES` on the CPU, else 1.
+    `True` (unroll every layer) where the rule above allows, else 1.
   """
-  nbytes = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(stacked) if hasattr(x, "dtype"))
-  return (jax.default_backend() == "cpu" and nbytes <= UNROLL_BYTES) or 1
+  leaves = [x for x in jax.tree.leaves(stacked) if hasattr(x, "dtype")]
+  small = sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves) <= UNROLL_BYTES
+  float32 = all(jnp.dtype(x.dtype) == jnp.float32 for x in leaves)
+  return (jax.default_backend() == "cpu" and small and float32 and context_size() == 1) or 1
 
 
 class Transformer(nnx.Module):
