@@ -5,7 +5,8 @@ loop, every projection one 2-D matmul on the [B·T, D] view of the activations (
 that contracts two batch axes of a 3-D activation costs ~40% more: issue 50), attention a plain einsum under a causal
 mask, the loss a log-softmax cross entropy. What it shares with optlab's step, so that the comparison is fair: the
 initial weights (the trainer's own `Transformer(mcfg, rngs=nnx.Rngs(seed))`), the shapes and compute dtype, the
-optimizer (the trainer's `make_optimizer`: clipping, AdamW, its schedule and decay mask) and donated state; its loss
+optimizer (the trainer's `make_optimizer`: clipping, AdamW, its schedule and decay mask), the XLA compiler options
+(`research/train/runtime/xla.py`) and donated state; its loss
 before the first update equals optlab's (`research.bench peer` prints both). What it leaves out is what a real run
 needs and the floor does not: the non-finite guard, gradient-norm and router metrics, sharding constraints, the MoE
 and pipeline paths.
@@ -91,12 +92,13 @@ def floor_loss(params: dict[str, Any], x_BT: jax.Array, y_BT: jax.Array, mcfg: T
   return -jnp.mean(jnp.take_along_axis(logp, y_BT.reshape(B * T, 1), axis=-1))
 
 
-def floor_step(mcfg: TransformerConfig, tx: Any) -> Any:
+def floor_step(mcfg: TransformerConfig, tx: Any, compiler_options: dict[str, str] | None = None) -> Any:
   """The jitted step (params, opt_state, x, y) -> (params, opt_state, loss), its state donated.
 
   Args:
     mcfg: the model's configuration.
     tx: the optimizer (the trainer's `make_optimizer(cfg)[0]`).
+    compiler_options: XLA options (the bench passes the trainer's, so that a flag is never what the ratio measures).
 
   Returns:
     The jitted step.
@@ -105,4 +107,4 @@ def floor_step(mcfg: TransformerConfig, tx: Any) -> Any:
     loss, grads = jax.value_and_grad(floor_loss)(params, x_BT, y_BT, mcfg)
     updates, opt_state = tx.update(grads, opt_state, params)
     return jax.tree.map(lambda p, u: p + u, params, updates), opt_state, loss
-  return jax.jit(step, donate_argnums=(0, 1))
+  return jax.jit(step, donate_argnums=(0, 1), compiler_options=compiler_options)

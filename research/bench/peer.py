@@ -43,6 +43,7 @@ from research.bench.timing import build_train_step
 from research.data import get_batch, load_corpus
 from research.train.config import TrainConfig
 from research.train.hooks.throughput import Peak
+from research.train.runtime.xla import compiler_options
 from research.train.setup.build import make_optimizer
 
 
@@ -163,7 +164,7 @@ def _floor(flags: dict, ours: dict, batches, warmup: int, steps: int) -> dict:
   cfg = TrainConfig(model="small", batch_size=B, seq_len=T, mesh="data=1", **flags)
   tx = make_optimizer(cfg)[0]
   params = jax.device_put(floor_params(ours["mcfg"], ours["seed"]), jax.devices()[0])
-  opt_state, step = tx.init(params), floor_step(ours["mcfg"], tx)
+  opt_state, step = tx.init(params), floor_step(ours["mcfg"], tx, compiler_options())
   data = [tuple(jax.device_put(np.asarray(a), jax.devices()[0]) for a in b) for b in batches]
   params, opt_state, loss = step(params, opt_state, *data[0])
   loss0 = float(loss)

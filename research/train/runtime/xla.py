@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
+
+# XLA:CPU's YNNPACK fusions off: the small model's train step ran 8-10% faster without them on this machine (issue
+# 50; docs/benchmarks.md, "XLA's CPU options"), the JAX floor's likewise
+NO_YNN_FUSIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def _knows(options: tuple[tuple[str, str], ...]) -> bool:
+  """Whether this jaxlib's CPU compiler accepts the options (an option it does not know fails the compile)."""
+  try:
+    jax.jit(lambda x: x + 1).lower(jnp.zeros(2)).compile(compiler_options=dict(options))
+    return True
+  except Exception:  # any refusal means: do not use them
+    return False
 
 
 def compiler_options() -> dict[str, str]:
@@ -12,5 +29,9 @@ def compiler_options() -> dict[str, str]:
   12 GiB of the 3B LoRA step's 12.4 GiB (research/results/finetune_3b.md), 2.8 GiB of the checksums of one 3B weight
   stack. The losses are bit-identical without the pass and the default run's speed is unchanged (2,262 vs 2,335
   tokens/s over 60 steps). XLA:GPU computes bfloat16 natively and makes no such copy (measured on an H100:
-  research/results/finetune_3b_gpu.md), so accelerators keep the pass."""
-  return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"} if jax.default_backend() == "cpu" else {}
+  research/results/finetune_3b_gpu.md), so accelerators keep the pass. Also on the CPU, YNNPACK's fusions off
+  (`NO_YNN_FUSIONS`), where this jaxlib knows the option: faster for the steps measured."""
+  if jax.default_backend() != "cpu":
+    return {}
+  ynn = NO_YNN_FUSIONS if _knows(tuple(NO_YNN_FUSIONS.items())) else {}
+  return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion", **ynn}
