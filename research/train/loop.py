@@ -11,6 +11,7 @@ loader's state is checkpointed: a resumed run continues exactly where the interr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 
@@ -63,13 +64,17 @@ def _train(cfg: TrainConfig, stop: Stop) -> list[dict]:
   try:
     with _watchdog(r), contextlib.ExitStack() as r.in_mesh:
       r.in_mesh.enter_context(jax.set_mesh(r.layout.mesh))
+      info = None
       while r.step < r.end and stop.signum is None:
         hooks.run_before(r.step + 1)
         r.state, out = r.syncer.step(r.state, *r.feed.next())  # one optimizer step on the loader's next batch
         r.step += 1
-        hooks.run_after(StepInfo(r.step, out, r.end, r.cfg.training.steps, stop.signum is not None))
+        info = StepInfo(r.step, out, r.end, r.cfg.training.steps, stop.signum is not None)
+        hooks.run_after(info)
         if r.monitor.failed:  # stopped before saving: the newest checkpoint is the last one before the bad steps
           break
+      if stop.signum is not None and info is not None and not _due(r, info) and not r.monitor.failed:
+        _checkpoint(r, dataclasses.replace(info, stopping=True))  # the signal came after this step's hooks ran
     r.progress.close()
     r.ckpt.close()
     if is_primary() and r.step > r.start:
@@ -164,10 +169,15 @@ def _checkpoint(r: Run, info: StepInfo):
   Deciding here, not in orbax, keeps orbax from also saving the first step it sees (a step-1 checkpoint nobody asked
   for).
   """
-  if (r.monitor.bad_run == 0 and info.step % r.cfg.checkpoint.ckpt_every == 0) or info.final:
+  if _due(r, info):
     r.state = r.syncer.model(r.state)  # gossip: "params" (what export and sampling read) = the replicas' mean
     r.ckpt.save(info.step, r.state.as_dict(), {**r.meta, "health": r.monitor.state(), "loader": r.feed.state()},
                 force=True)
+
+
+def _due(r: Run, info: StepInfo) -> bool:
+  """Whether `_checkpoint` saves after this step."""
+  return (r.monitor.bad_run == 0 and info.step % r.cfg.checkpoint.ckpt_every == 0) or info.final
 
 
 def _finish(r: Run, stop: Stop):

@@ -42,7 +42,13 @@ def test_an_old_run_directory_resumes_exactly(old_run):
   expected = _records(os.path.join(FIXTURE, "expected.jsonl"))
   assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
   keys = ("step", "loss", "grad_norm", "val_loss")
-  assert [{k: r[k] for k in keys if k in r} for r in records] == expected  # the old code's own uninterrupted run
+  got = [{k: r[k] for k in keys if k in r} for r in records]
+  assert got[:3] == expected[:3]  # the interrupted run's own records, kept
+  # steps 4-6, computed now, against the old code's uninterrupted run: equal to float32 rounding. Bit-equality across
+  # versions is not promised: the compiler options changed since the fixture was written (issue 50: YNNPACK fusions
+  # off), which moves the last bits; a same-code resume is bit-exact (tests/research/test_train.py)
+  assert [set(g) for g in got[3:]] == [set(e) for e in expected[3:]]
+  assert all(g[k] == pytest.approx(e[k], rel=1e-6) for g, e in zip(got[3:], expected[3:]) for k in g if k != "step")
   meta = json.load(open(old_run / "run" / "config.json"))
   assert meta["train"]["optim"]["lr"] == 3e-3 and "history" not in meta or meta["history"] == []  # nothing changed
 
