@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import Transformer, TransformerConfig
+from models.transformer import rms_norm, rope
 
 
 def floor_params(mcfg: TransformerConfig, seed: int) -> dict[str, Any]:
@@ -44,17 +45,6 @@ def floor_params(mcfg: TransformerConfig, seed: int) -> dict[str, Any]:
   return {**pure, "layers": layers}
 
 
-def _norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * scale).astype(x.dtype)
-
-
-def _rope(x_BTNH: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:
-  x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-  c, s = cos_TH[None, :, None, :], sin_TH[None, :, None, :]
-  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_BTNH.dtype)
-
-
 def floor_loss(params: dict[str, Any], x_BT: jax.Array, y_BT: jax.Array, mcfg: TransformerConfig) -> jax.Array:
   """Mean next-token cross entropy of the plain forward.
 
@@ -70,23 +60,21 @@ def floor_loss(params: dict[str, Any], x_BT: jax.Array, y_BT: jax.Array, mcfg: T
   c, dt = mcfg, jnp.dtype(mcfg.compute_dtype)
   B, T = x_BT.shape
   D, N, K, H = c.d_model, c.n_heads, c.kv_heads, c.hd
-  angle_TH = jnp.arange(T, dtype=jnp.float32)[:, None] * c.rope_theta ** (-jnp.arange(0, H, 2) / H)[None, :]
-  cos, sin = jnp.cos(angle_TH), jnp.sin(angle_TH)
   causal_TS = jnp.tril(jnp.ones((T, T), bool))
   h = jnp.take(params["embed_VD"], x_BT, axis=0).astype(dt).reshape(B * T, D)
   for p in params["layers"]:
-    a = _norm(h, p["attn_norm"], c.norm_eps)
-    q = _rope((a @ p["wq_DQ"].astype(dt)).reshape(B, T, N, H), cos, sin)  # head n reads kv head n // (N/K)
-    k = _rope((a @ p["wk_DK"].astype(dt)).reshape(B, T, K, H), cos, sin)
+    a = rms_norm(h, p["attn_norm"], c.norm_eps)
+    q = rope((a @ p["wq_DQ"].astype(dt)).reshape(B, T, N, H), c.rope_theta)  # head n reads kv head n // (N/K)
+    k = rope((a @ p["wk_DK"].astype(dt)).reshape(B, T, K, H), c.rope_theta)
     v = (a @ p["wv_DK"].astype(dt)).reshape(B, T, K, H)
     s = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, H), k,
                    preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(H))
     w = jax.nn.softmax(jnp.where(causal_TS, s, -jnp.inf), axis=-1).astype(dt)
     o = jnp.einsum("bkgts,bskh->btkgh", w, v).reshape(B * T, N * H)
     h = h + o @ p["wo_QD"].astype(dt)
-    m = _norm(h, p["mlp_norm"], c.norm_eps)
+    m = rms_norm(h, p["mlp_norm"], c.norm_eps)
     h = h + (jax.nn.silu(m @ p["w_gate_DF"].astype(dt)) * (m @ p["w_up_DF"].astype(dt))) @ p["w_down_FD"].astype(dt)
-  f = _norm(h, params["final_norm"], c.norm_eps)
+  f = rms_norm(h, params["final_norm"], c.norm_eps)
   head = params["embed_VD"].T if c.tie_embeddings else params["head_DV"]
   logp = jax.nn.log_softmax((f @ head.astype(dt)).astype(jnp.float32), axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, y_BT.reshape(B * T, 1), axis=-1))
