@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.params import layer_checkpoint
 from sharding.context import mesh_context
 from sharding.pipeline import mesh_stages
 
@@ -58,7 +59,7 @@ def _layers(model, remat: bool):
   def layer(x, state):
     return nnx.merge(graphdef, state)(x)
 
-  return stacked, (jax.checkpoint(layer, prevent_cse=False) if remat else layer)
+  return stacked, layer_checkpoint(layer, stacked, model.c.compute_dtype, remat)
 
 
 def layer_weights(model: Transformer, b: int | jax.Array) -> nnx.State:
@@ -121,14 +122,14 @@ def active_layer_forward(model: Transformer, tokens_BT: jax.Array, w: nnx.State,
     return step
 
   def scan(run, x):
-    # With remat the stack is the scan's constant, sliced in a step that is recomputed whole in the backward, so
-    # the scan keeps only x and l per layer. Scanning the stack as an input instead, a layer's weights handed to the
-    # cond come out of it as residuals, which the scan stacks: a copy of the model (see docs/benchmarks.md, "A 3B
-    # model on this 24 GiB machine"). Without remat the layers' weights are residuals anyway.
-    if remat:
-      step = masked(run, lambda l: (_at(frozen, l), l))
-      return jax.lax.scan(jax.checkpoint(step, prevent_cse=False), x, ls)
-    return jax.lax.scan(masked(run, lambda inputs: inputs), x, (frozen, ls))
+    # The stack is the scan's constant, sliced in a checkpointed step that keeps neither the slice nor its casts:
+    # scanning the stack as an input instead, a layer's weights handed to the cond come out of it as residuals, which
+    # the scan stacks: a copy of the model (docs/benchmarks.md, "A 3B model on this 24 GiB machine"), and without
+    # remat their float32 casts beside it. With remat the step is recomputed whole (the scan keeps x and l per
+    # layer); without, the products' outputs are kept and the rest recomputed (`layer_checkpoint`'s policy).
+    step = masked(run, lambda l: (_at(frozen, l), l))
+    policy = None if remat else jax.checkpoint_policies.dots_saveable
+    return jax.lax.scan(jax.checkpoint(step, prevent_cse=False, policy=policy), x, ls)
 
   ls = jnp.arange(L)
   x_BTD, aux_below = scan(lambda l: l < b, x_BTD)

@@ -1,7 +1,7 @@
 """Parameters with logical axis names, and the product the blocks apply them by.
 
 `param` is the one constructor the dense and MoE blocks build their weights with; `matmul` the one product they apply
-them by.
+them by; `layer_checkpoint` what a backward pass keeps of a layer.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
@@ -57,6 +58,44 @@ def matmul(x: jax.Array, w: Any, dt: DTypeLike) -> jax.Array:
   return x @ w[...].astype(dt)
 
 
+def layer_checkpoint(layer: Any, stacked: Any, dt: DTypeLike, remat: bool) -> Any:
+  """A layer function as the backward pass should keep it.
+
+  `remat`: recomputed whole (`jax.checkpoint`: only its input kept). Otherwise, when some floating-point weight of
+  `stacked` is stored in another dtype than the compute dtype `dt` (a bfloat16 fine-tune computing in float32), the
+  backward keeps the products' outputs and recomputes the rest (`jax.checkpoint_policies.dots_saveable`): elementwise
+  work, and the weights' casts to `dt`, which a backward keeping everything would hold for every layer (a float32 copy
+  of the model: twice its bfloat16 self). A layer stored in the compute dtype is returned as is.
+
+  Args:
+    layer: the layer, `layer(x, state) -> (x, aux)`.
+    stacked: the layers' weights (any tree of arrays).
+    dt: the compute dtype.
+    remat: recompute the whole layer.
+
+  Returns:
+    The layer function to scan.
+  """
+  if remat:
+    return jax.checkpoint(layer, prevent_cse=False)
+  if not narrow_weights(stacked, dt):
+    return layer
+  return jax.checkpoint(layer, prevent_cse=False, policy=jax.checkpoint_policies.dots_saveable)
+
+
+def narrow_weights(tree: Any, dt: DTypeLike) -> bool:
+  """Whether some floating-point leaf of `tree` is stored in another dtype than the compute dtype `dt`.
+
+  Args:
+    tree: weights (any tree of arrays).
+    dt: the compute dtype.
+
+  Returns:
+    True when a weight must be cast to compute.
+  """
+  return any(jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != jnp.dtype(dt) for a in jax.tree.leaves(tree))
+
+
 def context_size() -> int:
   """The size of the current mesh's `context` axis (1 outside a mesh or without the axis).
 
@@ -67,3 +106,13 @@ def context_size() -> int:
   """
   mesh = jax.sharding.get_abstract_mesh()
   return 1 if mesh.empty else mesh.shape.get("context", 1)
+
+
+def whole_weights() -> bool:
+  """Whether the current mesh leaves every weight whole on each device: no `fsdp` or `tensor` axis above 1 (or no mesh).
+
+  Returns:
+    True when the weights are replicated.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or all(mesh.shape.get(axis, 1) == 1 for axis in ("fsdp", "tensor"))

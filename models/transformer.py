@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from models.attention import attend
 from models.config import TransformerConfig
 from models.moe import MoE
-from models.params import context_size, matmul, param
+from models.params import context_size, layer_checkpoint, matmul, narrow_weights, param, whole_weights
 
 # the module, not its names: sharding/context.py imports models.flash, so importing it first runs this file while it
 # is half loaded; its names are read at call time, when it is whole
@@ -233,8 +234,7 @@ def run_blocks(blocks: Block, x_BTD: jax.Array, *, remat: bool = False) -> tuple
   def layer(x, block_state):
     return nnx.merge(graphdef, block_state)(x)
 
-  if remat:
-    layer = jax.checkpoint(layer, prevent_cse=False)
+  layer = layer_checkpoint(layer, stacked, blocks.c.compute_dtype, remat)
   return jax.lax.scan(layer, x_BTD, stacked, unroll=scan_unroll(stacked))
 
 
@@ -345,11 +345,45 @@ class Transformer(nnx.Module):
     """
     c, dt = self.c, jnp.dtype(self.c.compute_dtype)
     h = rms_norm(x_BTD, self.final_norm[...], c.norm_eps)
-    if c.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", h, self.embed_VD[...].astype(dt))
-    else:
-      logits = jnp.einsum("btd,dv->btv", h, self.head_DV[...].astype(dt))
-    return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+    w, vocab_axis = (self.embed_VD[...], 0) if c.tie_embeddings else (self.head_DV[...], 1)
+    return constrain(head_logits(h, w, vocab_axis, dt).astype(jnp.float32), ("batch", "seq", "act_vocab"))
+
+
+HEAD_CHUNK_BYTES = 2 ** 28  # the largest slice of the head widened at once when it is stored narrower
+
+
+def head_logits(h_BTD: jax.Array, w: jax.Array, vocab_axis: int, dt: DTypeLike) -> jax.Array:
+  """The output head's logits `h @ w` in the compute dtype `dt`, `w` the head (D, V) or the tied table (V, D).
+
+  A head stored in a narrower dtype than `dt` (a bfloat16 fine-tune computing in float32) is widened in vocabulary
+  slices of at most `HEAD_CHUNK_BYTES`, each recomputed in the backward rather than kept: widened whole, Llama-3-8B's
+  (4096, 128256) head is a 2 GiB temporary beside the model. Slices are used where the mesh leaves the head whole on
+  each device (no `fsdp` or `tensor` axis above 1) and the vocabulary divides into them; elsewhere, and for a head in
+  the compute dtype, one product as before.
+
+  Args:
+    h_BTD: the normed residual stream.
+    w: the head's value.
+    vocab_axis: the vocabulary's axis of `w` (0: the tied embedding table, 1: the head).
+    dt: the compute dtype.
+
+  Returns:
+    logits_BTV in `dt`.
+  """
+  spec = "btd,vd->btv" if vocab_axis == 0 else "btd,dv->btv"
+  V, D = w.shape[vocab_axis], w.shape[1 - vocab_axis]
+  n = next((n for n in range(1, 257) if V % n == 0 and V // n * D * jnp.dtype(dt).itemsize <= HEAD_CHUNK_BYTES), 1)
+  if not narrow_weights(w, dt) or n == 1 or not whole_weights():
+    return jnp.einsum(spec, h_BTD, w.astype(dt))
+  size = V // n
+
+  def chunk(logits, i):
+    part = jnp.einsum(spec, h_BTD, jax.lax.dynamic_slice_in_dim(w, i * size, size, axis=vocab_axis).astype(dt))
+    return jax.lax.dynamic_update_slice_in_dim(logits, part, i * size, axis=2), None
+
+  body = jax.checkpoint(chunk, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+  zeros = jnp.zeros((*h_BTD.shape[:2], V), jnp.result_type(h_BTD.dtype, dt))
+  return jax.lax.scan(body, zeros, jnp.arange(n))[0]
 
 
 IGNORE_TARGET = -(2 ** 31)  # a target the loss leaves out (padding): int32's minimum, no vocabulary's id

@@ -34,6 +34,13 @@ import orbax.checkpoint as ocp
 
 from research.train.store import integrity
 
+CHUNK_BYTES = 2 ** 28
+"""Each array is stored in chunks of at most this many bytes (orbax's `SaveArgs.chunk_byte_size`), so tensorstore
+encodes it a chunk at a time; any chunking restores (reading does not depend on it). Measured on this machine's CPU
+(three random bfloat16 arrays of 2.1 GB, orbax's OCDBT format, 4 GB in flight): the writer held 2.98 GiB above the
+state chunked, 5.32 GiB stored whole (an array above 2 GiB is copied once more while it is written). The writer still
+holds the encoded bytes of the arrays in flight (`research/train/setup/memory.py` counts the bound)."""
+
 
 class CheckpointError(ValueError):
   """A checkpoint that cannot be used for this run."""
@@ -69,8 +76,9 @@ class Checkpointer:
     it saved."""
     state = _without_empty(state)
     meta = {**meta, "checksums": integrity.fingerprints(state)}
+    chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
     try:
-      return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+      return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state, save_args=chunked),
                                                              meta=ocp.args.JsonSave(meta)), force=force)
     except Exception as e:  # a failed earlier background save surfaces here, or this one fails to start
       raise self._save_error(e) from None
