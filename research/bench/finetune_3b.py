@@ -1,9 +1,13 @@
-"""`python -m research.bench finetune-3b`: the BlockOptimizers papers' memory claim transposed to this machine.
+"""`python -m research.bench finetune-3b [--shape llama-8b]`: the BlockOptimizers papers' memory claim on this machine.
 
 BAdam (NeurIPS 2024) fine-tunes Llama-3-8B on one 24 GB GPU, where AdamW needs ~16 bytes per parameter. Here: a
-Llama-3.2-3B-shaped model (d 3072, 28 layers, 24 / 8 heads, d_ff 8192, vocab 128256, tied; 3.2B parameters) with
-random weights is written in the Hugging Face format by `transformers` itself (bfloat16, as the real model ships;
-once, kept in `work`), then each method fine-tunes it through the train CLI from `--init-from hf:DIR`, in a fresh
+Llama-3.2-3B-shaped model (d 3072, 28 layers, 24 / 8 heads, d_ff 8192, vocab 128256, tied; 3.2B parameters) or with
+`--shape llama-8b` a Llama-3-8B-shaped one (d 4096, 32 layers, 32 / 8 heads, d_ff 14336, vocab 128256, untied; 8.0B)
+with random weights is written in the Hugging Face format (bfloat16, as the real models ship; once, kept in `work`):
+tensor by tensor, each drawn by torch in bfloat16 (normal, std `initializer_range`; norms ones), named and shaped as
+`transformers.LlamaForCausalLM` has them (built on the meta device: nothing allocated) and saved by `safetensors` in
+files of at most 2 GB, so the writer never holds more than one file's tensors (a float32 model, or even a whole
+bfloat16 one, never exists). Then each method fine-tunes it through the train CLI from `--init-from hf:DIR`, in a fresh
 child process each, on one CPU device of this machine: `steps` steps of `batch_size` x `seq_len` tokens of the default
 corpus. Recorded per method: the exit status, the memory pre-flight's line (or its refusal), the losses, and the
 child's peak RSS (`os.wait4`'s `ru_maxrss`: loading, compiling, training, evaluating and the final checkpoint).
@@ -40,13 +44,45 @@ LLAMA_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num
 SHAPES = {"llama-3b": LLAMA_3B, "llama-tiny": {**LLAMA_3B, "vocab_size": 512, "hidden_size": 64,
                                                "intermediate_size": 128, "num_hidden_layers": 2,
                                                "num_attention_heads": 4, "num_key_value_heads": 2}}
+LLAMA_8B = {**LLAMA_3B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "tie_word_embeddings": False}  # Llama-3-8B's shape
+SHAPES["llama-8b"] = LLAMA_8B
 WRITER = """
-import json, sys, torch, transformers
-torch.manual_seed(0)
-torch.set_default_dtype(torch.bfloat16)  # created in bfloat16: the float32 model (13 GB) never exists
-config = transformers.LlamaConfig(**json.loads(sys.argv[2]), torch_dtype="bfloat16")
-transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1], safe_serialization=True)
+import json, os, sys, torch, transformers
+from safetensors.torch import save_file
+path, shape, shard_bytes = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+config = transformers.LlamaConfig(**shape, dtype="bfloat16", architectures=["LlamaForCausalLM"])
+with torch.device("meta"):  # the tensors' names and shapes, nothing allocated
+  names = {k: tuple(v.shape) for k, v in transformers.LlamaForCausalLM(config).state_dict().items()
+           if not (config.tie_word_embeddings and k == "lm_head.weight")}  # a tied head is the embedding
+os.makedirs(path)
+config.save_pretrained(path)
+n, shard, used, weight_map = 0, {}, 0, {}
+def flush():  # one file written, its tensors freed
+  global n, shard, used
+  if shard:
+    n += 1
+    save_file(shard, os.path.join(path, f"part-{n:05d}.safetensors"), metadata={"format": "pt"})
+    shard, used = {}, 0
+for i, (name, shp) in enumerate(names.items()):
+  g = torch.Generator().manual_seed(i)  # one stream per tensor: the same file whatever the shard size
+  t = (torch.ones(shp, dtype=torch.bfloat16) if name.endswith("norm.weight") else
+       torch.randn(shp, generator=g, dtype=torch.bfloat16).mul_(config.initializer_range))
+  if used and used + t.numel() * 2 > shard_bytes:
+    flush()
+  shard[name], used = t, used + t.numel() * 2
+  weight_map[name] = f"part-{n + 1:05d}.safetensors"
+flush()
+rename = {f"part-{k:05d}.safetensors": f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)}
+for old, new in rename.items():
+  os.rename(os.path.join(path, old), os.path.join(path, new))
+index = {"metadata": {"total_size": sum(2 * torch.Size(s).numel() for s in names.values())},
+         "weight_map": {k: rename[v] for k, v in weight_map.items()}}
+json.dump(index, open(os.path.join(path, "model.safetensors.index.json"), "w"), indent=1)
 """
+NAMES = {"llama-3b": "Llama-3.2-3B-shaped model (3.2B parameters, ",
+         "llama-8b": "Llama-3-8B-shaped model (8.0B parameters, untied head, "}
+SHARD_BYTES = 2 * 10 ** 9  # at most this many bytes of tensors in the writer's memory (one file's)
 METHODS = ("adamw", "badam", "badam-f32", "lora", "bread", "bread-lowrank")
 GIB = 2 ** 30
 
@@ -65,8 +101,10 @@ def write_model(path: str, shape: str = "llama-3b") -> float:
   if os.path.exists(os.path.join(path, "config.json")):
     return 0.0
   t = time.perf_counter()
-  res = subprocess.run([sys.executable, "-c", WRITER, path + ".partial", json.dumps(SHAPES[shape])],
-                       capture_output=True, text=True)
+  if os.path.exists(path + ".partial"):  # an interrupted write
+    shutil.rmtree(path + ".partial")
+  res = subprocess.run([sys.executable, "-c", WRITER, path + ".partial", json.dumps(SHAPES[shape]),
+                        str(SHARD_BYTES)], capture_output=True, text=True)
   if res.returncode:
     raise SystemExit(f"error: writing the model failed: {(res.stderr.strip().splitlines() or ['?'])[-1]}")
   os.replace(path + ".partial", path)
@@ -113,21 +151,22 @@ def measured_gib(line: str | None) -> tuple[float | None, str]:
 
 
 def finetune_3b(methods: tuple[str, ...] = METHODS, steps: int = 4,
-                batch_size: int = 1, seq_len: int = 64, rank: int = 8, lr: float = 1e-3, remat: bool = True,
+                batch_size: int = 1, seq_len: int = 64, rank: int = 8, lr: float = 1e-3, remat: bool = False,
                 budget_gib: float = 16.0, work: str = "runs/finetune-3b", out: str | None = None,
                 shape: str = "llama-3b") -> list[dict]:
-  """Fine-tunes the 3B shape with each method in a fresh process and tabulates peak RSS against `budget_gib`.
+  """Fine-tunes the 3B (or 8B) shape with each method in a fresh process and tabulates peak RSS against `budget_gib`.
 
   Args:
     methods: from `METHODS`.
     steps, batch_size, seq_len, lr: each run's; one CPU device (mesh data=1).
-    remat: --remat (each layer recomputed in the backward: without it the layer scan keeps every layer's
-      float32-cast weights as residuals for the backward, ~23 GiB of temporaries at 3B).
+    remat: --remat (each layer recomputed in the backward). Not needed for memory: a model stored in bfloat16 and
+      computed in float32 keeps its products' outputs for the backward, not its layers' float32 weights
+      (`models.params.layer_checkpoint`).
     rank: LoRA's.
-    budget_gib: the peak RSS each method should stay within (the issue's 16 GiB on this 24 GiB machine).
+    budget_gib: the peak RSS each method should stay within (16 GiB for 3B, 22 GiB for 8B on this 24 GiB machine).
     work: the model, the runs and results.json (finished methods are not rerun).
     out: markdown file for the table.
-    shape: "llama-3b", or "llama-tiny" (the same family at smoke size).
+    shape: "llama-3b", "llama-8b", or "llama-tiny" (the same family at smoke size).
   """
   unknown = [m for m in methods if m not in METHODS]
   if unknown or shape not in SHAPES:
@@ -143,8 +182,8 @@ def finetune_3b(methods: tuple[str, ...] = METHODS, steps: int = 4,
   dev = jax.devices()[0]
   on_cpu = dev.platform == "cpu"
   progress = Progress(call_command("finetune-3b", finetune_3b, args), out, [
-      f"A random {'Llama-3.2-3B-shaped model (3.2B parameters, ' if shape == 'llama-3b' else shape + ' model ('}"
-      f"bfloat16, written by transformers in "
+      f"A random {NAMES.get(shape, shape + ' model (')}"
+      f"bfloat16, written tensor by tensor in the HF format in "
       f"{written:.0f} s this run, or earlier) fine-tuned from `--init-from hf:` by the train CLI, one fresh process "
       f"per method on one {dev.platform} device ({machine()}; {os.cpu_count()} cores), {steps} steps of "
       f"{batch_size} x {seq_len} tokens. Peak RSS: the child's ru_maxrss (load, compile, train, evaluate, "
