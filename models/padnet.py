@@ -10,13 +10,18 @@ M_e a 0/1 mask per entry (`PadMask`, a buffer: never seen by the optimizer), W^s
 expert, φ one learnable scalar per layer, 0 at initialisation (λ_d = λ_s = 1; the code's `PadMoE.phi`). With M all
 ones and φ = 0 the layer is the plain MoE exactly (λ_d = 1 and the static term is 0·W^static).
 
-Iterative Mode Partition (IMP, the paper's §3.2; the code's `pruning/prune.py::prune_loop` with the SNIP scorer):
-T rounds; in round t = 1..T every entry is scored by |∂L/∂M| summed over the scoring batches (the gradient is summed,
-then its magnitude taken, as the code does), and the entries above the k-th score are dynamic, the rest static, with
-a dynamic share of
-  exponential: r^{t/T}        linear: 1 − (1 − r)·t/T        (r the final dynamic ratio)
-of the entries ranked over all PAD-Net matrices of the model together ("global", the code's default `mask_scope`) or
-per expert matrix ("local", its `_local_mask`: each expert's matrix is its own parameter there). The code partitions
+Iterative Mode Partition (IMP, the paper's §3.2; the code's `moe/transformers/pruning/prune.py::prune_loop` with the
+SNIP scorer): T rounds; in round t = 1..T every entry is scored by |∂L/∂M| summed over the scoring batches (the
+gradient is summed, then its magnitude taken, as the code does) and ranked, over all PAD-Net matrices of the model
+together ("global", the code's default `mask_scope`, `_global_mask`) or per expert matrix ("local", its `_local_mask`:
+each expert's matrix is its own parameter there). Round t's dynamic share is
+  exponential: d_t = r^{t/T}        linear: d_t = 1 − (1 − r)·(t/T)        (r the final dynamic ratio)
+and a ranking of n entries keeps the `kept(n, d_t)` = n − int((1 − d_t)·n) highest scores dynamic, the rest static
+(the code's count, `pruning/pruners.py`: it makes the k = int((1 − d)·n) lowest static, in Python floats with int()
+truncating; n = 10, d = 0.72 keeps 8 where round(d·n) would keep 7). When k = 0 the ranking's masks are left as they
+are (the code's `if not k < 1`). Ties: exactly `kept` entries stay dynamic, among equal scores the earlier in the
+ranking's flattened order first; the code's `score <= threshold` makes every entry tied with the k-th lowest score
+static, keeping fewer when that score is tied (|∂L/∂M| of float32 gradients rarely is). The code partitions
 once, at the start of fine-tuning (`trainer_pad.py`, epoch 0), on a random subset of the training data. Every entry
 is re-ranked each round: a static entry's mask gradient is defined too,
   ∂L/∂M_e = (λ_d W_e^dyn − λ_s W^static) ⊙ ∂L/∂W_e,
@@ -31,7 +36,7 @@ replicated on every device like the other buffers (bool: a quarter of a float32 
 
 References:
   He, Ding, Dong, Liu, Yu, Tao, "PAD-Net: An Efficient Framework for Dynamic Networks", ACL 2023, arXiv 2211.05528
-  (code Shwai-He/PAD-Net: `PadMoE`, `pruning/prune.py::prune_loop`).
+  (code Shwai-He/PAD-Net: `PadMoE`, `moe/transformers/pruning/prune.py::prune_loop`, `pruners.py::_global_mask`).
 """
 
 from __future__ import annotations
@@ -185,32 +190,56 @@ def share_at(round_: int, rounds: int, ratio: float, schedule: str) -> float:
   """
   if schedule == "exponential":
     return ratio ** (round_ / rounds)
-  return 1.0 - (1.0 - ratio) * round_ / rounds
+  return 1.0 - (1.0 - ratio) * (round_ / rounds)  # the code's grouping: the float, hence `kept`, is the same
 
 
-def _keep_top(scores: list[np.ndarray], share: float, scope: str, lead: list[int]) -> list[np.ndarray]:
-  """Masks keeping the `share` highest scores: over all arrays together ("global") or per matrix and layer."""
-  def top(flat: np.ndarray) -> np.ndarray:  # rows of scores -> their masks, each row keeping round(share·n)
-    keep = int(round(share * flat.shape[-1]))
-    order = np.argsort(-flat, axis=-1, kind="stable")[..., :keep]
+def kept(n: int, share: float) -> int:
+  """The entries a ranking of `n` keeps dynamic at the dynamic share `share`: n − int((1 − share)·n).
+
+  The code's count (`_global_mask` / `_local_mask` make the k = int((1 − share)·n) lowest scores static), in Python
+  float arithmetic with int() truncating, so it may keep one more than round(share·n) (n = 10, share = 0.72: 8).
+
+  Args:
+    n: the entries ranked together.
+    share: the round's dynamic share, in (0, 1].
+
+  Returns:
+    The dynamic entries, in [0, n].
+  """
+  return n - int((1.0 - share) * n)
+
+
+def _keep_top(scores: list[np.ndarray], masks: list[np.ndarray], share: float, scope: str,
+              lead: list[int]) -> list[np.ndarray]:
+  """Masks keeping the `kept` highest scores: over all arrays together ("global") or per matrix and layer.
+
+  A ranking that makes nothing static (k = 0) keeps its masks as they are.
+  """
+  def top(flat: np.ndarray, current: np.ndarray) -> np.ndarray:  # rows of scores -> their masks
+    n = flat.shape[-1]
+    if kept(n, share) == n:  # the code's `if not k < 1`: no threshold, the masks unchanged
+      return current
+    order = np.argsort(-flat, axis=-1, kind="stable")[..., :kept(n, share)]  # ties: the earlier entry first
     mask = np.zeros(flat.shape, bool)
     np.put_along_axis(mask, order, True, axis=-1)
     return mask
   if scope == "global":
-    joined = top(np.concatenate([s.ravel() for s in scores])[None])[0]
+    joined = top(np.concatenate([s.ravel() for s in scores])[None], np.concatenate([m.ravel() for m in masks])[None])
     out, at = [], 0
     for s in scores:
-      out.append(joined[at:at + s.size].reshape(s.shape))
+      out.append(joined[0, at:at + s.size].reshape(s.shape))
       at += s.size
     return out
-  return [top(s.reshape(int(np.prod(s.shape[:n])), -1)).reshape(s.shape) for s, n in zip(scores, lead)]
+  rows = [int(np.prod(s.shape[:n])) for s, n in zip(scores, lead)]
+  return [top(s.reshape(r, -1), m.reshape(r, -1)).reshape(s.shape) for s, m, r in zip(scores, masks, rows)]
 
 
 def iterative_partition(masks: list, grad_sum: Callable[[list], list], ratio: float, *, rounds: int = 5,
                         schedule: str = "exponential", scope: str = "global") -> tuple[list[np.ndarray], list[float]]:
   """Iterative Mode Partition of PAD-Net masks to a dynamic share `ratio` (the paper's §3.2).
 
-  Each round scores every entry by |∂L/∂M| and keeps the top share (`share_at`) dynamic.
+  Each round scores every entry by |∂L/∂M| and keeps the `kept(n, share_at(t, ...))` highest of each ranking of n
+  dynamic.
 
   Args:
     masks: the current masks, arrays of shape (..., E, I, O).
@@ -228,7 +257,7 @@ def iterative_partition(masks: list, grad_sum: Callable[[list], list], ratio: fl
   for t in range(1, rounds + 1):
     scores = [np.abs(np.asarray(g, np.float64)) for g in grad_sum([jnp.asarray(m, jnp.float32) for m in masks])]
     # local: one ranking per expert matrix (the layer axes and the expert axis lead: (..., E, I, O))
-    masks = _keep_top(scores, share_at(t, rounds, ratio, schedule), scope, [s.ndim - 2 for s in scores])
+    masks = _keep_top(scores, masks, share_at(t, rounds, ratio, schedule), scope, [s.ndim - 2 for s in scores])
     shares.append(float(sum(m.sum() for m in masks) / sum(m.size for m in masks)))
   return masks, shares
 

@@ -133,17 +133,61 @@ def test_the_partition_follows_its_schedule_and_keeps_the_largest_scores(schedul
   assert len(calls) == 4 and all(m.dtype == np.float32 for m in calls[1])  # round 2 scored the round-1 masks
   assert calls[1][0].mean() == pytest.approx(shares[0], abs=1 / 30)
   mags = [np.abs(s) for s in scores]
-  if scope == "local":  # per expert matrix: exactly round(0.3·30) = 9 dynamic, the 9 largest magnitudes
+  if scope == "local":  # per expert matrix: exactly 30 − int(0.7·30) = 9 dynamic, the 9 largest magnitudes
     for m, a in zip(new, mags):
       flat_m, flat_a = m.reshape(-1, 30), a.reshape(-1, 30)
       assert (flat_m.sum(1) == 9).all()
       assert (np.sort(flat_a, 1)[:, -9] <= np.where(flat_m, flat_a, np.inf).min(1)).all()
   else:  # one ranking over both stacks
     everything = np.concatenate([a.ravel() for a in mags])
-    keep = int(round(0.3 * everything.size))
+    keep = everything.size - int((1.0 - 0.3) * everything.size)  # the code's count (480 − 336)
     threshold = np.sort(everything)[-keep]
     for m, a in zip(new, mags):
       np.testing.assert_array_equal(m, a >= threshold)
+
+
+def reference_kept(n, d):
+  """The code's count (Shwai-He/PAD-Net pruners.py `_global_mask` / `_local_mask`): k = int((1 − d)·n) entries made
+  static, the rest dynamic."""
+  return n - int((1.0 - d) * n)
+
+
+GRID = [(n, d) for n in (1, 2, 3, 7, 10, 11, 25, 100) for d in (0.05, 0.1, 0.3, 0.5, 0.6, 0.7, 0.72, 0.9, 0.99, 1.0)]
+
+
+@pytest.mark.parametrize("scope", ["global", "local"])
+def test_each_ranking_keeps_the_codes_count_not_the_rounded_share(scope):
+  assert reference_kept(10, 0.72) == 8 and round(0.72 * 10) == 7  # (1 − 0.72)·10 = 2.8000000000000003
+  differs = 0
+  for n, d in GRID:
+    rng = np.random.default_rng(n)
+    # global: one ranking of n over two arrays; local: each (expert) row of one array its own ranking of n
+    shapes = [(1, 1, n), (1, 1, n)] if scope == "local" else [(1, 1, n // 2 or 1), (1, 1, n - (n // 2 or 1))]
+    shapes = [s for s in shapes if s[-1] > 0]
+    scores = [rng.standard_normal(s) for s in shapes]
+    new, _ = padnet.iterative_partition([np.ones(s, bool) for s in shapes], lambda _: scores, d, rounds=1, scope=scope)
+    got = [int(m.sum()) for m in new] if scope == "local" else [sum(int(m.sum()) for m in new)]
+    assert got == [reference_kept(n, d)] * len(got), (n, d, scope)
+    assert padnet.kept(n, d) == reference_kept(n, d)
+    differs += reference_kept(n, d) != round(d * n)
+  assert differs >= 3  # the grid holds cases where the rule and round(d·n) part
+
+
+def test_the_kept_count_holds_every_round_and_ties_keep_the_earlier_entry():
+  n, ratio, rounds = 10, 0.3, 4
+  for schedule in padnet.SCHEDULES:
+    new, shares = padnet.iterative_partition([np.ones((1, 1, n), bool)], lambda _: [np.arange(n, dtype=float)],
+                                             ratio, rounds=rounds, schedule=schedule)
+    d = [ratio ** (t / rounds) if schedule == "exponential" else 1.0 - (1.0 - ratio) * (t / rounds)
+         for t in range(1, rounds + 1)]
+    assert [round(s * n) for s in shares] == [reference_kept(n, x) for x in d]
+  tied = [np.array([[[1.0, 2.0, 2.0, 2.0, 0.5]]])]  # kept(5, 0.4) = 2 of three tied at the top: the first two
+  new, _ = padnet.iterative_partition([np.ones((1, 1, 5), bool)], lambda _: tied, 0.4, rounds=1)
+  np.testing.assert_array_equal(new[0][0, 0], [False, True, True, False, False])
+  # a round that makes nothing static (int((1 − d)·n) = 0) leaves the masks as they are, as the code's `if not k < 1`
+  start = np.array([[[True, False, True]]])
+  new, _ = padnet.iterative_partition([start], lambda _: [np.ones((1, 1, 3))], 0.9, rounds=1)
+  np.testing.assert_array_equal(new[0], start)
 
 
 def test_partition_on_a_model_scores_with_the_loss_and_is_deterministic():

@@ -33,7 +33,8 @@ def test_the_partition_reached_its_share_and_changed_the_function(result):
   moe, pad = run["arms"]["moe"], run["arms"]["pad30"]
   total = moe["counts"]["dynamic"]
   assert total == 2 * 3 * 8 * 64 * 64  # 2 layers x 3 stacks x 8 experts x D 64 x F 64
-  assert pad["counts"]["dynamic"] == round(0.3 * total) and pad["counts"]["masked"] == total - round(0.3 * total)
+  kept = total - int((1.0 - 0.3) * total)  # the code's count: int((1 − d)·n) made static (58983, round(d·n) = 58982)
+  assert pad["counts"]["dynamic"] == kept and pad["counts"]["masked"] == total - kept
   assert pad["counts"]["static"] == 2 * 3 * 64 * 64
   assert len(pad["shares"]) == pad_net.SMOKE["rounds"] and pad["shares"][-1] == pytest.approx(0.3, abs=1e-5)
   assert pad["shares"][0] == pytest.approx(0.3 ** 0.5, abs=1e-5)  # exponential: r^(t/T)

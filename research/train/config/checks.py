@@ -16,31 +16,36 @@ class PreflightError(ValueError):
   """A flag value no run can use."""
 
 
-def _flag(name: str) -> str:
-  return "--" + name.replace("_", "-")
+def _flag(section, name: str) -> str:
+  return "--" + getattr(section, "PREFIX", "") + name.replace("_", "-")
 
 
 def check_section(section) -> None:
-  """A section's own checks: counts positive, rates finite and in range (None = unset, which takes a default).
+  """A section's own checks: counts positive, rates finite and in range (None = unset, which takes a default), a flag
+  given only with the flag it needs.
 
   Args:
-    section: a config section; its `POSITIVE` counts and `RANGES` (research/train/config/sections.py) are checked.
+    section: a config section; its `POSITIVE` counts, `RANGES` (research/train/config/sections.py) and `NEEDS`
+      ({flag: the flag it needs}) are checked, the flags named with its `PREFIX` (--moe.*).
 
   Raises:
     PreflightError: one line naming the first flag that fails.
   """
   for name in getattr(section, "POSITIVE", ()):
-    if getattr(section, name) <= 0:
-      raise PreflightError(f"{_flag(name)} must be positive, got {getattr(section, name)}")
+    if getattr(section, name) is not None and getattr(section, name) <= 0:
+      raise PreflightError(f"{_flag(section, name)} must be positive, got {getattr(section, name)}")
   for name, (lo, hi, closed) in getattr(section, "RANGES", {}).items():
     value = getattr(section, name)
     if value is None:
       continue
     if not math.isfinite(value):
-      raise PreflightError(f"{_flag(name)} must be a finite number, got {value}")
+      raise PreflightError(f"{_flag(section, name)} must be a finite number, got {value}")
     if value < lo or (value == lo and not closed) or (hi is not None and value > hi):
-      low = "[" if closed else "("
-      raise PreflightError(f"{_flag(name)} must lie in {low}{lo}, {'inf)' if hi is None else f'{hi}]'}, got {value}")
+      low, high = "[" if closed else "(", "inf)" if hi is None else f"{hi}]"
+      raise PreflightError(f"{_flag(section, name)} must lie in {low}{lo}, {high}, got {value}")
+  for name, needed in getattr(section, "NEEDS", {}).items():
+    if getattr(section, name) is not None and not getattr(section, needed):
+      raise PreflightError(f"{_flag(section, name)} needs {_flag(section, needed)}")
 
 
 def check_numbers(cfg):

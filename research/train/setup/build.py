@@ -22,7 +22,7 @@ def model_config(cfg: TrainConfig):
   over = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
   if "max_logits" in optimizer_needs(cfg.optim).update_args:  # the optimizer reads each head's max logit
     over["logit_stats"] = True
-  moe = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
+  moe = cfg.moe.model_fields()
   if cfg.finetune.init_from:
     return init_from.model_config(cfg.finetune.init_from, {**over, "moe": moe})
   if moe:

@@ -1,5 +1,6 @@
 """The train state at step 0, created sharded: random or --init-from's parameters, --peft's adapters, --freeze's
-report, the exact modes' previous parameters, and --sync's per-replica layout with its step programs."""
+report, the exact modes' previous parameters, --sync's per-replica layout with its step programs, and PAD-Net's mode
+partition (--moe.pad-ratio, padnet.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from optim.trees import cast_like
 from research.train.config import TrainConfig
 from research.train.feed import make_loader
 from research.train.runtime.processes import is_primary
-from research.train.setup import adapters, init_from
+from research.train.setup import adapters, init_from, padnet
 from research.train.setup.build import make_optimizer, optimizer_needs
 from research.train.steps import blockstep, frozen, layerfreeze, sync
 from research.train.steps.step import keep_prev_params, lm_loss
@@ -45,6 +46,9 @@ def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings
   if "peft" in report:  # counted on the state itself: a sparse adapter's pruned entries are known now
     report["peft"] = adapters.recount(report["peft"], box["graphdef"], state)
     lines.insert(0, adapters.report_line(report["peft"]))
+  if cfg.moe.partition():  # --moe.pad-ratio < 1: PAD-Net's mode partition before the first update
+    state, report["pad_net"], line = padnet.partition(cfg, box["graphdef"], state, corpus, mesh)
+    lines.append(line)
   if is_primary():
     for line in lines:
       print(line, file=sys.stderr)

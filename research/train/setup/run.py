@@ -111,8 +111,8 @@ def start(cfg: TrainConfig) -> Run:
       layout = switches.pop(0)[1]
       syncer.switched(layout.train_step)
     state = restored
-    if "peft" in saved:  # the adapters' report as the run measured it (a sparse adapter's count after pruning)
-      meta["peft"] = saved["peft"]
+    # the reports as the run measured them at step 0: a sparse adapter's count after pruning, PAD-Net's partition
+    meta.update({k: saved[k] for k in ("peft", "pad_net") if k in saved})
     monitor.load(saved.get("health"))
     print(f"resuming {out} from step {begin}", file=sys.stderr)
   begin = begin or 0

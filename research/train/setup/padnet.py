@@ -1,0 +1,90 @@
+"""PAD-Net's mode partition at step 0 of a new run (--moe.pad with --moe.pad-ratio < 1).
+
+Iterative Mode Partition (`models.padnet.iterative_partition`) ranks every expert entry of the state's PAD-Net masks
+(`models.padnet.PadMask` buffers) by |∂L/∂M| of the training loss (the step's, `lm_loss`: cross entropy plus the MoE
+aux losses), summed over the first --moe.pad-batches training batches, before the first update: the paper partitions
+once, at the start of fine-tuning. The masks are buffers of the train state, so every checkpoint holds them; a resumed
+run restores them and never partitions again. The partition's report (settings, the share after each round, the
+dynamic entries kept) goes to config.json as "pad_net".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models import padnet
+from research.train.config import RunError
+from research.train.feed import make_loader
+from research.train.steps.step import lm_loss
+from research.train.steps.train_state import TrainState
+from sharding import global_batch, mesh_scope
+
+
+def partition(cfg, graphdef: nnx.GraphDef, state: TrainState, corpus, mesh) -> tuple[TrainState, dict, str]:
+  """IMP of the state's PAD-Net masks as `cfg.moe.partition()` asks (call it only when that is not None).
+
+  Args:
+    cfg: the run's config: its moe section's partition settings, the training and data sections' batches.
+    graphdef: the model's structure.
+    state: the new run's train state at step 0.
+    corpus: the run's corpus (the scoring batches are its first training batches).
+    mesh: the run's mesh.
+
+  Returns:
+    (the state with the partitioned masks, placed as the old ones were; the report config.json keeps under
+    "pad_net"; the one line to print).
+
+  Raises:
+    RunError: the state has no PAD-Net mask among its buffers.
+  """
+  how = cfg.moe.partition()
+  loader = make_loader(corpus, cfg.training, cfg.data, cfg.data_options)
+  batches = [global_batch(tuple(loader.batch(i))[:2], mesh) for i in range(how["batches"])]  # (x, y)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state.model_buffers)
+  at = _mask_leaves(graphdef, state, [tuple(k.key for k in path) for path, _ in leaves])
+  buffers = [leaf for _, leaf in leaves]
+  loss = lm_loss(graphdef)
+
+  def mask_loss(masks_f, params, rest, x, y):
+    values = list(rest)
+    for i, m in zip(at, masks_f):
+      values[i] = m
+    return loss(params, x, y, jax.tree.unflatten(treedef, values))[0]
+
+  mask_grad = jax.jit(jax.grad(mask_loss), out_shardings=NamedSharding(mesh, P()))  # replicated: every process ranks
+
+  def grad_sum(masks_f):
+    with mesh_scope(mesh):
+      grads = [mask_grad([jnp.asarray(m) for m in masks_f], state.params, buffers, x, y) for x, y in batches]
+    return [_host(sum(g[j] for g in grads)) for j in range(len(at))]
+
+  new, shares = padnet.iterative_partition([_host(buffers[i]) for i in at], grad_sum, how["ratio"],
+                                           rounds=how["rounds"], schedule=how["schedule"], scope=how["scope"])
+  for i, m in zip(at, new):  # each process holds the same masks: placed on its devices' shards
+    buffers[i] = jax.make_array_from_callback(m.shape, buffers[i].sharding, m.__getitem__)
+  kept, total = int(sum(m.sum() for m in new)), int(sum(m.size for m in new))
+  report = {**how, "shares": shares, "dynamic": kept, "entries": total}
+  line = (f"PAD-Net: Iterative Mode Partition at step 0 on {how['batches']} training batches, {how['rounds']} rounds "
+          f"({how['schedule']}, {how['scope']}) to the dynamic ratio {how['ratio']:g}: {kept:,} of {total:,} expert "
+          f"entries kept dynamic ({kept / total:.1%})")
+  return state.replace(buffers=jax.tree.unflatten(treedef, buffers)), report, line
+
+
+def _mask_leaves(graphdef: nnx.GraphDef, state: TrainState, keys: list[tuple]) -> list[int]:
+  """The positions among the buffers' leaves (their key paths `keys`) of the model's PAD-Net masks, in their order."""
+  model = nnx.merge(graphdef, state.params, state.model_buffers)
+  paths = [tuple(p) for p, _ in nnx.to_flat_state(nnx.state(model, padnet.PadMask))]
+  if not paths or any(p not in keys for p in paths):
+    raise RunError("--moe.pad-ratio: the model's PAD-Net masks are not among the train state's buffers (a model built "
+                   "with --moe.pad has them)")
+  return [keys.index(p) for p in paths]
+
+
+def _host(a) -> np.ndarray:
+  """A replicated array's value on this host (one shard is the whole array, also where others are on other hosts)."""
+  return np.asarray(a.addressable_data(0) if isinstance(a, jax.Array) else a)
