@@ -24,6 +24,7 @@ from research.bench.hf import hf
 from research.bench.moe import moe
 from research.bench.optim import optim_step
 from research.bench.peer import peer
+from research.bench.preflight import preflight
 from research.bench.quant import quant
 from research.bench.reshard import reshard_bench
 from research.bench.sample import sample
@@ -50,7 +51,7 @@ def out_checked_first(bench):
 BENCHMARKS = {name: out_checked_first(bench) for name, bench in {
   "train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe, "ckpt": ckpt_bench,
   "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant, "sample": sample, "finetune": finetune,
-  "finetune-3b": finetune_3b, "data": data, "peer": peer}.items()}
+  "finetune-3b": finetune_3b, "data": data, "peer": peer, "preflight": preflight}.items()}
 
 
 def main(argv=None):
