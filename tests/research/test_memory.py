@@ -22,6 +22,7 @@ from research.train.setup.initial_state import abstract_initial_state
 from research.train.setup.startup import setup
 from research.train.steps.blockstep import make_block_steps
 from research.train.steps.step import make_steps
+from research.train.store.checkpoint import CHUNK_BYTES
 from sharding import batch_sharding, devices_for, make_mesh
 
 TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=2, eval_every=4, ckpt_every=2,
@@ -70,14 +71,16 @@ def test_the_estimate_is_xlas_per_device_bytes_of_the_step():
 def test_the_checkpoint_writer_is_bounded_on_the_cpu():
   """Three 0.7 GB arrays: at most WRITER_GB = 1 GB in flight, what the trainer's checkpointer is given (orbax's
   save_concurrent_gb); an array over it raises the bound to its size rounded up (orbax refuses a larger array: the
-  3B model's 1.4 GB MLP stack failed its save at 1 GB)."""
+  3B model's 1.4 GB MLP stack failed its save at 1 GB). The estimate counts the writer's chunks in flight."""
   mesh = make_mesh("data=1", devices=jax.devices()[:1])
   state = {f"w{i}": jax.ShapeDtypeStruct((28, 3072, 4096), jnp.bfloat16) for i in range(3)}
   one = 28 * 3072 * 4096 * 2
-  assert memory.writer_bound(state, mesh) == (memory.WRITER_GB, 10 ** 9) and memory.WRITER_GB == 1 and 10 ** 9 < 3 * one
-  assert memory.writer_bound({"w": state["w0"]}, mesh)[1] == one  # the whole state, when it is under the bound
+  assert memory.writer_bound(state, mesh) == (memory.WRITER_GB, memory.WRITER_BYTES) and memory.WRITER_GB == 1
+  assert memory.WRITER_BYTES == 8 * CHUNK_BYTES < one  # the writer's chunks in flight, however large the state
+  small = {"w": jax.ShapeDtypeStruct((4, 1024, 1024), jnp.bfloat16)}
+  assert memory.writer_bound(small, mesh)[1] == 8 * 2 ** 20  # the whole state, when it is under the bound
   big = {**state, "mlp": jax.ShapeDtypeStruct((28, 3072, 8192), jnp.bfloat16)}
-  assert memory.writer_bound(big, mesh) == (2, 2 * 10 ** 9)
+  assert memory.writer_bound(big, mesh) == (2, memory.WRITER_BYTES)
 
 
 def test_a_run_over_the_limit_is_refused_before_it_writes_anything(tmp_path, capsys):

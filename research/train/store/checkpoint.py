@@ -34,12 +34,13 @@ import orbax.checkpoint as ocp
 
 from research.train.store import integrity
 
-CHUNK_BYTES = 2 ** 28
-"""Each array is stored in chunks of at most this many bytes (orbax's `SaveArgs.chunk_byte_size`), so tensorstore
-encodes it a chunk at a time; any chunking restores (reading does not depend on it). Measured on this machine's CPU
-(three random bfloat16 arrays of 2.1 GB, orbax's OCDBT format, 4 GB in flight): the writer held 2.98 GiB above the
-state chunked, 5.32 GiB stored whole (an array above 2 GiB is copied once more while it is written). The writer still
-holds the encoded bytes of the arrays in flight (`research/train/setup/memory.py` counts the bound)."""
+CHUNK_BYTES = 2 ** 26
+"""A bounded checkpointer (the trainer's on the CPU) stores each array as zarr chunks of at most this many bytes, a
+file each (orbax's `SaveArgs.chunk_byte_size`, `use_ocdbt=False`), so tensorstore encodes and writes it a chunk at a
+time and the writer's memory is a few chunks, whatever the arrays. Measured on this machine's CPU with three random
+bfloat16 arrays of 2.1 GB (4 GB in flight), resident memory above the state while saving: 0.23 GiB with 64 MiB chunks,
+0.99 GiB with 256 MiB chunks; orbax's OCDBT format holds the encoded arrays in flight until they are committed (2.98 GiB
+chunked, 5.32 GiB stored whole). Restoring reads either format and any chunking (older checkpoints are OCDBT)."""
 
 
 class CheckpointError(ValueError):
@@ -54,10 +55,14 @@ class Checkpointer:
   def __init__(self, directory: str, *, keep: int = 3, every: int = 100, save_concurrent_gb: int | None = None):
     """`save_concurrent_gb`: at most this many GB (10^9 bytes) of the state being written at once (orbax's; the
     trainer bounds it on the CPU, where the writer's buffers share the devices' memory: research/train/setup/memory.py);
-    None: orbax's default. A bounded checkpointer saves and restores whole states (`save`, `restore`)."""
+    None: orbax's default. A bounded checkpointer saves and restores whole states (`save`, `restore`), each array in
+    chunks of `CHUNK_BYTES` outside OCDBT (its memory stays a few chunks)."""
     self.directory = os.path.abspath(directory)
+    self.bounded = save_concurrent_gb is not None
+    if self.bounded:
+      _quiet_ocdbt_merge_notice()
     handlers = None if save_concurrent_gb is None else {
-        "state": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb),
+        "state": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb, use_ocdbt=False),
         "meta": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=None if handlers else ("state", "meta"), item_handlers=handlers,
@@ -186,6 +191,21 @@ def _without_empty(tree):
   """The tree with each zero-size array (an optimizer's placeholder, as SOAP's for a side it does not rotate) replaced
   by None: orbax cannot save one, and `restore` rebuilds it from the abstract state's shape, dtype and sharding."""
   return jax.tree.map(lambda x: None if getattr(x, "size", 1) == 0 else x, tree)
+
+
+class _OcdbtMergeNotice(logging.Filter):
+  """Orbax's notice, at the end of every save without OCDBT, that it found no OCDBT files to merge: there are none."""
+
+  def filter(self, record):
+    return not record.getMessage().startswith("[process=") or "Skipping merge of OCDBT checkpoints" not in \
+        record.getMessage()
+
+
+def _quiet_ocdbt_merge_notice():
+  """Drops `_OcdbtMergeNotice`'s line (a WARNING on stderr after each save of a bounded checkpointer), once."""
+  for logger in map(logging.getLogger, ("absl", "")):
+    if not any(isinstance(f, _OcdbtMergeNotice) for f in logger.filters):
+      logger.addFilter(_OcdbtMergeNotice())
 
 
 class _OrbaxErrors(logging.Filter):
