@@ -104,3 +104,25 @@ def test_no_ratio_or_a_ratio_of_one_leaves_every_entry_dynamic(tmp_path, capsys)
 ])
 def test_bad_partition_flags_are_refused_in_one_line(tmp_path, capsys, flags, message):
   assert message in bad(tmp_path, capsys, "--moe.num-experts", "4", *flags)
+
+
+def test_a_partitioned_run_loads_with_its_masks(tmp_path):
+  """`load_run` (research.export, sample, --init-from) restores the model's buffers with its parameters: the masks a
+  PAD-Net run partitioned (a model with buffers failed to merge before)."""
+  from research.train.store.pretrained import load_run
+  out = tmp_path / "run"
+  with contextlib.redirect_stderr(io.StringIO()):
+    run(cfg(out, steps=2, ckpt_every=2))
+  model, _, step = load_run(str(out))
+  masks = [np.asarray(getattr(model.blocks.moe, name)[...]) for name in padnet.MASKS.values()]
+  assert step == 2 and masks and not all(m.all() for m in masks)  # partitioned: not all dynamic
+  assert [m.tolist() for m in masks] == [m.tolist() for m in saved_masks(out)]
+
+
+def test_a_run_initialised_from_a_partitioned_run_starts_from_its_masks(tmp_path):
+  """--init-from an optlab PAD-Net run takes its masks with its parameters (they were reset to all dynamic)."""
+  src, out = tmp_path / "src", tmp_path / "ft"
+  with contextlib.redirect_stderr(io.StringIO()):
+    run(cfg(src, steps=2, ckpt_every=2))
+    run(cfg(out, steps=1, ckpt_every=1, init_from=str(src), moe=MoEFlags(pad=True), model=None))
+  assert [m.tolist() for m in saved_masks(out)] == [m.tolist() for m in saved_masks(src)]

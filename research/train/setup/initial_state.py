@@ -93,6 +93,8 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     state, shardings = TrainState.of(state), TrainState.of(shardings)
     if source is not None:  # in the parameters' dtype (the checkpoint's may be narrower)
       state = state.replace(params=cast_like(source[0], state.params))
+      if source[1] and state.buffers is not None:  # and its buffers: PAD-Net's masks, a router's selection bias
+        state = state.replace(buffers=cast_like(source[1], state.buffers))
   if cfg.finetune.freeze:  # stored in --frozen-dtype; the step differentiates the other parameters only
     state = state.replace(params=frozen.store_frozen(state.params, shardings.params, cfg.finetune.freeze,
                                                      frozen.frozen_dtype(cfg.finetune)))

@@ -71,11 +71,19 @@ def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = Tru
       return (cast(Transformer, peft.merge(model)) if merge else model), config, step  # merged in place
     graphdef, abstract, names = logical_names(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     shardings = param_shardings(abstract, names, mesh)
-    params = ckpt.restore_params(step, Trainable.of_meta(meta).stored(abstract), shardings)
+    stored = Trainable.of_meta(meta).stored(abstract)
+    rest = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Not(nnx.Param))
+    extra: tuple = ()
+    if jax.tree.leaves(rest):  # the model's other variables (PAD-Net's masks, a router's selection bias)
+      params, restored = ckpt.restore_params(step, stored, shardings, nnx.to_pure_dict(rest),
+                                             variable_shardings(rest, mesh))
+      extra = (restored,)
+    else:
+      params = ckpt.restore_params(step, stored, shardings)
     params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)  # stored bfloat16: the model's dtype
   finally:
     ckpt.close()
-  return nnx.merge(graphdef, params), config, step
+  return nnx.merge(graphdef, params, *extra), config, step
 
 
 def peft_settings(meta: dict) -> dict | None:
