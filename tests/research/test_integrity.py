@@ -87,8 +87,9 @@ def cfg(out, **kw):
 
 
 def largest_data_file(step_dir):
-  paths = [os.path.join(d, p) for d, _, ps in os.walk(step_dir / "state") for p in ps if os.sep + "d" + os.sep in
-           os.path.join(d, p)]
+  """The largest file of array data in a step: an OCDBT data file (`d/...`) or a zarr chunk (`0.0`), not metadata."""
+  meta = lambda p: p.startswith((".", "_")) or "metadata" in p or "manifest" in p or p.endswith((".txt", ".json"))
+  paths = [os.path.join(d, p) for d, _, ps in os.walk(step_dir / "state") for p in ps if not meta(p)]
   return max(paths, key=os.path.getsize)
 
 
