@@ -21,16 +21,20 @@ def _flag(section, name: str) -> str:
 
 
 def check_section(section) -> None:
-  """A section's own checks: counts positive, rates finite and in range (None = unset, which takes a default), a flag
-  given only with the flag it needs.
+  """A section's own checks: paths not empty, counts positive, rates finite and in range (None = unset, which takes a
+  default), a flag given only with the flag it needs.
 
   Args:
-    section: a config section; its `POSITIVE` counts, `RANGES` (research/train/config/sections.py) and `NEEDS`
-      ({flag: the flag it needs}) are checked, the flags named with its `PREFIX` (--moe.*).
+    section: a config section; its `PATHS`, `POSITIVE` counts, `RANGES` (research/train/config/sections.py) and
+      `NEEDS` ({flag: the flag it needs}) are checked, the flags named with its `PREFIX` (--moe.*).
 
   Raises:
     PreflightError: one line naming the first flag that fails.
   """
+  for name in getattr(section, "PATHS", ()):
+    if getattr(section, name) is not None and not str(getattr(section, name)).strip():
+      raise PreflightError(f"{_flag(section, name)} is empty (an unset shell variable?): give a path, or leave the "
+                           f"flag out")
   for name in getattr(section, "POSITIVE", ()):
     if getattr(section, name) is not None and getattr(section, name) <= 0:
       raise PreflightError(f"{_flag(section, name)} must be positive, got {getattr(section, name)}")

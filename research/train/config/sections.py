@@ -1,8 +1,9 @@
 """The trainer's config, section by section: each a small dataclass of the flags one concern reads.
 
 `TrainConfig` (research/train/config/__init__.py) holds one of each. A section's checks sit beside its fields:
-`POSITIVE` (counts that must be positive) and `RANGES` (flag: (low, high, whether low itself is allowed); every value
-finite), which research/train/config/checks.py applies to every section. The flags keep their spelling: a section's
+`PATHS` (paths that must not be empty: an unset shell variable), `POSITIVE` (counts that must be positive) and `RANGES`
+(flag: (low, high, whether low itself is allowed); every value finite), which research/train/config/checks.py applies
+to every section. The flags keep their spelling: a section's
 fields are flags without a prefix (`--lr`, `--steps`), but for the three with their own, `--moe.*` and `--data.*`
 (research/train/config/prefixed.py) and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help` shows one
 group per section.
@@ -101,6 +102,7 @@ class TrainingSection:
 @dataclasses.dataclass
 class DataSection:
   """The training data and the order it is read in."""
+  PATHS: ClassVar[tuple] = ("tokenizer",)
   paths: Annotated[tuple[str, ...] | None, tyro.conf.arg(name="data")] = None
   """The training data (unset: the stdlib corpus): files, directories or globs, several allowed: text files or a
   directory of them, Parquet, JSON Lines (.jsonl, .jsonl.gz), Arrow (.arrow) or a `datasets.save_to_disk`
@@ -154,6 +156,7 @@ class SyncSection:
 @dataclasses.dataclass
 class FinetuneSection:
   """Fine-tuning: pretrained parameters in, and what stays fixed."""
+  PATHS: ClassVar[tuple] = ("init_from",)
   init_from: str | None = None
   """Start from pretrained parameters: hf:PATH (a Hugging Face model directory) or an optlab RUN_DIR (its newest
   checkpoint). The model config is the checkpoint's (a conflicting model flag is an error); the optimizer starts
@@ -180,6 +183,7 @@ class FinetuneSection:
 class CheckpointSection:
   """The run directory and its checkpoints."""
   POSITIVE: ClassVar[tuple] = ("ckpt_every", "keep")
+  PATHS: ClassVar[tuple] = ("out",)
   out: str = "runs/default"
   """Run directory: metrics.jsonl, config.json, ckpt/. An existing one is resumed (one run at a time: it is locked)."""
   amend: bool = False
