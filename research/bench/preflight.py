@@ -31,11 +31,8 @@ from research.train.command import failure
 from research.train.config import TrainConfig, checks
 from research.train.runtime.devices import setup_jax
 from research.train.setup import memory
-from research.train.setup.blockwise import blockwise_parts
-from research.train.setup.build import make_optimizer, resolved
-from research.train.setup.initial_state import abstract_initial_state, sync_steps
-from research.train.setup.run import train_programs
-from research.train.setup.startup import setup
+from research.train.setup.build import resolved
+from research.train.setup.run import programs
 
 LLAMA_3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                    num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -100,9 +97,9 @@ def train_flags(model: str, run_dir: str, method: str, devices: int, batch_size:
 
 
 def step_estimate(argv: list[str]) -> dict:
-  """The memory pre-flight of `python -m research.train ARGV`, built as the trainer builds it (research/train/loop.py
-  `run`, research/train/setup/run.py `start` up to `_memory`) but not checked against any limit; nothing allocated
-  but the data's batches.
+  """The memory pre-flight of `python -m research.train ARGV`, built by the trainer's own `programs` (research/train/
+  setup/run.py, what `start` runs up to `_memory`) but not checked against any limit; nothing allocated but the
+  data's batches.
 
   Args:
     argv: the train CLI's flags.
@@ -117,14 +114,10 @@ def step_estimate(argv: list[str]) -> dict:
   cfg = resolved(cfg)
   setup_jax(cfg.runtime.devices, cfg.runtime.compile_cache)
   t = time.perf_counter()
-  mesh, mcfg, corpus, batch_sh, *_ = setup(cfg)
-  tx, schedule = make_optimizer(cfg)
-  parts = blockwise_parts(cfg, mcfg, mesh, schedule)
-  graphdef, abstract, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
-  train_step, _ = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)
-  syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
+  b = programs(cfg)  # the trainer's own construction, up to its pre-flight
+  mesh, mcfg, _, batch_sh = b.setup[:4]
   built = time.perf_counter()
-  est = memory.estimate(syncer.train, abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
+  est = memory.estimate(b.syncer.train, b.abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
   s = est.step
   return {"argument": s.argument, "output": s.output, "alias": s.alias, "temp": s.temp, "peak": s.peak,
           "state": est.state, "line": est.line(), "params": count_params(mcfg), "build_s": built - t,

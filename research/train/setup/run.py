@@ -10,7 +10,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable
-from typing import cast
+from typing import Any, NamedTuple, cast
 
 import jax
 from flax import nnx
@@ -78,6 +78,40 @@ class Run:
     self.end = min(self.cfg.training.steps, self.cfg.training.stop_at or self.cfg.training.steps)
 
 
+class Programs(NamedTuple):
+  """A run's pieces before its state exists (nothing allocated): what the memory pre-flight compiles against."""
+  setup: tuple  # `startup.setup`'s (mesh, model config, corpus, batch sharding, plan, pipeline, held-out batches)
+  tx: Any
+  schedule: Callable  # the learning rate at each step
+  parts: Any  # a block-coordinate optimizer's blockwise step, or None
+  graphdef: nnx.GraphDef
+  abstract: TrainState
+  shardings: TrainState
+  report: dict
+  train_step: Callable
+  eval_step: Callable
+  syncer: sync.Steps
+
+
+def programs(cfg: TrainConfig) -> Programs:
+  """The mesh, data, optimizer, abstract state and step programs of a run, built as `start` builds them.
+
+  Args:
+    cfg: the run's config (checked by `research.train.config.checks`).
+
+  Returns:
+    The `Programs`; the train step is compiled by the pre-flight (`memory.estimate`), not here.
+  """
+  built = setup(cfg)
+  mesh, mcfg, corpus, batch_sh = built[:4]
+  tx, schedule = make_optimizer(cfg)
+  parts = blockwise_parts(cfg, mcfg, mesh, schedule)
+  graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
+  train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)
+  syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
+  return Programs(built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer)
+
+
 def start(cfg: TrainConfig) -> Run:
   """The run built and, when it has a readable checkpoint, resumed; config.json written.
 
@@ -87,12 +121,8 @@ def start(cfg: TrainConfig) -> Run:
   Returns:
     The `Run` at its first step to take.
   """
-  mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = setup(cfg)
-  tx, schedule = make_optimizer(cfg)
-  parts = blockwise_parts(cfg, mcfg, mesh, schedule)  # a block-coordinate optimizer's blockwise step, or None
-  graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
-  train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)
-  syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
+  built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer = programs(cfg)
+  mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = built
   estimate = _memory(cfg, syncer.train, abstract, batch_sh, mesh)  # compiled before anything is allocated; may refuse
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)))[2]
   switches = [(at, switch_layout(m, abstract, names, graphdef, tx, cfg, val_host)) for at, m in plan]
