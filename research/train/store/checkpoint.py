@@ -58,12 +58,11 @@ class Checkpointer:
     None: orbax's default. A bounded checkpointer saves and restores whole states (`save`, `restore`), each array in
     chunks of `CHUNK_BYTES` outside OCDBT (its memory stays a few chunks)."""
     self.directory = os.path.abspath(directory)
-    self.bounded = save_concurrent_gb is not None
-    if self.bounded:
-      _quiet_ocdbt_merge_notice()
-    handlers = None if save_concurrent_gb is None else {
-        "state": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb, use_ocdbt=False),
-        "meta": ocp.JsonCheckpointHandler()}
+    handlers = None
+    if save_concurrent_gb is not None:
+      _add_filter(_OcdbtMergeNotice, ("absl",))  # its notice after every save without OCDBT
+      handlers = {"state": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb, use_ocdbt=False),
+                  "meta": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=None if handlers else ("state", "meta"), item_handlers=handlers,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every,
@@ -197,15 +196,14 @@ class _OcdbtMergeNotice(logging.Filter):
   """Orbax's notice, at the end of every save without OCDBT, that it found no OCDBT files to merge: there are none."""
 
   def filter(self, record):
-    return not record.getMessage().startswith("[process=") or "Skipping merge of OCDBT checkpoints" not in \
-        record.getMessage()
+    return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
 
 
-def _quiet_ocdbt_merge_notice():
-  """Drops `_OcdbtMergeNotice`'s line (a WARNING on stderr after each save of a bounded checkpointer), once."""
-  for logger in map(logging.getLogger, ("absl", "")):
-    if not any(isinstance(f, _OcdbtMergeNotice) for f in logger.filters):
-      logger.addFilter(_OcdbtMergeNotice())
+def _add_filter(kind: type[logging.Filter], loggers: tuple[str, ...]):
+  """A `kind` filter on each of the named loggers, once (installing it again adds nothing)."""
+  for logger in map(logging.getLogger, loggers):
+    if not any(isinstance(f, kind) for f in logger.filters):
+      logger.addFilter(kind())
 
 
 class _OrbaxErrors(logging.Filter):
@@ -219,9 +217,7 @@ class _OrbaxErrors(logging.Filter):
 def quiet_orbax_errors():
   """Drops orbax's own error logs (a failed background save logs each failing thread's traceback): the failure
   reaches the caller as one CheckpointSaveError line instead. For CLIs; the library leaves logging alone."""
-  for logger in map(logging.getLogger, ("absl", "asyncio")):
-    if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
-      logger.addFilter(_OrbaxErrors())
+  _add_filter(_OrbaxErrors, ("absl", "asyncio"))
   if not getattr(sys.excepthook, "_optlab", False):  # nor the callbacks of its cancelled writes, which tensorstore
     hook, unraisable = sys.excepthook, sys.unraisablehook  # reports once orbax's loop is closed: through
                                                            # sys.excepthook, or as unraisable with no object
