@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from refusals import bad
+from runs import trace
 
 from models import Transformer, TransformerConfig, padnet
 from research.train import TrainConfig, run
 from research.train.config import MoEFlags
 from research.train.store.checkpoint import Checkpointer
-from runs import trace
 
 PAD = MoEFlags(num_experts=4, d_expert=16, pad=True, pad_ratio=0.32, pad_rounds=2, pad_batches=2)
 TINY = dict(model="moe_tiny", moe=PAD, steps=4, batch_size=8, seq_len=16, log_every=1, eval_every=2, ckpt_every=2,
