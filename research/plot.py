@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Annotated
 
 import tyro
 
-from research import entry
+from research import entry, flags
 from research.train.store.rundir import read_records
 
 
 @dataclasses.dataclass
 class PlotConfig:
   """Plot the loss, validation loss, learning rate and tokens/s of one or more run directories."""
-  runs: tyro.conf.Positional[tuple[str, ...]]
+  runs: tyro.conf.Positional[Annotated[tuple[str, ...], flags.Rule(path="dir")]]
   """Run directories (each with a metrics.jsonl)."""
-  out: str | None = None
+  out: Annotated[str | None, flags.OUT_FILE] = None
   """The image to write (default: <first run>/curves.png)."""
 
 
@@ -70,6 +71,7 @@ def plot(runs: dict[str, list[dict]], out: str) -> str:
 def main(argv=None):
   cfg = tyro.cli(PlotConfig, args=argv, prog="python -m research.plot")
   with entry.one_line_errors(OSError, ValueError):
+    flags.check_config(cfg)
     runs = {os.path.basename(os.path.normpath(r)) or r: read_metrics(r) for r in cfg.runs}  # a bad run first
     out = cfg.out or os.path.join(cfg.runs[0], "curves.png")
     entry.writable_file(out)

@@ -35,12 +35,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import tyro
 
-from research import entry
+from research import entry, flags
 
 ORBAX_TMP = ".orbax-checkpoint-tmp"
 
@@ -58,9 +58,9 @@ class Config:
   keep: int = 2
   seed: int = 0
   """Seeds the instants (round r uses seed + r)."""
-  out: str = "runs/soak"
+  out: Annotated[str, flags.OUT_DIR] = "runs/soak"
   """Work directory: the reference run, one directory per round, the finished rounds."""
-  report: str | None = None
+  report: Annotated[str | None, flags.Rule(path="out-file")] = None
   """Also write the report (markdown) to this file."""
 
 
@@ -194,8 +194,7 @@ def report(cfg: Config, rounds: list[dict], period: float) -> str:
 def main(argv=None) -> int:
   cfg = tyro.cli(Config, args=argv, prog="python -m research.soak", description=__doc__.split("\n\n")[0])
   with entry.one_line_errors(OSError):
-    entry.writable_dir(cfg.out)
-    entry.writable_file(cfg.report, "--report")
+    flags.check_config(cfg)  # counts, the work directory and --report writable
     os.makedirs(cfg.out, exist_ok=True)
   ref, period = reference(cfg)
   want = trace(os.path.join(ref, "metrics.jsonl"))

@@ -32,11 +32,12 @@ import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
+from typing import Annotated
 
 import numpy as np
 import tyro
 
-from research import entry
+from research import entry, flags
 from research.train.command import USER_ERRORS
 from research.train.config import NestedTrainConfig, TrainConfig
 
@@ -47,25 +48,32 @@ class SweepError(ValueError):
   """A grid or budget that cannot run."""
 
 
+def _grid_entry(entry: str):
+  parse_grid([entry])
+
+
+GRID_ENTRY = flags.Rule(parse=_grid_entry)  # OPTIMIZER[KEY=VALUE,...]=LRS (parse_grid's SweepError: a ValueError)
+
+
 @dataclasses.dataclass
 class SweepConfig:
   """Optimizers × learning rates × seeds at one budget; resumable."""
 
-  grid: tuple[str, ...] = ("adamw=1e-3,3e-3", "muon=3e-3,1e-2")
+  grid: Annotated[tuple[str, ...], GRID_ENTRY] = ("adamw=1e-3,3e-3", "muon=3e-3,1e-2")
   """Entries OPTIMIZER=LRS or OPTIMIZER[KEY=VALUE,...]=LRS."""
   seeds: tuple[int, ...] = (0,)
   tokens: int | None = None
   """Token budget per run (steps = tokens / (batch_size × seq_len)); default: --train.steps."""
-  flops: float | None = None
+  flops: Annotated[float | None, flags.POSITIVE] = None
   """FLOP budget per run, counted as model FLOPs (6·params + attention per token; optimizer work not counted)."""
-  baseline: str = "adamw"
+  baseline: Annotated[str, flags.FREE] = "adamw"
   """The contender (label) speedups are measured against."""
   target_loss: float | None = None
   """Loss for the steps-to-target column (default: the baseline's final loss at its best lr)."""
-  workers: int = 1
+  workers: Annotated[int, flags.COUNT] = 1
   """Runs at once, each in its own process (1 = in this process, one after another)."""
-  out: str = "runs/sweep"
-  runs: str | None = None
+  out: Annotated[str, flags.OUT_DIR] = "runs/sweep"
+  runs: Annotated[str | None, flags.OUT_DIR] = None
   """Where the run directories live (default OUT/runs); sweeps that share it share their finished runs."""
   train: NestedTrainConfig = dataclasses.field(default_factory=lambda: NestedTrainConfig(
       devices=1, mesh="data=1", progress=False, log_every=25, eval_every=25))
@@ -318,6 +326,7 @@ def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
 def main(argv=None):
   cfg = tyro.cli(SweepConfig, args=argv)
   with entry.one_line_errors(SweepError, *USER_ERRORS):
+    flags.check_config(cfg, skip=("train",))  # the runs' settings are the trainer's to check, as each starts
     run_grid(cfg)
 
 

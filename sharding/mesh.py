@@ -26,14 +26,15 @@ class MeshError(ValueError):
   """A mesh spec that does not describe the available devices."""
 
 
-def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
+def parse_mesh_spec(spec: str, num_devices: int | None) -> dict[str, int]:
   """The size of every axis of AXES that a mesh spec gives on `num_devices` devices.
 
   "data=2,fsdp=-1" -> {"data": 2, "stage": 1, "fsdp": 4, ...} for 8 devices.
 
   Args:
     spec: comma-separated `axis=size`; omitted axes are 1, one axis may be -1 (the remaining devices).
-    num_devices: the devices the mesh must use, all of them.
+    num_devices: the devices the mesh must use, all of them; None checks the spec's form only (a command line's
+      flag, before the devices are known), leaving a -1 axis as -1.
 
   Returns:
     {axis: size} for every axis of AXES, in that order.
@@ -44,6 +45,8 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
       neither positive nor -1.
   """
   sizes, fill = _parse_items(spec)
+  if num_devices is None:
+    return {**sizes, fill: -1} if fill is not None else sizes
   known = math.prod(v for k, v in sizes.items() if k != fill)
   if fill is not None:
     if num_devices % known:

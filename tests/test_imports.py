@@ -22,13 +22,14 @@ ALLOWED = {
     "sharding": set(),
     "models": {"sharding", "optim"},
     "research.entry": set(),  # the command lines' error discipline: standard library only, under every CLI
+    "research.flags": LIBRARY | {"research.entry"},  # the command lines' flag rules (presets, registry, mesh specs)
     "research.data": LIBRARY | {"research.entry"},  # (docs_corpus's command line)
     "research.train": LIBRARY | {"research.data", "research.entry"},
-    "research.bench": LIBRARY | {"research.data", "research.train", "research.entry"},
-    "tools": LIBRARY | {"research.data", "research.train", "research.entry"},
+    "research.bench": LIBRARY | {"research.data", "research.train", "research.entry", "research.flags"},
+    "tools": LIBRARY | {"research.data", "research.train", "research.entry", "research.flags"},
     # an experiment may report what a benchmark measures (the methods study's step costs: research.bench.finetune)
     "research.experiments": LIBRARY | {"research.data", "research.train", "research.bench", "tools",
-                                       "research.entry"},
+                                       "research.entry", "research.flags"},
 }
 # Modules a room may import from a room it may not import as a whole. The flash kernels are model math
 # (models/flash.py); the ring schedule over the `context` mesh axis (sharding/context.py) reuses them.
@@ -112,7 +113,7 @@ def room(module: str) -> str:
   parts = module.split(".")
   if parts[0] != "research":
     return parts[0]
-  if module == "research.entry":
+  if module in ("research.entry", "research.flags"):
     return module
   if len(parts) > 1 and os.path.isdir(os.path.join(ROOT, "research", parts[1])):
     return f"research.{parts[1]}"

@@ -53,12 +53,14 @@ import re
 import statistics
 import sys
 import time
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 
 from models import count_params, preset
-from models.attention import attend, check_attention
+from models.attention import IMPLEMENTATIONS, attend, check_attention
+from research import flags
 from research.bench.report import Progress, git_commit, machine, table
 from research.bench.timing import build_train_step, time_train_step
 from research.data import load_corpus
@@ -208,11 +210,13 @@ def _cells(audit: Audit) -> str:
 
 
 def attention(kernel_model: str = "base", kernel_seqs: tuple[int, ...] = (512, 2048, 8192), kernel_batch: int = 1,
-              impls: tuple[str, ...] = ("xla", "flash"), repeats: int = 5, train_model: str = "base",
+              impls: Annotated[tuple[str, ...], flags.one_of(*IMPLEMENTATIONS)] = ("xla", "flash"), repeats: int = 5,
+              train_model: str = "base",
               train_seq: int | None = 2048, train_batch: int = 1, warmup: int = 1, steps: int = 3,
               context_model: str = "small", context_layers: int | None = None, context_seq: int = 8192,
               context_batch: int = 1, contexts: tuple[int, ...] = (1, 2, 4, 8),
-              algorithms: tuple[str, ...] = ALGORITHMS, context_reference: str | None = "xla", matmul_n: int = 2048,
+              algorithms: Annotated[tuple[str, ...], flags.one_of(*ALGORITHMS)] = ALGORITHMS,
+              context_reference: Annotated[str | None, flags.one_of(*IMPLEMENTATIONS)] = "xla", matmul_n: int = 2048,
               memory_budget_gib: float | None = None, out: str | None = None) -> dict:
   """Attention implementations side by side (kernel and train step) and context parallelism's memory and traffic.
 

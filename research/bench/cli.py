@@ -3,16 +3,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
+import typing
 
 import jax
 import tyro
 
 from models import ConfigError
 from models.attention import AttentionError
-from research import entry
+from research import entry, flags
 from research.bench.attention import attention
 from research.bench.ckpt import ckpt_bench
 from research.bench.comm import comm
@@ -34,21 +34,21 @@ from sharding import MeshError, ShardingError
 NUM_CPU_DEVICES = 8
 
 
-def out_checked_first(bench):
-  """`bench` with its `--out` refused before it runs (minutes of measuring, then an unwritable path, wrote nothing)."""
+def checked_first(bench):
+  """`bench` with every flag checked against its rule (`research.flags`: counts, ranges, choices, mesh specs, an
+  --out that can be written) before it runs: a bad value is one line and exit 2, not a traceback minutes in."""
+  hints = typing.get_type_hints(bench, include_extras=True)
+
   @functools.wraps(bench)
   def checked(*args, **kwargs):
     bound = inspect.signature(bench).bind(*args, **kwargs)
     bound.apply_defaults()  # a default --out (dion's) is checked too
-    for value in bound.arguments.values():  # `out=` itself, or inside an Args dataclass (hf, quant, sample)
-      if dataclasses.is_dataclass(value):
-        entry.writable_file(getattr(value, "out", None))
-    entry.writable_file(bound.arguments.get("out"))
+    flags.check(dict(bound.arguments), hints)  # an Args dataclass (hf, quant, sample): its fields
     return bench(*args, **kwargs)
   return checked
 
 
-BENCHMARKS = {name: out_checked_first(bench) for name, bench in {
+BENCHMARKS = {name: checked_first(bench) for name, bench in {
   "train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe, "ckpt": ckpt_bench,
   "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant, "sample": sample, "finetune": finetune,
   "finetune-3b": finetune_3b, "data": data, "peer": peer, "preflight": preflight}.items()}

@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from flax import nnx
 
 import optim
 from models import Transformer, count_params, preset
+from research import flags
 from research.bench.optim import param_tree
 from research.bench.report import Progress, git_commit
 from research.train.steps import train_state
@@ -182,7 +184,11 @@ def _bytes_cells(audit) -> list[str]:
   return [f"{s[k].count} / {s[k].wire_bytes / MIB:.1f}" if k in s else "–" for k in KINDS]
 
 
-def comm(models: tuple[str, ...] = ("43m", "small"), meshes: tuple[str, ...] = ("fsdp=8", "data=2,fsdp=4"),
+MODELS = flags.Rule(choices=lambda: ("43m", *flags.presets()))  # research/bench/optim.py's tree, or presets
+
+
+def comm(models: Annotated[tuple[str, ...], MODELS] = ("43m", "small"),
+         meshes: tuple[str, ...] = ("fsdp=8", "data=2,fsdp=4"),
          repeats: int = 2, train_step: bool = True, memory_budget_gib: float = 8.0, out: str | None = None) -> str:
   """Collective bytes by kind and Newton–Schulz FLOPs per device of one optimizer step on a sharded model.
 

@@ -21,11 +21,13 @@ import json
 import os
 import sys
 import time
+from typing import Annotated
 
 import numpy as np
 
+from research import flags
 from research.bench.report import Progress, call_command, machine, run_child, table
-from research.data.loader import Loader
+from research.data.loader import SAMPLINGS, Loader
 
 GB, GIB = 10 ** 9, 2 ** 30
 
@@ -65,7 +67,8 @@ def train_run(path: str, run_dir: str, flags: list[str]) -> dict:
 
 
 def data(gb: float = 8.0, small_mb: int = 64, model: str = "small", batch_size: int = 16, seq_len: int = 128,
-         steps: int = 30, sampling: str = "shuffle", workers: int = 2, loader_batches: int = 2000,
+         steps: int = 30, sampling: Annotated[str, flags.one_of(*SAMPLINGS)] = "shuffle", workers: int = 2,
+         loader_batches: int = 2000,
          mesh: str = "data=2,fsdp=2,tensor=2", devices: int = 8, work: str = "runs/bench-data",
          out: str | None = None) -> dict:
   """Trains on a `gb`-GB token corpus and on a `small_mb`-MB one; tabulates the loader's and the step's tokens/s and

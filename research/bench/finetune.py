@@ -66,12 +66,14 @@ import resource
 import subprocess
 import sys
 import time
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models import TransformerConfig, count_params, preset
+from research import flags
 from research.bench.report import Progress, call_command, machine, table
 from research.data import Corpus
 from research.train.config import TrainConfig
@@ -99,6 +101,10 @@ TRAINS = {"adamw": "all weights", "freeze": "all but attn q/k/v/o + embedding (f
           "bread": "1 layer by AdamW + rank-8 factors on the layers above (blockwise step, bf16 storage)",
           "bread-sgd": "1 layer by AdamW + SGD on the layers above (blockwise step, bf16 storage)",
           "muon": "all weights (Muon)"}
+
+
+SHAPE = flags.Rule(choices=lambda: (*flags.presets(), "llama-1b", "llama-3b"))  # a preset or a Llama shape
+SOME_SHAPES = dataclasses.replace(SHAPE, empty=True)  # --rss-shapes: none is a choice
 
 
 def shape(name: str) -> TransformerConfig:
@@ -328,9 +334,12 @@ def shape_table(name: str, mcfg, rows: list[dict], block: dict | None, with_rss:
   return [head, ""] + table(cols, out) + [""]
 
 
-def finetune(shapes: tuple[str, ...] = ("base", "llama-1b", "llama-3b"), methods: tuple[str, ...] = METHODS,
+def finetune(shapes: Annotated[tuple[str, ...], SHAPE] = ("base", "llama-1b", "llama-3b"),
+             methods: Annotated[tuple[str, ...], flags.one_of(*METHODS)] = METHODS,
              batch_size: int = 1, seq_len: int = 512, rank: int = 8, compute_dtype: str = "float32",
-             rss_shapes: tuple[str, ...] = ("base",), badam_blocks: int = 3, out: str | None = None) -> dict:
+             rss_shapes: Annotated[tuple[str, ...], SOME_SHAPES] = ("base",),
+             badam_blocks: Annotated[int, flags.NONNEGATIVE] = 3,
+             out: str | None = None) -> dict:
   """Every fine-tuning method's compiled train step against AdamW full fine-tuning, per shape (module docstring).
 
   Args:

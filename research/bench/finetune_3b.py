@@ -32,9 +32,11 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Annotated
 
 import jax
 
+from research import flags
 from research.bench.report import Progress, call_command, machine, run_child, table
 
 LLAMA_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
@@ -150,10 +152,10 @@ def measured_gib(line: str | None) -> tuple[float | None, str]:
   return (None, "") if m is None else (float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1), m.group(3))
 
 
-def finetune_3b(methods: tuple[str, ...] = METHODS, steps: int = 4,
+def finetune_3b(methods: Annotated[tuple[str, ...], flags.one_of(*METHODS)] = METHODS, steps: int = 4,
                 batch_size: int = 1, seq_len: int = 64, rank: int = 8, lr: float = 1e-3, remat: bool = False,
                 budget_gib: float = 16.0, work: str = "runs/finetune-3b", out: str | None = None,
-                shape: str = "llama-3b") -> list[dict]:
+                shape: Annotated[str, flags.one_of(*SHAPES)] = "llama-3b") -> list[dict]:
   """Fine-tunes the 3B (or 8B) shape with each method in a fresh process and tabulates peak RSS against `budget_gib`.
 
   Args:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ import optax
 
 import optim
 from optim.trees import tree_bytes
+from research import flags
 from research.bench.report import publish
 
 D, F, LAYERS, VOCAB, STEPS = 768, 3072, 6, 256, 5
@@ -107,7 +109,10 @@ def optimizers():
   }
 
 
-def optim_step(repeats: int = 5, out: str | None = None, skip: tuple[str, ...] = ()) -> str:
+SKIPPABLE = flags.Rule(choices=lambda: optimizers(), empty=True)  # --skip: the steps the bench times
+
+
+def optim_step(repeats: int = 5, out: str | None = None, skip: Annotated[tuple[str, ...], SKIPPABLE] = ()) -> str:
   """Muon step vs optax.contrib.muon and the Newton-Schulz FLOP floor (one device, fp32).
 
   Args:

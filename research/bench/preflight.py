@@ -19,12 +19,13 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Annotated
 
 import jax
 import tyro
 
 from models import count_params
-from research import entry
+from research import entry, flags
 from research.bench.finetune_3b import method_flags
 from research.bench.report import call_command, git_commit, publish, run_child, table
 from research.train.command import failure
@@ -155,7 +156,8 @@ def _check(shape: str, methods: tuple[str, ...], devices: int, batch_size: int, 
                            f"splits the batch)")
 
 
-def preflight(shape: str = "llama-70b", methods: tuple[str, ...] = METHODS, devices: int = 4,
+def preflight(shape: Annotated[str, flags.one_of(*SHAPES)] = "llama-70b",
+              methods: Annotated[tuple[str, ...], flags.one_of(*METHODS)] = METHODS, devices: int = 4,
               batch_size: int | None = None, seq_len: int = 1024, rank: int = 8, compute_dtype: str = "bfloat16",
               device_gb: float = 80.0, work: str = "runs/preflight", out: str | None = None,
               append: bool = False) -> list[dict]:

@@ -29,7 +29,7 @@ from flax import nnx
 
 from models import Transformer
 from optim import get_optimizer, make_schedule
-from research import entry
+from research import entry, flags
 from research.data import eval_batches, get_batch, load_corpus
 from research.train.steps.step import eval_loss, lm_loss, make_update
 from research.train.store.rundir import aside_name
@@ -446,7 +446,9 @@ def check_config(cfg):
   """Refuses (entry.UsageError) what an experiment's flags cannot mean, before its work: no seeds or no lrs (`seeds`,
   `lrs`, every `*_lrs` but `also_lrs`, which adds lrs to a tuned grid), an integer below 1 (a step count, batch,
   length, evaluation size, rank, period, ...: every int field but a seed), an lr that is not a positive finite
-  number (`lr`, `*_lr`, and every value of `lrs`/`*_lrs`)."""
+  number (`lr`, `*_lr`, and every value of `lrs`/`*_lrs`); then every field's rule (`research.flags`: a float finite
+  and >= 0, a string in its choice set, a mesh spec, a path of the right kind), --out excepted (a full run's own
+  check: `cli`)."""
   for field in dataclasses.fields(cfg):
     name, value, flag = field.name, getattr(cfg, field.name), "--" + field.name.replace("_", "-")
     if (name in ("seeds", "lrs") or name.endswith("_lrs") and name != "also_lrs") and not value:
@@ -457,6 +459,7 @@ def check_config(cfg):
     bad = [lr for lr in lrs or () if isinstance(lr, (int, float)) and not (lr > 0 and np.isfinite(lr))]
     if bad:
       raise entry.UsageError(f"{flag}: a learning rate must be a positive finite number, got {bad[0]}")
+  flags.check_config(cfg, skip=("out",))
 
 
 def drop_partial(cfg):

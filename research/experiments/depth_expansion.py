@@ -42,6 +42,7 @@ import functools
 import json
 import os
 import time
+from typing import Annotated
 
 import jax
 import numpy as np
@@ -49,6 +50,7 @@ from flax import nnx
 
 from models import Transformer, insert_block, preset
 from models.surgery import OUT_PROJECTIONS
+from research import flags
 from research.data import get_batch
 from research.experiments import common
 
@@ -69,7 +71,7 @@ class Config:
   """Tiny sizes (SMOKE) on the same code path; writes nothing."""
   out: str = "research/results/depth_expansion"
   seeds: tuple[int, ...] = (0, 1, 2)
-  sizes: tuple[int, ...] = (16384, 131072, 0)
+  sizes: Annotated[tuple[int, ...], flags.NONNEGATIVE] = (16384, 131072, 0)
   """Training-set sizes n in bytes (multiples of chunk); 0 = the whole train split."""
   chunk: int = 1024
   pretrain_steps: int = 150

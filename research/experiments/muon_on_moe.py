@@ -52,7 +52,7 @@ import math
 import os
 import tempfile
 import time
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +63,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import optim
 from models import Transformer, preset
+from research import flags
 from research.experiments import common
 from research.experiments.common import past_edge
 
@@ -86,7 +87,7 @@ class Config:
   seeds: tuple[int, ...] = (0, 1, 2)
   lrs: tuple[float, ...] = (1e-2, 3e-2, 1e-1)
   extend_edge: bool = True  # one more lr (×3 or ÷3) for an arm whose best sits on the grid's edge
-  arms: tuple[str, ...] = DEFAULT_ARMS
+  arms: Annotated[tuple[str, ...], flags.one_of(*ARMS)] = DEFAULT_ARMS
   fallback_lr: float = 0.02  # adam_at_muon_lr: the experts' Adam lr (Keller/optax Muon default)
   weight_decay: float = 0.1
   spike_window: int = 50
@@ -99,7 +100,7 @@ class Config:
   qk_norm: bool | None = None  # None: the preset's (moe_tiny: on)
   logit_stats: bool = False  # log each step's max attention logit per layer (the model's aux "max_logit")
   clip_threshold: float = 100.0  # muonclip's τ
-  also_lrs: tuple[float, ...] = ()
+  also_lrs: Annotated[tuple[float, ...], flags.Rule(lo=0, open_lo=True, empty=True)] = ()
   """Every arm also runs every seed at these lrs (the stress setting: 0.1, where plain Muon's logits grow)."""
 
 

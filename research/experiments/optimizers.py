@@ -42,10 +42,12 @@ import math
 import os
 import shutil
 import tempfile
+from typing import Annotated
 
+from research import flags
 from research.experiments import common
 from research.experiments.common import past_edge, smoke_compiles_quickly, write_results
-from research.sweep import SweepConfig, draw_curves, run_grid, summarize
+from research.sweep import GRID_ENTRY, SweepConfig, draw_curves, run_grid, summarize
 from research.train.config import TrainConfig
 
 GRID = ("adamw=3e-4,1e-3,3e-3", "mgup_adamw=3e-4,1e-3,3e-3", "cautious_adamw=3e-4,1e-3,3e-3",
@@ -58,7 +60,7 @@ GRID = ("adamw=3e-4,1e-3,3e-3", "mgup_adamw=3e-4,1e-3,3e-3", "cautious_adamw=3e-
 @dataclasses.dataclass
 class Config:
   smoke: bool = False
-  grid: tuple[str, ...] = GRID
+  grid: Annotated[tuple[str, ...], GRID_ENTRY] = GRID
   """research.sweep grid entries (OPTIMIZER[KEY=VALUE,...]=LRS)."""
   seeds: tuple[int, ...] = (0, 1, 2)
   model: str = "small"
@@ -69,7 +71,7 @@ class Config:
   extend_edge: bool = True
   """One more lr past the grid's end for a contender whose best sits on it."""
   out: str = "research/results/optimizers"
-  runs: str = "runs/optimizers/runs_300"
+  runs: Annotated[str, flags.OUT_DIR] = "runs/optimizers/runs_300"
   """Run directories (checkpoints, metrics); rerunning skips finished runs."""
 
 

@@ -61,12 +61,14 @@ import json
 import os
 import tempfile
 import time
+from typing import Annotated
 
 import jax
 import numpy as np
 from flax import nnx
 
 from models import count_params
+from research import flags
 from research.bench import finetune as bench
 from research.data import docs_corpus, eval_batches, load_corpus
 from research.experiments import common
@@ -121,10 +123,10 @@ class Config:
   full_lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
   adapter_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2)
   seeds: tuple[int, ...] = (0, 1, 2)
-  contenders: tuple[str, ...] = tuple(TITLES)
+  contenders: Annotated[tuple[str, ...], flags.one_of(*TITLES)] = tuple(TITLES)
   timing_steps: int = 32
   """Calls of each contender's step timed for its wall time per step (block optimizers: one block cycle)."""
-  timed: tuple[str, ...] | None = None
+  timed: Annotated[tuple[str, ...] | None, flags.one_of(*TITLES)] = None
   """The contenders whose step is timed (None: every one; the others' step time is not measured)."""
 
 

@@ -48,6 +48,7 @@ import json
 import os
 import tempfile
 import time
+from typing import Annotated
 
 import jax
 import numpy as np
@@ -55,6 +56,7 @@ from flax import nnx
 from scipy.stats import pearsonr, spearmanr
 
 from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
+from research import flags
 from research.data import eval_batches, get_batch, load_corpus
 from research.data.tokenized import tokenize_corpus
 from research.experiments import common
@@ -73,6 +75,15 @@ BUDGETS = {"w3g64": quant.Spec(bits=3, group=64), "w8a8": quant.Spec(bits=8, act
 PRETRAIN_LR = {"tiny": 3e-3, "small": 3e-3, "base": 1e-3}
 
 
+def _model(name: str):
+  """A --models entry: a preset, or a directory (an HF model or an optlab run) that exists."""
+  if name not in flags.presets() and not os.path.isdir(name):
+    raise ValueError(f"neither a preset ({', '.join(flags.presets())}) nor a directory")
+
+
+MODEL = flags.Rule(parse=_model)
+
+
 @dataclasses.dataclass
 class Config:
   """Pretrain each model; quantize it every way, on 3 calibration sets."""
@@ -81,7 +92,7 @@ class Config:
   out: str = "research/results/quantization"
   work: str = "runs/experiments/quantization"
   """Pretraining run directories (a finished run is reused)."""
-  models: tuple[str, ...] = ("small", "base")
+  models: Annotated[tuple[str, ...], MODEL] = ("small", "base")
   """Presets (tiny, small, base) are pretrained here; anything else is a directory taken as it is: a Hugging Face
   model (its tokenizer.json, if any, re-encodes the corpus; else bytes) or an optlab run."""
   n_layers: int | None = None
@@ -94,7 +105,7 @@ class Config:
   """Calibration seeds: which training windows calibrate."""
   eval_batches: int = 16
   batch_size: int = 8
-  budgets: tuple[str, ...] = tuple(BUDGETS)
+  budgets: Annotated[tuple[str, ...], flags.one_of(*BUDGETS)] = tuple(BUDGETS)
   mixed_bits: tuple[int, ...] = (3, 4, 8)
   """Mixed-precision budgets: the bytes of uniform b-bit RTN."""
   hessian_samples: int = 16

@@ -56,9 +56,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Annotated
 
 import numpy as np
 
+from research import flags
 from research.data import datastats, get_batch, load_corpus
 from research.experiments import common
 from research.experiments.scalability import convex as cv
@@ -85,20 +87,20 @@ class Config:
   work: str = "runs/experiments/scalability"
   """LM run directories and datasets (a finished run is reused)."""
   workers: tuple[int, ...] = (1, 2, 4, 8)
-  algorithms: tuple[str, ...] = ALGORITHMS
+  algorithms: Annotated[tuple[str, ...], flags.one_of(*ALGORITHMS)] = ALGORITHMS
   seeds: tuple[int, ...] = (0, 1, 2)
   tune_seed: int = 100
   """The seed the learning rates are tuned on (not one of `seeds`: the reported runs are not the grid's best draw)."""
   local_period: int = 8
   """H of the `local` algorithm."""
-  convex_variants: tuple[str, ...] = cv.VARIANTS
+  convex_variants: Annotated[tuple[str, ...], flags.one_of(*cv.VARIANTS)] = cv.VARIANTS
   convex_steps: int = 400
   convex_batch: int = 8
   convex_lrs: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0)
   convex_eval: int = 8
-  lm_datasets: tuple[str, ...] = LM_DATASETS
-  lm_algorithms: tuple[str, ...] = LM_ALGORITHMS
-  diloco_datasets: tuple[str, ...] = ("stdlib",)
+  lm_datasets: Annotated[tuple[str, ...], flags.one_of(*LM_DATASETS)] = LM_DATASETS
+  lm_algorithms: Annotated[tuple[str, ...], flags.one_of(*LM_ALGORITHMS)] = LM_ALGORITHMS
+  diloco_datasets: Annotated[tuple[str, ...], flags.one_of(*LM_DATASETS)] = ("stdlib",)
   """The LM datasets `diloco` runs on (its 1-worker target and characters are those of the same dataset)."""
   lm_steps: int = 256
   lm_batch: int = 8
@@ -110,7 +112,7 @@ class Config:
   eval_batches: int = 4
   h_sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
   h_workers: int = 8
-  sweep_algorithms: tuple[str, ...] = ("diloco", "local")
+  sweep_algorithms: Annotated[tuple[str, ...], flags.one_of("diloco", "local")] = ("diloco", "local")
   """The H sweep's outer steps: DiLoCo's Nesterov step, and plain averaging (each at its tuned W = h_workers lr)."""
 
 

@@ -1,0 +1,218 @@
+"""Every command line's flags checked before any work (`research.flags`): every flag of every bench, tool and
+experiment has a rule; random values of every declared type (hypothesis) end in exit 2 with one `error:` line or reach
+the command with values it can use; the issue's examples are refused before anything is written."""
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import math
+import os
+import typing
+
+import pytest
+import tyro
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from research import entry, flags, plot, soak, sweep
+from research.bench import cli
+from research.experiments import common
+
+pytestmark = pytest.mark.xdist_group("flags")
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+EXPERIMENTS = ("badam", "badam_finetune", "data_mixing", "depth_expansion", "exfusion", "moe_design", "moe_disco",
+               "muon_on_moe", "optimizers", "pad_net", "peft", "quantization", "upcycling", "scalability.study")
+CONFIGS = {"plot": plot.PlotConfig, "sweep": sweep.SweepConfig, "soak": soak.Config,
+           **{f"experiments.{m}": importlib.import_module(f"research.experiments.{m}").Config for m in EXPERIMENTS}}
+NESTED = {"train"}  # sweep's --train.*: the train CLI's own flags, checked by the trainer (test_bad_input_property)
+
+
+def bench_flags(name):
+  bench = cli.BENCHMARKS[name]
+  hints = typing.get_type_hints(bench, include_extras=True)
+  out = {}
+  for k, hint in hints.items():
+    if k == "return":
+      continue
+    inner = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
+    if dataclasses.is_dataclass(inner):  # hf, quant, sample: an Args dataclass whose fields are the flags
+      out.update(typing.get_type_hints(inner, include_extras=True))
+    else:
+      out[k] = hint
+  return out
+
+
+def config_flags(config):
+  return {k: v for k, v in typing.get_type_hints(config, include_extras=True).items() if k not in NESTED}
+
+
+def test_every_flag_of_every_command_line_has_a_rule():
+  missing = [f"bench {b}: --{k}" for b in cli.BENCHMARKS for k, hint in bench_flags(b).items()
+             if flags.rule_for(k, hint) is None]
+  missing += [f"{c}: --{k}" for c, config in CONFIGS.items() for k, hint in config_flags(config).items()
+              if flags.rule_for(k, hint) is None]
+  assert not missing, missing
+
+
+def test_a_string_flag_without_a_declaration_has_no_rule():  # the check above can fail
+  assert flags.rule_for("some_new_flag", str) is None
+  assert flags.rule_for("some_new_flag", tuple[str, ...]) is None
+  assert flags.rule_for("some_new_flag", int) == flags.COUNT and flags.rule_for("my_seed", int) == flags.NONNEGATIVE
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["peer", "--steps", "0"], "--steps must be >= 1, got 0"),  # was a ZeroDivisionError traceback
+    (["peer", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),  # was a 36-line DataError traceback
+    (["peer", "--dtype", "float16"], "--dtype 'float16' is not one of float32, bfloat16"),  # 240 lines from XLA
+    (["train", "--steps", "0"], "--steps must be >= 1, got 0"),  # was a StatisticsError
+    (["moe", "--bias-rate", "nan"], "--bias-rate must be a finite number, got nan"),
+    (["dion", "--rank-fractions", "0.5", "1.5"], "--rank-fractions must be in (0, 1], got 1.5"),
+    (["reshard", "--src", "foo=8"], "--src 'foo=8': unknown mesh axis 'foo'"),
+    (["finetune-3b", "--shape", "llama-2t"], "--shape 'llama-2t' is not one of"),
+    (["preflight", "--methods"], "--methods: give at least one value"),
+    (["optim", "--skip", "nosuch"], "--skip 'nosuch' is not one of"),
+    (["hf", "--d-model", "0"], "--d-model must be >= 1, got 0"),  # a field of an Args dataclass
+])
+def test_the_issues_bench_examples_are_one_line(capsys, argv, says):
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {says}"), err
+
+
+def test_bench_data_with_negative_gb_writes_nothing(tmp_path, capsys):  # it wrote a file, then failed
+  work = tmp_path / "work"
+  with pytest.raises(SystemExit) as e:
+    cli.main(["data", "--gb", "-1", "--work", str(work)])
+  assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --gb must be > 0")
+  assert not work.exists()
+
+
+# Values as typed on a command line: every declared type's edge cases, plus junk
+INTS = ["0", "-1", "1", "2", "1000000", "1.5", "abc", ""]
+FLOATS = ["nan", "inf", "-inf", "-1", "0", "0.5", "1", "1e30", "abc"]
+TEXT = ["", "x", "small", "float16", "bfloat16", "data=3", "foo=2", "data=2,fsdp=-1", "/nonexistent/x", "llama-8b",
+        "adamw", "xla"]
+# What may reach a command (an independent statement, not flags.py's table): no flag of any bench or tool takes a
+# negative number, a non-finite one, or an empty string; zero only where it means "none" or "off"
+ZERO_OK = {"warmup", "workers", "seed", "badam_blocks", "bias_rate", "calib_seed", "tune_seed", "sizes", "step",
+           "memory_budget_gib"}
+
+
+def typed(hint) -> list[str]:
+  text = str(hint)
+  if "float" in text:
+    return FLOATS
+  if "int" in text and "str" not in text:
+    return INTS
+  return TEXT
+
+
+def flag_args(data, table):
+  """Up to 3 flags of the command drawn at random, each with a value of its declared type (or junk)."""
+  names = data.draw(st.lists(st.sampled_from(sorted(table)), max_size=3, unique=True))
+  argv = []
+  for k in names:
+    hint = table[k]
+    flag = flags.flag_name(k)
+    if hint is bool or str(hint) in ("bool", "bool | None"):
+      argv.append(data.draw(st.sampled_from([flag, "--no-" + flag[2:]])))
+      continue
+    values = data.draw(st.lists(st.sampled_from(typed(hint)), min_size=0 if "tuple" in str(hint) else 1,
+                                max_size=2))
+    argv += [flag, *values]
+  return argv
+
+
+def usable(name, value) -> bool:
+  if isinstance(value, (tuple, list)):
+    return all(usable(name, v) for v in value)
+  if isinstance(value, bool) or value is None:
+    return True
+  if isinstance(value, (int, float)):
+    return math.isfinite(value) and (value > 0 or value == 0 and (name in ZERO_OK or "seed" in name))
+  if isinstance(value, str):
+    return name in ("out",) or value.strip() != ""
+  return True
+
+
+def refused_or_reached(call, argv, capsys):
+  """`call(argv)`: exit 2 with one error line (ours, or tyro's message naming the flag), or None when it ran."""
+  capsys.readouterr()
+  try:
+    call(argv)
+  except SystemExit as e:
+    err = capsys.readouterr().err.strip().splitlines()
+    text = "\n".join(err)
+    assert e.code == 2 and "Traceback" not in text, (argv, e.code, text)
+    ours = len(err) == 1 and err[0].startswith("error: ")
+    assert ours or "For full helptext" in text, (argv, text)
+    return "refused"
+  return "reached"
+
+
+@SETTINGS
+@given(data=st.data())
+def test_random_values_of_every_bench_flag_are_refused_or_usable(data, capsys, monkeypatch, tmp_path):
+  name = data.draw(st.sampled_from(sorted(cli.BENCHMARKS)))
+  table = bench_flags(name)
+  argv = [a.replace("/nonexistent/x", str(tmp_path / "new" / "x")) if data.draw(st.booleans()) else a
+          for a in flag_args(data, table)]
+  reached = []
+  original = cli.BENCHMARKS[name].__wrapped__
+
+  @functools.wraps(original)
+  def stub(*args, **kwargs):  # the bench's signature, none of its work: what reached it
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    for v in bound.arguments.values():
+      reached.extend(dataclasses.asdict(v).items() if dataclasses.is_dataclass(v) else [])
+    reached.extend(bound.arguments.items())
+
+  monkeypatch.setitem(cli.BENCHMARKS, name, cli.checked_first(stub))
+  got = refused_or_reached(cli.main, [name, *argv], capsys)
+  bad = [(k, v) for k, v in reached if not dataclasses.is_dataclass(v) and not usable(k, v)]
+  assert got == "refused" or not bad, (name, argv, bad)
+
+
+@settings(SETTINGS, max_examples=80)
+@given(data=st.data())
+def test_random_values_of_every_experiment_and_tool_flag_are_refused_or_usable(data, capsys, tmp_path):
+  name = data.draw(st.sampled_from(sorted(CONFIGS)))
+  config = CONFIGS[name]
+  table = config_flags(config)
+  argv = flag_args(data, {k: v for k, v in table.items() if k != "runs" or name != "plot"})
+  if name == "plot":
+    argv = [str(tmp_path), *argv]
+
+  def parse_and_check(argv):
+    cfg = tyro.cli(config, args=argv)
+    with entry.one_line_errors():
+      (common.check_config if name.startswith("experiments.") else flags.check_config)(cfg)
+    return cfg
+
+  got = refused_or_reached(parse_and_check, argv, capsys)
+  if got == "reached":
+    cfg = tyro.cli(config, args=argv)
+    bad = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+           if f.name not in NESTED and not usable(f.name, getattr(cfg, f.name))]
+    assert not bad, (name, argv, bad)
+
+
+def test_paths_are_checked_for_their_kind(tmp_path):
+  f = tmp_path / "file"
+  f.write_text("x")
+  with pytest.raises(entry.UsageError, match="is a file; give a directory"):
+    flags.Rule(path="dir").refuse("--runs", str(f))
+  with pytest.raises(entry.UsageError, match="no such directory"):
+    flags.Rule(path="dir").refuse("--runs", str(tmp_path / "nope"))
+  with pytest.raises(entry.UsageError, match="is empty"):
+    flags.OUT_DIR.refuse("--work", "")
+  with pytest.raises(entry.UsageError, match="is empty"):
+    flags.MESH.refuse("--mesh", " ")
+  with pytest.raises(entry.UsageError, match="is a file, not a directory"):
+    flags.OUT_DIR.refuse("--work", str(f / "sub"))
+  flags.OUT_DIR.refuse("--work", str(tmp_path / "new" / "dir"))  # can be created: accepted
+  assert not os.path.exists(tmp_path / "new")  # and nothing was made
