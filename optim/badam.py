@@ -46,11 +46,19 @@ class BAdamState(NamedTuple):
 
 
 def _matches(params, patterns) -> Any:
-  """Bool tree: `patterns(params)` if callable, else whether the leaf's path contains one of the substrings."""
+  """Bool tree: `patterns(params)` if callable, else whether the leaf's path contains one of the substrings.
+
+  A substring that no leaf's path contains is refused (BAdamError), as the trainer's --freeze refuses one.
+  """
   if callable(patterns):
     return patterns(params)
   if isinstance(patterns, str):
     patterns = (patterns,)
+  names = [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+  unmatched = [s for s in patterns if not any(s in n for n in names)]
+  if unmatched:
+    raise BAdamError(f"always_active={list(patterns)!r}: {', '.join(map(repr, unmatched))} matches no parameter "
+                     f"(paths look like {', '.join(names[:3])})")
   return jax.tree_util.tree_map_with_path(lambda p, _: any(s in path_name(p) for s in patterns), params)
 
 

@@ -6,6 +6,7 @@ the factory's defaults. A new optimizer plugs in with `@register("name")`.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import numbers
@@ -39,15 +40,78 @@ class UnknownOptimizerError(ValueError):
   """An optimizer name or hyperparameter the registry does not know, or a hyperparameter value it cannot use."""
 
 
-# Ranges of the hyperparameters whose meaning fixes them (closed intervals; None: unbounded), checked where a
-# factory annotates the hyperparameter as a number. A value must match its annotation (`float`: a finite number,
-# `int`: an integer, `bool`, `str`, each optionally `| None`); other annotations (MGUP's tau, alpha, gamma as
-# `optim.alignment.Scalar` / `Factor`, which also take symbolic strings; dtypes, schedules, label trees, Newton–Schulz
-# tables as `optim.newton_schulz.Coeffs`) are the factory's to check.
-_RANGES = {**dict.fromkeys(("b1", "b2", "adam_b1", "adam_b2", "b1_1d", "b2_1d", "beta", "momentum"), (0, 1)),
-           **dict.fromkeys(("eps", "adam_eps", "weight_decay", "adam_weight_decay", "weight_decay_1d", "gamma"),
-                           (0, None)),
-           "ns_steps": (0, None), "switch_every": (1, None), "clip_threshold": (0, None), "clip_alpha": (0, 1)}
+# Every hyperparameter's schema: its type is its annotation in the factory's signature, and a value must match it
+# (`float`: a finite number, `int`: an integer, `bool`, `str`, `Sequence[str]`: a list of strings, never one string,
+# each optionally `| None`). Numbers lie in their range below (closed intervals, "open" for an excluded lower end;
+# None: unbounded), strings in their choice set (by key, or "optimizer.key" where one key means different things).
+# The annotations in `FACTORY_CHECKED` are the factory's to check (MGUP's tau, alpha, gamma as
+# `optim.alignment.Scalar` / `Factor`, which also take symbolic strings; dtypes, schedules, Newton–Schulz tables as
+# `optim.newton_schulz.Coeffs`, Dion's split, a custom orthogonalizer). What a value means for a model (a block index
+# within the model's blocks, a path pattern that matches some parameter) is checked by the optimizer's init, which
+# the trainer runs on the abstract parameters before any work. tests/optim/test_registry_schema.py holds every
+# registered hyperparameter to a declared type and range.
+_RANGES = {**dict.fromkeys(("b1", "b2", "adam_b1", "adam_b2", "b1_1d", "b2_1d", "beta", "momentum", "shampoo_beta"),
+                           (0, 1)),
+           **dict.fromkeys(("eps", "adam_eps", "weight_decay", "adam_weight_decay", "weight_decay_1d", "gamma",
+                            "ns_eps", "clip_threshold", "precond_init_scale", "seed", "max_size_triangular",
+                            "start_block", "ns_steps", "adam_learning_rate", "lr_1d"), (0, None)),
+           **dict.fromkeys(("precond_lr", "inactive_lr_ratio", "alpha", "vector_scale", "embed_scale", "head_scale",
+                            "hidden_scale"), (0, None, "open")),
+           **dict.fromkeys(("switch_every", "rank", "precondition_frequency", "max_precondition_dim"), (1, None)),
+           **dict.fromkeys(("clip_alpha", "balance_prob", "preconditioner_update_probability"), (0, 1)),
+           "rank_fraction": (0, 1, "open")}
+_CHOICES = {  # "module:NAME" is read when a value is checked (the optimizers' modules import this one)
+    "order": "optim.badam:ORDERS", "bread.mode": "optim.bread:MODES", "reach": "optim.bread:REACHES",
+    "mars.mode": "optim.mars:MODES", "variant": "optim.mars:VARIANTS", "muon_mvr.mode": ("mvr1", "mvr2"),
+    "normalize": "optim.alignment:NORMALIZATIONS", "policy": ("topk", "cautious"), "momentum": ("ema", "classic"),
+    "method": ("standard", "gram"), "scale": "optim.muon:SHAPE_SCALES",
+    "memory_save_mode": "optim.kron:MEMORY_SAVE_MODES",
+    "precond_dtype": ("float32", "bfloat16", "float16"),
+    **dict.fromkeys(("hidden_lmo", "embed_lmo", "head_lmo", "vector_lmo"), "optim.scion:LMOS")}
+FACTORY_CHECKED = ("Scalar", "Factor", "Coeffs", "Split | None", "jax.typing.DTypeLike | None",
+                   "optax.ScalarOrSchedule | None", "Callable[[jax.Array], jax.Array] | None")
+
+
+def _range(key: str):
+  """(lo, hi, open lower end) of numeric hyperparameter `key`, or None when it has none declared."""
+  r = _RANGES.get(key)
+  return None if r is None else (r[0], r[1], len(r) > 2)
+
+
+def _choices(name: str, key: str) -> tuple | None:
+  """The allowed values of string hyperparameter `key` of optimizer `name`, or None when none are declared."""
+  c = _CHOICES.get(f"{name}.{key}", _CHOICES.get(key))
+  if isinstance(c, str):
+    module, _, attr = c.partition(":")
+    c = getattr(importlib.import_module(module), attr)
+  return None if c is None else tuple(c)
+
+
+def schema(name: str) -> dict[str, tuple[str, Any]]:
+  """Each hyperparameter of optimizer `name`: (its type as annotated, its range or choice set or None).
+
+  Args:
+    name: a registered optimizer.
+
+  Returns:
+    {key: (annotation text, (lo, hi, open lower end) for a number, the allowed values for a string, "patterns" for a
+    list of path patterns (each must match a parameter: the optimizer's init checks it), "factory" for an annotation
+    in `FACTORY_CHECKED`, None for a bool or an undeclared one)}; `learning_rate`, `mask` and `labels`
+    are not hyperparameters.
+
+  Raises:
+    UnknownOptimizerError: when `name` is not registered.
+  """
+  out = {}
+  if name not in OPTIMIZERS:
+    raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
+  for key in hyperparameters(name):
+    kind = str(inspect.signature(OPTIMIZERS[name]).parameters[key].annotation)
+    base = kind.removesuffix(" | None")
+    declared = ("factory" if kind in FACTORY_CHECKED else _range(key) if base in ("int", "float")
+                else _choices(name, key) if base == "str" else "patterns" if base == "Sequence[str]" else None)
+    out[key] = (kind, declared)
+  return out
 
 
 def _check_value(name: str, key: str, value, annotation):
@@ -56,6 +120,10 @@ def _check_value(name: str, key: str, value, annotation):
     raise UnknownOptimizerError(f"optimizer {name!r}: {key}={value!r} {why}")
   kind, _, optional = str(annotation).partition(" | ")
   if optional == "None" and value is None:
+    return
+  if kind == "Sequence[str]":
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+      refuse(f'must be a list of strings, as {key}=["a","b"] (a string is not a list of patterns)')
     return
   if hasattr(value, "dtype") and hasattr(value, "shape"):  # an array (inject_hyperparams, a traced value): as is
     return
@@ -71,9 +139,13 @@ def _check_value(name: str, key: str, value, annotation):
   if kind in ("int", "float"):
     if not math.isfinite(value):
       refuse("must be finite")
-    lo, hi = _RANGES.get(key, (None, None))
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-      refuse(f"must lie in [{lo}, {'inf' if hi is None else hi}]")
+    lo, hi, open_lo = _range(key) or (None, None, False)
+    if (lo is not None and (value < lo or open_lo and value == lo)) or (hi is not None and value > hi):
+      refuse(f"must lie in {'(' if open_lo else '['}{lo}, {'inf)' if hi is None else f'{hi}]'}")
+  if kind == "str":
+    allowed = _choices(name, key)
+    if allowed is not None and value not in allowed:
+      refuse(f"must be one of {', '.join(map(str, allowed))}")
 
 
 def register(name: str, *,

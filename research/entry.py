@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import warnings
@@ -17,6 +18,11 @@ from collections.abc import Callable
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 128 + signal.SIGINT
+# XLA's words for an allocation that failed, whatever the status code it comes with (RESOURCE_EXHAUSTED on an
+# accelerator; INTERNAL "... Out of memory allocating ..." from the CPU client; an allocator that "ran out of memory")
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|out of memory|Failed to allocate|\bOOM\b", re.IGNORECASE)
+OOM_FIX = ("lower --batch-size or --seq-len, add --remat, use an attention that keeps no T·T scores (--attention "
+           "flash; cudnn on an NVIDIA GPU in bfloat16), or shard over more devices")
 
 
 class UsageError(ValueError):
@@ -44,10 +50,21 @@ def one_line_errors(*errors: type[BaseException]):
     raise SystemExit(EXIT_BAD_INPUT) from None
 
 
+def out_of_memory(e: BaseException) -> str | None:
+  """The one-line message for an allocation failure (`OUT_OF_MEMORY`: any XLA status code), else None."""
+  text = str(e)
+  if isinstance(e, MemoryError) or type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and \
+      OUT_OF_MEMORY.search(text):
+    first = text.splitlines()[0][:200] if text else type(e).__name__
+    return f"out of memory ({first}): {OOM_FIX}"
+  return None
+
+
 def command(main: Callable[[], object], interrupted: str | Callable[[], str] = "") -> None:
   """Runs a command line's `main` (its `if __name__ == "__main__":` block): warnings in one line each, a first
-  Ctrl-C as one line and exit 130, a second one at once. `interrupted` says what was kept: a text, or a function
-  asked at the interrupt (what was kept is known only then)."""
+  Ctrl-C as one line and exit 130, a second one at once, an allocation failure (`out_of_memory`) as one line and
+  exit 2. `interrupted` says what was kept: a text, or a function asked at the interrupt (what was kept is known
+  only then)."""
   warnings.showwarning = show_warning
   signal.signal(signal.SIGINT, _on_interrupt)
   try:
@@ -56,6 +73,12 @@ def command(main: Callable[[], object], interrupted: str | Callable[[], str] = "
     kept = interrupted() if callable(interrupted) else interrupted
     print(f"error: interrupted (Ctrl-C){'; ' + kept if kept else ''}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_INTERRUPTED) from None
+  except Exception as e:
+    oom = out_of_memory(e)
+    if oom is None:
+      raise
+    print(f"error: {oom}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_INPUT) from None
   if isinstance(status, int):
     raise SystemExit(status)
 

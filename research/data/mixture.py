@@ -96,8 +96,8 @@ def parse_mix(text: str, names) -> MixSpec:
   if len(names) < 3:  # Δ_i = (1/|D|) Σ_j δ_ij is the same for both of two sources (δ is symmetric)
     raise DataError(f"--mix dynamic needs at least 3 sources: with {len(names)} the redundancy scores are equal and "
                     f"the weights never move")
-  if not (spec.eta >= 0 and 0 <= spec.c <= 1 and spec.every >= 1 and spec.batches >= 1):
-    raise DataError(f"--mix {text!r}: needs eta >= 0, 0 <= c <= 1, every >= 1 and batches >= 1")
+  if not (0 <= spec.eta < np.inf and 0 <= spec.c <= 1 and spec.every >= 1 and spec.batches >= 1):
+    raise DataError(f"--mix {text!r}: needs a finite eta >= 0, 0 <= c <= 1, every >= 1 and batches >= 1")
   return spec
 
 

@@ -17,6 +17,7 @@ from models import HFError, peft
 from models.attention import AttentionError
 from models.config import ConfigError
 from optim import UnknownOptimizerError
+from research import entry
 from research.data import DataError
 from research.train.config import RunError, TrainConfig, checks
 from research.train.hooks.progress import summary
@@ -72,12 +73,12 @@ def failure(e: Exception) -> tuple[int, str] | None:
                            f"probably died; restart every process with the same command to resume")
   if isinstance(e, USER_ERRORS) or isinstance(e, OSError):  # bad input; the run directory's disk or permissions
     return 2, str(e)
+  if isinstance(e, ValueError) and type(e).__module__.startswith("optim."):  # an optimizer's own refusal, at init
+    return 2, f"--optimizer/--opt: {text}"  # of the model's parameters (BAdam's start_block past the last block)
   if isinstance(e, BadStepsError):
     return 3, str(e)
-  if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
-    return 2, (f"out of memory ({text}): lower --batch-size or --seq-len, add --remat, use an attention that keeps "
-               f"no T·T scores (--attention flash; cudnn on an NVIDIA GPU in bfloat16), or shard over more devices")
-  return None
+  oom = entry.out_of_memory(e)  # any XLA status code (RESOURCE_EXHAUSTED, INTERNAL "Out of memory allocating")
+  return None if oom is None else (2, oom)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -77,6 +77,8 @@ class MoEFlags:
 @dataclasses.dataclass
 class DataFlags:
   """How --data's records become training rows (--data.field, --data.layout, --data.workers)."""
+  PREFIX: ClassVar[str] = "data."
+  RANGES: ClassVar[dict] = {"workers": (0, None, True)}  # a thread count; 0 reads in the loop
   field: str = "text"
   """The column (Parquet, Arrow) or key (JSON Lines) holding each document's text."""
   layout: Literal["windows", "pack", "pad"] = "windows"
