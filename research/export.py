@@ -5,8 +5,9 @@
 
 The architecture is the one that represents the run's model exactly (`models.hf.architecture_of`: Llama, Qwen2,
 Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE). A run trained with --tokenizer gets that tokenizer.json copied beside the
-weights, so the directory is a complete Hugging Face model; a run on bytes (the built-in corpus, 256 ids = UTF-8
-bytes) has no tokenizer.json.
+weights, so the directory is a complete Hugging Face model: the file config.json recorded (absolute), refused in one
+line if it has gone or its sha256 is not the recorded one (`--tokenizer` names the one to copy instead); a run on bytes
+(the built-in corpus, 256 ids = UTF-8 bytes) has no tokenizer.json.
 
 The weights are written in `--dtype`, by default the dtype of the Hugging Face checkpoint the run was fine-tuned from
 (a bfloat16 model fine-tuned with float32 trained weights goes back out in bfloat16), else the run's own (float32).
@@ -30,6 +31,8 @@ from flax import nnx
 
 from models import HFError, peft, to_hf, to_hf_peft
 from research import entry
+from research.data.tokenizer import HFTokenizer, TokenizerError, check_fits
+from research.train.config.paths import tokenizer_file
 from research.train.store.pretrained import LOAD_ERRORS, init_source, load_run, run_tokenizer, source_dtype
 
 
@@ -47,6 +50,8 @@ class ExportConfig:
   """A --peft run's LoRA/DoRA adapters alone, in PEFT's adapter format (default: the merged model)."""
   dtype: Literal["float32", "bfloat16"] | None = None
   """The weights' dtype in the files (default: the --init-from Hugging Face checkpoint's, else the run's)."""
+  tokenizer: str | None = None
+  """The tokenizer.json (or a directory with one) to write beside the weights (default: the run's own, checked)."""
 
 
 def in_dtype(model, dtype: str):
@@ -61,14 +66,16 @@ def in_dtype(model, dtype: str):
 
 def main(argv=None):
   cfg = tyro.cli(ExportConfig, args=argv)
-  with entry.one_line_errors(*LOAD_ERRORS):
+  with entry.one_line_errors(*LOAD_ERRORS, TokenizerError):
     model, _, step = load_run(cfg.run_dir, step=cfg.step, merge=not cfg.adapter)
     if cfg.adapter and not peft.adapters(model):
       raise HFError(f"--adapter: {cfg.run_dir} is not a --peft run")
     if cfg.adapter:
       path = to_hf_peft(model, cfg.out_dir, init_source(cfg.run_dir))
     else:
-      tokenizer = run_tokenizer(cfg.run_dir)  # checked before anything is written
+      tokenizer = tokenizer_file(cfg.tokenizer) if cfg.tokenizer else run_tokenizer(cfg.run_dir)  # checked first
+      if tokenizer is not None:
+        check_fits(HFTokenizer(tokenizer), model.c.vocab_size)
       path = to_hf(in_dtype(model, cfg.dtype or source_dtype(cfg.run_dir) or str(model.c.param_dtype)), cfg.out_dir,
                    cfg.architecture)
       if tokenizer is not None:

@@ -31,8 +31,7 @@ from flax import nnx
 from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
 from research import entry
 from research.data import DataError, eval_batches, get_batch, load_corpus
-from research.train.config import flat_record
-from research.train.store.pretrained import LOAD_ERRORS, load_model
+from research.train.store.pretrained import LOAD_ERRORS, load_model, run_data, run_tokenizer
 from sharding.mesh import make_mesh
 from sharding.state import place_variables
 
@@ -94,10 +93,9 @@ class QuantizeConfig:
 
 def _data(cfg: QuantizeConfig):
   meta = json.load(open(os.path.join(cfg.source, "config.json")))
-  train = flat_record(meta.get("train") or {})
-  hf_tok = os.path.join(cfg.source, "tokenizer.json")
-  tokenizer = cfg.tokenizer or train.get("tokenizer") or (hf_tok if os.path.exists(hf_tok) else None)
-  return load_corpus(cfg.data if cfg.data is not None else train.get("data"), tokenizer=tokenizer), tokenizer
+  hf_tok = os.path.join(cfg.source, "tokenizer.json")  # the run's paths as it recorded them, from any directory
+  tokenizer = cfg.tokenizer or run_tokenizer(cfg.source, meta) or (hf_tok if os.path.exists(hf_tok) else None)
+  return load_corpus(cfg.data if cfg.data is not None else run_data(cfg.source, meta), tokenizer=tokenizer), tokenizer
 
 
 def eval_loss(model, batches, mesh=None) -> float:
@@ -179,8 +177,8 @@ def run(cfg: QuantizeConfig) -> dict:
   tok_file = tokenizer and (os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer)
   if tok_file and os.path.isfile(tok_file):
     files["tokenizer.json"] = json.load(open(tok_file))
-  quant_store.save(model, cfg.out, source=cfg.source, extra=files)
-  report = {"source": cfg.source, "full_loss": full, "quant_loss": loss, "delta": loss - full,
+  quant_store.save(model, cfg.out, source=os.path.abspath(cfg.source), extra=files)
+  report = {"source": os.path.abspath(cfg.source), "full_loss": full, "quant_loss": loss, "delta": loss - full,
             "stored_bytes": quant_store.stored_bytes(cfg.out), "float32_bytes": quant_store.full_bytes(config),
             "bfloat16_bytes": quant_store.full_bytes(config, "bfloat16"), "calib": [cfg.calib, cfg.calib_len],
             "eval_windows": cfg.eval_batches * cfg.batch_size, "quantize_s": t_quant, "choose_s": t_choose,

@@ -32,7 +32,8 @@ class SampleConfig:
   seed: int = 0
   """Sampling seed: the same seed gives the same text."""
   tokenizer: str | None = None
-  """A tokenizer.json (or a directory with one); default: the HF directory's own, else UTF-8 bytes."""
+  """A tokenizer.json (or a directory with one); default: the one a run was trained with (the file its config.json
+  records, refused if it has changed since), the HF directory's own, else UTF-8 bytes."""
   samples: int = 1
   """Continuations to draw (one batch)."""
 

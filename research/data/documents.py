@@ -5,8 +5,10 @@ A file's format is its name: Parquet (`.parquet`), JSON Lines (`.jsonl`, `.json`
 one JSON object per line), Arrow (`.arrow`, the IPC file or stream format), and any other file is plain text, one
 document per file. A directory holding `state.json` / `dataset_info.json` is a `datasets` `save_to_disk` directory
 (its `.arrow` files, in the order `state.json` lists them; a `DatasetDict` directory, marked by
-`dataset_dict.json`, gives its "train" split); any other directory stands for the files under it. In the structured
-formats `field` names the column or key that holds each document's text (a null is an empty document).
+`dataset_dict.json`, gives its "train" split); any other directory stands for the files under it, but for what a
+text directory skips (`research.data.corpus`: hidden files, hidden and cache folders, files that are not text), said
+in one line on stderr. In the structured formats `field` names the column or key that holds each document's text (a
+null is an empty document).
 
 Reading goes by record batches (Parquet, Arrow) or lines (JSON Lines), so memory holds one batch of documents and
 never a whole file. Every bad input is a one-line `DataError` naming the file. Pure Python and pyarrow; no jax.
@@ -18,32 +20,40 @@ import glob
 import gzip
 import json
 import os
+import sys
 import zlib
 from collections.abc import Iterator, Sequence
 
-from research.data.corpus import DataError
+from research.data.corpus import DataError, _is_text, _not_hidden, _source_dir
 
 BATCH = 1024  # documents per batch: what one read, one encode_batch call and one write hold
 SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".json": "jsonl", ".jsonl.gz": "jsonl",
             ".json.gz": "jsonl"}  # the structured formats; any other file is text
 _DATASET_MARKS = ("state.json", "dataset_info.json", "dataset_dict.json")
+_ARRAYS = (".npy", ".bin")  # token arrays: never documents, never skipped in silence
 
 
 def expand(paths: Sequence[str]) -> list[str]:
-  """The data files (and `datasets` directories) that `paths` name, in order: see `expand_named`."""
-  return [path for path, _ in expand_named(paths)]
+  """The inputs that `paths` name, in order, without opening any file and without the stderr line: `expand_named`'s,
+  but for the files that are not text, which only reading tells apart (what `research.data.load_corpus` needs to pick
+  a reader)."""
+  return [path for path, _ in expand_named(paths, read=False)]
 
 
-def expand_named(paths: Sequence[str]) -> list[tuple[str, str]]:
+def expand_named(paths: Sequence[str], read: bool = True) -> list[tuple[str, str]]:
   """(path, name) of each input that `paths` (files, directories, globs) name, in argument order, each directory's
   and glob's matches sorted by name; a file named twice is read once (the first time).
 
   The name is the path relative to the root of the argument that named it: the directory given, a glob's leading
   directories (the part without wildcards), or a file's own directory. It identifies a document for the train/val
-  split (`research.data.shards`), so it does not change when other paths are added or the data moves. Hidden files
-  and directories are skipped, and a `datasets` directory is one input, not its files.
+  split (`research.data.shards`), so it does not change when other paths are added or the data moves. A directory
+  or glob skips what a text directory skips (`research.data.corpus`): hidden files, hidden and cache folders
+  (`__pycache__`, `node_modules`, `site-packages`, ...; not walked) and, with `read`, a file of the text format that
+  is not text (UTF-8 without NUL bytes: an image, bytecode); what was skipped is said in one line on stderr per
+  argument. A file named by its own path is read as it is, and a `datasets` directory is one input, not its files.
   """
-  out, seen = [], set()
+  out: list[tuple[str, str]] = []
+  seen: set[str] = set()
   for arg in paths:
     arg = os.path.expanduser(os.fspath(arg))
     if os.path.exists(arg):
@@ -54,15 +64,103 @@ def expand_named(paths: Sequence[str]) -> list[tuple[str, str]]:
         raise DataError(f"no file matches {arg}")
     else:
       raise DataError(f"data path does not exist: {arg}")
-    found = [path for match in matches for path in (_walk(match) if _is_folder(match) else [match])]
+    skipped, before = _Skipped(), len(out)
+    found = [path for match in matches for path in _inputs(match, root, match != arg, read, skipped)]
     for path in found:
       real = os.path.realpath(path)
       if real not in seen:
         seen.add(real)
         out.append((path, os.path.relpath(path, root).replace(os.sep, "/")))
     if not found:
-      raise DataError(f"{arg} holds no data files (hidden files are skipped)")
+      raise DataError(f"{arg} holds no data files (hidden files, cache folders and files that are not text are "
+                      f"skipped{': ' + skipped.line() if skipped else ''})")
+    if skipped and read:
+      n = len(out) - before
+      print(f"data: {arg}: read {n} {_plural(n, 'input')}, skipped {skipped.line()}", file=sys.stderr, flush=True)
   return out
+
+
+class _Skipped:
+  """What an argument's directories and glob skipped: files that are not text by suffix, hidden files, folders."""
+
+  def __init__(self):
+    self.not_text: dict[str, int] = {}
+    self.hidden = 0
+    self.folders: dict[str, int] = {}
+    self.seen: set[str] = set()  # a glob's overlapping matches (`**`) reach a path more than once
+
+  def add(self, path: str, not_text: bool = False):
+    path = os.path.normpath(path)
+    if path in self.seen:
+      return
+    self.seen.add(path)
+    name = os.path.basename(path)
+    if not_text:
+      suffix = os.path.splitext(name)[1] or "(no suffix)"
+      self.not_text[suffix] = self.not_text.get(suffix, 0) + 1
+    elif os.path.isdir(path):
+      self.folders[name + "/"] = self.folders.get(name + "/", 0) + 1
+    else:
+      self.hidden += 1
+
+  def __bool__(self):
+    return bool(self.not_text or self.hidden or self.folders)
+
+  def line(self) -> str:
+    """'3 not text (2 .png, 1 .pyc), 1 hidden file, 2 folders (1 .git/, 1 __pycache__/)'."""
+    parts = []
+    if self.not_text:
+      parts.append(f"{sum(self.not_text.values())} not text ({_counts(self.not_text)})")
+    if self.hidden:
+      parts.append(f"{self.hidden} hidden {_plural(self.hidden, 'file')}")
+    if self.folders:
+      n = sum(self.folders.values())
+      parts.append(f"{n} {_plural(n, 'folder')} ({_counts(self.folders)})")
+    return ", ".join(parts)
+
+
+def _counts(counts: dict[str, int]) -> str:
+  return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _inputs(match, root, globbed, read, skipped):
+  """The inputs one match of an argument stands for: a folder's files (`_walk`), or the match itself; a glob's match
+  that is hidden or under a hidden or cache folder is skipped, as a folder's file would be."""
+  folder = _is_folder(match)
+  if globbed:
+    rel = os.path.relpath(match, root).split(os.sep)
+    parts = rel if folder else rel[:-1]
+    bad = next((i for i, p in enumerate(parts) if p not in (".", "..") and not _source_dir(p)), None)
+    if bad is not None:  # the hidden or cache folder it is in (or is)
+      skipped.add(os.path.join(root, *rel[:bad + 1]))
+      return []
+    if not folder and not _not_hidden(rel[-1]):
+      skipped.add(match)
+      return []
+  if folder:
+    return _walk(match, read, skipped)
+  return _text_only([match], read, skipped) if globbed else [match]
+
+
+def _text_only(files, read, skipped):
+  """`files` but, with `read`, those of the text format that are not text (`research.data.corpus`'s rule); a token
+  array (.npy, .bin) stays, for `research.data.shards` to refuse in one line (it must be the only data path)."""
+  out = []
+  for f in files:
+    if read and data_format(f) == "text" and not f.lower().endswith(_ARRAYS) and not _is_text(_read_bytes(f)):
+      skipped.add(f, not_text=True)
+    else:
+      out.append(f)
+  return out
+
+
+def _plural(n, word):
+  return word if n == 1 else word + "s"
+
+
+def _read_bytes(path):
+  with open(path, "rb") as f:
+    return f.read()
 
 
 def data_format(path: str) -> str:
@@ -121,18 +219,24 @@ def _glob_root(pattern):
   return "/".join(head) or ("/" if pattern.startswith("/") else ".")
 
 
-def _walk(root):
-  """The non-hidden files and `datasets` directories under root, sorted by their relative path."""
+def _walk(root, read=True, skipped=None):
+  """The files and `datasets` directories under root, sorted by their relative path, but for what a text directory
+  skips (`expand_named`), counted in `skipped`."""
+  skipped = _Skipped() if skipped is None else skipped
   out = []
   for dirpath, dirnames, filenames in os.walk(root):
     keep = []
     for d in dirnames:
-      if d.startswith("."):
+      if not _source_dir(d):  # hidden or a cache: not walked
+        skipped.add(os.path.join(dirpath, d))
         continue
       (out if is_dataset_dir(os.path.join(dirpath, d)) else keep).append(os.path.join(dirpath, d))
     dirnames[:] = [os.path.basename(d) for d in keep]  # prunes the walk: a dataset's own files are not inputs
-    out += [os.path.join(dirpath, f) for f in filenames
-            if not f.startswith(".") and os.path.isfile(os.path.join(dirpath, f))]
+    files = [os.path.join(dirpath, f) for f in filenames if os.path.isfile(os.path.join(dirpath, f))]
+    for f in files:
+      if not _not_hidden(os.path.basename(f)):
+        skipped.add(f)
+    out += _text_only([f for f in files if _not_hidden(os.path.basename(f))], read, skipped)
   return sorted(out, key=lambda p: os.path.relpath(p, root).replace(os.sep, "/"))
 
 

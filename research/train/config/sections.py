@@ -3,10 +3,10 @@
 `TrainConfig` (research/train/config/__init__.py) holds one of each. A section's checks sit beside its fields:
 `PATHS` (paths that must not be empty: an unset shell variable), `POSITIVE` (counts that must be positive) and `RANGES`
 (flag: (low, high, whether low itself is allowed); every value finite), which research/train/config/checks.py applies
-to every section. The flags keep their spelling: a section's
-fields are flags without a prefix (`--lr`, `--steps`), but for the three with their own, `--moe.*` and `--data.*`
-(research/train/config/prefixed.py) and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help` shows one
-group per section.
+to every section. The paths a run reads (--data, --tokenizer, --init-from) are made absolute when their section is
+built (research/train/config/paths.py). The flags keep their spelling: a section's fields are flags without a prefix
+(`--lr`, `--steps`), but for the three with their own, `--moe.*` and `--data.*` (research/train/config/prefixed.py)
+and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help` shows one group per section.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import tyro
 
 from models import PRESETS, peft
 from optim import DEFAULT_OPTIMIZER, OPTIMIZERS
+from research.train.config.paths import absolute, absolute_data, absolute_source
 
 
 @dataclasses.dataclass
@@ -118,13 +119,14 @@ class DataSection:
   step)), or sequential (read in order as a stream: adjacent text in a batch and across steps)."""
   tokenizer: str | None = None
   """Encode the text with this Hugging Face tokenizer.json (or a directory holding one) instead of bytes; the tokens
-  are cached once (research/data/tokenized.py)."""
+  are cached once (research/data/tokenized.py). config.json records its absolute path and sha256: research.sample,
+  export and quantize use that file, and refuse it if it has changed."""
 
-  def __post_init__(self):
+  def __post_init__(self):  # paths absolute from here on: the run and its config.json name the same files
     if isinstance(self.paths, str):  # data="path" from Python: one path
       self.paths = (self.paths,)
-    elif self.paths is not None:
-      self.paths = tuple(self.paths) or None
+    self.paths = absolute_data(self.paths) or None
+    self.tokenizer = absolute(self.tokenizer)
 
 
 @dataclasses.dataclass
@@ -177,6 +179,9 @@ class FinetuneSection:
   """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
   base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes
   it merged or (LoRA, DoRA) as a PEFT adapter."""
+
+  def __post_init__(self):
+    self.init_from = absolute_source(self.init_from)  # hf:PATH keeps its prefix
 
 
 @dataclasses.dataclass

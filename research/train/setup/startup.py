@@ -13,7 +13,7 @@ import jax
 from models.attention import AttentionError, check_attention
 from research.data import Corpus
 from research.data.mixture import MixedCorpus
-from research.train.config import RunError, TrainConfig, clashes
+from research.train.config import RunError, TrainConfig, clashes, paths
 from research.train.config.sections import SyncSection
 from research.train.feed import held_out, make_loader
 from research.train.hooks import source_weights
@@ -90,11 +90,14 @@ def check_sync(section: SyncSection, mesh):
 
 
 def run_meta(cfg: TrainConfig, mcfg, mesh, corpus: Corpus, pipe: dict | None, report: dict) -> dict:
-  """What config.json records: the resolved flags and model config, the mesh, the corpus, versions and devices."""
+  """What config.json records: the resolved flags (their paths absolute) and model config, the mesh, the corpus, the
+  sha256 of the tokenizer and of an `hf:` source's config.json ("files", which research.sample, export and quantize
+  check), versions and devices."""
   meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
           "corpus": corpus.record() if isinstance(corpus, MixedCorpus) else {
               "source": corpus.source, "fingerprint": corpus.fingerprint, "train_tokens": int(len(corpus.train)),
               "val_tokens": int(len(corpus.val))},
+          "files": paths.fingerprints(cfg.data.tokenizer, cfg.finetune.init_from),
           "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
   if pipe:
     meta["pipeline"] = pipe

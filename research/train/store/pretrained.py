@@ -1,11 +1,19 @@
 """Models from elsewhere, with the tokenizer that goes with them: a Hugging Face directory (`models.from_hf`), an
 optlab run directory (its config.json and the parameters of its newest checkpoint; optimizer state not read) or a
-quantized model (`research.quantize`'s output, `models.quant_store`)."""
+quantized model (`research.quantize`'s output, `models.quant_store`).
+
+The paths a run's config.json records (its tokenizer, data, --init-from) are read as recorded, absolute, whatever the
+working directory (research/train/config/paths.py); a run written before recorded them relative to the directory it
+started in, which `recorded` finds from the run directory's path and its --out, or refuses in one line. A tokenizer
+whose sha256 is not the one recorded is refused in one line naming it; an `hf:` source's changed config.json is one
+warning line.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import cast
 
 import jax
@@ -14,7 +22,7 @@ from flax import nnx
 from models import HFError, Transformer, TransformerConfig, from_hf, peft, quant, quant_store
 from models.hf import config_from_hf
 from research.data.tokenizer import ByteTokenizer, HFTokenizer, check_fits
-from research.train.config import flat_record
+from research.train.config import flat_record, paths
 from research.train.config.trainable import Trainable
 from research.train.setup import adapters
 from research.train.store.checkpoint import Checkpointer, CheckpointError
@@ -92,16 +100,41 @@ def peft_settings(meta: dict) -> dict | None:
   return train.get("peft") and {"method": train["peft"], **train["peft_options"]}
 
 
-def init_source(run_dir: str) -> str | None:
-  """The Hugging Face directory a run was fine-tuned from (--init-from hf:PATH), else None."""
-  return hf_path(flat_record(_config_json(run_dir).get("train") or {}).get("init_from") or "")
+def recorded(run_dir: str, meta: dict, flag: str, hint: str = ""):
+  """config.json's --`flag` (tokenizer, init_from or data) as the run resolved it: as recorded (absolute), or, when
+  recorded relative by a run written before, against the directory that run started in (`paths.start_dir`); a
+  CheckpointError when that cannot be told. `hint`: what to pass instead, said in the error."""
+  train = flat_record(meta.get("train") or {})
+  value = train.get(flag)
+  entries = [value] if isinstance(value, str) else list(value or ())
+  if not any(paths.is_relative(v, named=flag == "data") for v in entries):
+    return (entries or None) if flag == "data" else value
+  base = paths.start_dir(run_dir, train.get("out"))
+  if base is None:
+    name = "--" + flag.replace("_", "-")
+    raise CheckpointError(f"{run_dir}/config.json records {name} {' '.join(entries)} relative to the directory the run "
+                          f"was started in, which {run_dir} no longer tells (it was moved, or its --out was absolute)"
+                          f"{': pass ' + hint if hint else ''}")
+  if flag == "data":
+    return list(paths.absolute_data(entries, base) or ()) or None
+  return paths.absolute_source(value, base) if flag == "init_from" else paths.absolute(value, base)
+
+
+def init_source(run_dir: str, hint: str = "") -> str | None:
+  """The Hugging Face directory a run was fine-tuned from (--init-from hf:PATH, as `recorded`), else None."""
+  return hf_path(recorded(run_dir, _config_json(run_dir), "init_from", hint) or "")
 
 
 def source_dtype(run_dir: str) -> str | None:
-  """The parameter dtype of the Hugging Face checkpoint a run was fine-tuned from (its torch_dtype), else None."""
-  path = init_source(run_dir)
+  """The parameter dtype of the Hugging Face checkpoint a run was fine-tuned from (its torch_dtype), else None; a
+  config.json that has changed since the run read it is one warning line."""
+  path = init_source(run_dir, "--dtype")
   if not path:
     return None
+  why = paths.changed((_config_json(run_dir).get("files") or {}).get("init_from"), os.path.join(path, "config.json"))
+  if why:
+    print(f"warning: {path}/config.json, which {run_dir} was fine-tuned from, {why}: its dtype is read as it is now "
+          f"(--dtype chooses one)", file=sys.stderr, flush=True)
   return config_from_hf(_config_json(path))[1].param_dtype
 
 
@@ -127,17 +160,28 @@ def load_model(path: str, mesh=None, tokenizer: str | None = None):
 
 
 def run_tokenizer(run_dir: str, meta: dict | None = None) -> str | None:
-  """The tokenizer.json a run was trained with (config.json's --tokenizer), None for a byte-level run; a recorded
-  tokenizer that is no longer there is refused in one line (CheckpointError), never replaced by bytes."""
+  """The tokenizer.json a run was trained with (config.json's --tokenizer, as `recorded`), None for a byte-level run;
+  a recorded tokenizer that is no longer there, or whose sha256 is not the recorded one, is refused in one line
+  (CheckpointError), never replaced by bytes or by another file."""
   meta = _config_json(run_dir) if meta is None else meta
-  path = flat_record(meta.get("train") or {}).get("tokenizer")
+  path = recorded(run_dir, meta, "tokenizer", "--tokenizer with the tokenizer it was trained with")
   if path is None:
     return None
-  file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-  if not os.path.exists(file):
+  file = paths.tokenizer_file(path)
+  if not os.path.isfile(file):
     raise CheckpointError(f"{run_dir} was trained with --tokenizer {path}, which is not there any more: pass "
                           f"--tokenizer with the same tokenizer")
+  why = paths.changed((meta.get("files") or {}).get("tokenizer"), file)
+  if why:
+    raise CheckpointError(f"{run_dir} was trained with --tokenizer {file}, which {why}: pass --tokenizer with the "
+                          f"tokenizer it was trained with")
   return file
+
+
+def run_data(run_dir: str, meta: dict | None = None) -> list[str] | None:
+  """The --data a run was trained on (as `recorded`), None for the built-in corpus."""
+  meta = _config_json(run_dir) if meta is None else meta
+  return recorded(run_dir, meta, "data", "--data")
 
 
 LOAD_ERRORS = (CheckpointError, HFError, quant.QuantError, ValueError)

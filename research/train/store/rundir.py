@@ -15,8 +15,9 @@ and a record of every setting changed on resume.
 What may differ on resume without --amend (it changes neither the math nor the data of the steps to come): where
 and how the run is laid out (mesh, devices, --zero1, --switch-at, remat, pipeline microbatches, processes), how it
 reports and saves (logging, evaluation, checkpoint cadence, keep, progress, cache, bad-step and spike limits, peak
-FLOP/s), --stop-at and --init-from (which only a fresh run reads). Model shapes and the optimizer are compared
-separately and never change (the state would not fit).
+FLOP/s), --stop-at and --init-from (which only a fresh run reads). Paths compare absolute (`--data d.txt` from the
+directory a run started in is `--data /that/dir/d.txt`). Model shapes and the optimizer are compared separately and
+never change (the state would not fit).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import os
 import shutil
 import sys
 from typing import TextIO
+
+from research.train.config import paths
 
 REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # the run directory's disk is full or read-only
 
@@ -64,8 +67,15 @@ def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
   old, new = {**LATER_DEFAULTS, **saved["train"]}, json.loads(json.dumps(meta["train"]))  # as saved: tuples -> lists
   if isinstance(old.get("data"), str):  # saved before --data took several paths
     old["data"] = [old["data"]]
-  for d in (old, new):  # --data.workers (reader threads) changes no batch
-    if isinstance(d.get("data_options"), dict):
+  # paths compare absolute: a relative one was saved before paths were recorded absolute, from the directory the run
+  # started in (told by the run directory's path and the --out it saved), else taken to be this one
+  base = paths.start_dir(new.get("out") or ".", old.get("out")) or os.getcwd()
+  for d in (old, new):
+    if d.get("data"):
+      d["data"] = list(paths.absolute_data(d["data"], base) or ())
+    if d.get("tokenizer"):
+      d["tokenizer"] = paths.absolute(d["tokenizer"], base)
+    if isinstance(d.get("data_options"), dict):  # --data.workers (reader threads) changes no batch
       d["data_options"] = {k: v for k, v in d["data_options"].items() if k != "workers"}
   changed = {k: [old.get(k), v] for k, v in new.items() if k not in skip and old.get(k) != v}
   dtype = [saved["model_config"].get("compute_dtype"), meta["model_config"].get("compute_dtype")]
