@@ -23,34 +23,38 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from typing import Literal
+from typing import Annotated, Literal
 
 import jax
 import tyro
 from flax import nnx
 
 from models import HFError, peft, to_hf, to_hf_peft
-from research import entry
+from models.hf import ARCHITECTURES
+from research import entry, flags
 from research.data.tokenizer import HFTokenizer, TokenizerError, check_fits
 from research.train.config.paths import tokenizer_file
 from research.train.store.pretrained import LOAD_ERRORS, init_source, load_run, run_tokenizer, source_dtype
 
 
+ARCHITECTURE = flags.Rule(choices=tuple(ARCHITECTURES))  # --architecture: those models.hf writes
+
+
 @dataclasses.dataclass
 class ExportConfig:
   """Write an optlab run's parameters (its newest checkpoint, or --step) in the Hugging Face format."""
-  run_dir: tyro.conf.Positional[str]
-  out_dir: tyro.conf.Positional[str]
+  run_dir: tyro.conf.Positional[Annotated[str, flags.EXISTING]]
+  out_dir: tyro.conf.Positional[Annotated[str, flags.OUT_DIR]]
   """Created; an existing non-empty directory is refused (nothing is overwritten)."""
   step: int | None = None
   """The checkpoint to export (default: the newest)."""
-  architecture: str | None = None
+  architecture: Annotated[str | None, ARCHITECTURE] = None
   """Force an HF architecture (checked against the model); default: the one that represents it exactly."""
   adapter: bool = False
   """A --peft run's LoRA/DoRA adapters alone, in PEFT's adapter format (default: the merged model)."""
   dtype: Literal["float32", "bfloat16"] | None = None
   """The weights' dtype in the files (default: the --init-from Hugging Face checkpoint's, else the run's)."""
-  tokenizer: str | None = None
+  tokenizer: Annotated[str | None, flags.EXISTING] = None
   """The tokenizer.json (or a directory with one) to write beside the weights (default: the run's own, checked)."""
 
 
@@ -67,6 +71,7 @@ def in_dtype(model, dtype: str):
 def main(argv=None):
   cfg = tyro.cli(ExportConfig, args=argv)
   with entry.one_line_errors(*LOAD_ERRORS, TokenizerError):
+    flags.check_config(cfg)
     model, _, step = load_run(cfg.run_dir, step=cfg.step, merge=not cfg.adapter)
     if cfg.adapter and not peft.adapters(model):
       raise HFError(f"--adapter: {cfg.run_dir} is not a --peft run")

@@ -145,13 +145,14 @@ OPTIMIZER = Rule(choices=_optimizers)
 DTYPE = one_of("float32", "bfloat16")  # a compute dtype every command supports on every backend
 OUT_FILE = Rule(path="out-file")
 OUT_DIR = Rule(path="out-dir")
+EXISTING = Rule(path="exists")  # a file or directory to read
 
 # The flags several command lines share: one meaning, one rule.
 SHARED: dict[str, Rule] = {
     **dict.fromkeys(("steps", "batch_size", "seq_len", "repeats", "rounds", "devices", "rank", "matmul_n",
                      "loader_batches", "small_mb", "d_model", "n_layers", "n_heads", "d_ff", "vocab", "layers",
                      "batch", "seq", "prompt", "d", "f"), COUNT),
-    **dict.fromkeys(("warmup", "workers", "seed"), NONNEGATIVE),
+    **dict.fromkeys(("warmup", "workers", "seed", "step"), NONNEGATIVE),
     **dict.fromkeys(("gb", "lr", "budget_gib", "device_gb", "memory_budget_gib"), POSITIVE),
     "bias_rate": NONNEGATIVE,
     **dict.fromkeys(("mesh", "meshes", "src", "dst", "layouts"), MESH),
@@ -210,7 +211,11 @@ def rule_for(name: str, annotation) -> Rule | None:
   for meta in _metadata(annotation):
     if isinstance(meta, Rule):
       return meta
-  return SHARED.get(name) or by_type(name, annotation)
+  shared = SHARED.get(name)
+  numeric = shared is not None and (shared.lo is not None or shared.hi is not None)
+  if shared is not None and numeric == bool(_kinds(annotation) & {int, float}):  # the same kind of value: a prompt
+    return shared  # length (bench sample) is a count, a prompt text (research.sample) is not
+  return by_type(name, annotation)
 
 
 def _metadata(annotation) -> tuple:

@@ -21,7 +21,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import time
+from typing import Annotated
 
 import jax
 import numpy as np
@@ -29,54 +31,69 @@ import tyro
 from flax import nnx
 
 from models import cross_entropy, quant, quant_mixed, quant_select, quant_store
-from research import entry
+from research import entry, flags
 from research.data import DataError, eval_batches, get_batch, load_corpus
 from research.train.store.pretrained import LOAD_ERRORS, load_model, run_data, run_tokenizer
 from sharding.mesh import make_mesh
 from sharding.state import place_variables
 
 
+def _algorithms(text: str):
+  """--candidates: comma-separated algorithms of `quant.ALGORITHMS`."""
+  unknown = [a for a in text.split(",") if a not in quant.ALGORITHMS]
+  if unknown:
+    raise ValueError(f"{', '.join(map(repr, unknown))} not among {', '.join(quant.ALGORITHMS)}")
+
+
+def _pattern(text: str):
+  """--targets: a regular expression."""
+  try:
+    re.compile(text)
+  except re.error as e:
+    raise ValueError(f"not a regular expression ({e})") from None
+
+
 @dataclasses.dataclass
 class QuantizeConfig:
   """Quantize a model's projections after training and compare its held-out loss and size with full precision."""
-  source: tyro.conf.Positional[str]
+  source: tyro.conf.Positional[Annotated[str, flags.EXISTING]]
   """An optlab run directory (its newest checkpoint) or a Hugging Face model directory."""
-  out: tyro.conf.Positional[str]
+  out: tyro.conf.Positional[Annotated[str, flags.OUT_DIR]]
   """Created for the quantized model (an existing non-empty directory is refused); with --write-plan, the plan file."""
-  method: str = "gptq"
+  method: Annotated[str, flags.one_of(*quant.ALGORITHMS, "calm", "mixed")] = "gptq"
   """One algorithm for every layer: rtn, gptq, awq or smoothquant; or calm: per layer, the --candidates algorithm
   whose layer output keeps the highest CKA with full precision; or mixed: RTN at a width per layer and projection
   from {2, 3, 4, 8, 16}, within the size of uniform --bits, by --sensitivity (ignored with --plan)."""
-  candidates: str = "rtn,gptq,awq,smoothquant"
+  candidates: Annotated[str, flags.Rule(parse=_algorithms)] = "rtn,gptq,awq,smoothquant"
   """--method calm: the algorithms to choose from, each at the same --bits, --group, --act-bits."""
-  select_by: str = "cka"
+  select_by: Annotated[str, flags.one_of(*quant_select.SCORES)] = "cka"
   """--method calm: cka (CALM) or mse (the layer output's mean squared error)."""
-  sensitivity: str = "first_order"
+  sensitivity: Annotated[str, flags.one_of(*quant_mixed.SENSITIVITIES)] = "first_order"
   """--method mixed: first_order (⟨∂L/∂W, ΔW⟩, the loss-aware layout), hessian (HAWQ's ½Tr(H)/n‖ΔW‖²) or
   first_plus_hessian (their sum)."""
-  search: str = "exact"
+  search: Annotated[str, flags.one_of("exact", "greedy")] = "exact"
   """--method mixed: exact (dynamic programming) or greedy."""
   hessian_samples: int = 16
   """--method mixed --sensitivity hessian: Hutchinson probes."""
-  bits: int = 4
+  bits: Annotated[int, flags.Rule(choices=quant.BITS)] = 4
   """Weight bits: 2, 3, 4, 8, 16 (rounded to bfloat16) or 32 (left as it is)."""
-  group: int = 0
+  group: Annotated[int, flags.NONNEGATIVE] = 0
   """Inputs sharing a scale; 0: one scale per output channel."""
   asymmetric: bool = False
   """Zero points (min/max calibration; 4 or 8 bits) instead of symmetric absmax."""
-  act_bits: int = 0
+  act_bits: Annotated[int, flags.Rule(choices=quant.ACT_BITS)] = 0
   """8: quantize the projections' inputs per token (W8A8); 0: activations in full precision."""
   alpha: float = 0.5
   """SmoothQuant's migration strength."""
-  targets: str = quant.DEFAULT_TARGETS
+  targets: Annotated[str, flags.Rule(parse=_pattern)] = quant.DEFAULT_TARGETS
   """A regular expression over weight paths (blocks/wq_DQ, blocks/moe/w_up_EDF, ...) to quantize."""
-  plan: str | None = None
+  plan: Annotated[str | None, flags.Rule(path="file")] = None
   """A plan file (JSON: one spec per layer of each projection) applied as given, instead of the flags above."""
   write_plan: bool = False
   """Write the plan the flags give to OUT (a .json file) and stop: a starting point to edit."""
-  data: str | None = None
+  data: Annotated[str | None, flags.EXISTING] = None
   """The corpus (default: the run's own; an HF model: the built-in corpus)."""
-  tokenizer: str | None = None
+  tokenizer: Annotated[str | None, flags.EXISTING] = None
   """A tokenizer.json for the corpus (default: the run's, or the HF directory's)."""
   calib: int = 32
   """Calibration sequences."""
@@ -192,6 +209,7 @@ def run(cfg: QuantizeConfig) -> dict:
 def main(argv=None):
   cfg = tyro.cli(QuantizeConfig, args=argv)
   with entry.one_line_errors(*LOAD_ERRORS, quant.QuantError, DataError, OSError):
+    flags.check_config(cfg, skip=("out",) if cfg.write_plan else ())  # --write-plan: OUT is the plan file
     report = run(cfg)
   if "plan" in report:
     print(f"wrote the plan to {report['plan']}")

@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 import tyro
 
 from models import generate
-from research import entry
+from research import entry, flags
 from research.data.tokenizer import TokenizerError
 from research.train.store.pretrained import LOAD_ERRORS, load_model
 
@@ -19,9 +20,9 @@ from research.train.store.pretrained import LOAD_ERRORS, load_model
 @dataclasses.dataclass
 class SampleConfig:
   """Continue a prompt with a trained model (an optlab run directory or a Hugging Face model directory)."""
-  path: tyro.conf.Positional[str]
+  path: tyro.conf.Positional[Annotated[str, flags.EXISTING]]
   """An optlab run directory (its newest checkpoint) or a Hugging Face model directory."""
-  prompt: str = "def "
+  prompt: Annotated[str, flags.FREE] = "def "
   """The text to continue."""
   max_new_tokens: int = 128
   """Tokens to generate (no stop token: always this many)."""
@@ -31,7 +32,7 @@ class SampleConfig:
   """Sample among the k most likely tokens (None: all)."""
   seed: int = 0
   """Sampling seed: the same seed gives the same text."""
-  tokenizer: str | None = None
+  tokenizer: Annotated[str | None, flags.EXISTING] = None
   """A tokenizer.json (or a directory with one); default: the one a run was trained with (the file its config.json
   records, refused if it has changed since), the HF directory's own, else UTF-8 bytes."""
   samples: int = 1
@@ -41,6 +42,7 @@ class SampleConfig:
 def main(argv=None):
   cfg = tyro.cli(SampleConfig, args=argv)
   with entry.one_line_errors(*LOAD_ERRORS, TokenizerError):
+    flags.check_config(cfg)
     model, config, tok = load_model(cfg.path, tokenizer=cfg.tokenizer)
     ids = tok.encode(cfg.prompt)
     if not ids:

@@ -15,7 +15,7 @@ import tyro
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from research import entry, flags, plot, soak, sweep
+from research import entry, export, flags, plot, quantize, sample, soak, sweep
 from research.bench import cli
 from research.experiments import common
 
@@ -24,8 +24,10 @@ SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, phases=[Ph
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 EXPERIMENTS = ("badam", "badam_finetune", "data_mixing", "depth_expansion", "exfusion", "moe_design", "moe_disco",
                "muon_on_moe", "optimizers", "pad_net", "peft", "quantization", "upcycling", "scalability.study")
-CONFIGS = {"plot": plot.PlotConfig, "sweep": sweep.SweepConfig, "soak": soak.Config,
+CONFIGS = {"plot": plot.PlotConfig, "sweep": sweep.SweepConfig, "soak": soak.Config, "sample": sample.SampleConfig,
+           "export": export.ExportConfig, "quantize": quantize.QuantizeConfig,
            **{f"experiments.{m}": importlib.import_module(f"research.experiments.{m}").Config for m in EXPERIMENTS}}
+POSITIONAL = {"plot": ["RUN"], "sample": ["RUN"], "export": ["RUN", "NEW"], "quantize": ["RUN", "NEW"]}
 NESTED = {"train"}  # sweep's --train.*: the train CLI's own flags, checked by the trainer (test_bad_input_property)
 
 
@@ -98,7 +100,7 @@ TEXT = ["", "x", "small", "float16", "bfloat16", "data=3", "foo=2", "data=2,fsdp
 # What may reach a command (an independent statement, not flags.py's table): no flag of any bench or tool takes a
 # negative number, a non-finite one, or an empty string; zero only where it means "none" or "off"
 ZERO_OK = {"warmup", "workers", "seed", "badam_blocks", "bias_rate", "calib_seed", "tune_seed", "sizes", "step",
-           "memory_budget_gib"}
+           "memory_budget_gib", "temperature", "group", "act_bits"}
 
 
 def typed(hint) -> list[str]:
@@ -183,9 +185,10 @@ def test_random_values_of_every_experiment_and_tool_flag_are_refused_or_usable(d
   name = data.draw(st.sampled_from(sorted(CONFIGS)))
   config = CONFIGS[name]
   table = config_flags(config)
-  argv = flag_args(data, {k: v for k, v in table.items() if k != "runs" or name != "plot"})
-  if name == "plot":
-    argv = [str(tmp_path), *argv]
+  positional = {k for k, v in table.items() if "Positional" in str(v)}
+  argv = flag_args(data, {k: v for k, v in table.items() if k not in positional})
+  places = {"RUN": str(tmp_path), "NEW": str(tmp_path / "new")}
+  argv = [places[p] for p in POSITIONAL.get(name, [])] + argv
 
   def parse_and_check(argv):
     cfg = tyro.cli(config, args=argv)
