@@ -36,7 +36,6 @@ from research.data.tokenizer import HFTokenizer, TokenizerError, check_fits
 from research.train.config.paths import tokenizer_file
 from research.train.store.pretrained import LOAD_ERRORS, init_source, load_run, run_tokenizer, source_dtype
 
-
 ARCHITECTURE = flags.Rule(choices=tuple(ARCHITECTURES))  # --architecture: those models.hf writes
 
 

@@ -14,6 +14,7 @@ from models import ConfigError
 from models.attention import AttentionError
 from research import entry, flags
 from research.bench.attention import attention
+from research.bench.cache import cache
 from research.bench.ckpt import ckpt_bench
 from research.bench.comm import comm
 from research.bench.data import data
@@ -51,7 +52,7 @@ def checked_first(bench):
 BENCHMARKS = {name: checked_first(bench) for name, bench in {
   "train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe, "ckpt": ckpt_bench,
   "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant, "sample": sample, "finetune": finetune,
-  "finetune-3b": finetune_3b, "data": data, "peer": peer, "preflight": preflight}.items()}
+  "finetune-3b": finetune_3b, "data": data, "peer": peer, "preflight": preflight, "cache": cache}.items()}
 
 
 def main(argv=None):

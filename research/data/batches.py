@@ -7,6 +7,7 @@ Pure numpy; imports no jax.
 
 import mmap
 import os
+import weakref
 
 import numpy as np
 
@@ -84,7 +85,23 @@ def read_windows(tokens, starts: np.ndarray, length: int) -> np.ndarray:
   return out
 
 
-_FILES: dict[str, int] = {}  # path -> a read-only descriptor, opened once per process (pread needs no position)
+# a memory map (by id) -> a read-only descriptor of the file it maps, opened at its first read (pread needs no
+# position) and closed with the map: keyed by the map, not the path, so a cache rebuilt under the same path (a new
+# file renamed into place) is read from the new file by its new map, never from the old one's descriptor
+_FILES: dict[int, int] = {}
+
+
+def _descriptor(mapping, filename: str) -> int:
+  key = id(mapping)
+  if key not in _FILES:
+    _FILES[key] = os.open(filename, os.O_RDONLY)
+    weakref.finalize(mapping, _close, key, _FILES[key])
+  return _FILES[key]
+
+
+def _close(key: int, fd: int):
+  _FILES.pop(key, None)
+  os.close(fd)
 
 
 def _file_of(tokens):
@@ -94,6 +111,4 @@ def _file_of(tokens):
     return None
   base = np.frombuffer(tokens._mmap, np.uint8).ctypes.data  # the mapping's first byte; it maps from `start`
   start = tokens.offset - tokens.offset % mmap.ALLOCATIONGRANULARITY
-  if tokens.filename not in _FILES:
-    _FILES[tokens.filename] = os.open(tokens.filename, os.O_RDONLY)
-  return _FILES[tokens.filename], start + tokens.ctypes.data - base
+  return _descriptor(tokens._mmap, tokens.filename), start + tokens.ctypes.data - base

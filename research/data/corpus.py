@@ -2,7 +2,8 @@
 
 `read_corpus()` with no path builds the default corpus from the running interpreter's own
 standard library (every `*.py` file, site-packages excluded), so a fresh checkout trains with
-no download; the build is cached on disk and memory-mapped afterwards. A user path here may be a
+no download; the build is cached on disk and memory-mapped afterwards (its contents checked against meta.json's
+fingerprint the first time a process maps it: `checked_meta`; a cache that fails is rebuilt). A user path here may be a
 directory of text files (only its text files are read — UTF-8 without NUL bytes — through folders that are not
 hidden, caches or installed packages; what is skipped is said in one line on stderr, and a directory without any
 text is refused), one text file, a 1-D integer `.npy`, or a nanoGPT-style uint16 `.bin`;
@@ -20,7 +21,9 @@ import os
 import sys
 import sysconfig
 import tempfile
+import time
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -59,7 +62,7 @@ def _load_path(path, val_fraction) -> Corpus:
     raise DataError(f"data path does not exist: {path}")
   source = os.path.realpath(path)
   if os.path.isdir(path):
-    relpaths = _walk(path, keep_file=_not_hidden, keep_dir=_source_dir)
+    relpaths = _walk(path, keep_file=not_hidden, keep_dir=source_dir)
     if not relpaths:
       raise DataError(f"data directory is empty (no non-hidden files): {path}")
     if sum(os.path.getsize(os.path.join(path, r)) for r in relpaths) == 0:
@@ -185,19 +188,19 @@ def _walk(root, keep_file, keep_dir):
   return sorted(out)
 
 
-def _not_hidden(name):
+def not_hidden(name):
   return not name.startswith(".")
 
 
 CACHE_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "dist-packages"})
 
 
-def _source_dir(name):
+def source_dir(name):
   """A folder a text directory is read through: not hidden (.git, .venv, ...) and not a cache or installed packages."""
-  return _not_hidden(name) and name not in CACHE_DIRS
+  return not_hidden(name) and name not in CACHE_DIRS
 
 
-def _is_text(data: bytes) -> bool:
+def is_text(data: bytes) -> bool:
   """Text: no NUL byte and valid UTF-8 (ASCII included); what a bytes-level language model should read."""
   if b"\0" in data:
     return False
@@ -209,13 +212,13 @@ def _is_text(data: bytes) -> bool:
 
 
 def _text_files(root, relpaths) -> dict[str, bytes]:
-  """{relpath: contents} of the text files among `relpaths` (`_is_text`), in order; what was left out is said in one
+  """{relpath: contents} of the text files among `relpaths` (`is_text`), in order; what was left out is said in one
   line on stderr, and a directory with no text file at all is refused (DataError)."""
   text: dict[str, bytes] = {}
   skipped: dict[str, tuple[int, int]] = {}
   for r in relpaths:
     data = _read(root, r)
-    if _is_text(data):
+    if is_text(data):
       text[r] = data
     else:
       ext = os.path.splitext(r)[1] or "(no suffix)"
@@ -272,9 +275,11 @@ def _load_stdlib(cache_dir, val_fraction):
   cache_root = os.path.expanduser(cache_dir or default_cache_dir())
   folder = os.path.join(cache_root, f"stdlib-{key[:24]}")
   source = f"stdlib:{root}"
-  cached = _read_cache(folder)
+  cached, problem = _read_cache(folder)
   if cached is not None:
     return Corpus(*cached, source=source, eos=SEPARATOR)
+  if problem:
+    warn_rebuild(folder, problem)
   train, val = _split_by_document(root, relpaths, val_fraction)
   fingerprint = corpus_fingerprint(train, val)
   meta = dict(fingerprint=fingerprint, train_bytes=len(train), val_bytes=len(val),
@@ -282,7 +287,7 @@ def _load_stdlib(cache_dir, val_fraction):
               source=source, python=sys.version)
   if not write_cache(cache_root, folder, train, val, meta):
     return Corpus(train, val, 256, fingerprint, source, eos=SEPARATOR)
-  cached = _read_cache(folder)  # serve the memmap, so a build and a hit behave alike
+  cached, _ = _read_cache(folder)  # serve the memmap, so a build and a hit behave alike
   return (Corpus(*cached, source=source, eos=SEPARATOR) if cached
           else Corpus(train, val, 256, fingerprint, source, eos=SEPARATOR))
 
@@ -303,18 +308,82 @@ def write_cache(cache_root: str, folder: str, train: np.ndarray, val: np.ndarray
 
 
 def _read_cache(folder):
-  """(train memmap, val memmap, 256, fingerprint), or None unless meta.json and sizes agree."""
+  """((train memmap, val memmap, 256, fingerprint), None) when meta.json is there and the files are what it records
+  (`checked_meta`), else (None, what failed; None when there is no meta.json: no finished build)."""
+  meta, problem = checked_meta(folder, lambda m: {"train.bin": m["train_bytes"], "val.bin": m["val_bytes"]})
+  if meta is None:
+    return None, problem
+  return (*(np.memmap(os.path.join(folder, n), dtype=np.uint8, mode="r") for n in ("train.bin", "val.bin")), 256,
+          meta["fingerprint"]), None
+
+
+# ---- checking a cache against its meta.json ------------------------------------------------------------------------
+# A cache folder's meta.json (written last) records each file's size and the sha256 of its token files (the corpus
+# fingerprint, which config.json records too). Sizes are checked at every load; contents the first time a process
+# maps them as they are (path, inode, size, mtime, ctime), in bounded reads: one sha256 pass, whose start-up cost
+# research/results/cache_verify.md measures. A cache that fails is rebuilt from its sources, never served.
+FOREIGN = "its meta.json is unreadable or of another layout"
+_VERIFIED: set[tuple] = set()  # (the files as they were, sha256) that this process hashed and found true
+_RACY_NS = 2 * 10 ** 9  # a file changed this recently may be written again within its timestamps' resolution
+
+
+def checked_meta(folder: str, files: Callable[[dict], Mapping[str, int]]) -> tuple[dict | None, str | None]:
+  """(meta.json of the cache `folder`, None) when the files `files(meta)` names ({name: bytes}, in the order the
+  fingerprint hashes them) have those sizes, none empty, and contents whose sha256 is meta.json's fingerprint; else
+  (None, what failed in a few words), or (None, None) when there is no meta.json (a build that never finished)."""
   try:
-    with open(os.path.join(folder, "meta.json")) as f:
-      meta = json.load(f)
-    paths = [os.path.join(folder, n) for n in ("train.bin", "val.bin")]
-    sizes = [os.path.getsize(p) for p in paths]
-    expected, fingerprint = [meta["train_bytes"], meta["val_bytes"]], meta["fingerprint"]
-  except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable or foreign meta
-    return None
-  if sizes != expected or 0 in sizes:
-    return None
-  return (*(np.memmap(p, dtype=np.uint8, mode="r") for p in paths), 256, fingerprint)
+    with open(os.path.join(folder, "meta.json"), "rb") as f:
+      meta = json.loads(f.read())
+    sizes, fingerprint = dict(files(meta)), meta["fingerprint"]
+    if not isinstance(fingerprint, str) or not all(type(n) is int for n in sizes.values()):
+      raise TypeError(fingerprint)
+  except FileNotFoundError:
+    return None, None
+  except (OSError, ValueError, KeyError, TypeError):  # unreadable, or another layout's meta.json
+    return None, FOREIGN
+  paths = [os.path.join(folder, name) for name in sizes]
+  try:
+    for (name, want), size in zip(sizes.items(), map(os.path.getsize, paths)):
+      if size != want or size == 0:
+        return None, f"{name} has {size:,} bytes where meta.json records {want:,}"
+    if not hashes_to(paths, fingerprint):
+      return None, f"the contents of {' + '.join(sizes)} do not hash to the fingerprint {fingerprint[:16]} it records"
+  except OSError as e:
+    return None, f"{os.path.basename(e.filename or folder)} is unreadable ({e.strerror})"
+  return meta, None
+
+
+def file_sha256(paths: Sequence[str], chunk: int = 1 << 22) -> str:
+  """sha256 hex of the files at `paths`, one after another, read in `chunk`-byte pieces (bounded memory)."""
+  h, buf = hashlib.sha256(), bytearray(chunk)
+  view = memoryview(buf)
+  for path in paths:
+    with open(path, "rb", buffering=0) as f:
+      while n := f.readinto(buf):
+        h.update(view[:n])
+  return h.hexdigest()
+
+
+def hashes_to(paths: Sequence[str], sha256: str) -> bool:
+  """Whether the files at `paths` hash to `sha256` (`file_sha256`). Memoised per process by each file's identity
+  (path, inode, size, mtime, ctime), except for a file changed in the last two seconds (a write then may leave its
+  timestamps as they were)."""
+  now, stats = time.time_ns(), [os.stat(p) for p in paths]
+  key = (tuple((os.path.realpath(p), s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
+               for p, s in zip(paths, stats)), sha256)
+  if key in _VERIFIED:
+    return True
+  if file_sha256(paths) != sha256:
+    return False
+  if all(now - s.st_ctime_ns > _RACY_NS for s in stats):
+    _VERIFIED.add(key)
+  return True
+
+
+def warn_rebuild(folder: str, problem: str):
+  """The one stderr line of a cache that failed its check and is rebuilt (what failed: `problem`)."""
+  print(f"warning: the cache {folder} does not match its meta.json ({problem}); rebuilding it", file=sys.stderr,
+        flush=True)
 
 
 def write_atomic(folder, name, data: bytes):

@@ -11,7 +11,9 @@ pretrained on the standard library starts it at a clearly higher loss (research/
 One file per distribution, `<name>.md`, holding "name version: summary" and the description; distributions whose
 description is shorter than `MIN_CHARS` (a one-line placeholder) are left out. The set is the transitive closure of
 `optlab`'s requirements without extras, so it is the same in a run-only and a test environment; the directory name
-carries a hash of the (name, version) list, so a changed environment builds a new corpus instead of mixing two.
+carries a hash of the (name, version) list, so a changed environment builds a new corpus instead of mixing two. The
+texts are made anew at every `build` (reading the installed metadata), and a directory that does not hold exactly them
+(a file edited, zeroed, missing or added) is built again, with one warning line: it is never served as it is.
 `research.data.load_corpus(path)` splits it by document (a held-out package is never seen in training).
 Pure Python; imports no jax.
 """
@@ -107,20 +109,48 @@ def build(cache_dir: str | None = None, kind: str = "descriptions") -> str:
   ident = hashlib.sha256("\n".join(f"{k}=={v}" for k, (v, _) in sorted(docs.items())).encode()).hexdigest()[:16]
   cache_dir = cache_dir or default_cache_dir()
   out = os.path.join(cache_dir, f"{prefix}-{ident}")
+  want = {f"{k}.md": text.encode("utf-8") for k, (_, text) in docs.items()}
   if os.path.isdir(out):
-    return out
+    problem = _differs(out, want)
+    if problem is None:
+      return out
+    print(f"warning: the corpus {out} is not the installed packages' {kind} ({problem}); building it again",
+          file=sys.stderr, flush=True)
   os.makedirs(cache_dir, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{prefix}-", dir=cache_dir)
+  tmp, aside = tempfile.mkdtemp(prefix=f".{prefix}-", dir=cache_dir), None
   try:
-    for k, (_, text) in docs.items():
-      with open(os.path.join(tmp, f"{k}.md"), "w", encoding="utf-8") as f:
-        f.write(text)
+    for name, data in want.items():
+      with open(os.path.join(tmp, name), "wb") as f:
+        f.write(data)
+    if os.path.isdir(out):  # the damaged copy: moved aside in one rename, then deleted
+      aside = tempfile.mkdtemp(prefix=f".{prefix}-damaged-", dir=cache_dir)
+      os.rename(out, os.path.join(aside, "old"))
     os.rename(tmp, out)  # a concurrent builder may have won: its copy is identical
   except OSError:
     shutil.rmtree(tmp, ignore_errors=True)
     if not os.path.isdir(out):
       raise
+  finally:
+    if aside:
+      shutil.rmtree(aside, ignore_errors=True)
   return out
+
+
+def _differs(folder: str, want: dict[str, bytes]) -> str | None:
+  """What keeps the corpus `folder` from being the files `want` ({name: bytes}) and nothing else, or None."""
+  have = sorted(f for f in os.listdir(folder) if not f.startswith("."))  # hidden files are not read as documents
+  if have != sorted(want):
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    return ", ".join(f"{len(names)} {what} ({names[0]}{', ...' if len(names) > 1 else ''})"
+                     for what, names in (("missing", missing), ("not its own", extra)) if names)
+  for name in sorted(want):
+    try:
+      with open(os.path.join(folder, name), "rb") as f:
+        if f.read() != want[name]:
+          return f"{name} differs from the installed package's metadata"
+    except OSError as e:
+      return f"{name} is unreadable ({e.strerror})"
+  return None
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ import sys
 import zlib
 from collections.abc import Iterator, Sequence
 
-from research.data.corpus import DataError, _is_text, _not_hidden, _source_dir
+from research.data.corpus import DataError, is_text, not_hidden, source_dir
 
 BATCH = 1024  # documents per batch: what one read, one encode_batch call and one write hold
 SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".json": "jsonl", ".jsonl.gz": "jsonl",
@@ -130,11 +130,11 @@ def _inputs(match, root, globbed, read, skipped):
   if globbed:
     rel = os.path.relpath(match, root).split(os.sep)
     parts = rel if folder else rel[:-1]
-    bad = next((i for i, p in enumerate(parts) if p not in (".", "..") and not _source_dir(p)), None)
+    bad = next((i for i, p in enumerate(parts) if p not in (".", "..") and not source_dir(p)), None)
     if bad is not None:  # the hidden or cache folder it is in (or is)
       skipped.add(os.path.join(root, *rel[:bad + 1]))
       return []
-    if not folder and not _not_hidden(rel[-1]):
+    if not folder and not not_hidden(rel[-1]):
       skipped.add(match)
       return []
   if folder:
@@ -147,7 +147,7 @@ def _text_only(files, read, skipped):
   array (.npy, .bin) stays, for `research.data.shards` to refuse in one line (it must be the only data path)."""
   out = []
   for f in files:
-    if read and data_format(f) == "text" and not f.lower().endswith(_ARRAYS) and not _is_text(_read_bytes(f)):
+    if read and data_format(f) == "text" and not f.lower().endswith(_ARRAYS) and not is_text(_read_bytes(f)):
       skipped.add(f, not_text=True)
     else:
       out.append(f)
@@ -227,16 +227,16 @@ def _walk(root, read=True, skipped=None):
   for dirpath, dirnames, filenames in os.walk(root):
     keep = []
     for d in dirnames:
-      if not _source_dir(d):  # hidden or a cache: not walked
+      if not source_dir(d):  # hidden or a cache: not walked
         skipped.add(os.path.join(dirpath, d))
         continue
       (out if is_dataset_dir(os.path.join(dirpath, d)) else keep).append(os.path.join(dirpath, d))
     dirnames[:] = [os.path.basename(d) for d in keep]  # prunes the walk: a dataset's own files are not inputs
     files = [os.path.join(dirpath, f) for f in filenames if os.path.isfile(os.path.join(dirpath, f))]
     for f in files:
-      if not _not_hidden(os.path.basename(f)):
+      if not not_hidden(os.path.basename(f)):
         skipped.add(f)
-    out += _text_only([f for f in files if _not_hidden(os.path.basename(f))], read, skipped)
+    out += _text_only([f for f in files if not_hidden(os.path.basename(f))], read, skipped)
   return sorted(out, key=lambda p: os.path.relpath(p, root).replace(os.sep, "/"))
 
 

@@ -21,7 +21,9 @@ directory), the field, the tokenizer file's bytes and val_fraction: touching an 
 same inputs map the old one without encoding anything. Files are written under temporary names and renamed,
 `meta.json` last (its presence marks the cache valid), and an fcntl lock on the cache folder makes a second process
 (a multi-host run starts one per host) wait for the first's build and then read it. The fingerprint, computed as
-the files are written, is `corpus_fingerprint`'s: sha256 of the train bytes then the val bytes.
+the files are written, is `corpus_fingerprint`'s: sha256 of the train bytes then the val bytes; meta.json records it
+with the sha256 of each document-starts file, and a process checks the files against them the first time it maps them
+(`corpus.checked_meta`): a cache whose files are not what its meta.json records is built again (one warning line).
 """
 
 from __future__ import annotations
@@ -37,7 +39,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from research.data import documents
-from research.data.corpus import SEPARATOR, Corpus, DataError, default_cache_dir, write_atomic
+from research.data.corpus import (
+  SEPARATOR,
+  Corpus,
+  DataError,
+  checked_meta,
+  default_cache_dir,
+  file_sha256,
+  hashes_to,
+  warn_rebuild,
+  write_atomic,
+)
 from research.data.tokenized import end_of_text, open_tokenizer, token_dtype
 
 _VERSION = 1  # bump when the layout of the cache or the rule that builds it changes
@@ -75,24 +87,27 @@ def build_shards(paths: str | Sequence[str], *, field: str = "text", tokenizer: 
   key = hashlib.sha256(json.dumps([_VERSION, stats, field, hashlib.sha256(raw).hexdigest(), val_fraction]).encode())
   folder = os.path.join(os.path.expanduser(cache_dir or default_cache_dir()), f"shards-{key.hexdigest()[:24]}")
   source = _describe(inputs, field, file)
-  cached = _open(folder)
+  cached, problem = _open(folder)
   if cached is None:
     try:
       os.makedirs(folder, exist_ok=True)
       lock = open(os.path.join(folder, "lock"), "a")
     except OSError as e:
-      raise DataError(f"cannot write the token cache {folder} ({e.strerror}); set $OPTLAB_CACHE to a writable "
+      why = f"{e.strerror}; it must be built again: {problem}" if problem else e.strerror
+      raise DataError(f"cannot write the token cache {folder} ({why}); set $OPTLAB_CACHE to a writable "
                       "folder") from None
     with lock:
       fcntl.flock(lock, fcntl.LOCK_EX)  # a process building this cache already: wait, then read what it wrote
-      cached = _open(folder)
+      cached, problem = _open(folder)
       if cached is None:
+        if problem:
+          warn_rebuild(folder, problem)
         meta = dict(source=source, field=field, tokenizer=file and os.path.realpath(file), vocab_size=vocab,
                     dtype=np.dtype(dtype).name, eos=eos, val_fraction=val_fraction, n_inputs=len(inputs))
         _build(folder, inputs, field, tok, dtype, eos, val_fraction, meta)
-        cached = _open(folder)
+        cached, problem = _open(folder)
         if cached is None:  # its files changed under it (a second writer outside the lock)
-          raise DataError(f"the token cache {folder} does not match its meta.json right after its build")
+          raise DataError(f"the token cache {folder} does not match its meta.json right after its build ({problem})")
   return Corpus(cached["train"], cached["val"], cached["meta"]["vocab_size"], cached["meta"]["fingerprint"], source,
                 eos=cached["meta"]["eos"], train_docs=cached["train_docs"], val_docs=cached["val_docs"])
 
@@ -222,7 +237,8 @@ def _build(folder, inputs, field, tok, dtype, eos, val_fraction, meta):
       while chunk := f.read(_CHUNK):
         hasher.update(chunk)
     meta.update(fingerprint=hasher.hexdigest(), **{f"{s.name}_tokens": s.n_tokens for s in splits.values()},
-                **{f"{s.name}_documents": s.n_docs for s in splits.values()})
+                **{f"{s.name}_documents": s.n_docs for s in splits.values()},
+                sha256={f"{s}_docs.npy": file_sha256([os.path.join(folder, f"{s}_docs.npy")]) for s in _SPLITS})
     write_atomic(folder, "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the cache valid
   finally:
     for split in splits.values():
@@ -233,20 +249,27 @@ def _build(folder, inputs, field, tok, dtype, eos, val_fraction, meta):
 
 
 def _open(folder):
-  """The cache's memory maps and meta when meta.json is there and every file agrees with it, else None."""
-  try:
-    with open(os.path.join(folder, "meta.json")) as f:
-      meta = json.load(f)
-    itemsize = np.dtype(meta["dtype"]).itemsize
-    out = dict(meta=meta)
-    for name in _SPLITS:
-      path = os.path.join(folder, f"{name}.bin")
-      if os.path.getsize(path) != meta[f"{name}_tokens"] * itemsize or meta[f"{name}_tokens"] == 0:
-        return None
-      out[name] = np.memmap(path, dtype=meta["dtype"], mode="r")
-      out[f"{name}_docs"] = np.load(os.path.join(folder, f"{name}_docs.npy"), mmap_mode="r")
-      if out[f"{name}_docs"].shape != (meta[f"{name}_documents"],):
-        return None
-  except (OSError, ValueError, KeyError, TypeError):  # missing, half-written or foreign files
-    return None
-  return out
+  """(the cache's memory maps and meta, None) when meta.json is there and every file is what it records: the token
+  files' sizes and sha256 (the fingerprint: `checked_meta`), the document starts' sha256 and count. Else (None, what
+  failed; None when there is no meta.json: a build that never finished)."""
+  meta, problem = checked_meta(folder, lambda m: {f"{s}.bin": m[f"{s}_tokens"] * np.dtype(m["dtype"]).itemsize
+                                                  for s in _SPLITS})
+  if meta is None:
+    return None, problem
+  out = dict(meta=meta)
+  for name in _SPLITS:
+    docs, file = os.path.join(folder, f"{name}_docs.npy"), f"{name}_docs.npy"
+    want = meta.get("sha256")
+    want = want.get(file) if isinstance(want, dict) else None
+    if not isinstance(want, str):  # a cache built before they were recorded: built again, once
+      return None, f"meta.json records no sha256 of {file}"
+    try:
+      if not hashes_to([docs], want):
+        return None, f"the contents of {file} do not hash to the sha256 meta.json records"
+      out[f"{name}_docs"] = starts = np.load(docs, mmap_mode="r")
+    except (OSError, ValueError) as e:
+      return None, f"{file} is unreadable ({' '.join(str(e).split())})"
+    if starts.shape != (count := meta.get(f"{name}_documents"),):
+      return None, f"{file} holds {starts.shape} document starts where meta.json records {count}"
+    out[name] = np.memmap(os.path.join(folder, f"{name}.bin"), dtype=meta["dtype"], mode="r")
+  return out, None

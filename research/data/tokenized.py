@@ -6,7 +6,9 @@ joins them with the tokenizer's end-of-text token when it has one. The token arr
 vocabulary fits (≤ 65,536 ids), else uint32, in `<cache>/tokens-<key>/`, where the key hashes the byte corpus's
 fingerprint and the tokenizer file: the same text and tokenizer hit the cache, anything else gets its own. Files
 are written to temporary names and renamed, `meta.json` last, so a crash mid-build leaves no cache that looks
-valid; later loads memory-map the arrays. The corpus fingerprint is the tokens' (as for any corpus).
+valid; later loads memory-map the arrays, once a process has checked them against meta.json (sizes, and the sha256 of
+their contents against its fingerprint: `corpus.checked_meta`); a cache that fails is encoded again, with one warning
+line. The corpus fingerprint is the tokens' (as for any corpus).
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ import os
 
 import numpy as np
 
-from research.data.corpus import SEPARATOR, Corpus, DataError, corpus_fingerprint, default_cache_dir, write_cache
+from research.data.corpus import (
+  SEPARATOR,
+  Corpus,
+  DataError,
+  checked_meta,
+  corpus_fingerprint,
+  default_cache_dir,
+  warn_rebuild,
+  write_cache,
+)
 
 _VERSION = 1
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -70,9 +81,11 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None =
   cache_root = os.path.expanduser(cache_dir or default_cache_dir())
   folder = os.path.join(cache_root, f"tokens-{key.hexdigest()[:24]}")
   source = f"{corpus.source} tokenized by {os.path.realpath(file)}"
-  cached = _read(folder, dtype)
+  cached, problem = _read(folder, dtype)
   if cached is not None:
     return _corpus(cached, vocab, source, eot)
+  if problem:
+    warn_rebuild(folder, problem)
   train, val = (_encode(part, tok, eot, dtype) for part in (corpus.train, corpus.val))
   for name, part in (("train", train), ("val", val)):
     if len(part) == 0:
@@ -80,9 +93,9 @@ def tokenize_corpus(corpus: Corpus, tokenizer_path: str, cache_dir: str | None =
   meta = dict(fingerprint=corpus_fingerprint(train, val), train_tokens=len(train), val_tokens=len(val),
               dtype=np.dtype(dtype).name, vocab_size=vocab, end_of_text=eot, text=corpus.fingerprint,
               tokenizer=os.path.realpath(file))
-  if not write_cache(cache_root, folder, train, val, meta):  # (one warning: encoded again next time)
-    return _corpus((train, val, meta["fingerprint"]), vocab, source, eot)
-  return _corpus(_read(folder, dtype), vocab, source, eot)
+  cached = write_cache(cache_root, folder, train, val, meta) and _read(folder, dtype)[0]  # serve the memmaps
+  # (a cache that cannot be written: one warning, encoded again next time; the arrays in memory are served)
+  return _corpus(cached or (train, val, meta["fingerprint"]), vocab, source, eot)
 
 
 def _corpus(cached, vocab, source, eot) -> Corpus:
@@ -91,14 +104,14 @@ def _corpus(cached, vocab, source, eot) -> Corpus:
 
 
 def _read(folder, dtype):
-  """(train memmap, val memmap, fingerprint) when meta.json and the sizes agree, else None."""
-  try:
-    meta = json.load(open(os.path.join(folder, "meta.json")))
-    paths = [os.path.join(folder, n) for n in ("train.bin", "val.bin")]
-    ok = [os.path.getsize(p) for p in paths] == [meta["train_tokens"] * np.dtype(dtype).itemsize,
-                                                 meta["val_tokens"] * np.dtype(dtype).itemsize]
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
-  if not ok or meta.get("dtype") != np.dtype(dtype).name:
-    return None
-  return (*(np.memmap(p, dtype=dtype, mode="r") for p in paths), meta["fingerprint"])
+  """((train memmap, val memmap, fingerprint), None) when meta.json is there and the files are what it records
+  (`checked_meta`), else (None, what failed; None when there is no meta.json)."""
+  size = np.dtype(dtype).itemsize
+  meta, problem = checked_meta(folder, lambda m: {"train.bin": m["train_tokens"] * size,
+                                                  "val.bin": m["val_tokens"] * size})
+  if meta is None:
+    return None, problem
+  if meta.get("dtype") != np.dtype(dtype).name:
+    return None, f"meta.json records dtype {meta.get('dtype')}, the tokenizer's vocabulary needs {np.dtype(dtype).name}"
+  return (*(np.memmap(os.path.join(folder, n), dtype=dtype, mode="r") for n in ("train.bin", "val.bin")),
+          meta["fingerprint"]), None

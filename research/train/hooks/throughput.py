@@ -3,9 +3,11 @@
 - The peak that MFU divides by (`Peak`): `--peak-flops` when given; else the chip's datasheet peak for the compute
   dtype, dense (research/train/hooks/peaks.py: what MaxText, torchtitan and nanoGPT divide by); else, for a device not
   in that table (a CPU), the best matmul rate in the compute dtype this machine has shown: the best of several samples
-  taken at start-up and every earlier run's best, kept per machine and dtype in `<cache>/peak_flops.json`. The
-  source is recorded with the figure. The model's own rate never raises the peak: an MFU above 100% says that a
-  sampled peak was low, and is shown as it is.
+  taken at start-up and every earlier run's best, kept per machine and dtype in `<cache>/peak_flops.json`. An earlier
+  best is believed only when it is a finite positive number at most `PLAUSIBLE` times this run's own best sample (a
+  loaded machine samples low, not several times low); otherwise it is dropped with one warning line, as is a file
+  that is not a JSON object, and this run's sample takes its place. The source is recorded with the figure. The
+  model's own rate never raises the peak: an MFU above 100% says that a sampled peak was low, and is shown as it is.
 - A throughput is only reported over a window of at least one whole step after compilation: the step that
   compiles (the first of a run, of a resume, or on a --switch-at layout) starts the clock and is never inside a
   window. Beside the whole run's average, the steady state: the windows that start at least `STEADY_AFTER` steps
@@ -17,9 +19,11 @@ Cache: `$OPTLAB_CACHE` or ~/.cache/optlab (delete it to forget).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
@@ -61,11 +65,43 @@ def _cache_file() -> str:
   return os.path.join(default_cache_dir(), "peak_flops.json")
 
 
+PLAUSIBLE = 4.0  # an earlier best above this many times this run's own best sample is not this machine's
+
+
+def _warn(message: str):
+  print(f"warning: {_cache_file()}: {message}", file=sys.stderr, flush=True)
+
+
 def _load() -> dict:
+  """The cache's table ({machine:dtype: FLOP/s}); {} when there is none, or (one warning) when it is no JSON object."""
   try:
-    return json.load(open(_cache_file()))
-  except (OSError, ValueError):
+    with open(_cache_file(), "rb") as f:
+      table = json.loads(f.read())
+  except FileNotFoundError:
     return {}
+  except (OSError, ValueError) as e:
+    table = e
+  if not isinstance(table, dict):
+    _warn(f"not a JSON object of matmul rates ({' '.join(str(table).split())[:60]}); ignored")
+    return {}
+  return table
+
+
+def _earlier(table: dict, key: str, measured: float) -> float:
+  """The earlier best for `key` in `table`, or 0.0 when there is none or it cannot be believed (one warning)."""
+  value = table.get(key)
+  if value is None:
+    return 0.0
+  try:
+    number = type(value) in (int, float) and 0 < float(value) < math.inf  # not a bool, a string, NaN or infinity
+  except OverflowError:  # an integer past float's range
+    number = False
+  if number and value <= PLAUSIBLE * measured:
+    return float(value)
+  why = (f"{value / measured:.3g}x this run's best sample ({measured:.3g} FLOP/s), more than the {PLAUSIBLE:g}x a "
+         "loaded machine explains" if number else "not a finite positive number")
+  _warn(f"the earlier best for {key}, {value!r:.40}, is {why}: dropped")
+  return 0.0
 
 
 def _save(table: dict):
@@ -100,7 +136,8 @@ class Peak:
     n = 1024 if device.platform == "cpu" else 8192  # large enough to saturate an accelerator
     measured = max(measure_matmul_flops(n, dtype=dtype) for _ in range(samples))
     key = f"{_machine()}:{dtype}"
-    earlier = _load().get(key, 0.0) if cache else 0.0
+    table = _load() if cache else {}
+    earlier = _earlier(table, key, measured)
     self.flops = max(measured, earlier) * chips
     self.source = (f"best {n}³ {dtype} matmul rate measured on this {device.platform} ({samples} samples now"
                    f"{', earlier runs' if earlier > measured else ''}; no datasheet peak for "
@@ -108,7 +145,7 @@ class Peak:
                    + (f" x {chips} chips" if chips > 1 else "; the simulated devices share these cores"
                       if devices > 1 else ""))
     if cache and measured > earlier:
-      _save({**_load(), key: measured})
+      _save({**table, key: measured})
 
   def mfu(self, model_flops_per_s: float) -> float:
     return model_flops_per_s / self.flops
