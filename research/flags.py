@@ -65,6 +65,10 @@ class Rule:
   def _number(self, flag: str, value):
     if not math.isfinite(value):
       raise entry.UsageError(f"{flag} must be a finite number, got {value}")
+    if self.choices is not None:
+      allowed = tuple(self.choices() if callable(self.choices) else self.choices)
+      if value not in allowed:
+        raise entry.UsageError(f"{flag} {value} is not one of {', '.join(map(str, allowed))}")
     low = self.lo is not None and (value < self.lo or self.open_lo and value == self.lo)
     if low or self.hi is not None and value > self.hi:
       raise entry.UsageError(f"{flag} must be {_span(self)}, got {value}")
@@ -244,9 +248,10 @@ def check(values: dict[str, Any], annotations: dict[str, Any]) -> None:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a nested config: its own fields
       check_config(value)
       continue
-    rule = rule_for(name, annotations.get(name, type(value)))
-    if rule is not None:
-      rule.refuse(flag_name(name), value)
+    hint = annotations.get(name, type(value))
+    rule = rule_for(name, hint)
+    if rule is not None:  # a positional argument is named as its usage line shows it (PATH), a flag as --flag
+      rule.refuse(name.upper() if "Positional" in str(hint) else flag_name(name), value)
 
 
 def check_config(cfg, skip: Iterable[str] = ()) -> None:

@@ -219,3 +219,19 @@ def test_paths_are_checked_for_their_kind(tmp_path):
     flags.OUT_DIR.refuse("--work", str(f / "sub"))
   flags.OUT_DIR.refuse("--work", str(tmp_path / "new" / "dir"))  # can be created: accepted
   assert not os.path.exists(tmp_path / "new")  # and nothing was made
+
+
+@pytest.mark.parametrize("tool, argv, says", [
+    (quantize, ["TMP", "TMP/q", "--bits", "5"], "--bits 5 is not one of 2, 3, 4, 8, 16, 32"),  # a number's choices
+    (quantize, ["TMP", "TMP/q", "--targets", "blocks/(wq"], "--targets 'blocks/(wq': not a regular expression"),
+    (quantize, ["TMP", "TMP/q", "--candidates", "rtn,gptx"], "--candidates 'rtn,gptx': 'gptx' not among"),
+    (sample, ["/nonexistent"], "PATH /nonexistent: no such file or directory"),  # a positional by its usage name
+    (export, ["TMP", "TMP/out", "--architecture", "GPT2LMHeadModel"], "--architecture 'GPT2LMHeadModel' is not one of"),
+    (plot, ["/nonexistent"], "RUNS /nonexistent: no such directory"),
+])
+def test_the_tools_refuse_in_one_line_before_reading_anything(tmp_path, capsys, tool, argv, says):
+  with pytest.raises(SystemExit) as e:
+    tool.main([a.replace("TMP", str(tmp_path)) for a in argv])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {says}"), err
+  assert sorted(os.listdir(tmp_path)) == []  # nothing made
