@@ -140,17 +140,8 @@ def _child(argv: list[str]) -> None:
   print(json.dumps(result), flush=True)
 
 
-def _check(shape: str, methods: tuple[str, ...], devices: int, batch_size: int, seq_len: int, rank: int,
-           device_gb: float):
-  if shape not in SHAPES:
-    raise entry.UsageError(f"--shape {shape}: choose from {', '.join(SHAPES)}")
-  unknown = [m for m in methods if m not in METHODS]
-  if unknown or not methods:
-    raise entry.UsageError(f"--methods {' '.join(unknown)}: choose from {', '.join(METHODS)}")
-  for flag, value in (("devices", devices), ("batch-size", batch_size), ("seq-len", seq_len), ("rank", rank),
-                      ("device-gb", device_gb)):
-    if not value > 0:
-      raise entry.UsageError(f"--{flag} must be positive, got {value}")
+def _check(devices: int, batch_size: int):
+  """What the flags' own rules (research/flags.py, checked by the bench CLI) cannot see: two flags together."""
   if batch_size % devices:
     raise entry.UsageError(f"--batch-size {batch_size} does not divide over --devices {devices} (fsdp={devices} "
                            f"splits the batch)")
@@ -181,11 +172,12 @@ def preflight(shape: Annotated[str, flags.one_of(*SHAPES)] = "llama-70b",
     "peak_rss" (the child's, bytes) and "wall_s".
 
   Raises:
-    entry.UsageError: an unknown shape or method, a count not positive, a batch that does not divide over the
-      devices, or a refusal of the train CLI's (a shape that does not divide over the mesh).
+    entry.UsageError: a batch that does not divide over the devices, or a refusal of the train CLI's (a shape that
+      does not divide over the mesh); an unknown shape or method and a count not positive are refused by the bench
+      CLI's flag rules before this runs (research/flags.py).
   """
   batch_size = 2 * devices if batch_size is None else batch_size
-  _check(shape, methods, devices, batch_size, seq_len, rank, device_gb)
+  _check(devices, batch_size)
   args = {k: v for k, v in locals().items() if k in ("shape", "methods", "devices", "seq_len", "rank", "compute_dtype",
                                                        "device_gb", "work", "out")}
   args["batch_size"] = None if batch_size == 2 * devices else batch_size

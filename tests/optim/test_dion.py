@@ -322,7 +322,9 @@ def test_inject_hyperparams():
     jax.jit(lazy.init)(params)
   for bad in (0.0, 1.5):
     with pytest.raises(DionError, match="rank_fraction must lie in"):
-      optim.get_optimizer("dion", 1e-2, rank_fraction=bad)
+      dion(1e-2, rank_fraction=bad)
+    with pytest.raises(optim.UnknownOptimizerError, match=r"rank_fraction=.* must lie in \(0, 1\]"):
+      optim.get_optimizer("dion", 1e-2, rank_fraction=bad)  # the registry's schema, before the factory
 
 
 def test_fewer_bytes_than_distributed_muon_at_rank_quarter():

@@ -68,9 +68,9 @@ def test_each_row_is_the_train_clis_own_preflight(smoke, method):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--shape", "llama-1t"], "--shape llama-1t: choose from"),
-    (["--methods", "adamw", "sgd"], "--methods sgd: choose from"),
-    (["--devices", "0"], "--devices must be positive"),
+    (["--shape", "llama-1t"], "--shape 'llama-1t' is not one of llama-70b, llama-8b, llama-tiny"),
+    (["--methods", "adamw", "sgd"], "--methods 'sgd' is not one of adamw, badam, lora, bread"),
+    (["--devices", "0"], "--devices must be >= 1, got 0"),
     (["--devices", "2", "--batch-size", "3"], "--batch-size 3 does not divide over --devices 2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys, tmp_path):
