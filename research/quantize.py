@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import time
 from typing import Annotated
 
@@ -112,7 +113,12 @@ def _data(cfg: QuantizeConfig):
   meta = json.load(open(os.path.join(cfg.source, "config.json")))
   hf_tok = os.path.join(cfg.source, "tokenizer.json")  # the run's paths as it recorded them, from any directory
   tokenizer = cfg.tokenizer or run_tokenizer(cfg.source, meta) or (hf_tok if os.path.exists(hf_tok) else None)
-  return load_corpus(cfg.data if cfg.data is not None else run_data(cfg.source, meta), tokenizer=tokenizer), tokenizer
+  corpus = load_corpus(cfg.data if cfg.data is not None else run_data(cfg.source, meta), tokenizer=tokenizer)
+  then = (meta.get("corpus") or {}).get("fingerprint")
+  if cfg.data is None and cfg.tokenizer is None and then and then != corpus.fingerprint:  # the run's own data, edited
+    print(f"warning: the data {cfg.source} was trained on has changed since (fingerprint {then[:12]}… then, "
+          f"{corpus.fingerprint[:12]}… now): both models are measured on it as it is now", file=sys.stderr)
+  return corpus, tokenizer
 
 
 def eval_loss(model, batches, mesh=None) -> float:

@@ -105,3 +105,17 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(trained, tmp_path, cap
     assert err.startswith("error: ") and err.count("\n") == 1, err
   assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
   assert not any(os.path.exists(tmp_path / n) for n in "abcdefgh")
+
+
+def test_the_runs_data_edited_since_is_named_in_one_line(tmp_path, capsys):
+  """config.json records the corpus fingerprint; quantize measures on the run's --data as it is now and says so."""
+  data = tmp_path / "d.txt"
+  data.write_text("def f(x):\n    return x + 1\n" * 400)
+  out = tmp_path / "run"
+  run(TrainConfig(out=str(out), data=(str(data),), **{**TINY, "steps": 2, "eval_every": 2, "ckpt_every": 2}))
+  with open(data, "a") as f:
+    f.write("class Edited:\n    pass\n" * 50)
+  capsys.readouterr()
+  quantize.main([str(out), str(tmp_path / "q"), "--method", "rtn", *SMOKE])
+  warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+  assert len(warned) == 1 and warned[0].startswith(f"warning: the data {out} was trained on has changed since"), warned
