@@ -157,7 +157,8 @@ SHARED: dict[str, Rule] = {
                      "loader_batches", "small_mb", "d_model", "n_layers", "n_heads", "d_ff", "vocab", "layers",
                      "batch", "seq", "prompt", "d", "f"), COUNT),
     **dict.fromkeys(("warmup", "workers", "seed", "step"), NONNEGATIVE),
-    **dict.fromkeys(("gb", "lr", "budget_gib", "device_gb", "memory_budget_gib"), POSITIVE),
+    **dict.fromkeys(("gb", "budget_gib", "device_gb", "memory_budget_gib"), POSITIVE),
+    "lr": NONNEGATIVE,  # 0 trains nothing (an evaluation-only run); an experiment's tuned grids need more: its own
     "bias_rate": NONNEGATIVE,
     **dict.fromkeys(("mesh", "meshes", "src", "dst", "layouts"), MESH),
     **dict.fromkeys(("model", "preset", "presets", "kernel_model", "train_model", "context_model"), PRESET),

@@ -24,7 +24,7 @@ ALLOWED = {
     "research.entry": set(),  # the command lines' error discipline: standard library only, under every CLI
     "research.flags": LIBRARY | {"research.entry"},  # the command lines' flag rules (presets, registry, mesh specs)
     "research.data": LIBRARY | {"research.entry"},  # (docs_corpus's command line)
-    "research.train": LIBRARY | {"research.data", "research.entry"},
+    "research.train": LIBRARY | {"research.data", "research.entry", "research.flags"},
     "research.bench": LIBRARY | {"research.data", "research.train", "research.entry", "research.flags"},
     "tools": LIBRARY | {"research.data", "research.train", "research.entry", "research.flags"},
     # an experiment may report what a benchmark measures (the methods study's step costs: research.bench.finetune)

@@ -235,3 +235,19 @@ def test_the_tools_refuse_in_one_line_before_reading_anything(tmp_path, capsys, 
   err = capsys.readouterr().err.strip().splitlines()
   assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {says}"), err
   assert sorted(os.listdir(tmp_path)) == []  # nothing made
+
+
+@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--batch-size", "0"), ("--seq-len", "-3"),
+                                         ("--devices", "0")])
+def test_a_shared_flag_has_one_rule_in_the_train_cli_and_the_benches(flag, value, tmp_path, capsys):
+  """--steps, --batch-size, --seq-len, --devices: the train CLI's sections and every bench take the same rule from
+  research/flags.py's table, so the same bad value reads the same everywhere."""
+  from research.train import main as train
+  lines = []
+  bench = ["data", "--work", str(tmp_path / "w")] if flag == "--devices" else ["peer"]  # a bench with the flag
+  for call, argv in ((train, ["--model", "tiny", "--no-progress", "--out", str(tmp_path / "run")]), (cli.main, bench)):
+    with pytest.raises(SystemExit) as e:
+      call([*argv, flag, value])
+    assert e.value.code == 2
+    lines.append(capsys.readouterr().err.strip())
+  assert lines[0] == lines[1] == f"error: {flag} must be >= 1, got {value}"

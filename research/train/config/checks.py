@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import typing
 
-from research import entry
+from research import entry, flags
 from research.train.hooks import profiler, trackers
 
 
@@ -50,6 +51,21 @@ def check_section(section) -> None:
   for name, needed in getattr(section, "NEEDS", {}).items():
     if getattr(section, name) is not None and not getattr(section, needed):
       raise PreflightError(f"{_flag(section, name)} needs {_flag(section, needed)}")
+  _shared(section)
+
+
+def _shared(section) -> None:
+  """The numeric flags every command shares (`research.flags.SHARED`: --steps, --seed, --lr, ...), by their one rule;
+  a flag the section declares itself (`POSITIVE`, `RANGES`) keeps its own."""
+  own = {*getattr(section, "POSITIVE", ()), *getattr(section, "RANGES", {})}
+  hints = typing.get_type_hints(type(section), include_extras=True)
+  for f in dataclasses.fields(section):
+    rule = flags.rule_for(f.name, hints[f.name]) if f.name in flags.SHARED and f.name not in own else None
+    if rule is not None and (rule.lo is not None or rule.hi is not None):
+      try:
+        rule.refuse(_flag(section, f.name), getattr(section, f.name))
+      except entry.UsageError as e:
+        raise PreflightError(str(e)) from None
 
 
 def check_numbers(cfg):

@@ -3,10 +3,12 @@
 `TrainConfig` (research/train/config/__init__.py) holds one of each. A section's checks sit beside its fields:
 `PATHS` (paths that must not be empty: an unset shell variable), `POSITIVE` (counts that must be positive) and `RANGES`
 (flag: (low, high, whether low itself is allowed); every value finite), which research/train/config/checks.py applies
-to every section. The paths a run reads (--data, --tokenizer, --init-from) are made absolute when their section is
-built (research/train/config/paths.py). The flags keep their spelling: a section's fields are flags without a prefix
-(`--lr`, `--steps`), but for the three with their own, `--moe.*` and `--data.*` (research/train/config/prefixed.py)
-and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help` shows one group per section.
+to every section; a numeric flag every command shares (--steps, --batch-size, --seq-len, --seed, --lr, --devices,
+--peft.rank, ...) takes its one rule from research/flags.py's table instead. The paths a run reads (--data, --tokenizer,
+--init-from) are made absolute when their section is built (research/train/config/paths.py). The flags keep their
+spelling: a section's fields are flags without a prefix (`--lr`, `--steps`), but for the three with their own, `--moe.*`
+and `--data.*` (research/train/config/prefixed.py) and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help`
+shows one group per section.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class ModelSection:
 @dataclasses.dataclass
 class OptimSection:
   """The optimizer and its learning-rate schedule."""
-  RANGES: ClassVar[dict] = {"lr": (0, None, True), "weight_decay": (0, None, True), "b1": (0, 1, True),
+  RANGES: ClassVar[dict] = {"weight_decay": (0, None, True), "b1": (0, 1, True),  # --lr: research/flags.py's
                             "b2": (0, 1, True), "min_lr_ratio": (0, 1, True), "grad_clip": (0, None, True)}
   optimizer: Annotated[str, tyro.conf.arg(help=f"One of {', '.join(sorted(OPTIMIZERS))} (their hyperparameters "
                                                "are listed above); unset hyperparameters take its defaults.")] = \
@@ -87,7 +89,7 @@ class OptimSection:
 @dataclasses.dataclass
 class TrainingSection:
   """How long and on how much: steps, batch, sequence length, seed."""
-  POSITIVE: ClassVar[tuple] = ("steps", "batch_size", "seq_len")
+  # --steps, --batch-size, --seq-len, --seed: the rules every command shares (research/flags.py)
   steps: int = 200
   """Training steps (optimizer updates) in the whole run."""
   stop_at: int | None = None
@@ -242,8 +244,7 @@ class HealthSection:
 @dataclasses.dataclass
 class RuntimeSection:
   """This machine: simulated devices, the memory limit, the compile cache."""
-  POSITIVE: ClassVar[tuple] = ("devices",)
-  RANGES: ClassVar[dict] = {"memory_limit": (0, None, True)}
+  RANGES: ClassVar[dict] = {"memory_limit": (0, None, True)}  # --devices: research/flags.py's
   devices: int = 8
   """Simulated devices when running on the CPU (ignored on accelerators)."""
   memory_limit: float | None = None

@@ -12,7 +12,7 @@ training batch. `research.export` writes a PEFT run merged, or its LoRA/DoRA ada
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, cast
+from typing import ClassVar, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from sharding import init_buffers, init_params, train_state_of
 @dataclasses.dataclass
 class PeftFlags:
   """The adapters' settings (--peft picks the method)."""
+  PREFIX: ClassVar[str] = "peft."  # the flags' spelling in research/train/config/checks.py's messages
   rank: int = 8
   """Adapter rank r (sparse_adapter: the budget; its adapter is r / (1 - sparsity) wide before pruning)."""
   alpha: float = 16.0
