@@ -136,7 +136,9 @@ def _check_value(name: str, key: str, value, annotation):
     refuse("must be a number")
   if kind == "str" and not isinstance(value, str):
     refuse("must be a string")
-  if kind in ("int", "float"):
+  if kind == "optax.ScalarOrSchedule" and not (number or callable(value)):  # a schedule is a function of the step
+    refuse("must be a number or a schedule")
+  if kind in ("int", "float") or number and _range(key) is not None:  # a number under any annotation: its range
     if not math.isfinite(value):
       refuse("must be finite")
     lo, hi, open_lo = _range(key) or (None, None, False)

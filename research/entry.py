@@ -21,8 +21,7 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 # XLA's words for an allocation that failed, whatever the status code it comes with (RESOURCE_EXHAUSTED on an
 # accelerator; INTERNAL "... Out of memory allocating ..." from the CPU client; an allocator that "ran out of memory")
 OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|out of memory|Failed to allocate|\bOOM\b", re.IGNORECASE)
-OOM_FIX = ("lower --batch-size or --seq-len, add --remat, use an attention that keeps no T·T scores (--attention "
-           "flash; cudnn on an NVIDIA GPU in bfloat16), or shard over more devices")
+OOM_FIX = "ask for less at once (a smaller batch, sequence or model), or use a device with more memory"
 
 
 class UsageError(ValueError):

@@ -251,7 +251,7 @@ def check(values: dict[str, Any], annotations: dict[str, Any]) -> None:
       continue
     hint = annotations.get(name, type(value))
     rule = rule_for(name, hint)
-    if rule is not None:  # a positional argument is named as its usage line shows it (PATH), a flag as --flag
+    if rule is not None:  # a positional argument is named by its field in capitals (PATH), a flag as --flag
       rule.refuse(name.upper() if "Positional" in str(hint) else flag_name(name), value)
 
 

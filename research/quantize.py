@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -41,9 +42,16 @@ from sharding.state import place_variables
 
 def _algorithms(text: str):
   """--candidates: comma-separated algorithms of `quant.ALGORITHMS`."""
-  unknown = [a for a in text.split(",") if a not in quant.ALGORITHMS]
+  unknown = [a for a in text.split(",") if a and a not in quant.ALGORITHMS]  # empty parts are skipped, as run's
   if unknown:
     raise ValueError(f"{', '.join(map(repr, unknown))} not among {', '.join(quant.ALGORITHMS)}")
+
+
+def _data_path(text: str):
+  """--data: a path that exists (`~` expanded) or a glob that matches something, as `load_corpus` reads them."""
+  path = os.path.expanduser(text)
+  if not (os.path.exists(path) or glob.has_magic(path) and glob.glob(path, recursive=True)):
+    raise ValueError("no such file or directory, and no glob match")
 
 
 def _pattern(text: str):
@@ -92,7 +100,7 @@ class QuantizeConfig:
   """A plan file (JSON: one spec per layer of each projection) applied as given, instead of the flags above."""
   write_plan: bool = False
   """Write the plan the flags give to OUT (a .json file) and stop: a starting point to edit."""
-  data: Annotated[str | None, flags.EXISTING] = None
+  data: Annotated[str | None, flags.Rule(parse=_data_path)] = None
   """The corpus (default: the run's own; an HF model: the built-in corpus)."""
   tokenizer: Annotated[str | None, flags.EXISTING] = None
   """A tokenizer.json for the corpus (default: the run's, or the HF directory's)."""

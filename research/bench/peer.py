@@ -22,11 +22,13 @@ Without torch or transformers the peer rows say so in one line and the rest runs
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
 import tempfile
 import time
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,7 @@ from models import Transformer, count_params, flops_per_token
 from models.attention import resolve
 from models.hf import to_hf
 from optim.newton_schulz import orthogonalize
+from research import flags
 from research.bench.floor import floor_params, floor_step
 from research.bench.report import Progress, git_commit, machine, table
 from research.bench.timing import build_train_step
@@ -46,11 +49,13 @@ from research.train.hooks.throughput import Peak
 from research.train.runtime.xla import compiler_options
 from research.train.setup.build import make_optimizer
 
+SOME_MESHES = dataclasses.replace(flags.MESH, empty=True)  # --meshes: none (one device) is the default
+
 
 def peer(d_model: int = 1024, n_layers: int = 16, n_heads: int = 16, d_ff: int = 2816, seq_len: int = 2048,
          batch_size: int = 8, dtype: str = "bfloat16", warmup: int = 5, steps: int = 20, compile_torch: bool = True,
-         optimizers: tuple[str, ...] = ("adamw", "muon", "normuon"), meshes: tuple[str, ...] = (),
-         repeats: int = 1, out: str | None = None) -> dict:
+         optimizers: tuple[str, ...] = ("adamw", "muon", "normuon"),
+         meshes: Annotated[tuple[str, ...], SOME_MESHES] = (), repeats: int = 1, out: str | None = None) -> dict:
   """optlab vs its PyTorch peer, optimizer overheads, Newton–Schulz precision (module docstring).
 
   Args:

@@ -7,6 +7,7 @@ Pure numpy; imports no jax.
 
 import mmap
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -88,15 +89,19 @@ def read_windows(tokens, starts: np.ndarray, length: int) -> np.ndarray:
 # a memory map (by id) -> a read-only descriptor of the file it maps, opened at its first read (pread needs no
 # position) and closed with the map: keyed by the map, not the path, so a cache rebuilt under the same path (a new
 # file renamed into place) is read from the new file by its new map, never from the old one's descriptor
+# (a map first read after its path was replaced by a rebuild would read the new file: the caches open a map right
+# before its first read, so that window is one function call)
 _FILES: dict[int, int] = {}
+_OPENING = threading.Lock()  # the loader's threads read the same map
 
 
 def _descriptor(mapping, filename: str) -> int:
   key = id(mapping)
-  if key not in _FILES:
-    _FILES[key] = os.open(filename, os.O_RDONLY)
-    weakref.finalize(mapping, _close, key, _FILES[key])
-  return _FILES[key]
+  with _OPENING:
+    if key not in _FILES:
+      _FILES[key] = os.open(filename, os.O_RDONLY)
+      weakref.finalize(mapping, _close, key, _FILES[key])
+    return _FILES[key]
 
 
 def _close(key: int, fd: int):

@@ -16,6 +16,7 @@ never a whole file. Every bad input is a one-line `DataError` naming the file. P
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import json
@@ -24,7 +25,7 @@ import sys
 import zlib
 from collections.abc import Iterator, Sequence
 
-from research.data.corpus import DataError, is_text, not_hidden, source_dir
+from research.data.corpus import DataError, not_hidden, source_dir
 
 BATCH = 1024  # documents per batch: what one read, one encode_batch call and one write hold
 SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".json": "jsonl", ".jsonl.gz": "jsonl",
@@ -143,11 +144,12 @@ def _inputs(match, root, globbed, read, skipped):
 
 
 def _text_only(files, read, skipped):
-  """`files` but, with `read`, those of the text format that are not text (`research.data.corpus`'s rule); a token
-  array (.npy, .bin) stays, for `research.data.shards` to refuse in one line (it must be the only data path)."""
+  """`files` but, with `read`, those of the text format that are not text (`research.data.corpus`'s rule, on a file's
+  first `TEXT_PROBE` bytes: every start reads this list, cache hit or not); a token array (.npy, .bin) stays, for
+  `research.data.shards` to refuse in one line (it must be the only data path)."""
   out = []
   for f in files:
-    if read and data_format(f) == "text" and not f.lower().endswith(_ARRAYS) and not is_text(_read_bytes(f)):
+    if read and data_format(f) == "text" and not f.lower().endswith(_ARRAYS) and not _starts_as_text(f):
       skipped.add(f, not_text=True)
     else:
       out.append(f)
@@ -158,9 +160,21 @@ def _plural(n, word):
   return word if n == 1 else word + "s"
 
 
-def _read_bytes(path):
+TEXT_PROBE = 1 << 16
+
+
+def _starts_as_text(path) -> bool:
+  """`is_text`'s rule (no NUL byte, valid UTF-8) on the file's first `TEXT_PROBE` bytes, a character cut there
+  allowed."""
   with open(path, "rb") as f:
-    return f.read()
+    head = f.read(TEXT_PROBE)
+  if b"\0" in head:
+    return False
+  try:
+    codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < TEXT_PROBE)
+  except UnicodeDecodeError:
+    return False
+  return True
 
 
 def data_format(path: str) -> str:

@@ -261,15 +261,20 @@ def _open(folder):
     docs, file = os.path.join(folder, f"{name}_docs.npy"), f"{name}_docs.npy"
     want = meta.get("sha256")
     want = want.get(file) if isinstance(want, dict) else None
-    if not isinstance(want, str):  # a cache built before they were recorded: built again, once
-      return None, f"meta.json records no sha256 of {file}"
     try:
-      if not hashes_to([docs], want):
+      if isinstance(want, str) and not hashes_to([docs], want):
         return None, f"the contents of {file} do not hash to the sha256 meta.json records"
       out[f"{name}_docs"] = starts = np.load(docs, mmap_mode="r")
     except (OSError, ValueError) as e:
       return None, f"{file} is unreadable ({' '.join(str(e).split())})"
     if starts.shape != (count := meta.get(f"{name}_documents"),):
       return None, f"{file} holds {starts.shape} document starts where meta.json records {count}"
-    out[name] = np.memmap(os.path.join(folder, f"{name}.bin"), dtype=meta["dtype"], mode="r")
+    out[name] = tokens = np.memmap(os.path.join(folder, f"{name}.bin"), dtype=meta["dtype"], mode="r")
+    if not isinstance(want, str) and not _ordered(starts, len(tokens)):  # a cache built before the sha256 was
+      return None, f"{file}'s document starts are out of order"  # recorded: its starts must at least be in order
   return out, None
+
+
+def _ordered(starts, n_tokens: int) -> bool:
+  """Document starts that can be true: the first at 0, each after the one before, the last within the tokens."""
+  return len(starts) == 0 or (starts[0] == 0 and bool(np.all(np.diff(starts) > 0)) and starts[-1] < n_tokens)

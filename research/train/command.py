@@ -77,8 +77,10 @@ def failure(e: Exception) -> tuple[int, str] | None:
     return 2, f"--optimizer/--opt: {text}"  # of the model's parameters (BAdam's start_block past the last block)
   if isinstance(e, BadStepsError):
     return 3, str(e)
-  oom = entry.out_of_memory(e)  # any XLA status code (RESOURCE_EXHAUSTED, INTERNAL "Out of memory allocating")
-  return None if oom is None else (2, oom)
+  if entry.out_of_memory(e):  # any XLA status code (RESOURCE_EXHAUSTED, INTERNAL "Out of memory allocating")
+    return 2, (f"out of memory ({text}): lower --batch-size or --seq-len, add --remat, use an attention that keeps "
+               f"no T·T scores (--attention flash; cudnn on an NVIDIA GPU in bfloat16), or shard over more devices")
+  return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,6 +44,8 @@ def test_every_default_lies_in_its_declared_range_and_choices():
     ("muon", {"momentum": "nesterov"}, "must be one of ema, classic"),
     ("scion", {"hidden_lmo": "frobenius"}, "must be one of"),
     ("adamw", {"b1": math.inf}, "must be finite"),
+    ("muon", {"adam_learning_rate": -1.0}, "must lie in [0, inf)"),  # a number under a schedule's annotation
+    ("muon", {"adam_learning_rate": "fast"}, "must be a number or a schedule"),
 ])
 def test_values_outside_the_schema_are_refused_in_one_line(name, hparams, says):
   with pytest.raises(UnknownOptimizerError) as e:

@@ -104,6 +104,7 @@ def test_each_file_is_hashed_once_per_process_while_it_is_unchanged(tmp_path, te
   hashed = []
   real = corpus.file_sha256
   monkeypatch.setattr(corpus, "file_sha256", lambda paths: hashed.append(paths) or real(paths))
+  monkeypatch.setattr(corpus, "_RACY_NS", 10 ** 15)  # every file "just written", however slow this machine is
   load = lambda: load_corpus(str(text_dir), val_fraction=0.3, tokenizer=bpe, cache_dir=str(tmp_path / "cache"))
   want = _snapshot(load())
   (folder,) = (tmp_path / "cache").glob("tokens-*")
@@ -124,8 +125,9 @@ def test_each_file_is_hashed_once_per_process_while_it_is_unchanged(tmp_path, te
 
 @pytest.mark.parametrize("name", ["train.bin", "val_docs.npy", "old"])
 def test_the_shards_cache_is_rebuilt_when_zeroed(tmp_path, jsonl, capsys, name):
-  """A token shard or a document-starts array zeroed at its size (the .npy header kept, so it still loads), or a
-  cache from before meta.json recorded the starts' sha256 ("old"): built again, never served as it is."""
+  """A token shard or a document-starts array zeroed at its size (the .npy header kept, so it still loads), also in a
+  cache from before meta.json recorded the starts' sha256 ("old": its starts are held to their order): built again,
+  never served as it is."""
   load = lambda: load_corpus(str(jsonl), val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
   built = load()
   want, docs = _snapshot(built), (np.array(built.train_docs), np.array(built.val_docs))
@@ -134,16 +136,30 @@ def test_the_shards_cache_is_rebuilt_when_zeroed(tmp_path, jsonl, capsys, name):
     meta = json.loads((folder / "meta.json").read_text())
     del meta["sha256"]
     (folder / "meta.json").write_text(json.dumps(meta))
-  else:
-    _zero(folder / name, np.load(folder / name, mmap_mode="r").offset if name.endswith(".npy") else 0)
+  zeroed = "train_docs.npy" if name == "old" else name
+  _zero(folder / zeroed, np.load(folder / zeroed, mmap_mode="r").offset if zeroed.endswith(".npy") else 0)
   capsys.readouterr()
   again = load()
   _same(again, want)
   np.testing.assert_array_equal(again.train_docs, docs[0])
   np.testing.assert_array_equal(again.val_docs, docs[1])
   line = _one_warning(capsys, folder)
-  assert name.split(".")[0] in line or "no sha256 of train_docs.npy" in line
+  assert name.split(".")[0] in line or "train_docs.npy's document starts are out of order" in line
   assert "sha256" in json.loads((folder / "meta.json").read_text())
+
+
+def test_an_intact_shards_cache_from_before_the_starts_sha256_is_served_as_it_is(tmp_path, jsonl, capsys):
+  """Its token files hash to the fingerprint and its starts are in order: served as it is, no warning, nothing
+  rewritten (a shared read-only $OPTLAB_CACHE keeps working: it needs no write)."""
+  load = lambda: load_corpus(str(jsonl), val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
+  want = _snapshot(load())
+  (folder,) = (tmp_path / "cache").glob("shards-*")
+  meta = json.loads((folder / "meta.json").read_text())
+  del meta["sha256"]
+  (folder / "meta.json").write_text(json.dumps(meta))
+  capsys.readouterr()
+  _same(load(), want)
+  assert "warning" not in capsys.readouterr().err and "sha256" not in json.loads((folder / "meta.json").read_text())
 
 
 def test_the_docs_corpus_is_rebuilt_when_a_file_is_zeroed_or_added(tmp_path, capsys):

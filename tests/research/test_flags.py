@@ -98,9 +98,9 @@ FLOATS = ["nan", "inf", "-inf", "-1", "0", "0.5", "1", "1e30", "abc"]
 TEXT = ["", "x", "small", "float16", "bfloat16", "data=3", "foo=2", "data=2,fsdp=-1", "/nonexistent/x", "llama-8b",
         "adamw", "xla"]
 # What may reach a command (an independent statement, not flags.py's table): no flag of any bench or tool takes a
-# negative number, a non-finite one, or an empty string; zero only where it means "none" or "off"
-ZERO_OK = {"warmup", "workers", "seed", "badam_blocks", "bias_rate", "calib_seed", "tune_seed", "sizes", "step",
-           "memory_budget_gib", "temperature", "group", "act_bits"}
+# negative number, a non-finite one, or an empty string; an integer 0 only where it means "none" or "off"
+ZERO_OK = {"warmup", "workers", "seed", "badam_blocks", "calib_seed", "tune_seed", "sizes", "step", "group",
+           "act_bits"}  # integers only: a float is checked as finite and >= 0
 
 
 def typed(hint) -> list[str]:
@@ -133,8 +133,10 @@ def usable(name, value) -> bool:
     return all(usable(name, v) for v in value)
   if isinstance(value, bool) or value is None:
     return True
-  if isinstance(value, (int, float)):
-    return math.isfinite(value) and (value > 0 or value == 0 and (name in ZERO_OK or "seed" in name))
+  if isinstance(value, float):  # a rate, scale or budget: 0 is "none" or "off" where it is allowed at all
+    return math.isfinite(value) and value >= 0
+  if isinstance(value, int):
+    return value > 0 or value == 0 and (name in ZERO_OK or "seed" in name)
   if isinstance(value, str):
     return name in ("out",) or value.strip() != ""
   return True
@@ -251,3 +253,39 @@ def test_a_shared_flag_has_one_rule_in_the_train_cli_and_the_benches(flag, value
     assert e.value.code == 2
     lines.append(capsys.readouterr().err.strip())
   assert lines[0] == lines[1] == f"error: {flag} must be >= 1, got {value}"
+
+
+def test_every_command_lines_defaults_keep_their_rules():
+  """A rule that refuses a command's own default refuses the command as documented (bench peer's empty --meshes)."""
+  for bench in cli.BENCHMARKS.values():
+    bound = inspect.signature(bench).bind_partial()
+    bound.apply_defaults()
+    defaults = {k: v for k, v in bound.arguments.items() if v is not inspect.Parameter.empty}
+    flags.check(defaults, typing.get_type_hints(bench, include_extras=True))
+  for config in CONFIGS.values():
+    fields = [f for f in dataclasses.fields(config) if f.name not in NESTED]
+    given = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+             for f in fields if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    flags.check({k: v for k, v in given.items() if k not in ("out", "work", "runs")},  # written by a full run only
+                typing.get_type_hints(config, include_extras=True))
+
+
+@pytest.mark.parametrize("argv", [["peer", "--steps", "1"], ["finetune", "--methods", "adamw", "muon"],
+                                  ["finetune", "--methods", "sparse_adapter", "bread-sgd-f32"]])
+def test_documented_bench_calls_reach_the_bench(argv, monkeypatch):  # refusing one would break docs/benchmarks.md
+  name = argv[0]
+  original = cli.BENCHMARKS[name].__wrapped__
+  reached = []
+  monkeypatch.setitem(cli.BENCHMARKS, name, cli.checked_first(functools.wraps(original)(
+      lambda *a, **k: reached.append(k))))
+  cli.main(argv)
+  assert reached
+
+
+def test_quantize_takes_what_its_readers_take(tmp_path):  # a glob for --data (load_corpus), a trailing comma
+  (tmp_path / "a.txt").write_text("text")
+  flags.check_config(quantize.QuantizeConfig(source=str(tmp_path), out=str(tmp_path / "q"),
+                                             data=str(tmp_path / "*.txt"), candidates="rtn,gptq,"))
+  with pytest.raises(entry.UsageError, match="no glob match"):
+    flags.check_config(quantize.QuantizeConfig(source=str(tmp_path), out=str(tmp_path / "q"),
+                                               data=str(tmp_path / "*.parquet")))

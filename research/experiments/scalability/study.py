@@ -86,7 +86,7 @@ class Config:
   out: str = "research/results/scalability"
   work: str = "runs/experiments/scalability"
   """LM run directories and datasets (a finished run is reused)."""
-  workers: tuple[int, ...] = (1, 2, 4, 8)
+  workers: Annotated[tuple[int, ...], flags.Rule(choices=(1, 2, 4, 8))] = (1, 2, 4, 8)  # data-parallel: divide 8
   algorithms: Annotated[tuple[str, ...], flags.one_of(*ALGORITHMS)] = ALGORITHMS
   seeds: tuple[int, ...] = (0, 1, 2)
   tune_seed: int = 100
