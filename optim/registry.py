@@ -105,8 +105,9 @@ def schema(name: str) -> dict[str, tuple[str, Any]]:
   out = {}
   if name not in OPTIMIZERS:
     raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
+  parameters = inspect.signature(OPTIMIZERS[name]).parameters
   for key in hyperparameters(name):
-    kind = str(inspect.signature(OPTIMIZERS[name]).parameters[key].annotation)
+    kind = str(parameters[key].annotation)
     base = kind.removesuffix(" | None")
     declared = ("factory" if kind in FACTORY_CHECKED else _range(key) if base in ("int", "float")
                 else _choices(name, key) if base == "str" else "patterns" if base == "Sequence[str]" else None)

@@ -49,13 +49,14 @@ def one_line_errors(*errors: type[BaseException]):
     raise SystemExit(EXIT_BAD_INPUT) from None
 
 
-def out_of_memory(e: BaseException) -> str | None:
-  """The one-line message for an allocation failure (`OUT_OF_MEMORY`: any XLA status code), else None."""
+def out_of_memory(e: BaseException, fix: str = OOM_FIX) -> str | None:
+  """The one-line message for an allocation failure (`OUT_OF_MEMORY`: any XLA status code) ending with `fix` (what
+  a command's own flags can do about it), else None."""
   text = str(e)
   if isinstance(e, MemoryError) or type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and \
       OUT_OF_MEMORY.search(text):
     first = text.splitlines()[0][:200] if text else type(e).__name__
-    return f"out of memory ({first}): {OOM_FIX}"
+    return f"out of memory ({first}): {fix}"
   return None
 
 

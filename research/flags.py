@@ -62,13 +62,14 @@ class Rule:
     elif isinstance(value, str):
       self._text(flag, value)
 
+  def _allowed(self) -> tuple:
+    return tuple(self.choices() if callable(self.choices) else self.choices or ())
+
   def _number(self, flag: str, value):
     if not math.isfinite(value):
       raise entry.UsageError(f"{flag} must be a finite number, got {value}")
-    if self.choices is not None:
-      allowed = tuple(self.choices() if callable(self.choices) else self.choices)
-      if value not in allowed:
-        raise entry.UsageError(f"{flag} {value} is not one of {', '.join(map(str, allowed))}")
+    if self.choices is not None and value not in self._allowed():
+      raise entry.UsageError(f"{flag} {value} is not one of {', '.join(map(str, self._allowed()))}")
     low = self.lo is not None and (value < self.lo or self.open_lo and value == self.lo)
     if low or self.hi is not None and value > self.hi:
       raise entry.UsageError(f"{flag} must be {_span(self)}, got {value}")
@@ -76,10 +77,8 @@ class Rule:
   def _text(self, flag: str, value: str):
     if not value.strip() and not self.blank:
       raise entry.UsageError(f"{flag} is empty (an unset shell variable?): give a value, or leave the flag out")
-    if self.choices is not None:
-      allowed = tuple(self.choices() if callable(self.choices) else self.choices)
-      if value not in allowed:
-        raise entry.UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}")
+    if self.choices is not None and value not in self._allowed():
+      raise entry.UsageError(f"{flag} {value!r} is not one of {', '.join(map(str, self._allowed()))}")
     if self.parse is not None:
       try:
         self.parse(value)

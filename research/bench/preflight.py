@@ -28,7 +28,7 @@ from models import count_params
 from research import entry, flags
 from research.bench.finetune_3b import method_flags
 from research.bench.report import call_command, git_commit, publish, run_child, table
-from research.train.command import failure
+from research.train.command import failures_in_one_line
 from research.train.config import TrainConfig, checks
 from research.train.runtime.devices import setup_jax
 from research.train.setup import memory
@@ -127,16 +127,10 @@ def step_estimate(argv: list[str]) -> dict:
 
 def _child(argv: list[str]) -> None:
   """`python -m research.bench.preflight TRAIN-FLAGS`: `step_estimate`'s dict as one JSON line on stdout, on XLA:CPU;
-  a failure the train CLI reports in one line (research/train/command.py `failure`) likewise here, with its status."""
+  a failure the train CLI reports in one line (research/train/command.py `failures_in_one_line`) likewise here."""
   jax.config.update("jax_platforms", "cpu")  # simulated devices, whatever accelerator the machine has
-  try:
+  with failures_in_one_line():
     result = step_estimate(argv)
-  except Exception as e:
-    failed = failure(e)
-    if failed is None:
-      raise
-    print(f"error: {failed[1]}", file=sys.stderr, flush=True)
-    raise SystemExit(failed[0]) from None
   print(json.dumps(result), flush=True)
 
 

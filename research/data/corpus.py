@@ -13,6 +13,7 @@ Parquet, JSON Lines, Arrow and `datasets` directories, globs and several paths a
 Tokenizing it is `research.data.tokenized`; `research.data.load_corpus` does both. Pure numpy; imports no jax.
 """
 
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -200,12 +201,13 @@ def source_dir(name):
   return not_hidden(name) and name not in CACHE_DIRS
 
 
-def is_text(data: bytes) -> bool:
-  """Text: no NUL byte and valid UTF-8 (ASCII included); what a bytes-level language model should read."""
+def is_text(data: bytes, whole: bool = True) -> bool:
+  """Text: no NUL byte and valid UTF-8 (ASCII included); what a bytes-level language model should read. `whole`
+  False: `data` is a file's first bytes, and a character cut at their end is allowed."""
   if b"\0" in data:
     return False
   try:
-    data.decode("utf-8")
+    codecs.getincrementaldecoder("utf-8")().decode(data, final=whole)
   except UnicodeDecodeError:
     return False
   return True

@@ -16,7 +16,6 @@ never a whole file. Every bad input is a one-line `DataError` naming the file. P
 
 from __future__ import annotations
 
-import codecs
 import glob
 import gzip
 import json
@@ -25,7 +24,7 @@ import sys
 import zlib
 from collections.abc import Iterator, Sequence
 
-from research.data.corpus import DataError, not_hidden, source_dir
+from research.data.corpus import DataError, is_text, not_hidden, source_dir
 
 BATCH = 1024  # documents per batch: what one read, one encode_batch call and one write hold
 SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".json": "jsonl", ".jsonl.gz": "jsonl",
@@ -164,17 +163,10 @@ TEXT_PROBE = 1 << 16
 
 
 def _starts_as_text(path) -> bool:
-  """`is_text`'s rule (no NUL byte, valid UTF-8) on the file's first `TEXT_PROBE` bytes, a character cut there
-  allowed."""
+  """`is_text` of the file's first `TEXT_PROBE` bytes (a character cut there allowed)."""
   with open(path, "rb") as f:
     head = f.read(TEXT_PROBE)
-  if b"\0" in head:
-    return False
-  try:
-    codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < TEXT_PROBE)
-  except UnicodeDecodeError:
-    return False
-  return True
+  return is_text(head, whole=len(head) < TEXT_PROBE)
 
 
 def data_format(path: str) -> str:

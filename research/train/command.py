@@ -6,9 +6,11 @@ traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
+from collections.abc import Iterator
 
 import jax
 import tyro
@@ -54,6 +56,10 @@ def optimizer_help() -> str:
 COLLECTIVE_FAILED = r"Gloo|NCCL|[Cc]onnection (reset|closed) by peer|heartbeat"
 
 
+OOM_FIX = ("lower --batch-size or --seq-len, add --remat, use an attention that keeps no T·T scores (--attention "
+           "flash; cudnn on an NVIDIA GPU in bfloat16), or shard over more devices")
+
+
 def failure(e: Exception) -> tuple[int, str] | None:
   """How the CLI reports a run's failure: in one line with an exit status, or with the traceback (a bug).
 
@@ -77,27 +83,23 @@ def failure(e: Exception) -> tuple[int, str] | None:
     return 2, f"--optimizer/--opt: {text}"  # of the model's parameters (BAdam's start_block past the last block)
   if isinstance(e, BadStepsError):
     return 3, str(e)
-  if entry.out_of_memory(e):  # any XLA status code (RESOURCE_EXHAUSTED, INTERNAL "Out of memory allocating")
-    return 2, (f"out of memory ({text}): lower --batch-size or --seq-len, add --remat, use an attention that keeps "
-               f"no T·T scores (--attention flash; cudnn on an NVIDIA GPU in bfloat16), or shard over more devices")
-  return None
+  oom = entry.out_of_memory(e, OOM_FIX)  # any XLA status code (RESOURCE_EXHAUSTED, INTERNAL "Out of memory ...")
+  return None if oom is None else (2, oom)
 
 
-def main(argv: list[str] | None = None) -> None:
-  """`python -m research.train`: parses the flags and trains; the failures `failure` knows end in one line.
+@contextlib.contextmanager
+def failures_in_one_line() -> Iterator[None]:
+  """Ends the process on a failure `failure` knows: its error line on stderr, then its exit status.
 
-  Args:
-    argv: the command line's arguments (None: `sys.argv[1:]`).
+  Yields:
+    Nothing: the block runs as it is.
 
   Raises:
-    SystemExit: with the failure's exit status (`failure`), after its error line on stderr.
-    Exception: what the run raised when `failure` does not know it (a bug: the traceback is shown).
+    SystemExit: with the failure's exit status (a multi-process run exits at once instead: `os._exit`).
+    Exception: what the block raised when `failure` does not know it (a bug: the traceback is shown).
   """
-  cfg = tyro.cli(TrainConfig, args=argv, prog="python -m research.train",
-                 description=f"{TrainConfig.__doc__}\n\n{optimizer_help()}")
-  quiet_orbax_errors()  # a failed save is reported in one line of ours
   try:
-    records = run(cfg)
+    yield
   except Exception as e:
     failed = failure(e)
     if failed is None:
@@ -107,5 +109,20 @@ def main(argv: list[str] | None = None) -> None:
       sys.stdout.flush()  # and not through jax.distributed's shutdown barrier: a dead peer would hold it until JAX's
       os._exit(failed[0])  # heartbeat timeout, then abort this process with a stack trace
     raise SystemExit(failed[0]) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+  """`python -m research.train`: parses the flags and trains; the failures `failure` knows end in one line.
+
+  Such a failure ends the process with its exit status (`failures_in_one_line`); any other shows its traceback.
+
+  Args:
+    argv: the command line's arguments (None: `sys.argv[1:]`).
+  """
+  cfg = tyro.cli(TrainConfig, args=argv, prog="python -m research.train",
+                 description=f"{TrainConfig.__doc__}\n\n{optimizer_help()}")
+  quiet_orbax_errors()  # a failed save is reported in one line of ours
+  with failures_in_one_line():
+    records = run(cfg)
   if records and is_primary():
     print(summary(records, cfg.checkpoint.out))
