@@ -13,13 +13,12 @@ import types
 import numpy as np
 import pytest
 from runs import trace
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tiny_text import DOCS, byte_bpe, write_docs
 
 from research.data import corpus, docs_corpus, load_corpus
 from research.train import TrainConfig, run
 from research.train.hooks import throughput
 
-DOCS = {f"doc{i}.txt": f"def f{i}(x):\n    return x * {i} + 1  # café {i}\n" * (3 + i) for i in range(12)}
 RECORDS = [f"def g{i}(y):\n  return y - {i % 7}  # {'é' * (i % 3)}\n" * (2 + i % 5) for i in range(240)]
 
 
@@ -50,20 +49,13 @@ def _same(c, snapshot):
 
 @pytest.fixture()
 def text_dir(tmp_path):
-  d = tmp_path / "text"
-  d.mkdir()
-  for name, text in DOCS.items():
-    (d / name).write_text(text)
-  return d
+  return write_docs(tmp_path / "text")
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-  tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.train_from_iterator(DOCS.values(), trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<|endoftext|>"]))
   path = tmp_path_factory.mktemp("tok") / "bpe.json"
-  tok.save(str(path))
+  byte_bpe(path, DOCS.values())
   return str(path)
 
 

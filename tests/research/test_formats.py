@@ -15,7 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tiny_text import byte_bpe
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from research.data import DataError, build_shards, documents, load_corpus, shards
 
@@ -46,12 +47,8 @@ def _rows(parts=PARTS):
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):  # a byte-level BPE trained on DOCS: (path, tokenizer)
-  tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<|endoftext|>"]))
   path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-  tok.save(str(path))
-  return str(path), tok
+  return str(path), byte_bpe(path, DOCS)
 
 
 def _encoder(tok):  # (encode, eos, dtype) as the reference sees them

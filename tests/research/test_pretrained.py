@@ -82,18 +82,14 @@ def test_a_tokenizer_json_is_used_and_checked(tmp_path, capsys):
 def test_a_run_trained_with_a_tokenizer_samples_and_exports_with_it(tmp_path, capsys):
   """The run directory knows its tokenizer: research.sample uses it without --tokenizer, research.export writes it
   beside the weights, and a tokenizer that has gone away is one error line, not bytes in and out."""
-  from tokenizers import Tokenizer, pre_tokenizers, trainers
-  from tokenizers import models as tmodels
+  from tiny_text import byte_bpe
   docs = [f"def f{i}(x):\n    return x * {i} + 1\n" * 20 for i in range(30)]
   data = tmp_path / "data"
   data.mkdir()
   for i, d in enumerate(docs):
     (data / f"d{i}.py").write_text(d)
-  tok = Tokenizer(tmodels.BPE(unk_token="[UNK]"))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "<|endoftext|>"]))
   tok_path = tmp_path / "tok.json"
-  tok.save(str(tok_path))
+  byte_bpe(tok_path, docs, 200)
   out = tmp_path / "run"
   run(TrainConfig(out=str(out), data=(str(data),), tokenizer=str(tok_path), **{**TINY, "mesh": "data=-1"}))
   model, _, loaded = load_model(str(out))

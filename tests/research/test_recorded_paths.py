@@ -9,8 +9,7 @@ import os
 import shutil
 
 import pytest
-from tokenizers import Tokenizer, pre_tokenizers, trainers
-from tokenizers import models as tmodels
+from tiny_text import byte_bpe
 
 from research import export, sample
 from research.train import TrainConfig, run
@@ -23,11 +22,7 @@ DOCS = [f"def f{i}(x):\n    return x * {i} + 1\n" * 20 for i in range(30)]
 
 
 def _bpe(path, docs, vocab_size):
-  tok = Tokenizer(tmodels.BPE(unk_token="[UNK]"))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]", "<|endoftext|>"]))
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tok.save(str(path))
+  byte_bpe(path, docs, vocab_size)
 
 
 @pytest.fixture(scope="module")

@@ -5,30 +5,20 @@ import os
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tiny_text import DOCS, byte_bpe, write_docs
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from research.data import DataError, load_corpus
-
-DOCS = {f"doc{i}.txt": f"def f{i}(x):\n    return x * {i} + 1  # café {i}\n" * (3 + i) for i in range(12)}
 
 
 @pytest.fixture()
 def corpus_dir(tmp_path):
-  d = tmp_path / "text"
-  d.mkdir()
-  for name, text in DOCS.items():
-    (d / name).write_text(text)
-  return d
+  return write_docs(tmp_path / "text")
 
 
 def _bpe(tmp_path, vocab_size=300):  # a byte-level BPE trained on DOCS
-  tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.train_from_iterator(DOCS.values(), trainers.BpeTrainer(vocab_size=vocab_size,
-                                                             special_tokens=["[UNK]", "<|endoftext|>"]))
   path = tmp_path / f"bpe{vocab_size}.json"
-  tok.save(str(path))
-  return str(path), tok
+  return str(path), byte_bpe(path, DOCS.values(), vocab_size)
 
 
 def test_tokens_are_the_tokenizers_encoding_of_each_document(corpus_dir, tmp_path):
