@@ -31,6 +31,7 @@ from models import Transformer
 from optim import get_optimizer, make_schedule
 from research import entry, flags
 from research.data import eval_batches, get_batch, load_corpus
+from research.train.steps.contract import outputs
 from research.train.steps.step import eval_loss, lm_loss, make_update
 from research.train.store.rundir import aside_name
 
@@ -165,20 +166,22 @@ def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray
     max_logits: hand the model's per-head max attention logits (aux "max_logit"; `logit_stats`) to the optimizer's
       update as `max_logits=` (QK-clip, `optim.muonclip`).
 
-  Returns `Fit(model, opt_state, records)`; records hold "step", "loss" every `log_every` steps and "val_loss"
-  at evaluations (step = number of updates done, `start` included).
+  Returns `Fit(model, opt_state, records)`; records hold "step" and the step's outputs (the trainer's step contract,
+  research/train/steps/contract.py: "loss", "grad_norm", "finite", an MoE's router metrics, `metrics`') every
+  `log_every` steps and "val_loss" at evaluations (step = number of updates done, `start` included).
   """
   graphdef, params, buffers = split(model)
   opt_state = tx.init(params) if opt_state is None else opt_state
   update = make_update(graphdef, tx, update_args={"max_logits"} if max_logits else ())
 
+  # the trainer's step contract: `metrics` reads the result (the parameters the gradients were taken at)
+  observe = None if metrics is None else lambda r, held: metrics(r.grads, r.updates, r.params, r.aux)
+
   @jax.jit
   def step(params, buffers, opt_state, x, y):
     u = update(params, buffers, opt_state, x, y)
-    out = {"loss": u.ce}
-    if metrics is not None:  # on the parameters the gradients were taken at
-      out.update(metrics(u.grads, u.updates, params, u.aux))
-    return u.params, u.buffers, u.opt_state, out
+    out = outputs(u.result, observe)
+    return u.params, u.buffers, u.result.opt_state, out
 
   eval_step = _held_out_loss(graphdef)
   records = []
@@ -188,7 +191,8 @@ def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray
     rec = {"step": start + i + 1}
     last = i == steps - 1
     if (i + 1) % log_every == 0 or last:
-      rec.update({k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in out.items()})
+      rec.update({k: np.asarray(v).tolist() if np.ndim(v) or np.asarray(v).dtype == bool else float(v)
+                  for k, v in jax.device_get(out).items()})
     if val is not None and ((eval_every and (i + 1) % eval_every == 0) or last):
       rec["val_loss"] = float(np.mean([float(eval_step(params, buffers, vx, vy)) for vx, vy in val]))
     if len(rec) > 1:

@@ -49,7 +49,7 @@ from models.blockwise import active_layer_forward, layer_weights
 from optim import Blockwise, block_index, block_plan, decay_mask, init_factors, switches_before
 from optim.trees import tree_bytes
 from research.train.steps._reachstep import lowrank_backward, stepped_backward
-from research.train.steps.health import step_ok
+from research.train.steps.contract import Observe, Probe, outputs, param_axes, step_result
 from research.train.steps.step import aux_outputs, eval_loss, head_loss, jit_steps
 from research.train.steps.train_state import TrainState
 from sharding.state import shardings_like_params
@@ -133,19 +133,21 @@ def init_state(state: TrainState, shardings: TrainState, parts: Parts, dtype) ->
   return new, new_sh
 
 
-def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: int | None = None):
+def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: int | None = None,
+                     observe: Observe | None = None, held_sh=()):
   """Jitted (train_step, eval_step) of the blockwise BAdam state; train_step donates the state. `static_block`: the
   forward split at this block in the program itself (`active_layer_forward(..., static_split=True)`: one program
-  per block, for counting one block's FLOPs; the trainer's step reads the block from the state)."""
+  per block, for counting one block's FLOPs; the trainer's step reads the block from the state). `observe`,
+  `held_sh`: a program with observers (`contract.outputs`), over the active layer's master."""
 
   def model_of(params, buffers):
     return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
 
-  def train_step(state, x, y):
+  def train_step(state, x, y, *held):
     params, master, opt = state.params, state.master, state.opt_state
     buffers, b = state.model_buffers, opt["block"]
 
-    def loss_of(m):
+    def loss_on(m, x, y):
       model = model_of(params, buffers)
       w = layer_weights(model, b)
       nnx.replace_by_pure_dict(w, m)
@@ -156,7 +158,7 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
     lr = parts.schedule(opt["count"])
     factors = opt.get("factors")
     if parts.inactive is None:
-      (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+      (total, (loss, aux)), grads = jax.value_and_grad(lambda m: loss_on(m, x, y), has_aux=True)(master)
     elif parts.lowrank:
       (total, (loss, aux)), grads, params, factors, fstate = lowrank_backward(
           model_of(params, buffers), params, master, b, x, y, factors, opt["factor_state"], parts.inner,
@@ -164,12 +166,13 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
     else:
       (total, (loss, aux)), grads, params = stepped_backward(model_of(params, buffers), params, master, b, x, y,
                                                             -lr * parts.inactive.ratio, parts.inactive.sign)
-    grad_norm = optax.tree.norm(grads)
-    if parts.grad_clip > 0:
-      grads = optax.clip_by_global_norm(parts.grad_clip).update(grads, optax.EmptyState())[0]
-    updates, inner = parts.inner.update(grads, opt["inner"], master)
+    clipped = optax.clip_by_global_norm(parts.grad_clip).update(grads, optax.EmptyState())[0] \
+        if parts.grad_clip > 0 else grads
+    updates, inner = parts.inner.update(clipped, opt["inner"], master)
     updates = jax.tree.map(lambda u: -lr * u, updates)
-    ok = step_ok(total, grad_norm, updates)
+    probe = Probe(lambda m, px, py: loss_on(m, px, py)[0], x, y, lambda: _layer_axes(graphdef, params, buffers))
+    r = step_result(master, grads, updates, inner, aux, loss, total, probe=probe)
+    ok = r.finite
     # a non-finite step changes nothing but "step" (health.keep_if_finite's rule), selected at the active layer's
     # size: a select over the stored stack would need it twice (new and old), a copy of the whole model
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -187,9 +190,15 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
     new = state.replace(step=state.step + 1, params=params, master=master,
                         opt_state={"count": count, "block": nxt, "inner": inner, **extra},
                         buffers=new_buffers if state.buffers is not None else None)
-    return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
+    return new, outputs(r._replace(metrics=metrics), observe, held)
 
-  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
+  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh)
+
+
+def _layer_axes(graphdef, params, buffers):
+  """The logical axis names of one layer's weights (the master's): the stack's, less its leading `layers`."""
+  return jax.tree.map(lambda n: n[1:], param_axes(graphdef, params, buffers)["blocks"],
+                      is_leaf=lambda n: isinstance(n, tuple))
 
 
 def _factor_state(parts: Parts, factors, new, old, ok, switch) -> dict:

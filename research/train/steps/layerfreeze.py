@@ -36,9 +36,9 @@ from flax import nnx
 from models.blockwise import frozen_below_forward, upper_layers
 from optim.trees import tree_bytes
 from research.train.config import RunError
+from research.train.steps.contract import Observe, Probe, outputs, step_result
 from research.train.steps.frozen import frozen_mask
-from research.train.steps.health import step_ok
-from research.train.steps.step import aux_outputs, eval_loss, head_loss, jit_steps
+from research.train.steps.step import aux_outputs, eval_loss, head_loss, jit_steps, param_axes
 from research.train.steps.train_state import TrainState
 from sharding.state import shardings_like_params
 
@@ -119,24 +119,27 @@ def init_state(state: TrainState, shardings: TrainState, tx, regex: str | None, 
   return new, shardings.replace(master=m_sh, opt_state=o_sh)
 
 
-def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int):
-  """Jitted (train_step, eval_step) of the --freeze-layers state; train_step donates the state."""
+def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int, observe: Observe | None = None, held_sh=()):
+  """Jitted (train_step, eval_step) of the --freeze-layers state; train_step donates the state. `observe`,
+  `held_sh`: a program with observers (`contract.outputs`), over the trained part's master."""
 
   def model_of(params, buffers):
     return nnx.merge(graphdef, params, buffers) if buffers else nnx.merge(graphdef, params)
 
-  def train_step(state, x, y):
+  def train_step(state, x, y, *held):
     params, master, buffers = state.params, state.master, state.model_buffers
 
-    def loss_of(m):
+    def loss_on(m, x, y):
       built, upper = _model_inputs(params, m, n)
       model = model_of(built, buffers)
       return head_loss(model, y)(*frozen_below_forward(model, x, upper_layers(model, n, upper), n))
 
-    (total, (loss, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+    (total, (loss, aux)), grads = jax.value_and_grad(lambda m: loss_on(m, x, y), has_aux=True)(master)
     updates, opt_state = tx.update(grads, state.opt_state, master)
-    grad_norm = optax.tree.norm(grads)
-    ok = step_ok(total, grad_norm, updates)
+    probe = Probe(lambda m, px, py: loss_on(m, px, py)[0], x, y,
+                  lambda: {k: v for k, v in param_axes(graphdef, params, buffers).items() if k in master})
+    r = step_result(master, grads, updates, opt_state, aux, loss, total, probe=probe)
+    ok = r.finite
     keep = lambda new, old: jax.tree.map(lambda a, o: jnp.where(ok, a, o), new, old)
     master = keep(optax.apply_updates(master, updates), master)
     new_buffers, metrics = aux_outputs(aux, buffers, model_of(params, buffers).c.moe, total, loss, keep)
@@ -147,9 +150,9 @@ def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int):
                         opt_state=keep(opt_state, state.opt_state),
                         buffers=new_buffers if state.buffers is not None else None)
 
-    return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok, **metrics}
+    return new, outputs(r._replace(metrics=metrics), observe, held)
 
-  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
+  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh)
 
 
 def state_bytes(state: TrainState) -> dict[str, int]:

@@ -18,7 +18,8 @@ from models import MoEConfig, Transformer, cross_entropy
 from models.moe import aux_loss, update_router_bias
 from models.moe import summarize as moe_summary
 from research.train.runtime.xla import compiler_options
-from research.train.steps.health import keep_if_finite, step_ok
+from research.train.steps.contract import Observe, Probe, StepResult, outputs, param_axes, step_result
+from research.train.steps.health import keep_if_finite
 from research.train.steps.train_state import TrainState
 
 
@@ -119,7 +120,8 @@ def value_and_grad_trained(loss_fn: Callable[..., Any], params: Any, frozen: Any
 
 def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, shardings: TrainState,
                batch_sh: jax.sharding.Sharding, *, update_args: Iterable[str] = frozenset(),
-               frozen: Callable[[Any], Any] | None = None) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
+               frozen: Callable[[Any], Any] | None = None, observe: Observe | None = None,
+               held_sh: Any = ()) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
   """Jitted (train_step, eval_step) with the state's shardings pinned; train_step donates the state.
 
   A step whose loss, gradient norm or update norm is not finite leaves the state unchanged but for `step`, and reports
@@ -137,24 +139,26 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, shardin
       gradient is taken w.r.t. the other leaves only (`value_and_grad_trained`), the frozen ones are neither
       differentiated nor written (the optimizer gives them no state, `research.train.steps.frozen.freeze`), and the
       gradient norm (the one logged, and the one --grad-clip clips by) is the trained parameters'.
+    observe: the observers this program runs (`contract.outputs`); None: the plain program, no observer.
+    held_sh: the shardings of the observers' extra inputs (the held batch), which the program then takes after y.
 
   Returns:
-    (train_step(state, x, y) -> (state, outputs), eval_step(params, x, y, buffers) -> cross entropy), both jitted.
+    (train_step(state, x, y, *held) -> (state, outputs), eval_step(params, x, y, buffers) -> cross entropy), both
+    jitted.
   """
   exact = shardings.prev_params is not None
   update = make_update(graphdef, tx, update_args=frozenset(update_args) | ({"prev_grads"} if exact else set()),
                        frozen=frozen)
 
-  def train_step(state, x, y):
+  def train_step(state, x, y, *held):
     u = update(state.params, state.model_buffers, state.opt_state, x, y, state.prev_params)
-    new = state.replace(step=state.step + 1, params=u.params, opt_state=u.opt_state,
+    r = u.result
+    new = state.replace(step=state.step + 1, params=u.params, opt_state=r.opt_state,
                         prev_params=state.params if exact else None,
                         buffers=u.buffers if state.buffers is not None else None)
-    grad_norm = optax.tree.norm(u.grads)
-    ok = step_ok(u.total, grad_norm, u.updates)  # keep_if_finite undoes all of it on a non-finite step
-    return keep_if_finite(ok, new, state), {"loss": u.ce, "grad_norm": grad_norm, "finite": ok, **u.metrics}
+    return keep_if_finite(r.finite, new, state), outputs(r, observe, held)  # a non-finite step changes nothing
 
-  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh)
+  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh)
 
 
 def update_extras(names: Iterable[str], loss_fn: Callable[..., Any], prev_params: Any, x: jax.Array, y: jax.Array,
@@ -208,22 +212,23 @@ def aux_outputs(aux: dict, buffers: dict, moe: MoEConfig | None, total: jax.Arra
 
 
 def jit_steps(train_step: Callable[..., Any], eval_fn: Callable[..., Any], shardings: TrainState,
-              batch_sh: jax.sharding.Sharding) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
+              batch_sh: jax.sharding.Sharding, held_sh: Any = ()) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
   """(train_step, eval_fn) jitted with the state's shardings pinned; train_step donates the state.
 
   Both are compiled with `xla.compiler_options()` (no float32 copy of a bfloat16 model on the CPU).
 
   Args:
-    train_step: train_step(state, x, y) -> (state, outputs).
+    train_step: train_step(state, x, y, *held) -> (state, outputs).
     eval_fn: eval_fn(params, x, y, buffers) -> the cross entropy.
     shardings: the state's shardings, a `TrainState` of them.
     batch_sh: a batch's sharding.
+    held_sh: the shardings of the observers' extra inputs after y (a program compiled with observers), else ().
 
   Returns:
     (train_step, eval_fn), jitted.
   """
   opts = compiler_options()
-  train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh), out_shardings=(shardings, None),
+  train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh, *held_sh), out_shardings=(shardings, None),
                   donate_argnums=0, compiler_options=opts)
   evaluate = jax.jit(eval_fn, in_shardings=(shardings.params, batch_sh, batch_sh, shardings.model_buffers),
                      compiler_options=opts)
@@ -244,16 +249,10 @@ def router_metrics(out: dict) -> dict:
 
 
 class Update(NamedTuple):
-  """One update's results (`make_update`)."""
+  """One update's results (`make_update`): the trees after it and the step's `contract.StepResult`."""
   params: Any  # after the update (a frozen leaf as it was)
   buffers: Any  # after it (an MoE's router bias moved by the step's loads)
-  opt_state: Any
-  grads: Any
-  updates: Any
-  aux: dict  # the forward's (router stats, attention-logit maxima)
-  total: Any  # the loss differentiated: cross entropy + weighted MoE aux losses
-  ce: Any  # the batch's cross entropy
-  metrics: dict  # the step's router and logit metrics (`aux_outputs`)
+  result: StepResult  # the step contract: params before, grads, updates, optimizer state, aux, losses, finite
 
 
 def make_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, update_args: Iterable[str] = frozenset(),
@@ -285,12 +284,15 @@ def make_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, upd
     flags = None if frozen is None else frozen(params)
     (total, (ce, aux)), grads = value_and_grad_trained(loss_fn, params, flags, x, y, buffers)
     extra = update_extras(update_args, loss_fn, prev_params, x, y, buffers, aux)
-    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
     new = optax.apply_updates(params, updates)
     if flags is not None:  # a frozen leaf is passed through as it is (its zero update is never computed)
       new = jax.tree.map(lambda f, old, n: old if f else n, flags, params, new)
     new_buffers, metrics = aux_outputs(aux, buffers, nnx.merge(graphdef, params, buffers).c.moe, total, ce,
                                        lambda n, o: n)
-    return Update(new, new_buffers, opt_state, grads, updates, aux, total, ce, metrics)
+    probe = Probe(lambda p, px, py: loss_fn(p, px, py, buffers)[0], x, y, lambda: param_axes(graphdef, params, buffers))
+    return Update(new, new_buffers, step_result(params, grads, updates, new_opt_state, aux, ce, total, metrics,
+                                                probe))
 
   return update
+

@@ -40,7 +40,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from research.train.steps.health import keep_if_finite, step_ok
+from research.train.steps.contract import outputs, step_result
+from research.train.steps.health import keep_if_finite
 from research.train.steps.step import update_extras
 from research.train.steps.train_state import TrainState
 from sharding import collectives, shardings_like_params
@@ -187,12 +188,11 @@ class Steps:
     (total, (loss, aux)), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(params, x, y, buffers)
     extra = update_extras(self.update_args, self.loss_fn, None, x, y, buffers, aux)
     updates, new_opt = self.tx.update(grads, opt_state, params, **extra)
-    grad_norm = optax.tree.norm(grads)
-    ok = step_ok(total, grad_norm, updates)
-    new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), {"params": optax.apply_updates(params, updates),
-                                                          "opt_state": new_opt},
+    r = step_result(params, grads, updates, new_opt, aux, loss, total)
+    new = jax.tree.map(lambda n, o: jnp.where(r.finite, n, o), {"params": optax.apply_updates(params, updates),
+                                                                "opt_state": new_opt},
                        {"params": params, "opt_state": opt_state})
-    return new, {"loss": loss, "grad_norm": grad_norm, "finite": ok}
+    return new, outputs(r)
 
   def _replica_step(self, state, x, y):
     kinds = ("stacked", "stacked", "rows", "rows", "shared")
@@ -224,12 +224,11 @@ class Steps:
     extra = update_extras(self.update_args, self.loss_fn, None, x, y, buffers, seen)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.tree.norm(grads)
-    ok = step_ok(out["total"], grad_norm, updates)
-    new = keep_if_finite(ok, state.replace(step=step + 1, params=params, opt_state=opt_state), state)
+    r = step_result(state.params, grads, updates, opt_state, seen, jnp.mean(out["loss"]), out["total"],
+                    {"replica_loss": out["loss"], "delay": delay})
+    new = keep_if_finite(r.finite, state.replace(step=step + 1, params=params, opt_state=opt_state), state)
     new = new.replace(history=rep.record(state.history, step, new.params))  # a skipped step's version is the old one
-    return new, {"loss": jnp.mean(out["loss"]), "grad_norm": grad_norm, "finite": ok, "replica_loss": out["loss"],
-                 "delay": delay}
+    return new, outputs(r)
 
   def _audit(self, name: str, fn, *args):
     if name not in self.bytes:
