@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from optim.diagnostics.noise import noise_scale_from_samples
+
 
 def token_features(windows: np.ndarray, vocab_size: int) -> np.ndarray:
   """(n, T) token windows -> (n, V) float64 bags of tokens: each row the frequencies of the token ids in its window
@@ -52,16 +54,14 @@ def gradient_stats(loss_fn, params, xs, ys) -> dict[str, float]:
   """Gradient diversity and the simple noise scale of per-sample gradients at `params` (module docstring).
 
   loss_fn(params, x, y) is one sample's loss; xs, ys stack n samples. Per-sample gradients by vmap; statistics
-  in float64 on the host. B_noise = tr(Σ)/‖G‖² with Σ's unbiased estimate (n - 1 in the denominator)."""
+  in float64 on the host. B_noise = tr(Σ)/‖G‖² with Σ's unbiased estimate (n - 1 in the denominator), by
+  `optim.diagnostics.noise.noise_scale_from_samples`."""
   grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(params, xs, ys)
   g = np.concatenate([np.asarray(leaf, np.float64).reshape(len(xs), -1) for leaf in jax.tree.leaves(grads)], axis=1)
-  n = len(g)
-  mean = g.mean(axis=0)
-  trace = float(np.sum((g - mean) ** 2) / (n - 1))
+  noise = noise_scale_from_samples(g)  # the one definition of B_noise (optim/diagnostics/noise.py)
   total = g.sum(axis=0)
   return {"gradient_diversity": float(np.sum(g * g) / max(float(total @ total), np.finfo(np.float64).tiny)),
-          "noise_scale": trace / max(float(mean @ mean), np.finfo(np.float64).tiny),
-          "grad_norm": float(np.linalg.norm(mean)), "samples": n}
+          "noise_scale": noise["noise_scale"], "grad_norm": float(np.sqrt(noise["g2"])), "samples": noise["samples"]}
 
 
 __all__ = ["characters", "gradient_stats", "token_features"]
