@@ -2,9 +2,11 @@
 
   python -m research.plot runs/default            # writes runs/default/curves.png and prints its path
   python -m research.plot runs/a runs/b --out cmp.png
+  python -m research.plot runs/default --heatmap watch/updates/rms   # + runs/default/heatmap_watch_updates_rms.png
 
 Reads each run's metrics.jsonl (one record per logged step, see docs/watching-runs.md); runs share the axes, so
-several runs compare at a glance.
+several runs compare at a glance. --heatmap PREFIX draws an in-step diagnostic logged per layer (--watch,
+--spectra-every: docs/diagnostics.md) as one heatmap per parameter, layers against steps, for each run.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class PlotConfig:
   """Run directories (each with a metrics.jsonl)."""
   out: Annotated[str | None, flags.OUT_FILE] = None
   """The image to write (default: <first run>/curves.png)."""
+  heatmap: Annotated[str | None, flags.FREE] = None
+  """A per-layer metric's prefix (watch/updates/rms, watch/relative_update, spectra/updates/spectral_norm, ...):
+  also <run>/heatmap_<prefix>.png per run, one panel per parameter, its layers (rows) over the logged steps."""
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -68,6 +73,58 @@ def plot(runs: dict[str, list[dict]], out: str) -> str:
   return out
 
 
+def per_layer(records: list[dict], prefix: str) -> dict[str, tuple[list[int], list[list[float]]]]:
+  """{parameter: (steps, values per step: one per layer)} of the records' per-layer metric `prefix` (an MoE's
+  per-expert values averaged over experts)."""
+  import numpy as np
+  out: dict[str, tuple[list[int], list[list[float]]]] = {}
+  for r in records:
+    for k, v in r.items():
+      if k.startswith(prefix + "/") and isinstance(v, list):
+        a = np.asarray(v, dtype=float)
+        rows = a.reshape(a.shape[0], -1).mean(axis=1) if a.ndim > 1 else a
+        steps, values = out.setdefault(k[len(prefix) + 1:], ([], []))
+        steps.append(r["step"])
+        values.append(rows.tolist())
+  return out
+
+
+def heatmap(records: list[dict], prefix: str, out: str, title: str = "") -> str:
+  """One panel per parameter: `prefix`'s value per layer (rows) over the logged steps (columns), log color scale.
+
+  Returns the image's path; ValueError when no record has the metric per layer."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+  from matplotlib.colors import LogNorm
+  series = per_layer(records, prefix)
+  if not series:
+    raise ValueError(f"no per-layer {prefix}/... in the records (was the run started with --watch or "
+                     f"--spectra-every?)")
+  n = len(series)
+  cols = min(n, 4)
+  fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(4 * cols, 2.6 * ((n + cols - 1) // cols)),
+                           squeeze=False)
+  for ax, (name, (steps, values)) in zip(axes.flat, sorted(series.items())):
+    grid = np.asarray(values, dtype=float).T  # (layers, steps)
+    positive = grid[grid > 0]
+    norm = LogNorm(positive.min(), positive.max()) if positive.size and positive.max() > positive.min() else None
+    im = ax.imshow(np.where(grid > 0, grid, np.nan), aspect="auto", origin="lower", norm=norm,
+                   extent=(steps[0], steps[-1], -0.5, grid.shape[0] - 0.5), interpolation="nearest")
+    ax.set_title(name, fontsize=8)
+    ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel("layer", fontsize=8)
+    fig.colorbar(im, ax=ax)
+  for ax in list(axes.flat)[n:]:
+    ax.axis("off")
+  fig.suptitle(f"{title} {prefix}".strip())
+  fig.tight_layout()
+  fig.savefig(out, dpi=90)
+  plt.close(fig)
+  return out
+
+
 def main(argv=None):
   cfg = tyro.cli(PlotConfig, args=argv, prog="python -m research.plot")
   with entry.one_line_errors(OSError, ValueError):
@@ -76,6 +133,10 @@ def main(argv=None):
     out = cfg.out or os.path.join(cfg.runs[0], "curves.png")
     entry.writable_file(out)
     print(plot(runs, entry.parent_made(out)))
+    if cfg.heatmap:
+      for run_dir, name in zip(cfg.runs, runs):
+        path = os.path.join(run_dir, f"heatmap_{cfg.heatmap.strip('/').replace('/', '_')}.png")
+        print(heatmap(read_records(os.path.join(run_dir, "metrics.jsonl"))[0], cfg.heatmap, path, name))
 
 
 if __name__ == "__main__":

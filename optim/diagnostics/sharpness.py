@@ -95,8 +95,8 @@ def hvp(loss_fn: LossFn, params: PyTree, v: PyTree) -> PyTree:
   return jax.jvp(jax.grad(loss_fn), (params,), (cast_like(v, params),))[1]
 
 
-def top_eigenvalue(loss_fn: LossFn, params: PyTree, *, iters: int = 20,
-                   key: jax.Array | None = None) -> tuple[jax.Array, PyTree]:
+def top_eigenvalue(loss_fn: LossFn, params: PyTree, *, iters: int = 20, key: jax.Array | None = None,
+                   unroll: bool = False) -> tuple[jax.Array, PyTree]:
   """The Hessian's eigenvalue of largest magnitude and its eigenvector, by power iteration.
 
     v₀ ~ N(0, I)/‖·‖;   v_{k+1} = H·v_k / ‖H·v_k‖  (k < iters);   λ = v_itersᵀ H v_iters
@@ -111,6 +111,8 @@ def top_eigenvalue(loss_fn: LossFn, params: PyTree, *, iters: int = 20,
     params: the point where H = ∇²loss_fn(params) is taken.
     iters: power iterations (static; default 20).
     key: the PRNG key of the start vector (default `jax.random.key(0)`).
+    unroll: unroll the iterations into straight-line code (a bigger program; no loop around the products'
+      collectives, which on XLA:CPU's simulated devices deadlocked inside a train step).
 
   Returns:
     (λ, v): λ a scalar in float32 (float64 when a parameter is float64), v the unit eigenvector estimate, a tree
@@ -134,11 +136,12 @@ def top_eigenvalue(loss_fn: LossFn, params: PyTree, *, iters: int = 20,
 
   # one more step than `iters`, whose product H·v gives the Rayleigh quotient: one Hessian-vector product in the program
   v = _unit(_normal_like(key, params), dtype)
-  _, eigenvalue, v = jax.lax.fori_loop(0, iters + 1, step, (v, jnp.zeros((), dtype), v))
+  _, eigenvalue, v = jax.lax.fori_loop(0, iters + 1, step, (v, jnp.zeros((), dtype), v), unroll=unroll or None)
   return eigenvalue, v
 
 
-def lanczos(loss_fn: LossFn, params: PyTree, *, iters: int = 16, key: jax.Array | None = None) -> jax.Array:
+def lanczos(loss_fn: LossFn, params: PyTree, *, iters: int = 16, key: jax.Array | None = None,
+            unroll: bool = False) -> jax.Array:
   """The Ritz values of the Hessian after `iters` Lanczos steps with full reorthogonalization.
 
     v₀ ~ N(0, I)/‖·‖;   w = H·v_j;   α_j = v_jᵀw;   w ← w − Σ_{i≤j} (v_iᵀw)·v_i (twice);   β_j = ‖w‖;
@@ -161,6 +164,7 @@ def lanczos(loss_fn: LossFn, params: PyTree, *, iters: int = 16, key: jax.Array 
     params: the point where H = ∇²loss_fn(params) is taken.
     iters: Lanczos steps, the number of Ritz values (static; default 16); at most the number of parameters.
     key: the PRNG key of the start vector and of any restart (default `jax.random.key(0)`).
+    unroll: unroll the iterations into straight-line code (`top_eigenvalue`'s `unroll`).
 
   Returns:
     The `iters` Ritz values, descending, in float32 (float64 when a parameter is float64).
@@ -201,7 +205,7 @@ def lanczos(loss_fn: LossFn, params: PyTree, *, iters: int = 16, key: jax.Array 
   basis = jax.tree.map(lambda p: jnp.broadcast_to(jnp.zeros_like(p), (iters, *p.shape)), params)
   zeros = jnp.zeros((iters,), dtype)
   carry = (basis, jax.tree.map(jnp.zeros_like, params), zeros, zeros, jnp.array(True))
-  _, _, alphas, betas, _ = jax.lax.fori_loop(0, iters, step, carry)
+  _, _, alphas, betas, _ = jax.lax.fori_loop(0, iters, step, carry, unroll=unroll or None)
   off = betas[:-1]
   tridiagonal = jnp.diag(alphas) + jnp.diag(off, 1) + jnp.diag(off, -1)
   return jnp.linalg.eigvalsh(tridiagonal)[::-1]
@@ -252,7 +256,8 @@ def overlap(v: PyTree, u: PyTree) -> jax.Array:
   return jnp.where(ok, cos * cos, 0)
 
 
-def interpolate(loss_fn: LossFn, params: PyTree, u: PyTree, alphas: Sequence[float] | jax.Array) -> jax.Array:
+def interpolate(loss_fn: LossFn, params: PyTree, u: PyTree, alphas: Sequence[float] | jax.Array, *,
+                unroll: bool = False) -> jax.Array:
   """The loss along a direction, loss(params + α·u) for each α: a one-dimensional slice of the landscape.
 
   With u the update of a step, α = 1 is the step taken and α = 0 the current loss; a curve that rises before α = 1
@@ -264,6 +269,7 @@ def interpolate(loss_fn: LossFn, params: PyTree, u: PyTree, alphas: Sequence[flo
     params: the starting point.
     u: the direction, a tree like `params`.
     alphas: the step multiples α, a sequence of numbers (e.g. a static tuple) or a 1-D array.
+    unroll: evaluate the losses in straight-line code instead of a loop (`top_eigenvalue`'s `unroll`).
 
   Returns:
     The losses, shape (len(alphas),), in the dtype `loss_fn` returns.
@@ -274,4 +280,7 @@ def interpolate(loss_fn: LossFn, params: PyTree, u: PyTree, alphas: Sequence[flo
   """
   u = cast_like(u, params)
   point = lambda a: jax.tree.map(lambda p, d: p + a.astype(p.dtype) * d, params, u)
-  return jax.lax.map(lambda a: loss_fn(point(a)), jnp.asarray(alphas, _acc_dtype(params)))
+  alphas = jnp.asarray(alphas, _acc_dtype(params))
+  if unroll:
+    return jnp.stack([loss_fn(point(alphas[i])) for i in range(alphas.shape[0])])
+  return jax.lax.map(lambda a: loss_fn(point(a)), alphas)

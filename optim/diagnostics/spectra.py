@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optim.trees import path_name
@@ -133,12 +134,17 @@ def singular_values(w: jax.Array, *, exact_max: int = 1024, rank: int = 64, over
   return jnp.linalg.svd(b, compute_uv=False)[..., :min(rank, k)]
 
 
-def quantiles(sv: jax.Array, qs: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0)) -> jax.Array:
+def quantiles(sv: jax.Array, qs: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), *,
+              descending: bool = False) -> jax.Array:
   """Quantiles of singular values (or any values) along the last axis, by linear interpolation.
+
+  Values already in descending order (`singular_values`' output, `descending=True`) are read at the interpolation
+  points directly, without a sort.
 
   Args:
     sv: values (..., k), e.g. from `singular_values`.
     qs: the quantile levels in [0, 1] (default the minimum, quartiles and maximum).
+    descending: whether `sv` is sorted in descending order along its last axis (then no sort is made).
 
   Returns:
     Shape sv.shape[:-1] + (len(qs),).
@@ -147,7 +153,15 @@ def quantiles(sv: jax.Array, qs: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0)) 
     Hyndman and Fan, "Sample Quantiles in Statistical Packages", The American Statistician 50(4), 1996 (definition
       7, NumPy's and `jnp.quantile`'s default).
   """
-  return jnp.moveaxis(jnp.quantile(sv, jnp.asarray(qs, sv.dtype), axis=-1), 0, -1)
+  if not descending:
+    return jnp.moveaxis(jnp.quantile(sv, jnp.asarray(qs, sv.dtype), axis=-1), 0, -1)
+  ascending = sv[..., ::-1]
+  k = sv.shape[-1]
+  pos = np.asarray(qs, np.float64) * (k - 1)  # definition 7: the value at position q·(k − 1) of the sorted values
+  lo = np.floor(pos).astype(int)
+  hi = np.minimum(lo + 1, k - 1)
+  frac = jnp.asarray(pos - lo, sv.dtype)
+  return ascending[..., lo] * (1 - frac) + ascending[..., hi] * frac
 
 
 def orthogonality_error(w: jax.Array) -> jax.Array:
@@ -234,5 +248,6 @@ def matrix_spectra(tree: PyTree, *, quantile_levels: Sequence[float] = (0.0, 0.2
     if min(w.shape[-2:]) > exact_max:
       top = jnp.maximum(top, spectral_norm(w, iters=iters))
     out[name] = {"spectral_norm": top, "orthogonality_error": orthogonality_error(w),
-                 "effective_rank": effective_rank(sv), "sv_quantiles": quantiles(sv, quantile_levels)}
+                 "effective_rank": effective_rank(sv),
+                 "sv_quantiles": quantiles(sv, quantile_levels, descending=True)}
   return out

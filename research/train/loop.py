@@ -21,6 +21,7 @@ import numpy as np
 from research.train.config import TrainConfig, checks
 from research.train.hooks.cadence import Hooks, StepInfo
 from research.train.hooks.metrics import MetricsProcessor
+from research.train.observers import active
 from research.train.runtime.devices import setup_jax
 from research.train.runtime.processes import initialize as init_distributed
 from research.train.runtime.processes import is_primary
@@ -28,6 +29,7 @@ from research.train.runtime.signals import Stop
 from research.train.setup import memory
 from research.train.setup.build import resolved
 from research.train.setup.run import Run, start
+from research.train.steps import observed
 from research.train.steps.health import BadStepsError
 from research.train.steps.step import router_metrics
 from research.train.store import rundir
@@ -96,9 +98,11 @@ def _hooks(r: Run, stop: Stop) -> tuple[Hooks, MetricsProcessor]:
   cfg, hooks = r.cfg, Hooks()
   processor = MetricsProcessor(cfg.logging.log_every, cfg.logging.eval_every, r.metrics, r.trackers.log,
                                r.progress.log, lambda step, e: r.ckpt.write_error(
-                                   f"step {step}'s metrics in {cfg.checkpoint.out}", e), r.meter.restart)
+                                   f"step {step}'s metrics in {cfg.checkpoint.out}", e), r.meter.restart,
+                               also_every=tuple(a.every for a in active(cfg.observe)))
   hooks.before("switch", lambda step: _switch(r) if r.switches and r.switches[0][0] == step - 1 else None)
   hooks.before("profiler", r.profiler.before)  # --profile: the trace starts before its first step is dispatched
+  hooks.before("observers", lambda step: observed.arm(r.syncer.train, step))  # the program with the due observers
   hooks.add("sync", lambda i: setattr(r, "state", r.syncer.after(r.state, i.step, i.last)))  # --sync local:H
   hooks.add("profiler", lambda i: r.profiler.after(i.step, (i.out, r.state)) and r.meter.restart())
   hooks.add("throughput", lambda i: _compiled(r, i))
@@ -116,6 +120,7 @@ def _hooks(r: Run, stop: Stop) -> tuple[Hooks, MetricsProcessor]:
   processor.add("evaluation", lambda i: _evaluate(r, i), every=cfg.logging.eval_every, at_end=True)
   processor.add("mixing", lambda i: r.mixing.record(r.feed, i.step, i.shared.get("held_out")))
   processor.add("router", lambda i: router_metrics(i.out))
+  processor.add("observers", lambda i: observed.records(r.syncer.train, i.out))  # --watch, --sharpness-every, ...
   processor.add("sync", lambda i: r.syncer.metrics(r.state, i.step, i.out, i.last))
   return hooks, processor
 
@@ -141,8 +146,8 @@ def _switch(r: Run):
 
 
 def _compiled(r: Run, info: StepInfo):
-  """The first step compiles: throughput is timed from its end."""
-  if info.step == r.start + 1:
+  """The first step compiles (and the first of each observed program): throughput is timed from its end."""
+  if info.step == r.start + 1 or observed.compiled(r.syncer.train):  # an observed program's first step compiles too
     jax.block_until_ready(info.out)
     r.meter.compiled(info.step)
 

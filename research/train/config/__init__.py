@@ -1,15 +1,15 @@
 """`TrainConfig`: every `python -m research.train` flag, in sections (research/train/config/sections.py).
 
-A function of the trainer receives the section(s) it reads (`cfg.optim`, `cfg.data`, ...); the whole config goes only
-to the top (start-up and the loop's construction). Flags keep their spelling (`--lr`, `--model`, `--moe.top-k`), and
-so does Python: `TrainConfig(model="tiny", lr=1e-2)` builds a config from keywords named as the flags are (their
+A function of the trainer receives the section(s) it reads (`cfg.optim`, `cfg.data`, ...); the whole config goes only to
+the top (start-up and the loop's construction). Flags keep their spelling (`--lr`, `--model`, `--moe.top-k`), and so
+does Python: `TrainConfig(model="tiny", lr=1e-2)` builds a config from keywords named as the flags are (their
 underscores), `dataclasses.replace(cfg, lr=...)` changes some, and `cfg.flags()` gives them back flat. config.json
-stores the sections; `flat_record` reads the "train" record of either layout (runs written before the sections stored
-it flat), which is how a resumed run compares its settings with its checkpoint's.
+stores the sections; `flat_record` reads the "train" record of either layout (runs written before the sections stored it
+flat), which is how a resumed run compares its settings with its checkpoint's.
 
-Beside it: the sections with a prefix of their own (prefixed.py), the paths a run records, absolute and fingerprinted
-(paths.py), the flag checks run before anything starts (checks.py), what does not combine (clashes.py), what a run
-trains (trainable.py).
+Beside it: the sections with a prefix of their own (prefixed.py), the observers' section (observe.py), the paths a run
+records, absolute and fingerprinted (paths.py), the flag checks run before anything starts (checks.py), what does not
+combine (clashes.py), what a run trains (trainable.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import tyro
 
+from research.train.config.observe import ObserveSection
 from research.train.config.prefixed import DataFlags, MoEFlags
 from research.train.config.sections import (
   CheckpointSection,
@@ -64,6 +65,7 @@ class TrainConfig:
   """Adapter settings (--peft.rank 8 --peft.alpha 16 --peft.targets REGEX ...); each method reads its own."""
   checkpoint: Annotated[CheckpointSection, _Section] = _section(CheckpointSection)
   logging: Annotated[LoggingSection, _Section] = _section(LoggingSection)
+  observe: Annotated[ObserveSection, _Section] = _section(ObserveSection)
   health: Annotated[HealthSection, _Section] = _section(HealthSection)
   runtime: Annotated[RuntimeSection, _Section] = _section(RuntimeSection)
   distributed: Annotated[DistributedSection, _Section] = _section(DistributedSection)

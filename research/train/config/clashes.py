@@ -19,6 +19,7 @@ CLASHES = (
      "stops the backward at layer N and supplies no update arguments"),
     ("peft", ("freeze", "switch_at", "stage"), "trains the adapters only"),
     ("freeze", ("prev_grads",), "takes no gradient of the frozen leaves"),
+    ("observe", ("sync",), "observers run in the step that keeps one copy of the parameters"),
 )
 # the features under which a blockwise optimizer runs its optax transform over full gradients instead
 BLOCKWISE_BLOCKERS = ("stage", "context", "sync", "freeze", "peft", "zero1", "switch_at")
@@ -48,6 +49,9 @@ def features(cfg, mesh, mcfg=None) -> dict[str, str | None]:
         "moe": "a MoE model" if mcfg is not None and mcfg.moe else None,
         "blocks": f"--optimizer {cfg.optim.optimizer} (its own blocks)" if needs.block_coordinate else None,
         "update_args": f"--optimizer {cfg.optim.optimizer}'s update arguments ({args})" if args else None,
+        "observe": "observers (--watch, --spectra-every, --sharpness-every, --gns-every, --observe)" if any(
+            (cfg.observe.watch, cfg.observe.spectra_every, cfg.observe.sharpness_every, cfg.observe.gns_every,
+             cfg.observe.observe)) else None,
         "prev_grads": (f"--optimizer {cfg.optim.optimizer}'s update argument prev_grads"
                        if "prev_grads" in needs.update_args else None)}
   return on

@@ -26,12 +26,13 @@ class MetricsProcessor:
     write_error: `(step, OSError) -> Exception` raised when the record cannot be written (a full disk: the run is
       cut back like a failed checkpoint save).
     written: called after each record (the throughput meter restarts: logging is not training time).
+    also_every: more cadences whose steps are logged (the observers': their numbers exist at those steps only).
   """
 
   def __init__(self, log_every: int, eval_every: int, metrics: rundir.MetricsLog, trackers: Callable[[dict], None],
                console: Callable[[dict], None], write_error: Callable[[int, OSError], Exception],
-               written: Callable[[], None]):
-    self.log_every, self.eval_every = log_every, eval_every
+               written: Callable[[], None], also_every: tuple[int, ...] = ()):
+    self.log_every, self.eval_every, self.also_every = log_every, eval_every, tuple(also_every)
     self.metrics, self.trackers, self.console = metrics, trackers, console
     self.write_error, self.written = write_error, written
     self.sources: list[Hook] = []
@@ -49,7 +50,7 @@ class MetricsProcessor:
     self.sources.append(Hook(name, fn, every, at_end))
 
   def due(self, info: StepInfo) -> bool:
-    """Whether `info.step` writes a record: every --log-every and --eval-every steps, and the last.
+    """Whether `info.step` writes a record: every --log-every and --eval-every steps, an observer's, and the last.
 
     Args:
       info: the step's `StepInfo`.
@@ -57,7 +58,8 @@ class MetricsProcessor:
     Returns:
       Whether the step is logged.
     """
-    return info.step % self.log_every == 0 or info.last or info.step % self.eval_every == 0
+    return (info.step % self.log_every == 0 or info.last or info.step % self.eval_every == 0
+            or any(info.step % n == 0 for n in self.also_every))
 
   def on_step(self, info: StepInfo) -> None:
     """The hook: the record of a logged step, written and shown."""

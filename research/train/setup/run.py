@@ -34,7 +34,7 @@ from research.train.setup.initial_state import abstract_initial_state, initial_s
 from research.train.setup.resume import newest_readable
 from research.train.setup.startup import run_meta, setup
 from research.train.setup.switch import Layout, switch_layout
-from research.train.steps import blockstep, layerfreeze, sync
+from research.train.steps import blockstep, layerfreeze, observed, sync
 from research.train.steps.health import Monitor
 from research.train.steps.step import make_steps
 from research.train.steps.train_state import TrainState
@@ -108,6 +108,8 @@ def programs(cfg: TrainConfig) -> Programs:
   parts = blockwise_parts(cfg, mcfg, mesh, schedule)
   graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
   train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)
+  train_step = observed.wrap(cfg.observe, train_step, lambda *o: train_programs(cfg, graphdef, tx, parts, shardings,
+                                                                                batch_sh, *o)[0], built[-1])
   syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
   return Programs(built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer)
 
@@ -152,6 +154,8 @@ def start(cfg: TrainConfig) -> Run:
   meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
   metrics = rundir.MetricsLog(os.path.join(out, "metrics.jsonl"), enabled=is_primary())
   records = metrics.open(begin)  # what the interrupted run logged past its checkpoint is dropped
+  if isinstance(train_step, observed.ObservedSteps):  # an EMA over the observed steps continues from the logged ones
+    train_step.replay(records)
   trackers = Trackers.open(cfg.logging.tracker, out, cfg.training.steps, meta, begin)  # only process 0 writes
   if is_primary():  # one writer for the run's own files; orbax coordinates the checkpoint writes
     rundir.write_json_lines(os.path.join(out, "config.json"), [meta], indent=2)
@@ -168,7 +172,7 @@ def start(cfg: TrainConfig) -> Run:
              model_flops_per_token=flops_per_token(mcfg, cfg.training.seq_len), estimate=estimate)
 
 
-def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh):
+def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh, observe=None, held_sh=()):
   """The compiled programs of this run's state, by what trains (`Trainable.step`).
 
   Args:
@@ -178,16 +182,19 @@ def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh):
     parts: a blockwise optimizer's `Parts`, or None.
     shardings: the state's shardings.
     batch_sh: a batch's sharding.
+    observe: the observers this program runs (`contract.outputs`); None: the plain program.
+    held_sh: the shardings of the observers' extra inputs (the held batch).
 
   Returns:
     The jitted (train_step, eval_step): the blockwise step, the --freeze-layers step, or the plain one.
   """
   step = Trainable.of_run(cfg.finetune, parts is not None).step
   if step == "blockwise":
-    return blockstep.make_block_steps(graphdef, parts, shardings, batch_sh)
+    return blockstep.make_block_steps(graphdef, parts, shardings, batch_sh, observe=observe, held_sh=held_sh)
   if step == "layers":
-    return layerfreeze.make_layer_steps(graphdef, tx, shardings, batch_sh, cfg.finetune.freeze_layers)
-  return make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
+    return layerfreeze.make_layer_steps(graphdef, tx, shardings, batch_sh, cfg.finetune.freeze_layers,
+                                        observe=observe, held_sh=held_sh)
+  return make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg), observe=observe, held_sh=held_sh)
 
 
 def _memory(cfg: TrainConfig, train_step, abstract, batch_sh, mesh):

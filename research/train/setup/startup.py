@@ -17,6 +17,7 @@ from research.train.config import RunError, TrainConfig, clashes, paths
 from research.train.config.sections import SyncSection
 from research.train.feed import held_out, make_loader
 from research.train.hooks import source_weights
+from research.train.observers import active
 from research.train.setup.build import model_config, optimizer_needs
 from research.train.setup.switch import switch_plan
 from research.train.steps import layerfreeze, sync
@@ -31,6 +32,7 @@ def setup(cfg: TrainConfig):
   mcfg = model_config(cfg)
   check_sync(cfg.sync, mesh)
   clashes.check(cfg, mesh, mcfg)  # what does not combine, one table
+  active(cfg.observe, cfg.training.batch_size)  # the observers' flags, refused in one line before any work
   layerfreeze.check(cfg.finetune, mcfg.n_layers)
   for field, why in optimizer_needs(cfg.optim).model_refuses:  # as the optimizer's registry entry declares
     if getattr(mcfg, field):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from research.train.config import RunError, TrainConfig
 from research.train.setup.build import step_options
+from research.train.steps import observed
 from research.train.steps.step import make_steps
 from research.train.steps.train_state import TrainState
 from sharding import (
@@ -73,4 +74,7 @@ def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
     evaluate = jitted_eval.lower(abstract_state(state.params, shardings.params), x, x,
                                  abstract_state(state.model_buffers, shardings.model_buffers)).compile()
   print(f"compiled the steps for mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-  return Layout(mesh, shardings, batch_sh, [global_batch(b, mesh) for b in val_host], train, evaluate)
+  val = [global_batch(b, mesh) for b in val_host]
+  build = lambda observe, held_sh: make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg), observe=observe,
+                                              held_sh=held_sh)[0]
+  return Layout(mesh, shardings, batch_sh, val, observed.wrap(cfg.observe, train, build, val), evaluate)

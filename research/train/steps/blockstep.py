@@ -192,7 +192,7 @@ def make_block_steps(graphdef, parts: Parts, shardings, batch_sh, static_block: 
                         buffers=new_buffers if state.buffers is not None else None)
     return new, outputs(r._replace(metrics=metrics), observe, held)
 
-  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh)
+  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh, donate=observe is None)
 
 
 def _layer_axes(graphdef, params, buffers):

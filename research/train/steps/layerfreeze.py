@@ -152,7 +152,7 @@ def make_layer_steps(graphdef, tx, shardings, batch_sh, n: int, observe: Observe
 
     return new, outputs(r._replace(metrics=metrics), observe, held)
 
-  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh)
+  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh, donate=observe is None)
 
 
 def state_bytes(state: TrainState) -> dict[str, int]:

@@ -158,7 +158,7 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, shardin
                         buffers=u.buffers if state.buffers is not None else None)
     return keep_if_finite(r.finite, new, state), outputs(r, observe, held)  # a non-finite step changes nothing
 
-  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh)
+  return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh, donate=observe is None)
 
 
 def update_extras(names: Iterable[str], loss_fn: Callable[..., Any], prev_params: Any, x: jax.Array, y: jax.Array,
@@ -212,8 +212,9 @@ def aux_outputs(aux: dict, buffers: dict, moe: MoEConfig | None, total: jax.Arra
 
 
 def jit_steps(train_step: Callable[..., Any], eval_fn: Callable[..., Any], shardings: TrainState,
-              batch_sh: jax.sharding.Sharding, held_sh: Any = ()) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
-  """(train_step, eval_fn) jitted with the state's shardings pinned; train_step donates the state.
+              batch_sh: jax.sharding.Sharding, held_sh: Any = (),
+              donate: bool = True) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
+  """(train_step, eval_fn) jitted with the state's shardings pinned; train_step donates the state unless told not to.
 
   Both are compiled with `xla.compiler_options()` (no float32 copy of a bfloat16 model on the CPU).
 
@@ -223,13 +224,14 @@ def jit_steps(train_step: Callable[..., Any], eval_fn: Callable[..., Any], shard
     shardings: the state's shardings, a `TrainState` of them.
     batch_sh: a batch's sharding.
     held_sh: the shardings of the observers' extra inputs after y (a program compiled with observers), else ().
+    donate: whether train_step donates the state (not an observed program's: research/train/steps/observed.py).
 
   Returns:
     (train_step, eval_fn), jitted.
   """
   opts = compiler_options()
   train = jax.jit(train_step, in_shardings=(shardings, batch_sh, batch_sh, *held_sh), out_shardings=(shardings, None),
-                  donate_argnums=0, compiler_options=opts)
+                  donate_argnums=0 if donate else (), compiler_options=opts)
   evaluate = jax.jit(eval_fn, in_shardings=(shardings.params, batch_sh, batch_sh, shardings.model_buffers),
                      compiler_options=opts)
   return train, evaluate

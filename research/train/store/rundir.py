@@ -23,6 +23,7 @@ never change (the state would not fit).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -32,6 +33,7 @@ import sys
 from typing import TextIO
 
 from research.train.config import paths
+from research.train.config.observe import ObserveSection
 
 REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # the run directory's disk is full or read-only
 
@@ -49,7 +51,8 @@ LAYOUT_AND_REPORTING = {
     "out", "mesh", "devices", "zero1", "switch_at", "remat", "microbatches", "coordinator", "num_processes",
     "process_id", "distributed", "peer_timeout", "eval_every", "eval_batches", "ckpt_every", "keep", "log_every",
     "progress", "compile_cache", "max_bad_steps", "spike_factor", "spike_window", "peak_flops", "stop_at",
-    "profile", "init_from", "amend", "memory_limit", "tracker"}
+    "profile", "init_from", "amend", "memory_limit", "tracker",
+    *(f.name for f in dataclasses.fields(ObserveSection))}  # observers read the step, they change nothing in it
 # flags that only name model fields (compared through the resolved model config instead)
 MODEL_FLAGS = {"model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias",
                "tie_embeddings", "compute_dtype", "moe"}
