@@ -17,6 +17,7 @@ from research.bench.attention import attention
 from research.bench.cache import cache
 from research.bench.ckpt import ckpt_bench
 from research.bench.comm import comm
+from research.bench.coordcheck import coordcheck
 from research.bench.data import data
 from research.bench.dion import dion_comm
 from research.bench.finetune import finetune
@@ -52,7 +53,8 @@ def checked_first(bench):
 BENCHMARKS = {name: checked_first(bench) for name, bench in {
   "train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe, "ckpt": ckpt_bench,
   "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant, "sample": sample, "finetune": finetune,
-  "finetune-3b": finetune_3b, "data": data, "peer": peer, "preflight": preflight, "cache": cache}.items()}
+  "finetune-3b": finetune_3b, "data": data, "peer": peer, "preflight": preflight, "cache": cache,
+  "coordcheck": coordcheck}.items()}
 
 
 def main(argv=None):
