@@ -137,6 +137,6 @@ def test_a_misspelt_flag_is_caught():
                    ["research.train", "--amend", "--lrr", "3e-3"]]
   assert [p for c in found for p in problems(c)] == [
       "python -m research.train: --stepz is not a flag its --help lists",
-      "python -m research.bench optm: no such subcommand (offered: attention, cache, ckpt, comm, data, dion, "
-      "finetune, finetune-3b, hf, moe, optim, peer, preflight, quant, reshard, sample, train)",
+      "python -m research.bench optm: no such subcommand (offered: attention, cache, ckpt, comm, coordcheck, data, "
+      "dion, finetune, finetune-3b, hf, moe, optim, peer, preflight, quant, reshard, sample, train)",
       "python -m research.train: --lrr is not a flag its --help lists"]

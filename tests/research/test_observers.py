@@ -1,7 +1,8 @@
 """Observers through the train CLI (research/train/observers/): the step contract's numbers reach metrics.jsonl at
 each observer's cadence, a diagnostic registered here (one file, one registration) is logged with no edit under
-research/train/, observers change no loss, the same numbers come out of one device and an 8-device mesh, a resumed
-run's EMA continues exactly, and the blockwise and --freeze-layers steps offer the same contract."""
+research/train/, observers change no loss, a resumed run's EMA continues exactly, and the blockwise and --freeze-layers
+steps offer the same contract. (Each diagnostic's one-device vs 8-device equality is tested on its library function,
+tests/optim/test_diagnostics_*.py: a run here cannot leave the process's 8 devices.)"""
 
 import numpy as np
 import optax
@@ -68,17 +69,6 @@ def test_observers_log_at_their_cadence_and_change_no_loss(observed, tmp_path):
   assert 0 <= two["sharpness/overlap"] <= 1
 
 
-def test_observers_one_device_equals_eight(observed, tmp_path):
-  one = by_step(run(cfg(tmp_path, devices=1, mesh="data=1", **OBSERVED)))
-  eight = by_step(observed)
-  for step in (1, 2):  # the same parameters and batch (later steps drift by the meshes' float32 reduction orders)
-    keys = [k for k in eight[step] if k.split("/")[0] in OBSERVED_PREFIXES]
-    assert keys
-    for k in keys:
-      np.testing.assert_allclose(np.asarray(one[step][k], float), np.asarray(eight[step][k], float), rtol=2e-3,
-                                 atol=1e-6, err_msg=f"{k} at step {step}")
-
-
 def test_resumed_run_continues_the_observers_exactly(observed, tmp_path):
   first = run(cfg(tmp_path, stop_at=2, **OBSERVED))
   assert [r["step"] for r in first] == [1, 2]
@@ -93,7 +83,7 @@ def test_resumed_run_continues_the_observers_exactly(observed, tmp_path):
 @pytest.mark.parametrize("kind", [dict(optimizer="badam", opt=("switch_every=2",)), dict(freeze_layers=1)])
 def test_blockwise_and_frozen_layer_steps_offer_the_contract(kind, tmp_path):
   recs = by_step(run(cfg(tmp_path, **{**dict(optimizer="adamw"), **kind}, watch=("updates",), watch_every=2,
-                         sharpness_every=4, sharpness_iters=3, gns_every=4, gns_groups=2)))
+                         sharpness_every=4, sharpness_iters=1, gns_every=4, gns_groups=2)))
   assert np.all(np.isfinite(recs[2]["watch/updates/rms/" + next(k.split("/", 3)[3] for k in recs[2]
                                                                 if k.startswith("watch/updates/rms/"))]))
   assert np.isfinite(recs[4]["sharpness/lambda_max"]) and not np.isnan(recs[4]["gns/b_simple"])

@@ -39,7 +39,8 @@ class ObserveSection:
   """Steps between gradient-noise-scale measurements (B_simple from the gradients of --gns-groups parts of the batch
   and of the whole, McCandlish et al. 2018), with an EMA over the measurements."""
   gns_groups: int | None = None
-  """Parts the batch is split into for the noise scale (unset: the data-parallel replicas, at least 2)."""
+  """Parts the batch is split into for the noise scale (unset: 2); each part's rows must split over the batch's mesh
+  axes (data x fsdp)."""
   gns_ema: float = 0.9
   """The EMA's decay over the noise scale's measurements (of |G|^2 and tr(Sigma) apart, then their ratio)."""
   observe: tuple[str, ...] = ()

@@ -1,8 +1,9 @@
 """--gns-every: the gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish, Kaplan, Amodei et al. 2018, App. A),
 the batch size in sequences past which a larger batch buys little: the step's batch is split into --gns-groups parts
-(default: the data-parallel replicas, at least 2), each part's gradient taken (one vmapped backward), and the
-unbiased estimates of |G|^2 and tr(Sigma) are formed from the parts' mean squared norm (batch B/groups) and the
-whole's (batch B). The host keeps an EMA of each over the measurements (--gns-ema, bias-corrected) and their ratio.
+(default 2; each part's rows must split over the mesh's batch axes), each part's gradient taken (one vmapped
+backward), and the unbiased estimates of |G|^2 and tr(Sigma) are formed from the parts' mean squared norm (batch
+B/groups) and the whole's (batch B). The host keeps an EMA of each over the measurements (--gns-ema, bias-corrected)
+and their ratio.
 
 Records: gns/g2, gns/trace (tr Sigma), gns/b_simple (this step's ratio; inf where the estimate of |G|^2 is not
 positive), gns/b_simple_ema.
@@ -17,30 +18,17 @@ from optim.diagnostics import noise
 from research.train.observers.registry import Observer, register
 
 
-def groups(section, batch: int, replicas: int) -> int:
-  """The parts the batch is split into: --gns-groups, else the data-parallel replicas (at least 2)."""
-  g = section.gns_groups or max(2, replicas)
-  if batch % g or batch // g < 1:
+def groups(section, batch: int) -> int:
+  """The parts the batch is split into: --gns-groups, else 2; ValueError unless it divides the batch."""
+  g = section.gns_groups or 2
+  if batch % g:
     raise ValueError(f"--gns-groups {g} must divide --batch-size {batch}")
   return g
 
 
-def _replicas(x) -> int:
-  sh = getattr(x, "sharding", None)
-  spec = getattr(sh, "spec", None)
-  mesh = getattr(sh, "mesh", None)
-  if not spec or mesh is None or spec[0] is None:
-    return 1
-  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
-  return n
-
-
 def observe(result, held, section) -> dict:
   x, y = result.probe.x, result.probe.y
-  g = groups(section, x.shape[0], _replicas(x))
+  g = groups(section, x.shape[0])
   split = lambda a: a.reshape(g, a.shape[0] // g, *a.shape[1:])
   grads = jax.vmap(jax.grad(result.probe.loss_at), in_axes=(None, 0, 0))(result.params, split(x), split(y))
   small, big = noise.group_sq_norms(grads)
@@ -63,4 +51,4 @@ NOISE = register(Observer(
     "gns", frozenset({"params", "batch", "loss"}),
     "one more backward over the batch, vmapped over its parts (parts x the gradient's memory)",
     observe, every=lambda section: section.gns_every, host=host,
-    check=lambda section, batch_size: groups(section, batch_size, 1)))
+    check=lambda section, batch_size: groups(section, batch_size)))
