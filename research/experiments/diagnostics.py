@@ -161,8 +161,8 @@ def main(cfg: Config) -> dict:
     return result
   plots = _plots(out, runs)
   table = ["| optimizer | lr | val loss | update RMS / lr (early, mid, late) | ‖ΔW‖/‖W‖ (early, late) | "
-           "orthogonality error (early, late) | σ_max/σ_median of the update (late) | λ_max (early, late) | 2/lr (late) | "
-           "overlap with top eigenvector (late) | B_simple EMA, sequences (early, late) |", "|" + "---|" * 11]
+           "orthogonality error (early, late) | σ_max/σ_median of the update (late) | λ_max (early, late) | "
+           "2/lr (late) | overlap with top eigenvector (late) | B_simple EMA, sequences (early, late) |", "|" + "---|" * 11]
   f = lambda v: f"{v:.3g}"
   for r in rows:
     table.append(f"| {r['name']} | {r['lr']:g} | {r['val_loss']:.4f} | {f(r['update_rms_over_lr_early'])}, "

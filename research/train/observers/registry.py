@@ -28,7 +28,8 @@ class Observer:
     host: a factory `host(section)` of `after(values) -> {metric: number}`, called with each observed step's numbers
       in step order (those of an interrupted session's records first), for what needs the steps before (an EMA); its
       metrics are named with the suffix "_ema" (a replayed record's are recomputed, not read). None: none.
-    check: `check(section, batch_size)`, raising ValueError (one line) for flags it cannot use; None: none.
+    check: `check(section, batch_size)`, raising ValueError (one line) for flags it cannot use (its value is not
+      read); None: none.
     post: `post(values, section) -> {metric: array}`, a program of its own (jitted apart from the step) over what
       `observe` returned, for work that must not sit in the step's program; None: `observe`'s numbers are the record.
   """
@@ -38,7 +39,7 @@ class Observer:
   observe: Callable[[Any, tuple, Any], dict]
   every: Callable[[Any], int] | None = None
   host: Callable[[Any], Callable[[dict], dict]] | None = None
-  check: Callable[[Any, int], None] | None = None
+  check: Callable[[Any, int], object] | None = None
   post: Callable[[dict, Any], dict] | None = None
 
   def __post_init__(self):

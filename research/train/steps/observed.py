@@ -45,7 +45,7 @@ class ObservedSteps:
     self.hosts = {a.observer.name: a.observer.host(section) for a in observers if a.observer.host is not None}
     self.one = jax.make_mesh((1,), ("one",), devices=jax.local_devices()[:1],
                              axis_types=(jax.sharding.AxisType.Explicit,))  # where `post` programs run
-    self.posts = {a.observer.name: jax.jit(functools.partial(a.observer.post, section=section))
+    self.posts = {a.observer.name: jax.jit(functools.partial(a.observer.post, section=section))  # type: ignore
                   for a in observers if a.observer.post is not None}
 
   def replay(self, records: list[dict]) -> None:
@@ -132,7 +132,7 @@ def wrap(section: Any, plain: Callable, build: Callable, val: list) -> Callable:
   return ObservedSteps(plain, build, observers, section, tuple(val[0])) if observers else plain
 
 
-def arm(step_fn: Callable, step: int) -> None:
+def arm(step_fn: Callable | None, step: int) -> None:
   """The loop's before-hook: arms `step_fn` for `step` when it is an `ObservedSteps` (a run with observers).
 
   Args:
@@ -143,7 +143,7 @@ def arm(step_fn: Callable, step: int) -> None:
     step_fn.arm(step)
 
 
-def records(step_fn: Callable, out: dict) -> dict:
+def records(step_fn: Callable | None, out: dict) -> dict:
   """The metrics source: the observed numbers of a step ({} without observers).
 
   Args:
@@ -156,7 +156,7 @@ def records(step_fn: Callable, out: dict) -> dict:
   return step_fn.records(out) if isinstance(step_fn, ObservedSteps) else {}
 
 
-def compiled(step_fn: Callable) -> bool:
+def compiled(step_fn: Callable | None) -> bool:
   """Whether the last step compiled an observed program (the throughput meter restarts after it).
 
   Args:
