@@ -43,6 +43,8 @@ class Config:
   """Steps per contender (the default run's length)."""
   cost_steps: int = 200
   """Steps of each cost run (the default run's length)."""
+  cost: bool = True
+  """Measure the observers' cost (--no-cost: the contenders' record alone)."""
   out: str = "research/results/diagnostics"
   """Where results.md, results.json, the plots and the run directories go."""
   smoke: bool = False
@@ -151,7 +153,7 @@ def main(cfg: Config) -> dict:
   runs = {name: _train(cfg, out, name, lr, **OBSERVERS) for name, lr in contenders.items()}
   rows = [summarize(name, recs, CONTENDERS[name]) for name, recs in runs.items()]
   cost = {}
-  if not cfg.smoke:
+  if cfg.cost and not cfg.smoke:
     for label, observe in COST.items():
       recs = run(TrainConfig(out=os.path.join(out, "runs", "cost-" + label.replace(" ", "-")), steps=cfg.cost_steps,
                              progress=False, tracker=("none",), **observe))
@@ -162,7 +164,8 @@ def main(cfg: Config) -> dict:
   plots = _plots(out, runs)
   table = ["| optimizer | lr | val loss | update RMS / lr (early, mid, late) | ‖ΔW‖/‖W‖ (early, late) | "
            "orthogonality error (early, late) | σ_max/σ_median of the update (late) | λ_max (early, late) | "
-           "2/lr (late) | overlap with top eigenvector (late) | B_simple EMA, sequences (early, late) |", "|" + "---|" * 11]
+           "2/lr (late) | overlap with top eigenvector (late) | B_simple EMA, sequences (early, late) |",
+           "|" + "---|" * 11]
   f = lambda v: f"{v:.3g}"
   for r in rows:
     table.append(f"| {r['name']} | {r['lr']:g} | {r['val_loss']:.4f} | {f(r['update_rms_over_lr_early'])}, "
