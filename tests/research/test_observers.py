@@ -40,6 +40,7 @@ def by_step(records):
   return {r["step"]: r for r in records}
 
 
+@pytest.mark.xdist_group("observed_run")  # one worker builds the module's observed run once
 def test_observers_log_at_their_cadence_and_change_no_loss(observed, tmp_path):
   plain = run(cfg(tmp_path))
   assert [r["step"] for r in plain] == [4]
@@ -69,6 +70,7 @@ def test_observers_log_at_their_cadence_and_change_no_loss(observed, tmp_path):
   assert 0 <= two["sharpness/overlap"] <= 1
 
 
+@pytest.mark.xdist_group("observed_run")
 def test_resumed_run_continues_the_observers_exactly(observed, tmp_path):
   first = run(cfg(tmp_path, stop_at=2, **OBSERVED))
   assert [r["step"] for r in first] == [1, 2]
