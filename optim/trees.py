@@ -56,6 +56,18 @@ def path_name(path: jax.tree_util.KeyPath) -> str:
   return "/".join(key_name(k) for k in _keys(path))
 
 
+def named_leaves(tree: PyTree) -> dict[str, Any]:
+  """{path name: leaf} of a tree's leaves (None leaves are empty subtrees, so left out).
+
+  Args:
+    tree: any pytree; a flat dict keyed by path names gives itself back.
+
+  Returns:
+    The leaves by `path_name`, in the tree's flattening order.
+  """
+  return {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
 def leaf_name(path: jax.tree_util.KeyPath) -> str:
   """The last key of a path ('wq'); '' for a bare array.
 

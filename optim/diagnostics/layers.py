@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optim.trees import path_name
+from optim.trees import named_leaves, path_name
 
 PyTree = Any
 Names = tuple | None  # a leaf's logical axis names, e.g. ("layers", "embed", "mlp"); None: unknown
@@ -59,11 +59,6 @@ def _upcast(x: jax.Array) -> jax.Array:
 
 def _is_names(x: Any) -> bool:
   return x is None or (isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x))
-
-
-def _named_leaves(tree: PyTree) -> dict[str, jax.Array]:
-  """{path name: leaf} of the tree's array leaves (None leaves are empty subtrees, so left out)."""
-  return {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _named_axes(axes: PyTree | None, names: list[str]) -> dict[str, Names]:
@@ -112,7 +107,7 @@ def tree_stats(tree: PyTree, axes: PyTree | None = None, *, split: tuple[str, ..
   unknown = [s for s in stats if s not in _STATS]
   if unknown:
     raise ValueError(f"unknown statistics {unknown}; choose from {', '.join(STATS)}")
-  leaves = _named_leaves(tree)
+  leaves = named_leaves(tree)
   names = _named_axes(axes, list(leaves))
   out = {}
   for name, x in leaves.items():
@@ -146,7 +141,7 @@ def relative_update(updates: PyTree, params: PyTree, axes: PyTree | None = None,
     Liu et al., "Muon is Scalable for LLM Training", 2025, arXiv 2502.16982 (update RMS matched to AdamW's);
       Levanter `callbacks/watch.py` (the update-to-parameter norm ratio it logs).
   """
-  u_leaves, p_leaves = _named_leaves(updates), _named_leaves(params)
+  u_leaves, p_leaves = named_leaves(updates), named_leaves(params)
   missing = [n for n in u_leaves if n not in p_leaves]
   if missing:
     raise ValueError(f"params have no leaf {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
@@ -185,7 +180,7 @@ def histograms(tree: PyTree, *, bins: int = 32, lo: float = -8.0, hi: float = 2.
   if bins < 1 or not hi > lo:
     raise ValueError(f"need bins >= 1 and hi > lo, got bins={bins}, lo={lo}, hi={hi}")
   out = {}
-  for name, x in _named_leaves(tree).items():
+  for name, x in named_leaves(tree).items():
     x = _upcast(x)
     t = (jnp.log10(jnp.abs(x)) - lo) * (bins / (hi - lo))
     idx = jnp.floor(jnp.clip(t, 0, bins - 1)).astype(jnp.int32)  # clip first: -inf (zeros) cannot be cast

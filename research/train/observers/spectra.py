@@ -12,22 +12,17 @@ spectra/updates/sv_quantiles/<leaf> = [L x 5] (quantiles 0, .25, .5, .75, 1).
 
 from __future__ import annotations
 
-import jax
-
 from optim import muon_labels
 from optim.diagnostics import spectra
-from optim.trees import path_name
+from optim.trees import named_leaves
 from research.train.observers import watch
 from research.train.observers.registry import Observer, register
 
 
 def matrices(tree, params) -> dict:
   """{leaf name: array} of the hidden weight matrices of `tree` (a flat dict by leaf name, or a tree like params)."""
-  labels = {path_name(p): lab for p, lab in jax.tree_util.tree_flatten_with_path(muon_labels(params))[0]}
-  flat = tree if isinstance(tree, dict) and all(isinstance(k, str) and not isinstance(v, dict)
-                                                for k, v in tree.items()) else \
-      {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if x is not None}
-  return {k: x for k, x in flat.items() if labels.get(k) == "muon"}
+  labels = named_leaves(muon_labels(params))
+  return {k: x for k, x in named_leaves(tree).items() if labels.get(k) == "muon"}
 
 
 def observe(result, held, section) -> dict:

@@ -13,7 +13,7 @@ import jax
 import optax
 
 from optim.diagnostics import layers
-from optim.trees import path_name
+from optim.trees import named_leaves, path_name
 from research.train.observers.registry import Observer, register
 
 TREES = ("params", "grads", "updates", "momentum")
@@ -60,15 +60,11 @@ def axes_by_name(result) -> dict:
       tree, is_leaf=lambda n: isinstance(n, tuple))[0]}
 
 
-def _flat(tree) -> dict:
-  return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if x is not None}
-
-
 def observe(result, held, section) -> dict:
   names = axes_by_name(result)
   out = {}
   for name, tree in trees(result, watched(section)).items():
-    flat = _flat(tree)
+    flat = named_leaves(tree)
     axes = {k: names.get(k) for k in flat}
     for leaf, stats in layers.tree_stats(flat, axes).items():
       for stat, value in stats.items():
@@ -76,7 +72,7 @@ def observe(result, held, section) -> dict:
     if section.histograms:
       out.update({f"{name}/hist/{leaf}": h for leaf, h in layers.histograms(flat).items()})
     if name == "updates":
-      params = _flat(result.params)
+      params = named_leaves(result.params)
       out.update({f"relative_update/{leaf}": v for leaf, v in
                   layers.relative_update(flat, {k: params[k] for k in flat}, axes).items()})
   return out

@@ -80,10 +80,6 @@ class ObservedSteps:
     jax.block_until_ready(state)  # no other program in flight beside an observed one (the module docstring)
     return jax.block_until_ready(program(state, x, y, *(self.held if reads else ())))
 
-  def everies(self) -> list[int]:
-    """The observers' cadences (the metrics processor logs each observed step)."""
-    return [a.every for a in self.observers]
-
   def records(self, out: dict) -> dict:
     """The metrics source: an observed step's numbers as JSON values (a number, or nested lists per layer), and what
     the observers' host functions make of them.
