@@ -18,7 +18,7 @@ import optax
 from optim.newton_schulz import Coeffs, orthogonalize
 from optim.orthogonalizers import Split
 from optim.registry import decay_mask, register
-from optim.trees import is_named_vector, path_name, reject_complex, resolve_labels
+from optim.trees import is_hidden_matrix, reject_complex, resolve_labels
 
 SHAPE_SCALES = ("keller", "moonlight", "spectral", "none")
 PyTree = Any
@@ -209,8 +209,8 @@ def orthogonalize_tree(tree: PyTree, *, coeffs: Coeffs = "quintic", steps: int =
 def muon_labels(params: PyTree) -> optax.Params:
   """"muon" for hidden weight matrices, "adam" for embeddings, the output head, norms, biases and vectors.
 
-  Decided by parameter name, then rank; a stacked vector named with a one-letter shape suffix, a DoRA magnitude `m_O`
-  of shape (layers, O), is a vector: `is_named_vector`.
+  Decided by parameter name, then rank (`optim.trees.is_hidden_matrix`); a stacked vector named with a one-letter shape
+  suffix, a DoRA magnitude `m_O` of shape (layers, O), is a vector.
 
   Args:
     params: the parameter tree.
@@ -219,11 +219,7 @@ def muon_labels(params: PyTree) -> optax.Params:
     The params' structure with "muon" on every leaf of rank ≥ 2 whose path names no "embed", "head", "norm" or "bias"
     and that is not a named vector, "adam" on every other leaf.
   """
-  def label(path, p):
-    name = path_name(path).lower()
-    hidden = not any(s in name for s in ("embed", "head", "norm", "bias"))
-    return "muon" if hidden and jnp.ndim(p) >= 2 and not is_named_vector(path) else "adam"
-  return jax.tree_util.tree_map_with_path(label, params)
+  return jax.tree_util.tree_map_with_path(lambda path, p: "muon" if is_hidden_matrix(path, p) else "adam", params)
 
 
 @register("muon")

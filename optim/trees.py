@@ -101,6 +101,25 @@ def is_named_vector(path: jax.tree_util.KeyPath) -> bool:
   return len(name) > 2 and name[-2] == "_" and name[-1].isupper()
 
 
+def is_hidden_matrix(path: jax.tree_util.KeyPath, leaf: Any) -> bool:
+  """Whether a leaf is a hidden weight matrix: what the matrix optimizers (Muon and its family) orthogonalize.
+
+  Decided by parameter name, then rank: rank >= 2, no "embed", "head", "norm" or "bias" in the path, and not a named
+  vector (`is_named_vector`). `optim.muon_labels` labels these leaves "muon".
+
+  Args:
+    path: the leaf's `jax.tree_util` key path.
+    leaf: the leaf (an array or anything with a shape).
+
+  Returns:
+    True for a hidden weight matrix (or a stack of them), False for embeddings, the output head, norms, biases and
+    vectors.
+  """
+  name = path_name(path).lower()
+  hidden = not any(s in name for s in ("embed", "head", "norm", "bias"))
+  return hidden and jnp.ndim(leaf) >= 2 and not is_named_vector(path)
+
+
 def tree_bytes(tree: PyTree) -> int:
   """Bytes of a tree's array leaves (concrete or abstract, e.g. `jax.eval_shape(tx.init, params)`).
 

@@ -4,25 +4,26 @@ unit mean square singular value (0 when every singular value is equal, what Newt
 decoupled weight decay includes lr*wd*W), singular-value quantiles (exact, or randomized for a large matrix) and the
 effective rank; of the optimizer's momentum too where --watch names it.
 
-The matrices are the leaves `optim.muon_labels` calls "muon" (rank >= 2, not an embedding, head, norm or bias), each
-a stack (..., fan_in, fan_out) whose leading axes (layers, experts) are kept. Records:
+The matrices are the leaves `optim.trees.is_hidden_matrix` selects (rank >= 2, not an embedding, head, norm or bias),
+each a stack (..., fan_in, fan_out) whose leading axes (layers, experts) are kept. Records:
 spectra/<tree>/<stat>/<leaf>, e.g. spectra/updates/spectral_norm/blocks/wq_DQ = [L values],
 spectra/updates/sv_quantiles/<leaf> = [L x 5] (quantiles 0, .25, .5, .75, 1).
 """
 
 from __future__ import annotations
 
-from optim import muon_labels
+import jax
+
 from optim.diagnostics import spectra
-from optim.trees import named_leaves
+from optim.trees import is_hidden_matrix, named_leaves
 from research.train.observers import watch
 from research.train.observers.registry import Observer, register
 
 
 def matrices(tree, params) -> dict:
   """{leaf name: array} of the hidden weight matrices of `tree` (a flat dict by leaf name, or a tree like params)."""
-  labels = named_leaves(muon_labels(params))
-  return {k: x for k, x in named_leaves(tree).items() if labels.get(k) == "muon"}
+  hidden = named_leaves(jax.tree_util.tree_map_with_path(is_hidden_matrix, params))
+  return {k: x for k, x in named_leaves(tree).items() if hidden.get(k)}
 
 
 def observe(result, held, section) -> dict:
