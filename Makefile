@@ -53,10 +53,11 @@ test: $(TEST_STAMP)
 bench: $(TEST_STAMP)
 	$(BIN)/python -m research.bench $(ARGS)
 
-# the library and the trainer's front door: docstring sections (pydoclint), ruff everywhere, types (mypy)
-TYPED := optim models sharding research/train
-DOCUMENTED := optim models sharding research/train/__init__.py research/train/command.py research/train/loop.py \
-	research/train/config/__init__.py research/train/steps/step.py
+# ruff everywhere; types (mypy) on the library, the trainer and research/verdicts; docstring sections (pydoclint) on
+# the library, the trainer's front door and research/verdicts
+TYPED := optim models sharding research/train research/verdicts
+DOCUMENTED := optim models sharding research/verdicts research/train/__init__.py research/train/command.py \
+	research/train/loop.py research/train/config/__init__.py research/train/steps/step.py
 lint: $(LINT_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pydoclint $(DOCUMENTED)

@@ -25,11 +25,13 @@ ALLOWED = {
     "research.flags": LIBRARY | {"research.entry"},  # the command lines' flag rules (presets, registry, mesh specs)
     "research.data": LIBRARY | {"research.entry"},  # (docs_corpus's command line)
     "research.train": LIBRARY | {"research.data", "research.entry", "research.flags"},
-    "research.bench": LIBRARY | {"research.data", "research.train", "research.entry", "research.flags"},
-    "tools": LIBRARY | {"research.data", "research.train", "research.entry", "research.flags"},
+    "research.verdicts": set(),  # the statistics that turn runs into verdicts: numpy and scipy only
+    "research.bench": LIBRARY | {"research.data", "research.train", "research.entry", "research.flags",
+                                 "research.verdicts"},
+    "tools": LIBRARY | {"research.data", "research.train", "research.entry", "research.flags", "research.verdicts"},
     # an experiment may report what a benchmark measures (the methods study's step costs: research.bench.finetune)
     "research.experiments": LIBRARY | {"research.data", "research.train", "research.bench", "tools",
-                                       "research.entry", "research.flags"},
+                                       "research.entry", "research.flags", "research.verdicts"},
 }
 # Modules a room may import from a room it may not import as a whole. The flash kernels are model math
 # (models/flash.py); the ring schedule over the `context` mesh axis (sharding/context.py) reuses them.

@@ -1,0 +1,148 @@
+"""Is a difference real, and who wins across problems: Welch's t-test over seeds, and performance profiles.
+
+References:
+  Welch, "The generalization of 'Student's' problem when several different population variances are involved",
+  Biometrika 34 (1947).
+  Dolan & Moré, "Benchmarking optimization software with performance profiles", Math. Programming 91 (2002).
+  Dahl et al., "Benchmarking Neural Network Training Algorithms", arXiv 2306.07179 (2023): AlgoPerf's profiles of
+  time-to-target and their integral as the benchmark score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+from numpy.typing import ArrayLike
+from scipy import stats
+
+_SIDES = {"less": "one-sided", "greater": "one-sided", "two-sided": "two-sided"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+  """The outcome of a two-sample test.
+
+  Attributes:
+    mean_a: A's mean.
+    mean_b: B's mean.
+    diff: mean_a − mean_b.
+    statistic: the t statistic.
+    df: the Welch–Satterthwaite degrees of freedom.
+    p_value: the p-value under the test's alternative.
+    test: the test's name, e.g. "Welch t, one-sided".
+  """
+
+  mean_a: float
+  mean_b: float
+  diff: float
+  statistic: float
+  df: float
+  p_value: float
+  test: str
+
+
+def compare(a: ArrayLike, b: ArrayLike, *, alternative: str = "less") -> Comparison:
+  """Welch's t-test (unequal variances) of A's losses against B's, by default one-sided: are A's lower?
+
+  t = (m_a − m_b) / sqrt(s_a²/n_a + s_b²/n_b), with the Welch–Satterthwaite degrees of freedom
+  (s_a²/n_a + s_b²/n_b)² / ((s_a²/n_a)²/(n_a − 1) + (s_b²/n_b)²/(n_b − 1)); `scipy.stats.ttest_ind(equal_var=False)`.
+  Where both samples are constant the statistic and p-value are NaN (scipy's answer).
+
+  Args:
+    a: A's values over seeds (at least 2, finite).
+    b: B's values over seeds (at least 2, finite).
+    alternative: "less" (A's mean is lower; default), "greater" or "two-sided".
+
+  Returns:
+    The comparison.
+
+  Raises:
+    ValueError: fewer than 2 values in either sample, a non-finite value, or an unknown alternative.
+
+  References:
+    Welch, Biometrika 34 (1947).
+  """
+  if alternative not in _SIDES:
+    raise ValueError(f"compare: alternative must be one of {sorted(_SIDES)}, got {alternative!r}")
+  x, y = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+  if x.size < 2 or y.size < 2:
+    raise ValueError(f"compare: Welch's t-test needs at least 2 values per sample, got {x.size} and {y.size}")
+  if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+    raise ValueError("compare: every value must be finite (a diverged seed is a result to report, not to average)")
+  res = stats.ttest_ind(x, y, equal_var=False, alternative=alternative)
+  return Comparison(float(x.mean()), float(y.mean()), float(x.mean() - y.mean()), float(res.statistic),
+                    float(res.df), float(res.pvalue), f"Welch t, {_SIDES[alternative]}")
+
+
+def _ratios(costs: Mapping[str, Mapping[str, float]]) -> dict[str, np.ndarray]:
+  """Each method's performance ratio on every problem (the sorted union of all methods'); inf where it failed."""
+  problems = sorted({p for per in costs.values() for p in per})
+  table = np.full((len(costs), len(problems)), np.inf)
+  for m, per in enumerate(costs.values()):
+    for j, p in enumerate(problems):
+      cost = float(per.get(p, math.inf))
+      if math.isnan(cost) or math.isinf(cost):
+        continue
+      if cost <= 0:
+        raise ValueError(f"performance profile: costs must be positive, got {cost} on {p!r}")
+      table[m, j] = cost
+  best = table.min(0)
+  with np.errstate(invalid="ignore"):
+    ratios = np.where(np.isfinite(table), table / best, np.inf)
+  return dict(zip(costs, ratios))
+
+
+def performance_profile(costs: Mapping[str, Mapping[str, float]], taus: ArrayLike) -> dict[str, np.ndarray]:
+  """Dolan–Moré performance profiles: for each method, the share of problems it solves within τ× the best cost.
+
+  On each problem, r = cost / (the lowest cost any method reached); a missing or non-finite cost means the method
+  failed the problem (r = inf, never counted). rho(τ) = share of all problems (the union over methods) with r ≤ τ.
+
+  Args:
+    costs: method -> {problem -> cost} (positive, lower is better: time or steps to a target, say).
+    taus: the ratios τ ≥ 1 at which to read the profiles.
+
+  Returns:
+    method -> rho at each τ (an array shaped like `taus`).
+
+  Raises:
+    ValueError: a finite cost that is not positive, or no problem at all.
+
+  References:
+    Dolan & Moré, Math. Programming 91 (2002); Dahl et al., arXiv 2306.07179 (2023).
+  """
+  ratios = _ratios(costs)
+  t = np.asarray(taus, np.float64)
+  if not any(r.size for r in ratios.values()):
+    raise ValueError("performance_profile: no problems")
+  return {m: (r[None, :] <= t.reshape(-1, 1)).mean(1).reshape(t.shape) for m, r in ratios.items()}
+
+
+def profile_area(costs: Mapping[str, Mapping[str, float]], tau_max: float = 4.0) -> dict[str, float]:
+  """The normalised area under each method's profile over τ in [1, tau_max]: AlgoPerf's benchmark score.
+
+  score = 1/(tau_max − 1) ∫_1^tau_max rho(τ) dτ, exact for the step function rho: a problem solved at ratio r adds
+  (tau_max − r) / (tau_max − 1) / (number of problems) when r ≤ tau_max. 1 means best on every problem.
+
+  Args:
+    costs: method -> {problem -> cost}, as for `performance_profile`.
+    tau_max: the largest ratio that still counts (default 4, AlgoPerf's).
+
+  Returns:
+    method -> its score in [0, 1].
+
+  Raises:
+    ValueError: tau_max ≤ 1, or what `performance_profile` refuses.
+
+  References:
+    Dahl et al., arXiv 2306.07179 (2023): the benchmark score, with r_max = 4.
+  """
+  if not tau_max > 1:
+    raise ValueError(f"profile_area: tau_max must exceed 1, got {tau_max}")
+  ratios = _ratios(costs)
+  if not any(r.size for r in ratios.values()):
+    raise ValueError("profile_area: no problems")
+  return {m: float(np.where(r <= tau_max, tau_max - r, 0.0).mean() / (tau_max - 1)) for m, r in ratios.items()}

@@ -1,0 +1,254 @@
+"""research/verdicts: known answers. The scaling fit recovers a law it was given and is no worse a least-squares fit
+than scipy's curve_fit started at the truth; speedup reads k back from a loss reached with k× the data; the bootstrap
+covers the truth, repeats itself and narrows with less noise; lr_optimum finds an exact parabola's vertex and flags
+edges, divergence and a downward parabola; Welch's statistic and degrees of freedom match the formulas written here
+in NumPy; the performance profile matches a hand-worked example."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import optimize, stats
+
+from research.verdicts import (
+    PowerLaw,
+    bootstrap_speedup,
+    compare,
+    extrapolates,
+    fit_power_law,
+    lr_optimum,
+    optimum_table,
+    performance_profile,
+    profile_area,
+    speedup,
+    transfer_slope,
+)
+
+LAW = PowerLaw(alpha=1e3, exponent=0.35, floor=2.0)
+BUDGETS = np.array([1.0, 2.0, 4.0, 8.0, 16.0]) * 1e8  # 1-16x a budget, as the paper's 1-8x Chinchilla ladder
+TOKENS = 4e8  # the contender's budget
+
+
+def relative(a, b):
+  return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("law", [LAW, PowerLaw(alpha=30.0, exponent=0.12, floor=1.1)])
+def test_the_fit_recovers_a_noise_free_law(law):
+  fit = fit_power_law(BUDGETS, law.loss(BUDGETS))
+  assert relative(fit.alpha, law.alpha) < 1e-4
+  assert relative(fit.exponent, law.exponent) < 1e-4
+  assert relative(fit.floor, law.floor) < 1e-4
+  assert fit.tokens_range == (1e8, 1.6e9)
+
+
+def test_with_small_noise_the_fit_is_close_and_at_least_as_good_as_curve_fit_from_the_truth():
+  tokens = np.repeat(BUDGETS, 3)  # three seeds per budget: repeated token counts
+  noise = 2e-3
+  losses = LAW.loss(tokens) + np.random.default_rng(0).normal(0, noise, tokens.size)
+  fit = fit_power_law(tokens, losses)
+  assert 0 <= fit.floor < losses.min()
+  assert np.abs(fit.loss(BUDGETS) - LAW.loss(BUDGETS)).max() < 2 * noise
+  # scipy's own least squares, started at the true parameters, tokens in units of 1e8 (α' = α·1e8^-B)
+  model = lambda d, a, b, f: a * d ** -b + f
+  truth = np.array([LAW.alpha * 1e8**-LAW.exponent, LAW.exponent, LAW.floor])
+  p, cov = optimize.curve_fit(model, tokens / 1e8, losses, p0=truth)
+  sse = lambda law: float(((law.loss(tokens) - losses) ** 2).sum())
+  assert sse(fit) <= float(((model(tokens / 1e8, *p) - losses) ** 2).sum()) * (1 + 1e-9)
+  ours = np.array([fit.alpha * 1e8**-fit.exponent, fit.exponent, fit.floor])
+  assert np.all(np.abs(ours - truth) < 3 * np.sqrt(np.diag(cov)))  # within 3 standard errors of the truth
+
+
+@pytest.mark.parametrize("k", [0.5, 0.8, 1.25, 2.0, 3.0])
+def test_speedup_is_the_data_multiple_at_equal_loss(k):
+  fit = fit_power_law(BUDGETS, LAW.loss(BUDGETS))
+  assert speedup(fit, LAW.loss(k * TOKENS), TOKENS) == pytest.approx(k, rel=1e-6)
+  assert speedup(LAW, LAW.loss(k * TOKENS), TOKENS) == pytest.approx(k, rel=1e-12)
+  assert not extrapolates(fit, LAW.loss(k * TOKENS))  # 0.5 x 4e8 ... 3 x 4e8 lie within 1e8 ... 1.6e9
+
+
+def test_extrapolation_is_flagged_and_a_loss_below_the_floor_is_never_reached():
+  fit = fit_power_law(BUDGETS, LAW.loss(BUDGETS))
+  assert extrapolates(fit, LAW.loss(8 * TOKENS)) and extrapolates(fit, LAW.loss(0.1 * TOKENS))
+  assert speedup(fit, LAW.loss(8 * TOKENS), TOKENS) == pytest.approx(8, rel=1e-6)  # returned all the same
+  assert not extrapolates(LAW, LAW.loss(100 * TOKENS))  # a hand-written law has no fitted range
+  assert LAW.data_for(2.0) == math.inf and speedup(LAW, 1.9, TOKENS) == math.inf and math.isnan(LAW.data_for(math.nan))
+  assert LAW.data_for(LAW.loss(TOKENS)) == pytest.approx(TOKENS, rel=1e-12)
+
+
+@pytest.mark.parametrize("tokens", [[1e8, 2e8], [1e8, 1e8, 2e8, 2e8, 2e8]])
+def test_fewer_than_three_budgets_is_refused(tokens):
+  with pytest.raises(ValueError, match="at least 3 distinct token budgets"):
+    fit_power_law(tokens, LAW.loss(np.asarray(tokens)))
+  with pytest.raises(ValueError, match="at least 3 distinct token budgets"):
+    bootstrap_speedup({t: [LAW.loss(t)] for t in tokens}, [2.5], TOKENS)
+
+
+def test_bad_fit_input_is_refused():
+  with pytest.raises(ValueError, match="finite"):
+    fit_power_law(BUDGETS, [3.0, 2.9, math.nan, 2.7, 2.6])
+  with pytest.raises(ValueError, match="positive"):
+    fit_power_law([0.0, 1.0, 2.0], [3.0, 2.9, 2.8])
+  with pytest.raises(ValueError, match="5 token counts but 4 losses"):
+    fit_power_law(BUDGETS, [3.0, 2.9, 2.8, 2.7])
+
+
+def noisy_ladder(noise: float, k: float = 1.4, seeds: int = 5):
+  """The baseline's final losses (budget -> seeds) and a contender's at TOKENS with k x the baseline's efficiency."""
+  z = np.random.default_rng(7).standard_normal((len(BUDGETS) + 1, seeds))
+  baseline = {float(d): list(LAW.loss(d) + noise * z[i]) for i, d in enumerate(BUDGETS)}
+  return baseline, list(LAW.loss(k * TOKENS) + noise * z[-1])
+
+
+def test_the_bootstrap_interval_covers_the_truth_and_repeats_itself():
+  baseline, contender = noisy_ladder(0.01)
+  interval = bootstrap_speedup(baseline, contender, TOKENS, n_resamples=500, seed=3)
+  assert interval.low < 1.4 < interval.high and interval.low < interval.estimate < interval.high
+  assert interval.n_resamples == 500 and not interval.extrapolated
+  means = [float(np.mean(baseline[d])) for d in sorted(baseline)]
+  assert interval.estimate == speedup(fit_power_law(sorted(baseline), means), float(np.mean(contender)), TOKENS)
+  assert bootstrap_speedup(baseline, contender, TOKENS, n_resamples=500, seed=3) == interval
+  assert bootstrap_speedup(baseline, contender, TOKENS, n_resamples=500, seed=4) != interval
+
+
+def test_the_bootstrap_interval_narrows_when_the_noise_shrinks():
+  wide = bootstrap_speedup(*noisy_ladder(0.01), TOKENS, n_resamples=300)
+  narrow = bootstrap_speedup(*noisy_ladder(0.002), TOKENS, n_resamples=300)
+  assert narrow.high - narrow.low < 0.5 * (wide.high - wide.low)
+  assert narrow.low < 1.4 < narrow.high
+
+
+def test_the_bootstrap_refuses_an_empty_sample_or_a_bad_confidence():
+  baseline, contender = noisy_ladder(0.01)
+  with pytest.raises(ValueError, match="no contender losses"):
+    bootstrap_speedup(baseline, [], TOKENS)
+  with pytest.raises(ValueError, match="no losses at baseline budget"):
+    bootstrap_speedup({**baseline, 3.2e9: []}, contender, TOKENS)
+  with pytest.raises(ValueError, match="confidence"):
+    bootstrap_speedup(baseline, contender, TOKENS, confidence=1.0)
+  with pytest.raises(ValueError, match="every contender loss must be finite"):
+    bootstrap_speedup(baseline, contender + [math.nan], TOKENS)
+  with pytest.raises(ValueError, match="every loss must be finite"):
+    bootstrap_speedup({**baseline, 1e8: [3.5, math.inf]}, contender, TOKENS)
+
+
+GRID = np.geomspace(1e-4, 1e-1, 7)  # lrs a factor 10^0.5 apart
+
+
+def parabola(lrs, best_lr, bottom=2.0, curvature=0.6):
+  return bottom + 0.5 * curvature * (np.log(lrs) - np.log(best_lr)) ** 2
+
+
+def test_lr_optimum_finds_an_exact_parabolas_vertex():
+  opt = lr_optimum(GRID, parabola(GRID, 3e-3))
+  assert opt.fitted and not opt.at_edge
+  assert opt.lr == pytest.approx(3e-3, rel=1e-9)
+  assert opt.loss == pytest.approx(2.0, abs=1e-9) and opt.curvature == pytest.approx(0.6, rel=1e-9)
+
+
+def test_lr_optimum_averages_seeds_first():
+  lrs = np.concatenate([GRID, GRID])
+  shift = np.concatenate([np.full(7, 0.01), np.full(7, -0.01)])  # two seeds that average to the parabola
+  opt = lr_optimum(lrs, parabola(lrs, 3e-3) + shift)
+  assert opt.fitted and opt.lr == pytest.approx(3e-3, rel=1e-9)
+
+
+def test_an_optimum_at_the_grid_edge_is_flagged():
+  outside = lr_optimum(GRID, parabola(GRID, 1e-5))  # below the grid: the vertex is outside the tried range
+  assert outside.at_edge and not outside.fitted and outside.lr == GRID[0] and outside.curvature > 0
+  inside = lr_optimum(GRID, parabola(GRID, 1.3e-4))  # best grid point is the smallest, the vertex just above it
+  assert inside.at_edge and inside.fitted and inside.lr == pytest.approx(1.3e-4, rel=1e-9)
+  top = lr_optimum(GRID, parabola(GRID, 1.0))
+  assert top.at_edge and not top.fitted and top.lr == GRID[-1]
+
+
+def test_diverged_runs_are_dropped():
+  lrs = np.concatenate([GRID, [0.3, 1.0, 3e-3]])
+  losses = np.concatenate([parabola(GRID, 3e-3), [math.nan, math.inf, math.nan]])
+  assert lr_optimum(lrs, losses) == lr_optimum(GRID, parabola(GRID, 3e-3))
+  with pytest.raises(ValueError, match="every run diverged"):
+    lr_optimum([1e-3, 1e-2], [math.nan, math.inf])
+
+
+def test_a_downward_parabola_is_not_fitted():
+  opt = lr_optimum(GRID, 3.0 - 0.1 * (np.log(GRID) - np.log(2e-3)) ** 2)
+  assert not opt.fitted and opt.curvature < 0 and opt.at_edge
+  assert opt.lr in (GRID[0], GRID[-1])
+  two = lr_optimum(GRID[:2], parabola(GRID[:2], 3e-3))  # too few lrs for a parabola
+  assert not two.fitted and two.lr == GRID[1] and math.isnan(two.curvature)
+
+
+def test_lr_inverse_in_width_has_transfer_slope_minus_one():
+  widths = [128, 256, 512, 1024]
+  results = {w: {float(lr): [float(parabola(lr, 0.5 / w))] * 2 for lr in np.geomspace(1e-5, 1e-1, 9)}
+             for w in widths}
+  table = optimum_table(results)
+  assert list(table) == widths and all(table[w].fitted for w in widths)
+  assert [table[w].lr for w in widths] == pytest.approx([0.5 / w for w in widths], rel=1e-9)
+  assert transfer_slope(widths, [table[w].lr for w in widths]) == pytest.approx(-1.0, abs=1e-9)
+  assert transfer_slope(widths, [3e-3] * 4) == pytest.approx(0.0, abs=1e-12)
+  with pytest.raises(ValueError, match="width 256: lr_optimum: every run diverged"):
+    optimum_table({128: results[128], 256: {1e-3: [math.nan]}})
+  with pytest.raises(ValueError, match="two distinct widths"):
+    transfer_slope([128, 128], [1e-3, 1e-3])
+
+
+def test_compare_finds_a_large_difference_and_not_a_null_one():
+  rng = np.random.default_rng(0)
+  lower, higher = rng.normal(3.00, 0.01, 5), rng.normal(3.10, 0.01, 5)
+  result = compare(lower, higher)
+  assert result.p_value < 0.01 and result.diff < 0 and result.test == "Welch t, one-sided"
+  assert compare(higher, lower).p_value > 0.99
+  assert compare(lower, higher, alternative="two-sided").test == "Welch t, two-sided"
+  # under the null (one distribution), p is uniform: about 5% of pairs fall below 0.05, not more
+  null = [compare(x, y).p_value for x, y in np.random.default_rng(1).normal(3.0, 0.01, (2000, 2, 5))]
+  assert 0.035 < np.mean(np.asarray(null) < 0.05) < 0.065 and 0.45 < np.median(null) < 0.55
+  tie = compare(lower, lower)
+  assert tie.statistic == 0 and tie.p_value == pytest.approx(0.5)
+
+
+def test_compare_matches_welchs_formulas():
+  a, b = np.array([3.10, 3.00, 3.20, 3.05]), np.array([3.30, 3.10, 3.25, 3.40, 3.20, 3.35])
+  va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+  t = (a.mean() - b.mean()) / np.sqrt(va + vb)
+  df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
+  result = compare(a, b)
+  assert result.statistic == pytest.approx(t, rel=1e-12) and result.df == pytest.approx(df, rel=1e-12)
+  assert result.p_value == pytest.approx(stats.t.cdf(t, df), rel=1e-10)
+  assert (result.mean_a, result.mean_b) == pytest.approx((a.mean(), b.mean()))
+
+
+def test_compare_refuses_too_few_seeds_or_a_diverged_one():
+  with pytest.raises(ValueError, match="at least 2 values per sample"):
+    compare([3.0], [3.1, 3.2])
+  with pytest.raises(ValueError, match="finite"):
+    compare([3.0, math.nan], [3.1, 3.2])
+  with pytest.raises(ValueError, match="alternative"):
+    compare([3.0, 3.1], [3.1, 3.2], alternative="lower")
+
+
+# best per problem: p1 10 (A), p2 20 (A, B), p3 15 (B), p4 5 (B); A fails p4 (NaN), C fails p3 (inf) and lacks p4
+COSTS = {"A": {"p1": 10.0, "p2": 20.0, "p3": 30.0, "p4": math.nan},
+         "B": {"p1": 20.0, "p2": 20.0, "p3": 15.0, "p4": 5.0},
+         "C": {"p1": 40.0, "p2": 50.0, "p3": math.inf}}
+# ratios: A 1, 1, 2, inf; B 2, 1, 1, 1; C 4, 2.5, inf, inf
+
+
+def test_performance_profile_of_a_hand_example():
+  taus = [1.0, 1.5, 2.0, 3.0, 4.0, 10.0]
+  rho = performance_profile(COSTS, taus)
+  np.testing.assert_array_equal(rho["A"], [0.5, 0.5, 0.75, 0.75, 0.75, 0.75])
+  np.testing.assert_array_equal(rho["B"], [0.75, 0.75, 1.0, 1.0, 1.0, 1.0])
+  np.testing.assert_array_equal(rho["C"], [0.0, 0.0, 0.0, 0.25, 0.5, 0.5])
+  nobody = performance_profile({m: {**c, "p5": math.inf} for m, c in COSTS.items()}, [10.0])
+  assert [float(nobody[m][0]) for m in "ABC"] == [0.6, 0.8, 0.4]  # a problem no method solved still counts
+
+
+def test_profile_area_is_the_normalised_integral():
+  area = profile_area(COSTS)
+  assert area == pytest.approx({"A": 8 / 12, "B": 11 / 12, "C": 1.5 / 12}, rel=1e-12)
+  taus = np.linspace(1, 4, 300_001)
+  for method, rho in performance_profile(COSTS, taus).items():
+    assert area[method] == pytest.approx(np.trapezoid(rho, taus) / 3, abs=1e-5)
+  with pytest.raises(ValueError, match="positive"):
+    performance_profile({"A": {"p1": 0.0}}, [1.0])
