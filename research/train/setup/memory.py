@@ -15,8 +15,10 @@ now (JAX, the data) plus the per-device bytes times the local devices, plus the 
 writes the state from host memory, which on the CPU is the devices' own, and may still be writing while the next
 steps run. The trainer's checkpointer writes each array a chunk of `store.checkpoint.CHUNK_BYTES` at a time from the
 arrays' own memory, and the estimate counts `WRITER_BYTES` for it, or the whole state if smaller (`writer_bound`).
-What it does not see: a --init-from checkpoint's host copy while it loads, and the held-out evaluation (its
-temporaries are below the train step's).
+What it does not see: a --init-from checkpoint's host copy while it loads, the held-out evaluation (its
+temporaries are below the train step's), and the observers' programs (--watch, --sharpness-every, ...: compiled at the
+first step they are due, when their own bytes per device are printed; an observed step also holds the state twice,
+research/train/steps/observed.py).
 `--memory-limit GIB` replaces the limit (0: print the estimate, check nothing).
 """
 

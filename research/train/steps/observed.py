@@ -9,7 +9,8 @@ runs alone: the step before it has finished when it starts, and it has finished 
 devices the small model's first observed step else died in a collective's rendezvous, one device's thread never
 arriving). The loop arms the step about to run (`arm`, a before-hook); the program is then called as the plain one is.
 The observed steps' numbers reach the record of that step (`records`), which the metrics processor logs
-(`MetricsProcessor.due` covers every observer's cadence).
+(`MetricsProcessor.due` covers every observer's cadence). The memory pre-flight compiles the plain program only; each
+observed program's bytes per device (XLA's memory_analysis) are printed when it compiles, at its first step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 
 from research.train.observers import Active, active, compose
+from research.train.setup.memory import StepBytes, size
 
 
 class ObservedSteps:
@@ -75,7 +77,11 @@ class ObservedSteps:
       self.fresh = True
       reads = any("held" in a.observer.reads for a in self.due)
       held_sh = tuple(h.sharding for h in self.held) if reads else ()
-      self.programs[key] = (self.build(compose(self.due, self.section), held_sh), reads)
+      program = self.build(compose(self.due, self.section), held_sh)
+      compiled = program.lower(state, x, y, *(self.held if reads else ())).compile()
+      print(f"memory: the step with {', '.join(sorted(key))} needs {size(StepBytes.of(compiled).peak)} per device "
+            f"(compiled at its first step; the pre-flight's estimate is the plain step's)", flush=True)
+      self.programs[key] = (compiled, reads)
     program, reads = self.programs[key]
     jax.block_until_ready(state)  # no other program in flight beside an observed one (the module docstring)
     return jax.block_until_ready(program(state, x, y, *(self.held if reads else ())))
