@@ -20,6 +20,7 @@ The loop (`loop.py`: `run`) is a composition of named hooks over one step; every
   runtime/  devices, BLAS threads and the compile cache (devices.py), multi-process bring-up (processes.py),
             SIGINT/SIGTERM (signals.py, early.py), XLA options (xla.py)
   feed.py   the training batches: this process's rows, read ahead, the loader state checkpoints keep
+  vmapped.py  a sweep's runs that differ only in seed and numeric optimizer values, side by side in one program
   command.py  the CLI: parse, run, one-line errors and exit statuses
 """
 

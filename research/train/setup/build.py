@@ -54,10 +54,16 @@ def optimizer_needs(optim: OptimSection) -> Needs:
   return needs(optim.optimizer, opt_hparams(optim))
 
 
-def make_optimizer(cfg: TrainConfig):
-  hp = opt_hparams(cfg.optim)
+def make_optimizer(cfg: TrainConfig, values: dict | None = None):
+  """(the optimizer with --grad-clip and --freeze applied, its learning-rate schedule).
+
+  `values` replaces the peak lr ("lr") and optimizer hyperparameters by name with values that may be traced (one
+  member of a vmapped group: research/train/vmapped.py)."""
+  values = dict(values or {})
+  hp = {**opt_hparams(cfg.optim), **values}
+  lr = hp.pop("lr", cfg.optim.lr)
   warmup = min(100, cfg.training.steps // 10) if cfg.optim.warmup_steps is None else cfg.optim.warmup_steps
-  schedule = make_schedule(cfg.optim.schedule, cfg.optim.lr, cfg.training.steps, warmup=warmup,
+  schedule = make_schedule(cfg.optim.schedule, lr, cfg.training.steps, warmup=warmup,
                            min_ratio=cfg.optim.min_lr_ratio)
   try:
     tx = get_optimizer(cfg.optim.optimizer, schedule, **hp)
