@@ -4,13 +4,14 @@ Question: how big is each layer's update relative to its weights, how orthogonal
 the edge of stability 2/lr, and how noisy is the gradient (the noise scale B_simple), for an elementwise optimizer and
 two orthogonalizing ones at their tuned learning rates (research/results/optimizers: AdamW 1e-3, Muon 1e-2, NorMuon
 3e-3)? And what does watching cost: the default run's throughput with observers off, --watch every 10 steps and
---sharpness-every 100, side by side.
+--sharpness-every 100 (on all 16 rows of the held batch, and on 4), side by side, each in a fresh process.
 
 Each contender is one run of the train CLI (`research.train.run`) with --watch params,grads,updates every 10 steps,
 --spectra-every 25, --sharpness-every 25 (10 power iterations on 8 held-out rows) and --gns-every 10 (2 groups); the
 run directories under OUT/runs resume when interrupted (rerun the same command). The cost runs are the default run
-(`make run`'s config) at --steps 200, three times: plain, --watch params,grads,updates --watch-every 10, and
---sharpness-every 100.
+(`make run`'s config) at --steps 200 and --log-every 1, four times (`COST`), each measured afresh in a child process:
+tokens/s over the run (the observed steps included, the compilation of their programs not), each observed step's
+extra time in plain steps (its step time over the median plain step's, less one), the process's peak RSS.
 
   python -m research.experiments.diagnostics           # full size: writes research/results/diagnostics/
   python -m research.experiments.diagnostics --smoke   # seconds; writes nothing (the tests run this)
@@ -19,11 +20,16 @@ run directories under OUT/runs resume when interrupted (rerun the same command).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
+import shutil
+import sys
 import tempfile
 
 import numpy as np
 
+from research.bench.report import run_child
 from research.experiments import common
 from research.train import TrainConfig, run
 
@@ -32,8 +38,10 @@ CONTENDERS = {"adamw": 1e-3, "muon": 1e-2, "normuon": 3e-3}
 OBSERVERS = dict(watch=("params,grads,updates",), watch_every=10, spectra_every=25, sharpness_every=25,
                  sharpness_iters=10, sharpness_rows=8, gns_every=10, gns_groups=2)
 SMOKE_CONTENDERS = ("adamw", "muon")
-COST = {"off": {}, "watch every 10": dict(watch=("params,grads,updates",), watch_every=10),
-        "sharpness every 100": dict(sharpness_every=100)}
+COST = {"off": [], "watch every 10": ["--watch", "params,grads,updates", "--watch-every", "10"],
+        "sharpness every 100, all 16 rows": ["--sharpness-every", "100", "--sharpness-rows", "16"],
+        "sharpness every 100, 4 rows (the default)": ["--sharpness-every", "100", "--sharpness-rows", "4"]}
+"""The cost runs: the default run (`make run`'s config) with these flags, each in a fresh process."""
 
 
 @dataclasses.dataclass
@@ -142,9 +150,26 @@ def _plots(out: str, runs: dict[str, list[dict]]) -> list[str]:
   return made
 
 
-def _throughput(records: list[dict]) -> float:
-  last = [r for r in records if "run_tokens_per_s" in r] or [r for r in records if "tokens_per_s" in r]
-  return float(last[-1].get("run_tokens_per_s", last[-1].get("tokens_per_s"))) if last else float("nan")
+def _cost_run(cfg: Config, out: str, label: str, extra: list[str]) -> dict:
+  """One cost run in a fresh process (its peak RSS its own): the run's tokens/s (every step, the observers' included,
+  their programs' compilation not), the plain steps' median seconds, and the observed steps' extra seconds each."""
+  run_dir = os.path.join(out, "runs", "cost-" + re.sub(r"[^\w]+", "-", label))
+  if os.path.exists(run_dir):  # measured again, never resumed (a resumed run's throughput is another run's)
+    shutil.rmtree(run_dir)
+  code, rss, _, err, wall = run_child([sys.executable, "-m", "research.train", "--steps", str(cfg.cost_steps),
+                                      "--log-every", "1", "--no-progress", "--tracker", "none", "--out", run_dir,
+                                      *extra], os.path.join(out, "runs", "cost-logs", label.replace(" ", "-")))
+  if code:
+    raise RuntimeError(f"cost run {label!r} failed: {err[-2000:]}")
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    recs = [json.loads(line) for line in f if line.strip()]
+  tokens = recs[-1]["run_tokens_per_s"]
+  per_step = {r["step"]: 1 / r["tokens_per_s"] for r in recs if "tokens_per_s" in r}  # seconds per token
+  observed = sorted(s for r in recs for s in [r["step"]] if any(k.startswith(("watch/", "sharpness/")) for k in r))
+  plain = float(np.median([v for s, v in per_step.items() if s not in observed]))
+  extra_s = [(per_step[s] - plain) / plain for s in observed if s in per_step]  # in plain steps
+  return {"tokens_per_s": tokens, "observed_steps": observed, "extra_plain_steps": extra_s, "peak_rss": rss,
+          "wall_s": wall}
 
 
 def main(cfg: Config) -> dict:
@@ -152,12 +177,8 @@ def main(cfg: Config) -> dict:
   contenders = {k: CONTENDERS[k] for k in SMOKE_CONTENDERS} if cfg.smoke else CONTENDERS
   runs = {name: _train(cfg, out, name, lr, **OBSERVERS) for name, lr in contenders.items()}
   rows = [summarize(name, recs, CONTENDERS[name]) for name, recs in runs.items()]
-  cost = {}
-  if cfg.cost and not cfg.smoke:
-    for label, observe in COST.items():
-      recs = run(TrainConfig(out=os.path.join(out, "runs", "cost-" + label.replace(" ", "-")), steps=cfg.cost_steps,
-                             progress=False, tracker=("none",), **observe))
-      cost[label] = _throughput(recs)
+  cost = {label: _cost_run(cfg, out, label, extra) for label, extra in COST.items()} \
+      if cfg.cost and not cfg.smoke else {}
   result = {"rows": rows, "cost": cost}
   if cfg.smoke:
     return result
@@ -176,9 +197,12 @@ def main(cfg: Config) -> dict:
                  f"{f(r['two_over_lr_late'])} | {f(r['overlap_late'])} | {f(r['b_simple_early'])}, "
                  f"{f(r['b_simple_late'])} |")
   if cost:
-    base = cost["off"]
-    table += ["", "| default run (200 steps) | tokens/s | vs off |", "|---|---|---|"]
-    table += [f"| {k} | {v:.0f} | {v / base:.3f} |" for k, v in cost.items()]
+    base = cost["off"]["tokens_per_s"]
+    table += ["", f"| default run ({cfg.cost_steps} steps, a fresh process each) | tokens/s | vs off | an observed "
+              "step's extra time, in plain steps (median) | process peak RSS |", "|---|---|---|---|---|"]
+    table += [f"| {k} | {v['tokens_per_s']:.0f} | {v['tokens_per_s'] / base:.3f} | "
+              f"{np.median(v['extra_plain_steps']) if v['extra_plain_steps'] else float('nan'):.2g} | "
+              f"{v['peak_rss'] / 2**30:.2f} GiB |" for k, v in cost.items()]
   common.write_results(out, "In-step diagnostics: AdamW, Muon, NorMuon", __doc__.split("\n\n")[1], table,
                        settings={"steps": cfg.steps, "observers": OBSERVERS, "lrs": CONTENDERS},
                        data={**result, "plots": [os.path.basename(p) for p in plots]})

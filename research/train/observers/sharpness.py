@@ -22,6 +22,8 @@ from optim.diagnostics import sharpness
 from research.train.observers.registry import Observer, register
 
 ALPHAS = (0.0, 0.5, 1.0, 1.5, 2.0)
+ROWS = 4  # --sharpness-rows unset: one measurement costs ~8.5 plain steps of the default run, not ~26 with all 16 rows
+# (research/results/diagnostics/results.md): every 200 steps or rarer stays under 5%
 
 
 def check(section, batch_size: int) -> None:
@@ -32,7 +34,7 @@ def check(section, batch_size: int) -> None:
 
 def observe(result, held, section) -> dict:
   hx, hy = held
-  rows = section.sharpness_rows or hx.shape[0]
+  rows = section.sharpness_rows or min(ROWS, hx.shape[0])
   hx, hy = hx[:rows], hy[:rows]
   loss = lambda p: result.probe.loss_at(p, hx, hy)
   params, u = result.params, result.updates
