@@ -3,6 +3,8 @@
   python -m research.sweep --grid adamw=3e-4,1e-3,3e-3 muon=3e-3,1e-2 --seeds 0 1 2 --out runs/sweep
   python -m research.sweep --grid "muon_mvr[mode=mvr2]=1e-2" --tokens 409600 --train.model small
   python -m research.sweep ... --flops 3e13 --workers 2          # steps from the model's FLOPs; 2 processes
+  python -m research.sweep --grid adamw=3e-4,3e-3 muon=3e-3,3e-2 --search --trials 8 --seeds 0 1 2 \
+      --space weight_decay=linear:0:0.2 adamw:b2=beta:0.9:0.999 muon:beta=beta:0.8:0.98   # quasi-random search
 
 A grid entry is `OPTIMIZER=LR,LR,...` or `OPTIMIZER[KEY=VALUE,...]=LRS` (hyperparameters as in `--opt`; the
 bracketed form is also the contender's label). Every run is `research.train` with the shared `--train.*`
@@ -13,6 +15,13 @@ completes a grid.
 Writes OUT/results.csv (one row per run: final and best val loss, steps to the target loss, tokens/s),
 OUT/summary.md (per contender at its best lr: mean ± std over seeds, speedup), OUT/curves.png (val loss of each
 contender at its best lr, mean and min–max over seeds) and OUT/lr.png (final val loss vs lr).
+
+--search (research/search.py): each contender gets the same budget of --trials quasi-random points (a scrambled
+Halton sequence, the same on every rerun) over its box — its lr log-uniform over its entry's lrs (or an lr dimension of
+--space), and every --space dimension, for all contenders or prefixed CONTENDER: for one — at the first seed, in
+OUT/runs/<label>_t<trial>_lr<lr>_s<seed>/; then its best trial at every other seed. summary.md names each best trial's
+values and the dimensions it lies near an end of (the optimum may be outside the box). Interrupted, it resumes as a
+grid does.
 
 Speedup over the baseline = steps the baseline (at its best lr, mean curve over seeds) takes to reach its own
 final loss / steps the contender's mean curve takes to reach that loss; steps between evaluations are linearly
@@ -38,10 +47,12 @@ import numpy as np
 import tyro
 
 from research import entry, flags
+from research.search import Dim, edge_flags, parse_dim, quasi_random
 from research.train.command import USER_ERRORS
 from research.train.config import NestedTrainConfig, TrainConfig
 
 _ENTRY = re.compile(r"^(\w+)(?:\[(.*)\])?=([^=\[\]]+)$")
+_PREFIXED = re.compile(r"^[^=:]+:[A-Za-z_]\w*=")  # CONTENDER:NAME=SCALE:LOW:HIGH
 
 
 class SweepError(ValueError):
@@ -53,6 +64,7 @@ def _grid_entry(entry: str):
 
 
 GRID_ENTRY = flags.Rule(parse=_grid_entry)  # OPTIMIZER[KEY=VALUE,...]=LRS (parse_grid's SweepError: a ValueError)
+SPACE_ENTRY = flags.Rule(parse=lambda e: parse_dim(e.partition(":")[2] if _PREFIXED.match(e) else e), empty=True)
 
 
 @dataclasses.dataclass
@@ -70,6 +82,14 @@ class SweepConfig:
   """The contender (label) speedups are measured against."""
   target_loss: float | None = None
   """Loss for the steps-to-target column (default: the baseline's final loss at its best lr)."""
+  search: bool = False
+  """Quasi-random search instead of the grid: --trials points per contender over --space (its lr over the entry's
+  lrs' range unless --space gives one), at the first seed; then the best trial per contender at every other seed."""
+  space: Annotated[tuple[str, ...], SPACE_ENTRY] = ()
+  """Search dimensions [CONTENDER:]NAME=SCALE:LOW:HIGH (SCALE log, linear or beta; NAME lr, weight_decay, b1, b2 or
+  an --opt key), for every contender or, prefixed, for one."""
+  trials: Annotated[int, flags.COUNT] = 8
+  """Trials per contender in --search: the same budget for each."""
   workers: Annotated[int, flags.COUNT] = 1
   """Runs at once, each in its own process (1 = in this process, one after another)."""
   out: Annotated[str, flags.OUT_DIR] = "runs/sweep"
@@ -87,11 +107,12 @@ class Run:
   opt: tuple[str, ...]
   lr: float
   seed: int
+  trial: int | None = None  # --search: the trial's index (its values are in `opt`)
 
   @property
   def name(self) -> str:
     safe = re.sub(r"[^\w.=-]+", "-", self.label).strip("-")
-    return f"{safe}_lr{self.lr:g}_s{self.seed}"
+    return f"{safe}{'' if self.trial is None else f'_t{self.trial}'}_lr{self.lr:g}_s{self.seed}"
 
 
 def parse_grid(entries) -> list[tuple[str, str, tuple[str, ...], list[float]]]:
@@ -192,11 +213,54 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
     raise SweepError(f"--workers must be ≥ 1, got {cfg.workers}")
   steps = budget_steps(cfg)
   runs_dir = cfg.runs or os.path.join(cfg.out, "runs")
-  runs = [Run(label, name, opt, lr, seed) for seed in cfg.seeds for label, name, opt, lrs in grid for lr in lrs]
   base = cfg.train.flags()  # shallow: keeps nested configs
   base.update(steps=steps, stop_at=None)
   if base["eval_every"] > steps:
     base["eval_every"] = steps
+  boxes = {}
+  if cfg.search:
+    boxes = search_boxes(cfg, grid)
+    runs = [Run(label, name, opt + _opt_items(point), point["lr"], cfg.seeds[0], i)
+            for label, name, opt, _ in grid for i, point in enumerate(quasi_random(boxes[label], cfg.trials))]
+    _execute(cfg, runs, base, runs_dir, steps)
+    best = {s["label"]: s for s in summarize(_rows(runs, runs_dir, steps), cfg.baseline, cfg.target_loss)[0]}
+    runs += [dataclasses.replace(r, seed=seed) for r in runs for seed in cfg.seeds[1:]
+             if r.label in best and r.trial == best[r.label]["trial"]]
+  else:
+    runs = [Run(label, name, opt, lr, seed) for seed in cfg.seeds for label, name, opt, lrs in grid for lr in lrs]
+  _execute(cfg, runs, base, runs_dir, steps)
+  rows = _rows(runs, runs_dir, steps)
+  write_results(cfg, rows, boxes)
+  return rows
+
+
+def search_boxes(cfg: SweepConfig, grid) -> dict[str, list[Dim]]:
+  """Each contender's search box: the --space dimensions for all and its own, lr over its entry's lrs unless given."""
+  boxes = {}
+  labels = [g[0] for g in grid]
+  for e in cfg.space:
+    if _PREFIXED.match(e) and e.partition(":")[0] not in labels:
+      raise SweepError(f"--space {e!r}: {e.partition(':')[0]!r} is not a contender of the grid ({', '.join(labels)})")
+  for label, _, _, lrs in grid:
+    dims = [parse_dim(e.partition(":")[2]) for e in cfg.space if _PREFIXED.match(e) and e.partition(":")[0] == label]
+    dims += [d for d in map(parse_dim, (e for e in cfg.space if not _PREFIXED.match(e)))
+             if d.name not in {x.name for x in dims}]
+    if "lr" not in {d.name for d in dims}:
+      if len(set(lrs)) < 2:
+        raise SweepError(f"--search: {label} needs an lr range: two lrs in its grid entry or an lr dimension "
+                         f"in --space ({label}:lr=log:LOW:HIGH)")
+      dims.insert(0, Dim("lr", "log", min(lrs), max(lrs)))
+    boxes[label] = dims
+  return boxes
+
+
+def _opt_items(point: dict) -> tuple[str, ...]:
+  """A trial's values but lr as --opt items (weight_decay, b1, b2 and optimizer keys alike: `opt_hparams`)."""
+  return tuple(f"{k}={v!r}" for k, v in point.items() if k != "lr")
+
+
+def _execute(cfg: SweepConfig, runs: list[Run], base: dict, runs_dir: str, steps: int):
+  """Trains the runs that have not finished, one after another or in --workers processes."""
   todo = []
   for r in runs:
     kw = dict(base, optimizer=r.optimizer, lr=r.lr, seed=r.seed, opt=tuple(base["opt"]) + r.opt,
@@ -212,20 +276,23 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
     with ProcessPoolExecutor(cfg.workers, mp_context=get_context("spawn")) as pool:
       for f in [pool.submit(_run_one, kw) for kw in todo]:
         f.result()
+
+
+def _rows(runs: list[Run], runs_dir: str, steps: int) -> list[dict]:
+  """One row per run from its directory: final and best val loss, tokens/s, the curve (or diverged)."""
   rows = []
   for r in runs:
+    row = {"label": r.label, "optimizer": r.optimizer, "lr": r.lr, "seed": r.seed, "steps": steps, "trial": r.trial,
+           "values": dict(item.partition("=")[::2] for item in r.opt) if r.trial is not None else {}}
     if os.path.exists(os.path.join(runs_dir, r.name, "diverged")):  # listed in results.csv, not ranked
-      rows.append({"label": r.label, "optimizer": r.optimizer, "lr": r.lr, "seed": r.seed, "steps": steps,
-                   "final_val_loss": math.inf, "best_val_loss": math.inf, "tokens_per_s": math.nan, "curve": [],
-                   "diverged": True})
+      rows.append({**row, "final_val_loss": math.inf, "best_val_loss": math.inf, "tokens_per_s": math.nan,
+                   "curve": [], "diverged": True})
       continue
     recs = _records(os.path.join(runs_dir, r.name, "metrics.jsonl"))
     evals = [(x["step"], x["val_loss"]) for x in recs if "val_loss" in x]
     speeds = [x["tokens_per_s"] for x in recs if "tokens_per_s" in x] or [math.nan]  # none before a whole step
-    rows.append({"label": r.label, "optimizer": r.optimizer, "lr": r.lr, "seed": r.seed, "steps": steps,
-                 "final_val_loss": evals[-1][1], "best_val_loss": min(v for _, v in evals),
+    rows.append({**row, "final_val_loss": evals[-1][1], "best_val_loss": min(v for _, v in evals),
                  "tokens_per_s": statistics.median(speeds), "curve": evals})
-  write_results(cfg, rows)
   return rows
 
 
@@ -235,21 +302,22 @@ def summarize(rows: list[dict], baseline: str, target_loss: float | None = None)
   for r in rows:
     if r.get("diverged"):
       continue
-    by.setdefault(r["label"], {}).setdefault(r["lr"], []).append(r)
+    by.setdefault(r["label"], {}).setdefault((r["lr"], r.get("trial")), []).append(r)
   best = {}
   for label, lrs in by.items():
-    lr = min(lrs, key=lambda x: statistics.fmean(r["final_val_loss"] for r in lrs[x]))
-    best[label] = (lr, lrs[lr])
+    key = min(lrs, key=lambda x: statistics.fmean(r["final_val_loss"] for r in lrs[x]))
+    best[label] = (key, lrs[key])
   base_curve = _mean_curve([r["curve"] for r in best[baseline][1]])
   base_final = base_curve[-1][1]
   target = base_final if target_loss is None else target_loss
   base_steps = steps_to(base_curve, base_final)
   summary = []
-  for label, (lr, rs) in best.items():
+  for label, ((lr, trial), rs) in best.items():
     finals = [r["final_val_loss"] for r in rs]
     curve = _mean_curve([r["curve"] for r in rs])
     reach = steps_to(curve, base_final)
-    summary.append({"label": label, "best_lr": lr, "seeds": len(rs), "final_mean": statistics.fmean(finals),
+    summary.append({"label": label, "best_lr": lr, "trial": trial, "values": rs[0].get("values", {}),
+                    "seeds": len(rs), "final_mean": statistics.fmean(finals),
                     "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
                     "best_val": min(r["best_val_loss"] for r in rs), "steps_to_target": steps_to(curve, target),
                     "speedup": base_steps / reach if reach else None,
@@ -260,14 +328,16 @@ def summarize(rows: list[dict], baseline: str, target_loss: float | None = None)
   return summary, target
 
 
-def write_results(cfg: SweepConfig, rows: list[dict]):
+def write_results(cfg: SweepConfig, rows: list[dict], boxes: dict | None = None):
+  """OUT/results.csv, summary.md and the plots; with --search (`boxes`: each contender's box) the best trial's values
+  and the dimensions it sits near an end of."""
   os.makedirs(cfg.out, exist_ok=True)
   summary, target = summarize(rows, cfg.baseline, cfg.target_loss)
   for r in rows:
     r["steps_to_target"] = steps_to(r["curve"], target)
     r.setdefault("diverged", False)
   cols = ["label", "optimizer", "lr", "seed", "steps", "final_val_loss", "best_val_loss", "steps_to_target",
-          "tokens_per_s", "diverged"]
+          "tokens_per_s", "diverged"] + (["trial", "values"] if boxes else [])
   with open(os.path.join(cfg.out, "results.csv"), "w", newline="") as f:
     w = csv.DictWriter(f, cols, extrasaction="ignore")
     w.writeheader()
@@ -284,6 +354,16 @@ def write_results(cfg: SweepConfig, rows: list[dict]):
   settings = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in cfg.train.flags().items()
               if k not in ("out", "progress")}
   settings["steps"] = rows[0]["steps"]
+  if boxes:
+    lines += ["", f"Search: {cfg.trials} quasi-random trials per contender (scrambled Halton) at seed {cfg.seeds[0]}, "
+              "then the best trial at every seed.", "", "| contender | box | best trial | its values | near the box's "
+              "edge |", "|---|---|---|---|---|"]
+    for s in summary:
+      box = boxes[s["label"]]
+      best = {"lr": s["best_lr"], **{k: float(v) for k, v in s["values"].items()}}
+      lines.append(f"| {s['label']} | {', '.join(f'{d.name} {d.scale} [{d.low:g}, {d.high:g}]' for d in box)} | "
+                   f"{s['trial']} | {', '.join(f'{k}={v:.4g}' for k, v in best.items())} | "
+                   f"{', '.join(edge_flags(box, best)) or '—'} |")
   with open(os.path.join(cfg.out, "summary.md"), "w") as f:
     f.write(f"Sweep at commit {commit}: grid {list(cfg.grid)}, seeds {list(cfg.seeds)}\n\n"
             f"Run settings: `{json.dumps(settings)}`\n\n" + "\n".join(lines) + "\n")
