@@ -31,6 +31,7 @@ from research.bench.quant import quant
 from research.bench.reshard import reshard_bench
 from research.bench.sample import sample
 from research.bench.train import train
+from research.bench.vmap import vmap
 from sharding import MeshError, ShardingError
 
 NUM_CPU_DEVICES = 8
@@ -54,7 +55,7 @@ BENCHMARKS = {name: checked_first(bench) for name, bench in {
   "train": train, "optim": optim_step, "comm": comm, "reshard": reshard_bench, "moe": moe, "ckpt": ckpt_bench,
   "dion": dion_comm, "attention": attention, "hf": hf, "quant": quant, "sample": sample, "finetune": finetune,
   "finetune-3b": finetune_3b, "data": data, "peer": peer, "preflight": preflight, "cache": cache,
-  "coordcheck": coordcheck}.items()}
+  "coordcheck": coordcheck, "vmap": vmap}.items()}
 
 
 def main(argv=None):

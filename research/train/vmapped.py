@@ -35,6 +35,7 @@ from models import Transformer
 from research.train.config import RunError, TrainConfig
 from research.train.feed import held_out, make_loader
 from research.train.hooks.source_weights import load_data
+from research.train.runtime.xla import compiler_options
 from research.train.setup.build import make_optimizer, model_config, opt_hparams, optimizer_needs
 from research.train.steps.contract import outputs
 from research.train.steps.step import eval_loss, make_update
@@ -144,8 +145,9 @@ def build(cfgs: Sequence[TrainConfig]) -> Group:
           jax.errors.TracerIntegerConversionError) as e:
     raise RunError(f"--optimizer {base.optim.optimizer} branches on one of {varied}, which the members vary: run "
                    f"them one at a time ({type(e).__name__})") from None
-  step = jax.jit(jax.vmap(member_step), donate_argnums=(1, 2, 3, 4))
-  evaluate = jax.jit(jax.vmap(eval_loss(graphdef), in_axes=(0, None, None, 0)))
+  opts = compiler_options()  # the trainer's (research/train/runtime/xla.py)
+  step = jax.jit(jax.vmap(member_step), donate_argnums=(1, 2, 3, 4), compiler_options=opts)
+  evaluate = jax.jit(jax.vmap(eval_loss(graphdef), in_axes=(0, None, None, 0)), compiler_options=opts)
   loaders = [make_loader(corpus, c.training, c.data, c.data_options) for c in cfgs]
   val = held_out(corpus, base.training, base.data_options, base.logging.eval_batches)
   return Group(cfgs, values, (params, buffers, opt_state, bad), step,

@@ -138,5 +138,5 @@ def test_a_misspelt_flag_is_caught():
   assert [p for c in found for p in problems(c)] == [
       "python -m research.train: --stepz is not a flag its --help lists",
       "python -m research.bench optm: no such subcommand (offered: attention, cache, ckpt, comm, coordcheck, data, "
-      "dion, finetune, finetune-3b, hf, moe, optim, peer, preflight, quant, reshard, sample, train)",
+      "dion, finetune, finetune-3b, hf, moe, optim, peer, preflight, quant, reshard, sample, train, vmap)",
       "python -m research.train: --lrr is not a flag its --help lists"]

@@ -111,3 +111,27 @@ def test_member_values_lists_what_varies():
   cfgs = [TrainConfig(**BASE, optimizer="muon", lr=lr, opt=(f"beta={b}",)) for lr, b in ((1e-2, 0.9), (1e-2, 0.95))]
   assert member_values(cfgs) == ([{"beta": 0.9}, {"beta": 0.95}], ["beta"])
   np.testing.assert_equal(member_values(cfgs[:1])[1], [])
+
+
+def test_a_second_learning_rate_follows_the_runs_schedule(monkeypatch):
+  """--opt adam_learning_rate=X is a peak on the --lr schedule's shape (warmup, cosine), not a constant."""
+  from research.train.setup import build
+  got = {}
+  monkeypatch.setattr(build, "get_optimizer", lambda name, lr, **hp: got.update(lr=lr, **hp))
+  monkeypatch.setattr(build.frozen, "freeze", lambda tx, spec: (tx, None))
+  cfg = TrainConfig(**{**BASE, "steps": 100, "warmup_steps": 10}, optimizer="muon", lr=0.02,
+                    opt=("adam_learning_rate=0.004", "beta=0.9"), grad_clip=0.0)
+  build.make_optimizer(cfg)
+  main, second = got["lr"], got["adam_learning_rate"]
+  for step in (0, 5, 10, 50, 99):
+    assert float(second(step)) == pytest.approx(float(main(step)) * 0.004 / 0.02, rel=1e-6)
+  assert float(second(10)) == pytest.approx(0.004) and got["beta"] == 0.9
+
+
+def test_the_bench_reports_its_ratios_from_its_measurements(tmp_path):
+  from research.bench.vmap import vmap
+  out = vmap(widths=(16,), members=2, steps=6, trainer=False, out=str(tmp_path / "bench.md"))
+  row = out["rows"][0]
+  assert row["speedup_steady"] == pytest.approx(2 * row["alone_step"] / row["group_step"])
+  assert row["alone_step"] > 0 and row["group_step"] > 0 and row["flops_per_member_step"] > 0
+  assert "| 16 |" in (tmp_path / "bench.md").read_text()

@@ -75,7 +75,8 @@ class OptimSection:
   b2: float | None = None
   """Second-moment decay, for optimizers that have b2 (unset: its default)."""
   opt: tuple[str, ...] = ()
-  """More optimizer hyperparameters as KEY=VALUE (VALUE parsed as JSON), e.g. --opt nesterov=false."""
+  """More optimizer hyperparameters as KEY=VALUE (VALUE parsed as JSON), e.g. --opt nesterov=false; a number for a
+  KEY ending in learning_rate (adam_learning_rate=3e-3) is a peak on the --lr schedule's shape."""
   schedule: Literal["cosine", "wsd", "constant"] = "cosine"
   """Learning-rate schedule after the linear warmup (wsd = warmup-stable-decay)."""
   warmup_steps: int | None = None

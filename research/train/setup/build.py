@@ -63,8 +63,12 @@ def make_optimizer(cfg: TrainConfig, values: dict | None = None):
   hp = {**opt_hparams(cfg.optim), **values}
   lr = hp.pop("lr", cfg.optim.lr)
   warmup = min(100, cfg.training.steps // 10) if cfg.optim.warmup_steps is None else cfg.optim.warmup_steps
-  schedule = make_schedule(cfg.optim.schedule, lr, cfg.training.steps, warmup=warmup,
-                           min_ratio=cfg.optim.min_lr_ratio)
+  shaped = lambda peak: make_schedule(cfg.optim.schedule, peak, cfg.training.steps, warmup=warmup,
+                                      min_ratio=cfg.optim.min_lr_ratio)
+  schedule = shaped(lr)
+  for key, value in hp.items():  # a second lr (Muon's AdamW group: --opt adam_learning_rate=X) on the same schedule
+    if key.endswith("learning_rate") and not isinstance(value, (bool, str)) and value is not None:
+      hp[key] = shaped(value)
   try:
     tx = get_optimizer(cfg.optim.optimizer, schedule, **hp)
   except ValueError as e:  # the registry's refusals, or a factory's own (MGUP's AlignmentError, BAdamError)
