@@ -1,0 +1,62 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.7
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Does the win survive scale? A width ladder
+#
+# The rigorous optimizer benchmarks ("Fantastic Pretraining Optimizers", Wen et al. 2025; "Benchmarking Optimizers
+# for LLM Pretraining", Semenov et al. 2025) tune every optimizer on its own at every scale and measure the speedup
+# over AdamW as the data AdamW needs to reach the same loss. Here the same protocol runs on a ladder of widths of the
+# `small` transformer: per width and contender an lr scan (the transfer plot), quasi-random trials over its other
+# knobs, seeds at the optimum, and AdamW at shorter budgets for its fitted L(D). Every group of runs of one shape
+# trains in one vmapped program (`research/train/vmapped.py`). The verdicts (speedup with a bootstrap interval,
+# Welch's test, the lr optimum per width) come from `research.verdicts`. The experiment is
+# `research/experiments/width_ladder/`; its full-size results are in
+# [research/results/width_ladder/results.md](../research/results/width_ladder/results.md), made by
+# `python -m research.experiments.width_ladder`.
+#
+# Here it runs at smoke size: two tiny widths, AdamW and Muon, a few steps — the same code path.
+
+# %%
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import tempfile
+
+from IPython.display import Image, Markdown, display
+
+from research.experiments import common, width_ladder
+from research.experiments.width_ladder import report, study
+
+result = width_ladder.main(width_ladder.Config(smoke=True))
+cfg = study.Config(**width_ladder.SMOKE)
+display(Markdown("\n".join(report.tables(cfg, result["done"], result["verdicts"]))))
+for line in report.findings(result["verdicts"]):
+  print(line)
+
+# %% [markdown]
+# The speedup over AdamW against width (95% bootstrap intervals over seeds), and each contender's final loss against
+# its learning rate at every width (µP's transfer plot).
+
+# %%
+for path in report.plots(cfg, result["done"], result["verdicts"], tempfile.mkdtemp()):
+  display(Image(path))
+
+# %% [markdown]
+# ## The full-size run
+
+# %%
+display(Markdown(common.full_results("width_ladder")))

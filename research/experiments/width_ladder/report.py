@@ -1,0 +1,195 @@
+"""The width ladder's verdicts (by `research.verdicts`), tables, findings and plots, from what `study.Ladder.run`
+finished: a rung or contender still running is reported as such, so a partial ladder gives a partial record."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from research.verdicts import (
+  bootstrap_speedup,
+  compare,
+  extrapolates,
+  fit_power_law,
+  lr_optimum,
+  profile_area,
+  transfer_slope,
+)
+
+BASE = "adamw"
+
+
+def _finished(entry: dict) -> bool:
+  return bool(entry) and "finals" in entry and None not in entry["finals"]
+
+
+def verdicts(done: dict, tokens_per_step: int) -> dict:
+  """Per width: AdamW's fitted L(D), each contender's speedup (bootstrap interval over seeds) and its Welch test
+  against AdamW; per contender: the lr optimum at each width and the transfer slope; the performance profiles' areas.
+
+  Args:
+    done: `Ladder.run()`'s result.
+    tokens_per_step: batch × sequence length.
+
+  Returns:
+    {"widths": {width: {"law": ..., contender: {...}}}, "transfer": {...}, "profile": {...}}.
+  """
+  out: dict = {"widths": {}, "transfer": {}, "profile": {}}
+  for width, rung in done.items():
+    row = out["widths"][width] = {}
+    base = rung.get(BASE, {})
+    budgets = rung.get("budgets", {})
+    if _finished(base) and budgets and all(None not in b["finals"] for b in budgets.values()):
+      tokens = base["steps"] * tokens_per_step
+      points = {b["steps"] * tokens_per_step: b["finals"] for b in budgets.values()}
+      points[tokens] = base["finals"]
+      points = {d: [v for v in f if math.isfinite(v)] for d, f in points.items()}
+      try:
+        law = fit_power_law([d for d, f in points.items() for _ in f], [v for f in points.values() for v in f])
+      except ValueError as e:  # fewer than 3 budgets, or every seed of one diverged
+        row["law_error"] = str(e)
+        continue
+      row["law"] = {"alpha": law.alpha, "exponent": law.exponent, "floor": law.floor}
+      for name, entry in rung.items():
+        if not isinstance(entry, dict) or not _finished(entry):
+          continue
+        finals = [v for v in entry["finals"] if math.isfinite(v)]
+        if len(finals) < 2:
+          continue
+        iv = bootstrap_speedup(points, finals, tokens, seed=width)
+        c = compare(finals, base["finals"]) if name != BASE else None
+        row[name] = {"speedup": iv.estimate, "low": iv.low, "high": iv.high,
+                     "extrapolated": extrapolates(law, float(np.mean(finals))),
+                     "mean": float(np.mean(finals)), "std": float(np.std(finals, ddof=1)),
+                     **({"p": c.p_value, "t": c.statistic, "df": c.df, "diff": c.diff, "test": c.test} if c else {})}
+  names = sorted({n for rung in done.values() for n, e in rung.items() if isinstance(e, dict) and "scan" in e})
+  for name in names:
+    optima = {}
+    for width, rung in done.items():
+      scan = rung.get(name, {}).get("scan", {})
+      if scan and None not in scan.values():
+        o = lr_optimum(list(scan), list(scan.values()))
+        optima[width] = {"lr": o.lr, "at_edge": o.at_edge, "fitted": o.fitted}
+    slope = transfer_slope(list(optima), [o["lr"] for o in optima.values()]) if len(optima) >= 2 else float("nan")
+    out["transfer"][name] = {"optima": optima, "slope": slope}
+  costs = {n: {str(w): 1 / r[n]["speedup"] for w, r in out["widths"].items() if n in r and r[n]["speedup"] > 0}
+           for n in names}
+  if any(costs.values()):
+    out["profile"] = profile_area({n: c for n, c in costs.items() if c})
+  return out
+
+
+def tables(cfg, done: dict, v: dict) -> list[str]:
+  """The record's tables: the rungs, the tuned settings, speedups, significance, lr transfer."""
+  f = lambda x, spec=".3g": "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+  lines = ["## Rungs", "", "| d_model | parameters | tokens / parameter | steps | tokens |", "|---|---|---|---|---|"]
+  for w, rung in done.items():
+    lines.append(f"| {w} | {rung['params']:,} | {rung['tokens_per_param']:g} | {rung['steps']} | "
+                 f"{rung['steps'] * cfg.batch_size * cfg.seq_len:,} |")
+  lines += ["", "## Tuned settings (seed 0) and final held-out loss at the optimum (mean ± std over seeds)", "",
+            "| d_model | contender | best settings | lr scan edge | search-box edges | final val loss |",
+            "|---|---|---|---|---|---|"]
+  for w, rung in done.items():
+    for name in cfg.contenders:
+      e = rung.get(name, {})
+      if not _finished(e):
+        lines.append(f"| {w} | {name} | (running) | | | |")
+        continue
+      finals = [x for x in e["finals"] if math.isfinite(x)]
+      best = ", ".join(f"{k}={x:.4g}" for k, x in sorted(e["best"].items()))
+      lines.append(f"| {w} | {name} | {best} | {e.get('scan_edge') or '—'} | {', '.join(e['best_edges']) or '—'} | "
+                   f"{np.mean(finals):.4f} ± {np.std(finals, ddof=1) if len(finals) > 1 else 0:.4f} "
+                   f"({len(finals)} of {len(e['finals'])} seeds finite) |")
+  lines += ["", "## Data-matched speedup over AdamW and significance", "",
+            "Speedup = the tokens AdamW's fitted L(D) = α·D^(−B) + β needs to reach the contender's mean final loss / "
+            "the tokens used (95% bootstrap interval over seeds, 1000 resamples); p: one-sided Welch t-test that the "
+            "contender's final losses are lower than AdamW's.", "",
+            "| d_model | AdamW's L(D): α, B, β | contender | speedup [95% CI] | extrapolated | Δ loss vs AdamW | "
+            "t, df | p |",
+            "|---|---|---|---|---|---|---|---|"]
+  for w, row in v["widths"].items():
+    law = row.get("law")
+    lawtxt = f"{law['alpha']:.3g}, {law['exponent']:.3g}, {law['floor']:.3g}" if law else "(running)"
+    for name in cfg.contenders:
+      r = row.get(name)
+      if not r:
+        continue
+      lines.append(f"| {w} | {lawtxt} | {name} | {f(r['speedup'], '.2f')}× [{f(r['low'], '.2f')}, "
+                   f"{f(r['high'], '.2f')}] | {'yes' if r['extrapolated'] else 'no'} | {f(r.get('diff'), '+.4f')} | "
+                   f"{f(r.get('t'), '.2f')}, {f(r.get('df'), '.1f')} | {f(r.get('p'), '.3g')} |")
+  lines += ["", "## Learning-rate transfer (stage A's scans)", "",
+            "lr* per width: the vertex of a parabola in log lr through the scan's best point and its neighbours "
+            "(`research.verdicts.lr_optimum`); slope: log lr* on log width (0: the lr transfers).", "",
+            "| contender | " + " | ".join(f"lr* at {w}" for w in done) + " | slope |",
+            "|---|" + "---|" * (len(done) + 1)]
+  for name, t in v["transfer"].items():
+    cells = [f(t["optima"][w]["lr"], ".3g") + (" (edge)" if t["optima"][w]["at_edge"] else "") if w in t["optima"]
+             else "—" for w in done]
+    lines.append(f"| {name} | " + " | ".join(cells) + f" | {f(t['slope'], '+.2f')} |")
+  if v["profile"]:
+    lines += ["", "Performance profile (cost = 1 / speedup per width; AlgoPerf's normalised area, τ ≤ 4): " +
+              ", ".join(f"{n} {a:.3f}" for n, a in sorted(v["profile"].items(), key=lambda t: -t[1]))]
+  return lines
+
+
+def findings(v: dict) -> list[str]:
+  """Sentences generated from the verdicts: the speedup's trend with width, which Muon convention transfers."""
+  out = []
+  for name in sorted({n for row in v["widths"].values() for n in row if n not in ("law", BASE)}):
+    pts = [(w, row[name]["speedup"]) for w, row in v["widths"].items()
+           if name in row and np.isfinite(row[name]["speedup"])]
+    if len(pts) >= 2:
+      ws, ss = zip(*pts)
+      slope = float(np.polyfit(np.log(ws), np.log(ss), 1)[0])
+      trend = "shrinks" if slope < -0.02 else "grows" if slope > 0.02 else "holds"
+      sig = [w for w, row in v["widths"].items() if name in row and row[name].get("p", 1) < 0.05]
+      out.append(f"- {name}: speedup {' → '.join(f'{s:.2f}×' for s in ss)} over widths {', '.join(map(str, ws))} "
+                 f"({trend} with width: log-log slope {slope:+.2f}); significantly below AdamW's loss (p < 0.05) at "
+                 f"{', '.join(map(str, sig)) or 'no width'}.")
+  t = v["transfer"]
+  for a, b in (("muon-moonlight", "muon-keller"),):
+    if a in t and b in t and np.isfinite(t[a]["slope"]) and np.isfinite(t[b]["slope"]):
+      closer = a if abs(t[a]["slope"]) < abs(t[b]["slope"]) else b
+      out.append(f"- lr transfer: {a} slope {t[a]['slope']:+.2f}, {b} {t[b]['slope']:+.2f}: {closer}'s optimum "
+                 f"moves less with width.")
+  return out
+
+
+def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
+  """speedup.png (speedup vs width, intervals), transfer.png (final loss vs lr per width, one panel a contender)."""
+  import os
+
+  from matplotlib.figure import Figure
+  made = []
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
+  for name in cfg.contenders:
+    pts = [(w, r[name]) for w, r in v["widths"].items() if name in r]
+    if pts:
+      ws = [w for w, _ in pts]
+      s = np.array([p["speedup"] for _, p in pts])
+      err = np.abs(np.array([[p["low"] for _, p in pts], [p["high"] for _, p in pts]]) - s)
+      ax.errorbar(ws, s, yerr=err, marker="o", capsize=3, label=name)
+  ax.axhline(1, color="gray", lw=0.8)
+  ax.set(xscale="log", xlabel="d_model", ylabel="data-matched speedup over AdamW", title="speedup vs width")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  made.append(os.path.join(out, "speedup.png"))
+  fig.savefig(made[-1], dpi=120)
+  names = [n for n in cfg.contenders if n in v["transfer"]]
+  fig = Figure(figsize=(3.2 * max(1, len(names)), 3.2))
+  axes = np.atleast_1d(fig.subplots(1, max(1, len(names))))
+  for ax, name in zip(axes, names):
+    for w, rung in done.items():
+      scan = rung.get(name, {}).get("scan", {})
+      if scan and None not in scan.values():
+        lrs = sorted(scan)
+        ax.plot(lrs, [min(scan[x], 10.0) for x in lrs], marker="o", label=f"d {w}")
+    ax.set(xscale="log", xlabel="peak lr", title=name)
+  axes[0].set_ylabel("final held-out loss")
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  made.append(os.path.join(out, "transfer.png"))
+  fig.savefig(made[-1], dpi=120)
+  return made

@@ -1,0 +1,288 @@
+"""Does an optimizer's win over AdamW survive scale? A width ladder, each contender tuned at each width on its own with
+the same budget, compared at the end of training on held-out data over seeds, the way "Fantastic Pretraining
+Optimizers" (Wen, Hall, Ma, Liang 2025, arXiv 2509.02046) and "Benchmarking Optimizers for LLM Pretraining" (Semenov,
+Pagliardini, Jaggi 2025, arXiv 2509.01440) compare them.
+
+Ladder: `small` at d_model W (`research.bench.coordcheck.width_config`: its 4 layers, 64-wide heads (one head below
+64), d_ff = 3·W), the built-in byte corpus (its train split; validation on 8 fixed batches of its held-out split),
+batch 16 × 128 bytes, a cosine schedule with 10% warmup to 0.1× and clip 1.0 (the train CLI's), tokens = R × the
+model's parameters (embeddings included) with R per width (`tokens_per_param`: Chinchilla's 20 where the CPU allows,
+less above; results.md states each).
+
+Contenders (`CONTENDERS`), each in its paper's regime:
+  adamw            AdamW (weight decay 0.1, β = (0.9, 0.95) before tuning)
+  muon-moonlight   Muon with Moonlight's scale 0.2·√max(m, n) (update RMS matched to AdamW's, its AdamW group on the
+                   same lr: "Muon is Scalable", arXiv 2502.16982)
+  muon-keller      Muon with Keller Jordan's √max(1, fan_out/fan_in) (µP-like fan ratio), its AdamW group on its own lr
+                   (`adam_learning_rate`, tuned too)
+  normuon          NorMuon (arXiv 2510.05491: Muon with per-neuron second-moment normalisation), Moonlight's scale
+
+Protocol per width and contender (every run a member of a vmapped group, research/train/vmapped.py; all seed 0 until
+the last stage):
+  A. lr scan: `scan` learning rates 2× apart around the family's centre, other knobs at their defaults; where the best
+     is an end of the scan, one more lr past it, up to `extend` times (a best still at an end is flagged). The lr
+     optimum per width (`research.verdicts.lr_optimum`, a parabola in log lr) comes from this scan: the transfer plot.
+  B. quasi-random trials (`research.search.quasi_random`, scrambled Halton): `trials` points over lr ∈ best_A × [½, 2]
+     and the contender's own knobs (`Contender.space`: weight decay, β2 or momentum, Keller's AdamW lr); best values in
+     the outer tenth of a range flagged.
+  C. seeds: the best of A ∪ B (lowest final held-out loss) with seeds 1 .. seeds−1 beside its seed-0 run.
+  So every contender gets the same budget per width: `scan` (+ at most `extend`) + `trials` runs to tune, `seeds` at
+  its optimum.
+  D. AdamW at its optimum with `budgets` × the tokens (each its own cosine schedule), `seeds` seeds each: the points
+     of AdamW's L(D) = α·D^(−B) + β per width (`research.verdicts.fit_power_law`).
+Verdicts (research/experiments/width_ladder/report.py, by `research.verdicts`): each contender's data-matched speedup
+(the data AdamW's fit needs to reach the contender's mean final loss, over the data used) with a bootstrap interval
+over seeds; a one-sided Welch t-test of "beats AdamW" per width; performance profiles across widths (cost = 1 /
+speedup); the lr optimum per width and the slope of log lr* on log width.
+
+Runs resume: a finished run is skipped, an interrupted group continues from its saved state (rerun the command).
+
+  python -m research.experiments.width_ladder            # full size: writes research/results/width_ladder/
+  python -m research.experiments.width_ladder --plan     # the groups and their steps, nothing run
+  python -m research.experiments.width_ladder --smoke    # a minute: 2 tiny widths, 2 contenders; writes nothing
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+from typing import Annotated
+
+from models import count_params
+from research import flags
+from research.bench.coordcheck import width_config
+from research.search import Dim, edge_flags, grid_edge, quasi_random
+from research.train import TrainConfig, run
+from research.train.vmapped import run_group
+
+NAME = "width_ladder"
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+  """A contender: its registered optimizer, fixed --opt values, lr scan centre and the knobs stage B searches."""
+  optimizer: str
+  fixed: tuple[str, ...]
+  centre: float
+  space: tuple[Dim, ...]
+
+
+WD = Dim("weight_decay", "linear", 0.0, 0.2)
+CONTENDERS = {
+    "adamw": Contender("adamw", (), 2e-3, (WD, Dim("b2", "beta", 0.9, 0.999))),
+    "muon-moonlight": Contender("muon", ("scale=moonlight",), 1e-2, (WD, Dim("beta", "beta", 0.8, 0.98))),
+    "muon-keller": Contender("muon", ("scale=keller", "adam_learning_rate=0.003"), 3e-2,
+                             (WD, Dim("adam_learning_rate", "log", 5e-4, 2e-2))),
+    "normuon": Contender("normuon", (), 5e-3, (WD, Dim("beta", "beta", 0.8, 0.98))),
+}
+
+
+SHAPES = {
+    "cpu": {},
+    # 12 layers at d_model 768 .. 2048 (92M .. 0.65B parameters with the byte vocabulary), sequences of 1024, batch 32:
+    # the ladder of "Fantastic Pretraining Optimizers" (130M-1.2B) in this codebase's model, at Chinchilla's 20
+    "gpu": dict(widths=(768, 1024, 1536, 2048), tokens_per_param=(20.0, 20.0, 20.0, 20.0), layers=12, batch_size=32,
+                seq_len=1024, runner="trainer"),
+}
+
+@dataclasses.dataclass
+class Config:
+  """The width ladder: widths × contenders, each tuned per width with the same budget, then seeds."""
+  widths: tuple[int, ...] = (32, 64, 128, 256)
+  """d_model of each rung (`small`'s depth, head size and d_ff / d_model)."""
+  tokens_per_param: tuple[float, ...] = (20.0, 10.0, 2.5, 0.5)
+  """Training tokens per parameter at each width (Chinchilla's 20 where the 2-core CPU allows)."""
+  contenders: Annotated[tuple[str, ...], flags.one_of(*CONTENDERS)] = tuple(CONTENDERS)
+  scan: int = 5
+  """Learning rates in stage A's scan (2× apart, centred on the contender's centre)."""
+  extend: int = 2
+  """Learning rates stage A may add past an end of its scan where the best sits (one at a time)."""
+  trials: int = 4
+  """Quasi-random trials in stage B."""
+  seeds: int = 3
+  """Seeds at each optimum (seed 0 is the tuning run's)."""
+  budgets: tuple[float, ...] = (0.125, 0.25, 0.5)
+  """AdamW's shorter runs (fractions of the tokens) for its L(D) fit, beside the full one."""
+  layers: int = 4
+  batch_size: int = 16
+  seq_len: int = 128
+  shapes: Annotated[str, flags.one_of(*SHAPES)] = "cpu"
+  """"cpu": the fields above; "gpu": the same protocol at GPT-2-small-to-1B shapes (`SHAPES`), every run the train
+  CLI's on --mesh instead of a vmapped group (one run per device set; multi-host as docs/reliability.md says)."""
+  runner: Annotated[str, flags.one_of("vmapped", "trainer")] = "vmapped"
+  """How a group's runs train: side by side in one vmapped program (one device), or one after another as train-CLI
+  runs (`research.train.run`, sharded over --mesh)."""
+  mesh: str = "data=-1"
+  """The trainer runner's mesh (a train-CLI --mesh spec)."""
+  out: str = "research/results/width_ladder"
+  """Where results.md, results.json, the plots and runs/ go."""
+  plan: bool = False
+  """Print the groups to run (stage, members, steps) and stop."""
+  smoke: bool = False
+  """Two tiny widths, AdamW and Muon, a few steps, into a temporary directory: what the tests run."""
+
+
+SMOKE = dict(widths=(16, 32), tokens_per_param=(0.5, 0.125), contenders=("adamw", "muon-moonlight"), scan=3, extend=1,
+             trials=2, seeds=2, budgets=(0.25, 0.5), layers=1, batch_size=4, seq_len=32)
+
+
+def sized(cfg: Config) -> Config:
+  """`cfg` at smoke size when --smoke (its out a temporary directory), else as given; UsageError-worthy mismatches
+  raised as ValueError."""
+  cfg = dataclasses.replace(cfg, **SHAPES[cfg.shapes])
+  if cfg.smoke:
+    cfg = dataclasses.replace(cfg, **SMOKE, out=tempfile.mkdtemp(prefix="width-ladder-"))
+  if len(cfg.tokens_per_param) != len(cfg.widths):
+    raise ValueError(f"--tokens-per-param gives {len(cfg.tokens_per_param)} values for {len(cfg.widths)} widths")
+  return cfg
+
+
+def steps_at(cfg: Config, width: int, fraction: float = 1.0) -> int:
+  """Steps of a run at `width`: tokens_per_param × parameters × fraction, in batches of batch_size × seq_len."""
+  r = cfg.tokens_per_param[cfg.widths.index(width)]
+  return max(1, round(fraction * r * params_at(cfg, width) / (cfg.batch_size * cfg.seq_len)))
+
+
+def params_at(cfg: Config, width: int) -> int:
+  return count_params(dataclasses.replace(width_config(width, 256), n_layers=cfg.layers))
+
+
+def train_config(cfg: Config, width: int, contender: str, values: dict, seed: int, steps: int,
+                 out: str) -> TrainConfig:
+  """One member's run: the rung's model, the contender's optimizer with its fixed and searched values."""
+  c, m = CONTENDERS[contender], width_config(width, 256)
+  flat = {k: v for k, v in values.items() if k in ("lr", "weight_decay", "b1", "b2")}
+  opt = [i for i in c.fixed if i.partition("=")[0] not in values]
+  opt += [f"{k}={v!r}" for k, v in values.items() if k not in flat]
+  return TrainConfig(model="small", d_model=width, n_layers=cfg.layers, n_heads=m.n_heads, d_ff=m.d_ff,
+                     optimizer=c.optimizer, opt=tuple(opt), **flat, seed=seed, steps=steps,
+                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, warmup_steps=steps // 10,
+                     log_every=max(1, steps // 20), eval_every=max(1, steps // 10), eval_batches=8 if not cfg.smoke
+                     else 1, ckpt_every=max(1, steps // 4), progress=False, tracker=("none",), out=out,
+                     **(dict(mesh="data=1", devices=1) if cfg.runner == "vmapped" else dict(mesh=cfg.mesh)))
+
+
+def member_name(values: dict, seed: int) -> str:
+  return "_".join(f"{k}{v:.4g}" for k, v in sorted(values.items())) + f"_s{seed}"
+
+
+def final_val(run_dir: str, steps: int) -> float | None:
+  """The run's final held-out loss when it finished (inf when it diverged), else None."""
+  if os.path.exists(os.path.join(run_dir, "diverged")):
+    return math.inf
+  try:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      recs = [json.loads(line) for line in f if line.strip()]
+  except OSError:
+    return None
+  done = [r["val_loss"] for r in recs if r.get("step") == steps and "val_loss" in r]
+  return done[-1] if done else None
+
+
+class Ladder:
+  """Runs the protocol's groups in order, skipping what finished; `plan` lists them instead of running."""
+
+  def __init__(self, cfg: Config):
+    self.cfg, self.planned = cfg, []
+    self.runs = os.path.join(cfg.out, "runs")
+
+  def group(self, width: int, contender: str, stage: str, members: list[tuple[dict, int]],
+            steps: int) -> list[float | None]:
+    """Trains the members (values, seed) that have not finished as one vmapped group; their final held-out losses
+    (None for a member not run: --plan)."""
+    where = os.path.join(self.runs, f"w{width}", contender, stage)
+    dirs = [os.path.join(where, member_name(v, s)) for v, s in members]
+    todo = [(m, d) for m, d in zip(members, dirs) if final_val(d, steps) is None]
+    if todo:
+      self.planned.append({"width": width, "contender": contender, "stage": stage, "members": len(todo),
+                           "steps": steps})
+      cfgs = [train_config(self.cfg, width, contender, v, s, steps, d) for (v, s), d in todo]
+      if self.cfg.plan:
+        pass
+      elif self.cfg.runner == "trainer":
+        for c in cfgs:  # each resumes from its own checkpoints
+          run(c)
+      else:
+        key = hashlib.sha1("|".join(d for _, d in todo).encode()).hexdigest()[:10]
+        run_group(cfgs, os.path.join(where, f"group-{key}"))
+    return [final_val(d, steps) for d in dirs]
+
+  def contender(self, width: int, name: str) -> dict:
+    """Stages A, B and C of one contender at one width (module docstring); what finished, as a dict."""
+    cfg, c = self.cfg, CONTENDERS[name]
+    steps = steps_at(cfg, width)
+    half = cfg.scan // 2
+    lrs = [float(f"{c.centre * 2.0 ** k:.4g}") for k in range(-half, cfg.scan - half)]
+    scan = dict(zip(lrs, self.group(width, name, "A", [({"lr": lr}, 0) for lr in lrs], steps)))
+    if None in scan.values():
+      return {"scan": scan}
+    best_lr = min(scan, key=lambda lr: scan[lr])
+    for _ in range(cfg.extend):  # past the end where the best sits, one lr at a time
+      edge = grid_edge(list(scan), best_lr)
+      if not edge:
+        break
+      extra = float(f"{best_lr * (2.0 if edge == 'high' else 0.5):.4g}")
+      scan[extra] = self.group(width, name, "A", [({"lr": extra}, 0)], steps)[0]
+      if scan[extra] is None:
+        return {"scan": scan}
+      best_lr = min(scan, key=lambda lr: scan[lr])
+    box = [Dim("lr", "log", best_lr / 2, best_lr * 2), *c.space]
+    points = quasi_random(box, cfg.trials, seed=width)
+    trials = self.group(width, name, "B", [(p, 0) for p in points], steps)
+    if None in trials:
+      return {"scan": scan, "trials": list(zip(points, trials))}
+    candidates = [({"lr": lr}, v) for lr, v in scan.items()] + list(zip(points, trials))
+    best, loss = min(candidates, key=lambda t: t[1])
+    seeds = self.group(width, name, "C", [(best, s) for s in range(1, cfg.seeds)], steps)
+    return {"scan": scan, "scan_edge": grid_edge(list(scan), best_lr), "trials": list(zip(points, trials)),
+            "best": best, "best_edges": edge_flags(box, best) if "weight_decay" in best else [],
+            "finals": [loss, *seeds], "steps": steps}
+
+  def budgets(self, width: int, best: dict) -> dict:
+    """Stage D: AdamW at its optimum at each shorter budget, every seed."""
+    out = {}
+    for fraction in self.cfg.budgets:
+      steps = steps_at(self.cfg, width, fraction)
+      out[fraction] = {"steps": steps, "finals": self.group(width, "adamw", f"D{fraction:g}",
+                                                            [(best, s) for s in range(self.cfg.seeds)], steps)}
+    return out
+
+  def run(self) -> dict:
+    """Every stage of every width, narrowest first; {width: {contender: ..., "budgets": ...}}."""
+    done: dict = {}
+    for width in self.cfg.widths:
+      rung = done[width] = {"params": params_at(self.cfg, width), "steps": steps_at(self.cfg, width),
+                            "tokens_per_param": self.cfg.tokens_per_param[self.cfg.widths.index(width)]}
+      for name in self.cfg.contenders:
+        rung[name] = self.contender(width, name)
+      if "adamw" in self.cfg.contenders and "best" in rung["adamw"]:
+        rung["budgets"] = self.budgets(width, rung["adamw"]["best"])
+    return done
+
+
+def main(cfg: Config) -> dict:
+  """Runs (or, with --plan, lists) what is missing, then writes the record from what finished."""
+  from research.experiments import common
+  from research.experiments.width_ladder import report
+  cfg = sized(cfg)
+  ladder = Ladder(cfg)
+  done = ladder.run()
+  if cfg.plan:
+    for g in ladder.planned:
+      print(f"w{g['width']} {g['contender']} {g['stage']}: {g['members']} runs of {g['steps']} steps")
+    return {"planned": ladder.planned}
+  v = report.verdicts(done, cfg.batch_size * cfg.seq_len)
+  result = {"done": done, "verdicts": v}
+  if cfg.smoke:
+    return result
+  plots = report.plots(cfg, done, v, cfg.out)
+  common.write_results(cfg.out, "Does the win survive scale? A width ladder", __doc__.split("\n\n")[0],
+                       report.tables(cfg, done, v), findings=report.findings(v),
+                       settings={k: getattr(cfg, k) for k in ("widths", "tokens_per_param", "scan", "trials", "seeds",
+                                                              "budgets", "layers", "batch_size", "seq_len")},
+                       data={**result, "plots": [os.path.basename(p) for p in plots]})
+  return result

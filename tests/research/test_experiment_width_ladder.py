@@ -1,0 +1,52 @@
+"""research/experiments/width_ladder: the smoke ladder (as notebooks/width_ladder.ipynb ran it) tunes every contender
+at every width with the same budget, seeds its optimum, fits AdamW's L(D) and reads verdicts from it; the plan lists
+groups without running them; a rerun skips everything that finished."""
+
+import math
+
+import pytest
+
+from research.experiments import width_ladder
+from research.experiments.width_ladder import study
+
+
+@pytest.fixture(scope="module")
+def result(notebooks):
+  """`width_ladder.main(width_ladder.Config(smoke=True))`, as notebooks/width_ladder.ipynb ran it."""
+  return notebooks.run("width_ladder").result
+
+
+def test_every_contender_is_tuned_with_the_same_budget_and_seeded(result):
+  smoke = width_ladder.SMOKE
+  for width in smoke["widths"]:
+    rung = result["done"][width]
+    for name in smoke["contenders"]:
+      e = rung[name]
+      assert len(e["trials"]) == smoke["trials"]
+      assert smoke["scan"] <= len(e["scan"]) <= smoke["scan"] + smoke["extend"]  # past an edge, at most `extend`
+      assert len(e["finals"]) == smoke["seeds"] and all(math.isfinite(x) for x in e["finals"])
+      assert e["finals"][0] == min([*e["scan"].values(), *(v for _, v in e["trials"])])  # the best of A and B
+    assert len(rung["budgets"]) == len(smoke["budgets"])
+
+
+def test_the_verdicts_come_from_the_runs(result):
+  v = result["verdicts"]
+  for width in width_ladder.SMOKE["widths"]:
+    row = v["widths"][width]
+    assert {"alpha", "exponent", "floor"} <= set(row["law"])
+    assert row["adamw"]["low"] <= row["adamw"]["speedup"] <= row["adamw"]["high"]
+    assert 0 <= row["muon-moonlight"]["p"] <= 1
+  assert set(v["transfer"]) == set(width_ladder.SMOKE["contenders"])
+
+
+def test_plan_lists_groups_and_runs_nothing(tmp_path):
+  cfg = study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path)}, plan=True)
+  planned = study.main(cfg)["planned"]
+  assert [(g["width"], g["contender"], g["stage"]) for g in planned] == [
+      (16, "adamw", "A"), (16, "muon-moonlight", "A"), (32, "adamw", "A"), (32, "muon-moonlight", "A")]
+  assert not (tmp_path / "runs").exists()
+
+
+def test_a_width_without_its_budget_is_refused():
+  with pytest.raises(ValueError, match="3 widths"):
+    study.sized(study.Config(widths=(32, 64, 128), tokens_per_param=(20.0, 20.0)))
