@@ -28,7 +28,7 @@ class PlotConfig:
   """Run directories (each with a metrics.jsonl)."""
   out: Annotated[str | None, flags.OUT_FILE] = None
   """The image to write (default: <first run>/curves.png)."""
-  heatmap: Annotated[str | None, flags.FREE] = None
+  heatmap: Annotated[str | None, flags.Rule()] = None  # a metric prefix: blank means nothing
   """A per-layer metric's prefix (watch/updates/rms, watch/relative_update, spectra/updates/spectral_norm, ...):
   also <run>/heatmap_<prefix>.png per run, one panel per parameter, its layers (rows) over the logged steps."""
 

@@ -26,6 +26,7 @@ from scipy.stats import qmc
 
 SCALES = ("log", "linear", "beta")
 _DIM = re.compile(r"^([A-Za-z_]\w*)=(\w+):([^:]+):([^:]+)$")
+PREFIXED = re.compile(r"^[^=:]+:[A-Za-z_]\w*=")  # CONTENDER:NAME=SCALE:LOW:HIGH
 
 
 class SearchError(ValueError):
@@ -125,3 +126,32 @@ def grid_edge(values: list[float], best: float) -> str | None:
   if len(finite) < 2:
     return None
   return "low" if best == finite[0] else "high" if best == finite[-1] else None
+
+
+def search_boxes(space: tuple[str, ...], contenders: dict[str, list[float]]) -> dict[str, list[Dim]]:
+  """Each contender's search box: the `space` entries for all and its own (prefixed CONTENDER:), and its lr
+  log-uniform over its lrs' range unless `space` gives an lr dimension.
+
+  Args:
+    space: entries [CONTENDER:]NAME=SCALE:LOW:HIGH.
+    contenders: {label: its grid's learning rates}.
+
+  Returns:
+    {label: its dimensions, lr first}.
+  """
+  for e in space:
+    if PREFIXED.match(e) and e.partition(":")[0] not in contenders:
+      raise SearchError(f"--space {e!r}: {e.partition(':')[0]!r} is not a contender of the grid "
+                        f"({', '.join(contenders)})")
+  boxes = {}
+  for label, lrs in contenders.items():
+    dims = [parse_dim(e.partition(":")[2]) for e in space if PREFIXED.match(e) and e.partition(":")[0] == label]
+    own = {d.name for d in dims}
+    dims += [d for d in map(parse_dim, (e for e in space if not PREFIXED.match(e))) if d.name not in own]
+    if "lr" not in {d.name for d in dims}:
+      if len(set(lrs)) < 2:
+        raise SearchError(f"--search: {label} needs an lr range: two lrs in its grid entry or an lr dimension "
+                          f"in --space ({label}:lr=log:LOW:HIGH)")
+      dims.insert(0, Dim("lr", "log", min(lrs), max(lrs)))
+    boxes[label] = dims
+  return boxes

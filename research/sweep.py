@@ -47,12 +47,11 @@ import numpy as np
 import tyro
 
 from research import entry, flags
-from research.search import Dim, edge_flags, parse_dim, quasi_random
+from research.search import PREFIXED, SearchError, edge_flags, parse_dim, quasi_random, search_boxes
 from research.train.command import USER_ERRORS
 from research.train.config import NestedTrainConfig, TrainConfig
 
 _ENTRY = re.compile(r"^(\w+)(?:\[(.*)\])?=([^=\[\]]+)$")
-_PREFIXED = re.compile(r"^[^=:]+:[A-Za-z_]\w*=")  # CONTENDER:NAME=SCALE:LOW:HIGH
 
 
 class SweepError(ValueError):
@@ -64,7 +63,7 @@ def _grid_entry(entry: str):
 
 
 GRID_ENTRY = flags.Rule(parse=_grid_entry)  # OPTIMIZER[KEY=VALUE,...]=LRS (parse_grid's SweepError: a ValueError)
-SPACE_ENTRY = flags.Rule(parse=lambda e: parse_dim(e.partition(":")[2] if _PREFIXED.match(e) else e), empty=True)
+SPACE_ENTRY = flags.Rule(parse=lambda e: parse_dim(e.partition(":")[2] if PREFIXED.match(e) else e), empty=True)
 
 
 @dataclasses.dataclass
@@ -219,7 +218,7 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
     base["eval_every"] = steps
   boxes = {}
   if cfg.search:
-    boxes = search_boxes(cfg, grid)
+    boxes = search_boxes(cfg.space, {label: lrs for label, _, _, lrs in grid})
     runs = [Run(label, name, opt + _opt_items(point), point["lr"], cfg.seeds[0], i)
             for label, name, opt, _ in grid for i, point in enumerate(quasi_random(boxes[label], cfg.trials))]
     _execute(cfg, runs, base, runs_dir, steps)
@@ -232,26 +231,6 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
   rows = _rows(runs, runs_dir, steps)
   write_results(cfg, rows, boxes)
   return rows
-
-
-def search_boxes(cfg: SweepConfig, grid) -> dict[str, list[Dim]]:
-  """Each contender's search box: the --space dimensions for all and its own, lr over its entry's lrs unless given."""
-  boxes = {}
-  labels = [g[0] for g in grid]
-  for e in cfg.space:
-    if _PREFIXED.match(e) and e.partition(":")[0] not in labels:
-      raise SweepError(f"--space {e!r}: {e.partition(':')[0]!r} is not a contender of the grid ({', '.join(labels)})")
-  for label, _, _, lrs in grid:
-    dims = [parse_dim(e.partition(":")[2]) for e in cfg.space if _PREFIXED.match(e) and e.partition(":")[0] == label]
-    dims += [d for d in map(parse_dim, (e for e in cfg.space if not _PREFIXED.match(e)))
-             if d.name not in {x.name for x in dims}]
-    if "lr" not in {d.name for d in dims}:
-      if len(set(lrs)) < 2:
-        raise SweepError(f"--search: {label} needs an lr range: two lrs in its grid entry or an lr dimension "
-                         f"in --space ({label}:lr=log:LOW:HIGH)")
-      dims.insert(0, Dim("lr", "log", min(lrs), max(lrs)))
-    boxes[label] = dims
-  return boxes
 
 
 def _opt_items(point: dict) -> tuple[str, ...]:
@@ -405,7 +384,7 @@ def _plots(cfg: SweepConfig, rows: list[dict], summary: list[dict]):
 
 def main(argv=None):
   cfg = tyro.cli(SweepConfig, args=argv)
-  with entry.one_line_errors(SweepError, *USER_ERRORS):
+  with entry.one_line_errors(SweepError, SearchError, *USER_ERRORS):
     flags.check_config(cfg, skip=("train",))  # the runs' settings are the trainer's to check, as each starts
     run_grid(cfg)
 

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.xdist_group("flags")
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 EXPERIMENTS = ("badam", "badam_finetune", "data_mixing", "depth_expansion", "exfusion", "moe_design", "moe_disco",
-               "muon_on_moe", "optimizers", "pad_net", "peft", "quantization", "upcycling", "scalability.study")
+               "muon_on_moe", "optimizers", "pad_net", "peft", "quantization", "upcycling", "scalability.study",
+               "diagnostics", "width_ladder.study")
 CONFIGS = {"plot": plot.PlotConfig, "sweep": sweep.SweepConfig, "soak": soak.Config, "sample": sample.SampleConfig,
            "export": export.ExportConfig, "quantize": quantize.QuantizeConfig,
            **{f"experiments.{m}": importlib.import_module(f"research.experiments.{m}").Config for m in EXPERIMENTS}}
@@ -100,7 +101,7 @@ TEXT = ["", "x", "small", "float16", "bfloat16", "data=3", "foo=2", "data=2,fsdp
 # What may reach a command (an independent statement, not flags.py's table): no flag of any bench or tool takes a
 # negative number, a non-finite one, or an empty string; an integer 0 only where it means "none" or "off"
 ZERO_OK = {"warmup", "workers", "seed", "badam_blocks", "calib_seed", "tune_seed", "sizes", "step", "group",
-           "act_bits"}  # integers only: a float is checked as finite and >= 0
+           "act_bits", "process_id"}  # integers only: a float is checked as finite and >= 0
 
 
 def typed(hint) -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 
 import research.sweep as sweep
 from research.search import Dim, SearchError, edge_flags, grid_edge, parse_dim, quasi_random
-from research.sweep import SweepConfig, SweepError, run_grid
+from research.sweep import SweepConfig, run_grid
 from research.train import TrainConfig
 
 TINY = dict(model="tiny", n_layers=1, batch_size=8, seq_len=32, eval_every=2, log_every=2, eval_batches=1,
@@ -99,8 +99,8 @@ def test_a_killed_search_resumes_where_it_stopped(tmp_path, monkeypatch):
 
 
 def test_search_refusals_are_one_line(tmp_path):
-  with pytest.raises(SweepError, match="needs an lr range"):
+  with pytest.raises(SearchError, match="needs an lr range"):
     run_grid(_search(tmp_path, grid=("adamw=1e-3", "sgd=0.03,0.3")))
-  with pytest.raises(SweepError, match="not a contender"):
+  with pytest.raises(SearchError, match="not a contender"):
     run_grid(_search(tmp_path, space=("muon:beta=beta:0.8:0.9",)))
   assert not os.path.exists(tmp_path / "runs")

@@ -52,6 +52,9 @@ import os
 import tempfile
 from typing import Annotated
 
+import jax
+from jax.experimental import multihost_utils
+
 from models import count_params
 from research import flags
 from research.bench.coordcheck import width_config
@@ -86,15 +89,15 @@ SHAPES = {
     # 12 layers at d_model 768 .. 2048 (92M .. 0.65B parameters with the byte vocabulary), sequences of 1024, batch 32:
     # the ladder of "Fantastic Pretraining Optimizers" (130M-1.2B) in this codebase's model, at Chinchilla's 20
     "gpu": dict(widths=(768, 1024, 1536, 2048), tokens_per_param=(20.0, 20.0, 20.0, 20.0), layers=12, batch_size=32,
-                seq_len=1024, runner="trainer"),
+                seq_len=1024, runner="trainer", compute_dtype="bfloat16", remat=True),
 }
 
 @dataclasses.dataclass
 class Config:
   """The width ladder: widths × contenders, each tuned per width with the same budget, then seeds."""
-  widths: tuple[int, ...] = (32, 64, 128, 256)
+  widths: Annotated[tuple[int, ...], flags.COUNT] = (32, 64, 128, 256)
   """d_model of each rung (`small`'s depth, head size and d_ff / d_model)."""
-  tokens_per_param: tuple[float, ...] = (20.0, 10.0, 2.5, 0.5)
+  tokens_per_param: Annotated[tuple[float, ...], flags.POSITIVE] = (20.0, 10.0, 2.5, 0.5)
   """Training tokens per parameter at each width (Chinchilla's 20 where the 2-core CPU allows)."""
   contenders: Annotated[tuple[str, ...], flags.one_of(*CONTENDERS)] = tuple(CONTENDERS)
   scan: int = 5
@@ -105,7 +108,7 @@ class Config:
   """Quasi-random trials in stage B."""
   seeds: int = 3
   """Seeds at each optimum (seed 0 is the tuning run's)."""
-  budgets: tuple[float, ...] = (0.125, 0.25, 0.5)
+  budgets: Annotated[tuple[float, ...], flags.FRACTION] = (0.125, 0.25, 0.5)
   """AdamW's shorter runs (fractions of the tokens) for its L(D) fit, beside the full one."""
   layers: int = 4
   batch_size: int = 16
@@ -118,10 +121,24 @@ class Config:
   runs (`research.train.run`, sharded over --mesh)."""
   mesh: str = "data=-1"
   """The trainer runner's mesh (a train-CLI --mesh spec)."""
+  compute_dtype: str | None = None
+  """The runs' --compute-dtype (unset: the model's own, float32); "gpu" shapes: bfloat16."""
+  remat: bool = False
+  """The runs' --remat (activations recomputed in the backward); "gpu" shapes: on."""
+  preflight: bool = False
+  """Only the memory pre-flight of one run per rung and optimizer on one device (the train CLI's own, compiled on
+  XLA:CPU against abstract arrays, nothing allocated): preflight_<shapes>.md beside results.md."""
+  coordinator: Annotated[str | None, flags.Rule()] = None
+  """The trainer runner on several hosts: the train CLI's --coordinator HOST:PORT (under SLURM, unset: JAX reads it)."""
+  num_processes: int | None = None
+  process_id: int | None = None
   out: str = "research/results/width_ladder"
   """Where results.md, results.json, the plots and runs/ go."""
   plan: bool = False
   """Print the groups to run (stage, members, steps) and stop."""
+  report: bool = False
+  """Run nothing: write the record (results.md, results.json, plots) from the runs that finished, marking the rest as
+  running; what a session that stops before the ladder ends commits."""
   smoke: bool = False
   """Two tiny widths, AdamW and Muon, a few steps, into a temporary directory: what the tests run."""
 
@@ -163,7 +180,10 @@ def train_config(cfg: Config, width: int, contender: str, values: dict, seed: in
                      batch_size=cfg.batch_size, seq_len=cfg.seq_len, warmup_steps=steps // 10,
                      log_every=max(1, steps // 20), eval_every=max(1, steps // 10), eval_batches=8 if not cfg.smoke
                      else 1, ckpt_every=max(1, steps // 4), progress=False, tracker=("none",), out=out,
-                     **(dict(mesh="data=1", devices=1) if cfg.runner == "vmapped" else dict(mesh=cfg.mesh)))
+                     compute_dtype=cfg.compute_dtype, remat=cfg.remat or None,
+                     **(dict(mesh="data=1", devices=1) if cfg.runner == "vmapped" else dict(
+                         mesh=cfg.mesh, coordinator=cfg.coordinator, num_processes=cfg.num_processes,
+                         process_id=cfg.process_id)))
 
 
 def member_name(values: dict, seed: int) -> str:
@@ -201,11 +221,13 @@ class Ladder:
       self.planned.append({"width": width, "contender": contender, "stage": stage, "members": len(todo),
                            "steps": steps})
       cfgs = [train_config(self.cfg, width, contender, v, s, steps, d) for (v, s), d in todo]
-      if self.cfg.plan:
+      if self.cfg.plan or self.cfg.report:
         pass
       elif self.cfg.runner == "trainer":
         for c in cfgs:  # each resumes from its own checkpoints
           run(c)
+          if jax.process_count() > 1:  # every host reads the run's metrics after process 0 has written them
+            multihost_utils.sync_global_devices(f"width-ladder {c.checkpoint.out}")
       else:
         key = hashlib.sha1("|".join(d for _, d in todo).encode()).hexdigest()[:10]
         run_group(cfgs, os.path.join(where, f"group-{key}"))
@@ -265,10 +287,13 @@ class Ladder:
 
 
 def main(cfg: Config) -> dict:
-  """Runs (or, with --plan, lists) what is missing, then writes the record from what finished."""
+  """Runs (or, with --plan, lists; with --report, skips) what is missing, then writes the record from what finished."""
   from research.experiments import common
   from research.experiments.width_ladder import report
   cfg = sized(cfg)
+  if cfg.preflight:
+    from research.experiments.width_ladder.preflight import preflight
+    return preflight(cfg, lambda w, name, out: train_config(cfg, w, name, {"lr": 1e-3}, 0, steps_at(cfg, w), out))
   ladder = Ladder(cfg)
   done = ladder.run()
   if cfg.plan:
@@ -276,12 +301,15 @@ def main(cfg: Config) -> dict:
       print(f"w{g['width']} {g['contender']} {g['stage']}: {g['members']} runs of {g['steps']} steps")
     return {"planned": ladder.planned}
   v = report.verdicts(done, cfg.batch_size * cfg.seq_len)
-  result = {"done": done, "verdicts": v}
+  result = {"done": done, "verdicts": v, "missing": ladder.planned}
   if cfg.smoke:
     return result
   plots = report.plots(cfg, done, v, cfg.out)
+  state = ([f"**In progress**: {len(ladder.planned)} group(s) of runs are next (the protocol's later stages follow "
+            "from their results); rerun the command to go on. Every number below is from runs that finished."]
+           if ladder.planned else [])
   common.write_results(cfg.out, "Does the win survive scale? A width ladder", __doc__.split("\n\n")[0],
-                       report.tables(cfg, done, v), findings=report.findings(v),
+                       state + report.tables(cfg, done, v), findings=report.findings(v),
                        settings={k: getattr(cfg, k) for k in ("widths", "tokens_per_param", "scan", "trials", "seeds",
                                                               "budgets", "layers", "batch_size", "seq_len")},
                        data={**result, "plots": [os.path.basename(p) for p in plots]})
