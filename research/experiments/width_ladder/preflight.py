@@ -11,9 +11,11 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 
 from research.bench.report import run_child
+from research.experiments import common
 
 DEVICE_BYTES = 80 * 10 ** 9  # an 80 GB accelerator (GB = 10^9 bytes; less what the runtime keeps)
 OPTIMIZERS = ("adamw", "muon", "normuon")
@@ -59,6 +61,7 @@ def preflight(cfg, run_at: Callable) -> dict:
       print(json.dumps(rows[-1]), flush=True)
   gb = lambda n: f"{n / 1e9:.2f}"
   lines = [f"# The width ladder's memory on one 80 GB device (--shapes {cfg.shapes})", "",
+           f"Command: `{common.command()}` (commit {common.commit()}, {time.strftime('%Y-%m-%d')})", "",
            "Each run's bytes per device from the train CLI's own pre-flight (research/bench/preflight.py "
            "`step_estimate`: the train step compiled on XLA:CPU against abstract arrays, its `memory_analysis`; "
            "nothing allocated). XLA:GPU schedules and fuses differently, so these are estimates, not measurements; "
