@@ -223,7 +223,7 @@ def commit() -> str:
 def command() -> str:
   """The command line that is running, as a reader would retype it."""
   mod = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__", None) else sys.argv[0]
-  return " ".join(["python -m", mod, *sys.argv[1:]])
+  return " ".join(["python -m", mod.removesuffix(".__main__"), *sys.argv[1:]])  # a package runs as its __main__
 
 
 def write_results(out: str, name: str, question: str, table: list[str], *, findings: list[str] = (),
