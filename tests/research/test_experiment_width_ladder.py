@@ -50,3 +50,10 @@ def test_plan_lists_groups_and_runs_nothing(tmp_path):
 def test_a_width_without_its_budget_is_refused():
   with pytest.raises(ValueError, match="3 widths"):
     study.sized(study.Config(widths=(32, 64, 128), tokens_per_param=(20.0, 20.0)))
+
+
+def test_every_finished_run_is_listed_with_its_commit(result):
+  runs = result["runs"]
+  seeds0 = sum(len(e["scan"]) + len(e["trials"]) for rung in result["done"].values()
+               for name, e in rung.items() if name in width_ladder.SMOKE["contenders"])
+  assert len(runs) >= seeds0 and all(r["commit"] and math.isfinite(r["final_val_loss"]) for r in runs)

@@ -13,6 +13,7 @@ from research.verdicts import (
   extrapolates,
   fit_power_law,
   lr_optimum,
+  performance_profile,
   profile_area,
   transfer_slope,
 )
@@ -73,8 +74,7 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
         optima[width] = {"lr": o.lr, "at_edge": o.at_edge, "fitted": o.fitted}
     slope = transfer_slope(list(optima), [o["lr"] for o in optima.values()]) if len(optima) >= 2 else float("nan")
     out["transfer"][name] = {"optima": optima, "slope": slope}
-  costs = {n: {str(w): 1 / r[n]["speedup"] for w, r in out["widths"].items() if n in r and r[n]["speedup"] > 0}
-           for n in names}
+  costs = _costs(out)
   if any(costs.values()):
     out["profile"] = profile_area({n: c for n, c in costs.items() if c})
   return out
@@ -94,7 +94,7 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
     for name in cfg.contenders:
       e = rung.get(name, {})
       if not _finished(e):
-        lines.append(f"| {w} | {name} | (running) | | | |")
+        lines.append(f"| {w} | {name} | (not finished) | | | |")
         continue
       finals = [x for x in e["finals"] if math.isfinite(x)]
       best = ", ".join(f"{k}={x:.4g}" for k, x in sorted(e["best"].items()))
@@ -110,7 +110,7 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
             "|---|---|---|---|---|---|---|---|"]
   for w, row in v["widths"].items():
     law = row.get("law")
-    lawtxt = f"{law['alpha']:.3g}, {law['exponent']:.3g}, {law['floor']:.3g}" if law else "(running)"
+    lawtxt = f"{law['alpha']:.3g}, {law['exponent']:.3g}, {law['floor']:.3g}" if law else "(not finished)"
     for name in cfg.contenders:
       r = row.get(name)
       if not r:
@@ -161,6 +161,7 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
   import os
 
   from matplotlib.figure import Figure
+  from matplotlib.ticker import NullFormatter
   made = []
   fig = Figure(figsize=(6, 4))
   ax = fig.subplots()
@@ -173,7 +174,8 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
       ax.errorbar(ws, s, yerr=err, marker="o", capsize=3, label=name)
   ax.axhline(1, color="gray", lw=0.8)
   ax.set(xscale="log", xlabel="d_model", ylabel="data-matched speedup over AdamW", title="speedup vs width")
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:  # none before a width has its AdamW fit
+    ax.legend(fontsize=7)
   fig.tight_layout()
   made.append(os.path.join(out, "speedup.png"))
   fig.savefig(made[-1], dpi=120)
@@ -187,9 +189,31 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
         lrs = sorted(scan)
         ax.plot(lrs, [min(scan[x], 10.0) for x in lrs], marker="o", label=f"d {w}")
     ax.set(xscale="log", xlabel="peak lr", title=name)
+    ax.xaxis.set_minor_formatter(NullFormatter())  # the decades only: minor labels overlap on a short range
   axes[0].set_ylabel("final held-out loss")
-  axes[0].legend(fontsize=7)
+  if axes[0].get_legend_handles_labels()[0]:
+    axes[0].legend(fontsize=7)
   fig.tight_layout()
   made.append(os.path.join(out, "transfer.png"))
   fig.savefig(made[-1], dpi=120)
+  costs = _costs(v)
+  if any(costs.values()):
+    taus = np.linspace(1, 4, 200)
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.subplots()
+    for name, rho in performance_profile({n: c for n, c in costs.items() if c}, taus).items():
+      ax.step(taus, rho, where="post", label=name)
+    ax.set(xlabel="τ (cost / the best cost at that width; cost = 1 / speedup)", ylabel="share of widths",
+           title="performance profile over the widths")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    made.append(os.path.join(out, "profile.png"))
+    fig.savefig(made[-1], dpi=120)
   return made
+
+
+def _costs(v: dict) -> dict:
+  """{contender: {width: 1 / speedup}}: the data each needs relative to AdamW's fit, per width (lower is better)."""
+  names = {n for row in v["widths"].values() for n in row if n not in ("law", "law_error")}
+  return {n: {str(w): 1 / r[n]["speedup"] for w, r in v["widths"].items() if n in r and r[n]["speedup"] > 0}
+          for n in names}

@@ -45,6 +45,7 @@ Runs resume: a finished run is skipped, an interrupted group continues from its 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import math
@@ -58,6 +59,7 @@ from jax.experimental import multihost_utils
 from models import count_params
 from research import flags
 from research.bench.coordcheck import width_config
+from research.experiments import common
 from research.search import Dim, edge_flags, grid_edge, quasi_random
 from research.train import TrainConfig, run
 from research.train.vmapped import run_group
@@ -208,13 +210,13 @@ class Ladder:
 
   def __init__(self, cfg: Config):
     self.cfg, self.planned = cfg, []
-    self.runs = os.path.join(cfg.out, "runs")
+    self.runs_dir = os.path.join(cfg.out, "runs")
 
   def group(self, width: int, contender: str, stage: str, members: list[tuple[dict, int]],
             steps: int) -> list[float | None]:
     """Trains the members (values, seed) that have not finished as one vmapped group; their final held-out losses
     (None for a member not run: --plan)."""
-    where = os.path.join(self.runs, f"w{width}", contender, stage)
+    where = os.path.join(self.runs_dir, f"w{width}", contender, stage)
     dirs = [os.path.join(where, member_name(v, s)) for v, s in members]
     todo = [(m, d) for m, d in zip(members, dirs) if final_val(d, steps) is None]
     if todo:
@@ -230,8 +232,31 @@ class Ladder:
             multihost_utils.sync_global_devices(f"width-ladder {c.checkpoint.out}")
       else:
         key = hashlib.sha1("|".join(d for _, d in todo).encode()).hexdigest()[:10]
+        commit = common.commit()
         run_group(cfgs, os.path.join(where, f"group-{key}"))
+        for _, d in todo:  # the code a run finished with (config.json beside it holds its flags)
+          with open(os.path.join(d, "commit"), "w") as f:
+            f.write(commit + "\n")
     return [final_val(d, steps) for d in dirs]
+
+  def runs(self) -> list[dict]:
+    """Every finished run of the ladder: its directory (under runs/), seed-0 or seed, steps, final held-out loss and
+    the commit it finished at (results.json lists them: each run's flags are its directory's config.json)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(self.runs_dir, "w*", "*", "*", "*_s*"))):
+      cfg_path = os.path.join(path, "config.json")
+      if not os.path.exists(cfg_path):
+        continue
+      with open(cfg_path) as f:
+        flags_ = json.load(f)["flags"]
+      loss = final_val(path, flags_["steps"])
+      if loss is None:
+        continue
+      commit = open(os.path.join(path, "commit")).read().strip() if os.path.exists(os.path.join(path, "commit")) \
+          else None
+      out.append({"run": os.path.relpath(path, self.runs_dir), "steps": flags_["steps"], "final_val_loss": loss,
+                  "commit": commit})
+    return out
 
   def contender(self, width: int, name: str) -> dict:
     """Stages A, B and C of one contender at one width (module docstring); what finished, as a dict."""
@@ -288,7 +313,6 @@ class Ladder:
 
 def main(cfg: Config) -> dict:
   """Runs (or, with --plan, lists; with --report, skips) what is missing, then writes the record from what finished."""
-  from research.experiments import common
   from research.experiments.width_ladder import report
   cfg = sized(cfg)
   if cfg.preflight:
@@ -301,12 +325,12 @@ def main(cfg: Config) -> dict:
       print(f"w{g['width']} {g['contender']} {g['stage']}: {g['members']} runs of {g['steps']} steps")
     return {"planned": ladder.planned}
   v = report.verdicts(done, cfg.batch_size * cfg.seq_len)
-  result = {"done": done, "verdicts": v, "missing": ladder.planned}
+  result = {"done": done, "verdicts": v, "missing": ladder.planned, "runs": ladder.runs()}
   if cfg.smoke:
     return result
   plots = report.plots(cfg, done, v, cfg.out)
   state = ([f"**In progress**: {len(ladder.planned)} group(s) of runs are next (the protocol's later stages follow "
-            "from their results); rerun the command to go on. Every number below is from runs that finished."]
+            "from their results); rerun the command to go on. Every number below is from runs that finished.", ""]
            if ladder.planned else [])
   common.write_results(cfg.out, "Does the win survive scale? A width ladder", __doc__.split("\n\n")[0],
                        state + report.tables(cfg, done, v), findings=report.findings(v),
