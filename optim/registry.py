@@ -55,8 +55,9 @@ _RANGES = {**dict.fromkeys(("b1", "b2", "adam_b1", "adam_b2", "b1_1d", "b2_1d", 
            **dict.fromkeys(("eps", "adam_eps", "weight_decay", "adam_weight_decay", "weight_decay_1d", "gamma",
                             "ns_eps", "clip_threshold", "precond_init_scale", "seed", "max_size_triangular",
                             "start_block", "ns_steps", "adam_learning_rate", "lr_1d"), (0, None)),
-           **dict.fromkeys(("precond_lr", "inactive_lr_ratio", "alpha", "vector_scale", "embed_scale", "head_scale",
-                            "hidden_scale"), (0, None, "open")),
+           **dict.fromkeys(("precond_lr", "alpha", "vector_scale", "embed_scale", "head_scale", "hidden_scale"),
+                           (0, None, "open")),
+           "inactive_lr_ratio": (0, None),  # 0: the layers above the active one stay as they are (BAdam)
            **dict.fromkeys(("switch_every", "rank", "precondition_frequency", "max_precondition_dim"), (1, None)),
            **dict.fromkeys(("clip_alpha", "balance_prob", "preconditioner_update_probability"), (0, 1)),
            "rank_fraction": (0, 1, "open")}
@@ -285,17 +286,8 @@ def get_optimizer(name: str, learning_rate: optax.ScalarOrSchedule, **hparams: A
       with a plain ValueError or TypeError.
     ValueError: the factory's own error (a class defined in `optim`, e.g. AlignmentError, BAdamError), re-raised.
   """
-  if name not in OPTIMIZERS:
-    raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
+  check_hparams(name, hparams)
   factory = OPTIMIZERS[name]
-  accepted = set(inspect.signature(factory).parameters) - {"learning_rate"}
-  unknown = sorted(set(hparams) - accepted)
-  if unknown:
-    raise UnknownOptimizerError(f"optimizer {name!r} has no hyperparameter {', '.join(unknown)}; "
-                                f"it takes {', '.join(sorted(accepted))}")
-  annotations = {k: p.annotation for k, p in inspect.signature(factory).parameters.items()}
-  for key, value in hparams.items():
-    _check_value(name, key, value, annotations[key])
   if isinstance(learning_rate, (int, float)) and not (math.isfinite(learning_rate) and learning_rate >= 0):
     raise UnknownOptimizerError(f"optimizer {name!r}: learning rate {learning_rate!r} must be finite and >= 0")
   try:
@@ -309,6 +301,28 @@ def get_optimizer(name: str, learning_rate: optax.ScalarOrSchedule, **hparams: A
   except TypeError as e:  # a value the factory cannot take (its own ValueErrors, e.g. AlignmentError, pass through)
     raise UnknownOptimizerError(f"optimizer {name!r}: {str(e).splitlines()[0] if str(e) else 'TypeError'}") \
         from None
+
+
+def check_hparams(name: str, hparams: dict[str, Any]) -> None:
+  """Refuses hyperparameters optimizer `name` does not take, and values that do not suit their annotation or range.
+
+  Args:
+    name: a registered optimizer.
+    hparams: the hyperparameters given.
+
+  Raises:
+    UnknownOptimizerError: an unknown optimizer or hyperparameter, or a value out of its type, range or choices.
+  """
+  if name not in OPTIMIZERS:
+    raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
+  parameters = inspect.signature(OPTIMIZERS[name]).parameters
+  accepted = set(parameters) - {"learning_rate"}
+  unknown = sorted(set(hparams) - accepted)
+  if unknown:
+    raise UnknownOptimizerError(f"optimizer {name!r} has no hyperparameter {', '.join(unknown)}; "
+                                f"it takes {', '.join(sorted(accepted))}")
+  for key, value in hparams.items():
+    _check_value(name, key, value, parameters[key].annotation)
 
 
 def hyperparameters(name: str) -> dict[str, Any]:
@@ -338,9 +352,16 @@ def needs(name: str, hparams: dict | None = None) -> Needs:
 
   Returns:
     Its `optim.needs.Needs` (empty for an optimizer that declares nothing).
+
+  Raises:
+    UnknownOptimizerError: when a declaration that depends on the hyperparameters is given ones `check_hparams`
+      refuses.
   """
   declared = NEEDS.get(name, Needs())
-  return declared({**hyperparameters(name), **(hparams or {})}) if callable(declared) else declared
+  if not callable(declared):
+    return declared
+  check_hparams(name, hparams or {})  # a declaration computed from a value out of range fails (BREAD's alpha / rank)
+  return declared({**hyperparameters(name), **(hparams or {})})
 
 
 def needs_prev_grads(name: str, hparams: dict | None = None) -> bool:

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import optim
 from optim import OPTIMIZERS, UnknownOptimizerError, decay_mask, get_optimizer, hyperparameters, make_schedule
 
 PARAMS = {"blocks": {"wq": jnp.ones((2, 4, 4)), "attn_norm": jnp.ones((2, 4))}, "embed": jnp.ones((8, 4)),
@@ -85,3 +86,19 @@ def test_registered_optimizers_jit_and_stay_finite_on_zero_gradients(name):
   updates, new_state = jax.jit(tx.update)(grads, state, PARAMS)
   assert all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates))
   assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, state)
+
+
+def test_a_declaration_computed_from_hyperparameters_checks_them_first():
+  """BREAD's declared needs divide by `rank`: rank=0 is refused by its range in one line, not a ZeroDivisionError."""
+  with pytest.raises(optim.UnknownOptimizerError, match="rank=0"):
+    optim.needs("bread", {"rank": 0})
+  with pytest.raises(optim.UnknownOptimizerError, match="no hyperparameter"):
+    optim.needs("bread", {"rnak": 4})
+  assert optim.needs("bread", {"rank": 4}).blockwise is not None
+
+
+def test_bread_takes_what_its_docstring_offers():
+  """inactive_lr_ratio=0 is BAdam (optim/bread.py): the registry's range accepts it, a negative ratio it refuses."""
+  optim.get_optimizer("bread", 1e-3, inactive_lr_ratio=0.0)
+  with pytest.raises(optim.UnknownOptimizerError, match="inactive_lr_ratio"):
+    optim.get_optimizer("bread", 1e-3, inactive_lr_ratio=-0.5)

@@ -38,7 +38,7 @@ def test_every_default_lies_in_its_declared_range_and_choices():
 @pytest.mark.parametrize("name, hparams, says", [
     ("badam", {"always_active": "blocks"}, "must be a list of strings"),  # was 6 one-letter patterns
     ("badam", {"order": "sideways"}, "order='sideways' must be one of descending, ascending, random, fixed"),
-    ("bread", {"inactive_lr_ratio": 0.0}, "must lie in (0, inf)"),
+    ("bread", {"inactive_lr_ratio": -0.5}, "must lie in [0, inf)"),  # 0 is BAdam: allowed
     ("dion", {"rank_fraction": 0.0}, "must lie in (0, 1]"),
     ("soap", {"precondition_frequency": 0}, "must lie in [1, inf)"),
     ("muon", {"momentum": "nesterov"}, "must be one of ema, classic"),

@@ -100,3 +100,14 @@ def test_the_name_check_can_fail(tmp_path):
   path = tmp_path / "x.py"
   path.write_text('if cfg.optimizer == "badam":\n  tx = optax.sgd(1.0)  # badam\n')
   assert [t for _, t in _code_tokens(str(path)) if re.search(r"(?<![\w.])badam(?!\w)", t)] == ['"badam"', "# badam"]
+
+
+def test_needs_computed_from_a_value_out_of_range_are_one_line(tmp_path, capsys):
+  """BREAD's declared needs divide by its rank: --opt rank=0 is refused by the rank's range before they are computed
+  (it was a 36-line ZeroDivisionError), and nothing is written."""
+  from research.train import main
+  with pytest.raises(SystemExit) as e:
+    main(["--optimizer", "bread", "--opt", "rank=0", "--steps", "2", "--out", str(tmp_path / "run")])
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and err == "error: optimizer 'bread': rank=0 must lie in [1, inf)"
+  assert not (tmp_path / "run").exists()
