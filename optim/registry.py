@@ -351,11 +351,8 @@ def needs(name: str, hparams: dict | None = None) -> Needs:
     hparams: the hyperparameters given (None: all at their defaults).
 
   Returns:
-    Its `optim.needs.Needs` (empty for an optimizer that declares nothing).
-
-  Raises:
-    UnknownOptimizerError: when a declaration that depends on the hyperparameters is given ones `check_hparams`
-      refuses.
+    Its `optim.needs.Needs` (empty for an optimizer that declares nothing); a declaration that depends on the
+    hyperparameters gets them only once `check_hparams` accepts them (its UnknownOptimizerError passes through).
   """
   declared = NEEDS.get(name, Needs())
   if not callable(declared):
