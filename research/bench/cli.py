@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import typing
 
 import jax
@@ -64,4 +65,7 @@ def main(argv=None):
   except RuntimeError:  # backend already up (a test or notebook set it): keep what is there
     pass
   with entry.one_line_errors(ConfigError, MeshError, ShardingError, AttentionError):
-    tyro.extras.subcommand_cli_from_dict(BENCHMARKS, args=argv, prog="python -m research.bench")
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and not args[0].startswith("-") and args[0] not in BENCHMARKS:  # tyro's answer is a 9-line box
+      raise entry.UsageError(f"no benchmark {args[0]!r}; choose from {', '.join(BENCHMARKS)}")
+    tyro.extras.subcommand_cli_from_dict(BENCHMARKS, args=args, prog="python -m research.bench")

@@ -77,6 +77,7 @@ def test_a_string_flag_without_a_declaration_has_no_rule():  # the check above c
     (["preflight", "--methods"], "--methods: give at least one value"),
     (["optim", "--skip", "nosuch"], "--skip 'nosuch' is not one of"),
     (["hf", "--d-model", "0"], "--d-model must be >= 1, got 0"),  # a field of an Args dataclass
+    (["nosuch"], "no benchmark 'nosuch'; choose from train, optim"),  # was tyro's 9-line box
 ])
 def test_the_issues_bench_examples_are_one_line(capsys, argv, says):
   with pytest.raises(SystemExit) as e:
