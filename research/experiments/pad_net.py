@@ -32,11 +32,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Annotated
 
 import numpy as np
 from flax import nnx
 
 from models import MoEConfig, Transformer, count_params, padnet, preset, surgery
+from research import flags
 from research.data import docs_corpus, eval_batches, get_batch, load_corpus
 from research.experiments import common
 
@@ -61,8 +63,8 @@ class Config:
   num_experts: int = 8
   top_k: int = 2
   d_expert: int = 64
-  ratios: tuple[float, ...] = (1.0, 0.5, 0.3, 0.1)
-  """PAD-Net's final dynamic shares."""
+  ratios: Annotated[tuple[float, ...], flags.FRACTION] = (1.0, 0.5, 0.3, 0.1)
+  """PAD-Net's final dynamic shares, each in (0, 1]."""
   rounds: int = 5
   """IMP rounds (the code's prune_epochs defaults to 1)."""
   score_batches: int = 4

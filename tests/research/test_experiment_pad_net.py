@@ -53,3 +53,13 @@ def test_tables_findings_and_plot(result):
 def test_a_ratio_padnet_cannot_use_is_refused():
   with pytest.raises(padnet.PadNetError, match="dynamic ratio must lie in"):
     pad_net.sized(pad_net.Config(ratios=(0.5, 0.0)))
+
+
+def test_a_ratio_outside_0_1_is_one_line_before_any_work(tmp_path):
+  """--ratios 2.0 was a 23-line PadNetError traceback raised mid-run; the flag's rule now refuses it first."""
+  import subprocess
+  import sys
+  run = subprocess.run([sys.executable, "-m", "research.experiments.pad_net", "--ratios", "2.0", "--out",
+                        str(tmp_path / "out")], capture_output=True, text=True)
+  assert run.returncode == 2 and run.stderr.strip() == "error: --ratios must be in (0, 1], got 2.0"
+  assert not (tmp_path / "out").exists()
