@@ -88,7 +88,7 @@ def _flops(cfgs: list[TrainConfig]) -> float:
 def vmap(widths: tuple[int, ...] = (64, 128, 256), members: Annotated[int, flags.COUNT] = 4,
          steps: Annotated[int, flags.COUNT] = 60, optimizer: Annotated[str, flags.OPTIMIZER] = "adamw",
          batch_size: int = 16, seq_len: int = 128,
-         trainer: bool = True, out: Annotated[str, flags.OUT_DIR] = "research/results/bench_vmap.md") -> dict:
+         trainer: bool = True, out: Annotated[str, flags.OUT_FILE] = "research/results/bench_vmap.md") -> dict:
   """Vmapped groups vs one-at-a-time runs, per width: time per step, wall time, speedup, FLOP/s.
 
   Args:
