@@ -4,6 +4,7 @@ research/train/, observers change no loss, a resumed run's EMA continues exactly
 steps offer the same contract. (Each diagnostic's one-device vs 8-device equality is tested on its library function,
 tests/optim/test_diagnostics_*.py: a run here cannot leave the process's 8 devices.)"""
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -102,3 +103,15 @@ def test_observer_flags_refused_in_one_line(tmp_path):
     run(cfg(tmp_path / "d", gns_every=2, gns_groups=3))
   with pytest.raises(RunError, match="does not combine with --sync"):
     run(cfg(tmp_path / "e", watch=("updates",), sync="local:2"))
+
+
+def test_the_default_sharpness_rows_split_over_the_batch_axes():
+  """--sharpness-rows unset: 4 rows, rounded up to a multiple of the mesh's batch split (on --mesh data=8 four rows
+  could not be split: a one-line error before this rounding), at most the batch."""
+  from research.train.observers.sharpness import default_rows
+  assert default_rows(16) == 4 and default_rows(2) == 2  # no mesh
+  explicit = jax.sharding.AxisType.Explicit
+  with jax.set_mesh(jax.make_mesh((8,), ("data",), axis_types=(explicit,))):
+    assert default_rows(16) == 8 and default_rows(8) == 8
+  with jax.set_mesh(jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(explicit,) * 3)):
+    assert default_rows(16) == 4

@@ -32,8 +32,9 @@ class ObserveSection:
   sharpness_iters: int = 10
   """Power iterations per sharpness measurement (one Hessian-vector product each)."""
   sharpness_rows: int | None = None
-  """Rows of the held-out batch the sharpness is measured on (unset: 4, or --batch-size when smaller: the cost of one
-  measurement grows with the rows, research/results/diagnostics/results.md)."""
+  """Rows of the held-out batch the sharpness is measured on (unset: 4, rounded up to a multiple of the mesh's batch
+  split and at most --batch-size: the cost of one measurement grows with the rows,
+  research/results/diagnostics/results.md)."""
   lanczos: int = 0
   """Lanczos iterations beside the power iteration at each sharpness measurement (their top Ritz values; 0: off)."""
   gns_every: int = 0

@@ -15,15 +15,28 @@ The loss is the one the step differentiates (cross entropy + an MoE's weighted a
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from optim.diagnostics import sharpness
 from research.train.observers.registry import Observer, register
+from sharding.rules import logical_to_spec
 
 ALPHAS = (0.0, 0.5, 1.0, 1.5, 2.0)
 ROWS = 4  # --sharpness-rows unset: one measurement costs ~8.5 plain steps of the default run, not ~26 with all 16 rows
 # (research/results/diagnostics/results.md): every 200 steps or rarer stays under 5%
+
+
+def default_rows(batch: int) -> int:
+  """`ROWS`, rounded up to a multiple of the mesh's batch split (data × fsdp × expert: the rows must divide over it,
+  as the batch's do), at most the batch; read from the mesh the step is traced under."""
+  mesh = jax.sharding.get_abstract_mesh()
+  spec = logical_to_spec(("batch",), mesh) if mesh is not None and mesh.shape else ()
+  axes = (spec[0],) if spec and isinstance(spec[0], str) else tuple(spec[0] or ()) if spec else ()
+  split = math.prod(mesh.shape[a] for a in axes) if axes else 1
+  return min(batch, split * -(-ROWS // split))
 
 
 def check(section, batch_size: int) -> None:
@@ -34,7 +47,7 @@ def check(section, batch_size: int) -> None:
 
 def observe(result, held, section) -> dict:
   hx, hy = held
-  rows = section.sharpness_rows or min(ROWS, hx.shape[0])
+  rows = section.sharpness_rows or default_rows(hx.shape[0])
   hx, hy = hx[:rows], hy[:rows]
   loss = lambda p: result.probe.loss_at(p, hx, hy)
   params, u = result.params, result.updates
