@@ -205,7 +205,8 @@ def _budget_seeds(baseline: Mapping[float, Sequence[float]]) -> tuple[np.ndarray
 
 
 def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: ArrayLike, tokens: float, *,
-                      n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> Interval:
+                      n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0,
+                      relative: bool = False) -> Interval:
   """The data-matched speedup with a bootstrap interval over seeds.
 
   The estimate fits the baseline's mean loss per budget and reads the contender's mean loss on it. Each resample
@@ -220,6 +221,9 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     n_resamples: bootstrap resamples (default 1000).
     confidence: the interval's coverage (default 0.95).
     seed: the resampling's random seed (default 0).
+    relative: divide by the baseline's own point on its fit: the data the fit needs for the contender's mean loss over
+      the data it needs for the baseline's mean loss at `tokens` (a budget of `baseline`), so a fit biased at
+      `tokens` cancels; resampled jointly. False: over `tokens` itself.
 
   Returns:
     Interval(estimate, low, high, n_resamples, extrapolated).
@@ -241,12 +245,17 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     raise ValueError("bootstrap_speedup: no contender losses")
   if not np.all(np.isfinite(mine)):
     raise ValueError(f"bootstrap_speedup: every contender loss must be finite, got {mine.tolist()}")
-  law = fit_power_law(budgets, [s.mean() for s in seeds])
-  estimate = speedup(law, float(mine.mean()), tokens)
+  at = int(np.flatnonzero(budgets == tokens)[0]) if relative and np.any(budgets == tokens) else None
+  if relative and at is None:
+    raise ValueError(f"bootstrap_speedup: relative needs the baseline at the contender's budget {tokens}")
+  stat = lambda law, loss, means: law.data_for(loss) / (law.data_for(means[at]) if relative else tokens)
+  means = [s.mean() for s in seeds]
+  law = fit_power_law(budgets, means)
+  estimate = float(stat(law, float(mine.mean()), means))
   rng = np.random.default_rng(seed)
   draws = np.empty(n_resamples)
   for r in range(n_resamples):
     means = [rng.choice(s, s.size).mean() for s in seeds]
-    draws[r] = speedup(fit_power_law(budgets, means), float(rng.choice(mine, mine.size).mean()), tokens)
+    draws[r] = stat(fit_power_law(budgets, means), float(rng.choice(mine, mine.size).mean()), means)
   low, high = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
   return Interval(estimate, float(low), float(high), n_resamples, extrapolates(law, float(mine.mean())))

@@ -252,3 +252,23 @@ def test_profile_area_is_the_normalised_integral():
     assert area[method] == pytest.approx(np.trapezoid(rho, taus) / 3, abs=1e-5)
   with pytest.raises(ValueError, match="positive"):
     performance_profile({"A": {"p1": 0.0}}, [1.0])
+
+
+def test_the_relative_speedup_cancels_a_fit_biased_at_the_contenders_budget():
+  """relative=True divides by the baseline's own point on its fit: on an exact law it equals the plain speedup; when
+  the baseline at TOKENS sits below the law (its fit then reads it as a speedup of its own), the baseline read
+  against itself is exactly 1, and the contender's plain speedup over the baseline's own reading is the relative one."""
+  exact = {float(d): [LAW.loss(d)] * 3 for d in BUDGETS}
+  k_loss = [LAW.loss(1.4 * TOKENS)] * 3
+  plain = bootstrap_speedup(exact, k_loss, TOKENS, n_resamples=20)
+  rel = bootstrap_speedup(exact, k_loss, TOKENS, n_resamples=20, relative=True)
+  assert rel.estimate == pytest.approx(plain.estimate, rel=1e-6) == pytest.approx(1.4, rel=1e-4)
+  biased = {**exact, TOKENS: [LAW.loss(TOKENS) - 0.02] * 3}
+  own = bootstrap_speedup(biased, biased[TOKENS], TOKENS, n_resamples=20)
+  assert own.estimate > 1.01  # the fit does not pass through the lowered point: the baseline "beats" itself
+  assert bootstrap_speedup(biased, biased[TOKENS], TOKENS, n_resamples=20, relative=True).estimate == pytest.approx(1.0)
+  plain = bootstrap_speedup(biased, k_loss, TOKENS, n_resamples=20)
+  rel = bootstrap_speedup(biased, k_loss, TOKENS, n_resamples=20, relative=True)
+  assert rel.estimate == pytest.approx(plain.estimate / own.estimate, rel=1e-9)
+  with pytest.raises(ValueError, match="relative needs the baseline"):
+    bootstrap_speedup(exact, k_loss, 3e8, relative=True)

@@ -59,16 +59,13 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
         if len(finals) < 2:
           continue
         iv = bootstrap_speedup(points, finals, tokens, seed=width)
+        rel = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
         c = compare(finals, base["finals"]) if name != BASE else None
         row[name] = {"speedup": iv.estimate, "low": iv.low, "high": iv.high,
+                     "relative": rel.estimate, "relative_low": rel.low, "relative_high": rel.high,
                      "extrapolated": extrapolates(law, float(np.mean(finals))),
                      "mean": float(np.mean(finals)), "std": float(np.std(finals, ddof=1)),
                      **({"p": c.p_value, "t": c.statistic, "df": c.df, "diff": c.diff, "test": c.test} if c else {})}
-  for row in out["widths"].values():  # AdamW's own point read on its fit: 1 for a fit without bias at D
-    own = row.get(BASE, {}).get("speedup")
-    for r in row.values():
-      if isinstance(r, dict) and "speedup" in r and own:
-        r["relative"] = r["speedup"] / own
   names = sorted({n for rung in done.values() for n, e in rung.items() if isinstance(e, dict) and "scan" in e})
   for name in names:
     optima = {}
@@ -111,10 +108,10 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
             "the tokens used (95% bootstrap interval over seeds, 1000 resamples); p: one-sided Welch t-test that the "
             "contender's final losses are lower than AdamW's. AdamW's own row reads its mean final loss on its own "
             "fit: where it is not 1, the fit is biased at the full budget, and the next column divides that out "
-            "(the data AdamW's fit needs for the contender's loss over the data it needs for AdamW's own; its "
-            "interval is not computed yet).", "",
-            "| d_model | AdamW's L(D): α, B, β | contender | speedup [95% CI] | ÷ AdamW's own | extrapolated | "
-            "Δ loss vs AdamW | t, df | p |",
+            "(the data AdamW's fit needs for the contender's loss over the data it needs for AdamW's own, resampled "
+            "jointly: `bootstrap_speedup(..., relative=True)`).", "",
+            "| d_model | AdamW's L(D): α, B, β | contender | speedup [95% CI] | ÷ AdamW's own [95% CI] | "
+            "extrapolated | Δ loss vs AdamW | t, df | p |",
             "|---|---|---|---|---|---|---|---|---|"]
   for w, row in v["widths"].items():
     law = row.get("law")
@@ -124,7 +121,8 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
       if not r:
         continue
       lines.append(f"| {w} | {lawtxt} | {name} | {f(r['speedup'], '.2f')}× [{f(r['low'], '.2f')}, "
-                   f"{f(r['high'], '.2f')}] | {f(r.get('relative'), '.2f')}× | "
+                   f"{f(r['high'], '.2f')}] | {f(r['relative'], '.2f')}× [{f(r['relative_low'], '.2f')}, "
+                   f"{f(r['relative_high'], '.2f')}] | "
                    f"{'yes' if r['extrapolated'] else 'no'} | {f(r.get('diff'), '+.4f')} | "
                    f"{f(r.get('t'), '.2f')}, {f(r.get('df'), '.1f')} | {f(r.get('p'), '.3g')} |")
   lines += ["", "## Learning-rate transfer (stage A's scans)", "",
