@@ -188,9 +188,9 @@ def _open_records(cfg: TrainConfig, start: int, group_dir: str, size: int):
   """The member's metrics.jsonl kept up to `start` (what a resume continues from), and its config.json."""
   out = cfg.checkpoint.out
   os.makedirs(out, exist_ok=True)
-  flags = {k: _plain(v) for k, v in cfg.flags().items()}
-  with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump({"flags": flags, "vmapped": {"group": os.path.abspath(group_dir), "members": size}}, f, indent=1)
+  with open(os.path.join(out, "config.json"), "w") as f:  # the trainer's record ("train": its config by section)
+    json.dump({"train": dataclasses.asdict(cfg), "vmapped": {"group": os.path.abspath(group_dir), "members": size}},
+              f, indent=1)
   path = os.path.join(out, "metrics.jsonl")
   kept = []
   if start and os.path.exists(path):
@@ -223,10 +223,13 @@ def run_group(cfgs: Sequence[TrainConfig], group_dir: str) -> list[list[dict]]:
       xs, ys = [np.stack(a) for a in zip(*(ld.batch(s) for ld in group.loaders))]
       *new, out = group.step(group.values, *state, xs, ys)
       state = tuple(new)
-      for k, r in enumerate(_records(group, s + 1, state, out, clock)):
-        if len(r) > 1 and not _diverged(group.cfgs[k], int(np.asarray(state[3])[k, 1])):
-          files[k].write(json.dumps(r) + "\n")
-          records[k].append(r)
+      recs = _records(group, s + 1, state, out, clock)
+      if len(recs[0]) > 1:  # a logged step: the bad-step counts read back once
+        worst = np.asarray(state[3])[:, 1]
+        for k, r in enumerate(recs):
+          if not _diverged(group.cfgs[k], int(worst[k])):
+            files[k].write(json.dumps(r) + "\n")
+            records[k].append(r)
       if (s + 1) % base.checkpoint.ckpt_every == 0 or s + 1 == base.training.steps:
         for f in files:
           f.flush()

@@ -62,6 +62,7 @@ from research.bench.coordcheck import width_config
 from research.experiments import common
 from research.search import Dim, edge_flags, grid_edge, quasi_random
 from research.train import TrainConfig, run
+from research.train.config import flat_record
 from research.train.vmapped import run_group
 
 NAME = "width_ladder"
@@ -248,13 +249,13 @@ class Ladder:
       if not os.path.exists(cfg_path):
         continue
       with open(cfg_path) as f:
-        flags_ = json.load(f)["flags"]
-      loss = final_val(path, flags_["steps"])
+        steps = flat_record(json.load(f)["train"])["steps"]
+      loss = final_val(path, steps)
       if loss is None:
         continue
       commit = open(os.path.join(path, "commit")).read().strip() if os.path.exists(os.path.join(path, "commit")) \
           else None
-      out.append({"run": os.path.relpath(path, self.runs_dir), "steps": flags_["steps"], "final_val_loss": loss,
+      out.append({"run": os.path.relpath(path, self.runs_dir), "steps": steps, "final_val_loss": loss,
                   "commit": commit})
     return out
 
