@@ -106,7 +106,8 @@ class Run:
   opt: tuple[str, ...]
   lr: float
   seed: int
-  trial: int | None = None  # --search: the trial's index (its values are in `opt`)
+  trial: int | None = None  # --search: the trial's index
+  values: tuple[tuple[str, float], ...] = ()  # --search: the trial's point but lr (also in `opt`, as the run takes it)
 
   @property
   def name(self) -> str:
@@ -219,7 +220,8 @@ def run_grid(cfg: SweepConfig) -> list[dict]:
   boxes = {}
   if cfg.search:
     boxes = search_boxes(cfg.space, {label: lrs for label, _, _, lrs in grid})
-    runs = [Run(label, name, opt + _opt_items(point), point["lr"], cfg.seeds[0], i)
+    runs = [Run(label, name, opt + _opt_items(point), point["lr"], cfg.seeds[0], i,
+                tuple((k, v) for k, v in point.items() if k != "lr"))
             for label, name, opt, _ in grid for i, point in enumerate(quasi_random(boxes[label], cfg.trials))]
     _execute(cfg, runs, base, runs_dir, steps)
     best = {s["label"]: s for s in summarize(_rows(runs, runs_dir, steps), cfg.baseline, cfg.target_loss)[0]}
@@ -262,7 +264,7 @@ def _rows(runs: list[Run], runs_dir: str, steps: int) -> list[dict]:
   rows = []
   for r in runs:
     row = {"label": r.label, "optimizer": r.optimizer, "lr": r.lr, "seed": r.seed, "steps": steps, "trial": r.trial,
-           "values": dict(item.partition("=")[::2] for item in r.opt) if r.trial is not None else {}}
+           "values": dict(r.values)}
     if os.path.exists(os.path.join(runs_dir, r.name, "diverged")):  # listed in results.csv, not ranked
       rows.append({**row, "final_val_loss": math.inf, "best_val_loss": math.inf, "tokens_per_s": math.nan,
                    "curve": [], "diverged": True})
@@ -339,7 +341,7 @@ def write_results(cfg: SweepConfig, rows: list[dict], boxes: dict | None = None)
               "edge |", "|---|---|---|---|---|"]
     for s in summary:
       box = boxes[s["label"]]
-      best = {"lr": s["best_lr"], **{k: float(v) for k, v in s["values"].items()}}
+      best = {"lr": s["best_lr"], **s["values"]}
       lines.append(f"| {s['label']} | {', '.join(f'{d.name} {d.scale} [{d.low:g}, {d.high:g}]' for d in box)} | "
                    f"{s['trial']} | {', '.join(f'{k}={v:.4g}' for k, v in best.items())} | "
                    f"{', '.join(edge_flags(box, best)) or '—'} |")
