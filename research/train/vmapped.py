@@ -39,6 +39,7 @@ from research.train.runtime.xla import compiler_options
 from research.train.setup.build import make_optimizer, model_config, opt_hparams, optimizer_needs
 from research.train.steps.contract import outputs
 from research.train.steps.step import eval_loss, make_update
+from research.train.store.rundir import read_records
 
 VARIED = ("lr", "weight_decay", "b1", "b2")  # besides --opt keys with numeric values, and the seed
 
@@ -192,12 +193,9 @@ def _open_records(cfg: TrainConfig, start: int, group_dir: str, size: int):
     json.dump({"train": dataclasses.asdict(cfg), "vmapped": {"group": os.path.abspath(group_dir), "members": size}},
               f, indent=1)
   path = os.path.join(out, "metrics.jsonl")
-  kept = []
-  if start and os.path.exists(path):
-    with open(path) as f:
-      kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
-  with open(path, "w") as f:
-    f.writelines(kept)
+  kept = [r for r in read_records(path)[0] if r["step"] <= start] if start and os.path.exists(path) else []
+  with open(path, "w") as f:  # (a last line cut short by a kill is dropped, as the trainer's resume drops it)
+    f.writelines(json.dumps(r) + "\n" for r in kept)
   return open(path, "a")
 
 

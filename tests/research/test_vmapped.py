@@ -73,6 +73,8 @@ def test_a_killed_group_resumes_exactly(tmp_path, monkeypatch):
   monkeypatch.setattr(vm, "_save", real)
   with open(os.path.join(cut[0].checkpoint.out, "metrics.jsonl"), "a") as f:  # a record past the checkpoint
     f.write(json.dumps({"step": 5, "loss": 0.0}) + "\n")
+  with open(os.path.join(cut[1].checkpoint.out, "metrics.jsonl"), "a") as f:  # a last line a kill cut short
+    f.write('{"step": 5, "lo')
   rest = run_group(cut, str(tmp_path / "b" / "state"))
   assert [r["step"] for r in rest[0]] == [5, 6, 7, 8]
   strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # a time, not a result

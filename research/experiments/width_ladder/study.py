@@ -63,6 +63,7 @@ from research.experiments import common
 from research.search import Dim, edge_flags, grid_edge, quasi_random
 from research.train import TrainConfig, run
 from research.train.config import flat_record
+from research.train.store.rundir import read_records
 from research.train.vmapped import run_group
 
 NAME = "width_ladder"
@@ -197,12 +198,10 @@ def final_val(run_dir: str, steps: int) -> float | None:
   """The run's final held-out loss when it finished (inf when it diverged), else None."""
   if os.path.exists(os.path.join(run_dir, "diverged")):
     return math.inf
-  try:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-      recs = [json.loads(line) for line in f if line.strip()]
-  except OSError:
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
     return None
-  done = [r["val_loss"] for r in recs if r.get("step") == steps and "val_loss" in r]
+  done = [r["val_loss"] for r in read_records(path)[0] if r["step"] == steps and "val_loss" in r]
   return done[-1] if done else None
 
 
@@ -223,22 +222,26 @@ class Ladder:
     if todo:
       self.planned.append({"width": width, "contender": contender, "stage": stage, "members": len(todo),
                            "steps": steps})
-      cfgs = [train_config(self.cfg, width, contender, v, s, steps, d) for (v, s), d in todo]
-      if self.cfg.plan or self.cfg.report:
-        pass
-      elif self.cfg.runner == "trainer":
-        for c in cfgs:  # each resumes from its own checkpoints
-          run(c)
-          if jax.process_count() > 1:  # every host reads the run's metrics after process 0 has written them
-            multihost_utils.sync_global_devices(f"width-ladder {c.checkpoint.out}")
-      else:
-        key = hashlib.sha1("|".join(d for _, d in todo).encode()).hexdigest()[:10]
-        commit = common.commit()
-        run_group(cfgs, os.path.join(where, f"group-{key}"))
-        for _, d in todo:  # the code a run finished with (config.json beside it holds its flags)
-          with open(os.path.join(d, "commit"), "w") as f:
-            f.write(commit + "\n")
+      if not (self.cfg.plan or self.cfg.report):
+        self._train([train_config(self.cfg, width, contender, v, s, steps, d) for (v, s), d in todo], where)
     return [final_val(d, steps) for d in dirs]
+
+  def _train(self, cfgs: list[TrainConfig], where: str):
+    """The runs, by the configured runner; then each run's `commit` file: the code it finished with (config.json
+    beside it holds its flags)."""
+    commit = common.commit()
+    if self.cfg.runner == "trainer":
+      for c in cfgs:  # each resumes from its own checkpoints
+        run(c)
+        if jax.process_count() > 1:  # every host reads the run's metrics after process 0 has written them
+          multihost_utils.sync_global_devices(f"width-ladder {c.checkpoint.out}")
+    else:
+      key = hashlib.sha1("|".join(c.checkpoint.out for c in cfgs).encode()).hexdigest()[:10]
+      run_group(cfgs, os.path.join(where, f"group-{key}"))
+    if jax.process_index() == 0:
+      for c in cfgs:
+        with open(os.path.join(c.checkpoint.out, "commit"), "w") as f:
+          f.write(commit + "\n")
 
   def runs(self) -> list[dict]:
     """Every finished run of the ladder: its directory (under runs/), seed-0 or seed, steps, final held-out loss and
