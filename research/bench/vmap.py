@@ -33,6 +33,7 @@ from research.bench.coordcheck import width_config
 from research.bench.report import call_command, git_commit, machine, publish, run_child, table
 from research.data import load_corpus
 from research.train import TrainConfig
+from research.train.store.rundir import read_records
 from research.train.vmapped import build, run_group
 
 
@@ -40,11 +41,6 @@ def _steady(records: list[dict], tokens: int) -> float:
   """Seconds per step: the median of the logged intervals after the first (which holds the compilation)."""
   rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
   return tokens / statistics.median(rates) if rates else float("nan")
-
-
-def _metrics(out: str) -> list[dict]:
-  with open(os.path.join(out, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
 
 
 def _argv(cfg: TrainConfig) -> list[str]:
@@ -120,7 +116,7 @@ def vmap(widths: tuple[int, ...] = (64, 128, 256), members: Annotated[int, flags
             [sys.executable, "-m", "research.train", *_argv(cfg)], os.path.join(tmp, f"{w}-trainer"))
         if code:
           raise RuntimeError(f"the trainer's run failed: {err[-2000:]}")
-        row["trainer_step"] = _steady(_metrics(cfg.checkpoint.out), tokens)
+        row["trainer_step"] = _steady(read_records(os.path.join(cfg.checkpoint.out, "metrics.jsonl"))[0], tokens)
       for way, k in (("alone", 1), ("group", members)):  # a child with one device each, as the trainer's
         spec = dict(width=w, vocab=vocab, members=k, steps=steps, optimizer=optimizer, batch_size=batch_size,
                     seq_len=seq_len, out=os.path.join(tmp, f"{w}-{way}"))
