@@ -50,6 +50,7 @@ from research import entry, flags
 from research.search import PREFIXED, SearchError, edge_flags, parse_dim, quasi_random, search_boxes
 from research.train.command import USER_ERRORS
 from research.train.config import NestedTrainConfig, TrainConfig
+from research.train.store.rundir import read_records
 
 _ENTRY = re.compile(r"^(\w+)(?:\[(.*)\])?=([^=\[\]]+)$")
 
@@ -173,10 +174,8 @@ def _run_one(train_kwargs: dict) -> None:
 
 
 def _records(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """A run's metrics records (`rundir.read_records`: a last line a kill cut short is dropped); none before it logs."""
+  return read_records(path)[0] if os.path.exists(path) else []
 
 
 def _finished(run_dir: str, steps: int) -> bool:
