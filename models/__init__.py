@@ -1,6 +1,6 @@
 """Flax NNX language models that name logical axes only."""
 
-from models import exfusion, padnet, peft, quant, quant_mixed, quant_select, quant_store
+from models import exfusion, padnet, peft, quant, quant_mixed, quant_select, quant_store, schema
 from models.config import PRESETS, ConfigError, MoEConfig, TransformerConfig, count_params, flops_per_token, preset
 from models.generate import generate
 from models.hf import HFError, from_hf, to_hf
@@ -16,4 +16,4 @@ __all__ += ["SurgeryError", "insert_block", "to_moe", "to_padnet", "upcycle"]
 __all__ += ["HFError", "from_hf", "generate", "to_hf"]
 __all__ += ["peft", "to_hf_peft"]
 __all__ += ["quant", "quant_mixed", "quant_select", "quant_store"]
-__all__ += ["exfusion", "padnet"]
+__all__ += ["exfusion", "padnet", "schema"]

@@ -1,10 +1,21 @@
-"""Transformer configuration, size presets, and analytic parameter / FLOP counts."""
+"""Transformer configuration, size presets, and analytic parameter / FLOP counts.
+
+Each field is a `models.schema.setting`: its help, its kind (what the model is, how it is computed, how it is laid
+out) and its choices are declared here once, and the command lines and resume checks are derived from them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar
+
+from models.schema import COMPUTE, LAYOUT, setting
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+COMPUTE_DTYPES = ("float32", "bfloat16")  # the matmul dtypes a training run offers (the loss stays float32)
+ATTENTION = ("auto", "xla", "flash", "cudnn", "ring", "allgather")  # models/attention.py
+ROUTERS = ("softmax", "sigmoid")  # models/moe.py
 
 
 class ConfigError(ValueError):
@@ -18,30 +29,36 @@ class MoEConfig:
   `num_experts=0` means no MoE (a dense FFN): TransformerConfig turns such a config into `moe=None`.
   """
 
-  num_experts: int = 8
-  top_k: int = 2
-  d_expert: int | None = None  # each expert's SwiGLU hidden width; None: d_ff
-  num_shared: int = 0  # always-on shared experts (DeepSeekMoE), fused into one SwiGLU of num_shared*d_expert
-  d_shared: int | None = None  # the fused shared SwiGLU's width; None: num_shared*d_expert (Qwen2-MoE sets its own)
-  shared_gate: bool = False  # scale the shared output by sigmoid(x·w), one gate per token (Qwen2-MoE)
-  router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid always renormalises the top-k weights
-  normalize_top_k: bool = False  # softmax: renormalise the k selected probabilities to sum 1 (Mixtral)
-  # None: dropless (sort + ragged_dot); else ceil(cf*tokens*k/E) slots per expert and batch shard, the rest dropped
-  capacity_factor: float | None = None
-  lb_weight: float = 1e-2  # Switch load-balancing loss weight in the train loss
-  z_weight: float = 1e-3  # router z-loss weight (ST-MoE)
-  bias_rate: float = 0.0  # aux-loss-free balancing step u (DeepSeek-V3: 1e-3); 0: no selection bias
-  ragged_a2a: bool = False  # expert parallelism with ragged_all_to_all (GPU/TPU; XLA:CPU cannot run it)
+  num_experts: int = setting(8, "Routed experts per block (0: a dense FFN).")
+  top_k: int = setting(2, "Experts each token is sent to.", kind=COMPUTE)
+  d_expert: int | None = setting(None, "Each expert's SwiGLU hidden width (unset: --d-ff).")
+  num_shared: int = setting(0, "Always-on shared experts (DeepSeekMoE), fused into one SwiGLU.")
+  d_shared: int | None = setting(None, "The fused shared SwiGLU's width (unset: num_shared x d_expert; Qwen2-MoE "
+                                       "sets its own).")
+  shared_gate: bool = setting(False, "Scale the shared output by a per-token sigmoid gate (Qwen2-MoE).")
+  router: str = setting("softmax", "Router scores: softmax, or sigmoid (always renormalised over the top-k).",
+                        kind=COMPUTE, choices=ROUTERS)
+  normalize_top_k: bool = setting(False, "Softmax router: renormalise the k selected probabilities to sum 1 "
+                                         "(Mixtral).", kind=COMPUTE)
+  capacity_factor: float | None = setting(None, "Slots per expert = ceil(cf x tokens x k / E) per batch shard, the "
+                                                "rest dropped (unset: dropless, sort + ragged_dot).", kind=COMPUTE)
+  lb_weight: float = setting(1e-2, "Load-balancing loss weight (Switch).", kind=COMPUTE)
+  z_weight: float = setting(1e-3, "Router z-loss weight (ST-MoE).", kind=COMPUTE)
+  # a positive rate keeps a selection bias in the state
+  bias_rate: float = setting(0.0, "Aux-loss-free balancing step (DeepSeek-V3: 1e-3; 0: none).", kind=COMPUTE,
+                             state=lambda rate: rate > 0)
+  ragged_a2a: bool = setting(False, "Expert parallelism with ragged_all_to_all (GPU/TPU only).", kind=LAYOUT)
   # PAD-Net (models/padnet.py): experts = λ_d·M⊙W_e + λ_s·(1−M)⊙W_static, one static matrix per stack, masks as buffers
-  pad: bool = False
+  pad: bool = setting(False, "PAD-Net form: experts mixed with one static matrix per stack by masks and two scales "
+                             "(models/padnet.py), all dynamic until --moe.pad-ratio partitions them.")
 
   def __post_init__(self):
     if self.num_experts < 0:
       raise ConfigError(f"moe.num_experts must be >= 0 (0 = dense), got {self.num_experts}")
     if self.num_experts and not 1 <= self.top_k <= self.num_experts:
       raise ConfigError(f"moe.top_k={self.top_k} must lie in [1, num_experts={self.num_experts}]")
-    if self.router not in ("softmax", "sigmoid"):
-      raise ConfigError(f"moe.router must be 'softmax' or 'sigmoid', got {self.router!r}")
+    if self.router not in ROUTERS:
+      raise ConfigError(f"moe.router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
     if self.capacity_factor is not None and self.capacity_factor <= 0:
       raise ConfigError(f"moe.capacity_factor must be positive (or None for dropless), got {self.capacity_factor}")
     for f in ("d_expert", "d_shared"):
@@ -54,34 +71,40 @@ class MoEConfig:
         raise ConfigError(f"moe.{f} must be >= 0, got {getattr(self, f)}")
 
 
-FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
-ATTENTION = ("auto", "xla", "flash", "cudnn", "ring", "allgather")  # models/attention.py
-
-
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """A decoder-only LM. `n_kv_heads < n_heads` gives grouped-query attention."""
 
+  NESTED: ClassVar[dict] = {"moe": MoEConfig}  # the nested configs models/schema.py reads by their own schema
+
   vocab_size: int = 256
-  d_model: int = 256
-  n_layers: int = 4
-  n_heads: int = 4
-  n_kv_heads: int | None = None  # None: = n_heads
+  d_model: int = setting(256, "Model width (residual stream).")
+  n_layers: int = setting(4, "Transformer blocks.")
+  n_heads: int = setting(4, "Query heads.")
+  n_kv_heads: int | None = setting(None, "Key/value heads; fewer than query heads = grouped-query attention.")
   head_dim: int | None = None  # None: d_model // n_heads
-  d_ff: int = 768  # SwiGLU hidden width
-  qk_norm: bool = False
-  qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
-  tie_embeddings: bool = True
+  d_ff: int = setting(768, "SwiGLU hidden width.")
+  qk_norm: bool = setting(False, "RMSNorm on queries and keys (Qwen3).")
+  qkv_bias: bool = setting(False, "Biases on the q, k, v projections (Qwen2).")
+  tie_embeddings: bool = setting(True, "Share the input embedding and the output head.")
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-6
   init_std: float = 0.02
-  param_dtype: str = "float32"
-  compute_dtype: str = "float32"  # "bfloat16" for bf16 matmuls (the loss stays fp32)
-  remat: bool = False  # recompute each block in the backward pass
-  microbatches: int | None = None  # pipeline microbatches when the mesh has stage > 1 (None: one per stage)
-  attention: str = "auto"  # models/attention.py: auto, xla, flash, cudnn, ring, allgather (context parallelism)
-  logit_stats: bool = False  # aux["max_logit"] (L, N): each head's largest attention logit per batch (MuonClip)
-  moe: MoEConfig | None = None  # a mixture of experts instead of the dense SwiGLU in every block
+  param_dtype: str = setting("float32", choices=FLOAT_DTYPES)
+  compute_dtype: str = setting("float32", "Matmul dtype (the loss stays float32).", kind=COMPUTE,
+                               choices=COMPUTE_DTYPES)
+  remat: bool = setting(False, "Recompute each block in the backward pass (less memory, ~1/3 more compute).",
+                        kind=LAYOUT)
+  microbatches: int | None = setting(None, "Pipeline microbatches when the mesh has stage > 1 (unset: one per "
+                                           "stage); the GPipe bubble is (S-1)/(M+S-1).", kind=LAYOUT)
+  attention: str = setting("auto", "Attention implementation (models/attention.py); with a `context` mesh axis, "
+                                   "ring or allgather. auto: ring on a context mesh, cudnn on NVIDIA in "
+                                   "bfloat16/float16, flash past one 512-tile, else xla.", kind=COMPUTE,
+                           choices=ATTENTION)
+  logit_stats: bool = setting(False, "Log each step's largest attention logit (attn/max_logit, "
+                                     "attn/max_logit_layer); on for an optimizer that declares the update argument "
+                                     "max_logits.", kind=COMPUTE)
+  moe: MoEConfig | None = None  # a mixture of experts instead of the dense SwiGLU in every block (--moe.*)
 
   def __post_init__(self):
     if isinstance(self.moe, dict):  # from a saved config.json

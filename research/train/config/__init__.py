@@ -7,9 +7,10 @@ underscores), `dataclasses.replace(cfg, lr=...)` changes some, and `cfg.flags()`
 stores the sections; `flat_record` reads the "train" record of either layout (runs written before the sections stored it
 flat), which is how a resumed run compares its settings with its checkpoint's.
 
-Beside it: the sections with a prefix of their own (prefixed.py), the observers' section (observe.py), the paths a run
-records, absolute and fingerprinted (paths.py), the flag checks run before anything starts (checks.py), what does not
-combine (clashes.py), what a run trains (trainable.py).
+Beside it: the sections with a prefix of their own (prefixed.py), the sections derived from a library config's schema
+(derived.py), the observers' section (observe.py), the paths a run records, absolute and fingerprinted (paths.py), the
+flag checks run before anything starts (checks.py), what does not combine (clashes.py), what a run trains
+(trainable.py).
 """
 
 from __future__ import annotations

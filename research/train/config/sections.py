@@ -14,48 +14,27 @@ shows one group per section.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, ClassVar, Literal
+import typing
+from typing import Annotated, Any, ClassVar, Literal
 
 import tyro
 
-from models import PRESETS, peft
+from models import PRESETS, TransformerConfig, peft
 from optim import DEFAULT_OPTIMIZER, OPTIMIZERS
+from research.train.config.derived import flags_of
 from research.train.config.paths import absolute, absolute_data, absolute_source
 
+_PRESET = Annotated[str, tyro.conf.arg(name="model", help=f"Size preset: {', '.join(PRESETS)}. The flags below "
+                                                           "override single fields of it.")]
+# one flag per documented field of models.TransformerConfig (its schema: models/schema.py), --moe.* apart
+ModelSection = flags_of(TransformerConfig, "ModelSection", __name__,
+                        first=(("preset", _PRESET, dataclasses.field(default="small")),),
+                        doc="The model: a size preset and the fields that override single values of it.")
+if typing.TYPE_CHECKING:  # a derived class: its flags are TransformerConfig's fields
+  class ModelSection:  # type: ignore[no-redef]  # noqa: D101
+    preset: str
 
-@dataclasses.dataclass
-class ModelSection:
-  """The model: a size preset and the fields that override single values of it."""
-  preset: Annotated[str, tyro.conf.arg(name="model", help=f"Size preset: {', '.join(PRESETS)}. The flags below "
-                                                         "override single fields of it.")] = "small"
-  d_model: int | None = None
-  """Model width (residual stream)."""
-  n_layers: int | None = None
-  """Transformer blocks."""
-  n_heads: int | None = None
-  """Query heads."""
-  n_kv_heads: int | None = None
-  """Key/value heads; fewer than query heads = grouped-query attention."""
-  d_ff: int | None = None
-  """SwiGLU hidden width."""
-  qk_norm: bool | None = None
-  """RMSNorm on queries and keys (Qwen3)."""
-  qkv_bias: bool | None = None
-  """Biases on the q, k, v projections (Qwen2)."""
-  tie_embeddings: bool | None = None
-  """Share the input embedding and the output head."""
-  compute_dtype: Literal["float32", "bfloat16"] | None = None
-  """Matmul dtype (the loss stays float32)."""
-  remat: bool | None = None
-  """Recompute each block in the backward pass (less memory, ~1/3 more compute)."""
-  microbatches: int | None = None
-  """Pipeline microbatches when the mesh has stage > 1 (unset: one per stage); the GPipe bubble is (S-1)/(M+S-1)."""
-  attention: Literal["auto", "xla", "flash", "cudnn", "ring", "allgather"] | None = None
-  """Attention implementation (models/attention.py); with a `context` mesh axis, ring or allgather. auto: ring on a
-  context mesh, cudnn on NVIDIA in bfloat16/float16, flash past one 512-tile, else xla."""
-  logit_stats: bool | None = None
-  """Log each step's largest attention logit (attn/max_logit, attn/max_logit_layer); on for an optimizer that
-  declares the update argument max_logits."""
+    def __getattr__(self, name: str) -> Any: ...
 
 
 @dataclasses.dataclass

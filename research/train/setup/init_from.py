@@ -1,8 +1,9 @@
 """Where a run's initial parameters come from (--init-from).
 
 - `--init-from hf:PATH` (a Hugging Face directory, `models.from_hf`) or `--init-from RUN_DIR` (an optlab run: the
-  parameters of its newest checkpoint): the model config is the checkpoint's, a model flag that disagrees with it is
-  an error (dtype, remat and microbatches may still be set), and the optimizer state starts fresh.
+  parameters of its newest checkpoint): the model config is the checkpoint's, a flag naming what the model is (a
+  `models.schema.MODEL` field: its shape) that disagrees with it is an error, the flags for how it is computed and laid
+  out (dtype, attention, routing, remat, ...) apply, and the optimizer state starts fresh.
 - Dtypes: the parameters a run trains are float32 whatever the checkpoint's dtype (a bfloat16 file is widened
   exactly: AdamW's updates are not rounded to bfloat16); the ones it does not train (--freeze's, --peft's frozen base,
   BAdam's storage) are stored in --frozen-dtype, bfloat16 by default when fine-tuning. research.export writes the
@@ -16,12 +17,14 @@ import dataclasses
 import json
 import os
 
-from models import TransformerConfig, from_hf
+from models import MoEConfig, TransformerConfig, from_hf, schema
 from models.hf import config_from_hf
 from research.train.store.pretrained import hf_path, load_run
 
-SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias", "tie_embeddings")
-FREE_FLAGS = ("compute_dtype", "remat", "microbatches")  # may differ from the checkpoint's
+# a flag that names what the model is must agree with the checkpoint; how it is computed and laid out may differ
+SHAPE_FLAGS = schema.names(TransformerConfig, schema.MODEL, documented=True)
+FREE_FLAGS = schema.names(TransformerConfig, schema.COMPUTE, schema.LAYOUT, documented=True)
+MOE_SHAPE_FLAGS = schema.names(MoEConfig, schema.MODEL, documented=True)
 
 
 class InitError(ValueError):
@@ -51,11 +54,15 @@ def model_config(source: str, flags: dict) -> TransformerConfig:
     if k in flags and flags[k] != getattr(base, k):
       raise InitError(f"--{k.replace('_', '-')} {flags[k]} conflicts with --init-from {source} "
                       f"({k}={getattr(base, k)}); leave it out")
-  for k, v in flags.get("moe", {}).items():
-    if base.moe is None or getattr(base.moe, k) != v:
+  moe = flags.get("moe", {})
+  for k, v in moe.items():
+    if base.moe is None or (k in MOE_SHAPE_FLAGS and getattr(base.moe, k) != v):
       raise InitError(f"--moe.{k.replace('_', '-')} {v} conflicts with --init-from {source} "
                       f"(moe.{k}={None if base.moe is None else getattr(base.moe, k)}); leave it out")
-  return dataclasses.replace(base, param_dtype="float32", **{k: flags[k] for k in FREE_FLAGS if k in flags})
+  free = {k: flags[k] for k in FREE_FLAGS if k in flags}
+  if moe and base.moe is not None:  # the routing and its losses may differ from the checkpoint's
+    free["moe"] = dataclasses.replace(base.moe, **{k: v for k, v in moe.items() if k not in MOE_SHAPE_FLAGS})
+  return dataclasses.replace(base, param_dtype="float32", **free)
 
 
 def load_arrays(source: str, mesh) -> tuple[dict, dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from models import TransformerConfig, schema
 from research.train.config import RunError, flat_meta
 from research.train.runtime.processes import all_agree, is_primary
 from research.train.steps import sync
@@ -18,12 +19,9 @@ from sharding import parse_mesh_spec
 
 
 def state_signature(meta: dict) -> dict:
-  """What fixes the saved state's shapes and structure: the model's shape fields and the optimizer."""
-  model = {k: v for k, v in meta["model_config"].items()
-           if k not in ("compute_dtype", "remat", "microbatches", "attention", "logit_stats")}
-  if model.get("moe"):  # the expert shapes and whether a selection bias is kept; not the routing or loss knobs
-    m = model["moe"]
-    model["moe"] = {k: m[k] for k in ("num_experts", "d_expert", "num_shared")} | {"bias": m["bias_rate"] > 0}
+  """What fixes the saved state's shapes and structure: what the model is (its schema's MODEL fields, a router bias
+  kept or not; models/schema.py) and the optimizer."""
+  model = schema.signature(TransformerConfig, meta["model_config"])
   train = meta["train"]
   flag = train.get("sync", "allreduce")
   mode = sync.parse(flag)

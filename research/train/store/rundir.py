@@ -32,6 +32,7 @@ import shutil
 import sys
 from typing import TextIO
 
+from models import TransformerConfig, schema
 from research.train.config import paths
 from research.train.config.observe import ObserveSection
 
@@ -53,9 +54,8 @@ LAYOUT_AND_REPORTING = {
     "progress", "compile_cache", "max_bad_steps", "spike_factor", "spike_window", "peak_flops", "stop_at",
     "profile", "init_from", "amend", "memory_limit", "tracker",
     *(f.name for f in dataclasses.fields(ObserveSection))}  # observers read the step, they change nothing in it
-# flags that only name model fields (compared through the resolved model config instead)
-MODEL_FLAGS = {"model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias",
-               "tie_embeddings", "compute_dtype", "moe"}
+# flags that only name model fields (compared through the resolved model config instead: its schema's COMPUTE fields)
+MODEL_FLAGS = {"model", "moe", *schema.names(TransformerConfig, documented=True)}
 
 
 # settings added after runs were saved: a saved config without one trained as its default did
@@ -81,9 +81,7 @@ def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
     if isinstance(d.get("data_options"), dict):  # --data.workers (reader threads) changes no batch
       d["data_options"] = {k: v for k, v in d["data_options"].items() if k != "workers"}
   changed = {k: [old.get(k), v] for k, v in new.items() if k not in skip and old.get(k) != v}
-  dtype = [saved["model_config"].get("compute_dtype"), meta["model_config"].get("compute_dtype")]
-  if dtype[0] != dtype[1]:
-    changed["compute_dtype"] = dtype
+  changed.update(schema.changed(TransformerConfig, saved["model_config"], meta["model_config"], schema.COMPUTE))
   return changed
 
 

@@ -1,0 +1,46 @@
+"""Config sections derived from a library config's schema (models/schema.py), so that a model field is declared once.
+
+`flags_of(TransformerConfig)` is a dataclass with one optional flag per documented field (its help the field's doc,
+a string field's choices its `Literal`); unset (None), a flag leaves the preset's (or checkpoint's) value alone.
+`ModelSection` and `MoEFlags` (research/train/config/sections.py, prefixed.py) are made this way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Annotated, Any, Literal
+
+import tyro
+
+from models.schema import schema
+
+
+def flags_of(cls: type, name: str, module: str, *, first: tuple = (), last: tuple = (), namespace: dict | None = None,
+             doc: str | None = None) -> Any:
+  """A dataclass with one optional flag per documented field of a config class.
+
+  Args:
+    cls: the library config (`TransformerConfig`, `MoEConfig`).
+    name: the new class's name.
+    module: the module that binds it to `name` (its instances pickle by that name).
+    first: (name, type, `dataclasses.field`) triples placed before the derived flags (the section's own flags).
+    last: the same, after them.
+    namespace: class attributes and methods of the new class (`RANGES`, `PREFIX`, helpers).
+    doc: the class docstring (the help's group title).
+
+  Returns:
+    The dataclass: each derived flag typed `T | None` (a `Literal` of the field's `choices` for a string field),
+    default None, its help the field's doc.
+  """
+  hints = typing.get_type_hints(cls)
+  derived = []
+  for field, s in schema(cls).items():
+    if s["doc"] is None:
+      continue
+    kind: Any = Literal.__getitem__(s["choices"]) if s["choices"] else hints[field]
+    derived.append((field, Annotated[kind | None, tyro.conf.arg(help=s["doc"])], dataclasses.field(default=None)))
+  made = dataclasses.make_dataclass(name, [*first, *derived, *last], namespace=dict(namespace or {}))
+  made.__doc__ = doc or made.__doc__
+  made.__module__ = module
+  return made
