@@ -111,7 +111,8 @@ def mars_correction(gamma: float = 0.025, beta: float = 0.95, *, mode: str = "ap
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def with_global_norm_clip(tx: optax.GradientTransformation, max_norm: float) -> optax.GradientTransformationExtraArgs:
+def with_global_norm_clip(tx: optax.GradientTransformation, max_norm: float,
+                          args: tuple[str, ...] = ("prev_grads",)) -> optax.GradientTransformationExtraArgs:
   """`optax.chain(optax.clip_by_global_norm(max_norm), tx)` (same state) whose clip also applies to `prev_grads`.
 
   The extra argument `prev_grads` is clipped by its own global norm: g̃ is then exactly what the optimizer would have
@@ -122,6 +123,7 @@ def with_global_norm_clip(tx: optax.GradientTransformation, max_norm: float) -> 
   Args:
     tx: the optimizer the clipped gradients go to.
     max_norm: the global norm the gradients (and `prev_grads`, separately) are clipped to.
+    args: the extra arguments clipped as well, each by its own global norm (gradients a trainer supplies).
 
   Returns:
     A transformation with extra-argument support and the state (clip state, tx's state).
@@ -135,8 +137,9 @@ def with_global_norm_clip(tx: optax.GradientTransformation, max_norm: float) -> 
   def update(updates, state, params=None, **extra_args):
     clip_state, tx_state = state
     updates, clip_state = clip.update(updates, clip_state, params)
-    if extra_args.get("prev_grads") is not None:
-      extra_args["prev_grads"], _ = clip.update(extra_args["prev_grads"], clip_state, params)
+    for name in args:
+      if extra_args.get(name) is not None:
+        extra_args[name], _ = clip.update(extra_args[name], clip_state, params)
     updates, tx_state = tx.update(updates, tx_state, params, **extra_args)
     return updates, (clip_state, tx_state)
 

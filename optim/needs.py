@@ -4,10 +4,11 @@ An optimizer's registry entry declares it (`optim.registry.register(name, needs=
 of the resolved hyperparameters returning one (MARS needs the previous gradients only in its exact mode). A trainer
 reads the declaration and acts on it (research/train/): it never tests an optimizer's name. What can be declared:
 
-  update_args   extra keyword arguments of `update`, each one the trainer knows how to supply (`UPDATE_ARGS`):
+  update_args   extra keyword arguments of `update`, each one the trainer supplies as its declaration there says
+                (research/train/steps/update_args.py; `UPDATE_ARGS` are the ones it declares today):
                 "prev_grads", the gradient at the previous parameters on the current batch (a second backward
                 pass and a copy of the parameters); "max_logits", each attention head's largest logit in the step's
-                forward pass, stacked like the layers.
+                forward pass, stacked like the layers. A trainer refuses a name it has no declaration for.
   blockwise     a block-coordinate optimizer that can run as one block's step (`Blockwise`: backprop stops at the
                 active layer, only it has a float32 master and optimizer state), or `not_blockwise`: why these
                 hyperparameters run over full gradients instead.
@@ -70,7 +71,7 @@ class Needs:
   """An optimizer's declared needs from the trainer (see the module docstring).
 
   Args:
-    update_args: names from `UPDATE_ARGS` that `update` takes as keyword arguments.
+    update_args: the names of the keyword arguments `update` takes (a trainer's declared update arguments).
     blockwise: the blockwise step's plan, when these hyperparameters allow one.
     not_blockwise: for a block-coordinate optimizer whose hyperparameters rule the blockwise step out, why
       (a phrase naming the hyperparameter, e.g. "include_embedding=True").
@@ -83,9 +84,8 @@ class Needs:
 
   def __post_init__(self):
     object.__setattr__(self, "update_args", frozenset(self.update_args))
-    unknown = sorted(self.update_args - set(UPDATE_ARGS))
-    if unknown:
-      raise ValueError(f"update arguments {unknown} are not ones a trainer supplies ({', '.join(UPDATE_ARGS)})")
+    if not all(isinstance(n, str) and n.isidentifier() for n in self.update_args):
+      raise ValueError(f"update arguments must be keyword names, got {sorted(map(repr, self.update_args))}")
 
   @property
   def block_coordinate(self) -> bool:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -153,7 +153,8 @@ def _held_out_loss(graphdef):
 def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray, *, steps: int,
         batch_size: int = 16, seq_len: int = 128, seed: int = 0, val=None, eval_every: int | None = None,
         start: int = 0, opt_state=None, log_every: int = 1, metrics: Callable | None = None,
-        batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None, max_logits: bool = False) -> Fit:
+        batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None,
+        update_args: Iterable[str] = ()) -> Fit:
   """Trains `model` for `steps` steps of `get_batch(tokens, seed, start + i, ...)` with `tx`.
 
   Args:
@@ -163,8 +164,8 @@ def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray
     metrics: optional `f(grads, updates, params, aux) -> dict` of arrays, computed inside the step.
     batch_fn: optional `f(data_step) -> (x, y)` replacing `get_batch(tokens, seed, data_step, ...)` (e.g. windows
       drawn from one cluster); `tokens` is then unused.
-    max_logits: hand the model's per-head max attention logits (aux "max_logit"; `logit_stats`) to the optimizer's
-      update as `max_logits=` (QK-clip, `optim.muonclip`).
+    update_args: the extra `tx.update` arguments the optimizer declares (`optim.Needs.update_args`), supplied as the
+      trainer's step supplies them (research/train/steps/update_args.py; the model must compute what they read).
 
   Returns `Fit(model, opt_state, records)`; records hold "step" and the step's outputs (the trainer's step contract,
   research/train/steps/contract.py: "loss", "grad_norm", "finite", an MoE's router metrics, `metrics`') every
@@ -172,7 +173,7 @@ def fit(model: Transformer, tx: optax.GradientTransformation, tokens: np.ndarray
   """
   graphdef, params, buffers = split(model)
   opt_state = tx.init(params) if opt_state is None else opt_state
-  update = make_update(graphdef, tx, update_args={"max_logits"} if max_logits else ())
+  update = make_update(graphdef, tx, update_args=update_args)
 
   # the trainer's step contract: `metrics` reads the result (the parameters the gradients were taken at)
   observe = None if metrics is None else lambda r, held: metrics(r.grads, r.updates, r.params, r.aux)

@@ -368,7 +368,8 @@ def run_arm(arm: str, lr: float, seed: int, cfg: Config, tokens, val) -> dict:
                clip_threshold=cfg.clip_threshold)
   t0 = time.perf_counter()
   fitted = common.fit(model, tx, tokens, steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed,
-                      val=val, eval_every=cfg.eval_every, metrics=expert_metrics, max_logits=c.logit_stats)
+                      val=val, eval_every=cfg.eval_every, metrics=expert_metrics,
+                      update_args=optim.needs("muonclip", {}).update_args if c.logit_stats else ())
   d, f = c.d_model, c.moe.d_expert or c.d_ff
   out = {"arm": arm, "lr": lr, "seed": seed, "seconds": time.perf_counter() - t0,
          **summarize_run(fitted.records, arm, lr, cfg, n_elem=3 * d * f)}

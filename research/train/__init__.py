@@ -3,15 +3,15 @@
 The loop (`loop.py`: `run`) is a composition of named hooks over one step; every concern it calls is a room:
 
   config/   TrainConfig in sections (sections.py, prefixed.py; the model's and --moe.*'s from the model's schema:
-            derived.py), the flag checks before anything starts (checks.py), what does not combine (clashes.py), what
-            trains (trainable.py)
-  setup/    a run built before its first step (run.py): mesh, data and pipeline (startup.py), model config and optimizer
-            (build.py), the state at step 0 (initial_state.py, init_from.py, adapters.py), the memory pre-flight
-            (memory.py), --switch-at's layouts (switch.py), a blockwise optimizer's plan (blockwise.py), the newest
-            readable checkpoint (resume.py)
-  steps/    the compiled programs and the typed state (train_state.py): the one update path and plain step (step.py), a
-            blockwise optimizer's (blockstep.py, _reachstep.py), --freeze-layers' (layerfreeze.py), --freeze's mask
-            (frozen.py), --sync's (sync.py), the non-finite guard and the bad-step monitor (health.py)
+            derived.py), the flag checks before anything starts (checks.py), what trains (trainable.py)
+  setup/    a run built before its first step (run.py): mesh, data and pipeline (startup.py), what does not combine
+            (clashes.py), model config and optimizer (build.py), the state at step 0 (initial_state.py, init_from.py,
+            adapters.py), the memory pre-flight (memory.py), --switch-at's layouts (switch.py), a blockwise optimizer's
+            plan (blockwise.py), the newest readable checkpoint (resume.py)
+  steps/    the compiled programs and the typed state (train_state.py): the one update path and plain step (step.py),
+            the update arguments it supplies (update_args.py), a blockwise optimizer's (blockstep.py, _reachstep.py),
+            --freeze-layers' (layerfreeze.py), --freeze's mask (frozen.py), --sync's (sync.py), the non-finite guard
+            and the bad-step monitor (health.py)
   hooks/    what the loop calls at a cadence (cadence.py): the metrics processor (metrics.py, with the held-out
             evaluation), trackers (trackers.py, _tbimport.py), dynamic data weights (source_weights.py), the profiler
             (profiler.py), the peer watchdog (watchdog.py), throughput and MFU (throughput.py, peaks.py), the console

@@ -37,6 +37,7 @@ from research.train.feed import held_out, make_loader
 from research.train.hooks.source_weights import load_data
 from research.train.runtime.xla import compiler_options
 from research.train.setup.build import make_optimizer, model_config, opt_hparams, optimizer_needs
+from research.train.steps import update_args
 from research.train.steps.contract import outputs
 from research.train.steps.step import eval_loss, make_update
 from research.train.store.rundir import read_records
@@ -87,7 +88,7 @@ def check(cfg: TrainConfig):
                                ("--freeze-layers", cfg.finetune.freeze_layers), ("--init-from", cfg.finetune.init_from),
                                ("--sync", cfg.sync.mode != "allreduce")) if on]
   needs = optimizer_needs(cfg.optim)
-  if needs.blockwise is not None or "prev_grads" in needs.update_args:
+  if needs.blockwise is not None or update_args.keeps_prev_params(needs.update_args):
     why.append(f"--optimizer {cfg.optim.optimizer} (its own step kind)")
   if why:
     raise RunError(f"a vmapped group runs the plain step only, not {', '.join(why)}: run these one at a time")
@@ -126,11 +127,11 @@ def build(cfgs: Sequence[TrainConfig]) -> Group:
   params = _stack([nnx.to_pure_dict(sp[1]) for sp in splits])
   buffers = _stack([nnx.to_pure_dict(sp[2]) for sp in splits])  # type: ignore[misc]  # (graphdef, Param, rest)
   values = {k: jnp.asarray([r[k] for r in rows], jnp.float32) for k in varied}
-  update_args = optimizer_needs(base.optim).update_args
+  declared = optimizer_needs(base.optim).update_args
   tx_of = lambda v: make_optimizer(base, v)[0]
 
   def member_step(v, p, b, o, bad, x, y):
-    r = make_update(graphdef, tx_of(v), update_args=update_args)(p, b, o, x, y)
+    r = make_update(graphdef, tx_of(v), update_args=declared)(p, b, o, x, y)
     ok = r.result.finite  # the trainer's guard: a non-finite step changes nothing
     keep = lambda new, old: jax.tree.map(lambda n, o_: jnp.where(ok, n, o_), new, old)
     run = jnp.where(ok, 0, bad[0] + 1)  # non-finite steps in a row, and the longest such run so far

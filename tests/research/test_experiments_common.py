@@ -164,7 +164,7 @@ def test_fit_steps_as_the_trainer_does(case):
     make_tx, kw = lambda: common.optimizer("adamw", 3e-3, 3, eps=1e-3), {}
   else:
     c = models.preset("tiny", logit_stats=True, qk_norm=False)
-    make_tx, kw = lambda: optim.get_optimizer("muonclip", 1e-2, clip_threshold=0.05), {"max_logits": True}
+    make_tx, kw = lambda: optim.get_optimizer("muonclip", 1e-2, clip_threshold=0.05), {"update_args": {"max_logits"}}
   rng = np.random.default_rng(0)
   batches = [tuple(rng.integers(0, c.vocab_size, (4, 16), dtype=np.int32) for _ in range(2)) for _ in range(3)]
   got = common.fit(models.Transformer(c, rngs=nnx.Rngs(0)), make_tx(), None, steps=3,

@@ -17,6 +17,7 @@ import pytest
 import optim
 from optim import registry
 from research.train import TrainConfig, run
+from research.train.steps import update_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECEIVED = []  # per update: (max |prev_grads - grads|, max over the received max_logits)
@@ -68,9 +69,50 @@ def test_a_declared_model_refusal_is_one_line(toy, tmp_path, capsys):
   assert err[-1] == "error: --optimizer toy_needs cannot see it: --model tiny has qk_norm; add --qk-norm False"
 
 
-def test_an_undeclarable_need_is_refused_at_registration():
-  with pytest.raises(ValueError, match="not ones a trainer supplies"):
-    optim.Needs(update_args={"hessian"})
+def test_an_update_argument_the_trainer_does_not_supply_is_one_line(toy, tmp_path, capsys):
+  from research.train.command import main
+  registry.NEEDS["toy_needs"] = optim.Needs(update_args={"hessian"})
+  with pytest.raises(SystemExit) as e:
+    main(["--model", "tiny", "--optimizer", toy, "--steps", "2", "--out", str(tmp_path / "r"), "--no-progress"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and err == ["error: --optimizer toy_needs: update argument(s) hessian are not ones the "
+                                       "trainer supplies (registered: prev_grads, max_logits)"]
+  assert not (tmp_path / "r").exists()
+  with pytest.raises(ValueError, match="must be keyword names"):
+    optim.Needs(update_args={"not a name"})
+
+
+@pytest.fixture
+def token_count(toy):
+  """An update argument declared in this file (the batch's token count, with a clash of its own), and an optimizer
+  that takes it: no edit under research/train."""
+  arg = update_args.register(update_args.UpdateArg("token_count", lambda c: jnp.sum(jnp.ones_like(c.y)),
+                                                   clashes={"zero1": "counts the whole batch"}))
+
+  def counting(learning_rate, *, scale: float = 1.0):
+    def update(updates, state, params=None, *, token_count):
+      jax.debug.callback(lambda n: RECEIVED.append(int(n)), token_count)
+      return jax.tree.map(lambda g: -learning_rate(state) * scale * g, updates), state + 1
+    return optax.GradientTransformationExtraArgs(lambda params: jnp.zeros([], jnp.int32), update)
+
+  registry.OPTIMIZERS[toy] = counting
+  registry.NEEDS[toy] = optim.Needs(update_args={arg.name})
+  yield toy
+  update_args.ARGS.pop(arg.name)
+
+
+def test_a_new_update_argument_declared_in_a_test_file_reaches_the_optimizer(token_count, tmp_path, capsys):
+  from research.train.command import main
+  records = run(TrainConfig(model="tiny", optimizer=token_count, lr=0.05, steps=3, batch_size=8, seq_len=32,
+                            log_every=1, eval_every=3, eval_batches=1, ckpt_every=3, warmup_steps=0,
+                            mesh="data=2,fsdp=2,tensor=2", progress=False, out=str(tmp_path / "a")))
+  assert [r["step"] for r in records] == [1, 2, 3] and RECEIVED == [8 * 32] * 3
+  with pytest.raises(SystemExit) as e:  # its declared clash, in the one table's words
+    main(["--model", "tiny", "--optimizer", token_count, "--zero1", "--steps", "2", "--out", str(tmp_path / "b"),
+          "--no-progress"])
+  assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
+      f"error: --zero1 does not combine with --optimizer {token_count}'s update argument token_count (counts the "
+      f"whole batch)")
 
 
 def _code_tokens(path: str):
@@ -83,17 +125,26 @@ def _code_tokens(path: str):
     previous = tok.string
 
 
-def test_no_optimizer_name_under_the_trainer():
-  names = sorted(optim.OPTIMIZERS)
+def _names_in(folder: str, names, skip: str | None = None) -> list[str]:
+  """Every occurrence of one of `names` as a name, string or comment in the Python files under `folder`."""
   pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?!\w)")
   found = []
-  for folder, _, files in os.walk(os.path.join(ROOT, "research", "train")):
+  for sub, _, files in os.walk(os.path.join(ROOT, folder)):
     for f in sorted(files):
-      if f.endswith(".py"):
-        path = os.path.join(folder, f)
+      path = os.path.join(sub, f)
+      if f.endswith(".py") and os.path.relpath(path, ROOT) != skip:
         found += [f"{os.path.relpath(path, ROOT)}:{line}: {m}" for line, text in _code_tokens(path)
                   for m in pattern.findall(text)]
-  assert found == []
+  return found
+
+
+def test_no_optimizer_name_under_the_trainer():
+  assert _names_in(os.path.join("research", "train"), sorted(optim.OPTIMIZERS)) == []
+
+
+def test_no_update_argument_name_outside_its_declaration():
+  """research/ (trainer, experiments, benches) reads the declarations; only update_args.py names the arguments."""
+  assert _names_in("research", sorted(update_args.ARGS), skip="research/train/steps/update_args.py") == []
 
 
 def test_the_name_check_can_fail(tmp_path):

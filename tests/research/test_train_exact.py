@@ -58,7 +58,8 @@ def test_prev_grads_are_the_previous_params_on_the_current_batch():
   tx = optim.with_global_norm_clip(spy, clip)
   graphdef, state, shardings = train_state.create(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
   state, shardings = keep_prev_params(state, shardings)
-  train_step, _ = make_steps(graphdef, tx, shardings, sharding.batch_sharding(mesh, (4, 16)))
+  train_step, _ = make_steps(graphdef, tx, shardings, sharding.batch_sharding(mesh, (4, 16)),
+                             update_args={"prev_grads"})
   corpus = load_corpus(None)
   xi = [get_batch(corpus.train, 0, s, 4, 16) for s in range(2)]
   host = lambda t: jax.tree.map(np.asarray, t)

@@ -9,8 +9,8 @@ flat), which is how a resumed run compares its settings with its checkpoint's.
 
 Beside it: the sections with a prefix of their own (prefixed.py), the sections derived from a library config's schema
 (derived.py), the observers' section (observe.py), the paths a run records, absolute and fingerprinted (paths.py), the
-flag checks run before anything starts (checks.py), what does not combine (clashes.py), what a run trains
-(trainable.py).
+flag checks run before anything starts (checks.py), what a run trains (trainable.py); what does not combine is
+research/train/setup/clashes.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ layout): --freeze's regex (those leaves fixed, stored in the frozen dtype), --fr
 and the embedding fixed, a float32 master of the rest), --peft (the adapters only; the base a buffer) and a
 block-coordinate optimizer's blockwise step (one layer at a time, a float32 master of it). The step builder
 (`step`), the checkpoint restore (`stored`) and the resume check (`signature`) read it.
-What does not combine with what is one table beside it (research/train/config/clashes.py).
+What does not combine with what is one table beside it (research/train/setup/clashes.py).
 """
 
 from __future__ import annotations

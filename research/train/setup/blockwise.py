@@ -1,14 +1,14 @@
 """Whether a block-coordinate optimizer runs its blockwise step (research/train/steps/blockstep.py) in this run, and
 its `Parts` when it does: the optimizer's registry entry declares the plan (`optim.Needs.blockwise`), the run's
-settings may rule it out (research/train/config/clashes.py `BLOCKWISE_BLOCKERS`), and then the optax transform runs
+settings may rule it out (research/train/setup/clashes.py `BLOCKWISE_BLOCKERS`), and then the optax transform runs
 over full gradients instead, said in one line."""
 
 from __future__ import annotations
 
 import sys
 
-from research.train.config import clashes
 from research.train.runtime.processes import is_primary
+from research.train.setup import clashes
 from research.train.setup.build import optimizer_needs
 from research.train.steps.blockstep import Parts
 

@@ -13,15 +13,14 @@ from optim import Needs, UnknownOptimizerError, get_optimizer, make_schedule, ne
 from research.train.config import RunError, TrainConfig
 from research.train.config.sections import OptimSection
 from research.train.setup import init_from
-from research.train.steps import frozen
+from research.train.steps import frozen, update_args
 
 
 def model_config(cfg: TrainConfig):
   """The preset (or --init-from's config) with every given flag overriding its one field (--moe.* fields of the
   MoE included)."""
   over = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
-  if "max_logits" in optimizer_needs(cfg.optim).update_args:  # the optimizer reads each head's max logit
-    over["logit_stats"] = True
+  over.update(update_args.model_settings(optimizer_needs(cfg.optim).update_args))  # what its update arguments read
   moe = cfg.moe.model_fields()
   if cfg.finetune.init_from:
     return init_from.model_config(cfg.finetune.init_from, {**over, "moe": moe})
@@ -50,8 +49,14 @@ def opt_hparams(optim: OptimSection) -> dict:
 
 def optimizer_needs(optim: OptimSection) -> Needs:
   """What --optimizer with these hyperparameters asks of the trainer, as its registry entry declares it
-  (`optim.needs.Needs`: extra update arguments, a blockwise step, model settings it refuses)."""
-  return needs(optim.optimizer, opt_hparams(optim))
+  (`optim.needs.Needs`: extra update arguments, a blockwise step, model settings it refuses); RunError for an update
+  argument no registration supplies (research/train/steps/update_args.py)."""
+  declared = needs(optim.optimizer, opt_hparams(optim))
+  try:
+    update_args.declared(declared.update_args)
+  except update_args.UpdateArgError as e:
+    raise RunError(f"--optimizer {optim.optimizer}: {e}") from None
+  return declared
 
 
 def make_optimizer(cfg: TrainConfig, values: dict | None = None):
@@ -73,9 +78,9 @@ def make_optimizer(cfg: TrainConfig, values: dict | None = None):
     tx = get_optimizer(cfg.optim.optimizer, schedule, **hp)
   except ValueError as e:  # the registry's refusals, or a factory's own (MGUP's AlignmentError, BAdamError)
     raise e if isinstance(e, UnknownOptimizerError) else RunError(f"--optimizer {cfg.optim.optimizer}: {e}") from None
-  prev_grads = "prev_grads" in optimizer_needs(cfg.optim).update_args
-  if cfg.optim.grad_clip > 0 and prev_grads:  # the clip also applies to prev_grads, each by its own global norm
-    tx = with_global_norm_clip(tx, cfg.optim.grad_clip)
+  clipped = update_args.clipped(optimizer_needs(cfg.optim).update_args)
+  if cfg.optim.grad_clip > 0 and clipped:  # the clip also applies to these update arguments, each by its own norm
+    tx = with_global_norm_clip(tx, cfg.optim.grad_clip, args=clipped)
   elif cfg.optim.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.optim.grad_clip), tx)
   return frozen.freeze(tx, cfg.finetune.freeze)[0], schedule

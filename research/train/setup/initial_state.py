@@ -17,7 +17,7 @@ from research.train.feed import make_loader
 from research.train.runtime.processes import is_primary
 from research.train.setup import adapters, init_from, padnet
 from research.train.setup.build import make_optimizer, optimizer_needs
-from research.train.steps import blockstep, frozen, layerfreeze, sync
+from research.train.steps import blockstep, frozen, layerfreeze, sync, update_args
 from research.train.steps.step import keep_prev_params, lm_loss
 from research.train.steps.train_state import TrainState
 from sharding import global_batch, init_train_state, mesh_scope
@@ -100,7 +100,7 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
                                                      frozen.frozen_dtype(cfg.finetune)))
     lines.append(frozen.frozen_summary(state.params, frozen.freeze(tx, cfg.finetune.freeze)[1], make_optimizer(
         dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, freeze=None)))[0], tx))
-  if "prev_grads" in optimizer_needs(cfg.optim).update_args:  # one more copy of the parameters, a second backward pass
+  if update_args.keeps_prev_params(optimizer_needs(cfg.optim).update_args):  # one more copy of the parameters
     state, shardings = keep_prev_params(state, shardings)
   if blockwise is not None:  # parameters in the storage dtype, the active layer's float32 master and AdamW state
     dtype = frozen.frozen_dtype(cfg.finetune)

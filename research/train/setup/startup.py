@@ -13,11 +13,12 @@ import jax
 from models.attention import AttentionError, check_attention
 from research.data import Corpus
 from research.data.mixture import MixedCorpus
-from research.train.config import RunError, TrainConfig, clashes, paths
+from research.train.config import RunError, TrainConfig, paths
 from research.train.config.sections import SyncSection
 from research.train.feed import held_out, make_loader
 from research.train.hooks import source_weights
 from research.train.observers import active
+from research.train.setup import clashes
 from research.train.setup.build import model_config, optimizer_needs
 from research.train.setup.switch import switch_plan
 from research.train.steps import layerfreeze, sync
@@ -78,7 +79,7 @@ def pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
 
 def check_sync(section: SyncSection, mesh):
   """--sync (the config's sync section) parsed and checked (RunError); what it does not combine with is
-  research/train/config/clashes.py's."""
+  research/train/setup/clashes.py's."""
   try:
     mode = sync.parse(section.mode)
     if mode.kind == "gossip":

@@ -21,7 +21,7 @@ copy) + 4 (its gradient, a temporary).
 
 The embedding freezes with the layers: its gradient would need the activation gradient through every frozen layer.
 With tied embeddings (the head is the same table) the head freezes too. Refused in one line: N outside 1..L−1, and
-what research/train/config/clashes.py's table says it does not combine with (a block-coordinate optimizer, an
+what research/train/setup/clashes.py's table says it does not combine with (a block-coordinate optimizer, an
 optimizer's update arguments: this step supplies none, --peft, --zero1, --sync, --switch-at, a stage or context mesh
 axis).
 """
@@ -45,7 +45,7 @@ from sharding.state import shardings_like_params
 
 def check(finetune, n_layers: int) -> None:
   """RunError (one line) when --freeze-layers' N does not fit the model; nothing when it is off (what it does not
-  combine with is research/train/config/clashes.py's)."""
+  combine with is research/train/setup/clashes.py's)."""
   n = finetune.freeze_layers
   if n and not 0 < n < n_layers:
     raise RunError(f"--freeze-layers {n}: the model has {n_layers} layers; freeze 1..{n_layers - 1} of them (all "

@@ -18,13 +18,14 @@ from models import MoEConfig, Transformer, cross_entropy
 from models.moe import aux_loss, update_router_bias
 from models.moe import summarize as moe_summary
 from research.train.runtime.xla import compiler_options
+from research.train.steps import update_args as update_args_
 from research.train.steps.contract import Observe, Probe, StepResult, outputs, param_axes, step_result
 from research.train.steps.health import keep_if_finite
 from research.train.steps.train_state import TrainState
 
 
 def keep_prev_params(state: TrainState, shardings: TrainState) -> tuple[TrainState, TrainState]:
-  """The state of a run whose optimizer declares "prev_grads", with the parameters before the last update.
+  """The state of a run whose update arguments keep the parameters before the last update, with them.
 
   Args:
     state: the train state at step 0.
@@ -130,11 +131,11 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, shardin
   Args:
     graphdef: the model's structure, `nnx.split(model, nnx.Param, ...)`'s first part.
     tx: the optimizer.
-    shardings: the state's shardings, a `TrainState` of them (with `prev_params`: the exact "prev_grads" mode).
+    shardings: the state's shardings, a `TrainState` of them (with `prev_params` when an update argument keeps them).
     batch_sh: a batch's sharding.
-    update_args: the optimizer's declared `optim.Needs.update_args`, supplied to `tx.update` by `update_extras`:
-      "prev_grads" needs a state with `prev_params` (`keep_prev_params`; such a state implies it), "max_logits" the
-      model's per-head attention-logit maxima (aux "max_logit", `logit_stats`).
+    update_args: the optimizer's declared `optim.Needs.update_args`, supplied to `tx.update` as their declarations
+      say (research/train/steps/update_args.py); one that keeps the previous parameters needs a state with
+      `prev_params` (`keep_prev_params`).
     frozen: --freeze's mask, a function of the parameter tree giving a Python bool per leaf (None: all trained); the
       gradient is taken w.r.t. the other leaves only (`value_and_grad_trained`), the frozen ones are neither
       differentiated nor written (the optimizer gives them no state, `research.train.steps.frozen.freeze`), and the
@@ -146,9 +147,11 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, shardin
     (train_step(state, x, y, *held) -> (state, outputs), eval_step(params, x, y, buffers) -> cross entropy), both
     jitted.
   """
-  exact = shardings.prev_params is not None
-  update = make_update(graphdef, tx, update_args=frozenset(update_args) | ({"prev_grads"} if exact else set()),
-                       frozen=frozen)
+  exact = update_args_.keeps_prev_params(update_args)
+  if exact != (shardings.prev_params is not None):
+    raise ValueError(f"update arguments {sorted(update_args)} and a state {'without' if exact else 'with'} "
+                     f"prev_params (keep_prev_params)")
+  update = make_update(graphdef, tx, update_args=update_args, frozen=frozen)
 
   def train_step(state, x, y, *held):
     u = update(state.params, state.model_buffers, state.opt_state, x, y, state.prev_params)
@@ -159,28 +162,6 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, shardin
     return keep_if_finite(r.finite, new, state), outputs(r, observe, held)  # a non-finite step changes nothing
 
   return jit_steps(train_step, eval_loss(graphdef), shardings, batch_sh, held_sh, donate=observe is None)
-
-
-def update_extras(names: Iterable[str], loss_fn: Callable[..., Any], prev_params: Any, x: jax.Array, y: jax.Array,
-                  buffers: dict, aux: dict) -> dict:
-  """The extra keyword arguments of `tx.update` an optimizer declared (`optim.needs.UPDATE_ARGS`), traced in the step.
-
-  Args:
-    names: the declared update arguments.
-    loss_fn: `lm_loss`'s loss function.
-    prev_params: the parameters before the last update ("prev_grads"), else None.
-    x: the batch's inputs.
-    y: the batch's targets.
-    buffers: the model's buffers.
-    aux: the forward's aux ("max_logits" reads its "max_logit").
-
-  Returns:
-    {name: value}: "prev_grads", the loss's gradient at `prev_params` on this batch; "max_logits", the per-head
-    attention-logit maxima.
-  """
-  supply = {"prev_grads": lambda: jax.grad(lambda p: loss_fn(p, x, y, buffers)[0])(prev_params),
-            "max_logits": lambda: aux["max_logit"]}
-  return {name: supply[name]() for name in sorted(names, key=list(supply).index)}
 
 
 def aux_outputs(aux: dict, buffers: dict, moe: MoEConfig | None, total: jax.Array, loss: jax.Array,
@@ -262,15 +243,16 @@ def make_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, upd
   """The one update path: the trainer's plain step (`make_steps`) and the experiments' `fit` both take it.
 
   The loss and its gradients (`lm_loss`; with `frozen`, only the trained leaves differentiated:
-  `value_and_grad_trained`), the optimizer's declared extra arguments (`update_extras`), `tx.update`,
+  `value_and_grad_trained`), the optimizer's declared extra arguments (`update_args.supply`), `tx.update`,
   `optax.apply_updates` (a frozen leaf passed through as it is), and for an MoE the aux-loss-free router-bias update
   from the step's loads (`aux_outputs`). The non-finite guard and the step count are the caller's.
 
   Args:
     graphdef: the model's structure, `nnx.split(model, nnx.Param, ...)`'s first part.
     tx: the optimizer.
-    update_args: the extra `tx.update` arguments the optimizer declared (`optim.Needs.update_args`): "max_logits"
-      (aux "max_logit": the model needs `logit_stats`), "prev_grads" (the caller passes `prev_params`).
+    update_args: the extra `tx.update` arguments the optimizer declared (`optim.Needs.update_args`), supplied as
+      research/train/steps/update_args.py declares them (one that keeps the previous parameters: the caller passes
+      `prev_params`).
     frozen: --freeze's mask, a function of the parameter tree giving a Python bool per leaf (None: all trained).
 
   Returns:
@@ -279,13 +261,15 @@ def make_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, upd
   """
   update_args = frozenset(update_args)
   loss_fn = lm_loss(graphdef)
+  keeps = update_args_.keeps_prev_params(update_args)
 
   def update(params, buffers, opt_state, x, y, prev_params=None) -> Update:
-    if "prev_grads" in update_args and prev_params is None:
-      raise ValueError("prev_grads needs the previous parameters (a state with prev_params: keep_prev_params)")
+    if keeps and prev_params is None:
+      raise ValueError(f"update arguments {sorted(update_args)} need the previous parameters (a state with "
+                       f"prev_params: keep_prev_params)")
     flags = None if frozen is None else frozen(params)
     (total, (ce, aux)), grads = value_and_grad_trained(loss_fn, params, flags, x, y, buffers)
-    extra = update_extras(update_args, loss_fn, prev_params, x, y, buffers, aux)
+    extra = update_args_.supply(update_args, update_args_.Context(loss_fn, prev_params, x, y, buffers, aux))
     updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
     new = optax.apply_updates(params, updates)
     if flags is not None:  # a frozen leaf is passed through as it is (its zero update is never computed)

@@ -40,9 +40,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from research.train.steps import update_args as update_args_
 from research.train.steps.contract import outputs, step_result
 from research.train.steps.health import keep_if_finite
-from research.train.steps.step import update_extras
 from research.train.steps.train_state import TrainState
 from sharding import collectives, shardings_like_params
 from sharding import replicas as rep
@@ -152,8 +152,9 @@ class Steps:
     loss_fn: (params, x, y, buffers) -> (total loss, (cross entropy, aux)), research/train/'s.
     tx: the per-replica (local, gossip) or global (stale) optimizer; outer_tx: DiLoCo's outer one.
     shardings: of the state `init_state` laid out; batch_sh: of a batch (the rows split over `data`).
-    update_args: the extra `tx.update` arguments the optimizer declared (`optim.Needs.update_args`), supplied by the
-      plain step's `update_extras` ("max_logits"; "prev_grads" does not combine with --sync).
+    update_args: the extra `tx.update` arguments the optimizer declared (`optim.Needs.update_args`), supplied as
+      research/train/steps/update_args.py declares them (a stale step's from the aux entries each reads, combined
+      over the replicas as it declares).
     mixing: gossip's W (`mixing_matrix`; None: the ring).
     plain: allreduce's step, research/train/steps/step.py `make_steps`'s.
   """
@@ -186,7 +187,7 @@ class Steps:
   def _local_train(self, params, opt_state, x, y, buffers):
     """One replica's step of the inner optimizer on its rows; a non-finite step leaves that replica as it was."""
     (total, (loss, aux)), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(params, x, y, buffers)
-    extra = update_extras(self.update_args, self.loss_fn, None, x, y, buffers, aux)
+    extra = update_args_.supply(self.update_args, update_args_.Context(self.loss_fn, None, x, y, buffers, aux))
     updates, new_opt = self.tx.update(grads, opt_state, params, **extra)
     r = step_result(params, grads, updates, new_opt, aux, loss, total)
     new = jax.tree.map(lambda n, o: jnp.where(r.finite, n, o), {"params": optax.apply_updates(params, updates),
@@ -214,14 +215,13 @@ class Steps:
     def worker(history, d, step, x, y, buffers):  # one replica: the gradient at its stale parameters
       params = rep.stale_params(history, step, d)
       (total, (loss, aux)), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(params, x, y, buffers)
-      seen = {"max_logit": aux["max_logit"]} if "max_logits" in self.update_args else {}
-      return grads, {"loss": loss, "total": total, **seen}
+      return grads, {"loss": loss, "total": total, "aux": update_args_.forwarded(self.update_args, aux)}
 
     grads_r, out = rep.map_replicas(worker, (state.history, delay, step, x, y, buffers),
                                     ("shared", "stacked", "shared", "rows", "rows", "shared"))
     grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads_r)  # the all-reduce over `data`
-    seen = {"max_logit": jnp.max(out["max_logit"], axis=0)} if "max_logit" in out else {}  # the replicas' largest
-    extra = update_extras(self.update_args, self.loss_fn, None, x, y, buffers, seen)
+    seen = update_args_.combined(self.update_args, out["aux"])  # over the replicas, as each argument declares
+    extra = update_args_.supply(self.update_args, update_args_.Context(self.loss_fn, None, x, y, buffers, seen))
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
     r = step_result(state.params, grads, updates, opt_state, seen, jnp.mean(out["loss"]), out["total"],

@@ -23,7 +23,7 @@ class TrainState:
     params: the parameters (a blockwise or --freeze-layers run: every one in the storage dtype).
     opt_state: the optimizer's state (--sync local/gossip: in `replicas` instead).
     buffers: the model's other variables (a router's selection bias, a PEFT run's frozen base), or None.
-    prev_params: the parameters before the last update, for an optimizer that declares "prev_grads".
+    prev_params: the parameters before the last update, for an update argument that keeps them.
     master: the trained part in float32 (a blockwise optimizer's active layer, --freeze-layers' upper layers).
     replicas: --sync local / gossip: each data replica's "params" and "opt_state", stacked.
     outer_state: --sync local: the outer optimizer's state.

@@ -1,24 +1,24 @@
 """What does not combine: every rule, one row each, of the features a run's flags, mesh and optimizer give it.
 
-`CLASHES` rows are (a feature of the run, the features it does not combine with, why); `check` refuses the first row
-that applies, in one line. `blockwise_blockers` names what keeps a blockwise optimizer on its optax transform over
-full gradients instead of its blockwise step (research/train/steps/blockstep.py). What trains is
-research/train/config/trainable.py.
+`CLASHES` rows are (a feature of the run, the features it does not combine with, why), and each update argument an
+optimizer declares adds the rows its declaration gives (research/train/steps/update_args.py `UpdateArg.clashes`, its
+feature named "arg:NAME"); `check` refuses the first row that applies, in one line. `blockwise_blockers` names what
+keeps a blockwise optimizer on its optax transform over full gradients instead of its blockwise step
+(research/train/steps/blockstep.py). What trains is research/train/config/trainable.py.
 """
 
 from __future__ import annotations
 
 from research.train.config import RunError
 from research.train.setup.build import optimizer_needs
+from research.train.steps import update_args
 
 # (feature, the features it does not combine with, why): each row one RunError line when it applies
 CLASHES = (
-    ("sync", ("peft", "switch_at", "zero1", "stage", "moe", "prev_grads"),
-     "keeps a copy of the parameters per data replica"),
+    ("sync", ("peft", "switch_at", "zero1", "stage", "moe"), "keeps a copy of the parameters per data replica"),
     ("freeze_layers", ("blocks", "peft", "update_args", "zero1", "sync", "switch_at", "stage", "context"),
      "stops the backward at layer N and supplies no update arguments"),
     ("peft", ("freeze", "switch_at", "stage"), "trains the adapters only"),
-    ("freeze", ("prev_grads",), "takes no gradient of the frozen leaves"),
     ("observe", ("sync",), "observers run in the step that keeps one copy of the parameters"),
 )
 # the features under which a blockwise optimizer runs its optax transform over full gradients instead
@@ -51,10 +51,24 @@ def features(cfg, mesh, mcfg=None) -> dict[str, str | None]:
         "update_args": f"--optimizer {cfg.optim.optimizer}'s update arguments ({args})" if args else None,
         "observe": "observers (--watch, --spectra-every, --sharpness-every, --gns-every, --observe)" if any(
             (cfg.observe.watch, cfg.observe.spectra_every, cfg.observe.sharpness_every, cfg.observe.gns_every,
-             cfg.observe.observe)) else None,
-        "prev_grads": (f"--optimizer {cfg.optim.optimizer}'s update argument prev_grads"
-                       if "prev_grads" in needs.update_args else None)}
+             cfg.observe.observe)) else None}
+  for arg in update_args.declared(needs.update_args):
+    on[f"arg:{arg.name}"] = f"--optimizer {cfg.optim.optimizer}'s update argument {arg.name}"
   return on
+
+
+def rows(update_arg_names) -> tuple:
+  """`CLASHES` and the rows the declared update arguments add.
+
+  Args:
+    update_arg_names: the optimizer's declared update arguments.
+
+  Returns:
+    (feature, the features it does not combine with, why) rows.
+  """
+  extra = tuple((feature, (f"arg:{a.name}",), why) for a in update_args.declared(update_arg_names)
+                for feature, why in a.clashes.items())
+  return CLASHES + extra
 
 
 def check(cfg, mesh, mcfg) -> None:
@@ -69,8 +83,8 @@ def check(cfg, mesh, mcfg) -> None:
     RunError: one line for the first row whose feature the run has together with one it does not combine with.
   """
   on = features(cfg, mesh, mcfg)
-  for subject, others, why in CLASHES:
-    named = [n for n in (on[o] for o in others) if n]
+  for subject, others, why in rows(optimizer_needs(cfg.optim).update_args):
+    named = [n for n in (on.get(o) for o in others) if n]
     if on[subject] and named:
       raise RunError(f"{on[subject]} does not combine with {', '.join(named)} ({why})")
 
