@@ -72,9 +72,11 @@ References:
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +85,6 @@ from flax import nnx
 
 from sharding.state import variable_names as _names
 
-METHODS = ("lora", "dora", "prediag", "sora", "sparse_adapter")
 # the attention projections and the (dense, expert, shared-expert) MLP projections; never the router or embeddings
 DEFAULT_TARGETS = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD|w_gate_DF|w_up_DF|w_down_FD|moe/(w_gate_EDF|w_up_EDF|w_down_EFD|" \
                   r"shared_gate_DS|shared_up_DS|shared_down_SD))$"
@@ -112,10 +113,36 @@ def _uniform(key, shape, bound, dtype):
   return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
+ADAPTERS: dict[str, type[Adapter]] = {}  # method -> its class, in registration order (`register`)
+
+
+def register(method: str) -> Callable[[type[Adapter]], type[Adapter]]:
+  """A class decorator: makes an `Adapter` subclass the PEFT method `method` (`apply(model, method)`, `--peft`).
+
+  What the method needs is declared on the class (`Adapter`'s class attributes), never tested by name elsewhere.
+
+  Args:
+    method: the method's name.
+
+  Returns:
+    The decorator, which registers the class and returns it.
+  """
+  def add(cls: type[Adapter]) -> type[Adapter]:
+    cls.METHOD = method
+    ADAPTERS[method] = cls
+    return cls
+  return add
+
+
 class Adapter(nnx.Module):
   """A frozen weight `w0` (..., I, O) and a low-rank update s·A B; `[...]` reads the effective weight.
 
   A ~ U(±1/√fan_in) (PEFT's kaiming-uniform, a=√5), B = 0: the identity at initialisation.
+
+  A method declares what it needs on its class: `OPTIONS` (its own `apply` options: {name: (default, what it sets)}),
+  `BIAS` (False: it cannot adapt a projection with a bias), `HF` (PEFT's adapter_config fields when PEFT's adapter
+  format holds it, else None: export merged weights), `CALIBRATES` (it needs one batch before the first step,
+  `calibrate`), and overrides `check`, `width`, `calibrate` and `hf_tensors` where it differs.
 
   Args:
     w0: the weight it adapts (..., I, O), kept as a `Frozen` variable; A and B inherit its logical axis names, the
@@ -125,6 +152,66 @@ class Adapter(nnx.Module):
     key: A's PRNG key.
     dtype: A's and B's dtype.
   """
+
+  METHOD: ClassVar[str] = ""  # set by `register`
+  OPTIONS: ClassVar[dict[str, tuple[Any, str]]] = {}
+  BIAS: ClassVar[bool] = True
+  HF: ClassVar[dict | None] = None
+  CALIBRATES: ClassVar[bool] = False
+
+  @classmethod
+  def check(cls, rank: int, **options: Any) -> None:
+    """Refuses settings the method cannot use.
+
+    Args:
+      rank: r.
+      **options: its `OPTIONS`, resolved.
+
+    Raises:
+      PEFTError: naming the setting.
+    """
+    if rank < 1:
+      raise PEFTError(f"rank must be >= 1, got rank={rank}")
+
+  @classmethod
+  def width(cls, rank: int, **options: Any) -> int:
+    """The adapter's rank for the budget `rank` (the budget itself, but for a method that prunes).
+
+    Args:
+      rank: r.
+      **options: its `OPTIONS`, resolved.
+
+    Returns:
+      The factors' inner dimension.
+    """
+    return rank
+
+  @classmethod
+  def calibrate(cls, model: nnx.Module, loss_fn: Callable[[nnx.Module], jax.Array], *, seed: int = 0,
+                **options: Any) -> nnx.Module:
+    """What a `CALIBRATES` method does on one batch before the first step (nothing for the others).
+
+    Args:
+      model: the adapted model (changed in place).
+      loss_fn: the model's loss on one batch.
+      seed: the calibration's seed.
+      **options: its `OPTIONS`, resolved.
+
+    Returns:
+      The model.
+    """
+    return model
+
+  def hf_tensors(self, layer: int) -> dict[str, np.ndarray]:
+    """Tensors beyond A and B that PEFT's adapter format keeps for one layer ({suffix: array}); none by default.
+
+    Args:
+      layer: the layer index.
+
+    Returns:
+      {name suffix after the module's name: array}.
+    """
+    return {}
 
   def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike):
     *lead, fan_in, fan_out = w0.shape
@@ -214,6 +301,7 @@ class Adapter(nnx.Module):
     return self.scale * ((x_NI @ a_IR.astype(dt)) @ b_RO.astype(dt))
 
 
+@register("lora")
 class LoRA(Adapter):
   """LoRA: W = W0 + s·A B (the `Adapter` itself), its product x W0 + s·(x A) B.
 
@@ -221,7 +309,10 @@ class LoRA(Adapter):
     Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022, arXiv 2106.09685.
   """
 
+  HF = {"use_dora": False}
 
+
+@register("dora")
 class DoRA(Adapter):
   """DoRA: W = (W0 + s·A B) · diag(m / ‖W0 + s·A B‖_col), m (..., O) = ‖W0‖_col at init.
 
@@ -240,10 +331,23 @@ class DoRA(Adapter):
     PEFT's `tuners/lora/dora.py`).
   """
 
+  HF = {"use_dora": True}
+
   def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike):
     super().__init__(w0, rank, alpha, key, dtype)
     names = self.names
     self.m_O = _var(nnx.Param, jnp.linalg.norm(self.base(), axis=-2), (*names[:-2], names[-1]))
+
+  def hf_tensors(self, layer: int) -> dict[str, np.ndarray]:
+    """PEFT's `lora_magnitude_vector` of one layer.
+
+    Args:
+      layer: the layer index.
+
+    Returns:
+      {"lora_magnitude_vector": m (O,)}.
+    """
+    return {"lora_magnitude_vector": np.asarray(jax.device_get(self.m_O[...]), np.float32)[layer]}
 
   def weight(self) -> jax.Array:
     """The effective weight (W0 + s·A B) · diag(m / ‖W0 + s·A B‖_col), the norm a constant of the backward.
@@ -284,6 +388,7 @@ class DoRA(Adapter):
     return super().matmul(x_NI, dt) * (self.m_O[...] / self.column_norm())[..., None, :].astype(dt)
 
 
+@register("prediag")
 class PreDiag(Adapter):
   """Pre-Diag ("calibrating"): W = W0 · diag(d) + s·A B, d (..., O) = 1 at init: the diagonal before the update.
 
@@ -298,6 +403,8 @@ class PreDiag(Adapter):
     Chang et al., "Calibrating and Rotating: A Unified Framework for Weight Conditioning in PEFT", AAAI 2026,
     arXiv 2511.00051 (code MaeChd/SORA; shared/reference/methods.md §7).
   """
+
+  BIAS = False  # the reference scales (and SORA rotates) the bias with the output: not supported
 
   def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike):
     super().__init__(w0, rank, alpha, key, dtype)
@@ -325,6 +432,7 @@ class PreDiag(Adapter):
     return self.base_matmul(x_NI, dt) * self.d_O[...][..., None, :].astype(dt) + self.low_rank(x_NI, dt)
 
 
+@register("sora")
 class SORA(PreDiag):
   """SORA: W = W'(I + S), W' Pre-Diag's, S = s_p (C Dᵀ − D Cᵀ) skew-symmetric (an output-side rotation).
 
@@ -345,6 +453,24 @@ class SORA(PreDiag):
     Chang et al., "Calibrating and Rotating: A Unified Framework for Weight Conditioning in PEFT", AAAI 2026,
     arXiv 2511.00051 (code MaeChd/SORA, `peft/tuners/sora/layer.py`).
   """
+
+  OPTIONS = {"r_p": (4, "the rank of the output rotation's factors C, D."),
+             "s0": (1.0, "the bound s0 of the rotation scale s_p = min(s0 / (|C|_F + |D|_F), 1).")}
+
+  @classmethod
+  def check(cls, rank: int, **options: Any) -> None:
+    """Refuses a rank or rotation rank r_p below 1.
+
+    Args:
+      rank: r.
+      **options: r_p, s0.
+
+    Raises:
+      PEFTError: naming the setting.
+    """
+    super().check(rank)
+    if options["r_p"] < 1:
+      raise PEFTError(f"r_p must be >= 1, got r_p={options['r_p']}")
 
   def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike,
                r_p: int = 4, s0: float = 1.0):
@@ -396,6 +522,7 @@ class SORA(PreDiag):
     return y_NO + self.s_p()[..., None, None].astype(dt) * rotated_NO
 
 
+@register("sparse_adapter")
 class SparseAdapter(Adapter):
   """A LoRA whose factors are masked: W = W0 + s·(A ⊙ M_A)(B ⊙ M_B), the masks `Mask`s (all ones until `snip_prune`).
 
@@ -413,6 +540,53 @@ class SparseAdapter(Adapter):
     Findings of EMNLP 2022, arXiv 2210.04284 (code Shwai-He/SparseAdapter).
   """
 
+  OPTIONS = {"sparsity": (0.5, "the share of the wide adapter pruned at initialisation (SNIP).")}
+  CALIBRATES = True
+
+  @classmethod
+  def check(cls, rank: int, **options: Any) -> None:
+    """Refuses a rank below 1 or a sparsity outside [0, 1).
+
+    Args:
+      rank: r, the budget.
+      **options: sparsity.
+
+    Raises:
+      PEFTError: naming the setting.
+    """
+    super().check(rank)
+    if not 0.0 <= options["sparsity"] < 1.0:
+      raise PEFTError(f"sparsity must lie in [0, 1), got {options['sparsity']}")
+
+  @classmethod
+  def width(cls, rank: int, **options: Any) -> int:
+    """Rank r / (1 − sparsity) before pruning ("Large-Sparse": r·(I + O) weights survive on average).
+
+    Args:
+      rank: r, the budget.
+      **options: sparsity.
+
+    Returns:
+      The wide adapter's rank.
+    """
+    return max(1, round(rank / (1.0 - options["sparsity"])))
+
+  @classmethod
+  def calibrate(cls, model: nnx.Module, loss_fn: Callable[[nnx.Module], jax.Array], *, seed: int = 0,
+                **options: Any) -> nnx.Module:
+    """SNIP pruning on one batch (`snip_prune`).
+
+    Args:
+      model: the adapted model (changed in place).
+      loss_fn: its loss on one batch.
+      seed: B's probe draw's seed.
+      **options: sparsity.
+
+    Returns:
+      The model, its masks set.
+    """
+    return snip_prune(model, loss_fn, options["sparsity"], seed=seed)
+
   def __init__(self, w0: nnx.Variable, rank: int, alpha: float, key: jax.Array, dtype: jax.typing.DTypeLike):
     super().__init__(w0, rank, alpha, key, dtype)
     self.mask_a = _var(Mask, jnp.ones(self.a_IR.shape, dtype), _names(self.a_IR))
@@ -425,9 +599,6 @@ class SparseAdapter(Adapter):
       (A ⊙ M_A, B ⊙ M_B).
     """
     return self.a_IR[...] * self.mask_a[...], self.b_RO[...] * self.mask_b[...]
-
-
-CLASSES = {"lora": LoRA, "dora": DoRA, "prediag": PreDiag, "sora": SORA, "sparse_adapter": SparseAdapter}
 
 
 def _path(path) -> str:
@@ -444,40 +615,41 @@ def _param_slots(model: nnx.Module):
 
 
 def apply(model: nnx.Module, method: str, targets: str = DEFAULT_TARGETS, rank: int = 8, alpha: float = 16.0, *,
-          seed: int = 0, base_dtype: jax.typing.DTypeLike | None = None, r_p: int = 4, s0: float = 1.0,
-          sparsity: float = 0.5) -> nnx.Module:
+          seed: int = 0, base_dtype: jax.typing.DTypeLike | None = None, **options: Any) -> nnx.Module:
   """Adapts `model` in place: target weights become adapters, every other parameter `Frozen`.
 
   Every check runs before the model changes.
 
   Args:
     model: the model (changed in place).
-    method: one of `METHODS`.
+    method: a registered method (`ADAPTERS`: lora, dora, prediag, sora, sparse_adapter, and any `register`ed since).
     targets: a regular expression searched in each parameter's path (`blocks/wq_DQ`, `blocks/moe/w_up_EDF`, ...);
       it must match at least one weight of two or more dimensions (default `DEFAULT_TARGETS`).
-    rank: r (default 8). For `sparse_adapter`, r is the budget: the adapter has rank round(r / (1 − sparsity))
-      before pruning, so r·(I + O) weights survive it on average.
+    rank: r (default 8): the budget; a method's `width` may widen it (sparse_adapter: round(r / (1 − sparsity))
+      before pruning, so r·(I + O) weights survive it on average).
     alpha: α (default 16.0); the update's scale is α/r.
     seed: the adapters' initialisation seed (default 0).
     base_dtype: the frozen weights' dtype (e.g. jnp.bfloat16); default unchanged. Adapters keep the parameter dtype.
-    r_p: SORA's rotation rank (default 4).
-    s0: SORA's initial_s_p (default 1.0).
-    sparsity: `sparse_adapter`'s pruned share, in [0, 1) (default 0.5).
+    **options: any registered method's `OPTIONS` (SORA's r_p, default 4, and s0, default 1.0; sparse_adapter's
+      sparsity, default 0.5); the method reads its own, the others are ignored.
 
   Returns:
     The model.
 
   Raises:
-    PEFTError: when the method is unknown, rank (or SORA's r_p) < 1, sparsity lies outside [0, 1), `targets` is not
-      a regular expression or matches no weight matrix, the model already has adapters, or prediag / sora targets a
-      projection with a bias.
+    PEFTError: when the method is unknown, an option is no registered method's, the method's `check` refuses its
+      settings (rank < 1, ...), `targets` is not a regular expression or matches no weight matrix, the model already
+      has adapters, or a method that cannot adapt a bias (`BIAS`) targets a projection with one.
   """
-  if method not in CLASSES:
-    raise PEFTError(f"unknown PEFT method {method!r}; choose one of {', '.join(METHODS)}")
-  if rank < 1 or (method == "sora" and r_p < 1):
-    raise PEFTError(f"rank (and SORA's r_p) must be >= 1, got rank={rank}, r_p={r_p}")
-  if not 0.0 <= sparsity < 1.0:
-    raise PEFTError(f"sparsity must lie in [0, 1), got {sparsity}")
+  if method not in ADAPTERS:
+    raise PEFTError(f"unknown PEFT method {method!r}; choose one of {', '.join(ADAPTERS)}")
+  cls = ADAPTERS[method]
+  known = {k for c in ADAPTERS.values() for k in c.OPTIONS}
+  if set(options) - known:
+    raise PEFTError(f"unknown PEFT option(s) {', '.join(sorted(set(options) - known))}; the methods' options are "
+                    f"{', '.join(sorted(known))}")
+  own = {k: options.get(k, default) for k, (default, _) in cls.OPTIONS.items()}
+  cls.check(rank, **own)
   try:
     pattern = re.compile(targets)
   except re.error as e:
@@ -488,16 +660,17 @@ def apply(model: nnx.Module, method: str, targets: str = DEFAULT_TARGETS, rank: 
   chosen = [s for s in slots if pattern.search(s[2]) and s[3].ndim >= 2]
   if not chosen:
     raise PEFTError(f"targets {targets!r} match no weight matrix (paths look like {slots[0][2]!r})")
-  width = rank if method != "sparse_adapter" else max(1, round(rank / (1.0 - sparsity)))
+  width = cls.width(rank, **own)
   keys = jax.random.split(jax.random.key(seed), len(chosen))
   chosen_ids = {id(s[3]) for s in chosen}
   for module, name, path, _ in chosen:  # every check before the model changes
-    if method in ("prediag", "sora") and getattr(module, BIASES.get(name, ""), None) is not None:
+    if not cls.BIAS and getattr(module, BIASES.get(name, ""), None) is not None:
       raise PEFTError(f"{method} on {path}: the projection has a bias, which the reference scales and rotates with "
                       "the output; not supported (use lora or dora, or targets without q/k/v)")
+  takes = inspect.signature(cls.__init__).parameters  # the options its constructor reads (not width's or check's)
+  extra = {k: v for k, v in own.items() if k in takes}
   for (module, name, _, param), key in zip(chosen, keys):
-    extra = {"r_p": r_p, "s0": s0} if method == "sora" else {}
-    adapter = CLASSES[method](param, width, alpha, key, param.dtype, **extra)
+    adapter = cls(param, width, alpha, key, param.dtype, **extra)
     if base_dtype is not None:
       adapter.w0.set_value(adapter.w0.get_value().astype(base_dtype))
     setattr(module, name, adapter)

@@ -73,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import TransformerConfig, count_params, preset
+from models.peft import ADAPTERS
 from research import flags
 from research.bench.report import Progress, call_command, machine, table
 from research.data import Corpus
@@ -91,7 +92,7 @@ KNOWN = METHODS + ("muon", "sparse_adapter", "bread-sgd-f32")  # measurable rows
 # run by the blockwise step (research/train/steps/blockstep.py)
 BLOCKWISE = ("badam", "bread", "bread-sgd", "bread-sgd-f32")
 LAYER_LOOP = BLOCKWISE[1:]  # BREAD's: a backward written as a loop over the layers above the active one
-PEFT = ("lora", "dora", "prediag", "sora", "sparse_adapter")
+PEFT = tuple(ADAPTERS)  # every registered method (models/peft.py)
 FREEZE = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed"
 MESH = "data=1"
 MIB = 2 ** 20

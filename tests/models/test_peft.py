@@ -39,7 +39,7 @@ def _perturb(model, seed=1, scale=0.05):
 
 
 # every method on the dense model; on the MoE (experts: one more leading axis, the same code) the most involved one
-@pytest.mark.parametrize("method, name", [(m, "tiny") for m in peft.METHODS] + [("sora", "moe_tiny")])
+@pytest.mark.parametrize("method, name", [(m, "tiny") for m in tuple(peft.ADAPTERS)] + [("sora", "moe_tiny")])
 def test_identity_at_init_and_merge_is_exact(method, name):
   model = _model(name)
   base = _logits(model)
@@ -121,7 +121,7 @@ def _reference(method, a, x_NI):
   return y + s_p * (y @ C @ D.T - y @ D @ C.T)  # y (I + S), S = s_p (C Dᵀ − D Cᵀ)
 
 
-@pytest.mark.parametrize("method", peft.METHODS)
+@pytest.mark.parametrize("method", tuple(peft.ADAPTERS))
 def test_forward_equals_the_float64_reference(method):
   model = _perturb(peft.apply(_model(), method, rank=3, alpha=5, r_p=2), scale=0.3)
   for path, stacked in peft.adapters(model):
@@ -310,7 +310,7 @@ def test_every_optimizer_trains_the_adapters_and_muon_orthogonalizes_only_the_fa
 
 def _merged_products(mp: pytest.MonkeyPatch):
   """The adapters as they were: without their `matmul` the model reads `[...]`, forms W and projects dL/dW."""
-  for cls in (peft.Adapter, *peft.CLASSES.values()):
+  for cls in (peft.Adapter, *peft.ADAPTERS.values()):
     if "matmul" in vars(cls):
       mp.delattr(cls, "matmul")
 
@@ -331,7 +331,7 @@ def _moe_shared():
   return Transformer(preset("moe_tiny", moe=dataclasses.replace(c.moe, num_shared=1)), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("method, name", [(m, "tiny") for m in peft.METHODS] + [("dora", "moe_tiny")])
+@pytest.mark.parametrize("method, name", [(m, "tiny") for m in tuple(peft.ADAPTERS)] + [("dora", "moe_tiny")])
 def test_factorized_product_and_gradients_equal_the_merged_weight(method, name):
   """On each stacked adapter (x with its leading axes: layers, and experts for moe_tiny) a.matmul(x) = x @ a.weight()
   to float32 rounding, and so are the gradients of ⟨y, R⟩ w.r.t. the adapter's Params (DoRA: the column norm a
@@ -398,7 +398,7 @@ def _dot_shapes(compiled) -> set:
   return {tuple(int(n) for n in s.split(",") if n) for s in found}
 
 
-@pytest.mark.parametrize("method", peft.METHODS)
+@pytest.mark.parametrize("method", tuple(peft.ADAPTERS))
 def test_the_train_step_forms_no_frozen_weight_sized_product(method, monkeypatch):
   """No `dot` of the compiled adapter gradient yields a (fan_in, fan_out) array (or its transpose; behind any leading
   axes) of an adapted weight, while the merged form (W = W0 + ΔW, dL/dW projected) yields one for every weight; and

@@ -3,23 +3,21 @@ on a name: a toy optimizer registered here, with two needs (the previous gradien
 trains through `research.train.run` with no edit under research/train/, and no registered optimizer's name appears in
 the trainer's code."""
 
-import io
 import os
 import re
-import tokenize
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from names import code_tokens, names_in
 
 import optim
 from optim import registry
 from research.train import TrainConfig, run
 from research.train.steps import update_args
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECEIVED = []  # per update: (max |prev_grads - grads|, max over the received max_logits)
 
 
@@ -115,42 +113,19 @@ def test_a_new_update_argument_declared_in_a_test_file_reaches_the_optimizer(tok
       f"whole batch)")
 
 
-def _code_tokens(path: str):
-  """(line, text) of every name, string and comment token of a file, but attribute names (`optax.sgd` is optax's)."""
-  previous = None
-  for tok in tokenize.generate_tokens(io.StringIO(open(path).read()).readline):
-    kinds = (tokenize.NAME, tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", -1))
-    if tok.type in kinds and not (tok.type == tokenize.NAME and previous == "."):
-      yield tok.start[0], tok.string
-    previous = tok.string
-
-
-def _names_in(folder: str, names, skip: str | None = None) -> list[str]:
-  """Every occurrence of one of `names` as a name, string or comment in the Python files under `folder`."""
-  pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?!\w)")
-  found = []
-  for sub, _, files in os.walk(os.path.join(ROOT, folder)):
-    for f in sorted(files):
-      path = os.path.join(sub, f)
-      if f.endswith(".py") and os.path.relpath(path, ROOT) != skip:
-        found += [f"{os.path.relpath(path, ROOT)}:{line}: {m}" for line, text in _code_tokens(path)
-                  for m in pattern.findall(text)]
-  return found
-
-
 def test_no_optimizer_name_under_the_trainer():
-  assert _names_in(os.path.join("research", "train"), sorted(optim.OPTIMIZERS)) == []
+  assert names_in(os.path.join("research", "train"), sorted(optim.OPTIMIZERS)) == []
 
 
 def test_no_update_argument_name_outside_its_declaration():
   """research/ (trainer, experiments, benches) reads the declarations; only update_args.py names the arguments."""
-  assert _names_in("research", sorted(update_args.ARGS), skip="research/train/steps/update_args.py") == []
+  assert names_in("research", sorted(update_args.ARGS), skip="research/train/steps/update_args.py") == []
 
 
 def test_the_name_check_can_fail(tmp_path):
   path = tmp_path / "x.py"
   path.write_text('if cfg.optimizer == "badam":\n  tx = optax.sgd(1.0)  # badam\n')
-  assert [t for _, t in _code_tokens(str(path)) if re.search(r"(?<![\w.])badam(?!\w)", t)] == ['"badam"', "# badam"]
+  assert [t for _, t in code_tokens(str(path)) if re.search(r"(?<![\w.])badam(?!\w)", t)] == ['"badam"', "# badam"]
 
 
 def test_needs_computed_from_a_value_out_of_range_are_one_line(tmp_path, capsys):

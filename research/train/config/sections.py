@@ -157,10 +157,10 @@ class FinetuneSection:
   --freeze-layers every parameter (what trains has a float32 master copy). Unset: bfloat16 when fine-tuning (with
   --init-from), else float32. They are read in the compute dtype; bfloat16 halves their memory. Runs with none of
   these use no such storage and ignore it (as a study sharing one config over several optimizers needs)."""
-  peft: Literal[peft.METHODS] | None = None  # type: ignore[valid-type]  # tyro reads the choices from the tuple
+  peft: Literal[tuple(peft.ADAPTERS)] | None = None  # type: ignore[valid-type]  # the registered methods
   """Fine-tune adapters on the frozen model instead of its weights (models/peft.py), usually with --init-from: the
   base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes
-  it merged or (LoRA, DoRA) as a PEFT adapter."""
+  it merged or (a method PEFT's format holds) as a PEFT adapter."""
 
   def __post_init__(self):
     self.init_from = absolute_source(self.init_from)  # hf:PATH keeps its prefix

@@ -1,22 +1,27 @@
 """--peft METHOD: fine-tune adapters (models/peft.py) on a frozen base instead of the weights themselves.
 
-  python -m research.train --init-from runs/base --peft lora --peft.rank 8 --data docs/ --out runs/lora
+  python -m research.train --init-from runs/base --peft METHOD --peft.rank 8 --data docs/ --out runs/adapted
 
 The base is --init-from's parameters (or a random model without it). Its target projections become adapters; every
 other parameter and the adapters' base weights are frozen buffers in the train state, placed by their logical names
 like the parameters (a frozen base is as large as the model: it is sharded, not replicated), checkpointed with the
-run, never given gradients or optimizer state. `sparse_adapter` is pruned before the first step by SNIP on the first
-training batch. `research.export` writes a PEFT run merged, or its LoRA/DoRA adapters alone in PEFT's format.
+run, never given gradients or optimizer state. A method that declares it calibrates (`models.peft.Adapter.CALIBRATES`:
+the sparse adapter's SNIP pruning) does so before the first step on the first training batch. `research.export`
+writes a PEFT run merged, or its adapters alone in PEFT's format when the method's class says PEFT holds them.
+Everything method-specific is declared on the method's class in models/peft.py (`models.peft.register`): the
+--peft.* flags of a method's own options are made from its `OPTIONS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal, cast
+import typing
+from typing import Annotated, Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tyro
 from flax import nnx
 
 from models import Transformer, TransformerConfig, cross_entropy, peft
@@ -25,26 +30,42 @@ from research.train.steps.train_state import TrainState
 from sharding import init_buffers, init_params, train_state_of
 
 
-@dataclasses.dataclass
-class PeftFlags:
-  """The adapters' settings (--peft picks the method)."""
-  PREFIX: ClassVar[str] = "peft."  # the flags' spelling in research/train/config/checks.py's messages
-  rank: int = 8
-  """Adapter rank r (sparse_adapter: the budget; its adapter is r / (1 - sparsity) wide before pruning)."""
-  alpha: float = 16.0
-  """alpha: the low-rank update is (alpha / r)·A B."""
-  targets: str = peft.DEFAULT_TARGETS
-  """Regular expression searched in parameter paths (blocks/wq_DQ, blocks/moe/w_up_EDF, ...): the weights to adapt;
-  the default names the attention q/k/v/o and the MLP, expert and shared-expert projections."""
-  base_dtype: Literal["float32", "bfloat16"] | None = None
-  """The frozen base weights' dtype (unset: --frozen-dtype's default, bfloat16 when fine-tuning with --init-from, else
-  float32); the adapters keep the parameter dtype."""
-  r_p: int = 4
-  """sora: the rank of the output rotation's factors C, D."""
-  s0: float = 1.0
-  """sora: the bound s0 of the rotation scale s_p = min(s0 / (|C|_F + |D|_F), 1)."""
-  sparsity: float = 0.5
-  """sparse_adapter: the share of the wide adapter pruned at initialisation (SNIP)."""
+def _common() -> list:
+  """The settings every method reads (--peft.rank, --peft.alpha, --peft.targets, --peft.base-dtype)."""
+  arg = lambda kind, default, doc: (Annotated[kind, tyro.conf.arg(help=doc)], dataclasses.field(default=default))
+  return [
+      ("rank", *arg(int, 8, "Adapter rank r (a method that prunes: the budget, its adapter wider before pruning).")),
+      ("alpha", *arg(float, 16.0, "alpha: the low-rank update is (alpha / r)·A B.")),
+      ("targets", *arg(str, peft.DEFAULT_TARGETS, "Regular expression searched in parameter paths (blocks/wq_DQ, "
+                                                  "blocks/moe/w_up_EDF, ...): the weights to adapt; the default names "
+                                                  "the attention q/k/v/o and the MLP, expert and shared-expert "
+                                                  "projections.")),
+      ("base_dtype", *arg(Literal["float32", "bfloat16"] | None, None,
+                          "The frozen base weights' dtype (unset: --frozen-dtype's default, bfloat16 when fine-tuning "
+                          "with --init-from, else float32); the adapters keep the parameter dtype."))]
+
+
+def _own() -> list:
+  """One flag per option a registered method declares (`models.peft.Adapter.OPTIONS`), its help naming the method."""
+  fields: dict = {}
+  for method, cls in peft.ADAPTERS.items():
+    for name, (default, doc) in cls.OPTIONS.items():
+      fields.setdefault(name, (name, Annotated[type(default), tyro.conf.arg(help=f"{method}: {doc}")],
+                               dataclasses.field(default=default)))
+  return list(fields.values())
+
+
+if typing.TYPE_CHECKING:  # a derived class: the common settings and the methods' options
+  @dataclasses.dataclass
+  class PeftFlags:  # noqa: D101
+    base_dtype: str | None
+
+    def __init__(self, **flags: Any): ...
+    def __getattr__(self, name: str) -> Any: ...
+else:  # --peft.*: the settings every method reads, then each registered method's own options
+  PeftFlags = dataclasses.make_dataclass("PeftFlags", [*_common(), *_own()], namespace={"PREFIX": "peft."})
+  PeftFlags.__doc__ = "The adapters' settings (--peft picks the method)."
+  PeftFlags.__module__ = __name__
 
 
 def options(flags: PeftFlags) -> dict:
@@ -93,10 +114,12 @@ def initial_state(base: nnx.Module, method: str, flags: PeftFlags, seed: int, tx
   full_bytes = tree_bytes(jax.eval_shape(tx.init, nnx.to_pure_dict(full_params)))
   total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(full_params))
   model = adapted(base, method, flags, seed)
-  if method == "sparse_adapter":
+  kind = peft.ADAPTERS[method]
+  if kind.CALIBRATES:  # on the first training batch, before the first step
     x, y = batch
     loss = lambda m: cross_entropy(cast(Transformer, m).forward(x)[0], y)  # the adapted Transformer's
-    peft.snip_prune(model, loss, flags.sparsity, seed=seed)
+    own = {k: getattr(flags, k) for k in kind.OPTIONS}
+    kind.calibrate(model, loss, seed=seed, **own)
   graphdef, state, shardings = train_state_of(model, tx, mesh, zero1)
   trainable = peft.trainable_count(model)
   frozen_bytes = tree_bytes(state.get("buffers", {}))

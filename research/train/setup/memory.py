@@ -32,6 +32,7 @@ import resource
 import jax
 import jax.numpy as jnp
 
+from models import peft
 from models.attention import BLOCK, resolve
 from optim import OPTIMIZERS, needs
 from research.train.config import RunError
@@ -215,8 +216,8 @@ def fix(est: Estimate, cfg) -> str:
   if state_bound and not (trains.adapters or trains.blockwise):
     blockwise = " / ".join(sorted(n for n in OPTIMIZERS if needs(n).blockwise is not None))
     return (f"fine-tune fewer bytes (--optimizer {blockwise}: the model in bfloat16, one layer trained at a time; "
-            "--peft lora trains adapters on a bfloat16 base; --freeze) or shard the state over more devices "
-            "(--mesh fsdp=N)")
+            f"--peft {next(iter(peft.ADAPTERS))} trains adapters on a bfloat16 base; --freeze) or shard the state over "
+            "more devices (--mesh fsdp=N)")
   if state_bound:
     return "shard the state over more devices (--mesh fsdp=N) or choose a smaller model"
   remat = "" if cfg.model.remat else ", or recompute activations in the backward (--remat True)"
