@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim.adam_group import ADAM, AdamGroup, with_adam_group
 from optim.muon import muon_with_adamw, orthogonalize_tree, shape_scale
 from optim.newton_schulz import Coeffs
 from optim.normuon import check_matrix, frobenius, momentum_direction
@@ -123,13 +124,13 @@ def scale_by_adamuon(beta: float = 0.95, b2: float = 0.95, *, nesterov: bool = T
 
 
 @register("adamuon")
+@with_adam_group
 def adamuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: float = 0.95,
             weight_decay: float = 0.1, nesterov: bool = True, sign: bool = True, eps: float = 1e-8,
             bias_correction: bool = False, scale: str = "moonlight", coeffs: Coeffs = "quintic", ns_steps: int = 5,
             ns_eps: float = 1e-7, ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
-            mu_dtype: jax.typing.DTypeLike | None = None, adam_learning_rate: optax.ScalarOrSchedule | None = None,
-            adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
-            adam_weight_decay: float | None = None, labels: PyTree | Callable[[PyTree], PyTree] | None = None,
+            mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
+            labels: PyTree | Callable[[PyTree], PyTree] | None = None,
             distributed: bool = False) -> optax.GradientTransformation:
   """AdaMuon (arXiv 2507.11005) on hidden matrices, AdamW on the rest (`muon_with_adamw`, `muon_labels`).
 
@@ -157,11 +158,8 @@ def adamuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: fl
     ns_dtype: Newton–Schulz's dtype (default: the update's).
     method: "standard" or "gram" Newton–Schulz.
     mu_dtype: the momentum's dtype (both groups).
-    adam_learning_rate: the AdamW group's learning rate (`optim.muon.muon_with_adamw`); None: `learning_rate`.
-    adam_b1: the AdamW group's β1 (default 0.9).
-    adam_b2: the AdamW group's β2 (default 0.95).
-    adam_eps: the AdamW group's ε (default 1e-8).
-    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    adam: the AdamW group (`optim.adam_group.AdamGroup`), given as the keyword arguments adam_learning_rate,
+      adam_b1, adam_b2, adam_eps, adam_weight_decay.
     labels: "muon"/"adam" per leaf (`muon_labels`).
     distributed: orthogonalize each matrix once across the mesh's devices (`orthogonalize_tree`).
 
@@ -176,5 +174,4 @@ def adamuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: fl
                           scale=scale, coeffs=coeffs, ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype,
                           method=method, mu_dtype=mu_dtype, distributed=distributed)
   return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
-                         adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
-                         adam_weight_decay=adam_weight_decay, labels=labels)
+                         adam=adam, labels=labels)

@@ -53,6 +53,7 @@ import optax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from optim.adam_group import ADAM, AdamGroup, with_adam_group
 from optim.linalg import per_matrix
 from optim.muon import muon_with_adamw, shape_scale
 from optim.registry import UnknownOptimizerError, register
@@ -263,10 +264,10 @@ def scale_by_dion(beta: float = 0.95, *, rank_fraction: float = 1.0, eps: float 
 
 
 @register("dion")
+@with_adam_group
 def dion(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, rank_fraction: float = 1.0,
          weight_decay: float = 0.01, eps: float = 1e-8, scale: str = "spectral", seed: int = 0,
-         mu_dtype: jax.typing.DTypeLike | None = None, adam_learning_rate: optax.ScalarOrSchedule | None = None,
-         adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+         mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
          labels: PyTree | Callable[[PyTree], PyTree] | None = None,
          distributed: bool = False) -> optax.GradientTransformation:
   """Dion on hidden matrices, AdamW on the rest (`optim.muon.muon_with_adamw`, routed by `muon_labels`).
@@ -292,11 +293,8 @@ def dion(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, rank_frac
     scale: the shape scale (default "spectral", the reference's √(fan_out/fan_in)).
     seed: Q's initial draw (default 0).
     mu_dtype: dtype of M and Q, and of AdamW's first moment (default: the parameter's).
-    adam_learning_rate: the AdamW group's learning rate; None: `learning_rate`.
-    adam_b1: AdamW's β1 (default 0.9).
-    adam_b2: AdamW's β2 (default 0.95).
-    adam_eps: AdamW's ε (default 1e-8).
-    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    adam: the AdamW group (`optim.adam_group.AdamGroup`), given as the keyword arguments adam_learning_rate,
+      adam_b1, adam_b2, adam_eps, adam_weight_decay.
     labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `optim.muon_labels`.
     distributed: orthonormalize by CholeskyQR2 on P where it lies (`scale_by_dion`).
 
@@ -310,5 +308,4 @@ def dion(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, rank_frac
   core = scale_by_dion(beta, rank_fraction=rank_fraction, eps=eps, scale=scale, seed=seed, mu_dtype=mu_dtype,
                        distributed=distributed)
   return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
-                         adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
-                         adam_weight_decay=adam_weight_decay, labels=labels)
+                         adam=adam, labels=labels)

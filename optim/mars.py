@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim.adam_group import ADAM, AdamGroup, with_adam_group
 from optim.muon import muon_with_adamw, scale_by_muon
 from optim.needs import Needs
 from optim.newton_schulz import Coeffs
@@ -245,12 +246,12 @@ def mars(learning_rate: optax.ScalarOrSchedule, *, variant: str = "adamw", gamma
 
 
 @register("muon_mvr", needs=lambda hp: Needs(update_args=frozenset({"prev_grads"} if hp["mode"] == "mvr2" else ())))
+@with_adam_group
 def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: str = "mvr1", gamma: float = 0.025, beta: float = 0.95,
              weight_decay: float = 0.1, coeffs: Coeffs = "quintic", ns_steps: int = 5, eps: float = 1e-7,
              scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
-             mu_dtype: jax.typing.DTypeLike | None = None, adam_learning_rate: optax.ScalarOrSchedule | None = None,
-             adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
-             adam_weight_decay: float | None = None, labels: PyTree | Callable[[PyTree], PyTree] | None = None,
+             mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
+             labels: PyTree | Callable[[PyTree], PyTree] | None = None,
              distributed: bool = False) -> optax.GradientTransformationExtraArgs:
   """Muon-MVR / MARS-M: Muon whose EMA momentum is fed the corrected, clipped gradient c̃ (`mars_correction`).
 
@@ -274,11 +275,8 @@ def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: str = "mvr1", gamma
     ns_dtype: the Newton–Schulz iteration's dtype (default: the update's).
     method: "standard" or "gram" Newton–Schulz.
     mu_dtype: the momentum's (and AdamW's first moment's) dtype (default: the parameter's).
-    adam_learning_rate: the AdamW group's learning rate; None: `learning_rate`.
-    adam_b1: AdamW's β1 (default 0.9).
-    adam_b2: AdamW's β2 (default 0.95).
-    adam_eps: AdamW's ε (default 1e-8).
-    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    adam: the AdamW group (`optim.adam_group.AdamGroup`), given as the keyword arguments adam_learning_rate,
+      adam_b1, adam_b2, adam_eps, adam_weight_decay.
     labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `optim.muon_labels`.
     distributed: orthogonalize each matrix once across the mesh's devices (`scale_by_muon`).
 
@@ -301,6 +299,5 @@ def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: str = "mvr1", gamma
       scale_by_muon(beta, momentum="ema", nesterov=False, coeffs=coeffs, ns_steps=ns_steps, eps=eps, scale=scale,
                     ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed))
   return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
-                         adam_learning_rate=adam_learning_rate,
-                         adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+                         adam=adam,
                          labels=labels, extra_args=True)

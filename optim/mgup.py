@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim.adam_group import ADAM, AdamGroup, with_adam_group
 from optim.alignment import Factor, Scalar, mgup_policy, with_alignment_mask
 from optim.muon import muon_with_adamw, scale_by_muon
 from optim.newton_schulz import Coeffs
@@ -148,12 +149,12 @@ def mgup_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: flo
 
 
 @register("mgup_muon")
+@with_adam_group
 def mgup_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1,
               momentum: str = "classic", nesterov: bool = True, coeffs: Coeffs = "quintic", ns_steps: int = 5,
               eps: float = 1e-7, scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None,
               method: str = "standard", mu_dtype: jax.typing.DTypeLike | None = None,
-              adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9, adam_b2: float = 0.95,
-              adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+              adam: AdamGroup = ADAM,
               labels: PyTree | Callable[[PyTree], PyTree] | None = None, distributed: bool = False,
               tau: Scalar = 0.5, alpha: Factor = 2.0, gamma: Factor = 0.1,
               policy: str = "topk") -> optax.GradientTransformation:
@@ -184,11 +185,8 @@ def mgup_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weig
     ns_dtype: the Newton–Schulz iteration's dtype (default: the update's).
     method: "standard" or "gram" Newton–Schulz.
     mu_dtype: the momentum's (and AdamW's first moment's) dtype (default: the parameter's).
-    adam_learning_rate: the AdamW group's learning rate; None: `learning_rate`.
-    adam_b1: AdamW's β1 (default 0.9).
-    adam_b2: AdamW's β2 (default 0.95).
-    adam_eps: AdamW's ε (default 1e-8).
-    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    adam: the AdamW group (`optim.adam_group.AdamGroup`), given as the keyword arguments adam_learning_rate,
+      adam_b1, adam_b2, adam_eps, adam_weight_decay.
     labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `optim.muon_labels`.
     distributed: orthogonalize each matrix once across the mesh's devices (`scale_by_muon`).
     tau: MGUP's τ (default 0.5).
@@ -209,6 +207,5 @@ def mgup_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weig
                        mask_fn=mgup_policy(policy, tau=tau, alpha=alpha, gamma=gamma), mask_at="post",
                        distributed=distributed)
   return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
-                         adam_learning_rate=adam_learning_rate,
-                         adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+                         adam=adam,
                          labels=labels)

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim.adam_group import ADAM, AdamGroup, with_adam_group
 from optim.newton_schulz import Coeffs, orthogonalize
 from optim.orthogonalizers import Split
-from optim.registry import decay_mask, register
+from optim.registry import register
 from optim.trees import is_hidden_matrix, reject_complex, resolve_labels
 
 SHAPE_SCALES = ("keller", "moonlight", "spectral", "none")
@@ -223,11 +224,11 @@ def muon_labels(params: PyTree) -> optax.Params:
 
 
 @register("muon")
+@with_adam_group
 def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "ema",
          nesterov: bool = True, coeffs: Coeffs = "quintic", ns_steps: int = 5, eps: float = 1e-7,
          scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
-         mu_dtype: jax.typing.DTypeLike | None = None, adam_learning_rate: optax.ScalarOrSchedule | None = None,
-         adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+         mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
          labels: PyTree | Callable[[PyTree], PyTree] | None = None, distributed: bool = False,
          orthogonalize: Callable[[jax.Array], jax.Array] | None = None,
          split: Split | None = None) -> optax.GradientTransformation:
@@ -258,11 +259,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_de
     ns_dtype: the Newton–Schulz iteration's dtype; default: the update's.
     method: "standard" or "gram", the Newton–Schulz iteration (`optim.newton_schulz`).
     mu_dtype: the dtype of Muon's momentum and AdamW's first moment; default: the parameter's.
-    adam_learning_rate: the AdamW group's learning rate; None: `learning_rate`.
-    adam_b1: AdamW's β1 (default 0.9).
-    adam_b2: AdamW's β2 (default 0.95).
-    adam_eps: AdamW's ε (default 1e-8).
-    adam_weight_decay: the AdamW group's weight decay; None: `weight_decay`.
+    adam: the AdamW group (`optim.adam_group.AdamGroup`), given as the keyword arguments adam_learning_rate,
+      adam_b1, adam_b2, adam_eps, adam_weight_decay.
     labels: "muon" / "adam" per leaf: a tree, a prefix of the params' tree, or a function of the params; None:
       `muon_labels`.
     distributed: orthogonalize each matrix once across the devices of the current mesh (`optim.distributed`).
@@ -283,15 +281,13 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_de
                        scale=scale, ns_dtype=ns_dtype, method=method, mu_dtype=mu_dtype, distributed=distributed,
                        orthogonalize=orthogonalize, split=split)
   return muon_with_adamw(core, learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype,
-                         adam_learning_rate=adam_learning_rate,
-                         adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+                         adam=adam,
                          labels=labels)
 
 
 def muon_with_adamw(core: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule, *,
                     weight_decay: float, mu_dtype: jax.typing.DTypeLike | None = None,
-                    adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9,
-                    adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float | None = None,
+                    adam: AdamGroup = ADAM,
                     labels: PyTree | Callable[[PyTree], PyTree] | None = None,
                     extra_args: bool = False) -> optax.GradientTransformation:
   """The Muon family's parameter groups: `core` + decoupled decay + lr on "muon" leaves, `optax.adamw` on "adam" ones.
@@ -303,15 +299,10 @@ def muon_with_adamw(core: optax.GradientTransformation, learning_rate: optax.Sca
 
   Args:
     core: the "muon" group's direction (e.g. `scale_by_muon`).
-    learning_rate: the learning rate (or schedule) of both groups unless `adam_learning_rate` is given.
-    weight_decay: decoupled weight decay of the "muon" group, and of the "adam" one unless `adam_weight_decay` is
-      given.
+    learning_rate: the learning rate (or schedule) of both groups unless the AdamW group has its own.
+    weight_decay: decoupled weight decay of the "muon" group, and of the "adam" one unless it has its own.
     mu_dtype: AdamW's first-moment dtype; default: the parameter's.
-    adam_learning_rate: the "adam" group's learning rate; None: `learning_rate`.
-    adam_b1: AdamW's β1 (default 0.9).
-    adam_b2: AdamW's β2 (default 0.95).
-    adam_eps: AdamW's ε (default 1e-8).
-    adam_weight_decay: the "adam" group's weight decay; None: `weight_decay`.
+    adam: the "adam" group's settings (`optim.adam_group.AdamGroup`).
     labels: "muon" / "adam" per leaf (a tree, a prefix, or a function of the params); None: `muon_labels`. Checked
       at init (`optim.trees.resolve_labels`).
     extra_args: pass extra update keyword arguments to each group, split like the params
@@ -321,9 +312,7 @@ def muon_with_adamw(core: optax.GradientTransformation, learning_rate: optax.Sca
     The `optax.partition` of the two groups.
   """
   muon_tx = optax.chain(core, optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
-  adam_tx = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, b1=adam_b1, b2=adam_b2,
-                        eps=adam_eps, weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
-                        mu_dtype=mu_dtype, mask=decay_mask)
+  adam_tx = adam.tx(learning_rate, weight_decay, mu_dtype)
   kw = {"mask_compatible_extra_args": True} if extra_args else {}
   # A label tree may be a prefix of the params (as optax.partition reads it) or a function of them; it is
   # expanded and checked at init, so a tree that does not fit fails there with one clear error.
