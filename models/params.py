@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from sharding.mesh import CONTEXT, FSDP, TENSOR
+
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], std: float | None,
           dtype: DTypeLike) -> nnx.Param:
@@ -105,7 +107,7 @@ def context_size() -> int:
     The axis size.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  return 1 if mesh.empty else mesh.shape.get("context", 1)
+  return 1 if mesh.empty else mesh.shape.get(CONTEXT, 1)
 
 
 def whole_weights() -> bool:
@@ -115,4 +117,4 @@ def whole_weights() -> bool:
     True when the weights are replicated.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  return mesh.empty or all(mesh.shape.get(axis, 1) == 1 for axis in ("fsdp", "tensor"))
+  return mesh.empty or all(mesh.shape.get(axis, 1) == 1 for axis in (FSDP, TENSOR))

@@ -3,7 +3,22 @@
 from sharding.audit import Audit, AuditError, Collective, analytic_bytes, collectives, matmul_flops
 from sharding.experts import capacity as expert_capacity
 from sharding.experts import dispatch as dispatch_experts
-from sharding.mesh import AXES, DATA_AXES, MeshError, devices_for, make_mesh, mesh_scope, mesh_spec, parse_mesh_spec
+from sharding.mesh import (
+  AXES,
+  CONTEXT,
+  DATA,
+  DATA_AXES,
+  EXPERT,
+  FSDP,
+  STAGE,
+  TENSOR,
+  MeshError,
+  devices_for,
+  make_mesh,
+  mesh_scope,
+  mesh_spec,
+  parse_mesh_spec,
+)
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline, pipeline
 from sharding.reshard import ReshardError, abstract_state, moved_bytes, reshard, state_shardings
 from sharding.rules import RULES, ShardingError, constrain, logical_to_spec, named_sharding
@@ -26,7 +41,8 @@ from sharding.state import (
   zero1_shardings,
 )
 
-__all__ = ["AXES", "Audit", "AuditError", "Collective", "DATA_AXES", "MeshError", "PipelineError", "RULES",
+__all__ = ["AXES", "CONTEXT", "DATA", "EXPERT", "FSDP", "STAGE", "TENSOR"]
+__all__ += ["Audit", "AuditError", "Collective", "DATA_AXES", "MeshError", "PipelineError", "RULES",
            "ReshardError", "ShardingError", "abstract_state", "analytic_bytes", "batch_sharding", "bubble_fraction",
            "check_pipeline", "collectives", "constrain", "devices_for", "dispatch_experts", "expert_capacity",
            "global_batch", "init_buffers", "init_params", "init_train_state", "local_batch", "logical_names",

@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from sharding import hlo
+from sharding.mesh import DATA, EXPERT, FSDP, STAGE, TENSOR
 
 if TYPE_CHECKING:
   import jax
@@ -284,10 +285,10 @@ def analytic_bytes(n_params: int, mesh: jax.sharding.Mesh | Mapping[str, int] | 
       arXiv 1909.08053, §3 (two all-reduces forward, two backward per layer).
   """
   sizes = _mesh_sizes(mesh)
-  for axis in ("stage", "expert"):
+  for axis in (STAGE, EXPERT):
     if sizes.get(axis, 1) > 1:
       raise AuditError(f"analytic_bytes models data, fsdp and tensor axes only; got {axis}={sizes[axis]}")
-  d, x, y = sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
+  d, x, y = sizes.get(DATA, 1), sizes.get(FSDP, 1), sizes.get(TENSOR, 1)
   if zero1 and d == 1:
     raise AuditError("zero1=True shards optimizer state over the `data` axis, which has size 1 here; "
                      "use a mesh such as {'data': 8}")

@@ -48,8 +48,9 @@ from jax.sharding import PartitionSpec as P
 
 # the flash kernels are model math (models/flash.py); this file adds only their schedule over the `context` axis
 from models.flash import BLOCK, acc_dtype, finish, head_major, merge, pair_grads, pair_stats, row_dot, token_major
+from sharding.mesh import CONTEXT
 
-AXIS = "context"
+AXIS = CONTEXT
 ALGORITHMS = ("ring", "allgather")
 
 

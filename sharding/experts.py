@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from sharding.mesh import STAGE
 from sharding.rules import ShardingError, logical_to_spec
 
 Grouped = Callable[[jax.Array, jax.Array, dict], jax.Array]
@@ -264,7 +265,7 @@ def dispatch(x_BTD: jax.Array, idx_BTK: jax.Array, gate_BTK: jax.Array, w: dict,
   mesh = jax.sharding.get_abstract_mesh()
   manual = set(getattr(mesh, "manual_axes", ()))
   # every axis of size > 1 but `stage` (the pipeline's) and those already manual (an enclosing shard_map)
-  axes = [] if mesh.empty else [a for a in mesh.axis_names if mesh.shape[a] > 1 and a != "stage" and a not in manual]
+  axes = [] if mesh.empty else [a for a in mesh.axis_names if mesh.shape[a] > 1 and a != STAGE and a not in manual]
 
   def local(x, idx, gate, w, *, ep=(), tp=()):
     G = x.shape[0] * x.shape[1]

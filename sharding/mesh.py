@@ -14,12 +14,14 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
+# the mesh's axis names: every other module names an axis by these constants (tests/sharding/test_axis_names.py)
+DATA, STAGE, FSDP, EXPERT, CONTEXT, TENSOR = "data", "stage", "fsdp", "expert", "context", "tensor"
+AXES = (DATA, STAGE, FSDP, EXPERT, CONTEXT, TENSOR)
 # Order matters: the last axes vary fastest over device ids, so `tensor` (the chattiest) groups
 # neighbouring devices, `context` (a K/V ring hop per layer) the next nearest, and `data` (one
 # all-reduce a step) spans the farthest ones.
 
-DATA_AXES = ("data", "fsdp", "expert")  # the axes a global batch is split over
+DATA_AXES = (DATA, FSDP, EXPERT)  # the axes a global batch is split over
 
 
 class MeshError(ValueError):

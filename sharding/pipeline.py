@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sharding.mesh import DATA_AXES
+from sharding.mesh import DATA_AXES, STAGE
 from sharding.rules import constrain
 
-AXIS = "stage"
+AXIS = STAGE
 PyTree = Any
 
 

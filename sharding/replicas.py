@@ -33,12 +33,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from numpy.typing import ArrayLike
 
+from sharding.mesh import DATA
+
 if TYPE_CHECKING:
   import optax
 
   from sharding.audit import Audit
 
-AXIS = "data"
+AXIS = DATA
 PyTree = Any
 
 

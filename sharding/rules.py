@@ -20,27 +20,29 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharding.mesh import CONTEXT, DATA, EXPERT, FSDP, STAGE, TENSOR
+
 RULES: dict[str, tuple[str, ...]] = {
     # weights
-    "vocab": ("tensor",),
-    "embed": ("fsdp",),
-    "mlp": ("tensor",),
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
+    "vocab": (TENSOR,),
+    "embed": (FSDP,),
+    "mlp": (TENSOR,),
+    "heads": (TENSOR,),
+    "kv_heads": (TENSOR,),
     "kv": (),  # head_dim
-    "layers": ("stage",),  # the layer stack: consecutive layers per pipeline stage (sharding/pipeline.py)
+    "layers": (STAGE,),  # the layer stack: consecutive layers per pipeline stage (sharding/pipeline.py)
     "norm": (),
     "adapter": (),  # a low-rank adapter's rank axis (models/peft.py): small, never sharded
-    "expert": ("expert",),
+    "expert": (EXPERT,),
     # activations
-    "batch": ("data", "fsdp", "expert"),
-    "seq": ("context",),  # context parallelism: each device holds T/C positions (zig-zag, sharding/context.py)
-    "act_stage": ("stage",),  # the pipeline loop state: one microbatch slot per stage
+    "batch": (DATA, FSDP, EXPERT),
+    "seq": (CONTEXT,),  # context parallelism: each device holds T/C positions (zig-zag, sharding/context.py)
+    "act_stage": (STAGE,),  # the pipeline loop state: one microbatch slot per stage
     "act_embed": (),
-    "act_heads": ("tensor",),
-    "act_kv_heads": ("tensor",),
-    "act_mlp": ("tensor",),
-    "act_vocab": ("tensor",),
+    "act_heads": (TENSOR,),
+    "act_kv_heads": (TENSOR,),
+    "act_mlp": (TENSOR,),
+    "act_vocab": (TENSOR,),
 }
 
 

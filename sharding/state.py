@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sharding.mesh import mesh_scope
+from sharding.mesh import DATA, mesh_scope
 from sharding.rules import logical_to_spec
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def shardings_like_params(tree: PyTree, params: PyTree, shardings: PyTree, mesh:
   return jax.tree_util.tree_map_with_path(pick, tree)
 
 
-def zero1_shardings(shardings: PyTree, shapes: PyTree, axis: str = "data") -> PyTree:
+def zero1_shardings(shardings: PyTree, shapes: PyTree, axis: str = DATA) -> PyTree:
   """ZeRO-1: each leaf further split over mesh `axis` on its first dimension that can take it.
 
   That is the first dimension that does not use `axis` yet and whose size divides by all its mesh axes, `axis`

@@ -44,6 +44,7 @@ from research.bench.report import Progress, git_commit
 from research.train.steps import train_state
 from research.train.steps.step import make_steps
 from sharding import (
+  DATA,
   analytic_bytes,
   batch_sharding,
   collectives,
@@ -171,10 +172,10 @@ def _measure_train(tx, model_fn, mesh, repeats, budget_gib, zero1=False, batch=1
 def _update_gather_bytes(audit, mesh) -> float:
   """Wire bytes of the all-gathers whose groups run along the `data` axis alone: with parameters replicated over
   `data`, the gather of updates computed on a 1/data share, which a ZeRO-1 step does as its all-gather of params."""
-  if mesh.shape["data"] == 1:
+  if mesh.shape[DATA] == 1:
     return 0.0
-  ids = np.moveaxis(np.arange(mesh.size).reshape(mesh.devices.shape), mesh.axis_names.index("data"), -1)
-  data_groups = {tuple(g) for g in ids.reshape(-1, mesh.shape["data"]).tolist()}
+  ids = np.moveaxis(np.arange(mesh.size).reshape(mesh.devices.shape), mesh.axis_names.index(DATA), -1)
+  data_groups = {tuple(g) for g in ids.reshape(-1, mesh.shape[DATA]).tolist()}
   return sum(op.count * op.wire_bytes for op in audit.ops
              if op.kind == "all-gather" and {tuple(sorted(g)) for g in op.groups} == data_groups)
 
@@ -215,7 +216,7 @@ def comm(models: Annotated[tuple[str, ...], MODELS] = ("43m", "small"),
       params, p_sh, model_fn = _model(model, mesh)
       n_params = sum(x.size for x in jax.tree.leaves(params))
       ns_total = _ns_total(params)
-      zero1 = analytic_bytes(n_params, {"data": mesh.size}, zero1=True)["total"]
+      zero1 = analytic_bytes(n_params, {DATA: mesh.size}, zero1=True)["total"]
       lines += [f"### {model} ({n_params / 1e6:.1f}M params) on {mesh_spec(mesh)}: optimizer step", "",
                 "| optimizer | " + " | ".join(KINDS) + " | total MiB | NS GFLOP/device | step ms | note |",
                 "|---|" + "---|" * (len(KINDS) + 4)]
@@ -257,7 +258,7 @@ def comm(models: Annotated[tuple[str, ...], MODELS] = ("43m", "small"),
                   "|---|" + "---|" * (len(KINDS) + 3)]
         base, totals = None, {}
         cases = [(name, tx, False) for name, tx in _optimizers().items() if "error" not in rows.get(name, {})]
-        if mesh.shape["data"] > 1 and "zero1" in inspect.signature(init_train_state).parameters:
+        if mesh.shape[DATA] > 1 and "zero1" in inspect.signature(init_train_state).parameters:
           cases += [(name + " + ZeRO-1 state", tx, True) for name, tx, _ in cases if name[:3] in ("(a)", "(d)")]
         for name, tx, zero1_state in cases:
           print(f"  {model} {spec} train step {name} ...", file=sys.stderr, flush=True)
@@ -279,7 +280,7 @@ def comm(models: Annotated[tuple[str, ...], MODELS] = ("43m", "small"),
         lines += ["", f"Analytic train-step bytes for this mesh (sharding.analytic_bytes, fp32): "
                   f"{analytic / MIB:.1f} MiB/device"
                   + (f"; with ZeRO-1 state over data: {analytic_bytes(p_model, mesh, zero1=True)['total'] / MIB:.1f}"
-                     if mesh.shape["data"] > 1 else "") + ".", ""]
+                     if mesh.shape[DATA] > 1 else "") + ".", ""]
         emit()
   lines.append(f"step ms: median of {repeats} calls after a warm-up (a first call over 5 s is the measurement); "
                f"1-minute load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end; "

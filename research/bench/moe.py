@@ -63,6 +63,7 @@ from research.train.setup.build import make_optimizer
 from research.train.steps import train_state
 from research.train.steps.step import make_steps
 from sharding import batch_sharding, collectives, devices_for, make_mesh, mesh_spec, shard_batch
+from sharding.mesh import DATA, EXPERT, FSDP, STAGE, TENSOR
 
 LAYOUTS = ("data=1", "data=8", "expert=8", "data=2,expert=2,tensor=2", "expert=4,fsdp=2", "stage=2,data=2,expert=2")
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -74,8 +75,8 @@ def analytic(mcfg, sizes: dict[str, int], batch: int, seq: int) -> dict[str, flo
   ("tp_textbook", "tp_compiled"); the formulas are in the module docstring."""
   m = mcfg.moe
   D, k, E, b = mcfg.d_model, m.top_k, m.num_experts, jnp.dtype(mcfg.compute_dtype).itemsize
-  N = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
-  P, Y, S = sizes.get("expert", 1), sizes.get("tensor", 1), sizes.get("stage", 1)
+  N = sizes.get(DATA, 1) * sizes.get(FSDP, 1) * sizes.get(EXPERT, 1)
+  P, Y, S = sizes.get(EXPERT, 1), sizes.get(TENSOR, 1), sizes.get(STAGE, 1)
   M = (mcfg.microbatches or S) if S > 1 else 1
   r = lambda n: (n - 1) / n
   calls = M + S - 1  # MoE invocations per block and device: 1, or every microbatch slot of the pipeline
@@ -180,14 +181,14 @@ def moe(model: str = "moe_tiny", layouts: tuple[str, ...] = LAYOUTS, batch_size:
     row = {"layout": mesh_spec(mesh), "step_s": step_s, "step_min_s": min(run["times"]),
            "step_max_s": max(run["times"]), "tokens_per_s": batch_size * seq_len / step_s, "loss": run["loss"],
            "compile_s": run["compile_s"], "bytes": {k: summary[k].wire_bytes for k in summary},
-           "ep_measured": _by_axes(audit, mesh, "all-to-all", "expert"),
-           "tp_measured": _by_axes(audit, mesh, "all-reduce", "tensor"), **a}
+           "ep_measured": _by_axes(audit, mesh, "all-to-all", EXPERT),
+           "tp_measured": _by_axes(audit, mesh, "all-reduce", TENSOR), **a}
     rows.append(row)
     cell = lambda kind: f"{summary[kind].count} / {summary[kind].wire_bytes / MIB:.3f}" if kind in summary else "–"
     ep = (f"{row['ep_measured'] / MIB:.3f} / {a['ep_as_run'] / MIB:.3f} / {a['ep_ideal'] / MIB:.3f}"
-          if sizes.get("expert", 1) > 1 else "–")
+          if sizes.get(EXPERT, 1) > 1 else "–")
     tp = (f"{row['tp_measured'] / MIB:.3f} / {a['tp_compiled'] / MIB:.3f} / {a['tp_textbook'] / MIB:.3f}"
-          if sizes.get("tensor", 1) > 1 else "–")
+          if sizes.get(TENSOR, 1) > 1 else "–")
     lines.append(f"| {row['layout']} | {step_s * 1e3:.0f} ({row['step_min_s'] * 1e3:.0f}-{row['step_max_s'] * 1e3:.0f})"
                  f" | {row['tokens_per_s']:.0f} | {row['loss']:.4f} | {row['compile_s']:.0f} | "
                  + " | ".join(cell(k) for k in KINDS) + f" | {ep} | {tp} |")

@@ -96,7 +96,7 @@ class Runner:
     self.outer_tx = sync.outer_optimizer(1.0, 0.0)  # model averaging
     rep = NamedSharding(self.mesh, P())
     self.p_sh = {"w": rep, "b": rep}
-    self.batch_sh = NamedSharding(self.mesh, P("data"))
+    self.batch_sh = NamedSharding(self.mesh, P(sharding.DATA))
     self.shardings = None
     self.steps = None
     self.evaluate = jax.jit(lambda p, x, y: loss_fn(p, x, y, {})[0])

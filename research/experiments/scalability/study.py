@@ -238,7 +238,7 @@ def lm_run(cfg: Config, work: str, dataset: str, sync: str, workers: int, lr: fl
   flags = dict(model="tiny", steps=cfg.lm_steps, batch_size=cfg.lm_batch * workers, seq_len=cfg.seq_len, lr=lr,
                seed=seed, devices=workers, mesh=f"data={workers}", sync=sync, sampling=sampling,
                eval_every=cfg.lm_eval, log_every=cfg.lm_eval, eval_batches=cfg.eval_batches, ckpt_every=cfg.lm_steps,
-               keep=1, out=out, **({"data": data} if data else {}), **(outer or {}))
+               keep=1, out=out, **(dict(data=data) if data else {}), **(outer or {}))
   cmd = [sys.executable, "-m", "research.train", "--no-progress",
          *[a for k, v in flags.items() for a in (f"--{k.replace('_', '-')}", str(v))]]
   records = _records(out) if cfg.smoke else []

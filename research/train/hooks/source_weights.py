@@ -24,6 +24,7 @@ from research.data.mixture import MixedCorpus, dynamic_update, named_sources, pa
 from research.train.config import RunError
 from research.train.config.prefixed import DataFlags
 from research.train.config.sections import DataSection
+from sharding.mesh import STAGE
 
 
 def load_data(data: DataSection, options: DataFlags):
@@ -49,7 +50,7 @@ def check(corpus, mcfg, mesh):
   if isinstance(corpus, MixedCorpus) and corpus.spec.rule == "dynamic":
     if mcfg.moe is None:
       raise RunError("--mix dynamic reads the router's expert loads: it needs an MoE model (--moe.num-experts N)")
-    if mesh.shape["stage"] > 1:
+    if mesh.shape[STAGE] > 1:
       raise RunError("--mix dynamic does not run on a pipeline (stage) mesh")
 
 

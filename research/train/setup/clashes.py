@@ -12,6 +12,7 @@ from __future__ import annotations
 from research.train.config import RunError
 from research.train.setup.build import optimizer_needs
 from research.train.steps import update_args
+from sharding.mesh import CONTEXT, STAGE
 
 # (feature, the features it does not combine with, why): each row one RunError line when it applies
 CLASHES = (
@@ -44,8 +45,8 @@ def features(cfg, mesh, mcfg=None) -> dict[str, str | None]:
         "freeze": "--freeze" if cfg.finetune.freeze else None,
         "switch_at": "--switch-at" if cfg.mesh.switch_at else None,
         "zero1": "--zero1" if cfg.mesh.zero1 else None,
-        "stage": "a stage mesh axis" if mesh.shape["stage"] > 1 else None,
-        "context": "a context mesh axis" if mesh.shape["context"] > 1 else None,
+        "stage": "a stage mesh axis" if mesh.shape[STAGE] > 1 else None,
+        "context": "a context mesh axis" if mesh.shape[CONTEXT] > 1 else None,
         "moe": "a MoE model" if mcfg is not None and mcfg.moe else None,
         "blocks": f"--optimizer {cfg.optim.optimizer} (its own blocks)" if needs.block_coordinate else None,
         "update_args": f"--optimizer {cfg.optim.optimizer}'s update arguments ({args})" if args else None,

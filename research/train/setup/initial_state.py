@@ -20,7 +20,7 @@ from research.train.setup.build import make_optimizer, optimizer_needs
 from research.train.steps import blockstep, frozen, layerfreeze, sync, update_args
 from research.train.steps.step import keep_prev_params, lm_loss
 from research.train.steps.train_state import TrainState
-from sharding import global_batch, init_train_state, mesh_scope
+from sharding import DATA, global_batch, init_train_state, mesh_scope
 
 
 def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings) -> tuple[TrainState, dict]:
@@ -141,6 +141,6 @@ def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step) 
   """The programs of --sync for a state laid out for it (`shardings`; allreduce: the plain `train_step`, audited for
   its bytes)."""
   mode = sync.parse(cfg.sync.mode)
-  mixing = sync.mixing_matrix(mode, batch_sh.mesh.shape["data"]) if mode.kind == "gossip" else None
+  mixing = sync.mixing_matrix(mode, batch_sh.mesh.shape[DATA]) if mode.kind == "gossip" else None
   return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(cfg.sync), shardings, batch_sh,
                     update_args=optimizer_needs(cfg.optim).update_args, mixing=mixing, plain=train_step)

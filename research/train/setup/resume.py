@@ -15,7 +15,7 @@ from research.train.steps.train_state import TrainState
 from research.train.store import rundir
 from research.train.store.checkpoint import CheckpointError
 from research.train.store.pretrained import peft_settings
-from sharding import parse_mesh_spec
+from sharding import DATA, parse_mesh_spec
 
 
 def state_signature(meta: dict) -> dict:
@@ -25,7 +25,7 @@ def state_signature(meta: dict) -> dict:
   train = meta["train"]
   flag = train.get("sync", "allreduce")
   mode = sync.parse(flag)
-  replicas = parse_mesh_spec(meta["mesh"], len(meta["devices"]))["data"]
+  replicas = parse_mesh_spec(meta["mesh"], len(meta["devices"]))[DATA]
   # the frozen leaves' dtype
   stored: dict[str, Any] = {"frozen_dtype": saved_frozen_dtype(train)} if train.get("freeze") else {}
   if meta.get("blockwise_badam"):  # every parameter in this dtype, a master and AdamW state over one layer

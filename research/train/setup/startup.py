@@ -23,7 +23,7 @@ from research.train.setup.build import model_config, optimizer_needs
 from research.train.setup.switch import switch_plan
 from research.train.steps import layerfreeze, sync
 from sharding import batch_sharding, global_batch, make_mesh, mesh_spec
-from sharding.mesh import DATA_AXES
+from sharding.mesh import CONTEXT, DATA, DATA_AXES, STAGE
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
 
 
@@ -50,7 +50,7 @@ def setup(cfg: TrainConfig):
     if m is not mesh:
       pipeline_plan(m, mcfg, cfg.training.batch_size)
     try:
-      check_attention(mcfg.attention, cfg.training.seq_len, m.shape["context"])
+      check_attention(mcfg.attention, cfg.training.seq_len, m.shape[CONTEXT])
     except AttentionError as e:
       raise RunError(f"--mesh {mesh_spec(m)}: {e}") from None
   # fail early if the data is shorter than a sequence or has no documents to lay out
@@ -62,7 +62,7 @@ def setup(cfg: TrainConfig):
 
 def pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
   """The GPipe pipeline a mesh with stage > 1 runs (printed, and saved in config.json); None without one."""
-  S = mesh.shape["stage"]
+  S = mesh.shape[STAGE]
   if S == 1:
     return None
   M = mcfg.microbatches or S
@@ -83,11 +83,11 @@ def check_sync(section: SyncSection, mesh):
   try:
     mode = sync.parse(section.mode)
     if mode.kind == "gossip":
-      sync.mixing_matrix(mode, mesh.shape["data"])
+      sync.mixing_matrix(mode, mesh.shape[DATA])
     sync.outer_optimizer(section.outer_lr, section.outer_momentum)
   except sync.SyncError as e:
     raise RunError(str(e)) from None
-  if mode.kind != "allreduce" and mesh.shape["data"] == 1:
+  if mode.kind != "allreduce" and mesh.shape[DATA] == 1:
     print(f"warning: --sync {section.mode} on a mesh with data=1 has a single replica (add data=R to --mesh for R)",
           file=sys.stderr)
 
