@@ -198,6 +198,41 @@ def test_the_train_cli_imports_nothing_slow_before_its_signal_handlers():
   assert out.split() == ["True", "False"]
 
 
+# The trainer's rooms, lowest first: a room imports only rooms below it (config/ is the flags alone: it imports no
+# other room of the trainer; setup/ builds a run from everything beneath it; the loop and the CLI sit on top).
+TRAIN_ROOMS = ("runtime", "config", "observers", "steps", "store", "feed", "hooks", "setup", "vmapped", "loop",
+               "command", "__main__", "")
+
+
+def train_room(module: str) -> str | None:
+  """The trainer room of a module of research/train ("" for the package itself), else None."""
+  parts = module.split(".")
+  return (parts[2] if len(parts) > 2 else "") if parts[:2] == ["research", "train"] else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+  """The imports from a trainer room to one above it in `TRAIN_ROOMS`."""
+  found = []
+  for module, targets in graph.items():
+    a = train_room(module)
+    for target in targets:
+      b = train_room(target)
+      if a is not None and b is not None and TRAIN_ROOMS.index(b) > TRAIN_ROOMS.index(a):
+        found.append(f"{module} -> {target}")
+  return sorted(found)
+
+
+def test_the_trainer_rooms_import_downward():
+  graph = import_graph()
+  assert {train_room(m) for m in graph} - {None} <= set(TRAIN_ROOMS)  # every room is placed
+  assert upward_imports(graph) == []
+
+
+def test_the_downward_check_finds_an_upward_import():
+  graph = {"research.train.config.checks": {"research.train.hooks.trackers"}, "research.train.hooks.trackers": set()}
+  assert upward_imports(graph) == ["research.train.config.checks -> research.train.hooks.trackers"]
+
+
 def test_the_trainer_stays_readable():
   """Every trainer file ≤ 300 lines, every function in it ≤ 60, the loop's story `_train` among them."""
   folder = os.path.join(ROOT, "research", "train")

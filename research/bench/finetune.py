@@ -77,9 +77,8 @@ from models.peft import ADAPTERS
 from research import flags
 from research.bench.report import Progress, call_command, machine, table
 from research.data import Corpus
-from research.train.config import TrainConfig
+from research.train.config import PeftFlags, TrainConfig
 from research.train.setup import memory
-from research.train.setup.adapters import PeftFlags
 from research.train.setup.blockwise import blockwise_parts
 from research.train.setup.build import make_optimizer
 from research.train.setup.initial_state import abstract_initial_state, initial_state

@@ -29,9 +29,9 @@ from research import entry, flags
 from research.bench.finetune_3b import method_flags
 from research.bench.report import call_command, git_commit, publish, run_child, table
 from research.train.command import failures_in_one_line
-from research.train.config import TrainConfig, checks
+from research.train.config import TrainConfig
 from research.train.runtime.devices import setup_jax
-from research.train.setup import memory
+from research.train.setup import checks, memory
 from research.train.setup.build import resolved
 from research.train.setup.run import programs
 

@@ -73,8 +73,7 @@ from research.bench import finetune as bench
 from research.data import docs_corpus, eval_batches, load_corpus
 from research.experiments import common
 from research.sweep import Run, SweepConfig, parse_grid, run_grid
-from research.train.config import TrainConfig
-from research.train.setup.adapters import PeftFlags
+from research.train.config import PeftFlags, TrainConfig
 from research.train.setup.build import make_optimizer
 from research.train.store.pretrained import load_run
 

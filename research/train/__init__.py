@@ -3,11 +3,12 @@
 The loop (`loop.py`: `run`) is a composition of named hooks over one step; every concern it calls is a room:
 
   config/   TrainConfig in sections (sections.py, prefixed.py; the model's and --moe.*'s from the model's schema:
-            derived.py), the flag checks before anything starts (checks.py), what trains (trainable.py)
-  setup/    a run built before its first step (run.py): mesh, data and pipeline (startup.py), what does not combine
-            (clashes.py), model config and optimizer (build.py), the state at step 0 (initial_state.py, init_from.py,
-            adapters.py), the memory pre-flight (memory.py), --switch-at's layouts (switch.py), a blockwise optimizer's
-            plan (blockwise.py), the newest readable checkpoint (resume.py)
+            derived.py), what trains (trainable.py)
+  setup/    a run built before its first step (run.py): the flag checks before anything starts (checks.py), mesh, data
+            and pipeline (startup.py), what does not combine (clashes.py), model config and optimizer (build.py), the
+            state at step 0 (initial_state.py, init_from.py, adapters.py), the memory pre-flight (memory.py),
+            --switch-at's layouts (switch.py), a blockwise optimizer's plan (blockwise.py), the newest readable
+            checkpoint (resume.py)
   steps/    the compiled programs and the typed state (train_state.py): the one update path and plain step (step.py),
             the update arguments it supplies (update_args.py), a blockwise optimizer's (blockstep.py, _reachstep.py),
             --freeze-layers' (layerfreeze.py), --freeze's mask (frozen.py), --sync's (sync.py), the non-finite guard

@@ -21,12 +21,12 @@ from models.config import ConfigError
 from optim import UnknownOptimizerError
 from research import entry
 from research.data import DataError
-from research.train.config import RunError, TrainConfig, checks
+from research.train.config import RunError, TrainConfig
 from research.train.hooks.progress import summary
 from research.train.hooks.watchdog import EXIT_STATUS as WATCHDOG_EXIT
 from research.train.loop import run
 from research.train.runtime.processes import DistributedError, is_primary
-from research.train.setup import init_from
+from research.train.setup import checks, init_from
 from research.train.steps import frozen
 from research.train.steps.health import BadStepsError
 from research.train.store import rundir

@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from research.train.config import TrainConfig, checks
+from research.train.config import TrainConfig
 from research.train.hooks.cadence import Hooks, StepInfo
 from research.train.hooks.metrics import MetricsProcessor
 from research.train.observers import active
@@ -26,7 +26,7 @@ from research.train.runtime.devices import setup_jax
 from research.train.runtime.processes import initialize as init_distributed
 from research.train.runtime.processes import is_primary
 from research.train.runtime.signals import Stop
-from research.train.setup import memory
+from research.train.setup import checks, memory
 from research.train.setup.build import resolved
 from research.train.setup.run import Run, start
 from research.train.steps import observed

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import research.train.config.checks
+import research.train.setup.checks
 import research.train.steps.step
 from models import Transformer, cross_entropy
 from research.data import get_batch, load_corpus
@@ -158,7 +158,7 @@ def test_consecutive_bad_steps_stop_the_run_and_keep_its_last_good_checkpoint(po
 def test_nonfinite_parameters_after_an_update_are_a_bad_step_and_never_saved(monkeypatch, tmp_path, capsys):
   """--lr nan gets past the flag checks here (they refuse it): the warmup's lr = nan * 0 spoils every update while
   the loss and gradients stay finite; each such step is skipped and nothing NaN is checkpointed."""
-  monkeypatch.setattr(research.train.config.checks, "check_numbers", lambda cfg: None)
+  monkeypatch.setattr(research.train.setup.checks, "check_numbers", lambda cfg: None)
   with pytest.raises(SystemExit) as e:
     main([f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"] +
          ["--no-progress", "--max-bad-steps=3", "--lr=nan", f"--out={tmp_path}"])

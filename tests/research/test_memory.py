@@ -14,8 +14,8 @@ import pytest
 from refusals import bad
 
 from research.train import TrainConfig, run
+from research.train.config import PeftFlags
 from research.train.setup import memory
-from research.train.setup.adapters import PeftFlags
 from research.train.setup.blockwise import blockwise_parts
 from research.train.setup.build import make_optimizer, model_config, step_options
 from research.train.setup.initial_state import abstract_initial_state

@@ -74,7 +74,7 @@ def test_sparse_adapter_is_pruned_before_training_and_muon_trains_it(tmp_path, c
 
 
 def peft_flags(**kw):
-  from research.train.setup.adapters import PeftFlags
+  from research.train.config import PeftFlags
   return PeftFlags(**kw)
 
 

@@ -8,9 +8,10 @@ stores the sections; `flat_record` reads the "train" record of either layout (ru
 flat), which is how a resumed run compares its settings with its checkpoint's.
 
 Beside it: the sections with a prefix of their own (prefixed.py), the sections derived from a library config's schema
-(derived.py), the observers' section (observe.py), the paths a run records, absolute and fingerprinted (paths.py), the
-flag checks run before anything starts (checks.py), what a run trains (trainable.py); what does not combine is
-research/train/setup/clashes.py.
+(derived.py), the observers' section (observe.py), the paths a run records, absolute and fingerprinted (paths.py), what
+a run trains (trainable.py). The flag checks run before anything starts and what does not combine are
+research/train/setup/checks.py and clashes.py. This room imports no other room of the trainer
+(tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Annotated, Any
 import tyro
 
 from research.train.config.observe import ObserveSection
-from research.train.config.prefixed import DataFlags, MoEFlags
+from research.train.config.prefixed import DataFlags, MoEFlags, PeftFlags
 from research.train.config.sections import (
   CheckpointSection,
   DataSection,
@@ -37,7 +38,6 @@ from research.train.config.sections import (
   SyncSection,
   TrainingSection,
 )
-from research.train.setup.adapters import PeftFlags
 
 _Section = tyro.conf.OmitArgPrefixes  # a section's flags carry no prefix; --help groups them under its name
 

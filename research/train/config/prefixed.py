@@ -1,6 +1,7 @@
 """The config sections with a flag prefix of their own: --moe.* (`MoEFlags`, each flag one field of the preset's MoE,
-but for PAD-Net's partition flags, `MoEFlags.PARTITION`) and --data.* (`DataFlags`, how --data's records become rows);
---peft.* is research/train/setup/adapters.py's `PeftFlags`."""
+but for PAD-Net's partition flags, `MoEFlags.PARTITION`), --data.* (`DataFlags`, how --data's records become rows)
+and --peft.* (`PeftFlags`: the settings every adapter method reads, then each registered method's own options,
+`models.peft.Adapter.OPTIONS`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import dataclasses
 import typing
 from typing import Annotated, Any, ClassVar, Literal
 
+import jax.numpy as jnp
 import tyro
 
-from models import MoEConfig
+from models import MoEConfig, peft
 from research.train.config.derived import flags_of
 
 
@@ -45,7 +47,7 @@ MoEFlags = flags_of(
     last=tuple((name, Annotated[kind | None, tyro.conf.arg(help=doc)], dataclasses.field(default=None))
                for name, kind, doc in _PARTITION),
     namespace={"PARTITION": tuple(name for name, _, _ in _PARTITION),
-               "PREFIX": "moe.",  # the flags' spelling in research/train/config/checks.py's messages
+               "PREFIX": "moe.",  # the flags' spelling in research/train/setup/checks.py's messages
                "POSITIVE": ("pad_rounds", "pad_batches"), "RANGES": {"pad_ratio": (0, 1, False)},
                # flag: the flag it needs
                "NEEDS": {"pad_ratio": "pad", **{name: "pad_ratio" for name, _, _ in _PARTITION[1:]}},
@@ -77,3 +79,57 @@ class DataFlags:
   padding: fine-tuning data). The held-out batches are laid out the same way."""
   workers: int = 2
   """Background threads that read and assemble batches ahead of the step (grain's prefetch; 0: in the loop)."""
+
+
+def _apply_options(self) -> dict:
+  """Keyword arguments of `models.peft.apply` for these flags (the base dtype as a dtype)."""
+  opts = dataclasses.asdict(self)
+  opts["base_dtype"] = None if self.base_dtype is None else jnp.dtype(self.base_dtype)
+  return opts
+
+
+def _adapted(self, base, method: str, seed: int):
+  """`base` adapted in place by `method` with these flags (`models.peft.apply`)."""
+  return peft.apply(base, method, **self.apply_options(), seed=seed)
+
+
+def _common() -> list:
+  """The settings every method reads (--peft.rank, --peft.alpha, --peft.targets, --peft.base-dtype)."""
+  arg = lambda kind, default, doc: (Annotated[kind, tyro.conf.arg(help=doc)], dataclasses.field(default=default))
+  return [
+      ("rank", *arg(int, 8, "Adapter rank r (a method that prunes: the budget, its adapter wider before pruning).")),
+      ("alpha", *arg(float, 16.0, "alpha: the low-rank update is (alpha / r)·A B.")),
+      ("targets", *arg(str, peft.DEFAULT_TARGETS, "Regular expression searched in parameter paths (blocks/wq_DQ, "
+                                                  "blocks/moe/w_up_EDF, ...): the weights to adapt; the default names "
+                                                  "the attention q/k/v/o and the MLP, expert and shared-expert "
+                                                  "projections.")),
+      ("base_dtype", *arg(Literal["float32", "bfloat16"] | None, None,
+                          "The frozen base weights' dtype (unset: --frozen-dtype's default, bfloat16 when fine-tuning "
+                          "with --init-from, else float32); the adapters keep the parameter dtype."))]
+
+
+def _own() -> list:
+  """One flag per option a registered method declares (`models.peft.Adapter.OPTIONS`), its help naming the method."""
+  fields: dict = {}
+  for method, cls in peft.ADAPTERS.items():
+    for name, (default, doc) in cls.OPTIONS.items():
+      fields.setdefault(name, (name, Annotated[type(default), tyro.conf.arg(help=f"{method}: {doc}")],
+                               dataclasses.field(default=default)))
+  return list(fields.values())
+
+
+if typing.TYPE_CHECKING:  # a derived class: the common settings and the methods' options
+  @dataclasses.dataclass
+  class PeftFlags:  # noqa: D101
+    base_dtype: str | None
+
+    def __init__(self, **flags: Any): ...
+    def __getattr__(self, name: str) -> Any: ...
+    def apply_options(self) -> dict: ...  # noqa: D102
+    def adapted(self, base: Any, method: str, seed: int) -> Any: ...  # noqa: D102
+else:  # --peft.*: the settings every method reads, then each registered method's own options
+  PeftFlags = dataclasses.make_dataclass("PeftFlags", [*_common(), *_own()],
+                                         namespace={"PREFIX": "peft.", "apply_options": _apply_options,
+                                                    "adapted": _adapted})
+  PeftFlags.__doc__ = "The adapters' settings (--peft picks the method)."
+  PeftFlags.__module__ = __name__

@@ -2,13 +2,12 @@
 
 `TrainConfig` (research/train/config/__init__.py) holds one of each. A section's checks sit beside its fields:
 `PATHS` (paths that must not be empty: an unset shell variable), `POSITIVE` (counts that must be positive) and `RANGES`
-(flag: (low, high, whether low itself is allowed); every value finite), which research/train/config/checks.py applies
+(flag: (low, high, whether low itself is allowed); every value finite), which research/train/setup/checks.py applies
 to every section; a numeric flag every command shares (--steps, --batch-size, --seq-len, --seed, --lr, --devices,
 --peft.rank, ...) takes its one rule from research/flags.py's table instead. The paths a run reads (--data, --tokenizer,
 --init-from) are made absolute when their section is built (research/train/config/paths.py). The flags keep their
-spelling: a section's fields are flags without a prefix (`--lr`, `--steps`), but for the three with their own, `--moe.*`
-and `--data.*` (research/train/config/prefixed.py) and `--peft.*` (`research.train.setup.adapters.PeftFlags`). `--help`
-shows one group per section.
+spelling: a section's fields are flags without a prefix (`--lr`, `--steps`), but for the three with their own,
+`--moe.*`, `--data.*` and `--peft.*` (research/train/config/prefixed.py). `--help` shows one group per section.
 """
 
 from __future__ import annotations

@@ -11,12 +11,47 @@ What does not combine with what is one table beside it (research/train/setup/cla
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 
+from optim.trees import path_name
 from research.train.config import flat_record
-from research.train.steps.frozen import frozen_dtype, frozen_mask, saved_frozen_dtype
+
+
+class FreezeError(ValueError):
+  """A --freeze that cannot be used."""
+
+
+def pattern(regex: str) -> re.Pattern:
+  """--freeze's regex compiled; FreezeError for one that is not a regular expression."""
+  try:
+    return re.compile(regex)
+  except re.error as e:
+    raise FreezeError(f"--freeze {regex!r} is not a regular expression ({e})") from None
+
+
+def frozen_mask(regex: str | None):
+  """A function of a parameter tree giving True for each leaf whose path matches `regex` (frozen), or None."""
+  if not regex:
+    return None
+  compiled = pattern(regex)
+  return lambda params: jax.tree_util.tree_map_with_path(lambda p, _: bool(compiled.search(path_name(p))), params)
+
+
+def frozen_dtype(finetune):
+  """The storage dtype of --freeze's parameters: --frozen-dtype, else bfloat16 when fine-tuning (--init-from), else
+  float32. `finetune`: the config's finetune section."""
+  return jnp.dtype(finetune.frozen_dtype or ("bfloat16" if finetune.init_from else "float32"))
+
+
+def saved_frozen_dtype(train: dict) -> str:
+  """`frozen_dtype` of a run's recorded flags (config.json's "train"); runs from before --frozen-dtype stored
+  float32."""
+  if "frozen_dtype" not in train:
+    return "float32"
+  return train["frozen_dtype"] or ("bfloat16" if train.get("init_from") else "float32")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,10 @@
-"""XLA compiler options for the programs that read a whole model: the train and eval steps, the checksums."""
+"""XLA compiler options for the programs that read a whole model (the train and eval steps, the checksums), and a
+compiled program's bytes per device as XLA reports them (`StepBytes`, read by the memory pre-flight and the observed
+steps)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -35,3 +38,32 @@ def compiler_options() -> dict[str, str]:
     return {}
   ynn = NO_YNN_FUSIONS if _knows(tuple(NO_YNN_FUSIONS.items())) else {}
   return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion", **ynn}
+
+
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+  """One device's bytes while the compiled step runs (XLA's memory_analysis)."""
+  argument: int
+  output: int
+  alias: int
+  temp: int
+
+  @property
+  def peak(self) -> int:
+    return self.argument + self.output - self.alias + self.temp
+
+  @classmethod
+  def of(cls, compiled) -> StepBytes:
+    m = compiled.memory_analysis()
+    return cls(int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
+               int(m.temp_size_in_bytes))
+
+
+def size(n: int | None) -> str:
+  """Bytes for a reader: GiB, or MiB below a tenth of one."""
+  if n is None:
+    return "an unknown amount"
+  return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"

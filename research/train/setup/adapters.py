@@ -14,69 +14,17 @@ Everything method-specific is declared on the method's class in models/peft.py (
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from typing import Annotated, Any, Literal, cast
+from typing import cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import tyro
 from flax import nnx
 
 from models import Transformer, TransformerConfig, cross_entropy, peft
 from optim.trees import cast_like, tree_bytes
+from research.train.config.prefixed import PeftFlags
 from research.train.steps.train_state import TrainState
 from sharding import init_buffers, init_params, train_state_of
-
-
-def _common() -> list:
-  """The settings every method reads (--peft.rank, --peft.alpha, --peft.targets, --peft.base-dtype)."""
-  arg = lambda kind, default, doc: (Annotated[kind, tyro.conf.arg(help=doc)], dataclasses.field(default=default))
-  return [
-      ("rank", *arg(int, 8, "Adapter rank r (a method that prunes: the budget, its adapter wider before pruning).")),
-      ("alpha", *arg(float, 16.0, "alpha: the low-rank update is (alpha / r)·A B.")),
-      ("targets", *arg(str, peft.DEFAULT_TARGETS, "Regular expression searched in parameter paths (blocks/wq_DQ, "
-                                                  "blocks/moe/w_up_EDF, ...): the weights to adapt; the default names "
-                                                  "the attention q/k/v/o and the MLP, expert and shared-expert "
-                                                  "projections.")),
-      ("base_dtype", *arg(Literal["float32", "bfloat16"] | None, None,
-                          "The frozen base weights' dtype (unset: --frozen-dtype's default, bfloat16 when fine-tuning "
-                          "with --init-from, else float32); the adapters keep the parameter dtype."))]
-
-
-def _own() -> list:
-  """One flag per option a registered method declares (`models.peft.Adapter.OPTIONS`), its help naming the method."""
-  fields: dict = {}
-  for method, cls in peft.ADAPTERS.items():
-    for name, (default, doc) in cls.OPTIONS.items():
-      fields.setdefault(name, (name, Annotated[type(default), tyro.conf.arg(help=f"{method}: {doc}")],
-                               dataclasses.field(default=default)))
-  return list(fields.values())
-
-
-if typing.TYPE_CHECKING:  # a derived class: the common settings and the methods' options
-  @dataclasses.dataclass
-  class PeftFlags:  # noqa: D101
-    base_dtype: str | None
-
-    def __init__(self, **flags: Any): ...
-    def __getattr__(self, name: str) -> Any: ...
-else:  # --peft.*: the settings every method reads, then each registered method's own options
-  PeftFlags = dataclasses.make_dataclass("PeftFlags", [*_common(), *_own()], namespace={"PREFIX": "peft."})
-  PeftFlags.__doc__ = "The adapters' settings (--peft picks the method)."
-  PeftFlags.__module__ = __name__
-
-
-def options(flags: PeftFlags) -> dict:
-  """Keyword arguments of `models.peft.apply` for these flags."""
-  opts = dataclasses.asdict(flags)
-  opts["base_dtype"] = None if flags.base_dtype is None else jnp.dtype(flags.base_dtype)
-  return opts
-
-
-def adapted(base: nnx.Module, method: str, flags: PeftFlags, seed: int) -> nnx.Module:
-  return peft.apply(base, method, **options(flags), seed=seed)
 
 
 def random_base(config: TransformerConfig, mesh, seed: int) -> nnx.Module:
@@ -113,7 +61,7 @@ def initial_state(base: nnx.Module, method: str, flags: PeftFlags, seed: int, tx
   full_params = nnx.state(base, nnx.Param)
   full_bytes = tree_bytes(jax.eval_shape(tx.init, nnx.to_pure_dict(full_params)))
   total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(full_params))
-  model = adapted(base, method, flags, seed)
+  model = flags.adapted(base, method, seed)
   kind = peft.ADAPTERS[method]
   if kind.CALIBRATES:  # on the first training batch, before the first step
     x, y = batch
@@ -134,10 +82,3 @@ def report_line(report: dict) -> str:
           f"{report['trainable_share']:.2%} of the base's {report['base_params']:,}; optimizer state "
           f"{report['opt_state_bytes'] / 2**20:.2f} MiB (full fine-tuning: "
           f"{report['full_ft_opt_state_bytes'] / 2**20:.1f} MiB); frozen base {report['frozen_bytes'] / 2**20:.1f} MiB")
-
-
-def abstract_adapted(config: TransformerConfig, settings_: dict):
-  """(graphdef, abstract params, abstract buffers) of the adapted model a PEFT run's checkpoint holds."""
-  flags = PeftFlags(**{k: v for k, v in settings_.items() if k != "method"})
-  model = nnx.eval_shape(lambda: adapted(Transformer(config, rngs=nnx.Rngs(0)), settings_["method"], flags, 0))
-  return nnx.split(model, nnx.Param, ...)

@@ -37,32 +37,13 @@ from models.attention import BLOCK, resolve
 from optim import OPTIMIZERS, needs
 from research.train.config import RunError
 from research.train.config.trainable import Trainable
+from research.train.runtime.xla import GIB, StepBytes, size
 from research.train.setup.build import model_config, optimizer_needs
 from research.train.store.checkpoint import CHUNK_BYTES
 from sharding import mesh_scope
 
-GIB = 2 ** 30
 WRITER_GB = 1  # the checkpoint writer's bytes in flight on the CPU (orbax's save_concurrent_gb: 10^9 bytes a unit)
 WRITER_BYTES = 8 * CHUNK_BYTES  # the writer's own buffers (CPU): its chunks in flight, with room
-
-
-@dataclasses.dataclass(frozen=True)
-class StepBytes:
-  """One device's bytes while the compiled step runs (XLA's memory_analysis)."""
-  argument: int
-  output: int
-  alias: int
-  temp: int
-
-  @property
-  def peak(self) -> int:
-    return self.argument + self.output - self.alias + self.temp
-
-  @classmethod
-  def of(cls, compiled) -> StepBytes:
-    m = compiled.memory_analysis()
-    return cls(int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
-               int(m.temp_size_in_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,13 +69,6 @@ class Estimate:
     shared = f" x {self.devices} devices + {size(self.host)} in use{writer} = {size(self.total)}" \
         if self.host or self.devices > 1 or self.writer else ""
     return f"memory: the step needs an estimated {per}{shared}; {self.where} has {size(self.limit)}"
-
-
-def size(n: int | None) -> str:
-  """Bytes for a reader: GiB, or MiB below a tenth of one."""
-  if n is None:
-    return "an unknown amount"
-  return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def host_ram() -> int | None:

@@ -97,7 +97,7 @@ def programs(cfg: TrainConfig) -> Programs:
   """The mesh, data, optimizer, abstract state and step programs of a run, built as `start` builds them.
 
   Args:
-    cfg: the run's config (checked by `research.train.config.checks`).
+    cfg: the run's config (checked by `research.train.setup.checks`).
 
   Returns:
     The `Programs`; the train step is compiled by the pre-flight (`memory.estimate`), not here.
@@ -118,7 +118,7 @@ def start(cfg: TrainConfig) -> Run:
   """The run built and, when it has a readable checkpoint, resumed; config.json written.
 
   Args:
-    cfg: the run's config (checked by `research.train.config.checks`).
+    cfg: the run's config (checked by `research.train.setup.checks`).
 
   Returns:
     The `Run` at its first step to take.

@@ -12,33 +12,17 @@ but their storage.
 
 from __future__ import annotations
 
-import re
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optim.trees import path_name, tree_bytes
+from optim.trees import tree_bytes
+from research.train.config.trainable import FreezeError, frozen_dtype, frozen_mask, saved_frozen_dtype
 
-
-class FreezeError(ValueError):
-  """A --freeze that cannot be used."""
-
-
-def _pattern(regex: str) -> re.Pattern:
-  try:
-    return re.compile(regex)
-  except re.error as e:
-    raise FreezeError(f"--freeze {regex!r} is not a regular expression ({e})") from None
-
-
-def frozen_mask(regex: str | None):
-  """A function of a parameter tree giving True for each leaf whose path matches `regex` (frozen), or None."""
-  if not regex:
-    return None
-  pattern = _pattern(regex)
-  return lambda params: jax.tree_util.tree_map_with_path(lambda p, _: bool(pattern.search(path_name(p))), params)
+# FreezeError, frozen_mask, frozen_dtype and saved_frozen_dtype read the flags: they live with what a run trains
+# (research/train/config/trainable.py) and are this module's too
+__all__ = ["FreezeError", "freeze", "frozen_dtype", "frozen_mask", "frozen_summary", "saved_frozen_dtype",
+           "store_frozen"]
 
 
 def freeze(tx: optax.GradientTransformation, regex: str | None):
@@ -76,17 +60,3 @@ def frozen_summary(params: dict, labels, tx_plain: optax.GradientTransformation,
   dtypes = "/".join(sorted({str(x.dtype) for x in frozen}))
   return (f"froze {n:,} of {sum(sizes):,} parameters ({lab.count('frozen')} arrays, stored as {dtypes}: "
           f"{tree_bytes(frozen) / 2**20:.1f} MiB, no gradient); optimizer state {saved / 2**20:.1f} MiB smaller")
-
-
-def frozen_dtype(finetune):
-  """The storage dtype of --freeze's parameters: --frozen-dtype, else bfloat16 when fine-tuning (--init-from), else
-  float32. `finetune`: the config's finetune section."""
-  return jnp.dtype(finetune.frozen_dtype or ("bfloat16" if finetune.init_from else "float32"))
-
-
-def saved_frozen_dtype(train: dict) -> str:
-  """`frozen_dtype` of a run's recorded flags (config.json's "train"); runs from before --frozen-dtype stored
-  float32."""
-  if "frozen_dtype" not in train:
-    return "float32"
-  return train["frozen_dtype"] or ("bfloat16" if train.get("init_from") else "float32")

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from research.train.observers import Active, active, compose
-from research.train.setup.memory import StepBytes, size
+from research.train.runtime.xla import StepBytes, size
 
 
 class ObservedSteps:

@@ -146,6 +146,9 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, shardin
   Returns:
     (train_step(state, x, y, *held) -> (state, outputs), eval_step(params, x, y, buffers) -> cross entropy), both
     jitted.
+
+  Raises:
+    ValueError: the update arguments keep the previous parameters and the state has none, or the other way round.
   """
   exact = update_args_.keeps_prev_params(update_args)
   if exact != (shardings.prev_params is not None):

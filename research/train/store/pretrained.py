@@ -23,8 +23,8 @@ from models import HFError, Transformer, TransformerConfig, from_hf, peft, quant
 from models.hf import config_from_hf
 from research.data.tokenizer import ByteTokenizer, HFTokenizer, check_fits
 from research.train.config import flat_record, paths
+from research.train.config.prefixed import PeftFlags
 from research.train.config.trainable import Trainable
-from research.train.setup import adapters
 from research.train.store.checkpoint import Checkpointer, CheckpointError
 from sharding import logical_names
 from sharding.state import param_shardings, variable_shardings
@@ -71,7 +71,7 @@ def load_run(run_dir: str, mesh=None, step: int | None = None, merge: bool = Tru
     step = steps[-1] if step is None else step
     settings = peft_settings(meta)
     if settings:
-      graphdef, abstract, abstract_buffers = adapters.abstract_adapted(config, settings)
+      graphdef, abstract, abstract_buffers = abstract_adapted(config, settings)
       sh = lambda tree: variable_shardings(tree, mesh)
       params, buffers = ckpt.restore_params(step, nnx.to_pure_dict(abstract), sh(abstract),
                                             nnx.to_pure_dict(abstract_buffers), sh(abstract_buffers))
@@ -185,3 +185,18 @@ def run_data(run_dir: str, meta: dict | None = None) -> list[str] | None:
 
 
 LOAD_ERRORS = (CheckpointError, HFError, quant.QuantError, ValueError)
+
+
+def abstract_adapted(config: TransformerConfig, settings: dict):
+  """(graphdef, abstract params, abstract buffers) of the adapted model a PEFT run's checkpoint holds.
+
+  Args:
+    config: the base model's config.
+    settings: the run's adapters (`peft_settings`): {"method": ..., its --peft.* flags}.
+
+  Returns:
+    The adapted model split as `nnx.split(model, nnx.Param, ...)`, shapes only.
+  """
+  flags = PeftFlags(**{k: v for k, v in settings.items() if k != "method"})
+  model = nnx.eval_shape(lambda: flags.adapted(Transformer(config, rngs=nnx.Rngs(0)), settings["method"], 0))
+  return nnx.split(model, nnx.Param, ...)
