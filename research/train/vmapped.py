@@ -118,7 +118,8 @@ def build(cfgs: Sequence[TrainConfig]) -> Group:
     check(c)
   rows, varied = member_values(cfgs)
   base = cfgs[0]
-  mcfg = model_config(base)
+  needs = optimizer_needs(base.optim)  # once for the group: its members share the optimizer and what it declares
+  mcfg = model_config(base, needs)
   corpus = load_data(base.data, base.data_options)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
@@ -127,8 +128,8 @@ def build(cfgs: Sequence[TrainConfig]) -> Group:
   params = _stack([nnx.to_pure_dict(sp[1]) for sp in splits])
   buffers = _stack([nnx.to_pure_dict(sp[2]) for sp in splits])  # type: ignore[misc]  # (graphdef, Param, rest)
   values = {k: jnp.asarray([r[k] for r in rows], jnp.float32) for k in varied}
-  declared = optimizer_needs(base.optim).update_args
-  tx_of = lambda v: make_optimizer(base, v)[0]
+  declared = needs.update_args
+  tx_of = lambda v: make_optimizer(base, v, needs)[0]
 
   def member_step(v, p, b, o, bad, x, y):
     r = make_update(graphdef, tx_of(v), update_args=declared)(p, b, o, x, y)
@@ -153,7 +154,7 @@ def build(cfgs: Sequence[TrainConfig]) -> Group:
   loaders = [make_loader(corpus, c.training, c.data, c.data_options) for c in cfgs]
   val = held_out(corpus, base.training, base.data_options, base.logging.eval_batches)
   return Group(cfgs, values, (params, buffers, opt_state, bad), step,
-               lambda p, b, x, y: evaluate(p, x, y, b), loaders, val, [make_optimizer(c)[1] for c in cfgs])
+               lambda p, b, x, y: evaluate(p, x, y, b), loaders, val, [make_optimizer(c, needs=needs)[1] for c in cfgs])
 
 
 def _save(group_dir: str, step: int, state: tuple):

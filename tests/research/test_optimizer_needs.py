@@ -137,3 +137,18 @@ def test_needs_computed_from_a_value_out_of_range_are_one_line(tmp_path, capsys)
   err = capsys.readouterr().err.strip()
   assert e.value.code == 2 and err == "error: optimizer 'bread': rank=0 must lie in [1, inf)"
   assert not (tmp_path / "run").exists()
+
+
+def test_the_needs_are_computed_once_per_run(tmp_path, monkeypatch):
+  """The run computes its optimizer's declared needs once, where its programs are built, and hands them to every
+  part that acts on them (model settings, clashes, blockwise plan, state, steps, sync, memory pre-flight); MARS's
+  exact mode, whose needs are a function of its hyperparameters, with a --switch-at layout that compiles its own
+  steps."""
+  from research.train.setup import build
+  calls = []
+  real = build.needs
+  monkeypatch.setattr(build, "needs", lambda *a: calls.append(a) or real(*a))
+  records = run(TrainConfig(model="tiny", optimizer="mars", opt=('mode="exact"',), steps=2, batch_size=8, seq_len=32,
+                            log_every=1, eval_every=2, eval_batches=1, ckpt_every=2, warmup_steps=0, progress=False,
+                            mesh="data=2,fsdp=2,tensor=2", switch_at=("1:fsdp=4,tensor=2",), out=str(tmp_path)))
+  assert [r["step"] for r in records] == [1, 2] and len(calls) == 1, calls

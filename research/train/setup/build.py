@@ -16,11 +16,11 @@ from research.train.setup import init_from
 from research.train.steps import frozen, update_args
 
 
-def model_config(cfg: TrainConfig):
+def model_config(cfg: TrainConfig, needs: Needs | None = None):
   """The preset (or --init-from's config) with every given flag overriding its one field (--moe.* fields of the
-  MoE included)."""
+  MoE included). `needs`: the run's optimizer needs when computed already (`needs_of`)."""
   over = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
-  over.update(update_args.model_settings(optimizer_needs(cfg.optim).update_args))  # what its update arguments read
+  over.update(update_args.model_settings(needs_of(cfg, needs).update_args))  # what its update arguments read
   moe = cfg.moe.model_fields()
   if cfg.finetune.init_from:
     return init_from.model_config(cfg.finetune.init_from, {**over, "moe": moe})
@@ -59,11 +59,17 @@ def optimizer_needs(optim: OptimSection) -> Needs:
   return declared
 
 
-def make_optimizer(cfg: TrainConfig, values: dict | None = None):
+def needs_of(cfg: TrainConfig, needs: Needs | None = None) -> Needs:
+  """`needs` when the run has computed them (once, where its programs are built: research/train/setup/run.py), else
+  the config's optimizer's (`optimizer_needs`: a caller outside a run, a bench or a test)."""
+  return needs if needs is not None else optimizer_needs(cfg.optim)
+
+
+def make_optimizer(cfg: TrainConfig, values: dict | None = None, needs: Needs | None = None):
   """(the optimizer with --grad-clip and --freeze applied, its learning-rate schedule).
 
   `values` replaces the peak lr ("lr") and optimizer hyperparameters by name with values that may be traced (one
-  member of a vmapped group: research/train/vmapped.py)."""
+  member of a vmapped group: research/train/vmapped.py); `needs`: the run's optimizer needs (`needs_of`)."""
   values = dict(values or {})
   hp = {**opt_hparams(cfg.optim), **values}
   lr = hp.pop("lr", cfg.optim.lr)
@@ -78,7 +84,7 @@ def make_optimizer(cfg: TrainConfig, values: dict | None = None):
     tx = get_optimizer(cfg.optim.optimizer, schedule, **hp)
   except ValueError as e:  # the registry's refusals, or a factory's own (MGUP's AlignmentError, BAdamError)
     raise e if isinstance(e, UnknownOptimizerError) else RunError(f"--optimizer {cfg.optim.optimizer}: {e}") from None
-  clipped = update_args.clipped(optimizer_needs(cfg.optim).update_args)
+  clipped = update_args.clipped(needs_of(cfg, needs).update_args)
   if cfg.optim.grad_clip > 0 and clipped:  # the clip also applies to these update arguments, each by its own norm
     tx = with_global_norm_clip(tx, cfg.optim.grad_clip, args=clipped)
   elif cfg.optim.grad_clip > 0:
@@ -86,9 +92,10 @@ def make_optimizer(cfg: TrainConfig, values: dict | None = None):
   return frozen.freeze(tx, cfg.finetune.freeze)[0], schedule
 
 
-def step_options(cfg: TrainConfig) -> dict:
-  """`make_steps`' keyword arguments the flags decide: the optimizer's declared update arguments, --freeze's mask."""
-  return {"update_args": optimizer_needs(cfg.optim).update_args, "frozen": frozen.frozen_mask(cfg.finetune.freeze)}
+def step_options(cfg: TrainConfig, needs: Needs | None = None) -> dict:
+  """`make_steps`' keyword arguments the flags decide: the optimizer's declared update arguments, --freeze's mask;
+  `needs`: the run's optimizer needs (`needs_of`)."""
+  return {"update_args": needs_of(cfg, needs).update_args, "frozen": frozen.frozen_mask(cfg.finetune.freeze)}
 
 
 def resolved(cfg):

@@ -9,8 +9,9 @@ keeps a blockwise optimizer on its optax transform over full gradients instead o
 
 from __future__ import annotations
 
+from optim import Needs
 from research.train.config import RunError
-from research.train.setup.build import optimizer_needs
+from research.train.setup.build import needs_of
 from research.train.steps import update_args
 from sharding.mesh import CONTEXT, STAGE
 
@@ -26,18 +27,19 @@ CLASHES = (
 BLOCKWISE_BLOCKERS = ("stage", "context", "sync", "freeze", "peft", "zero1", "switch_at")
 
 
-def features(cfg, mesh, mcfg=None) -> dict[str, str | None]:
+def features(cfg, mesh, mcfg=None, needs: Needs | None = None) -> dict[str, str | None]:
   """The run's features, by the names `CLASHES` uses.
 
   Args:
     cfg: the run's config.
     mesh: its mesh.
     mcfg: its model config (None: the model's features are unknown, taken as off).
+    needs: the run's optimizer needs (None: computed from the config).
 
   Returns:
     {feature: how a message names it when the run has it, else None}.
   """
-  needs = optimizer_needs(cfg.optim)
+  needs = needs_of(cfg, needs)
   args = ", ".join(sorted(needs.update_args))
   on = {"sync": f"--sync {cfg.sync.mode}" if cfg.sync.mode != "allreduce" else None,
         "freeze_layers": "--freeze-layers" if cfg.finetune.freeze_layers else None,
@@ -72,33 +74,36 @@ def rows(update_arg_names) -> tuple:
   return CLASHES + extra
 
 
-def check(cfg, mesh, mcfg) -> None:
+def check(cfg, mesh, mcfg, needs: Needs | None = None) -> None:
   """Refuses a run some row of `CLASHES` applies to.
 
   Args:
     cfg: the run's config.
     mesh: its mesh.
     mcfg: its model config.
+    needs: the run's optimizer needs (None: computed from the config).
 
   Raises:
     RunError: one line for the first row whose feature the run has together with one it does not combine with.
   """
-  on = features(cfg, mesh, mcfg)
-  for subject, others, why in rows(optimizer_needs(cfg.optim).update_args):
+  needs = needs_of(cfg, needs)
+  on = features(cfg, mesh, mcfg, needs)
+  for subject, others, why in rows(needs.update_args):
     named = [n for n in (on.get(o) for o in others) if n]
     if on[subject] and named:
       raise RunError(f"{on[subject]} does not combine with {', '.join(named)} ({why})")
 
 
-def blockwise_blockers(cfg, mesh) -> list[str]:
+def blockwise_blockers(cfg, mesh, needs: Needs | None = None) -> list[str]:
   """What keeps a blockwise optimizer off its blockwise step in this run.
 
   Args:
     cfg: the run's config.
     mesh: its mesh.
+    needs: the run's optimizer needs (None: computed from the config).
 
   Returns:
     The run's features among `BLOCKWISE_BLOCKERS`, as messages name them (empty: none).
   """
-  on = features(cfg, mesh)
+  on = features(cfg, mesh, needs=needs)
   return [n for n in (on[b] for b in BLOCKWISE_BLOCKERS) if n]

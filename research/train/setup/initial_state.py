@@ -11,19 +11,21 @@ import jax
 from flax import nnx
 
 from models import Transformer
+from optim import Needs
 from optim.trees import cast_like
 from research.train.config import TrainConfig
 from research.train.feed import make_loader
 from research.train.runtime.processes import is_primary
 from research.train.setup import adapters, init_from, padnet
-from research.train.setup.build import make_optimizer, optimizer_needs
+from research.train.setup.build import make_optimizer, needs_of
 from research.train.steps import blockstep, frozen, layerfreeze, sync, update_args
 from research.train.steps.step import keep_prev_params, lm_loss
 from research.train.steps.train_state import TrainState
 from sharding import DATA, global_batch, init_train_state, mesh_scope
 
 
-def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings) -> tuple[TrainState, dict]:
+def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings,
+                  needs: Needs | None = None) -> tuple[TrainState, dict]:
   """(state, report) of a new run at step 0 (a resumed run restores into `abstract_initial_state`'s shapes instead):
   random parameters, or --init-from's, or --peft's adapters on either, --freeze's frozen leaves in their dtype, the
   exact modes' copy of the parameters, or the blockwise BAdam state (`blockwise`: its `blockstep.Parts`), laid out
@@ -32,12 +34,13 @@ def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings
   The whole construction is one compiled program with `shardings` (`abstract_initial_state`'s) as its outputs', so
   only the state's own buffers are allocated: a model stored in bfloat16 never exists in float32 beside it, and
   --init-from's arrays (read in the checkpoint's own dtype) are donated to it. Its one-line reports (--peft's sizes,
-  --freeze's, the blockwise step's) are printed once it exists."""
+  --freeze's, the blockwise step's) are printed once it exists. `needs`: the run's optimizer needs (`needs_of`)."""
+  needs = needs_of(cfg, needs)
   source = init_from.load_arrays(cfg.finetune.init_from, mesh) if cfg.finetune.init_from else None
   box = {}
 
   def build(source):
-    graphdef, state, _, box["report"], box["lines"] = _build(cfg, mcfg, mesh, tx, corpus, blockwise, source)
+    graphdef, state, _, box["report"], box["lines"] = _build(cfg, mcfg, mesh, tx, corpus, blockwise, source, needs)
     box["graphdef"] = graphdef
     return state
 
@@ -55,16 +58,17 @@ def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings
   return state, report
 
 
-def abstract_initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise=None):
+def abstract_initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise=None, needs: Needs | None = None):
   """(graphdef, state, shardings, report) of `initial_state` with the state's leaves `jax.ShapeDtypeStruct`s carrying
   their shardings: nothing allocated, --init-from not read (its parameters have the random ones' shapes), nothing
   printed; every check of the flags that needs the model (--freeze matching nothing, say) done. What the memory
   pre-flight compiles the step against (`research/train/setup/memory.py`) and a resumed run restores into. Its report
-  has the shapes' numbers (a sparse adapter's trainable count before pruning)."""
+  has the shapes' numbers (a sparse adapter's trainable count before pruning). `needs`: as `initial_state`'s."""
+  needs = needs_of(cfg, needs)
   box = {}
 
   def build():
-    graphdef, state, box["shardings"], box["report"], _ = _build(cfg, mcfg, mesh, tx, corpus, blockwise, None)
+    graphdef, state, box["shardings"], box["report"], _ = _build(cfg, mcfg, mesh, tx, corpus, blockwise, None, needs)
     box["graphdef"] = graphdef
     return state
 
@@ -73,7 +77,7 @@ def abstract_initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise=N
   return box["graphdef"], state, box["shardings"], box["report"]
 
 
-def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
+def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source, needs: Needs):
   """The state's construction, traced (by `initial_state`'s jit or `abstract_initial_state`'s eval_shape):
   (graphdef, state, shardings, report, lines to print). `source`: --init-from's (params, buffers), or None."""
   report, lines = {}, []
@@ -99,8 +103,8 @@ def _build(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, source):
     state = state.replace(params=frozen.store_frozen(state.params, shardings.params, cfg.finetune.freeze,
                                                      frozen.frozen_dtype(cfg.finetune)))
     lines.append(frozen.frozen_summary(state.params, frozen.freeze(tx, cfg.finetune.freeze)[1], make_optimizer(
-        dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, freeze=None)))[0], tx))
-  if update_args.keeps_prev_params(optimizer_needs(cfg.optim).update_args):  # one more copy of the parameters
+        dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, freeze=None)), needs=needs)[0], tx))
+  if update_args.keeps_prev_params(needs.update_args):  # one more copy of the parameters
     state, shardings = keep_prev_params(state, shardings)
   if blockwise is not None:  # parameters in the storage dtype, the active layer's float32 master and AdamW state
     dtype = frozen.frozen_dtype(cfg.finetune)
@@ -137,10 +141,11 @@ def _outer_tx(section):
   return sync.outer_optimizer(section.outer_lr, section.outer_momentum)
 
 
-def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step) -> sync.Steps:
+def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step,
+               needs: Needs | None = None) -> sync.Steps:
   """The programs of --sync for a state laid out for it (`shardings`; allreduce: the plain `train_step`, audited for
-  its bytes)."""
+  its bytes); `needs`: the run's optimizer needs (`needs_of`)."""
   mode = sync.parse(cfg.sync.mode)
   mixing = sync.mixing_matrix(mode, batch_sh.mesh.shape[DATA]) if mode.kind == "gossip" else None
   return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(cfg.sync), shardings, batch_sh,
-                    update_args=optimizer_needs(cfg.optim).update_args, mixing=mixing, plain=train_step)
+                    update_args=needs_of(cfg, needs).update_args, mixing=mixing, plain=train_step)

@@ -34,11 +34,11 @@ import jax.numpy as jnp
 
 from models import peft
 from models.attention import BLOCK, resolve
-from optim import OPTIMIZERS, needs
+from optim import OPTIMIZERS, Needs, registry
 from research.train.config import RunError
 from research.train.config.trainable import Trainable
 from research.train.runtime.xla import GIB, StepBytes, size
-from research.train.setup.build import model_config, optimizer_needs
+from research.train.setup.build import model_config, needs_of
 from research.train.store.checkpoint import CHUNK_BYTES
 from sharding import mesh_scope
 
@@ -166,9 +166,9 @@ def _shard_bytes(a) -> int:
   return math.prod(shape) * jnp.dtype(a.dtype).itemsize
 
 
-def check(est: Estimate, override: float | None, cfg) -> None:
+def check(est: Estimate, override: float | None, cfg, needs: Needs | None = None, mcfg=None) -> None:
   """Refuses (RunError, one line) a run whose estimate exceeds the limit: `override` GiB replaces it, 0 checks
-  nothing."""
+  nothing; `needs` and `mcfg`: the run's optimizer needs and model config when built already."""
   if override == 0:
     return
   limit = int(override * GIB) if override is not None else est.limit
@@ -179,29 +179,29 @@ def check(est: Estimate, override: float | None, cfg) -> None:
                  f"temporaries {size(est.step.temp)} per device{f' x {est.devices} devices' if est.devices > 1 else ''}"
                  f"{f', {size(est.host)} already in use' if est.host else ''}"
                  f"{f', checkpoint writer {size(est.writer)}' if est.writer else ''}) but {where} holds less: "
-                 f"{fix(est, cfg)}; or --memory-limit GIB (0: no check) if you know better")
+                 f"{fix(est, cfg, needs, mcfg)}; or --memory-limit GIB (0: no check) if you know better")
 
 
-def fix(est: Estimate, cfg) -> str:
+def fix(est: Estimate, cfg, needs: Needs | None = None, mcfg=None) -> str:
   """What would make the run fit, by what dominates it: the state (with the gradients and update temporaries of its
   size, about half the step's temporaries when the state dominates) or the activations."""
   state_bound = 2 * est.state >= est.step.temp
-  trains = Trainable.of_run(cfg.finetune, optimizer_needs(cfg.optim).blockwise is not None)  # what it trains
+  trains = Trainable.of_run(cfg.finetune, needs_of(cfg, needs).blockwise is not None)  # what it trains
   if state_bound and not (trains.adapters or trains.blockwise):
-    blockwise = " / ".join(sorted(n for n in OPTIMIZERS if needs(n).blockwise is not None))
+    blockwise = " / ".join(sorted(n for n in OPTIMIZERS if registry.needs(n).blockwise is not None))
     return (f"fine-tune fewer bytes (--optimizer {blockwise}: the model in bfloat16, one layer trained at a time; "
             f"--peft {next(iter(peft.ADAPTERS))} trains adapters on a bfloat16 base; --freeze) or shard the state over "
             "more devices (--mesh fsdp=N)")
   if state_bound:
     return "shard the state over more devices (--mesh fsdp=N) or choose a smaller model"
   remat = "" if cfg.model.remat else ", or recompute activations in the backward (--remat True)"
-  return f"lower --batch-size or --seq-len{remat}{scores_fix(cfg)}"
+  return f"lower --batch-size or --seq-len{remat}{scores_fix(cfg, mcfg)}"
 
 
-def scores_fix(cfg) -> str:
+def scores_fix(cfg, mcfg=None) -> str:
   """The attention that keeps no T·T scores, when this run's keeps them over a sequence longer than one tile."""
   kind = getattr(jax.devices()[0], "device_kind", "")
-  mcfg = model_config(cfg)  # the model's head dim decides whether cuDNN would take it
+  mcfg = mcfg or model_config(cfg)  # the model's head dim decides whether cuDNN would take it
   impl = resolve(mcfg.attention, mcfg.compute_dtype, cfg.training.seq_len, mcfg.hd, 1, kind)
   if impl != "xla" or cfg.training.seq_len <= BLOCK:
     return ""

@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 from models import Transformer, flops_per_token
+from optim import Needs
 from research.data import Corpus
 from research.train.config import TrainConfig
 from research.train.config.trainable import Trainable
@@ -29,7 +30,7 @@ from research.train.hooks.watchdog import Watchdog
 from research.train.runtime.processes import is_primary
 from research.train.setup import memory
 from research.train.setup.blockwise import blockwise_parts
-from research.train.setup.build import make_optimizer, step_options
+from research.train.setup.build import make_optimizer, optimizer_needs, step_options
 from research.train.setup.initial_state import abstract_initial_state, initial_state, sync_steps
 from research.train.setup.resume import newest_readable
 from research.train.setup.startup import run_meta, setup
@@ -91,6 +92,7 @@ class Programs(NamedTuple):
   train_step: Callable
   eval_step: Callable
   syncer: sync.Steps
+  needs: Needs  # the optimizer's declared needs, computed once here and handed to every part that acts on them
 
 
 def programs(cfg: TrainConfig) -> Programs:
@@ -102,16 +104,19 @@ def programs(cfg: TrainConfig) -> Programs:
   Returns:
     The `Programs`; the train step is compiled by the pre-flight (`memory.estimate`), not here.
   """
-  built = setup(cfg)
+  needs = optimizer_needs(cfg.optim)  # once per run
+  built = setup(cfg, needs)
   mesh, mcfg, corpus, batch_sh = built[:4]
-  tx, schedule = make_optimizer(cfg)
-  parts = blockwise_parts(cfg, mcfg, mesh, schedule)
-  graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
-  train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)
-  train_step = observed.wrap(cfg.observe, train_step, lambda *o: train_programs(cfg, graphdef, tx, parts, shardings,
-                                                                                batch_sh, *o)[0], built[-1])
-  syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step)
-  return Programs(built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer)
+  tx, schedule = make_optimizer(cfg, needs=needs)
+  parts = blockwise_parts(cfg, mcfg, mesh, schedule, needs)
+  graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts, needs)
+  train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh, needs=needs)
+  build = lambda observe, held_sh: train_programs(cfg, graphdef, tx, parts, shardings, batch_sh, observe, held_sh,
+                                                 needs)[0]
+  train_step = observed.wrap(cfg.observe, train_step, build, built[-1])
+  syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step, needs)
+  return Programs(built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer,
+                  needs)
 
 
 def start(cfg: TrainConfig) -> Run:
@@ -123,16 +128,18 @@ def start(cfg: TrainConfig) -> Run:
   Returns:
     The `Run` at its first step to take.
   """
-  built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer = programs(cfg)
+  built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer, needs = \
+      programs(cfg)
   mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = built
-  estimate = _memory(cfg, syncer.train, abstract, batch_sh, mesh)  # compiled before anything is allocated; may refuse
+  # compiled before anything is allocated; may refuse
+  estimate = _memory(cfg, syncer.train, abstract, batch_sh, mesh, needs, mcfg)
   names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)))[2]
-  switches = [(at, switch_layout(m, abstract, names, graphdef, tx, cfg, val_host)) for at, m in plan]
+  switches = [(at, switch_layout(m, abstract, names, graphdef, tx, cfg, val_host, needs)) for at, m in plan]
   layout = Layout(mesh, shardings, batch_sh, val, train_step, eval_step)
   out = cfg.checkpoint.out
   state = None
   if not rundir.has_checkpoint(out):  # a new run's state, created sharded (--init-from read here)
-    state, report = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings)
+    state, report = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings, needs)
   meta = run_meta(cfg, mcfg, mesh, corpus, pipe, report)
   ckpt = Checkpointer(os.path.join(out, "ckpt"), keep=cfg.checkpoint.keep, every=cfg.checkpoint.ckpt_every,
                       save_concurrent_gb=estimate.writer_gb)  # bounded where it shares the devices' memory
@@ -172,7 +179,8 @@ def start(cfg: TrainConfig) -> Run:
              model_flops_per_token=flops_per_token(mcfg, cfg.training.seq_len), estimate=estimate)
 
 
-def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh, observe=None, held_sh=()):
+def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh, observe=None, held_sh=(),
+                   needs: Needs | None = None):
   """The compiled programs of this run's state, by what trains (`Trainable.step`).
 
   Args:
@@ -184,6 +192,7 @@ def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh, o
     batch_sh: a batch's sharding.
     observe: the observers this program runs (`contract.outputs`); None: the plain program.
     held_sh: the shardings of the observers' extra inputs (the held batch).
+    needs: the run's optimizer needs (None: computed from the config).
 
   Returns:
     The jitted (train_step, eval_step): the blockwise step, the --freeze-layers step, or the plain one.
@@ -194,14 +203,14 @@ def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh, o
   if step == "layers":
     return layerfreeze.make_layer_steps(graphdef, tx, shardings, batch_sh, cfg.finetune.freeze_layers,
                                         observe=observe, held_sh=held_sh)
-  return make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg), observe=observe, held_sh=held_sh)
+  return make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg, needs), observe=observe, held_sh=held_sh)
 
 
-def _memory(cfg: TrainConfig, train_step, abstract, batch_sh, mesh):
+def _memory(cfg: TrainConfig, train_step, abstract, batch_sh, mesh, needs: Needs, mcfg):
   """The memory pre-flight (research/train/setup/memory.py): the step's bytes per device printed, a run that cannot
   fit refused (RunError) before its state exists; the estimate returned."""
   est = memory.estimate(train_step, abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
-  memory.check(est, cfg.runtime.memory_limit, cfg)
+  memory.check(est, cfg.runtime.memory_limit, cfg, needs, mcfg)
   if is_primary():  # on stdout with the run's other lines: stderr is for what went wrong
     print(est.line(), flush=True)
   return est

@@ -11,6 +11,7 @@ import sys
 import jax
 
 from models.attention import AttentionError, check_attention
+from optim import Needs
 from research.data import Corpus
 from research.data.mixture import MixedCorpus
 from research.train.config import RunError, TrainConfig, paths
@@ -19,7 +20,7 @@ from research.train.feed import held_out, make_loader
 from research.train.hooks import source_weights
 from research.train.observers import active
 from research.train.setup import clashes
-from research.train.setup.build import model_config, optimizer_needs
+from research.train.setup.build import model_config, needs_of
 from research.train.setup.switch import switch_plan
 from research.train.steps import layerfreeze, sync
 from sharding import batch_sharding, global_batch, make_mesh, mesh_spec
@@ -27,15 +28,17 @@ from sharding.mesh import CONTEXT, DATA, DATA_AXES, STAGE
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
 
 
-def setup(cfg: TrainConfig):
-  """Mesh, model config, data and held-out batches, with every check of the flags that needs them."""
+def setup(cfg: TrainConfig, needs: Needs | None = None):
+  """Mesh, model config, data and held-out batches, with every check of the flags that needs them; `needs`: the
+  run's optimizer needs (`build.needs_of`)."""
+  needs = needs_of(cfg, needs)
   mesh = make_mesh(cfg.mesh.spec)
-  mcfg = model_config(cfg)
+  mcfg = model_config(cfg, needs)
   check_sync(cfg.sync, mesh)
-  clashes.check(cfg, mesh, mcfg)  # what does not combine, one table
+  clashes.check(cfg, mesh, mcfg, needs)  # what does not combine, one table
   active(cfg.observe, cfg.training.batch_size)  # the observers' flags, refused in one line before any work
   layerfreeze.check(cfg.finetune, mcfg.n_layers)
-  for field, why in optimizer_needs(cfg.optim).model_refuses:  # as the optimizer's registry entry declares
+  for field, why in needs.model_refuses:  # as the optimizer's registry entry declares
     if getattr(mcfg, field):
       raise RunError(f"--optimizer {cfg.optim.optimizer} {why}: --model {cfg.model.preset} has {field}; add "
                      f"--{field.replace('_', '-')} False")

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from optim import Needs
 from research.train.config import RunError, TrainConfig
 from research.train.setup.build import step_options
 from research.train.steps import observed
@@ -58,15 +59,16 @@ def switch_plan(cfg: TrainConfig) -> list[tuple[int, jax.sharding.Mesh]]:
   return sorted(plan.items(), key=lambda item: item[0])
 
 
-def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
+def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host, needs: Needs | None = None):
   """What training on `mesh` needs: (mesh, state shardings, batch sharding, held-out batches there, train and
-  eval steps compiled ahead of time (`.lower(...).compile()`) for those shardings)."""
+  eval steps compiled ahead of time (`.lower(...).compile()`) for those shardings); `needs`: the run's optimizer
+  needs (`build.needs_of`)."""
   try:
     shardings = TrainState.of(state_shardings(state.as_dict(), names, mesh, zero1=cfg.mesh.zero1))
   except ShardingError as e:
     raise ShardingError(f"--switch-at to {mesh_spec(mesh)}: {e}") from None
   batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
-  jitted_train, jitted_eval = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
+  jitted_train, jitted_eval = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg, needs))
   x = jax.ShapeDtypeStruct((cfg.training.batch_size, cfg.training.seq_len), jnp.int32, sharding=batch_sh)
   t = time.perf_counter()
   with jax.set_mesh(mesh):
@@ -75,6 +77,6 @@ def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host):
                                  abstract_state(state.model_buffers, shardings.model_buffers)).compile()
   print(f"compiled the steps for mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
   val = [global_batch(b, mesh) for b in val_host]
-  build = lambda observe, held_sh: make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg), observe=observe,
-                                              held_sh=held_sh)[0]
+  build = lambda observe, held_sh: make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg, needs),
+                                              observe=observe, held_sh=held_sh)[0]
   return Layout(mesh, shardings, batch_sh, val, observed.wrap(cfg.observe, train, build, val), evaluate)
