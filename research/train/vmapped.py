@@ -227,7 +227,7 @@ def run_group(cfgs: Sequence[TrainConfig], group_dir: str) -> list[list[dict]]:
       if len(recs[0]) > 1:  # a logged step: the bad-step counts read back once
         worst = np.asarray(state[3])[:, 1]
         for k, r in enumerate(recs):
-          if not _diverged(group.cfgs[k], int(worst[k])):
+          if not _diverged(group.cfgs[k].health, group.cfgs[k].checkpoint.out, int(worst[k])):
             files[k].write(json.dumps(r) + "\n")
             records[k].append(r)
       if (s + 1) % base.checkpoint.ckpt_every == 0 or s + 1 == base.training.steps:
@@ -261,12 +261,12 @@ def _records(group: Group, done: int, state: tuple, out: dict, clock: list) -> l
   return recs
 
 
-def _diverged(cfg: TrainConfig, bad: int) -> bool:
-  """Whether the member stopped at --max-bad-steps non-finite steps in a row (its run directory says so, as the
-  sweep records a diverged one-at-a-time run)."""
-  if not cfg.health.max_bad_steps or bad < cfg.health.max_bad_steps:
+def _diverged(health, out: str, bad: int) -> bool:
+  """Whether the member stopped at --max-bad-steps (its health section's) non-finite steps in a row (its run
+  directory `out` says so, as the sweep records a diverged one-at-a-time run)."""
+  if not health.max_bad_steps or bad < health.max_bad_steps:
     return False
-  path = os.path.join(cfg.checkpoint.out, "diverged")
+  path = os.path.join(out, "diverged")
   if not os.path.exists(path):
     with open(path, "w") as f:
       f.write(f"{bad} non-finite steps in a row (vmapped group)\n")

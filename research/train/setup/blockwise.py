@@ -27,7 +27,7 @@ def eligible(cfg, mesh, needs: Needs | None = None) -> str | None:
     hyperparameters ("not blockwise", or the hyperparameter: `optim.Needs.not_blockwise`), or the run's settings
     rule it out (`clashes.blockwise_blockers`).
   """
-  needs = needs_of(cfg, needs)
+  needs = needs_of(cfg.optim, needs)
   if needs.blockwise is None:
     return "not blockwise" if needs.not_blockwise is None else f"--opt {needs.not_blockwise}"
   named = clashes.blockwise_blockers(cfg, mesh, needs)
@@ -48,7 +48,7 @@ def blockwise_parts(cfg, mcfg, mesh, schedule, needs: Needs | None = None) -> Pa
     The `steps.blockstep.Parts` from the optimizer's declared plan, or None: not a blockwise optimizer, or one whose
     blockwise step this run's settings rule out (said in one line on stderr).
   """
-  needs = needs_of(cfg, needs)
+  needs = needs_of(cfg.optim, needs)
   why = eligible(cfg, mesh, needs)
   if why is None:
     plan = needs.blockwise

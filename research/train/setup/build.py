@@ -20,7 +20,7 @@ def model_config(cfg: TrainConfig, needs: Needs | None = None):
   """The preset (or --init-from's config) with every given flag overriding its one field (--moe.* fields of the
   MoE included). `needs`: the run's optimizer needs when computed already (`needs_of`)."""
   over = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
-  over.update(update_args.model_settings(needs_of(cfg, needs).update_args))  # what its update arguments read
+  over.update(update_args.model_settings(needs_of(cfg.optim, needs).update_args))  # what its update arguments read
   moe = cfg.moe.model_fields()
   if cfg.finetune.init_from:
     return init_from.model_config(cfg.finetune.init_from, {**over, "moe": moe})
@@ -59,10 +59,10 @@ def optimizer_needs(optim: OptimSection) -> Needs:
   return declared
 
 
-def needs_of(cfg: TrainConfig, needs: Needs | None = None) -> Needs:
+def needs_of(optim: OptimSection, needs: Needs | None = None) -> Needs:
   """`needs` when the run has computed them (once, where its programs are built: research/train/setup/run.py), else
-  the config's optimizer's (`optimizer_needs`: a caller outside a run, a bench or a test)."""
-  return needs if needs is not None else optimizer_needs(cfg.optim)
+  the optimizer section's (`optimizer_needs`: a caller outside a run, a bench or a test)."""
+  return needs if needs is not None else optimizer_needs(optim)
 
 
 def make_optimizer(cfg: TrainConfig, values: dict | None = None, needs: Needs | None = None):
@@ -84,7 +84,7 @@ def make_optimizer(cfg: TrainConfig, values: dict | None = None, needs: Needs | 
     tx = get_optimizer(cfg.optim.optimizer, schedule, **hp)
   except ValueError as e:  # the registry's refusals, or a factory's own (MGUP's AlignmentError, BAdamError)
     raise e if isinstance(e, UnknownOptimizerError) else RunError(f"--optimizer {cfg.optim.optimizer}: {e}") from None
-  clipped = update_args.clipped(needs_of(cfg, needs).update_args)
+  clipped = update_args.clipped(needs_of(cfg.optim, needs).update_args)
   if cfg.optim.grad_clip > 0 and clipped:  # the clip also applies to these update arguments, each by its own norm
     tx = with_global_norm_clip(tx, cfg.optim.grad_clip, args=clipped)
   elif cfg.optim.grad_clip > 0:
@@ -95,7 +95,7 @@ def make_optimizer(cfg: TrainConfig, values: dict | None = None, needs: Needs | 
 def step_options(cfg: TrainConfig, needs: Needs | None = None) -> dict:
   """`make_steps`' keyword arguments the flags decide: the optimizer's declared update arguments, --freeze's mask;
   `needs`: the run's optimizer needs (`needs_of`)."""
-  return {"update_args": needs_of(cfg, needs).update_args, "frozen": frozen.frozen_mask(cfg.finetune.freeze)}
+  return {"update_args": needs_of(cfg.optim, needs).update_args, "frozen": frozen.frozen_mask(cfg.finetune.freeze)}
 
 
 def resolved(cfg):

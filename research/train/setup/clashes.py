@@ -39,7 +39,7 @@ def features(cfg, mesh, mcfg=None, needs: Needs | None = None) -> dict[str, str 
   Returns:
     {feature: how a message names it when the run has it, else None}.
   """
-  needs = needs_of(cfg, needs)
+  needs = needs_of(cfg.optim, needs)
   args = ", ".join(sorted(needs.update_args))
   on = {"sync": f"--sync {cfg.sync.mode}" if cfg.sync.mode != "allreduce" else None,
         "freeze_layers": "--freeze-layers" if cfg.finetune.freeze_layers else None,
@@ -86,7 +86,7 @@ def check(cfg, mesh, mcfg, needs: Needs | None = None) -> None:
   Raises:
     RunError: one line for the first row whose feature the run has together with one it does not combine with.
   """
-  needs = needs_of(cfg, needs)
+  needs = needs_of(cfg.optim, needs)
   on = features(cfg, mesh, mcfg, needs)
   for subject, others, why in rows(needs.update_args):
     named = [n for n in (on.get(o) for o in others) if n]

@@ -14,6 +14,7 @@ from models import Transformer
 from optim import Needs
 from optim.trees import cast_like
 from research.train.config import TrainConfig
+from research.train.config.sections import SyncSection
 from research.train.feed import make_loader
 from research.train.runtime.processes import is_primary
 from research.train.setup import adapters, init_from, padnet
@@ -35,7 +36,7 @@ def initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise, shardings
   only the state's own buffers are allocated: a model stored in bfloat16 never exists in float32 beside it, and
   --init-from's arrays (read in the checkpoint's own dtype) are donated to it. Its one-line reports (--peft's sizes,
   --freeze's, the blockwise step's) are printed once it exists. `needs`: the run's optimizer needs (`needs_of`)."""
-  needs = needs_of(cfg, needs)
+  needs = needs_of(cfg.optim, needs)
   source = init_from.load_arrays(cfg.finetune.init_from, mesh) if cfg.finetune.init_from else None
   box = {}
 
@@ -64,7 +65,7 @@ def abstract_initial_state(cfg: TrainConfig, mcfg, mesh, tx, corpus, blockwise=N
   printed; every check of the flags that needs the model (--freeze matching nothing, say) done. What the memory
   pre-flight compiles the step against (`research/train/setup/memory.py`) and a resumed run restores into. Its report
   has the shapes' numbers (a sparse adapter's trainable count before pruning). `needs`: as `initial_state`'s."""
-  needs = needs_of(cfg, needs)
+  needs = needs_of(cfg.optim, needs)
   box = {}
 
   def build():
@@ -141,11 +142,10 @@ def _outer_tx(section):
   return sync.outer_optimizer(section.outer_lr, section.outer_momentum)
 
 
-def sync_steps(cfg: TrainConfig, graphdef, tx, shardings, batch_sh, train_step,
-               needs: Needs | None = None) -> sync.Steps:
-  """The programs of --sync for a state laid out for it (`shardings`; allreduce: the plain `train_step`, audited for
-  its bytes); `needs`: the run's optimizer needs (`needs_of`)."""
-  mode = sync.parse(cfg.sync.mode)
+def sync_steps(section: SyncSection, graphdef, tx, shardings, batch_sh, train_step, update_args) -> sync.Steps:
+  """The programs of --sync (the config's sync section) for a state laid out for it (`shardings`; allreduce: the
+  plain `train_step`, audited for its bytes); `update_args`: the optimizer's declared ones."""
+  mode = sync.parse(section.mode)
   mixing = sync.mixing_matrix(mode, batch_sh.mesh.shape[DATA]) if mode.kind == "gossip" else None
-  return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(cfg.sync), shardings, batch_sh,
-                    update_args=needs_of(cfg, needs).update_args, mixing=mixing, plain=train_step)
+  return sync.Steps(mode, lm_loss(graphdef), tx, _outer_tx(section), shardings, batch_sh, update_args=update_args,
+                    mixing=mixing, plain=train_step)

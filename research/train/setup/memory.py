@@ -186,7 +186,7 @@ def fix(est: Estimate, cfg, needs: Needs | None = None, mcfg=None) -> str:
   """What would make the run fit, by what dominates it: the state (with the gradients and update temporaries of its
   size, about half the step's temporaries when the state dominates) or the activations."""
   state_bound = 2 * est.state >= est.step.temp
-  trains = Trainable.of_run(cfg.finetune, needs_of(cfg, needs).blockwise is not None)  # what it trains
+  trains = Trainable.of_run(cfg.finetune, needs_of(cfg.optim, needs).blockwise is not None)  # what it trains
   if state_bound and not (trains.adapters or trains.blockwise):
     blockwise = " / ".join(sorted(n for n in OPTIMIZERS if registry.needs(n).blockwise is not None))
     return (f"fine-tune fewer bytes (--optimizer {blockwise}: the model in bfloat16, one layer trained at a time; "
@@ -195,15 +195,16 @@ def fix(est: Estimate, cfg, needs: Needs | None = None, mcfg=None) -> str:
   if state_bound:
     return "shard the state over more devices (--mesh fsdp=N) or choose a smaller model"
   remat = "" if cfg.model.remat else ", or recompute activations in the backward (--remat True)"
-  return f"lower --batch-size or --seq-len{remat}{scores_fix(cfg, mcfg)}"
+  mcfg = mcfg or model_config(cfg, needs)  # the model's head dim decides whether cuDNN would take it
+  return f"lower --batch-size or --seq-len{remat}{scores_fix(mcfg, cfg.training.seq_len)}"
 
 
-def scores_fix(cfg, mcfg=None) -> str:
-  """The attention that keeps no T·T scores, when this run's keeps them over a sequence longer than one tile."""
+def scores_fix(mcfg, seq_len: int) -> str:
+  """The attention that keeps no T·T scores, when this run's (model config `mcfg`, --seq-len) keeps them over a
+  sequence longer than one tile."""
   kind = getattr(jax.devices()[0], "device_kind", "")
-  mcfg = mcfg or model_config(cfg)  # the model's head dim decides whether cuDNN would take it
-  impl = resolve(mcfg.attention, mcfg.compute_dtype, cfg.training.seq_len, mcfg.hd, 1, kind)
-  if impl != "xla" or cfg.training.seq_len <= BLOCK:
+  impl = resolve(mcfg.attention, mcfg.compute_dtype, seq_len, mcfg.hd, 1, kind)
+  if impl != "xla" or seq_len <= BLOCK:
     return ""
   return (f", or an attention that keeps no T·T scores (--attention flash with --seq-len a multiple of {BLOCK}; "
           f"cudnn on an NVIDIA GPU in bfloat16)")

@@ -114,7 +114,7 @@ def programs(cfg: TrainConfig) -> Programs:
   build = lambda observe, held_sh: train_programs(cfg, graphdef, tx, parts, shardings, batch_sh, observe, held_sh,
                                                  needs)[0]
   train_step = observed.wrap(cfg.observe, train_step, build, built[-1])
-  syncer = sync_steps(cfg, graphdef, tx, shardings, batch_sh, train_step, needs)
+  syncer = sync_steps(cfg.sync, graphdef, tx, shardings, batch_sh, train_step, needs.update_args)
   return Programs(built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer,
                   needs)
 

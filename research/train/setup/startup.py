@@ -31,7 +31,7 @@ from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
 def setup(cfg: TrainConfig, needs: Needs | None = None):
   """Mesh, model config, data and held-out batches, with every check of the flags that needs them; `needs`: the
   run's optimizer needs (`build.needs_of`)."""
-  needs = needs_of(cfg, needs)
+  needs = needs_of(cfg.optim, needs)
   mesh = make_mesh(cfg.mesh.spec)
   mcfg = model_config(cfg, needs)
   check_sync(cfg.sync, mesh)
@@ -47,7 +47,7 @@ def setup(cfg: TrainConfig, needs: Needs | None = None):
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
   batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
-  plan = switch_plan(cfg)
+  plan = switch_plan(cfg.mesh, cfg.training)
   pipe = pipeline_plan(mesh, mcfg, cfg.training.batch_size)
   for m in [mesh] + [m for _, m in plan]:  # a switch to a pipeline or context mesh must fit the model and batch too
     if m is not mesh:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from optim import Needs
 from research.train.config import RunError, TrainConfig
+from research.train.config.sections import MeshSection, TrainingSection
 from research.train.setup.build import step_options
 from research.train.steps import observed
 from research.train.steps.step import make_steps
@@ -40,20 +41,21 @@ class Layout(NamedTuple):
   eval_step: Callable
 
 
-def switch_plan(cfg: TrainConfig) -> list[tuple[int, jax.sharding.Mesh]]:
-  """--switch-at as (step, mesh) in step order; a mesh spec with fixed sizes takes the first devices it needs."""
+def switch_plan(mesh: MeshSection, training: TrainingSection) -> list[tuple[int, jax.sharding.Mesh]]:
+  """--switch-at (the mesh section's) as (step, mesh) in step order; a mesh spec with fixed sizes takes the first
+  devices it needs; `training`: --steps, and the batch each mesh must split."""
   plan = {}
-  for item in cfg.mesh.switch_at:
+  for item in mesh.switch_at:
     at, sep, spec = item.partition(":")
     if not (sep and at.strip().isdigit()):
       raise RunError(f"--switch-at {item!r} is not STEP:MESH, e.g. --switch-at 100:fsdp=4,tensor=2")
-    if not 0 < int(at) < cfg.training.steps:
-      raise RunError(f"--switch-at {item!r}: STEP must lie in [1, --steps={cfg.training.steps})")
+    if not 0 < int(at) < training.steps:
+      raise RunError(f"--switch-at {item!r}: STEP must lie in [1, --steps={training.steps})")
     if int(at) in plan:
       raise RunError(f"--switch-at names step {int(at)} twice")
     plan[int(at)] = make_mesh(spec, devices=devices_for(spec))
     try:  # the batch must split over the new mesh's data axes
-      batch_sharding(plan[int(at)], (cfg.training.batch_size, cfg.training.seq_len))
+      batch_sharding(plan[int(at)], (training.batch_size, training.seq_len))
     except ShardingError as e:
       raise ShardingError(f"--switch-at {item!r}: the batch: {e}") from None
   return sorted(plan.items(), key=lambda item: item[0])
