@@ -648,8 +648,12 @@ def apply(model: nnx.Module, method: str, targets: str = DEFAULT_TARGETS, rank: 
   if set(options) - known:
     raise PEFTError(f"unknown PEFT option(s) {', '.join(sorted(set(options) - known))}; the methods' options are "
                     f"{', '.join(sorted(known))}")
-  own = {k: options.get(k, default) for k, (default, _) in cls.OPTIONS.items()}
+  resolved = lambda c: {k: options.get(k, default) for k, (default, _) in c.OPTIONS.items()}
+  own = resolved(cls)
   cls.check(rank, **own)
+  for other in ADAPTERS.values():  # an option given for another method still holds to that method's rules
+    if other is not cls and set(other.OPTIONS) & set(options):
+      other.check(rank, **resolved(other))
   try:
     pattern = re.compile(targets)
   except re.error as e:

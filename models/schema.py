@@ -11,9 +11,9 @@ Every field of `TransformerConfig` and `MoEConfig` (models/config.py) is a `sett
 - `state`: for a `COMPUTE` field that still decides part of the saved state, what of its value does (`bias_rate`
   keeps a router bias when positive).
 
-The train CLI's model flags, the run directory's comparisons on resume and `--init-from`'s conflicts are all derived
-from these (research/train/config/sections.py, research/train/setup/resume.py, research/train/setup/init_from.py):
-a new model field is one line here.
+The train CLI's model and --moe.* flags, the run directory's comparisons on resume and `--init-from`'s conflicts are
+all derived from these (research/train/config/derived.py, sections.py and prefixed.py; research/train/store/rundir.py;
+research/train/setup/resume.py and init_from.py): a new model field is one `setting(...)` line in models/config.py.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ def with_adam_group(factory: Callable[..., Any]) -> Callable[..., Any]:
   """A hybrid factory that takes `adam: AdamGroup` made to take the flat `adam_*` keyword arguments instead.
 
   The result's signature has the five `KWARGS` in the place of `adam` (what `inspect.signature`, the registry's
-  schema, `optax.inject_hyperparams` and `--opt` read); it builds the `AdamGroup` and calls `factory`.
+  schema, `optax.inject_hyperparams` and `--opt` read); it builds the `AdamGroup` and calls `factory`. An `adam=`
+  keyword (an `AdamGroup` given whole) is still taken, but not together with the flat ones.
 
   Args:
     factory: an optimizer factory with a keyword-only `adam: AdamGroup` parameter.
@@ -89,7 +90,9 @@ def with_adam_group(factory: Callable[..., Any]) -> Callable[..., Any]:
   @functools.wraps(factory)
   def flat(*args, **kwargs):
     group = {field: kwargs.pop(name) for name, _, field in KWARGS if name in kwargs}
-    return factory(*args, adam=AdamGroup(**group), **kwargs)
+    if "adam" in kwargs and group:
+      raise TypeError(f"give the AdamW group as adam= or as {', '.join(n for n, _, _ in KWARGS)}, not both")
+    return factory(*args, **{"adam": AdamGroup(**group), **kwargs})  # an AdamGroup given whole is taken as it is
 
   flat.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
   return flat

@@ -4,11 +4,10 @@ An optimizer's registry entry declares it (`optim.registry.register(name, needs=
 of the resolved hyperparameters returning one (MARS needs the previous gradients only in its exact mode). A trainer
 reads the declaration and acts on it (research/train/): it never tests an optimizer's name. What can be declared:
 
-  update_args   extra keyword arguments of `update`, each one the trainer supplies as its declaration there says
-                (research/train/steps/update_args.py; `UPDATE_ARGS` are the ones it declares today):
-                "prev_grads", the gradient at the previous parameters on the current batch (a second backward
-                pass and a copy of the parameters); "max_logits", each attention head's largest logit in the step's
-                forward pass, stacked like the layers. A trainer refuses a name it has no declaration for.
+  update_args   extra keyword arguments of `update`, each one the trainer supplies as its declaration says
+                (research/train/steps/update_args.py `ARGS`, e.g. "prev_grads", the gradient at the previous
+                parameters on the current batch, and "max_logits", each attention head's largest logit in the step's
+                forward pass). A trainer refuses a name it has no declaration for.
   blockwise     a block-coordinate optimizer that can run as one block's step (`Blockwise`: backprop stops at the
                 active layer, only it has a float32 master and optimizer state), or `not_blockwise`: why these
                 hyperparameters run over full gradients instead.
@@ -18,8 +17,6 @@ reads the declaration and acts on it (research/train/): it never tests an optimi
 from __future__ import annotations
 
 import dataclasses
-
-UPDATE_ARGS = ("prev_grads", "max_logits")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,8 @@ benchmark record, experiment page or notebook appears without an edit of mkdocs.
 import importlib.util
 import os
 
+import yaml
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("docs_hooks", os.path.join(ROOT, "docs", "hooks.py"))
 hooks = importlib.util.module_from_spec(spec)
@@ -27,3 +29,11 @@ def test_the_generated_sections_list_every_record_and_notebook(tmp_path):
   assert nav[3] == {"Notebooks": [{"quickstart": "notebooks/quickstart.ipynb"}, {"alpha": "notebooks/alpha.ipynb"},
                                   {"zeta": "notebooks/zeta.ipynb"}]}
   assert nav[0] == "index.md" and nav[4] == {"Other": ["other.md"]}
+
+
+def test_the_site_has_every_generated_section():
+  """A section renamed in mkdocs.yml would stop its list being generated (and the build would fail on the pages
+  left out of the navigation): each one the hook fills is there."""
+  nav = yaml.safe_load(open(os.path.join(ROOT, "mkdocs.yml")))["nav"]
+  titles = {next(iter(s)) for s in nav if isinstance(s, dict)}
+  assert set(hooks.GENERATED) <= titles

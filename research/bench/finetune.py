@@ -86,12 +86,13 @@ from research.train.setup.run import train_programs
 from research.train.steps import blockstep, frozen
 from sharding import batch_sharding, devices_for, make_mesh
 
+PEFT = tuple(ADAPTERS)  # every registered method (models/peft.py): each a measurable row
+# the default table's rows (the recorded one's); every PEFT method and the rows below are measured on request
 METHODS = ("adamw", "freeze", "freeze-half", "lora", "dora", "prediag", "sora", "badam", "bread", "bread-sgd")
-KNOWN = METHODS + ("muon", "sparse_adapter", "bread-sgd-f32")  # measurable rows the default table leaves out
+KNOWN = METHODS + tuple(m for m in PEFT if m not in METHODS) + ("muon", "bread-sgd-f32")
 # run by the blockwise step (research/train/steps/blockstep.py)
 BLOCKWISE = ("badam", "bread", "bread-sgd", "bread-sgd-f32")
 LAYER_LOOP = BLOCKWISE[1:]  # BREAD's: a backward written as a loop over the layers above the active one
-PEFT = tuple(ADAPTERS)  # every registered method (models/peft.py)
 FREEZE = r"blocks/(wq_DQ|wk_DK|wv_DK|wo_QD)|embed"
 MESH = "data=1"
 MIB = 2 ** 20

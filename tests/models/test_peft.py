@@ -84,6 +84,12 @@ def test_bad_settings_are_refused():
     peft.apply(_model(), "lora", rank=0)
   with pytest.raises(peft.PEFTError, match="sparsity"):
     peft.apply(_model(), "sparse_adapter", sparsity=1.0)
+  with pytest.raises(peft.PEFTError, match=r"sparsity must lie in \[0, 1\), got 1.5"):  # another method's option
+    peft.apply(_model(), "lora", sparsity=1.5)
+  with pytest.raises(peft.PEFTError, match="r_p must be >= 1, got r_p=0"):
+    peft.apply(_model(), "sora", r_p=0)
+  with pytest.raises(peft.PEFTError, match="unknown PEFT option.s. dropout"):
+    peft.apply(_model(), "lora", dropout=0.1)
   with pytest.raises(peft.PEFTError, match="already has adapters"):
     peft.apply(peft.apply(_model(), "lora"), "dora")
   biased = Transformer(preset("tiny", qkv_bias=True), rngs=nnx.Rngs(0))

@@ -27,10 +27,14 @@ def choices(cls, field):
 
 def test_the_flags_are_the_documented_fields_with_the_librarys_choices():
   model = [f.name for f in dataclasses.fields(ModelSection)]
-  assert model == ["preset", *schema.names(TransformerConfig, documented=True)]
+  assert model == ["preset", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "qk_norm", "qkv_bias",
+                   "tie_embeddings", "compute_dtype", "remat", "microbatches", "attention", "logit_stats"]
+  assert model[1:] == list(schema.names(TransformerConfig, documented=True))
   assert {"vocab_size", "head_dim", "rope_theta", "param_dtype", "moe"}.isdisjoint(model)  # not user settings
   moe = [f.name for f in dataclasses.fields(MoEFlags)]
-  assert moe == [*schema.names(MoEConfig, documented=True), *MoEFlags.PARTITION]
+  assert moe == ["num_experts", "top_k", "d_expert", "num_shared", "d_shared", "shared_gate", "router",
+                 "normalize_top_k", "capacity_factor", "lb_weight", "z_weight", "bias_rate", "ragged_a2a", "pad",
+                 "pad_ratio", "pad_rounds", "pad_batches", "pad_schedule", "pad_scope"]
   assert choices(ModelSection, "attention") == ATTENTION and choices(MoEFlags, "router") == ROUTERS
   assert choices(ModelSection, "compute_dtype") == COMPUTE_DTYPES
 
@@ -58,7 +62,7 @@ def meta(model: dict, **train) -> dict:
           "train": {"optimizer": "adamw", "opt": [], "amend": False, **train}}
 
 
-def test_a_resume_records_a_routing_change_and_refuses_another_model(tmp_path):
+def test_a_resume_records_a_routing_change_and_refuses_another_model():
   base = dataclasses.asdict(TransformerConfig(moe=MoEConfig()))
   routed = {**base, "moe": {**base["moe"], "top_k": 1}}
   assert rundir.changed_settings(meta(base), meta(routed)) == {"moe.top_k": [2, 1]}
@@ -77,6 +81,9 @@ def test_init_from_applies_how_the_model_is_computed_and_refuses_another_shape(t
     init_from.model_config(str(src), {"moe": {"num_experts": 4}})
   with pytest.raises(init_from.InitError, match=r"^--d-ff 96 conflicts with --init-from"):
     init_from.model_config(str(src), {"d_ff": 96})
+  # a positive bias rate keeps a router bias: the checkpoint has none, so a rate is another state
+  with pytest.raises(init_from.InitError, match=r"^--moe.bias-rate 0.001 conflicts with --init-from"):
+    init_from.model_config(str(src), {"moe": {"bias_rate": 1e-3}})
 
 
 # A model field declared by this test, on a TransformerConfig patched before research.train is imported: its flag,

@@ -152,3 +152,15 @@ def test_the_needs_are_computed_once_per_run(tmp_path, monkeypatch):
                             log_every=1, eval_every=2, eval_batches=1, ckpt_every=2, warmup_steps=0, progress=False,
                             mesh="data=2,fsdp=2,tensor=2", switch_at=("1:fsdp=4,tensor=2",), out=str(tmp_path)))
   assert [r["step"] for r in records] == [1, 2] and len(calls) == 1, calls
+
+
+def test_a_clash_with_an_unknown_feature_is_one_line(token_count, tmp_path, capsys, monkeypatch):
+  """A declaration's typo in its clashes (a feature the clash table does not know) is said in one line."""
+  from research.train.command import main
+  monkeypatch.setitem(update_args.ARGS, "token_count", update_args.UpdateArg(
+      "token_count", lambda c: jnp.sum(jnp.ones_like(c.y)), clashes={"zer01": "counts the whole batch"}))
+  with pytest.raises(SystemExit) as e:
+    main(["--model", "tiny", "--optimizer", token_count, "--steps", "2", "--out", str(tmp_path / "r"), "--no-progress"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and err[-1].startswith(f"error: --optimizer {token_count}'s update arguments declare "
+                                                  f"clashes with unknown run features zer01; the features are ")

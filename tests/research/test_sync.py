@@ -214,7 +214,7 @@ def test_an_optimizer_that_declares_max_logits_gets_them_in_every_sync_mode(mode
   """MuonClip (`Needs(update_args={"max_logits"})`) through the per-replica step (local, gossip) and the stale one:
   the logit maxima reach its update, so a clipping threshold below them changes the third step's loss (stale:1's
   losses are taken at parameters one step old) against one far above them, which never clips (the plain step's
-  supplier, `update_extras`, serves these programs too)."""
+  supplier, `update_args.supply`, serves these programs too)."""
   def second_loss(threshold, out):
     records = run(cfg(tmp_path / out, optimizer="muonclip", qk_norm=False, sync=mode, steps=3, log_every=1,
                       warmup_steps=0, opt=(f"clip_threshold={threshold}",)))

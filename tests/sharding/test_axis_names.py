@@ -77,6 +77,8 @@ def test_the_scan_finds_each_way_an_axis_is_named():
   assert axis_literals(code) == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def test_the_constants_are_the_axes():
-  assert mesh_module.AXES == (mesh_module.DATA, mesh_module.STAGE, mesh_module.FSDP, mesh_module.EXPERT,
-                              mesh_module.CONTEXT, mesh_module.TENSOR)
+def test_the_axes_keep_their_names_and_order():
+  """The mesh specs users write and the device order (`tensor` fastest) rest on these names in this order."""
+  assert mesh_module.AXES == ("data", "stage", "fsdp", "expert", "context", "tensor")
+  assert (mesh_module.DATA, mesh_module.STAGE, mesh_module.FSDP, mesh_module.EXPERT, mesh_module.CONTEXT,
+          mesh_module.TENSOR) == mesh_module.AXES

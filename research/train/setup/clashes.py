@@ -88,7 +88,12 @@ def check(cfg, mesh, mcfg, needs: Needs | None = None) -> None:
   """
   needs = needs_of(cfg.optim, needs)
   on = features(cfg, mesh, mcfg, needs)
-  for subject, others, why in rows(needs.update_args):
+  table = rows(needs.update_args)
+  unknown = sorted({s for s, _, _ in table} - set(on))
+  if unknown:  # a declaration's typo, said in one line
+    raise RunError(f"--optimizer {cfg.optim.optimizer}'s update arguments declare clashes with unknown run "
+                   f"features {', '.join(unknown)}; the features are {', '.join(sorted(on))}")
+  for subject, others, why in table:
     named = [n for n in (on.get(o) for o in others) if n]
     if on[subject] and named:
       raise RunError(f"{on[subject]} does not combine with {', '.join(named)} ({why})")

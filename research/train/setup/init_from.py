@@ -24,7 +24,6 @@ from research.train.store.pretrained import hf_path, load_run
 # a flag that names what the model is must agree with the checkpoint; how it is computed and laid out may differ
 SHAPE_FLAGS = schema.names(TransformerConfig, schema.MODEL, documented=True)
 FREE_FLAGS = schema.names(TransformerConfig, schema.COMPUTE, schema.LAYOUT, documented=True)
-MOE_SHAPE_FLAGS = schema.names(MoEConfig, schema.MODEL, documented=True)
 
 
 class InitError(ValueError):
@@ -56,13 +55,22 @@ def model_config(source: str, flags: dict) -> TransformerConfig:
                       f"({k}={getattr(base, k)}); leave it out")
   moe = flags.get("moe", {})
   for k, v in moe.items():
-    if base.moe is None or (k in MOE_SHAPE_FLAGS and getattr(base.moe, k) != v):
+    if base.moe is None or _changes_state(k, getattr(base.moe, k), v):
       raise InitError(f"--moe.{k.replace('_', '-')} {v} conflicts with --init-from {source} "
                       f"(moe.{k}={None if base.moe is None else getattr(base.moe, k)}); leave it out")
   free = {k: flags[k] for k in FREE_FLAGS if k in flags}
   if moe and base.moe is not None:  # the routing and its losses may differ from the checkpoint's
-    free["moe"] = dataclasses.replace(base.moe, **{k: v for k, v in moe.items() if k not in MOE_SHAPE_FLAGS})
+    free["moe"] = dataclasses.replace(base.moe, **moe)  # what is left differs in how it computes, not what it keeps
   return dataclasses.replace(base, param_dtype="float32", **free)
+
+
+def _changes_state(field: str, old, new) -> bool:
+  """Whether an --moe.* value other than the checkpoint's makes another state: a MODEL field (an expert's shape), or
+  a COMPUTE field whose schema says what of it the state keeps (a positive bias rate keeps a router bias)."""
+  s = schema.schema(MoEConfig)[field]
+  if s["kind"] == schema.MODEL:
+    return old != new
+  return s["state"] is not None and s["state"](old) != s["state"](new)
 
 
 def load_arrays(source: str, mesh) -> tuple[dict, dict]:

@@ -64,7 +64,8 @@ LATER_DEFAULTS = {"sync": "allreduce", "outer_lr": 0.7, "outer_momentum": 0.9, "
 
 
 def changed_settings(saved: dict, meta: dict) -> dict[str, list]:
-  """{setting: [before, now]} for every training setting (and the model's compute dtype) that differs between a
+  """{setting: [before, now]} for every training setting, and every field of the model config of the COMPUTE kind
+  (models/schema.py: the dtype, the attention, the MoE routing as "moe.top_k", ...), that differs between a
   checkpoint's config (`saved`) and this run's (`meta`)."""
   skip = LAYOUT_AND_REPORTING | MODEL_FLAGS
   old, new = {**LATER_DEFAULTS, **saved["train"]}, json.loads(json.dumps(meta["train"]))  # as saved: tuples -> lists
