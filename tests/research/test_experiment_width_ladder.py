@@ -57,3 +57,15 @@ def test_every_finished_run_is_listed_with_its_commit(result):
   seeds0 = sum(len(e["scan"]) + len(e["trials"]) for rung in result["done"].values()
                for name, e in rung.items() if name in width_ladder.SMOKE["contenders"])
   assert len(runs) >= seeds0 and all(r["commit"] and math.isfinite(r["final_val_loss"]) for r in runs)
+
+
+def test_a_run_records_the_code_the_process_imported_not_a_later_head(tmp_path, monkeypatch):
+  """A ladder runs for hours while the repository moves on: each run's `commit` is the code this process imported
+  (`study.CODE`), not HEAD when its group ends."""
+  from research.train import TrainConfig
+  monkeypatch.setattr(study.common, "commit", lambda: "moved-on")
+  cfg = TrainConfig(model="tiny", n_layers=1, steps=1, batch_size=8, seq_len=16, mesh="data=-1", progress=False,
+                    log_every=1, eval_every=1, eval_batches=1, ckpt_every=1, out=str(tmp_path / "run"))
+  study.Ladder(study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path)}, runner="trainer"))._train(
+      [cfg], str(tmp_path))
+  assert (tmp_path / "run" / "commit").read_text().strip() == study.CODE != "moved-on"

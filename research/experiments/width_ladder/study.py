@@ -67,6 +67,9 @@ from research.train.store.rundir import read_records
 from research.train.vmapped import run_group
 
 NAME = "width_ladder"
+# the code this process runs: HEAD when it imported the code, not when a group ends (commits made while a long ladder
+# runs change HEAD, not the code in memory)
+CODE = common.commit()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,9 +230,9 @@ class Ladder:
     return [final_val(d, steps) for d in dirs]
 
   def _train(self, cfgs: list[TrainConfig], where: str):
-    """The runs, by the configured runner; then each run's `commit` file: the code it finished with (config.json
-    beside it holds its flags)."""
-    commit = common.commit()
+    """The runs, by the configured runner; then each run's `commit` file: the code it finished with, the one this
+    process imported (`CODE`; config.json beside it holds its flags)."""
+    commit = CODE
     if self.cfg.runner == "trainer":
       for c in cfgs:  # each resumes from its own checkpoints
         run(c)
