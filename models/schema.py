@@ -90,9 +90,9 @@ def signature(cls: type, values: dict) -> dict:
   Returns:
     {field: value}, comparable with `==` between two runs.
   """
-  out = {}
+  out, kinds = {}, schema(cls)
   for f in dataclasses.fields(cls):
-    s = schema(cls)[f.name]
+    s = kinds[f.name]
     value = values.get(f.name, f.default)
     nested = _nested(cls, f.name)
     if nested is not None and isinstance(value, dict):
@@ -117,13 +117,14 @@ def changed(cls: type, before: dict, now: dict, kind: str = COMPUTE) -> dict[str
     The differences, in field order; a nested config's named "moe.top_k".
   """
   out: dict[str, list] = {}
+  kinds = schema(cls)
   for f in dataclasses.fields(cls):
     old, new = before.get(f.name, f.default), now.get(f.name, f.default)
     nested = _nested(cls, f.name)
     if nested is not None:
       inner = changed(nested, old if isinstance(old, dict) else {}, new if isinstance(new, dict) else {}, kind)
       out.update({f"{f.name}.{k}": v for k, v in inner.items()})
-    elif schema(cls)[f.name]["kind"] == kind and old != new:
+    elif kinds[f.name]["kind"] == kind and old != new:
       out[f.name] = [old, new]
   return out
 

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from models import Transformer
+from optim import Needs
 from research.train.config import RunError, TrainConfig
 from research.train.feed import held_out, make_loader
 from research.train.hooks.source_weights import load_data
@@ -82,8 +83,9 @@ def _plain(v: Any) -> Any:
   return dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
 
 
-def check(cfg: TrainConfig):
-  """RunError when `cfg` is a run the vmapped runner does not run (module docstring)."""
+def check(cfg: TrainConfig) -> Needs:
+  """RunError when `cfg` is a run the vmapped runner does not run (module docstring); else its optimizer's declared
+  needs (computed here, once per member)."""
   why = [name for name, on in (("--peft", cfg.finetune.peft), ("--freeze", cfg.finetune.freeze),
                                ("--freeze-layers", cfg.finetune.freeze_layers), ("--init-from", cfg.finetune.init_from),
                                ("--sync", cfg.sync.mode != "allreduce")) if on]
@@ -92,6 +94,7 @@ def check(cfg: TrainConfig):
     why.append(f"--optimizer {cfg.optim.optimizer} (its own step kind)")
   if why:
     raise RunError(f"a vmapped group runs the plain step only, not {', '.join(why)}: run these one at a time")
+  return needs
 
 
 def _stack(trees):
@@ -114,11 +117,9 @@ class Group:
 def build(cfgs: Sequence[TrainConfig]) -> Group:
   """The group's state at step 0 and its programs; RunError when the runs cannot share one program."""
   cfgs = list(cfgs)
-  for c in cfgs:
-    check(c)
+  needs = [check(c) for c in cfgs][0]  # the group's: its members share the optimizer and what it declares
   rows, varied = member_values(cfgs)
   base = cfgs[0]
-  needs = optimizer_needs(base.optim)  # once for the group: its members share the optimizer and what it declares
   mcfg = model_config(base, needs)
   corpus = load_data(base.data, base.data_options)
   if mcfg.vocab_size < corpus.vocab_size:

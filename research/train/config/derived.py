@@ -16,6 +16,21 @@ import tyro
 from models.schema import schema
 
 
+def optional_flag(name: str, kind: Any, doc: str) -> tuple:
+  """One flag that is unset (None) unless given: (name, `kind | None` with its help, a None default), as
+  `dataclasses.make_dataclass` takes a field.
+
+  Args:
+    name: the field's name (the flag's, with underscores).
+    kind: its type.
+    doc: its help.
+
+  Returns:
+    The (name, type, field) triple.
+  """
+  return name, Annotated[kind | None, tyro.conf.arg(help=doc)], dataclasses.field(default=None)
+
+
 def flags_of(cls: type, name: str, module: str, *, first: tuple = (), last: tuple = (), namespace: dict | None = None,
              doc: str | None = None) -> Any:
   """A dataclass with one optional flag per documented field of a config class.
@@ -39,7 +54,7 @@ def flags_of(cls: type, name: str, module: str, *, first: tuple = (), last: tupl
     if s["doc"] is None:
       continue
     kind: Any = Literal.__getitem__(s["choices"]) if s["choices"] else hints[field]
-    derived.append((field, Annotated[kind | None, tyro.conf.arg(help=s["doc"])], dataclasses.field(default=None)))
+    derived.append(optional_flag(field, kind, s["doc"]))
   made = dataclasses.make_dataclass(name, [*first, *derived, *last], namespace=dict(namespace or {}))
   made.__doc__ = doc or made.__doc__
   made.__module__ = module

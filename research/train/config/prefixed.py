@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import tyro
 
 from models import MoEConfig, peft
-from research.train.config.derived import flags_of
+from research.train.config.derived import flags_of, optional_flag
 
 
 def _model_fields(self) -> dict:
@@ -44,8 +44,7 @@ _PARTITION = (
 # one flag per field of models.MoEConfig (its schema: models/schema.py), then the partition's
 MoEFlags = flags_of(
     MoEConfig, "MoEFlags", __name__,
-    last=tuple((name, Annotated[kind | None, tyro.conf.arg(help=doc)], dataclasses.field(default=None))
-               for name, kind, doc in _PARTITION),
+    last=tuple(optional_flag(*flag) for flag in _PARTITION),
     namespace={"PARTITION": tuple(name for name, _, _ in _PARTITION),
                "PREFIX": "moe.",  # the flags' spelling in research/train/setup/checks.py's messages
                "POSITIVE": ("pad_rounds", "pad_batches"), "RANGES": {"pad_ratio": (0, 1, False)},
