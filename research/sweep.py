@@ -151,8 +151,10 @@ def budget_steps(cfg: SweepConfig) -> int:
     steps = cfg.tokens // tokens_per_step
   elif cfg.flops is not None:
     from models import flops_per_token
-    from research.train.setup.build import model_config
-    steps = int(cfg.flops // (flops_per_token(model_config(cfg.train), cfg.train.training.seq_len) * tokens_per_step))
+    from research.train.setup.build import model_config, optimizer_needs
+    t = cfg.train
+    mcfg = model_config(t.model, t.moe, t.weights.init_from, optimizer_needs(t.optim))
+    steps = int(cfg.flops // (flops_per_token(mcfg, t.training.seq_len) * tokens_per_step))
   else:
     steps = cfg.train.training.steps
   if steps < 1:

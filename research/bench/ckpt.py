@@ -30,7 +30,7 @@ from models import Transformer, count_params
 from research.bench.report import machine, publish, table
 from research.train.config import TrainConfig
 from research.train.hooks.throughput import median_seconds
-from research.train.setup.build import make_optimizer, model_config
+from research.train.setup.build import make_optimizer, model_config, optimizer_needs
 from research.train.store import integrity
 from research.train.store.checkpoint import Checkpointer
 from sharding import devices_for, init_train_state, make_mesh, mesh_spec
@@ -43,8 +43,9 @@ def _one_pass(leaves):
 
 def _time_preset(name: str, mesh_spec_: str, rounds: int, tmp_root: str) -> dict:
   cfg = TrainConfig(model=name)
-  mcfg = model_config(cfg)
-  tx, _ = make_optimizer(cfg)
+  needs = optimizer_needs(cfg.optim)
+  mcfg = model_config(cfg.model, cfg.moe, cfg.weights.init_from, needs)
+  tx, _ = make_optimizer(cfg.optim, cfg.training.steps, needs)
   mesh = make_mesh(mesh_spec_, devices=devices_for(mesh_spec_))
   _, state, shardings = init_train_state(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
   leaves = jax.tree.leaves(state)

@@ -76,11 +76,12 @@ from models import TransformerConfig, count_params, preset
 from models.peft import ADAPTERS
 from research import flags
 from research.bench.report import Progress, call_command, machine, table
+from research.bench.timing import trainer_optimizer, trainer_plan
 from research.data import Corpus
 from research.train.config import PeftFlags, TrainConfig
+from research.train.feed import make_loader
 from research.train.setup import memory
 from research.train.setup.blockwise import blockwise_parts
-from research.train.setup.build import make_optimizer
 from research.train.setup.initial_state import abstract_initial_state, initial_state
 from research.train.setup.run import train_programs
 from research.train.steps import blockstep, frozen
@@ -143,18 +144,21 @@ def build(method: str, mcfg, batch_size: int, seq_len: int, rank: int, abstract:
   state as ShapeDtypeStructs with their shardings (`state.abstract_initial_state`), nothing allocated;
   `static_block`: the blockwise BAdam step split at that block in the program (`make_block_steps`)."""
   cfg = train_config(method, mcfg, batch_size, seq_len, rank, peft, opt)
-  mesh = make_mesh(MESH, devices=devices_for(MESH))
-  tx, schedule = make_optimizer(cfg)
-  parts = blockwise_parts(cfg, mcfg, mesh, schedule)
+  plan = trainer_plan(cfg, mcfg, make_mesh(MESH, devices=devices_for(MESH)))
+  mesh = plan.mesh
+  tx, schedule = trainer_optimizer(cfg)
+  plain = trainer_optimizer(cfg, freeze=False)[0] if plan.trains.freeze else None
   tokens = np.arange(4 * batch_size * (seq_len + 1)) % mcfg.vocab_size  # SNIP's batch
-  corpus = Corpus(tokens, tokens, mcfg.vocab_size, "synthetic", "synthetic")
+  loader = make_loader(Corpus(tokens, tokens, mcfg.vocab_size, "synthetic", "synthetic"), cfg.training, cfg.data,
+                       cfg.data_options)
   with contextlib.redirect_stderr(io.StringIO()):  # blockwise_parts' note on a non-eligible config, the reports
-    graphdef, state, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
+    parts = blockwise_parts(plan, schedule, cfg.optim.grad_clip)
+    graphdef, state, shardings, _ = abstract_initial_state(plan, tx, plain, parts, loader, cfg.peft_options)
     if not abstract:
-      state = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings)[0]
+      state = initial_state(plan, tx, plain, parts, shardings, loader, cfg.peft_options)[0]
   batch_sh = batch_sharding(mesh, (batch_size, seq_len))
   step = (blockstep.make_block_steps(graphdef, parts, shardings, batch_sh, static_block)[0] if parts else
-          train_programs(cfg, graphdef, tx, parts, shardings, batch_sh)[0])
+          train_programs(plan, graphdef, tx, parts, shardings, batch_sh)[0])
   return state, step, batch_sh, mesh
 
 

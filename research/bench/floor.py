@@ -85,7 +85,7 @@ def floor_step(mcfg: TransformerConfig, tx: Any, compiler_options: dict[str, str
 
   Args:
     mcfg: the model's configuration.
-    tx: the optimizer (the trainer's `make_optimizer(cfg)[0]`).
+    tx: the optimizer (the trainer's `make_optimizer`'s).
     compiler_options: XLA options (the bench passes the trainer's, so that a flag is never what the ratio measures).
 
   Returns:

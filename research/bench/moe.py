@@ -59,7 +59,7 @@ from research.bench.report import git_commit, publish
 from research.data import get_batch, load_corpus
 from research.train.config import TrainConfig
 from research.train.runtime.devices import setup_jax
-from research.train.setup.build import make_optimizer
+from research.train.setup.build import make_optimizer, optimizer_needs
 from research.train.steps import train_state
 from research.train.steps.step import make_steps
 from sharding import batch_sharding, collectives, devices_for, make_mesh, mesh_spec, shard_batch
@@ -143,7 +143,8 @@ def moe(model: str = "moe_tiny", layouts: tuple[str, ...] = LAYOUTS, batch_size:
     mcfg = dataclasses.replace(mcfg, moe=dataclasses.replace(mcfg.moe, bias_rate=bias_rate))
   for spec in layouts:  # a bad mesh fails before minutes of compiling
     make_mesh(spec, devices=devices_for(spec))
-  tx, _ = make_optimizer(TrainConfig(model=model, steps=warmup + rounds))
+  optim = TrainConfig(model=model).optim
+  tx, _ = make_optimizer(optim, warmup + rounds, optimizer_needs(optim))
   corpus = load_corpus()
   batches = [get_batch(corpus.train, 0, s, batch_size, seq_len) for s in range(warmup + rounds)]
   runs = []

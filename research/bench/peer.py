@@ -47,7 +47,7 @@ from research.data import get_batch, load_corpus
 from research.train.config import TrainConfig
 from research.train.hooks.throughput import Peak
 from research.train.runtime.xla import compiler_options
-from research.train.setup.build import make_optimizer
+from research.train.setup.build import make_optimizer, optimizer_needs
 
 SOME_MESHES = dataclasses.replace(flags.MESH, empty=True)  # --meshes: none (one device) is the default
 
@@ -167,7 +167,7 @@ def _floor(flags: dict, ours: dict, batches, warmup: int, steps: int) -> dict:
   """The JAX floor (research/bench/floor.py) from optlab's initial weights with its optimizer, timed the same way."""
   B, T = batches[0][0].shape
   cfg = TrainConfig(model="small", batch_size=B, seq_len=T, mesh="data=1", **flags)
-  tx = make_optimizer(cfg)[0]
+  tx = make_optimizer(cfg.optim, cfg.training.steps, optimizer_needs(cfg.optim))[0]
   params = jax.device_put(floor_params(ours["mcfg"], ours["seed"]), jax.devices()[0])
   opt_state, step = tx.init(params), floor_step(ours["mcfg"], tx, compiler_options())
   data = [tuple(jax.device_put(np.asarray(a), jax.devices()[0]) for a in b) for b in batches]

@@ -12,6 +12,7 @@ weight is read or allocated; the children's peak RSS, in the table, shows it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -32,7 +33,7 @@ from research.train.command import failures_in_one_line
 from research.train.config import TrainConfig
 from research.train.runtime.devices import setup_jax
 from research.train.setup import checks, memory
-from research.train.setup.build import resolved
+from research.train.setup.build import resolved_peft
 from research.train.setup.run import programs
 
 LLAMA_3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -112,11 +113,11 @@ def step_estimate(argv: list[str]) -> dict:
   """
   cfg = tyro.cli(TrainConfig, args=argv, prog="python -m research.train")  # the train CLI's parser
   checks.check(cfg)
-  cfg = resolved(cfg)
+  cfg = dataclasses.replace(cfg, peft_options=resolved_peft(cfg.peft_options, cfg.trains, cfg.weights.init_from))
   setup_jax(cfg.runtime.devices, cfg.runtime.compile_cache)
   t = time.perf_counter()
   b = programs(cfg)  # the trainer's own construction, up to its pre-flight
-  mesh, mcfg, _, batch_sh = b.setup[:4]
+  mesh, mcfg, batch_sh = b.plan.mesh, b.plan.model, b.batch_sh
   built = time.perf_counter()
   est = memory.estimate(b.syncer.train, b.abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
   s = est.step

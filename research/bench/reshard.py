@@ -30,7 +30,7 @@ from flax import nnx
 from models import Transformer, count_params
 from research.bench.report import machine, publish, table
 from research.train.config import TrainConfig
-from research.train.setup.build import make_optimizer, model_config
+from research.train.setup.build import make_optimizer, model_config, optimizer_needs
 from research.train.steps.step import make_steps
 from research.train.steps.train_state import TrainState
 from research.train.store.checkpoint import Checkpointer
@@ -60,8 +60,9 @@ def _check(state, host, shardings, what: str):
 
 def _time_preset(name: str, src: str, dst: str, rounds: int, compile_step: bool, tmp_root: str) -> dict:
   cfg = TrainConfig(model=name)
-  mcfg = model_config(cfg)
-  tx, _ = make_optimizer(cfg)
+  needs = optimizer_needs(cfg.optim)
+  mcfg = model_config(cfg.model, cfg.moe, cfg.weights.init_from, needs)
+  tx, _ = make_optimizer(cfg.optim, cfg.training.steps, needs)
   model_fn = lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed))
   mesh_a = make_mesh(src, devices=devices_for(src))
   mesh_b = make_mesh(dst, devices=devices_for(dst))

@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from models import Transformer, TransformerConfig, count_params, flops_per_token
 from research.data import get_batch
 from research.train.config import TrainConfig
-from research.train.setup.build import make_optimizer, model_config, step_options
+from research.train.setup.build import make_optimizer, model_config, optimizer_needs, step_options
+from research.train.setup.plan import Plan
 from research.train.steps import train_state
 from research.train.steps.step import make_steps
 from sharding import batch_sharding, devices_for, make_mesh, mesh_spec
@@ -43,6 +44,31 @@ def concurrent_matmul_flops(n: int, devices, repeats: int = 5) -> float:
   return 2 * m * n * n * repeats / (time.perf_counter() - t)
 
 
+def trainer_plan(cfg: TrainConfig, mcfg: TransformerConfig | None = None, mesh: Mesh | None = None) -> Plan:
+  """The run's plan (research/train/setup/plan.py) as the trainer resolves it, for a benchmark or a test that builds
+  the trainer's pieces one by one.
+
+  Args:
+    cfg: the run's config.
+    mcfg: the model config, when not the flags' (a benchmark's shape); None: the flags'.
+    mesh: the mesh, when not --mesh's first devices; None: those.
+
+  Returns:
+    The `Plan`.
+  """
+  needs = optimizer_needs(cfg.optim)
+  mesh = mesh if mesh is not None else make_mesh(cfg.mesh.spec, devices=devices_for(cfg.mesh.spec))
+  mcfg = mcfg if mcfg is not None else model_config(cfg.model, cfg.moe, cfg.weights.init_from, needs)
+  return Plan.of(cfg.optim, needs, mcfg, mesh, cfg.trains, cfg.weights.init_from, cfg.sync, cfg.features(),
+                 cfg.training.seed, cfg.mesh.zero1)
+
+
+def trainer_optimizer(cfg: TrainConfig, freeze: bool = True):
+  """(optimizer, schedule) as the trainer builds them (`build.make_optimizer`); `freeze`: with --freeze applied."""
+  needs = optimizer_needs(cfg.optim)
+  return make_optimizer(cfg.optim, cfg.training.steps, needs, cfg.trains.freeze if freeze else None)
+
+
 class TrainStep(NamedTuple):
   """A train step as research/train/ builds it, not yet compiled."""
   cfg: TrainConfig
@@ -57,13 +83,13 @@ def build_train_step(preset_name: str, spec: str, batch_size: int, seq_len: int,
   """The real train step (research/train/: `model_config`, `make_optimizer`, `init_train_state`, `make_steps`) of a
   preset on the mesh `spec`; `flags` are further TrainConfig fields (e.g. attention="flash", n_layers=2)."""
   cfg = TrainConfig(model=preset_name, batch_size=batch_size, seq_len=seq_len, mesh=spec, **flags)
-  mcfg = model_config(cfg)
-  mesh = make_mesh(spec, devices=devices_for(spec))
-  tx, _ = make_optimizer(cfg)
+  plan = trainer_plan(cfg)
+  mcfg, mesh = plan.model, plan.mesh
+  tx, _ = trainer_optimizer(cfg)
   graphdef, state, shardings = train_state.create(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)), tx,
                                                   mesh)
   batch_sh = batch_sharding(mesh, (batch_size, seq_len))
-  train_step, _ = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
+  train_step, _ = make_steps(graphdef, tx, shardings, batch_sh, **step_options(plan))
   return TrainStep(cfg, mcfg, mesh, state, train_step, batch_sh)
 
 

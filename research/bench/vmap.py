@@ -68,7 +68,7 @@ def _child(spec: dict) -> dict:
   mk = lambda k: _config(spec["width"], spec["vocab"], 1e-3 * 2 ** k, spec["steps"], os.path.join(spec["out"], str(k)),
                          spec["optimizer"], spec["batch_size"], spec["seq_len"])
   t = time.perf_counter()
-  recs = run_group([mk(k) for k in range(spec["members"])], os.path.join(spec["out"], "state"))[0]
+  recs = run_group(build([mk(k) for k in range(spec["members"])]), os.path.join(spec["out"], "state"))[0]
   return {"wall": time.perf_counter() - t, "records": recs, "flops": _flops([mk(0)])}
 
 

@@ -74,7 +74,7 @@ from research.data import docs_corpus, eval_batches, load_corpus
 from research.experiments import common
 from research.sweep import Run, SweepConfig, parse_grid, run_grid
 from research.train.config import PeftFlags, TrainConfig
-from research.train.setup.build import make_optimizer
+from research.train.setup.build import make_optimizer, optimizer_needs
 from research.train.store.pretrained import load_run
 
 NAME = "peft"
@@ -190,7 +190,7 @@ def delta_entropies(model, before: dict) -> dict[str, list[list[float]]]:
 
 def state_bytes(tc: TrainConfig, params) -> int:
   """Optimizer-state bytes the CLI's tx keeps for `params` (full fine-tuning: every parameter)."""
-  tx = make_optimizer(tc)[0]
+  tx = make_optimizer(tc.optim, tc.training.steps, optimizer_needs(tc.optim), tc.trains.freeze)[0]
   return common.tree_bytes(jax.eval_shape(tx.init, params))
 
 
@@ -294,7 +294,7 @@ def costs(cfg: Config, mcfg) -> dict:
   n, out = count_params(mcfg), {}
   for name in cfg.contenders:
     flags = contender(cfg, name)[2]
-    if flags is not None:  # the runs' base dtype: the trainer's default when fine-tuning (setup.build.resolved)
+    if flags is not None:  # the runs' base dtype: the trainer's default when fine-tuning (setup.build.resolved_peft)
       flags = dataclasses.replace(flags, base_dtype=flags.base_dtype or "bfloat16")
     method = BENCH.get(name, name)
     row = bench.measure(method, mcfg, cfg.batch_size, cfg.seq_len, cfg.rank, peft=flags)

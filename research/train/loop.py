@@ -1,11 +1,11 @@
 """The training loop: `run(cfg)` trains (or resumes) a run directory and returns its metrics records.
 
-`_train` is the story: build the run (research/train/setup/: mesh, data, state, compiled steps, resumed if it can be),
-then step until the end, a signal or too many bad steps; around each step the hooks (`_hooks`, one line each, each
-concern a room of research/train/) run at their cadence: --switch-at, the profiler, --sync's outer step, the
-throughput meter, the bad-step monitor, dynamic data weights, the peer watchdog, the metrics processor (with the
-held-out evaluation), checkpoints and the console. The batch at step s is a pure function of (seed, s), and the
-loader's state is checkpointed: a resumed run continues exactly where the interrupted one would.
+`run` builds the run (research/train/setup/: its plan, mesh, data, state, compiled steps, resumed if it can be), and
+`_train` is the story: step until the end, a signal or too many bad steps; around each step the hooks (`_hooks`, one
+line each, each concern a room of research/train/) run at their cadence: --switch-at, the profiler, --sync's outer
+step, the throughput meter, the bad-step monitor, dynamic data weights, the peer watchdog, the metrics processor
+(with the held-out evaluation), checkpoints and the console. The batch at step s is a pure function of (seed, s),
+and the loader's state is checkpointed: a resumed run continues exactly where the interrupted one would.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from research.train.runtime.processes import initialize as init_distributed
 from research.train.runtime.processes import is_primary
 from research.train.runtime.signals import Stop
 from research.train.setup import checks, memory
-from research.train.setup.build import resolved
+from research.train.setup.build import resolved_peft
 from research.train.setup.run import Run, start
 from research.train.steps import observed
 from research.train.steps.health import BadStepsError
@@ -50,18 +50,18 @@ def run(cfg: TrainConfig) -> list[dict]:
     The metrics records of the whole run (those of an interrupted session before this one included).
   """
   checks.check(cfg)
-  cfg = resolved(cfg)  # the dtypes left unset, as config.json records them
+  cfg = dataclasses.replace(  # the dtype left unset, as config.json records it
+      cfg, peft_options=resolved_peft(cfg.peft_options, cfg.trains, cfg.weights.init_from))
   with Stop() as stop:  # from here on SIGINT/SIGTERM stop the run cleanly, during start-up too
     d = cfg.distributed
     init_distributed(d.coordinator, d.num_processes, d.process_id, d.mode,  # before any JAX use
                      heartbeat_timeout=d.peer_timeout + 60)  # JAX's abort comes after ours, if ours is armed
     setup_jax(cfg.runtime.devices, cfg.runtime.compile_cache)
     with rundir.claim(cfg.checkpoint.out, lock=is_primary(), keep_on=(BadStepsError, CheckpointSaveError)):
-      return _train(cfg, stop)
+      return _train(start(cfg), stop)  # plan, data, state and compiled steps; resumed from its newest checkpoint
 
 
-def _train(cfg: TrainConfig, stop: Stop) -> list[dict]:
-  r = start(cfg)  # mesh, data, state and compiled steps; resumed from the newest readable checkpoint if any
+def _train(r: Run, stop: Stop) -> list[dict]:
   hooks, processor = _hooks(r, stop)
   try:
     with _watchdog(r), contextlib.ExitStack() as r.in_mesh:

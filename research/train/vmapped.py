@@ -34,6 +34,7 @@ from flax import nnx
 from models import Transformer
 from optim import Needs
 from research.train.config import RunError, TrainConfig
+from research.train.config.sections import OptimSection, SyncSection, TrainsSection
 from research.train.feed import held_out, make_loader
 from research.train.hooks.source_weights import load_data
 from research.train.runtime.xla import compiler_options
@@ -46,12 +47,12 @@ from research.train.store.rundir import read_records
 VARIED = ("lr", "weight_decay", "b1", "b2")  # besides --opt keys with numeric values, and the seed
 
 
-def member_values(cfgs: Sequence[TrainConfig]) -> tuple[list[dict], list[str]]:
-  """Each member's varied values ({name: float}) and the names that vary; RunError when the members differ in
-  anything a vmapped program cannot vary (module docstring)."""
-  if not cfgs:
+def member_values(optims: Sequence[OptimSection]) -> tuple[list[dict], list[str]]:
+  """Each member's varied values ({name: float}) and the names that vary, from the members' optim sections; RunError
+  when a value varies that a vmapped program cannot vary (module docstring)."""
+  if not optims:
     raise RunError("a vmapped group needs at least one run")
-  hps = [{"lr": c.optim.lr, **opt_hparams(c.optim)} for c in cfgs]
+  hps = [{"lr": o.lr, **opt_hparams(o)} for o in optims]
   names = sorted({k for h in hps for k in h})
   varied = [k for k in names if len({json.dumps(h.get(k)) for h in hps}) > 1]
   for k in varied:
@@ -62,20 +63,25 @@ def member_values(cfgs: Sequence[TrainConfig]) -> tuple[list[dict], list[str]]:
       raise RunError(f"vmapped runs may differ in numeric optimizer values only: {k} takes {bad[0]!r}")
     if k not in VARIED and any(isinstance(h[k], int) for h in hps):  # a count (Newton-Schulz steps, a rank)
       raise RunError(f"vmapped runs may not differ in the integer --opt {k} (it sets the program): one at a time")
-  base = _shared(cfgs[0])
-  for c in cfgs[1:]:
-    if _shared(c) != base:
-      diff = sorted(k for k in base if base[k] != _shared(c)[k])
-      raise RunError(f"vmapped runs must differ only in seed and numeric optimizer values; they differ in {diff}")
   return [{k: float(h[k]) for k in varied} for h in hps], varied
 
 
-def _shared(cfg: TrainConfig) -> dict:
+def same_program(flags: Sequence[dict]) -> None:
+  """RunError when the members' flags (`TrainConfig.flags`) differ in anything but the seed, the varied optimizer
+  values and where they write."""
+  base = _shared(flags[0])
+  for f in flags[1:]:
+    if _shared(f) != base:
+      diff = sorted(k for k in base if base[k] != _shared(f)[k])
+      raise RunError(f"vmapped runs must differ only in seed and numeric optimizer values; they differ in {diff}")
+
+
+def _shared(flags: dict) -> dict:
   """The flags every member must share (all but the seed, the varied optimizer values and where it writes)."""
-  flags = cfg.flags()
+  flags = dict(flags)
+  flags["opt_keys"] = sorted(item.partition("=")[0] for item in flags["opt"])
   for k in (*VARIED, "seed", "opt", "out"):
     flags.pop(k, None)
-  flags["opt_keys"] = sorted(item.partition("=")[0] for item in cfg.optim.opt)
   return {k: _plain(v) for k, v in flags.items()}
 
 
@@ -83,15 +89,15 @@ def _plain(v: Any) -> Any:
   return dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
 
 
-def check(cfg: TrainConfig) -> Needs:
-  """RunError when `cfg` is a run the vmapped runner does not run (module docstring); else its optimizer's declared
-  needs (computed here, once per member)."""
-  why = [name for name, on in (("--peft", cfg.finetune.peft), ("--freeze", cfg.finetune.freeze),
-                               ("--freeze-layers", cfg.finetune.freeze_layers), ("--init-from", cfg.finetune.init_from),
-                               ("--sync", cfg.sync.mode != "allreduce")) if on]
-  needs = optimizer_needs(cfg.optim)
+def check(trains: TrainsSection, init_from: str | None, sync: SyncSection, optim: OptimSection) -> Needs:
+  """The member's optimizer's declared needs (computed here, once per member), from its trains, --init-from, sync and
+  optim settings; RunError when it is a run the vmapped runner does not run."""
+  why = [name for name, on in (("--peft", trains.peft), ("--freeze", trains.freeze),
+                               ("--freeze-layers", trains.freeze_layers), ("--init-from", init_from),
+                               ("--sync", sync.mode != "allreduce")) if on]
+  needs = optimizer_needs(optim)
   if needs.blockwise is not None or update_args.keeps_prev_params(needs.update_args):
-    why.append(f"--optimizer {cfg.optim.optimizer} (its own step kind)")
+    why.append(f"--optimizer {optim.optimizer} (its own step kind)")
   if why:
     raise RunError(f"a vmapped group runs the plain step only, not {', '.join(why)}: run these one at a time")
   return needs
@@ -115,12 +121,21 @@ class Group:
 
 
 def build(cfgs: Sequence[TrainConfig]) -> Group:
-  """The group's state at step 0 and its programs; RunError when the runs cannot share one program."""
+  """The group's state at step 0 and its programs.
+
+  Args:
+    cfgs: the members' configs (each with its own --out: its run directory).
+
+  Returns:
+    The `Group`, for `run_group`; RunError when the runs cannot share one program.
+  """
   cfgs = list(cfgs)
-  needs = [check(c) for c in cfgs][0]  # the group's: its members share the optimizer and what it declares
-  rows, varied = member_values(cfgs)
+  each = [check(c.trains, c.weights.init_from, c.sync, c.optim) for c in cfgs]  # each member's, computed once
+  rows, varied = member_values([c.optim for c in cfgs])
+  same_program([c.flags() for c in cfgs])
+  needs = each[0]  # the group's: its members share the optimizer and what it declares
   base = cfgs[0]
-  mcfg = model_config(base, needs)
+  mcfg = model_config(base.model, base.moe, base.weights.init_from, needs)
   corpus = load_data(base.data, base.data_options)
   if mcfg.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
@@ -130,7 +145,7 @@ def build(cfgs: Sequence[TrainConfig]) -> Group:
   buffers = _stack([nnx.to_pure_dict(sp[2]) for sp in splits])  # type: ignore[misc]  # (graphdef, Param, rest)
   values = {k: jnp.asarray([r[k] for r in rows], jnp.float32) for k in varied}
   declared = needs.update_args
-  tx_of = lambda v: make_optimizer(base, v, needs)[0]
+  tx_of = lambda v: make_optimizer(base.optim, base.training.steps, needs, values=v)[0]
 
   def member_step(v, p, b, o, bad, x, y):
     r = make_update(graphdef, tx_of(v), update_args=declared)(p, b, o, x, y)
@@ -154,8 +169,9 @@ def build(cfgs: Sequence[TrainConfig]) -> Group:
   evaluate = jax.jit(jax.vmap(eval_loss(graphdef), in_axes=(0, None, None, 0)), compiler_options=opts)
   loaders = [make_loader(corpus, c.training, c.data, c.data_options) for c in cfgs]
   val = held_out(corpus, base.training, base.data_options, base.logging.eval_batches)
-  return Group(cfgs, values, (params, buffers, opt_state, bad), step,
-               lambda p, b, x, y: evaluate(p, x, y, b), loaders, val, [make_optimizer(c, needs=needs)[1] for c in cfgs])
+  schedules = [make_optimizer(c.optim, c.training.steps, needs)[1] for c in cfgs]
+  return Group(cfgs, values, (params, buffers, opt_state, bad), step, lambda p, b, x, y: evaluate(p, x, y, b), loaders,
+               val, schedules)
 
 
 def _save(group_dir: str, step: int, state: tuple):
@@ -188,13 +204,12 @@ def _restore(group_dir: str, state: tuple) -> tuple[int, tuple]:
   return progress["step"], jax.tree.unflatten(treedef, [jnp.asarray(a) for a in leaves])
 
 
-def _open_records(cfg: TrainConfig, start: int, group_dir: str, size: int):
-  """The member's metrics.jsonl kept up to `start` (what a resume continues from), and its config.json."""
-  out = cfg.checkpoint.out
+def _open_records(out: str, train: dict, start: int, group_dir: str, size: int):
+  """The member's metrics.jsonl kept up to `start` (what a resume continues from), and its config.json ("train": its
+  config by section, the trainer's record)."""
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "config.json"), "w") as f:  # the trainer's record ("train": its config by section)
-    json.dump({"train": dataclasses.asdict(cfg), "vmapped": {"group": os.path.abspath(group_dir), "members": size}},
-              f, indent=1)
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump({"train": train, "vmapped": {"group": os.path.abspath(group_dir), "members": size}}, f, indent=1)
   path = os.path.join(out, "metrics.jsonl")
   kept = [r for r in read_records(path)[0] if r["step"] <= start] if start and os.path.exists(path) else []
   with open(path, "w") as f:  # (a last line cut short by a kill is dropped, as the trainer's resume drops it)
@@ -202,21 +217,20 @@ def _open_records(cfg: TrainConfig, start: int, group_dir: str, size: int):
   return open(path, "a")
 
 
-def run_group(cfgs: Sequence[TrainConfig], group_dir: str) -> list[list[dict]]:
+def run_group(group: Group, group_dir: str) -> list[list[dict]]:
   """Trains the members of a group side by side (module docstring) and returns each member's records.
 
   Args:
-    cfgs: the members' configs (each with its own --out: its run directory).
+    group: the group (`build`: its members' configs, each with its own --out: its run directory).
     group_dir: where the group's state is saved every --ckpt-every steps and resumed from.
 
   Returns:
     Per member, the records written to its metrics.jsonl by this call (the steps after a resume only).
   """
-  group = build(cfgs)
   os.makedirs(group_dir, exist_ok=True)
   base, size = group.cfgs[0], len(group.cfgs)
   start, state = _restore(group_dir, group.state)
-  files = [_open_records(c, start, group_dir, size) for c in group.cfgs]
+  files = [_open_records(c.checkpoint.out, dataclasses.asdict(c), start, group_dir, size) for c in group.cfgs]
   records: list[list[dict]] = [[] for _ in range(size)]
   clock = [time.perf_counter(), start]  # when the last logged step ended, and its step
   try:

@@ -20,10 +20,10 @@ from flax import nnx
 import research.train.setup.checks
 import research.train.steps.step
 from models import Transformer, cross_entropy
+from research.bench.timing import trainer_optimizer, trainer_plan
 from research.data import get_batch, load_corpus
 from research.train import TrainConfig, main, make_steps, run
 from research.train.feed import Feed, make_loader
-from research.train.setup.build import make_optimizer, model_config
 from research.train.steps import train_state
 from research.train.steps.health import Monitor
 from sharding import batch_sharding, local_batch, make_mesh
@@ -88,8 +88,8 @@ def cfg(out, **kw):
 def test_a_skipped_step_leaves_params_and_optimizer_state_bit_for_bit(monkeypatch):
   monkeypatch.setattr(research.train.steps.step, "cross_entropy", nan_grads_cross_entropy)
   c = cfg("unused")
-  mesh, tx = make_mesh(c.mesh.spec), make_optimizer(c)[0]
-  model = lambda: Transformer(model_config(c), rngs=nnx.Rngs(0))  # noqa: E731
+  mesh, tx = make_mesh(c.mesh.spec), trainer_optimizer(c)[0]
+  model = lambda: Transformer(trainer_plan(c, mesh=mesh).model, rngs=nnx.Rngs(0))  # noqa: E731
   graphdef, state, shardings = train_state.create(model, tx, mesh)
   train_step, _ = make_steps(graphdef, tx, shardings, batch_sharding(mesh, (8, 32)))
   tokens = load_corpus().train
@@ -158,7 +158,7 @@ def test_consecutive_bad_steps_stop_the_run_and_keep_its_last_good_checkpoint(po
 def test_nonfinite_parameters_after_an_update_are_a_bad_step_and_never_saved(monkeypatch, tmp_path, capsys):
   """--lr nan gets past the flag checks here (they refuse it): the warmup's lr = nan * 0 spoils every update while
   the loss and gradients stay finite; each such step is skipped and nothing NaN is checkpointed."""
-  monkeypatch.setattr(research.train.setup.checks, "check_numbers", lambda cfg: None)
+  monkeypatch.setattr(research.train.setup.checks, "check_numbers", lambda *sections: None)
   with pytest.raises(SystemExit) as e:
     main([f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"] +
          ["--no-progress", "--max-bad-steps=3", "--lr=nan", f"--out={tmp_path}"])

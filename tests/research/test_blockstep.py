@@ -12,9 +12,10 @@ import pytest
 from flax import nnx
 
 from models import Transformer
+from research.bench.timing import trainer_optimizer, trainer_plan
 from research.train import TrainConfig, make_steps
 from research.train.setup.blockwise import eligible
-from research.train.setup.build import make_optimizer, model_config, optimizer_needs
+from research.train.setup.build import optimizer_needs
 from research.train.steps import train_state
 from research.train.steps.blockstep import Parts, init_state, make_block_steps
 from sharding import batch_sharding, devices_for, make_mesh
@@ -31,10 +32,15 @@ def setup(model, mesh_spec, optimizer="badam", opt=(), **kw):
                     **{"grad_clip": 0.0, "batch_size": B, "seq_len": T, "mesh": mesh_spec, "steps": 50,
                        "warmup_steps": 2, "lr": 3e-3, **kw})
   mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
-  tx, schedule = make_optimizer(cfg)
-  mcfg = model_config(cfg)
+  tx, schedule = trainer_optimizer(cfg)
+  mcfg = trainer_plan(cfg, mesh=mesh).model
   graphdef, state, shardings = train_state.create(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)), tx, mesh)
   return cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sharding(mesh, (B, T))
+
+
+def _eligible(cfg, mesh):
+  plan = trainer_plan(cfg, mesh=mesh)
+  return eligible(plan.needs, plan.features)
 
 
 def batches(n, vocab=256):
@@ -57,7 +63,7 @@ def test_blockwise_badam_equals_full_backprop_badam(model, mesh_spec, optimizer,
   low-rank: their factors' gradients, AdamW steps and merges are taken in it, layer by layer, from the same initial
   factors as optim.bread's."""
   cfg, mesh, tx, schedule, graphdef, state, shardings, batch_sh = setup(model, mesh_spec, optimizer, opt)
-  assert eligible(cfg, mesh) is None
+  assert _eligible(cfg, mesh) is None
   copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
   full_state = copy(state)
   full, _ = make_steps(graphdef, tx, shardings, batch_sh)
@@ -100,13 +106,13 @@ def test_bfloat16_storage_moves_only_the_active_layer():
 def test_settings_the_blockwise_step_does_not_run_are_named():
   cfg, mesh, *_ = setup("tiny", "data=1")
   with_embedding = dataclasses.replace(cfg, opt=("include_embedding=true",))
-  assert eligible(with_embedding, mesh) == "--opt include_embedding=True"
+  assert _eligible(with_embedding, mesh) == "--opt include_embedding=True"
   c = TrainConfig(model="tiny", optimizer="badam", freeze="embed")
-  assert eligible(c, mesh) == "--freeze"
-  assert eligible(TrainConfig(model="tiny"), mesh) == "not blockwise"
+  assert _eligible(c, mesh) == "--freeze"
+  assert _eligible(TrainConfig(model="tiny"), mesh) == "not blockwise"
   bread = TrainConfig(model="tiny", optimizer="bread")
-  assert eligible(dataclasses.replace(bread, opt=("reach=\"all\"",)), mesh).startswith("--opt reach=all")  # optax's
-  assert eligible(dataclasses.replace(bread, opt=("mode=\"sgd\"",)), mesh) is None and eligible(bread, mesh) is None
+  assert _eligible(dataclasses.replace(bread, opt=("reach=\"all\"",)), mesh).startswith("--opt reach=all")  # optax's
+  assert _eligible(dataclasses.replace(bread, opt=("mode=\"sgd\"",)), mesh) is None and _eligible(bread, mesh) is None
 
 
 @pytest.mark.parametrize("opt", [BREAD_SGD, BREAD_LOWRANK])

@@ -11,9 +11,9 @@ import pytest
 
 from models import PRESETS
 from optim import OPTIMIZERS
+from research.bench.timing import trainer_plan
 from research.train import RunError, TrainConfig, main
 from research.train.config import MoEFlags
-from research.train.setup.build import model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,17 +57,21 @@ def test_help_describes_every_flag_and_lists_the_registries(help_text):
   assert not re.search(r"\(default[^)]*\)[^│\n]*\(default", help_text)  # a default is shown once
 
 
+def _mcfg(cfg):
+  return trainer_plan(cfg).model
+
+
 def test_moe_flags_override_single_fields_of_the_preset():
   base = PRESETS["moe_tiny"].moe
-  c = model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=4)))
+  c = _mcfg(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=4)))
   assert (c.moe.num_experts, c.moe.d_expert, c.moe.top_k) == (4, base.d_expert, base.top_k)
-  c = model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(router="sigmoid", bias_rate=1e-3)))
+  c = _mcfg(TrainConfig(model="moe_tiny", moe=MoEFlags(router="sigmoid", bias_rate=1e-3)))
   assert (c.moe.router, c.moe.bias_rate, c.moe.num_experts, c.moe.d_expert) == ("sigmoid", 1e-3, 8, base.d_expert)
-  assert model_config(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=0))).moe is None
-  c = model_config(TrainConfig(model="tiny", d_ff=96, moe=MoEFlags(num_experts=4, top_k=1)))
+  assert _mcfg(TrainConfig(model="moe_tiny", moe=MoEFlags(num_experts=0))).moe is None
+  c = _mcfg(TrainConfig(model="tiny", d_ff=96, moe=MoEFlags(num_experts=4, top_k=1)))
   assert (c.moe.num_experts, c.moe.top_k, c.d_ff, c.d_model) == (4, 1, 96, PRESETS["tiny"].d_model)
   with pytest.raises(RunError, match="--model tiny is dense: give --moe.num-experts"):
-    model_config(TrainConfig(model="tiny", moe=MoEFlags(top_k=1)))
+    _mcfg(TrainConfig(model="tiny", moe=MoEFlags(top_k=1)))
   # every --moe.* flag is one MoEConfig field, but PAD-Net's partition flags (research/train/setup/padnet.py)
   flags = {f.name for f in dataclasses.fields(MoEFlags)} - set(MoEFlags.PARTITION)
   assert flags == set(PRESETS["moe_tiny"].moe.__dataclass_fields__)

@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from models import Transformer
+from research.bench.timing import trainer_optimizer, trainer_plan
 from research.train import TrainConfig, make_steps
-from research.train.setup.build import make_optimizer, model_config, step_options
+from research.train.setup.build import step_options
 from research.train.steps import frozen, train_state
 from research.train.steps.step import value_and_grad_trained
 from sharding import batch_sharding, devices_for, make_mesh
@@ -21,12 +22,22 @@ FREEZE = "blocks/(wq_DQ|wo_QD)|embed"  # the only (64, 64) weights, and the (256
 B, T = 4, 24
 
 
+def _model(cfg, mesh):
+  """The model the trainer builds for `cfg`, as a function (seed 0)."""
+  return lambda: Transformer(trainer_plan(cfg, mesh=mesh).model, rngs=nnx.Rngs(0))
+
+
+def _options(cfg, mesh):
+  """`make_steps`' keyword arguments the trainer gives for `cfg`."""
+  return step_options(trainer_plan(cfg, mesh=mesh))
+
+
 def setup(mesh_spec="data=1", **kw):
   cfg = TrainConfig(model="tiny", freeze=FREEZE, grad_clip=0.0, batch_size=B, seq_len=T, mesh=mesh_spec, steps=20,
                     warmup_steps=0, lr=1e-2, **kw)
   mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
-  tx, _ = make_optimizer(cfg)
-  graphdef, state, shardings = train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)
+  tx, _ = trainer_optimizer(cfg)
+  graphdef, state, shardings = train_state.create(_model(cfg, mesh), tx, mesh)
   return cfg, mesh, tx, graphdef, state, shardings, batch_sharding(mesh, (B, T))
 
 
@@ -52,7 +63,7 @@ def test_trained_parameters_update_as_with_full_backprop(mesh_spec):
   gradient computed, the frozen ones discarded by optax.set_to_zero) for every parameter, to float32 rounding."""
   cfg, mesh, tx, graphdef, state, shardings, batch_sh = setup(mesh_spec)
   full, _ = make_steps(graphdef, tx, shardings, batch_sh)
-  free, _ = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
+  free, _ = make_steps(graphdef, tx, shardings, batch_sh, **_options(cfg, mesh))
   copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
   a, b = copy(state), copy(state)
   rng = np.random.default_rng(0)
@@ -69,7 +80,7 @@ def test_trained_parameters_update_as_with_full_backprop(mesh_spec):
 
 
 def state_before(cfg, mesh, tx):
-  return train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)[1]
+  return train_state.create(_model(cfg, mesh), tx, mesh)[1]
 
 
 def test_the_compiled_step_computes_no_frozen_weight_gradient():
@@ -79,7 +90,7 @@ def test_the_compiled_step_computes_no_frozen_weight_gradient():
   x = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sh)
   with jax.set_mesh(mesh):
     full = make_steps(graphdef, tx, shardings, batch_sh)[0].lower(state, x, x).compile()
-    free = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))[0].lower(state, x, x).compile()
+    free = make_steps(graphdef, tx, shardings, batch_sh, **_options(cfg, mesh))[0].lower(state, x, x).compile()
   assert (64, 64) in dot_shapes(full) and (256, 64) in dot_shapes(full)  # wq/wo and the tied table's gradients
   assert (64, 64) not in dot_shapes(free) and (256, 64) not in dot_shapes(free)
   assert (64, 32) in dot_shapes(free)  # wk/wv train: their gradients are still there
@@ -89,11 +100,11 @@ def test_the_compiled_step_computes_no_frozen_weight_gradient():
 
 def test_frozen_parameters_are_stored_in_the_frozen_dtype():
   cfg, mesh, tx, graphdef, state, shardings, batch_sh = setup()
-  stored = frozen.store_frozen(state.params, shardings.params, cfg.finetune.freeze, jnp.bfloat16)
+  stored = frozen.store_frozen(state.params, shardings.params, cfg.trains.freeze, jnp.bfloat16)
   assert stored["embed_VD"].dtype == jnp.bfloat16 and stored["blocks"]["wq_DQ"].dtype == jnp.bfloat16
   assert stored["blocks"]["wk_DK"].dtype == jnp.float32 and stored["final_norm"].dtype == jnp.float32
   assert stored["embed_VD"].sharding == shardings.params["embed_VD"]
-  step, _ = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))
+  step, _ = make_steps(graphdef, tx, shardings, batch_sh, **_options(cfg, mesh))
   expected = np.asarray(stored["embed_VD"])  # the step donates its input
   x = jax.device_put(np.zeros((B, T), np.int32), batch_sh)
   with jax.set_mesh(mesh):

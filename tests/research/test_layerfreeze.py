@@ -13,9 +13,9 @@ from refusals import bad
 
 from models import Transformer
 from research.bench.finetune import matmul_flops
+from research.bench.timing import trainer_optimizer, trainer_plan
 from research.train import RunError, TrainConfig, make_steps, run
 from research.train.config import MoEFlags
-from research.train.setup.build import make_optimizer, model_config
 from research.train.steps import train_state
 from research.train.steps.layerfreeze import init_state, make_layer_steps
 from sharding import batch_sharding, devices_for, make_mesh
@@ -23,12 +23,17 @@ from sharding import batch_sharding, devices_for, make_mesh
 B, T, L = 4, 16, 4
 
 
+def _model(cfg, mesh):
+  """The model the trainer builds for `cfg`, as a function (seed 0)."""
+  return lambda: Transformer(trainer_plan(cfg, mesh=mesh).model, rngs=nnx.Rngs(0))
+
+
 def setup(model="tiny", mesh_spec="data=1", optimizer="adamw", **kw):
   cfg = TrainConfig(model=model, n_layers=L, optimizer=optimizer, grad_clip=0.0, batch_size=B, seq_len=T,
                     mesh=mesh_spec, steps=50, warmup_steps=2, lr=3e-3, **kw)
   mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
-  tx, _ = make_optimizer(cfg)
-  graphdef, state, shardings = train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)
+  tx, _ = trainer_optimizer(cfg)
+  graphdef, state, shardings = train_state.create(_model(cfg, mesh), tx, mesh)
   return cfg, mesh, tx, graphdef, state, shardings, batch_sharding(mesh, (B, T))
 
 
@@ -52,7 +57,7 @@ def test_updates_equal_full_backprop_with_the_frozen_part_masked(model, mesh_spe
   cfg, mesh, tx, graphdef, state, shardings, batch_sh = setup(model, mesh_spec, optimizer, freeze_layers=n)
   copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
   ref_tx = masked(tx, n)
-  _, ref_state, ref_sh = train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), ref_tx, mesh)
+  _, ref_state, ref_sh = train_state.create(_model(cfg, mesh), ref_tx, mesh)
   full, _ = make_steps(graphdef, ref_tx, ref_sh, batch_sh)
   fl_state, fl_sh = init_state(copy(state), shardings, tx, None, n, jnp.float32)
   step, _ = make_layer_steps(graphdef, tx, fl_sh, batch_sh, n)
@@ -78,8 +83,8 @@ def step_flops(n_layers: int, freeze: int) -> float:
   cfg = TrainConfig(model="tiny", n_layers=n_layers, batch_size=B, seq_len=T, mesh="data=1", steps=50,
                     freeze_layers=freeze, tie_embeddings=False)
   mesh = make_mesh("data=1", devices=devices_for("data=1"))
-  tx, _ = make_optimizer(cfg)
-  graphdef, state, shardings = train_state.create(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)), tx, mesh)
+  tx, _ = trainer_optimizer(cfg)
+  graphdef, state, shardings = train_state.create(_model(cfg, mesh), tx, mesh)
   batch_sh = batch_sharding(mesh, (B, T))
   if freeze:
     state, shardings = init_state(state, shardings, tx, None, freeze, jnp.float32)

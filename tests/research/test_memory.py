@@ -3,7 +3,6 @@ before its state exists; a run over the limit is refused in one line naming the 
 written and nothing of an existing run touched; the estimate is XLA's per-device bytes of the step the run then
 executes."""
 
-import dataclasses
 import json
 import os
 
@@ -13,13 +12,15 @@ import numpy as np
 import pytest
 from refusals import bad
 
+from research.bench.timing import trainer_optimizer, trainer_plan
 from research.train import TrainConfig, run
 from research.train.config import PeftFlags
+from research.train.feed import make_loader
+from research.train.hooks.source_weights import load_data
 from research.train.setup import memory
 from research.train.setup.blockwise import blockwise_parts
-from research.train.setup.build import make_optimizer, model_config, step_options
+from research.train.setup.build import step_options
 from research.train.setup.initial_state import abstract_initial_state
-from research.train.setup.startup import setup
 from research.train.steps.blockstep import make_block_steps
 from research.train.steps.step import make_steps
 from research.train.store.checkpoint import CHUNK_BYTES
@@ -32,11 +33,11 @@ TINY = dict(model="tiny", steps=4, batch_size=8, seq_len=32, log_every=2, eval_e
 def _estimate(mesh_spec: str, **kw) -> memory.Estimate:
   cfg = TrainConfig(**{**TINY, "mesh": mesh_spec, **kw})
   mesh = make_mesh(mesh_spec, devices=devices_for(mesh_spec))
-  mcfg = model_config(cfg)
-  tx, _ = make_optimizer(cfg)
-  graphdef, abstract, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, None)
+  plan = trainer_plan(cfg, mesh=mesh)
+  tx, _ = trainer_optimizer(cfg)
+  graphdef, abstract, shardings, _ = abstract_initial_state(plan, tx, None, None, None, cfg.peft_options)
   batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
-  step = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg))[0]
+  step = make_steps(graphdef, tx, shardings, batch_sh, **step_options(plan))[0]
   return memory.estimate(step, abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
 
 
@@ -126,13 +127,14 @@ def test_a_bad_memory_limit_is_one_line(tmp_path, capsys, limit):
 
 def test_the_fix_follows_what_dominates():
   step = memory.StepBytes(argument=10, output=10, alias=10, temp=1)
+  fix = lambda est, cfg: memory.fix(est, trainer_plan(cfg).trains, trainer_plan(cfg).model, cfg.training.seq_len)
   cfg = TrainConfig(**TINY)
-  assert "--optimizer badam" in memory.fix(memory.Estimate(step, 10, 1, 0, 1, "x"), cfg)
+  assert "--optimizer badam" in fix(memory.Estimate(step, 10, 1, 0, 1, "x"), cfg)
   assert memory.size(3 * 2**30) == "3.00 GiB" and memory.size(5 * 2**20) == "5.0 MiB"
-  assert "--mesh fsdp=N" in memory.fix(memory.Estimate(step, 10, 1, 0, 1, "x"), TrainConfig(**TINY, peft="lora"))
+  assert "--mesh fsdp=N" in fix(memory.Estimate(step, 10, 1, 0, 1, "x"), TrainConfig(**TINY, peft="lora"))
   hot = memory.StepBytes(argument=10, output=10, alias=10, temp=21)
-  assert "--remat" in memory.fix(memory.Estimate(hot, 10, 1, 0, 1, "x"), cfg)
-  remat = memory.fix(memory.Estimate(hot, 10, 1, 0, 1, "x"), TrainConfig(**TINY, remat=True))
+  assert "--remat" in fix(memory.Estimate(hot, 10, 1, 0, 1, "x"), cfg)
+  remat = fix(memory.Estimate(hot, 10, 1, 0, 1, "x"), TrainConfig(**TINY, remat=True))
   assert "--batch-size" in remat and "--remat" not in remat  # not a fix it already has
   assert np.isclose(memory.Estimate(hot, 10, 4, 5, None, "x").total, 5 + 4 * 31)
 
@@ -149,14 +151,16 @@ def test_a_bfloat16_store_gets_no_float32_copy_in_the_step(kw):
   stacked every layer's weights as residuals until the stack became their constant (models/blockwise.py)."""
   cfg = TrainConfig(**{**TINY, "model": "small", "mesh": "data=1", "n_layers": 16, "batch_size": 1, "seq_len": 16,
                        "remat": True, **kw})
-  _, mcfg, corpus, _ = setup(dataclasses.replace(cfg, mesh="data=8", batch_size=8))[:4]
   mesh = make_mesh("data=1", devices=devices_for("data=1"))  # one device, as the 3B runs (8 split differently)
+  plan = trainer_plan(cfg, mesh=mesh)
+  corpus = load_data(cfg.data, cfg.data_options)
+  loader = make_loader(corpus, cfg.training, cfg.data, cfg.data_options)
   batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
-  tx, schedule = make_optimizer(cfg)
-  parts = blockwise_parts(cfg, mcfg, mesh, schedule)
-  graphdef, abstract, shardings, _ = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts)
+  tx, schedule = trainer_optimizer(cfg)
+  parts = blockwise_parts(plan, schedule, cfg.optim.grad_clip)
+  graphdef, abstract, shardings, _ = abstract_initial_state(plan, tx, None, parts, loader, cfg.peft_options)
   step = (make_block_steps(graphdef, parts, shardings, batch_sh) if parts else
-          make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg)))[0]
+          make_steps(graphdef, tx, shardings, batch_sh, **step_options(plan)))[0]
   est = memory.estimate(step, abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
   stacked = [x for x in jax.tree.leaves(abstract) if x.dtype == jnp.bfloat16 and x.ndim >= 3]
   copy = sum(int(np.prod(x.shape)) * 4 for x in stacked)  # the stack's float32 bytes

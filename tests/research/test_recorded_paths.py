@@ -147,7 +147,7 @@ def test_what_is_made_absolute(tmp_path, monkeypatch):
   for kept in (None, "", "  ", "s3://bucket/data", "hf://datasets/x"):
     assert paths.absolute(kept) == kept
   cfg = TrainConfig(data=("d.txt",), tokenizer="tok", init_from="hf:m")
-  assert (cfg.data.paths, cfg.data.tokenizer, cfg.finetune.init_from) == ((f"{here}/d.txt",), f"{here}/tok",
+  assert (cfg.data.paths, cfg.data.tokenizer, cfg.weights.init_from) == ((f"{here}/d.txt",), f"{here}/tok",
                                                                           f"hf:{here}/m")
   assert TrainConfig().data.paths is None and TrainConfig(tokenizer="").data.tokenizer == ""  # "" is refused later
   assert paths.start_dir(f"{here}/runs/a", "runs/a") == here and paths.start_dir(f"{here}/b", "runs/a") is None

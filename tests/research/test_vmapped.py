@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from research.train import RunError, TrainConfig, run
-from research.train.vmapped import member_values, run_group
+from research.train.vmapped import build, member_values, run_group
 
 BASE = dict(model="tiny", n_layers=2, batch_size=8, seq_len=32, steps=8, log_every=1, eval_every=4, eval_batches=1,
             ckpt_every=4, warmup_steps=2, progress=False, tracker=("none",))
@@ -29,7 +29,7 @@ MEMBERS = [dict(lr=3e-3, seed=0), dict(lr=1e-2, seed=0), dict(lr=3e-3, seed=1, w
 
 def test_each_member_trains_as_its_one_at_a_time_run(tmp_path):
   cfgs = _cfgs(tmp_path / "group", MEMBERS, optimizer="adamw", weight_decay=0.1)
-  records = run_group(cfgs, str(tmp_path / "group" / "state"))
+  records = run_group(build(cfgs), str(tmp_path / "group" / "state"))
   assert [len(r) for r in records] == [8, 8, 8]
   for cfg, recs in zip(cfgs, records):
     alone = run(dataclasses.replace(cfg, out=cfg.checkpoint.out + "-alone", mesh="data=8"))
@@ -47,16 +47,16 @@ def test_each_member_trains_as_its_one_at_a_time_run(tmp_path):
 def test_muon_members_vary_their_lr_and_a_numeric_opt_value(tmp_path):
   members = [dict(lr=1e-2, opt=("beta=0.95",)), dict(lr=2e-2, opt=("beta=0.95",)), dict(lr=1e-2, opt=("beta=0.9",))]
   cfgs = _cfgs(tmp_path, members, optimizer="muon", steps=4, eval_every=4)
-  assert member_values(cfgs) == ([{"beta": 0.95, "lr": 1e-2}, {"beta": 0.95, "lr": 2e-2},
+  assert member_values([c.optim for c in cfgs]) == ([{"beta": 0.95, "lr": 1e-2}, {"beta": 0.95, "lr": 2e-2},
                                   {"beta": 0.9, "lr": 1e-2}], ["beta", "lr"])
-  records = run_group(cfgs, str(tmp_path / "state"))
+  records = run_group(build(cfgs), str(tmp_path / "state"))
   alone = run(dataclasses.replace(cfgs[1], out=str(tmp_path / "alone"), mesh="data=8"))
   assert records[1][-1]["val_loss"] == pytest.approx(alone[-1]["val_loss"], rel=2e-5)
 
 
 def test_a_killed_group_resumes_exactly(tmp_path, monkeypatch):
   cfgs = _cfgs(tmp_path / "a", MEMBERS[:2], optimizer="adamw")
-  whole = run_group(cfgs, str(tmp_path / "a" / "state"))
+  whole = run_group(build(cfgs), str(tmp_path / "a" / "state"))
   cut = _cfgs(tmp_path / "b", MEMBERS[:2], optimizer="adamw")
   import research.train.vmapped as vm
   real = vm._save
@@ -69,13 +69,13 @@ def test_a_killed_group_resumes_exactly(tmp_path, monkeypatch):
       raise KeyboardInterrupt
   monkeypatch.setattr(vm, "_save", kill_after_first_save)
   with pytest.raises(KeyboardInterrupt):
-    run_group(cut, str(tmp_path / "b" / "state"))
+    run_group(build(cut), str(tmp_path / "b" / "state"))
   monkeypatch.setattr(vm, "_save", real)
   with open(os.path.join(cut[0].checkpoint.out, "metrics.jsonl"), "a") as f:  # a record past the checkpoint
     f.write(json.dumps({"step": 5, "loss": 0.0}) + "\n")
   with open(os.path.join(cut[1].checkpoint.out, "metrics.jsonl"), "a") as f:  # a last line a kill cut short
     f.write('{"step": 5, "lo')
-  rest = run_group(cut, str(tmp_path / "b" / "state"))
+  rest = run_group(build(cut), str(tmp_path / "b" / "state"))
   assert [r["step"] for r in rest[0]] == [5, 6, 7, 8]
   strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # a time, not a result
   for k in range(2):
@@ -93,26 +93,26 @@ def test_a_killed_group_resumes_exactly(tmp_path, monkeypatch):
 def test_what_cannot_share_one_program_is_refused(tmp_path, first, change, why):
   cfgs = _cfgs(tmp_path, [dict(lr=1e-2, **first), dict(lr=2e-2, **change)], optimizer="muon")
   with pytest.raises(RunError, match=why):
-    run_group(cfgs, str(tmp_path / "state"))
+    run_group(build(cfgs), str(tmp_path / "state"))
   assert not os.path.exists(tmp_path / "state")
 
 
 def test_a_damaged_group_state_is_one_clear_error(tmp_path):
   cfgs = _cfgs(tmp_path, MEMBERS[:2], optimizer="adamw", steps=4)
-  run_group(cfgs, str(tmp_path / "state"))
+  run_group(build(cfgs), str(tmp_path / "state"))
   (tmp_path / "state" / "state.npz").write_bytes(b"not a zip")
   before = _metrics(cfgs[0].checkpoint.out)
   with pytest.raises(RunError, match="unreadable"):
-    run_group(cfgs, str(tmp_path / "state"))
+    run_group(build(cfgs), str(tmp_path / "state"))
   assert _metrics(cfgs[0].checkpoint.out) == before  # nothing already written is lost
 
 
 def test_member_values_lists_what_varies():
   cfgs = [TrainConfig(**BASE, lr=1e-3, seed=s) for s in (0, 1)]
-  assert member_values(cfgs) == ([{}, {}], [])
+  assert member_values([c.optim for c in cfgs]) == ([{}, {}], [])
   cfgs = [TrainConfig(**BASE, optimizer="muon", lr=lr, opt=(f"beta={b}",)) for lr, b in ((1e-2, 0.9), (1e-2, 0.95))]
-  assert member_values(cfgs) == ([{"beta": 0.9}, {"beta": 0.95}], ["beta"])
-  np.testing.assert_equal(member_values(cfgs[:1])[1], [])
+  assert member_values([c.optim for c in cfgs]) == ([{"beta": 0.9}, {"beta": 0.95}], ["beta"])
+  np.testing.assert_equal(member_values([cfgs[0].optim])[1], [])
 
 
 def test_a_second_learning_rate_follows_the_runs_schedule(monkeypatch):
@@ -123,7 +123,7 @@ def test_a_second_learning_rate_follows_the_runs_schedule(monkeypatch):
   monkeypatch.setattr(build.frozen, "freeze", lambda tx, spec: (tx, None))
   cfg = TrainConfig(**{**BASE, "steps": 100, "warmup_steps": 10}, optimizer="muon", lr=0.02,
                     opt=("adam_learning_rate=0.004", "beta=0.9"), grad_clip=0.0)
-  build.make_optimizer(cfg)
+  build.make_optimizer(cfg.optim, cfg.training.steps, build.optimizer_needs(cfg.optim))
   main, second = got["lr"], got["adam_learning_rate"]
   for step in (0, 5, 10, 50, 99):
     assert float(second(step)) == pytest.approx(float(main(step)) * 0.004 / 0.02, rel=1e-6)

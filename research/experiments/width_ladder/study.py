@@ -64,7 +64,7 @@ from research.search import Dim, edge_flags, grid_edge, quasi_random
 from research.train import TrainConfig, run
 from research.train.config import flat_record
 from research.train.store.rundir import read_records
-from research.train.vmapped import run_group
+from research.train.vmapped import build, run_group
 
 NAME = "width_ladder"
 # the code this process runs: HEAD when it imported the code, not when a group ends (commits made while a long ladder
@@ -240,7 +240,7 @@ class Ladder:
           multihost_utils.sync_global_devices(f"width-ladder {c.checkpoint.out}")
     else:
       key = hashlib.sha1("|".join(c.checkpoint.out for c in cfgs).encode()).hexdigest()[:10]
-      run_group(cfgs, os.path.join(where, f"group-{key}"))
+      run_group(build(cfgs), os.path.join(where, f"group-{key}"))
     if jax.process_index() == 0:
       for c in cfgs:
         with open(os.path.join(c.checkpoint.out, "commit"), "w") as f:

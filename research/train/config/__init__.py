@@ -1,11 +1,13 @@
 """`TrainConfig`: every `python -m research.train` flag, in sections (research/train/config/sections.py).
 
-A function of the trainer receives the section(s) it reads (`cfg.optim`, `cfg.data`, ...); the whole config goes only to
-the top (start-up and the loop's construction). Flags keep their spelling (`--lr`, `--model`, `--moe.top-k`), and so
+A function of the trainer receives the section(s) it reads (`cfg.optim`, `cfg.data`, ...) and the run's plan
+(research/train/setup/plan.py); the whole config goes only to the entry points (the loop, the flag checks, the run's
+construction, a vmapped group). Flags keep their spelling (`--lr`, `--model`, `--moe.top-k`), and so
 does Python: `TrainConfig(model="tiny", lr=1e-2)` builds a config from keywords named as the flags are (their
 underscores), `dataclasses.replace(cfg, lr=...)` changes some, and `cfg.flags()` gives them back flat. config.json
-stores the sections; `flat_record` reads the "train" record of either layout (runs written before the sections stored it
-flat), which is how a resumed run compares its settings with its checkpoint's.
+stores the sections; `flat_record` reads the "train" record of every layout (runs written before the sections stored
+it flat, and before `finetune` was split into `weights` and `trains`), which is how a resumed run compares its
+settings with its checkpoint's.
 
 Beside it: the sections with a prefix of their own (prefixed.py), the sections derived from a library config's schema
 (derived.py), the observers' section (observe.py), the paths a run records, absolute and fingerprinted (paths.py), what
@@ -28,7 +30,6 @@ from research.train.config.sections import (
   CheckpointSection,
   DataSection,
   DistributedSection,
-  FinetuneSection,
   HealthSection,
   LoggingSection,
   MeshSection,
@@ -37,6 +38,8 @@ from research.train.config.sections import (
   RuntimeSection,
   SyncSection,
   TrainingSection,
+  TrainsSection,
+  WeightsSection,
 )
 
 _Section = tyro.conf.OmitArgPrefixes  # a section's flags carry no prefix; --help groups them under its name
@@ -61,7 +64,8 @@ class TrainConfig:
   """How the data is read and laid into rows (--data.field text --data.layout pack ...)."""
   mesh: Annotated[MeshSection, _Section] = _section(MeshSection)
   sync: Annotated[SyncSection, _Section] = _section(SyncSection)
-  finetune: Annotated[FinetuneSection, _Section] = _section(FinetuneSection)
+  weights: Annotated[WeightsSection, _Section] = _section(WeightsSection)
+  trains: Annotated[TrainsSection, _Section] = _section(TrainsSection)
   peft_options: Annotated[PeftFlags, tyro.conf.arg(name="peft")] = _section(PeftFlags)
   """Adapter settings (--peft.rank 8 --peft.alpha 16 --peft.targets REGEX ...); each method reads its own."""
   checkpoint: Annotated[CheckpointSection, _Section] = _section(CheckpointSection)
@@ -115,6 +119,19 @@ class TrainConfig:
     """
     return {flag: (getattr(getattr(self, s), a) if a else getattr(self, s)) for flag, (s, a) in FLAGS.items()}
 
+  def features(self) -> dict[str, str | None]:
+    """The run features its sections declare, by research/train/setup/clashes.py's names.
+
+    Each section's `features()`: --sync, --zero1, --peft, observers, ...
+
+    Returns:
+      {feature: how a message names it when the run has it, else None}.
+    """
+    out: dict[str, str | None] = {}
+    for f in dataclasses.fields(self):
+      out.update(getattr(getattr(self, f.name), "features", dict)())
+    return out
+
 
 def _nested() -> type:
   """`TrainConfig` as a field of another tool's config (the sweep's `train`: `--train.lr`, `--train.moe.top-k`).
@@ -164,7 +181,9 @@ def flat_record(train: dict) -> dict:
   """
   if not isinstance(train.get("optim"), dict):  # the flat layout had no "optim" flag
     return dict(train)
-  out = {}
+  out: dict[str, Any] = {}
+  for section in _SPLIT:  # a section of an earlier layout, since split: its fields are flags of their own name
+    out.update(train.get(section) or {})
   for flag, (section, attr) in FLAGS.items():
     if section in train:
       value = train[section] if attr is None else train[section].get(attr, _MISSING)
@@ -174,6 +193,7 @@ def flat_record(train: dict) -> dict:
 
 
 _MISSING = object()
+_SPLIT = ("finetune",)  # runs before 2026-12-06: --init-from and what trains in one section (now weights, trains)
 
 
 def flat_meta(meta: dict) -> dict:

@@ -47,3 +47,9 @@ class ObserveSection:
   """The EMA's decay over the noise scale's measurements (of |G|^2 and tr(Sigma) apart, then their ratio)."""
   observe: tuple[str, ...] = ()
   """NAME:EVERY: a registered observer (`research.train.observers.register`) every EVERY steps, repeatable."""
+
+  def features(self) -> dict[str, str | None]:
+    """The run features this section turns on, by research/train/setup/clashes.py's names: {feature: flag or None}."""
+    on = any((self.watch, self.spectra_every, self.sharpness_every, self.gns_every, self.observe))
+    named = "observers (--watch, --spectra-every, --sharpness-every, --gns-every, --observe)"
+    return {"observe": named if on else None}

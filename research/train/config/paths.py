@@ -1,5 +1,5 @@
 """The paths a run records, absolute: --data (its NAME=PATH sources and globs too), --tokenizer and --init-from are made
-absolute when the config is built (`DataSection`, `FinetuneSection`), so the run and every tool that reads its
+absolute when the config is built (`DataSection`, `WeightsSection`), so the run and every tool that reads its
 config.json later (research.sample, export, quantize) resolve the same file from any working directory; and the files
 a run depends on beyond its data, the tokenizer and an `hf:` source's config.json, recorded with their sha256
 (`fingerprints`, config.json's "files"), so a tool names in one line one that changed since (`changed`).

@@ -121,6 +121,10 @@ class MeshSection:
   zero1: bool = False
   """ZeRO-1: split the optimizer state over the data axis as well (the parameters stay replicated there)."""
 
+  def features(self) -> dict[str, str | None]:
+    """The run features this section turns on, by research/train/setup/clashes.py's names: {feature: flag or None}."""
+    return {"switch_at": "--switch-at" if self.switch_at else None, "zero1": "--zero1" if self.zero1 else None}
+
 
 @dataclasses.dataclass
 class SyncSection:
@@ -135,15 +139,27 @@ class SyncSection:
   outer_momentum: float = 0.9
   """--sync local:H: the outer optimizer's Nesterov momentum (DiLoCo's 0.9; 0 = plain SGD)."""
 
+  def features(self) -> dict[str, str | None]:
+    """The run features this section turns on, by research/train/setup/clashes.py's names: {feature: flag or None}."""
+    return {"sync": f"--sync {self.mode}" if self.mode != "allreduce" else None}
+
 
 @dataclasses.dataclass
-class FinetuneSection:
-  """Fine-tuning: pretrained parameters in, and what stays fixed."""
+class WeightsSection:
+  """Where the weights come from: random (the preset's shapes) or pretrained ones."""
   PATHS: ClassVar[tuple] = ("init_from",)
   init_from: str | None = None
   """Start from pretrained parameters: hf:PATH (a Hugging Face model directory) or an optlab RUN_DIR (its newest
   checkpoint). The model config is the checkpoint's (a conflicting model flag is an error); the optimizer starts
   fresh. Resuming this run later resumes it, not the source."""
+
+  def __post_init__(self):
+    self.init_from = absolute_source(self.init_from)  # hf:PATH keeps its prefix
+
+
+@dataclasses.dataclass
+class TrainsSection:
+  """What trains: every parameter, or the ones left after a freeze, or adapters on a frozen base."""
   freeze: str | None = None
   """Keep the parameters whose path matches this regular expression fixed (no gradient, no optimizer state, no
   update), e.g. 'embed|norm' or 'blocks/(wq|wk)'."""
@@ -161,8 +177,10 @@ class FinetuneSection:
   base stays fixed (no gradient, no optimizer state), checkpoints hold the adapters with it, research.export writes
   it merged or (a method PEFT's format holds) as a PEFT adapter."""
 
-  def __post_init__(self):
-    self.init_from = absolute_source(self.init_from)  # hf:PATH keeps its prefix
+  def features(self) -> dict[str, str | None]:
+    """The run features this section turns on, by research/train/setup/clashes.py's names: {feature: flag or None}."""
+    return {"freeze_layers": "--freeze-layers" if self.freeze_layers else None,
+            "peft": "--peft" if self.peft else None, "freeze": "--freeze" if self.freeze else None}
 
 
 @dataclasses.dataclass

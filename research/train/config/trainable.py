@@ -40,10 +40,18 @@ def frozen_mask(regex: str | None):
   return lambda params: jax.tree_util.tree_map_with_path(lambda p, _: bool(compiled.search(path_name(p))), params)
 
 
-def frozen_dtype(finetune):
+def frozen_dtype(trains, init_from: str | None):
   """The storage dtype of --freeze's parameters: --frozen-dtype, else bfloat16 when fine-tuning (--init-from), else
-  float32. `finetune`: the config's finetune section."""
-  return jnp.dtype(finetune.frozen_dtype or ("bfloat16" if finetune.init_from else "float32"))
+  float32.
+
+  Args:
+    trains: the config's trains section (--frozen-dtype).
+    init_from: --init-from (the weights section's), or None.
+
+  Returns:
+    The dtype.
+  """
+  return jnp.dtype(trains.frozen_dtype or ("bfloat16" if init_from else "float32"))
 
 
 def saved_frozen_dtype(train: dict) -> str:
@@ -90,20 +98,20 @@ class Trainable:
                whole["dtype"] if whole else None, saved_frozen_dtype(train))
 
   @classmethod
-  def of_run(cls, finetune, blockwise: bool) -> Trainable:
+  def of_run(cls, trains, init_from: str | None, blockwise: bool) -> Trainable:
     """What a run about to start trains.
 
     Args:
-      finetune: its config's finetune section.
-      blockwise: whether its optimizer runs its blockwise step (`research.train.setup.blockwise.blockwise_parts` is
-        not None).
+      trains: its config's trains section.
+      init_from: its --init-from (the weights section's), or None.
+      blockwise: whether its optimizer runs its blockwise step (`research.train.setup.blockwise.eligible` says so).
 
     Returns:
       The run's `Trainable`.
     """
-    dtype = str(frozen_dtype(finetune))
-    return cls(finetune.freeze, finetune.freeze_layers, blockwise, bool(finetune.peft),
-               dtype if blockwise or finetune.freeze_layers else None, dtype)
+    dtype = str(frozen_dtype(trains, init_from))
+    return cls(trains.freeze, trains.freeze_layers, blockwise, bool(trains.peft),
+               dtype if blockwise or trains.freeze_layers else None, dtype)
 
   @property
   def step(self) -> str:

@@ -68,29 +68,32 @@ def _shared(section) -> None:
         raise PreflightError(str(e)) from None
 
 
-def check_numbers(cfg):
+def check_numbers(sections, optim, training, logging):
   """Every section's own checks (`check_section`), then those across sections.
 
   Args:
-    cfg: the run's config.
+    sections: every section of the run's config.
+    optim: its optim section (--warmup-steps).
+    training: its training section (--steps, --stop-at).
+    logging: its logging section (--profile).
 
   Raises:
     PreflightError: one line: a section's check, a warmup outside [0, --steps], a --stop-at below 1, a --profile
       window that is malformed or reaches past --steps.
   """
-  for f in dataclasses.fields(cfg):
-    check_section(getattr(cfg, f.name))
-  if cfg.optim.warmup_steps is not None and not 0 <= cfg.optim.warmup_steps <= cfg.training.steps:
-    raise PreflightError(f"--warmup-steps ({cfg.optim.warmup_steps}) must lie in [0, --steps={cfg.training.steps}]")
-  if cfg.training.stop_at is not None and cfg.training.stop_at <= 0:
-    raise PreflightError(f"--stop-at must be positive, got {cfg.training.stop_at}")
+  for section in sections:
+    check_section(section)
+  if optim.warmup_steps is not None and not 0 <= optim.warmup_steps <= training.steps:
+    raise PreflightError(f"--warmup-steps ({optim.warmup_steps}) must lie in [0, --steps={training.steps}]")
+  if training.stop_at is not None and training.stop_at <= 0:
+    raise PreflightError(f"--stop-at must be positive, got {training.stop_at}")
   try:
-    window = profiler.parse(cfg.logging.profile)
+    window = profiler.parse(logging.profile)
   except profiler.ProfileError as e:
     raise PreflightError(str(e)) from None
-  if window is not None and sum(window) - 1 > cfg.training.steps:
-    raise PreflightError(f"--profile {cfg.logging.profile}: steps {window[0]}-{sum(window) - 1} are not all within "
-                         f"--steps {cfg.training.steps}")
+  if window is not None and sum(window) - 1 > training.steps:
+    raise PreflightError(f"--profile {logging.profile}: steps {window[0]}-{sum(window) - 1} are not all within "
+                         f"--steps {training.steps}")
 
 
 def check_out(out: str):
@@ -117,6 +120,15 @@ def check_out(out: str):
 
 
 def check(cfg):
-  check_numbers(cfg)
+  """Every check of the flags alone (module docstring).
+
+  Args:
+    cfg: the run's config.
+
+  Raises:
+    PreflightError: one line naming the first flag that fails.
+    RunError: --tracker's package is missing.
+  """
+  check_numbers([getattr(cfg, f.name) for f in dataclasses.fields(cfg)], cfg.optim, cfg.training, cfg.logging)
   check_out(cfg.checkpoint.out)
   trackers.check(cfg.logging.tracker)  # a RunError: --tracker's package is missing

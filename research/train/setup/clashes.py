@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from optim import Needs
 from research.train.config import RunError
-from research.train.setup.build import needs_of
 from research.train.steps import update_args
 from sharding.mesh import CONTEXT, STAGE
 
@@ -27,36 +26,28 @@ CLASHES = (
 BLOCKWISE_BLOCKERS = ("stage", "context", "sync", "freeze", "peft", "zero1", "switch_at")
 
 
-def features(cfg, mesh, mcfg=None, needs: Needs | None = None) -> dict[str, str | None]:
+def features(declared: dict[str, str | None], mesh, mcfg, optimizer: str, needs: Needs) -> dict[str, str | None]:
   """The run's features, by the names `CLASHES` uses.
 
   Args:
-    cfg: the run's config.
+    declared: the features its config's sections declare (`TrainConfig.features`: --sync, --zero1, --peft, ...).
     mesh: its mesh.
     mcfg: its model config (None: the model's features are unknown, taken as off).
-    needs: the run's optimizer needs (None: computed from the config).
+    optimizer: its --optimizer, as messages name it.
+    needs: the optimizer's declared needs.
 
   Returns:
     {feature: how a message names it when the run has it, else None}.
   """
-  needs = needs_of(cfg.optim, needs)
   args = ", ".join(sorted(needs.update_args))
-  on = {"sync": f"--sync {cfg.sync.mode}" if cfg.sync.mode != "allreduce" else None,
-        "freeze_layers": "--freeze-layers" if cfg.finetune.freeze_layers else None,
-        "peft": "--peft" if cfg.finetune.peft else None,
-        "freeze": "--freeze" if cfg.finetune.freeze else None,
-        "switch_at": "--switch-at" if cfg.mesh.switch_at else None,
-        "zero1": "--zero1" if cfg.mesh.zero1 else None,
+  on = {**declared,
         "stage": "a stage mesh axis" if mesh.shape[STAGE] > 1 else None,
         "context": "a context mesh axis" if mesh.shape[CONTEXT] > 1 else None,
         "moe": "a MoE model" if mcfg is not None and mcfg.moe else None,
-        "blocks": f"--optimizer {cfg.optim.optimizer} (its own blocks)" if needs.block_coordinate else None,
-        "update_args": f"--optimizer {cfg.optim.optimizer}'s update arguments ({args})" if args else None,
-        "observe": "observers (--watch, --spectra-every, --sharpness-every, --gns-every, --observe)" if any(
-            (cfg.observe.watch, cfg.observe.spectra_every, cfg.observe.sharpness_every, cfg.observe.gns_every,
-             cfg.observe.observe)) else None}
+        "blocks": f"--optimizer {optimizer} (its own blocks)" if needs.block_coordinate else None,
+        "update_args": f"--optimizer {optimizer}'s update arguments ({args})" if args else None}
   for arg in update_args.declared(needs.update_args):
-    on[f"arg:{arg.name}"] = f"--optimizer {cfg.optim.optimizer}'s update argument {arg.name}"
+    on[f"arg:{arg.name}"] = f"--optimizer {optimizer}'s update argument {arg.name}"
   return on
 
 
@@ -74,41 +65,35 @@ def rows(update_arg_names) -> tuple:
   return CLASHES + extra
 
 
-def check(cfg, mesh, mcfg, needs: Needs | None = None) -> None:
+def check(on: dict[str, str | None], optimizer: str, needs: Needs) -> None:
   """Refuses a run some row of `CLASHES` applies to.
 
   Args:
-    cfg: the run's config.
-    mesh: its mesh.
-    mcfg: its model config.
-    needs: the run's optimizer needs (None: computed from the config).
+    on: the run's features (`features`).
+    optimizer: its --optimizer, as messages name it.
+    needs: the optimizer's declared needs.
 
   Raises:
     RunError: one line for the first row whose feature the run has together with one it does not combine with.
   """
-  needs = needs_of(cfg.optim, needs)
-  on = features(cfg, mesh, mcfg, needs)
   table = rows(needs.update_args)
   unknown = sorted({s for s, _, _ in table} - set(on))
   if unknown:  # a declaration's typo, said in one line
-    raise RunError(f"--optimizer {cfg.optim.optimizer}'s update arguments declare clashes with unknown run "
-                   f"features {', '.join(unknown)}; the features are {', '.join(sorted(on))}")
+    raise RunError(f"--optimizer {optimizer}'s update arguments declare clashes with unknown run features "
+                   f"{', '.join(unknown)}; the features are {', '.join(sorted(on))}")
   for subject, others, why in table:
     named = [n for n in (on.get(o) for o in others) if n]
     if on[subject] and named:
       raise RunError(f"{on[subject]} does not combine with {', '.join(named)} ({why})")
 
 
-def blockwise_blockers(cfg, mesh, needs: Needs | None = None) -> list[str]:
+def blockwise_blockers(on: dict[str, str | None]) -> list[str]:
   """What keeps a blockwise optimizer off its blockwise step in this run.
 
   Args:
-    cfg: the run's config.
-    mesh: its mesh.
-    needs: the run's optimizer needs (None: computed from the config).
+    on: the run's features (`features`).
 
   Returns:
     The run's features among `BLOCKWISE_BLOCKERS`, as messages name them (empty: none).
   """
-  on = features(cfg, mesh, needs=needs)
   return [n for n in (on[b] for b in BLOCKWISE_BLOCKERS) if n]

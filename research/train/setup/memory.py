@@ -34,11 +34,10 @@ import jax.numpy as jnp
 
 from models import peft
 from models.attention import BLOCK, resolve
-from optim import OPTIMIZERS, Needs, registry
+from optim import OPTIMIZERS, registry
 from research.train.config import RunError
 from research.train.config.trainable import Trainable
 from research.train.runtime.xla import GIB, StepBytes, size
-from research.train.setup.build import model_config, needs_of
 from research.train.store.checkpoint import CHUNK_BYTES
 from sharding import mesh_scope
 
@@ -166,9 +165,16 @@ def _shard_bytes(a) -> int:
   return math.prod(shape) * jnp.dtype(a.dtype).itemsize
 
 
-def check(est: Estimate, override: float | None, cfg, needs: Needs | None = None, mcfg=None) -> None:
-  """Refuses (RunError, one line) a run whose estimate exceeds the limit: `override` GiB replaces it, 0 checks
-  nothing; `needs` and `mcfg`: the run's optimizer needs and model config when built already."""
+def check(est: Estimate, override: float | None, trains: Trainable, mcfg, seq_len: int) -> None:
+  """Refuses (RunError, one line) a run whose estimate exceeds the limit.
+
+  Args:
+    est: the run's estimate.
+    override: --memory-limit: GiB replacing the devices' limit, 0 checks nothing, None: the devices'.
+    trains: what the run trains (`Plan.trains`).
+    mcfg: its model config.
+    seq_len: --seq-len.
+  """
   if override == 0:
     return
   limit = int(override * GIB) if override is not None else est.limit
@@ -179,14 +185,23 @@ def check(est: Estimate, override: float | None, cfg, needs: Needs | None = None
                  f"temporaries {size(est.step.temp)} per device{f' x {est.devices} devices' if est.devices > 1 else ''}"
                  f"{f', {size(est.host)} already in use' if est.host else ''}"
                  f"{f', checkpoint writer {size(est.writer)}' if est.writer else ''}) but {where} holds less: "
-                 f"{fix(est, cfg, needs, mcfg)}; or --memory-limit GIB (0: no check) if you know better")
+                 f"{fix(est, trains, mcfg, seq_len)}; or --memory-limit GIB (0: no check) if you know better")
 
 
-def fix(est: Estimate, cfg, needs: Needs | None = None, mcfg=None) -> str:
+def fix(est: Estimate, trains: Trainable, mcfg, seq_len: int) -> str:
   """What would make the run fit, by what dominates it: the state (with the gradients and update temporaries of its
-  size, about half the step's temporaries when the state dominates) or the activations."""
+  size, about half the step's temporaries when the state dominates) or the activations.
+
+  Args:
+    est: the run's estimate.
+    trains: what the run trains.
+    mcfg: its model config (--remat; the head dim decides whether cuDNN would take its attention).
+    seq_len: --seq-len.
+
+  Returns:
+    The advice, one phrase.
+  """
   state_bound = 2 * est.state >= est.step.temp
-  trains = Trainable.of_run(cfg.finetune, needs_of(cfg.optim, needs).blockwise is not None)  # what it trains
   if state_bound and not (trains.adapters or trains.blockwise):
     blockwise = " / ".join(sorted(n for n in OPTIMIZERS if registry.needs(n).blockwise is not None))
     return (f"fine-tune fewer bytes (--optimizer {blockwise}: the model in bfloat16, one layer trained at a time; "
@@ -194,9 +209,8 @@ def fix(est: Estimate, cfg, needs: Needs | None = None, mcfg=None) -> str:
             "more devices (--mesh fsdp=N)")
   if state_bound:
     return "shard the state over more devices (--mesh fsdp=N) or choose a smaller model"
-  remat = "" if cfg.model.remat else ", or recompute activations in the backward (--remat True)"
-  mcfg = mcfg or model_config(cfg, needs)  # the model's head dim decides whether cuDNN would take it
-  return f"lower --batch-size or --seq-len{remat}{scores_fix(mcfg, cfg.training.seq_len)}"
+  remat = "" if mcfg.remat else ", or recompute activations in the backward (--remat True)"
+  return f"lower --batch-size or --seq-len{remat}{scores_fix(mcfg, seq_len)}"
 
 
 def scores_fix(mcfg, seq_len: int) -> str:

@@ -19,20 +19,19 @@ from jax.sharding import PartitionSpec as P
 
 from models import padnet
 from research.train.config import RunError
-from research.train.feed import make_loader
 from research.train.steps.step import lm_loss
 from research.train.steps.train_state import TrainState
 from sharding import global_batch, mesh_scope
 
 
-def partition(cfg, graphdef: nnx.GraphDef, state: TrainState, corpus, mesh) -> tuple[TrainState, dict, str]:
-  """IMP of the state's PAD-Net masks as `cfg.moe.partition()` asks (call it only when that is not None).
+def partition(how: dict, loader, graphdef: nnx.GraphDef, state: TrainState, mesh) -> tuple[TrainState, dict, str]:
+  """IMP of the state's PAD-Net masks as --moe.* asks.
 
   Args:
-    cfg: the run's config: its moe section's partition settings, the training and data sections' batches.
+    how: the moe section's partition settings (`MoEFlags.partition()`, not None: --moe.pad-ratio < 1).
+    loader: the run's training batches (the scoring batches are its first ones).
     graphdef: the model's structure.
     state: the new run's train state at step 0.
-    corpus: the run's corpus (the scoring batches are its first training batches).
     mesh: the run's mesh.
 
   Returns:
@@ -42,8 +41,6 @@ def partition(cfg, graphdef: nnx.GraphDef, state: TrainState, corpus, mesh) -> t
   Raises:
     RunError: the state has no PAD-Net mask among its buffers.
   """
-  how = cfg.moe.partition()
-  loader = make_loader(corpus, cfg.training, cfg.data, cfg.data_options)
   batches = [global_batch(tuple(loader.batch(i))[:2], mesh) for i in range(how["batches"])]  # (x, y)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(state.model_buffers)
   at = _mask_leaves(graphdef, state, [tuple(k.key for k in path) for path, _ in leaves])

@@ -1,7 +1,7 @@
-"""A run built before its first step (`start`): the mesh, data and model (startup.py), the optimizer, the compiled
-steps of what trains, the memory pre-flight, the state (new, or restored from the newest readable checkpoint), the
-feed, and every object the loop's hooks call; config.json written. `Run` is what the loop carries from step to
-step."""
+"""A run built before its first step (`start`): its plan (plan.py, resolved once by `programs`), the mesh, data and
+model (startup.py), the optimizer, the compiled steps of what trains, the memory pre-flight, the state (new, or
+restored from the newest readable checkpoint), the feed, and every object the loop's hooks call; config.json written.
+`Run` is what the loop carries from step to step."""
 
 from __future__ import annotations
 
@@ -16,11 +16,9 @@ import jax
 from flax import nnx
 
 from models import Transformer, flops_per_token
-from optim import Needs
 from research.data import Corpus
-from research.train.config import TrainConfig
-from research.train.config.trainable import Trainable
-from research.train.feed import Feed
+from research.train.config import TrainConfig, paths
+from research.train.feed import Feed, make_loader
 from research.train.hooks.profiler import Profiler
 from research.train.hooks.progress import Progress
 from research.train.hooks.source_weights import Mixing
@@ -28,12 +26,12 @@ from research.train.hooks.throughput import Meter, Peak
 from research.train.hooks.trackers import Trackers
 from research.train.hooks.watchdog import Watchdog
 from research.train.runtime.processes import is_primary
-from research.train.setup import memory
-from research.train.setup.blockwise import blockwise_parts
-from research.train.setup.build import make_optimizer, optimizer_needs, step_options
+from research.train.setup import blockwise, memory, padnet, startup
+from research.train.setup.build import make_optimizer, model_config, optimizer_needs, step_options
 from research.train.setup.initial_state import abstract_initial_state, initial_state, sync_steps
+from research.train.setup.plan import Plan
 from research.train.setup.resume import newest_readable
-from research.train.setup.startup import run_meta, setup
+from research.train.setup.startup import run_meta
 from research.train.setup.switch import Layout, switch_layout
 from research.train.steps import blockstep, layerfreeze, observed, sync
 from research.train.steps.health import Monitor
@@ -41,7 +39,7 @@ from research.train.steps.step import make_steps
 from research.train.steps.train_state import TrainState
 from research.train.store import rundir
 from research.train.store.checkpoint import Checkpointer
-from sharding import logical_names
+from sharding import logical_names, make_mesh
 
 
 @dataclasses.dataclass
@@ -81,8 +79,16 @@ class Run:
 
 class Programs(NamedTuple):
   """A run's pieces before its state exists (nothing allocated): what the memory pre-flight compiles against."""
-  setup: tuple  # `startup.setup`'s (mesh, model config, corpus, batch sharding, plan, pipeline, held-out batches)
+  plan: Plan  # the run's decisions, resolved once
+  corpus: Corpus
+  batch_sh: Any  # a batch's sharding
+  switches: list  # --switch-at's [(step, mesh)]
+  pipe: dict | None  # the GPipe pipeline plan
+  val_host: list  # the held-out batches on the host
+  val: list  # and on the mesh
+  loader: Any  # the training batches (a calibrating adapter's first batch, PAD-Net's scoring batches)
   tx: Any
+  plain: Any  # the optimizer without --freeze (--freeze's report), or None
   schedule: Callable  # the learning rate at each step
   parts: Any  # a block-coordinate optimizer's blockwise step, or None
   graphdef: nnx.GraphDef
@@ -92,11 +98,13 @@ class Programs(NamedTuple):
   train_step: Callable
   eval_step: Callable
   syncer: sync.Steps
-  needs: Needs  # the optimizer's declared needs, computed once here and handed to every part that acts on them
 
 
 def programs(cfg: TrainConfig) -> Programs:
-  """The mesh, data, optimizer, abstract state and step programs of a run, built as `start` builds them.
+  """The plan, data, optimizer, abstract state and step programs of a run, built as `start` builds them.
+
+  The plan (research/train/setup/plan.py) is resolved here, once, and every check that needs it done; each part below
+  receives it and the config section it reads.
 
   Args:
     cfg: the run's config (checked by `research.train.setup.checks`).
@@ -105,18 +113,25 @@ def programs(cfg: TrainConfig) -> Programs:
     The `Programs`; the train step is compiled by the pre-flight (`memory.estimate`), not here.
   """
   needs = optimizer_needs(cfg.optim)  # once per run
-  built = setup(cfg, needs)
-  mesh, mcfg, corpus, batch_sh = built[:4]
-  tx, schedule = make_optimizer(cfg, needs=needs)
-  parts = blockwise_parts(cfg, mcfg, mesh, schedule, needs)
-  graphdef, abstract, shardings, report = abstract_initial_state(cfg, mcfg, mesh, tx, corpus, parts, needs)
-  train_step, eval_step = train_programs(cfg, graphdef, tx, parts, shardings, batch_sh, needs=needs)
-  build = lambda observe, held_sh: train_programs(cfg, graphdef, tx, parts, shardings, batch_sh, observe, held_sh,
-                                                 needs)[0]
-  train_step = observed.wrap(cfg.observe, train_step, build, built[-1])
-  syncer = sync_steps(cfg.sync, graphdef, tx, shardings, batch_sh, train_step, needs.update_args)
-  return Programs(built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer,
-                  needs)
+  mesh = make_mesh(cfg.mesh.spec)
+  mcfg = model_config(cfg.model, cfg.moe, cfg.weights.init_from, needs)
+  plan = Plan.of(cfg.optim, needs, mcfg, mesh, cfg.trains, cfg.weights.init_from, cfg.sync, cfg.features(),
+                 cfg.training.seed, cfg.mesh.zero1)
+  startup.check(plan, cfg.observe, cfg.training.batch_size, cfg.model.preset)
+  corpus, batch_sh, val_host, val = startup.data(plan, cfg.training, cfg.data, cfg.data_options,
+                                                 cfg.logging.eval_batches)
+  switches, pipe = startup.meshes(plan, cfg.mesh, cfg.training)
+  loader = make_loader(corpus, cfg.training, cfg.data, cfg.data_options)
+  tx, schedule = make_optimizer(cfg.optim, cfg.training.steps, plan.needs, plan.trains.freeze)
+  plain = make_optimizer(cfg.optim, cfg.training.steps, plan.needs)[0] if plan.trains.freeze else None
+  parts = blockwise.blockwise_parts(plan, schedule, cfg.optim.grad_clip)
+  graphdef, abstract, shardings, report = abstract_initial_state(plan, tx, plain, parts, loader, cfg.peft_options)
+  train_step, eval_step = train_programs(plan, graphdef, tx, parts, shardings, batch_sh)
+  build = lambda observe, held_sh: train_programs(plan, graphdef, tx, parts, shardings, batch_sh, observe, held_sh)[0]
+  train_step = observed.wrap(cfg.observe, train_step, build, val)
+  syncer = sync_steps(plan.sync, graphdef, tx, shardings, batch_sh, train_step, plan.needs.update_args)
+  return Programs(plan, corpus, batch_sh, switches, pipe, val_host, val, loader, tx, plain, schedule, parts, graphdef,
+                  abstract, shardings, report, train_step, eval_step, syncer)
 
 
 def start(cfg: TrainConfig) -> Run:
@@ -128,23 +143,26 @@ def start(cfg: TrainConfig) -> Run:
   Returns:
     The `Run` at its first step to take.
   """
-  built, tx, schedule, parts, graphdef, abstract, shardings, report, train_step, eval_step, syncer, needs = \
-      programs(cfg)
-  mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val = built
-  # compiled before anything is allocated; may refuse
-  estimate = _memory(cfg, syncer.train, abstract, batch_sh, mesh, needs, mcfg)
-  names = logical_names(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.training.seed)))[2]
-  switches = [(at, switch_layout(m, abstract, names, graphdef, tx, cfg, val_host, needs)) for at, m in plan]
-  layout = Layout(mesh, shardings, batch_sh, val, train_step, eval_step)
-  out = cfg.checkpoint.out
+  p = programs(cfg)
+  plan, mesh, out = p.plan, p.plan.mesh, cfg.checkpoint.out
+  estimate = _memory(p, cfg.runtime.memory_limit, cfg.training)  # compiled before anything is allocated; may refuse
+  names = logical_names(lambda: Transformer(plan.model, rngs=nnx.Rngs(plan.seed)))[2]
+  switches = [(at, switch_layout(m, p.abstract, names, p.graphdef, p.tx, plan, cfg.training, cfg.observe, p.val_host))
+              for at, m in p.switches]
+  layout, syncer, report = Layout(mesh, p.shardings, p.batch_sh, p.val, p.train_step, p.eval_step), p.syncer, p.report
   state = None
   if not rundir.has_checkpoint(out):  # a new run's state, created sharded (--init-from read here)
-    state, report = initial_state(cfg, mcfg, mesh, tx, corpus, parts, shardings, needs)
-  meta = run_meta(cfg, mcfg, mesh, corpus, pipe, report)
+    state, report = initial_state(plan, p.tx, p.plain, p.parts, p.shardings, p.loader, cfg.peft_options)
+    if cfg.moe.partition():  # --moe.pad-ratio < 1: PAD-Net's mode partition before the first update
+      state, report["pad_net"], line = padnet.partition(cfg.moe.partition(), p.loader, p.graphdef, state, mesh)
+      if is_primary():
+        print(line, file=sys.stderr)
+  meta = run_meta(dataclasses.asdict(cfg), plan.model, mesh, p.corpus, p.pipe, report,
+                  paths.fingerprints(cfg.data.tokenizer, plan.init_from))
   ckpt = Checkpointer(os.path.join(out, "ckpt"), keep=cfg.checkpoint.keep, every=cfg.checkpoint.ckpt_every,
                       save_concurrent_gb=estimate.writer_gb)  # bounded where it shares the devices' memory
   monitor = Monitor(cfg.health.max_bad_steps, cfg.health.spike_factor, cfg.health.spike_window)
-  begin, restored, saved = newest_readable(ckpt, meta, abstract, shardings, switches, out)
+  begin, restored, saved = newest_readable(ckpt, meta, p.abstract, p.shardings, switches, out)
   if begin is not None:  # restored into the abstract state's shapes and shardings
     while switches and switches[0][0] <= begin:  # resume on the mesh the run had switched to by then
       layout = switches.pop(0)[1]
@@ -155,36 +173,34 @@ def start(cfg: TrainConfig) -> Run:
     monitor.load(saved.get("health"))
     print(f"resuming {out} from step {begin}", file=sys.stderr)
   begin = begin or 0
-  feed = Feed(corpus, cfg.training, cfg.data, cfg.data_options, layout.mesh, begin,
+  feed = Feed(p.corpus, cfg.training, cfg.data, cfg.data_options, layout.mesh, begin,
               saved.get("loader") if saved else None)
-  peak = Peak(cfg.logging.peak_flops, mcfg.compute_dtype, layout.mesh.size)  # MFU's denominator (hooks/throughput.py)
+  peak = Peak(cfg.logging.peak_flops, plan.model.compute_dtype, layout.mesh.size)  # MFU's denominator
   meta["peak_flops"] = {"flops": peak.flops, "source": peak.source}
   metrics = rundir.MetricsLog(os.path.join(out, "metrics.jsonl"), enabled=is_primary())
   records = metrics.open(begin)  # what the interrupted run logged past its checkpoint is dropped
-  if isinstance(train_step, observed.ObservedSteps):  # an EMA over the observed steps continues from the logged ones
-    train_step.replay(records)
+  if isinstance(p.train_step, observed.ObservedSteps):  # an EMA over the observed steps continues from the logged ones
+    p.train_step.replay(records)
   trackers = Trackers.open(cfg.logging.tracker, out, cfg.training.steps, meta, begin)  # only process 0 writes
   if is_primary():  # one writer for the run's own files; orbax coordinates the checkpoint writes
     rundir.write_json_lines(os.path.join(out, "config.json"), [meta], indent=2)
   watchdog = Watchdog(cfg.distributed.peer_timeout, f"after step {{step}} of a {jax.process_count()}-process run: a "
                       f"peer process probably died; restart every process with the same command to resume")
-  return Run(cfg=cfg, corpus=corpus, feed=feed, layout=layout, switches=switches, syncer=syncer,
+  return Run(cfg=cfg, corpus=p.corpus, feed=feed, layout=layout, switches=switches, syncer=syncer,
              state=cast(TrainState, state),  # a new run's, or the restored checkpoint's
-
-             start=begin, schedule=schedule, meta=meta, ckpt=ckpt, metrics=metrics, records=records,
-             trackers=trackers, mixing=Mixing(corpus, graphdef, layout.val), monitor=monitor, peak=peak,
+             start=begin, schedule=p.schedule, meta=meta, ckpt=ckpt, metrics=metrics, records=records,
+             trackers=trackers, mixing=Mixing(p.corpus, p.graphdef, layout.val), monitor=monitor, peak=peak,
              meter=Meter(cfg.training.batch_size * cfg.training.seq_len),
              progress=Progress(cfg.training.steps, begin, enabled=cfg.logging.progress and is_primary()),
              watchdog=watchdog, profiler=Profiler(cfg.logging.profile, out, show=is_primary()),
-             model_flops_per_token=flops_per_token(mcfg, cfg.training.seq_len), estimate=estimate)
+             model_flops_per_token=flops_per_token(plan.model, cfg.training.seq_len), estimate=estimate)
 
 
-def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh, observe=None, held_sh=(),
-                   needs: Needs | None = None):
+def train_programs(plan: Plan, graphdef, tx, parts, shardings, batch_sh, observe=None, held_sh=()):
   """The compiled programs of this run's state, by what trains (`Trainable.step`).
 
   Args:
-    cfg: the run's config.
+    plan: the run's plan (what trains, the step's options).
     graphdef: the model's structure.
     tx: the optimizer.
     parts: a blockwise optimizer's `Parts`, or None.
@@ -192,25 +208,24 @@ def train_programs(cfg: TrainConfig, graphdef, tx, parts, shardings, batch_sh, o
     batch_sh: a batch's sharding.
     observe: the observers this program runs (`contract.outputs`); None: the plain program.
     held_sh: the shardings of the observers' extra inputs (the held batch).
-    needs: the run's optimizer needs (None: computed from the config).
 
   Returns:
     The jitted (train_step, eval_step): the blockwise step, the --freeze-layers step, or the plain one.
   """
-  step = Trainable.of_run(cfg.finetune, parts is not None).step
+  step = plan.trains.step
   if step == "blockwise":
     return blockstep.make_block_steps(graphdef, parts, shardings, batch_sh, observe=observe, held_sh=held_sh)
   if step == "layers":
-    return layerfreeze.make_layer_steps(graphdef, tx, shardings, batch_sh, cfg.finetune.freeze_layers,
-                                        observe=observe, held_sh=held_sh)
-  return make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg, needs), observe=observe, held_sh=held_sh)
+    return layerfreeze.make_layer_steps(graphdef, tx, shardings, batch_sh, plan.trains.layers, observe=observe,
+                                        held_sh=held_sh)
+  return make_steps(graphdef, tx, shardings, batch_sh, **step_options(plan), observe=observe, held_sh=held_sh)
 
 
-def _memory(cfg: TrainConfig, train_step, abstract, batch_sh, mesh, needs: Needs, mcfg):
+def _memory(p: Programs, override: float | None, training):
   """The memory pre-flight (research/train/setup/memory.py): the step's bytes per device printed, a run that cannot
-  fit refused (RunError) before its state exists; the estimate returned."""
-  est = memory.estimate(train_step, abstract, (cfg.training.batch_size, cfg.training.seq_len), batch_sh, mesh)
-  memory.check(est, cfg.runtime.memory_limit, cfg, needs, mcfg)
+  fit refused (RunError) before its state exists; the estimate returned. `override`: --memory-limit."""
+  est = memory.estimate(p.syncer.train, p.abstract, (training.batch_size, training.seq_len), p.batch_sh, p.plan.mesh)
+  memory.check(est, override, p.plan.trains, p.plan.model, training.seq_len)
   if is_primary():  # on stdout with the run's other lines: stderr is for what went wrong
     print(est.line(), flush=True)
   return est

@@ -1,6 +1,7 @@
-"""Everything checked and built before the state: the mesh, the model config, the data and held-out batches, the
-pipeline plan, --switch-at's meshes and --sync's mode, each refused in one line when it does not fit; and the run's
-record of them (`run_meta`, config.json)."""
+"""Everything checked and built before the state, from the run's plan (plan.py) and the sections each part reads:
+the flags that need the plan (`check`), the data and held-out batches (`data`), the pipeline plan and --switch-at's
+meshes (`meshes`) and --sync's mode, each refused in one line when it does not fit; and the run's record of them
+(`run_meta`, config.json)."""
 
 from __future__ import annotations
 
@@ -11,56 +12,88 @@ import sys
 import jax
 
 from models.attention import AttentionError, check_attention
-from optim import Needs
 from research.data import Corpus
 from research.data.mixture import MixedCorpus
-from research.train.config import RunError, TrainConfig, paths
-from research.train.config.sections import SyncSection
+from research.train.config import RunError
+from research.train.config.observe import ObserveSection
+from research.train.config.prefixed import DataFlags
+from research.train.config.sections import DataSection, MeshSection, SyncSection, TrainingSection
 from research.train.feed import held_out, make_loader
 from research.train.hooks import source_weights
 from research.train.observers import active
 from research.train.setup import clashes
-from research.train.setup.build import model_config, needs_of
+from research.train.setup.plan import Plan
 from research.train.setup.switch import switch_plan
 from research.train.steps import layerfreeze, sync
-from sharding import batch_sharding, global_batch, make_mesh, mesh_spec
+from sharding import batch_sharding, global_batch, mesh_spec
 from sharding.mesh import CONTEXT, DATA, DATA_AXES, STAGE
 from sharding.pipeline import PipelineError, bubble_fraction, check_pipeline
 
 
-def setup(cfg: TrainConfig, needs: Needs | None = None):
-  """Mesh, model config, data and held-out batches, with every check of the flags that needs them; `needs`: the
-  run's optimizer needs (`build.needs_of`)."""
-  needs = needs_of(cfg.optim, needs)
-  mesh = make_mesh(cfg.mesh.spec)
-  mcfg = model_config(cfg, needs)
-  check_sync(cfg.sync, mesh)
-  clashes.check(cfg, mesh, mcfg, needs)  # what does not combine, one table
-  active(cfg.observe, cfg.training.batch_size)  # the observers' flags, refused in one line before any work
-  layerfreeze.check(cfg.finetune, mcfg.n_layers)
-  for field, why in needs.model_refuses:  # as the optimizer's registry entry declares
-    if getattr(mcfg, field):
-      raise RunError(f"--optimizer {cfg.optim.optimizer} {why}: --model {cfg.model.preset} has {field}; add "
+def check(plan: Plan, observe: ObserveSection, batch_size: int, preset: str) -> None:
+  """Every check of the flags that needs the run's plan, each refused in one line (RunError).
+
+  Args:
+    plan: the run's plan.
+    observe: the config's observe section (the observers' flags).
+    batch_size: --batch-size.
+    preset: --model (as the message names it).
+  """
+  check_sync(plan.sync, plan.mesh)
+  clashes.check(plan.features, plan.optimizer, plan.needs)  # what does not combine, one table
+  active(observe, batch_size)  # the observers' flags, refused in one line before any work
+  layerfreeze.check(plan.trains.layers, plan.model.n_layers)
+  for field, why in plan.needs.model_refuses:  # as the optimizer's registry entry declares
+    if getattr(plan.model, field):
+      raise RunError(f"--optimizer {plan.optimizer} {why}: --model {preset} has {field}; add "
                      f"--{field.replace('_', '-')} False")
-  corpus = source_weights.load_data(cfg.data, cfg.data_options)  # one corpus, or the named --data sources' mixture
-  source_weights.check(corpus, mcfg, mesh)
-  if mcfg.vocab_size < corpus.vocab_size:
-    raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {mcfg.vocab_size}")
-  batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
-  plan = switch_plan(cfg.mesh, cfg.training)
-  pipe = pipeline_plan(mesh, mcfg, cfg.training.batch_size)
-  for m in [mesh] + [m for _, m in plan]:  # a switch to a pipeline or context mesh must fit the model and batch too
-    if m is not mesh:
-      pipeline_plan(m, mcfg, cfg.training.batch_size)
+
+
+def data(plan: Plan, training: TrainingSection, section: DataSection, options: DataFlags, eval_batches: int):
+  """The run's data: (corpus, a batch's sharding, the held-out batches on the host, placed on the mesh).
+
+  Args:
+    plan: the run's plan (its mesh and model).
+    training: the config's training section (the batch's shape).
+    section: its data section (one corpus, or the named --data sources' mixture).
+    options: its --data.* section.
+    eval_batches: --eval-batches.
+
+  Returns:
+    (corpus, batch sharding, held-out batches as host arrays, the same placed on the mesh); RunError for data the
+    model cannot read or too short to lay out.
+  """
+  corpus = source_weights.load_data(section, options)
+  source_weights.check(corpus, plan.model, plan.mesh)
+  if plan.model.vocab_size < corpus.vocab_size:
+    raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {plan.model.vocab_size}")
+  batch_sh = batch_sharding(plan.mesh, (training.batch_size, training.seq_len))
+  make_loader(corpus, training, section, options)  # fails early if the data is shorter than a sequence or has no docs
+  val_host = held_out(corpus, training, options, eval_batches)
+  return corpus, batch_sh, val_host, [global_batch(b, plan.mesh) for b in val_host]
+
+
+def meshes(plan: Plan, section: MeshSection, training: TrainingSection):
+  """--switch-at's (step, mesh) plan and the pipeline plan, every mesh checked against the model and the batch.
+
+  Args:
+    plan: the run's plan (its mesh and model).
+    section: the config's mesh section (--switch-at).
+    training: its training section (the batch size and sequence length each mesh must fit).
+
+  Returns:
+    (--switch-at's [(step, mesh)], the GPipe pipeline plan or None).
+  """
+  switches = switch_plan(section, training)
+  pipe = pipeline_plan(plan.mesh, plan.model, training.batch_size)
+  for m in [plan.mesh] + [m for _, m in switches]:  # a switch to a pipeline or context mesh must fit model and batch
+    if m is not plan.mesh:
+      pipeline_plan(m, plan.model, training.batch_size)
     try:
-      check_attention(mcfg.attention, cfg.training.seq_len, m.shape[CONTEXT])
+      check_attention(plan.model.attention, training.seq_len, m.shape[CONTEXT])
     except AttentionError as e:
       raise RunError(f"--mesh {mesh_spec(m)}: {e}") from None
-  # fail early if the data is shorter than a sequence or has no documents to lay out
-  make_loader(corpus, cfg.training, cfg.data, cfg.data_options)
-  val_host = held_out(corpus, cfg.training, cfg.data_options, cfg.logging.eval_batches)
-  val = [global_batch(b, mesh) for b in val_host]
-  return mesh, mcfg, corpus, batch_sh, plan, pipe, val_host, val
+  return switches, pipe
 
 
 def pipeline_plan(mesh, mcfg, batch_size: int) -> dict | None:
@@ -95,16 +128,27 @@ def check_sync(section: SyncSection, mesh):
           file=sys.stderr)
 
 
-def run_meta(cfg: TrainConfig, mcfg, mesh, corpus: Corpus, pipe: dict | None, report: dict) -> dict:
-  """What config.json records: the resolved flags (their paths absolute) and model config, the mesh, the corpus, the
-  sha256 of the tokenizer and of an `hf:` source's config.json ("files", which research.sample, export and quantize
-  check), versions and devices."""
-  meta = {"train": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
+def run_meta(train: dict, mcfg, mesh, corpus: Corpus, pipe: dict | None, report: dict, files: dict) -> dict:
+  """What config.json records.
+
+  Args:
+    train: the resolved flags by section (their paths absolute: `dataclasses.asdict` of the config).
+    mcfg: the model config.
+    mesh: the mesh.
+    corpus: the corpus (or mixture) trained on.
+    pipe: the pipeline plan, or None.
+    report: what the state's construction reports (--peft's sizes, ...).
+    files: the sha256 of the tokenizer and of an `hf:` source's config.json (`paths.fingerprints`), which
+      research.sample, export and quantize check.
+
+  Returns:
+    The record: flags, model config, mesh, corpus, files, versions and devices.
+  """
+  meta = {"train": train, "model_config": dataclasses.asdict(mcfg), "mesh": mesh_spec(mesh),
           "corpus": corpus.record() if isinstance(corpus, MixedCorpus) else {
               "source": corpus.source, "fingerprint": corpus.fingerprint, "train_tokens": int(len(corpus.train)),
               "val_tokens": int(len(corpus.val))},
-          "files": paths.fingerprints(cfg.data.tokenizer, cfg.finetune.init_from),
-          "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
+          "files": files, "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
   if pipe:
     meta["pipeline"] = pipe
   meta.update(report)

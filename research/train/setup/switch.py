@@ -11,10 +11,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optim import Needs
-from research.train.config import RunError, TrainConfig
+from research.train.config import RunError
+from research.train.config.observe import ObserveSection
 from research.train.config.sections import MeshSection, TrainingSection
 from research.train.setup.build import step_options
+from research.train.setup.plan import Plan
 from research.train.steps import observed
 from research.train.steps.step import make_steps
 from research.train.steps.train_state import TrainState
@@ -61,17 +62,31 @@ def switch_plan(mesh: MeshSection, training: TrainingSection) -> list[tuple[int,
   return sorted(plan.items(), key=lambda item: item[0])
 
 
-def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host, needs: Needs | None = None):
-  """What training on `mesh` needs: (mesh, state shardings, batch sharding, held-out batches there, train and
-  eval steps compiled ahead of time (`.lower(...).compile()`) for those shardings); `needs`: the run's optimizer
-  needs (`build.needs_of`)."""
+def switch_layout(mesh, state, names, graphdef, tx, plan: Plan, training: TrainingSection, observe: ObserveSection,
+                  val_host) -> Layout:
+  """What training on `mesh` needs, its steps compiled ahead of time (`.lower(...).compile()`).
+
+  Args:
+    mesh: the mesh switched to.
+    state: the abstract train state.
+    names: the state's logical axis names.
+    graphdef: the model's structure.
+    tx: the optimizer.
+    plan: the run's plan (--zero1, the step's options).
+    training: the config's training section (the batch's shape).
+    observe: its observe section (the observed steps).
+    val_host: the held-out batches on the host.
+
+  Returns:
+    The `Layout`: mesh, state shardings, batch sharding, held-out batches there, train and eval steps.
+  """
   try:
-    shardings = TrainState.of(state_shardings(state.as_dict(), names, mesh, zero1=cfg.mesh.zero1))
+    shardings = TrainState.of(state_shardings(state.as_dict(), names, mesh, zero1=plan.zero1))
   except ShardingError as e:
     raise ShardingError(f"--switch-at to {mesh_spec(mesh)}: {e}") from None
-  batch_sh = batch_sharding(mesh, (cfg.training.batch_size, cfg.training.seq_len))
-  jitted_train, jitted_eval = make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg, needs))
-  x = jax.ShapeDtypeStruct((cfg.training.batch_size, cfg.training.seq_len), jnp.int32, sharding=batch_sh)
+  batch_sh = batch_sharding(mesh, (training.batch_size, training.seq_len))
+  jitted_train, jitted_eval = make_steps(graphdef, tx, shardings, batch_sh, **step_options(plan))
+  x = jax.ShapeDtypeStruct((training.batch_size, training.seq_len), jnp.int32, sharding=batch_sh)
   t = time.perf_counter()
   with jax.set_mesh(mesh):
     train = jitted_train.lower(abstract_state(state, shardings), x, x).compile()
@@ -79,6 +94,6 @@ def switch_layout(mesh, state, names, graphdef, tx, cfg: TrainConfig, val_host, 
                                  abstract_state(state.model_buffers, shardings.model_buffers)).compile()
   print(f"compiled the steps for mesh {mesh_spec(mesh)} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
   val = [global_batch(b, mesh) for b in val_host]
-  build = lambda observe, held_sh: make_steps(graphdef, tx, shardings, batch_sh, **step_options(cfg, needs),
+  build = lambda observe, held_sh: make_steps(graphdef, tx, shardings, batch_sh, **step_options(plan),
                                               observe=observe, held_sh=held_sh)[0]
-  return Layout(mesh, shardings, batch_sh, val, observed.wrap(cfg.observe, train, build, val), evaluate)
+  return Layout(mesh, shardings, batch_sh, val, observed.wrap(observe, train, build, val), evaluate)

@@ -7,7 +7,7 @@ but their storage.
 - No optimizer state and no update: `freeze(tx)` is `optax.partition` with `optax.set_to_zero` on them.
 - Stored in --frozen-dtype (`store_frozen`): bfloat16 by default when fine-tuning (with --init-from), else float32;
   the forward reads them in the compute dtype. --peft's frozen base takes the same default
-(`research.train.setup.build.resolved`).
+(`research.train.setup.build.resolved_peft`).
 """
 
 from __future__ import annotations

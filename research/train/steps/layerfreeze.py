@@ -43,10 +43,9 @@ from research.train.steps.train_state import TrainState
 from sharding.state import shardings_like_params
 
 
-def check(finetune, n_layers: int) -> None:
+def check(n: int, n_layers: int) -> None:
   """RunError (one line) when --freeze-layers' N does not fit the model; nothing when it is off (what it does not
   combine with is research/train/setup/clashes.py's)."""
-  n = finetune.freeze_layers
   if n and not 0 < n < n_layers:
     raise RunError(f"--freeze-layers {n}: the model has {n_layers} layers; freeze 1..{n_layers - 1} of them (all "
                    f"frozen leaves nothing to train)")
