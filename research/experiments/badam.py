@@ -63,7 +63,7 @@ class BAdamExperimentError(ValueError):
 
 
 @dataclasses.dataclass
-class Config:
+class Config(common.Base):
   """BAdam vs AdamW on a deeper `tiny`: state bytes, val loss at equal steps, tokens/s."""
   smoke: bool = False
   """A few steps of a 3-layer model, in a temporary directory: the same code path, nothing written to `out`."""

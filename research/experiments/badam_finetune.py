@@ -52,7 +52,7 @@ TITLES = {"adamw": "AdamW (all parameters)", "badam": "BAdam (reference defaults
 
 
 @dataclasses.dataclass
-class Config:
+class Config(common.Base):
   """Pretrain a 6-layer `tiny` on the stdlib corpus, fine-tune it on the package-docs corpus with AdamW and BAdam."""
   smoke: bool = False
   """A few steps of a 2-layer model in a temporary directory: the same code path, nothing written to `out`."""

@@ -5,6 +5,9 @@ between phases (upcycling, depth expansion, MoE-DisCo, ...), held-out evaluation
 they hold, change it, and go on, so they use `fit` on one device. `fit` steps with the trainer's own pieces
 (`research.train.steps.step`: the loss, cross entropy + the MoE aux losses, and the update path with the optimizer's
 extra arguments and the aux-loss-free router-bias update) and the same data functions.
+
+Beside it, one concern each (their names re-exported here): base.py, the flags every experiment's Config shares;
+compare.py, the reports' statistics (each arm against a baseline) and markdown tables; partial.py, the resume file.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable
 
 import jax
@@ -31,9 +33,26 @@ from models import Transformer
 from optim import get_optimizer, make_schedule
 from research import entry, flags
 from research.data import eval_batches, get_batch, load_corpus
+from research.experiments.base import Base
+from research.experiments.compare import (
+  Versus,
+  against,
+  band,
+  curves_plot,
+  delta_cell,
+  lr_grid_table,
+  mean_std,
+  pm,
+  resolved,
+  seed_paired,
+  seed_stat,
+  table,
+  timing_lines,
+  versus,
+)
+from research.experiments.partial import PARTIAL, drop_partial, kept_after_interrupt, load_partial, save_partial
 from research.train.steps.contract import outputs
 from research.train.steps.step import eval_loss, lm_loss, make_update
-from research.train.store.rundir import aside_name
 
 
 @dataclasses.dataclass
@@ -112,11 +131,6 @@ def smoke_compiles_quickly(main: Callable) -> Callable:
     with quick_compile(cfg.smoke):
       return main(cfg, *args, **kwargs)
   return wrapped
-
-
-def band(curves) -> tuple[np.ndarray, np.ndarray]:
-  """(steps, losses[seed, point]) of per-seed curves that share their steps."""
-  return np.array([p[0] for p in curves[0]], float), np.array([[p[1] for p in c] for c in curves])
 
 
 def split(model: Transformer):
@@ -261,16 +275,6 @@ def tree_bytes(tree) -> int:
                  if hasattr(x, "shape")))
 
 
-def mean_std(xs) -> tuple[float, float]:
-  xs = np.asarray(list(xs), np.float64)
-  return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else 0.0
-
-
-def pm(ms: tuple[float, float], sign: bool = False, digits: int = 4) -> str:
-  """A (mean, std) pair as "mean ± std" (mean with its sign when `sign`)."""
-  return f"{ms[0]:{'+' if sign else ''}.{digits}f} ± {ms[1]:.{digits}f}"
-
-
 @dataclasses.dataclass
 class Seeds:
   """What `run_seeds` returns: each seed's run, the lr grid (arm -> {lr: final val loss}) and each arm's lr."""
@@ -309,107 +313,23 @@ def tuned_fit(arm: str, fit_at: Callable[[float], Fit], lrs, tuning: bool, tune:
   return fits[chosen[arm]]
 
 
-def curves_plot(ax, seeds: list[dict], label: Callable[[str], str], lrs: dict):
-  """Each arm's val-loss curve (mean ± std over the seeds' `arms[arm]["curve"]`) on `ax`, labelled with its lr."""
-  for i, arm in enumerate(seeds[0]["arms"]):
-    x, y = band([s["arms"][arm]["curve"] for s in seeds])
-    ax.plot(x, y.mean(0), "-o", ms=3, color=f"C{i}", label=f"{label(arm)} (lr {lrs[arm]:g})")
-    ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), color=f"C{i}", alpha=0.15)
-  ax.legend(fontsize=8)
-
-
-def write_experiment(cfg, name: str, question: str, result: dict, table: list[str], findings: list[str], fig):
+def write_experiment(cfg, name: str, question: str, result: dict, tables: Callable[[dict], list[str]],
+                     findings: Callable[[dict], list[str]], plot: Callable[[dict], object]):
   """An experiment's full-size outputs in cfg.out: results.json (first: the raw numbers whatever the formatting
-  does), results.md (the settings, `table`, `findings`) and the figure as val_loss.png."""
+  does), results.md (the settings, `tables(result)`, `findings(result)`) and the figure `plot(result)` as
+  val_loss.png."""
   settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
   os.makedirs(cfg.out, exist_ok=True)
   with open(os.path.join(cfg.out, "results.json"), "w") as f:
     json.dump(result, f, indent=1, default=float)
-  write_results(cfg.out, name, question, table, findings=findings, settings=settings, data=result,
+  write_results(cfg.out, name, question, tables(result), findings=findings(result), settings=settings, data=result,
                 cmd=f"python -m research.experiments.{name}")
-  fig.savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
-
-
-def _field(key) -> Callable[[dict], float]:
-  return key if callable(key) else (lambda r: r[key])
-
-
-def seed_stat(result: dict, arm: str, key="final") -> tuple[float, float]:
-  """Mean ± std over result["seeds"] of an arm's `key` (a record key, or a function of the arm's record)."""
-  get = _field(key)
-  return mean_std([get(r["arms"][arm]) for r in result["seeds"].values()])
-
-
-def seed_paired(result: dict, arm: str, base: str, key="final") -> tuple[float, float]:
-  """Mean ± std over the seeds of the per-seed difference arm − base of `key`."""
-  get = _field(key)
-  return mean_std([get(r["arms"][arm]) - get(r["arms"][base]) for r in result["seeds"].values()])
-
-
-def resolved(d: tuple[float, float]) -> str:
-  """A paired (mean, std) difference read at 2 std: "level" (not resolved), "lower" or "higher"."""
-  return "level" if abs(d[0]) <= 2 * d[1] else "lower" if d[0] < 0 else "higher"
-
-
-def timing_lines(result: dict) -> list[str]:
-  """The results table's closing run-time line (none without result["timing"])."""
-  t = result.get("timing")
-  return [] if not t else ["", f"Run time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU on the shared 2-core VM."]
-
-
-def lr_grid_table(grid: dict, label: Callable[[str], str], caption: str, note: str = "") -> list[str]:
-  """Markdown lines of an lr grid ({arm: {lr: final val loss}}) under `caption`, then the arms whose best lr sits at
-  the grid's edge (their loss could fall with a wider grid), `note` appended to that sentence."""
-  lrs = list(next(iter(grid.values())))
-  lines = ["", caption, "", "| arm | " + " | ".join(f"lr {lr}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
-  lines += [f"| {label(a)} | " + " | ".join(f"{v:.4f}" for v in t.values()) + " |" for a, t in grid.items()]
-  ends = (min(map(float, lrs)), max(map(float, lrs)))
-  edge = [label(a) for a, t in grid.items() if float(min(t, key=t.get)) in ends]
-  if edge and len(lrs) > 1:
-    lines += ["", f"The best lr sits at the grid's edge for: {', '.join(edge)}; a wider grid could lower those arms' "
-                  f"losses{note}."]
-  return lines
+  plot(result).savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
 
 
 def train_tail(records, n: int = 10) -> float:
   """Mean training loss of the last n logged steps of `fit` records."""
   return float(np.mean([r["loss"] for r in records if "loss" in r][-n:]))
-
-
-PARTIAL = "partial.json"  # in an experiment's OUT while a full run goes on: what it finished, for a rerun to resume
-
-
-def load_partial(cfg) -> dict | None:
-  """What an interrupted full run of the same config (`cfg.out`, `cfg.smoke`, the rest of its fields) saved with
-  `save_partial`, without the config; None at smoke size, with no file, or when the file is another config's."""
-  path = os.path.join(cfg.out, PARTIAL)
-  if cfg.smoke or not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-    config = saved.pop("config")
-  except (ValueError, KeyError, AttributeError, TypeError) as e:  # not what save_partial writes: kept aside
-    aside = aside_name(path, ".unreadable")
-    os.rename(path, aside)
-    warnings.warn(f"{path} is unreadable ({type(e).__name__}); moved to {aside}, starting over", stacklevel=2)
-    return None
-  return saved if config == _as_saved(cfg) else None
-
-
-def _as_saved(cfg) -> dict:
-  """`cfg` as partial.json holds it (JSON: tuples as lists), to compare with a saved config."""
-  return json.loads(json.dumps(dataclasses.asdict(cfg)))
-
-
-def save_partial(cfg, **data):
-  """`cfg.out`/partial.json: the config and `data` (JSON, numbers as floats), replaced whole (a run stopped while
-  writing keeps the previous file)."""
-  os.makedirs(cfg.out, exist_ok=True)
-  tmp = os.path.join(cfg.out, f".{PARTIAL}.tmp")
-  with open(tmp, "w") as f:
-    json.dump({"config": dataclasses.asdict(cfg), **data}, f, default=float)
-  os.replace(tmp, os.path.join(cfg.out, PARTIAL))
 
 
 def cli(main: Callable, config: type, cache: str | None = None, kept: Callable[..., str] | None = None,
@@ -434,19 +354,6 @@ def cli(main: Callable, config: type, cache: str | None = None, kept: Callable[.
   entry.command(checked, interrupted=lambda: "" if getattr(cfg, "smoke", False) else said(cfg))
 
 
-def kept_after_interrupt(cfg) -> str:
-  """What an interrupted full run kept, for its one line: this config's partial.json (what finished), or nothing."""
-  path = os.path.join(cfg.out, PARTIAL)
-  try:
-    with open(path) as f:
-      saved = json.load(f)["config"]
-  except (OSError, ValueError, KeyError, TypeError):
-    saved = None
-  if saved == _as_saved(cfg):
-    return f"what finished is kept in {path}; rerun the same command to go on"
-  return "nothing finished was kept: a rerun starts over"
-
-
 def check_config(cfg):
   """Refuses (entry.UsageError) what an experiment's flags cannot mean, before its work: no seeds or no lrs (`seeds`,
   `lrs`, every `*_lrs` but `also_lrs`, which adds lrs to a tuned grid), an integer below 1 (a step count, batch,
@@ -468,17 +375,13 @@ def check_config(cfg):
   flags.check_config(cfg, skip=("out",))
 
 
-def drop_partial(cfg):
-  """Removes partial.json once the full run's results are written."""
-  os.remove(os.path.join(cfg.out, PARTIAL))
-
-
 __all__ = ["Fit", "optimizer", "phase_schedule", "phase_optimizer", "compile_cache", "band", "split", "join",
            "loss_fn", "evaluate", "fit", "corpus_and_val", "commit", "command", "write_results", "full_results",
            "tree_bytes", "mean_std", "pm", "train_tail", "lr_grid_table", "seed_stat", "seed_paired", "resolved",
            "timing_lines", "Seeds", "run_seeds", "tuned_fit", "curves_plot", "write_experiment", "PARTIAL",
            "load_partial", "save_partial", "drop_partial", "cli", "kept_after_interrupt", "check_config",
-           "quick_compile", "smoke_compiles_quickly", "past_edge"]
+           "quick_compile", "smoke_compiles_quickly", "past_edge", "Base", "Versus", "versus", "against",
+           "delta_cell", "table"]
 
 
 def past_edge(val_by_lr: dict, factor: float = 3.0) -> float | None:

@@ -52,9 +52,7 @@ SMOKE = dict(model="tiny", n_layers=1, seeds=(0,), pretrain_steps=4, steps=4, ev
 
 
 @dataclasses.dataclass
-class Config:
-  smoke: bool = False
-  """Tiny sizes (SMOKE) on the same code path; writes nothing to `out`."""
+class Config(common.Base):
   out: str = "research/results/data_mixing"
   work: str = "runs/experiments/data_mixing"
   """The pretraining run directory (reused by a rerun)."""
@@ -154,39 +152,37 @@ def main(cfg: Config) -> dict:
 stat = common.seed_stat
 
 
-def paired(result: dict, arm: str, get) -> tuple[float, float]:
-  return common.seed_paired(result, arm, "uniform", get)
+def _held_out(n: str):
+  return lambda r: r["held_out"][n]
 
 
 def tables(result: dict) -> list[str]:
   seeds = list(result["seeds"])
   c = result["corpora"]
+  vs = common.against(result, "uniform", arms=RULES)
+  rows = []
+  for arm in RULES:
+    w = result["seeds"][seeds[0]]["arms"][arm]["weights"][-1][1]
+    rows.append([arm, f"{result['lr'][arm]:g}", *(common.pm(stat(result, arm, _held_out(n))) for n in SOURCES),
+                 common.pm(stat(result, arm)), common.delta_cell(vs, arm),
+                 ", ".join(f"{n} {x:.3f}" for n, x in zip(SOURCES, w))])
   lines = ["Corpora (train / held-out bytes): " + ", ".join(f"{n} {c[n]['train_bytes']:,} / {c[n]['val_bytes']:,}"
                                                             for n in SOURCES)
            + f". Every arm: {result['config']['steps']} steps = {result['tokens']:,} tokens from the same upcycled "
            f"MoE. The dense model before upcycling: " + ", ".join(f"{n} {v:.4f}" for n, v in result["dense"].items())
            + f". Seeds {', '.join(map(str, seeds))}; mean ± std; Δ = per-seed difference to uniform.", "",
-           "| weights | lr | " + " | ".join(f"{n} held-out" for n in SOURCES) + " | mean | Δ mean vs uniform | "
-           f"final weights (seed {seeds[0]}) |", "|---|---|" + "---|" * len(SOURCES) + "---|---|---|"]
-  for arm in RULES:
-    cells = [common.pm(stat(result, arm, lambda r, n=n: r["held_out"][n])) for n in SOURCES]
-    delta = "–" if arm == "uniform" else common.pm(paired(result, arm, lambda r: r["final"]), sign=True)
-    w = result["seeds"][seeds[0]]["arms"][arm]["weights"][-1][1]
-    lines.append(f"| {arm} | {result['lr'][arm]:g} | " + " | ".join(cells) + f" | "
-                 f"{common.pm(stat(result, arm, lambda r: r['final']))} | {delta} | "
-                 + ", ".join(f"{n} {x:.3f}" for n, x in zip(SOURCES, w)) + " |")
+           *common.table(["weights", "lr", *(f"{n} held-out" for n in SOURCES), "mean", "Δ mean vs uniform",
+                          f"final weights (seed {seeds[0]})"], rows)]
   lines += common.lr_grid_table(result["tune"], str, f"lr grid (seed {seeds[0]}, mean held-out loss):")
   return lines + common.timing_lines(result)
 
 
 def findings(result: dict) -> list[str]:
-  lines = []
-  for arm in ("size", "dynamic"):
-    d = paired(result, arm, lambda r: r["final"])
-    per = ", ".join(f"{n} {common.pm(paired(result, arm, lambda r, n=n: r['held_out'][n]), True)}" for n in SOURCES)
-    verdict = {"level": "within 2 std", "lower": "lower", "higher": "higher"}[common.resolved(d)]
-    lines.append(f"Reading: {arm} − uniform, mean held-out loss {common.pm(d, True)} ({verdict}); per corpus: {per}.")
-  return lines
+  said = {"level": "within 2 std", "lower": "lower", "higher": "higher"}
+  per = {n: common.against(result, "uniform", _held_out(n), ("size", "dynamic")) for n in SOURCES}
+  return [f"Reading: {arm} − uniform, mean held-out loss {v.pm()} ({said[v.verdict]}); per corpus: "
+          + ", ".join(f"{n} {per[n][arm].pm()}" for n in SOURCES) + "."
+          for arm, v in common.against(result, "uniform", arms=("size", "dynamic")).items()]
 
 
 def plot(result: dict):
@@ -212,7 +208,7 @@ def plot(result: dict):
 
 
 def write(cfg: Config, result: dict):
-  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables(result), findings(result), plot(result))
+  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables, findings, plot)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import time
 from typing import Annotated
 
@@ -66,9 +64,7 @@ class DataSizeError(ValueError):
 
 
 @dataclasses.dataclass
-class Config:
-  smoke: bool = False
-  """Tiny sizes (SMOKE) on the same code path; writes nothing."""
+class Config(common.Base):
   out: str = "research/results/depth_expansion"
   seeds: tuple[int, ...] = (0, 1, 2)
   sizes: Annotated[tuple[int, ...], flags.NONNEGATIVE] = (16384, 131072, 0)
@@ -383,14 +379,7 @@ def plot(result: dict):
 
 
 def write(cfg: Config, result: dict):
-  question = __doc__.split("\n\n")[0]
-  settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
-  os.makedirs(cfg.out, exist_ok=True)
-  with open(os.path.join(cfg.out, "results.json"), "w") as f:  # the raw numbers first, whatever the formatting does
-    json.dump(result, f, indent=1, default=float)
-  common.write_results(cfg.out, "depth_expansion", question, tables(result), findings=findings(result),
-                       settings=settings, data=result, cmd="python -m research.experiments.depth_expansion")
-  plot(result).savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
+  common.write_experiment(cfg, "depth_expansion", __doc__.split("\n\n")[0], result, tables, findings, plot)
 
 
 if __name__ == "__main__":

@@ -45,18 +45,18 @@ COST = {"off": [], "watch every 10": ["--watch", "params,grads,updates", "--watc
 
 
 @dataclasses.dataclass
-class Config:
+class Config(common.Base):
   """What the in-step diagnostics show for AdamW, Muon and NorMuon, and what watching costs."""
+  smoke: bool = False
+  """The tiny model for a few steps into a temporary directory: seconds, writes nothing here."""
+  out: str = "research/results/diagnostics"
+  """Where results.md, results.json, the plots and the run directories go."""
   steps: int = 200
   """Steps per contender (the default run's length)."""
   cost_steps: int = 200
   """Steps of each cost run (the default run's length)."""
   cost: bool = True
   """Measure the observers' cost (--no-cost: the contenders' record alone)."""
-  out: str = "research/results/diagnostics"
-  """Where results.md, results.json, the plots and the run directories go."""
-  smoke: bool = False
-  """The tiny model for a few steps into a temporary directory: seconds, writes nothing here."""
 
 
 def _train(cfg: Config, out: str, name: str, lr: float, **observe) -> list[dict]:

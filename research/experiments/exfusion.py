@@ -41,9 +41,7 @@ SMOKE = dict(seeds=(0,), steps=4, batch_size=4, seq_len=32, lrs=(3e-3,), experts
 
 
 @dataclasses.dataclass
-class Config:
-  smoke: bool = False
-  """Tiny sizes (SMOKE) on the same code path; writes nothing."""
+class Config(common.Base):
   out: str = "research/results/exfusion"
   seeds: tuple[int, ...] = (0, 1, 2)
   steps: int = 400
@@ -152,41 +150,32 @@ def _spread(model) -> float:
 stat = common.seed_stat
 
 
-def paired(result: dict, arm: str, key: str = "final") -> tuple[float, float]:
-  return common.seed_paired(result, arm, "dense", key)
-
-
 def tables(result: dict) -> list[str]:
   seeds = list(result["seeds"])
-  names = list(result["seeds"][seeds[0]]["arms"])
+  vs = common.against(result, "dense")
+  rows = []
+  for arm in result["seeds"][seeds[0]]["arms"]:
+    r0 = result["seeds"][seeds[0]]["arms"][arm]
+    rows.append([label(arm), f"{result['params'][arm]:,}", f"{result['fusion_flops_per_step'][arm]:,}",
+                 f"{result['lr'][arm]:g}", common.pm(stat(result, arm, "final")), common.delta_cell(vs, arm),
+                 common.pm(stat(result, arm, "train_tail")),
+                 "–" if arm == "dense" else f"{r0['spread']:.4f} (seed {seeds[0]})"])
   lines = [f"Every arm: {result['config']['steps']} steps = {result['tokens']:,} tokens of the stdlib corpus from the "
            f"same random init and batches; the deployed model is the dense `tiny` (d_ff {result['config']['d_ff']}, "
            f"{result['inference_params']:,} parameters, {result['flops_per_token'] / 1e6:.2f} MFLOPs/token) for every "
            f"arm. Seeds {', '.join(map(str, seeds))}; mean ± std (ddof 1); Δ = per-seed difference to dense.", "",
-           "| arm | parameters trained | fusion FLOPs per step | lr | val loss of the deployed (fused) model | Δ vs "
-           "dense | train loss (last 10 steps) | experts' spread after training |", "|---|---|---|---|---|---|---|---|"]
-  for arm in names:
-    r0 = result["seeds"][seeds[0]]["arms"][arm]
-    delta = "–" if arm == "dense" else common.pm(paired(result, arm), sign=True)
-    spread = "–" if arm == "dense" else f"{r0['spread']:.4f} (seed {seeds[0]})"
-    lines.append(f"| {label(arm)} | {result['params'][arm]:,} | {result['fusion_flops_per_step'][arm]:,} | "
-                 f"{result['lr'][arm]:g} | {common.pm(stat(result, arm, 'final'))} | {delta} | "
-                 f"{common.pm(stat(result, arm, 'train_tail'))} | {spread} |")
+           *common.table(["arm", "parameters trained", "fusion FLOPs per step", "lr",
+                          "val loss of the deployed (fused) model", "Δ vs dense", "train loss (last 10 steps)",
+                          "experts' spread after training"], rows)]
   lines += common.lr_grid_table(result["tune"], label, f"lr grid (seed {seeds[0]}, final val loss):")
   return lines + common.timing_lines(result)
 
 
 def findings(result: dict) -> list[str]:
-  names = [a for a in next(iter(result["seeds"].values()))["arms"] if a != "dense"]
-  n = len(result["seeds"])
-  lines = []
-  for arm in names:
-    d = paired(result, arm)
-    lower = sum(r["arms"][arm]["final"] < r["arms"]["dense"]["final"] for r in result["seeds"].values())
-    verdict = {"level": "within 2 std of dense", "lower": "below dense", "higher": "above dense"}[common.resolved(d)]
-    lines.append(f"Reading: {label(arm)}: {common.pm(d, True)} val loss vs dense at equal steps and equal inference "
-                 f"cost ({verdict}; lower in {lower} of {n} seeds).")
-  return lines
+  said = {"level": "within 2 std of dense", "lower": "below dense", "higher": "above dense"}
+  vs = common.against(result, "dense")
+  return [f"Reading: {label(arm)}: {v.pm()} val loss vs dense at equal steps and equal inference cost "
+          f"({said[v.verdict]}; lower in {v.lower} of {v.n} seeds)." for arm, v in vs.items()]
 
 
 def plot(result: dict):
@@ -201,7 +190,7 @@ def plot(result: dict):
 
 
 def write(cfg: Config, result: dict):
-  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables(result), findings(result), plot(result))
+  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables, findings, plot)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,7 @@ SMOKE = dict(seeds=(0,), steps=4, batch_size=4, seq_len=32, lrs=(3e-3,), experts
 
 
 @dataclasses.dataclass
-class Config:
-  smoke: bool = False
-  """Tiny sizes (SMOKE) on the same code path; writes nothing."""
+class Config(common.Base):
   out: str = "research/results/moe_design"
   seeds: tuple[int, ...] = (0, 1, 2)
   steps: int = 300
@@ -130,7 +128,7 @@ def main(cfg: Config) -> dict:
   return result
 
 
-stat, paired = common.seed_stat, common.seed_paired
+stat = common.seed_stat
 
 
 def label(arm: str) -> str:
@@ -140,47 +138,39 @@ def label(arm: str) -> str:
 def tables(result: dict) -> list[str]:
   seeds = list(result["seeds"])
   a = result["arms"]
+  vs = common.against(result, "dense", arms=a)
+  rows = []
+  for arm in sorted(a, key=lambda n: stat(result, n)[0]):
+    x = a[arm]
+    width = "–" if not x["experts"] else result["config"]["active"] // (x["top_k"] + x["shared"])
+    rows.append([label(arm), f"{x['experts']}, {x['top_k']}, {x['shared']}", f"{width}",
+                 f"{x['total']:,} / {x['active']:,}", f"{x['flops_per_token'] / 1e6:.2f}", f"{result['lr'][arm]:g}",
+                 common.pm(stat(result, arm)), common.delta_cell(vs, arm)])
   lines = [f"Every arm: {result['config']['steps']} steps = {result['tokens']:,} tokens, active FFN width "
            f"{result['config']['active']} per token. Seeds {', '.join(map(str, seeds))}; mean ± std (ddof 1); Δ = "
            "per-seed difference to the dense arm.", "",
-           "| arm | experts (routed, top-k, shared) | d_expert | params total / active | train MFLOPs/token | lr | "
-           "val loss | Δ vs dense |", "|---|---|---|---|---|---|---|---|"]
-  order = sorted(a, key=lambda n: stat(result, n)[0])
-  for arm in order:
-    x = a[arm]
-    width = "–" if not x["experts"] else result["config"]["active"] // (x["top_k"] + x["shared"])
-    delta = "–" if arm == "dense" else common.pm(paired(result, arm, "dense"), sign=True)
-    lines.append(f"| {label(arm)} | {x['experts']}, {x['top_k']}, {x['shared']} | {width} | {x['total']:,} / "
-                 f"{x['active']:,} | {x['flops_per_token'] / 1e6:.2f} | {result['lr'][arm]:g} | "
-                 f"{common.pm(stat(result, arm))} | {delta} |")
+           *common.table(["arm", "experts (routed, top-k, shared)", "d_expert", "params total / active",
+                          "train MFLOPs/token", "lr", "val loss", "Δ vs dense"], rows)]
   lines += common.lr_grid_table(result["tune"], label, f"lr grid (seed {seeds[0]}, final val loss):")
   return lines + common.timing_lines(result)
 
 
-def _steps(result: dict, chain: list[str]) -> list[tuple[str, str, tuple[float, float]]]:
-  return [(x, y, paired(result, y, x)) for x, y in zip(chain, chain[1:]) if x in result["arms"] and y in result["arms"]]
-
-
-def _verdict(d: tuple[float, float]) -> str:
-  kind = common.resolved(d)
-  return "within 2 std (no difference resolved)" if kind == "level" else kind
+def _steps(result: dict, pairs) -> str:
+  """Each (x, y) of `pairs` whose arms both ran, as "y − x  +mean ± std (verdict)", joined by "; "."""
+  said = {"level": "within 2 std (no difference resolved)", "lower": "lower", "higher": "higher"}
+  vs = [(x, y, common.versus(result, y, x)) for x, y in pairs if x in result["arms"] and y in result["arms"]]
+  return "; ".join(f"{label(y)} − {label(x)} {v.pm()} ({said[v.verdict]})" for x, y, v in vs)
 
 
 def findings(result: dict) -> list[str]:
   lines = []
-  g1 = _steps(result, [f"E{e}k2" for e in (4, 8, 16, 32)])
-  if g1:
-    lines.append("Reading (G1, more experts at equal active parameters): " + "; ".join(
-        f"{label(y)} − {label(x)} {common.pm(d, True)} ({_verdict(d)})" for x, y, d in g1) + ".")
-  g2 = _steps(result, ["E8k1", "E16k2", "E32k4"])
-  if g2:
-    lines.append("Reading (G2, finer experts at equal total and active parameters): " + "; ".join(
-        f"{label(y)} − {label(x)} {common.pm(d, True)} ({_verdict(d)})" for x, y, d in g2) + ".")
-  g3 = [(x, y, paired(result, y, x)) for x, y in (("E16k2", "E16k1s1"), ("E16k4", "E16k3s1"))
-        if x in result["arms"] and y in result["arms"]]
-  if g3:
-    lines.append("Reading (G3, a shared expert in place of a routed one): " + "; ".join(
-        f"{label(y)} − {label(x)} {common.pm(d, True)} ({_verdict(d)})" for x, y, d in g3) + ".")
+  chain = lambda arms: list(zip(arms, arms[1:]))  # noqa: E731
+  for title, pairs in (("G1, more experts at equal active parameters", chain([f"E{e}k2" for e in (4, 8, 16, 32)])),
+                       ("G2, finer experts at equal total and active parameters", chain(["E8k1", "E16k2", "E32k4"])),
+                       ("G3, a shared expert in place of a routed one", [("E16k2", "E16k1s1"), ("E16k4", "E16k3s1")])):
+    said = _steps(result, pairs)
+    if said:
+      lines.append(f"Reading ({title}): {said}.")
   best = min(result["arms"], key=lambda n: stat(result, n)[0])
   lines.append(f"Reading: the best arm is {label(best)} ({common.pm(stat(result, best))}); where a reading above is "
                "'higher' the toy scale disagrees with the published guidance, as reported.")
@@ -207,7 +197,7 @@ def plot(result: dict):
 
 
 def write(cfg: Config, result: dict):
-  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables(result), findings(result), plot(result))
+  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables, findings, plot)
 
 
 if __name__ == "__main__":

@@ -83,8 +83,7 @@ class DiscoError(ValueError):
 
 
 @dataclasses.dataclass
-class Config:
-  smoke: bool = False
+class Config(common.Base):
   out: str | None = None
   """Default research/results/moe_disco, or research/results/moe_disco_pretrained with --init pretrained."""
   seeds: tuple[int, ...] = (0, 1, 2)

@@ -78,8 +78,8 @@ class MuonMoEError(ValueError):
 
 
 @dataclasses.dataclass
-class Config:
-  smoke: bool = False
+class Config(common.Base):
+  out: str = "research/results/muon_on_moe"
   model: str = "moe_tiny"
   steps: int = 200
   batch_size: int = 8
@@ -94,7 +94,6 @@ class Config:
   spike_ratio: float = 1.5
   eval_every: int = 50
   eval_batches: int = 8
-  out: str = "research/results/muon_on_moe"
   stress: bool = False
   """The stress setting (`stress_config`): no QK-norm, higher lrs, longer; max attention logits logged; MuonClip."""
   qk_norm: bool | None = None  # None: the preset's (moe_tiny: on)

@@ -58,8 +58,8 @@ GRID = ("adamw=3e-4,1e-3,3e-3", "mgup_adamw=3e-4,1e-3,3e-3", "cautious_adamw=3e-
 
 
 @dataclasses.dataclass
-class Config:
-  smoke: bool = False
+class Config(common.Base):
+  out: str = "research/results/optimizers"
   grid: Annotated[tuple[str, ...], GRID_ENTRY] = GRID
   """research.sweep grid entries (OPTIMIZER[KEY=VALUE,...]=LRS)."""
   seeds: tuple[int, ...] = (0, 1, 2)
@@ -70,7 +70,6 @@ class Config:
   """Validation loss every contender's steps are counted to (None: AdamW's final mean)."""
   extend_edge: bool = True
   """One more lr past the grid's end for a contender whose best sits on it."""
-  out: str = "research/results/optimizers"
   runs: Annotated[str, flags.OUT_DIR] = "runs/optimizers/runs_300"
   """Run directories (checkpoints, metrics); rerunning skips finished runs."""
 

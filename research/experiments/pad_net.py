@@ -48,9 +48,7 @@ SMOKE = dict(seeds=(0,), pretrain_steps=6, steps=4, batch_size=4, seq_len=32, lr
 
 
 @dataclasses.dataclass
-class Config:
-  smoke: bool = False
-  """Tiny sizes (SMOKE) on the same code path; writes nothing."""
+class Config(common.Base):
   out: str = "research/results/pad_net"
   seeds: tuple[int, ...] = (0, 1, 2)
   pretrain_steps: int = 400
@@ -170,10 +168,6 @@ def _phis(model: Transformer) -> list[float]:
 stat = common.seed_stat
 
 
-def paired(result: dict, arm: str, key="final") -> tuple[float, float]:
-  return common.seed_paired(result, arm, "moe", key)
-
-
 def label(arm: str) -> str:
   return "MoE (all dynamic, no static part)" if arm == "moe" else f"PAD-Net, {arm[3:]}% dynamic"
 
@@ -181,44 +175,35 @@ def label(arm: str) -> str:
 def tables(result: dict) -> list[str]:
   seeds = list(result["seeds"])
   first = result["seeds"][seeds[0]]
-  names = list(first["arms"])
   T, N = result["steps"]["finetune"], result["steps"]["pretrain"]
   pre = {k: common.mean_std([r["pretrained"][k] for r in result["seeds"].values()]) for k in ("docs", "stdlib")}
+  vs = common.against(result, "moe")
+  rows = []
+  for arm in first["arms"]:
+    phi = first["arms"][arm]["phi"]
+    rows.append([label(arm), f"{first['arms'][arm]['counts']['dynamic']:,}", f"{result['lr'][arm]:g}",
+                 common.pm(stat(result, arm, lambda r: r["start"]["docs"])), common.pm(stat(result, arm, "final")),
+                 common.delta_cell(vs, arm), common.pm(stat(result, arm, "stdlib_final")),
+                 f"{'–' if phi is None else ', '.join(f'{p:.3f}' for p in phi)} (seed {seeds[0]})"])
   lines = [f"MoE pretrained N = {N} steps on the stdlib corpus: val {common.pm(pre['stdlib'])} (stdlib), "
            f"{common.pm(pre['docs'])} (docs) nats/byte. Fine-tuning: T = {T} steps = {result['tokens']['finetune']:,} "
            f"tokens per arm on the docs corpus. Parameters: MoE {result['params']['moe']:,}, PAD-Net form "
            f"{result['params']['padnet']:,}. Seeds {', '.join(map(str, seeds))}; mean ± std (ddof 1); Δ = per-seed "
            "difference to the MoE arm.", "",
-           "| arm | dynamic expert entries | lr | docs val at the start (after IMP) | docs val after T | Δ vs MoE | "
-           "stdlib val after T (forgetting) | λ_d after T |", "|---|---|---|---|---|---|---|---|"]
-  for arm in names:
-    dyn = first["arms"][arm]["counts"]["dynamic"]
-    delta = "–" if arm == "moe" else common.pm(paired(result, arm), sign=True)
-    phi = first["arms"][arm]["phi"]
-    lines.append(f"| {label(arm)} | {dyn:,} | {result['lr'][arm]:g} | "
-                 f"{common.pm(stat(result, arm, lambda r: r['start']['docs']))} | "
-                 f"{common.pm(stat(result, arm, 'final'))} | {delta} | "
-                 f"{common.pm(stat(result, arm, 'stdlib_final'))} | "
-                 f"{'–' if phi is None else ', '.join(f'{p:.3f}' for p in phi)} (seed {seeds[0]}) |")
+           *common.table(["arm", "dynamic expert entries", "lr", "docs val at the start (after IMP)",
+                          "docs val after T", "Δ vs MoE", "stdlib val after T (forgetting)", "λ_d after T"], rows)]
   lines += common.lr_grid_table(result["tune"], label, f"Fine-tuning lr grid (seed {seeds[0]}, final docs val loss):")
   return lines + common.timing_lines(result)
 
 
 def findings(result: dict) -> list[str]:
-  names = [a for a in next(iter(result["seeds"].values()))["arms"] if a != "moe"]
-  n = len(result["seeds"])
-  lines = []
-  for arm in names:
-    d = paired(result, arm)
-    lower = sum(r["arms"][arm]["final"] < r["arms"]["moe"]["final"] for r in result["seeds"].values())
-    verdict = {"level": "within 2 std of the MoE", "lower": "below the MoE", "higher": "above the MoE"}[
-        common.resolved(d)]
-    lines.append(f"Reading: {label(arm)}: docs val {common.pm(d, True)} vs the MoE after equal steps ({verdict}; "
-                 f"lower in {lower} of {n} seeds); forgetting (stdlib val) "
-                 f"{common.pm(paired(result, arm, 'stdlib_final'), True)}.")
+  vs, forgetting = common.against(result, "moe"), common.against(result, "moe", "stdlib_final")
+  said = {"level": "within 2 std of the MoE", "lower": "below the MoE", "higher": "above the MoE"}
+  lines = [f"Reading: {label(arm)}: docs val {v.pm()} vs the MoE after equal steps ({said[v.verdict]}; lower in "
+           f"{v.lower} of {v.n} seeds); forgetting (stdlib val) {forgetting[arm].pm()}." for arm, v in vs.items()]
   kinds = {"level": [], "lower": [], "higher": []}
-  for arm in names:
-    kinds[common.resolved(paired(result, arm))].append(label(arm))
+  for arm, v in vs.items():
+    kinds[v.verdict].append(label(arm))
   lines.append("Reading: against the paper's claim (a partly static MoE matches or beats the fully dynamic one): "
                f"beats it: {', '.join(kinds['lower']) or 'none'}; matches it within 2 std of the seeds: "
                f"{', '.join(kinds['level']) or 'none'}; worse: {', '.join(kinds['higher']) or 'none'}. At this scale "
@@ -245,7 +230,7 @@ def plot(result: dict):
 
 
 def write(cfg: Config, result: dict):
-  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables(result), findings(result), plot(result))
+  common.write_experiment(cfg, NAME, __doc__.split("\n\n")[0], result, tables, findings, plot)
 
 
 if __name__ == "__main__":

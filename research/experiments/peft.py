@@ -95,7 +95,7 @@ MATRICES = ("wq_DQ", "wk_DK", "wv_DK", "wo_QD", "w_gate_DF", "w_up_DF", "w_down_
 
 
 @dataclasses.dataclass
-class Config:
+class Config(common.Base):
   """Pretrain `small` on the stdlib corpus; fine-tune it on the package-docs corpus eleven ways."""
   smoke: bool = False
   """A few steps of a 1-layer model in a temporary directory: the same code path, nothing written to `out`."""

@@ -85,7 +85,7 @@ MODEL = flags.Rule(parse=_model)
 
 
 @dataclasses.dataclass
-class Config:
+class Config(common.Base):
   """Pretrain each model; quantize it every way, on 3 calibration sets."""
   smoke: bool = False
   """Two layers of `tiny`, a few steps and windows, one seed, in a temporary directory: nothing written to `out`."""

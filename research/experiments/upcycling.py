@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import time
 
 import numpy as np
@@ -57,9 +55,7 @@ SMOKE = dict(seeds=(0,), pretrain_steps=6, continue_steps=4, batch_size=4, seq_l
 
 
 @dataclasses.dataclass
-class Config:
-  smoke: bool = False
-  """Tiny sizes (SMOKE) on the same code path; writes nothing."""
+class Config(common.Base):
   out: str = "research/results/upcycling"
   seeds: tuple[int, ...] = (0, 1, 2)
   pretrain_steps: int = 200
@@ -192,11 +188,10 @@ def resume(cfg: Config) -> dict:
 
 def paired(result: dict, arm: str, key: str = "final", base: str = "dense") -> tuple[float, float]:
   """Mean ± std over seeds of the per-seed difference arm − base of `key`."""
-  return common.mean_std([r["arms"][arm][key] - r["arms"][base][key] for r in result["seeds"].values()])
+  return common.versus(result, arm, base, key).d
 
 
-def stat(result: dict, arm: str, key: str) -> tuple[float, float]:
-  return common.mean_std([r["arms"][arm][key] for r in result["seeds"].values()])
+stat = common.seed_stat
 
 
 def tables(result: dict) -> list[str]:
@@ -206,22 +201,22 @@ def tables(result: dict) -> list[str]:
   dense_val = common.mean_std([r["dense_val"] for r in result["seeds"].values()])
   split_err = max(e for r in result["seeds"].values() for e in r["split_error"].values())
   p, fl = result["params"], result["flops_per_token"]
+  vs = common.against(result, "dense", arms=arms)
+  rows = []
+  for arm in arms:
+    kind = "dense" if arm == "dense" else "moe"
+    rows.append([LABELS[arm], f"{p[kind]['total']:,} / {p[kind]['active']:,}", f"{fl[kind] / 1e6:.2f} M",
+                 f"{result['lr'][arm]:g}", "–" if arm == "scratch" else common.pm(stat(result, arm, "at_conversion")),
+                 common.pm(stat(result, arm, "final")), common.delta_cell(vs, arm),
+                 common.pm(stat(result, arm, "train_tail"))])
   lines = [f"Dense model after N = {N} steps: val loss {common.pm(dense_val)} (nats/byte). Split exactness "
            f"(Σ_e Expert_e = s·FFN, float64 on Gaussian inputs): max relative error {split_err:.1e} over layers, "
            f"splits and seeds. Continued arms: T = {T} steps = "
            f"{result['tokens']['continue']:,} tokens each; scratch: {N + T} steps = {result['tokens']['total']:,} "
            f"tokens (= dense pretraining + continuation). Seeds {', '.join(map(str, seeds))}; mean ± std (ddof 1); "
            "Δ = per-seed difference to the dense arm.", "",
-           "| arm | params total / active | train FLOPs/token | lr | val loss right after conversion | val loss after "
-           f"T = {T} steps | Δ vs dense after T | train loss (last 10 steps) |",
-           "|---|---|---|---|---|---|---|---|"]
-  for arm in arms:
-    kind = "dense" if arm == "dense" else "moe"
-    at = "–" if arm == "scratch" else common.pm(stat(result, arm, "at_conversion"))
-    delta = "–" if arm == "dense" else common.pm(paired(result, arm), sign=True)
-    lines.append(f"| {LABELS[arm]} | {p[kind]['total']:,} / {p[kind]['active']:,} | {fl[kind] / 1e6:.2f} M | "
-                 f"{result['lr'][arm]:g} | {at} | {common.pm(stat(result, arm, 'final'))} | {delta} | "
-                 f"{common.pm(stat(result, arm, 'train_tail'))} |")
+           *common.table(["arm", "params total / active", "train FLOPs/token", "lr", "val loss right after conversion",
+                          f"val loss after T = {T} steps", "Δ vs dense after T", "train loss (last 10 steps)"], rows)]
   lines += common.lr_grid_table(result["tune"], LABELS.get, f"Continued-training lr grid (seed {seeds[0]}, final val "
                                 f"loss after T steps):", " (the arms share the grid)")
   t = result.get("timing")
@@ -231,16 +226,15 @@ def tables(result: dict) -> list[str]:
 
 
 def _agree(result: dict, arm: str, base: str = "dense") -> str:
-  d = [r["arms"][arm]["final"] - r["arms"][base]["final"] for r in result["seeds"].values()]
-  return f"lower in {sum(x < 0 for x in d)} of {len(d)} seeds"
+  v = common.versus(result, arm, base)
+  return f"lower in {v.lower} of {v.n} seeds"
 
 
 def findings(result: dict) -> list[str]:
   gap = {s: paired(result, s, "at_conversion") for s in SPLITS}
   after = {s: paired(result, s) for s in SPLITS}
   rec = {s: 1 - after[s][0] / gap[s][0] for s in SPLITS}
-  rc = common.mean_std([r["arms"]["clustered"]["final"] - r["arms"]["random"]["final"]
-                        for r in result["seeds"].values()])
+  rc = common.versus(result, "clustered", "random")
   ratio = result["params"]["moe"]["active"] / result["params"]["dense"]["active"]
   lines = [
       f"Reading: the conversion costs {common.pm(gap['random'], True)} nats/byte (random split) and "
@@ -252,16 +246,14 @@ def findings(result: dict) -> list[str]:
       + (f": it wins back {100 * rec['random']:.0f}% (random) / {100 * rec['clustered']:.0f}% (clustered) of its "
          "conversion gap" if min(gap[s][0] for s in SPLITS) > 0 else "")
       + f", with {100 * ratio:.0f}% of the dense model's active parameters per token.",
-      f"Reading: clustered − random after continued training: {common.pm(rc, True)} "
-      + ("(within 2 std: the splits end level, as LLaMA-MoE reports)." if abs(rc[0]) <= 2 * rc[1] else
+      f"Reading: clustered − random after continued training: {rc.pm()} "
+      + ("(within 2 std: the splits end level, as LLaMA-MoE reports)." if rc.verdict == "level" else
          "(beyond 2 std of the seeds)."),
   ]
   if "scratch" in next(iter(result["seeds"].values()))["arms"]:
-    d = common.mean_std([r["arms"]["random"]["final"] - r["arms"]["scratch"]["final"]
-                         for r in result["seeds"].values()])
-    ahead = sum(r["arms"]["random"]["final"] < r["arms"]["scratch"]["final"] for r in result["seeds"].values())
+    v = common.versus(result, "random", "scratch")
     lines.append(f"Reading: the upcycled MoE (random) − the same MoE trained from scratch on the same N+T steps' "
-                 f"tokens: {common.pm(d, True)} (upcycled lower in {ahead} of {len(result['seeds'])} seeds); the "
+                 f"tokens: {v.pm()} (upcycled lower in {v.lower} of {len(result['seeds'])} seeds); the "
                  f"scratch MoE runs at the untuned pretraining lr {result['lr']['scratch']:g}"
                  + (", below the continued arms' tuned one, so this comparison may favour upcycling."
                     if result["lr"]["scratch"] < result["lr"]["random"] else "."))
@@ -299,14 +291,7 @@ def plot(result: dict):
 
 
 def write(cfg: Config, result: dict):
-  question = __doc__.split("\n\n")[0]
-  settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("smoke", "out")}
-  os.makedirs(cfg.out, exist_ok=True)
-  with open(os.path.join(cfg.out, "results.json"), "w") as f:  # the raw numbers first, whatever the formatting does
-    json.dump(result, f, indent=1, default=float)
-  common.write_results(cfg.out, "upcycling", question, tables(result), findings=findings(result), settings=settings,
-                       data=result, cmd="python -m research.experiments.upcycling")
-  plot(result).savefig(os.path.join(cfg.out, "val_loss.png"), dpi=110, bbox_inches="tight")
+  common.write_experiment(cfg, "upcycling", __doc__.split("\n\n")[0], result, tables, findings, plot)
 
 
 if __name__ == "__main__":
