@@ -71,7 +71,7 @@ def _train(r: Run, stop: Stop) -> list[dict]:
         hooks.run_before(r.step + 1)
         r.state, out = r.syncer.step(r.state, *r.feed.next())  # one optimizer step on the loader's next batch
         r.step += 1
-        info = StepInfo(r.step, out, r.end, r.cfg.training.steps, stop.signum is not None)
+        info = StepInfo(r.step, out, r.end, r.training.steps, stop.signum is not None)
         hooks.run_after(info)
         if r.monitor.failed:  # stopped before saving: the newest checkpoint is the last one before the bad steps
           break
@@ -95,11 +95,11 @@ def _train(r: Run, stop: Stop) -> list[dict]:
 
 def _hooks(r: Run, stop: Stop) -> tuple[Hooks, MetricsProcessor]:
   """The loop's hooks and the metrics processor's sources, in the order they run: a new concern is one line here."""
-  cfg, hooks = r.cfg, Hooks()
-  processor = MetricsProcessor(cfg.logging.log_every, cfg.logging.eval_every, r.metrics, r.trackers.log,
+  hooks = Hooks()
+  processor = MetricsProcessor(r.logging.log_every, r.logging.eval_every, r.metrics, r.trackers.log,
                                r.progress.log, lambda step, e: r.ckpt.write_error(
-                                   f"step {step}'s metrics in {cfg.checkpoint.out}", e), r.meter.restart,
-                               also_every=tuple(a.every for a in active(cfg.observe)))
+                                   f"step {step}'s metrics in {r.checkpoint.out}", e), r.meter.restart,
+                               also_every=tuple(a.every for a in active(r.observe)))
   hooks.before("switch", lambda step: _switch(r) if r.switches and r.switches[0][0] == step - 1 else None)
   hooks.before("profiler", r.profiler.before)  # --profile: the trace starts before its first step is dispatched
   hooks.before("observers", lambda step: observed.arm(r.syncer.train, step))  # the program with the due observers
@@ -117,7 +117,7 @@ def _hooks(r: Run, stop: Stop) -> tuple[Hooks, MetricsProcessor]:
   processor.add("loss", lambda i: {"loss": float(i.out["loss"]), "grad_norm": float(i.out["grad_norm"]),
                                    "lr": float(r.schedule(i.step - 1)), **r.monitor.take()})
   processor.add("throughput", lambda i: r.meter.record(i.step, i.step == r.end, r.model_flops_per_token, r.peak))
-  processor.add("evaluation", lambda i: _evaluate(r, i), every=cfg.logging.eval_every, at_end=True)
+  processor.add("evaluation", lambda i: _evaluate(r, i), every=r.logging.eval_every, at_end=True)
   processor.add("mixing", lambda i: r.mixing.record(r.feed, i.step, i.shared.get("held_out")))
   processor.add("router", lambda i: router_metrics(i.out))
   processor.add("observers", lambda i: observed.records(r.syncer.train, i.out))  # --watch, --sharpness-every, ...
@@ -154,7 +154,7 @@ def _compiled(r: Run, info: StepInfo):
 
 def _may_save(r: Run, info: StepInfo) -> bool:
   """Whether this step may save a checkpoint (so the health of every step up to it is read back first)."""
-  return info.step % r.cfg.checkpoint.ckpt_every == 0 or info.final
+  return info.step % r.checkpoint.ckpt_every == 0 or info.final
 
 
 def _evaluate(r: Run, info: StepInfo) -> dict:
@@ -182,7 +182,7 @@ def _checkpoint(r: Run, info: StepInfo):
 
 def _due(r: Run, info: StepInfo) -> bool:
   """Whether `_checkpoint` saves after this step."""
-  return (r.monitor.bad_run == 0 and info.step % r.cfg.checkpoint.ckpt_every == 0) or info.final
+  return (r.monitor.bad_run == 0 and info.step % r.checkpoint.ckpt_every == 0) or info.final
 
 
 def _finish(r: Run, stop: Stop):

@@ -14,6 +14,11 @@ GUIDES = ("quickstart", "pretrained")  # walkthroughs; every other notebook runs
 EXPERIMENTS = [n for n in PAIRED if n not in GUIDES]
 
 
+def test_every_experiment_has_its_notebook_and_every_notebook_its_experiment():
+  from research.experiments import NAMES
+  assert sorted(EXPERIMENTS) == sorted(NAMES)
+
+
 def _cells(nb):
   return [(c.cell_type, c.source) for c in nb.cells]
 

@@ -12,6 +12,7 @@ import tempfile
 import pytest
 
 from research import entry
+from research.experiments import NAMES
 
 pytestmark = pytest.mark.xdist_group("entry")
 
@@ -191,8 +192,7 @@ def test_a_warning_is_shown_as_one_line_without_its_source():
   assert f.getvalue() == "warning: first line\n"
 
 
-EXPERIMENTS = ["badam", "badam_finetune", "data_mixing", "depth_expansion", "exfusion", "moe_design", "moe_disco",
-               "muon_on_moe", "optimizers", "pad_net", "peft", "quantization", "upcycling", "scalability"]
+EXPERIMENTS = NAMES
 
 
 def test_experiment_flags_are_checked_before_the_work():

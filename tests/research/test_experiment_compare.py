@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from research.experiments import common
+from research.experiments import NAMES, common
 
-EXPERIMENTS = ("badam", "badam_finetune", "data_mixing", "depth_expansion", "diagnostics", "exfusion", "moe_design",
-               "moe_disco", "muon_on_moe", "optimizers", "pad_net", "peft", "quantization", "upcycling")
+EXPERIMENTS = NAMES
 RNG = np.random.default_rng(0)
 BASE = 2.0 + 0.05 * RNG.standard_normal(6)
 FINALS = {"base": BASE,

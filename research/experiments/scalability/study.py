@@ -79,7 +79,7 @@ CHUNK = 4096  # bytes per repeated chunk of the `repeated` LM dataset
 
 
 @dataclasses.dataclass
-class Config:
+class Config(common.Base):
   """Every algorithm × worker count × dataset, tuned and seeded; DiLoCo's H sweep."""
   smoke: bool = False
   """Two workers at most, a few steps, one seed, in a temporary directory: nothing written to `out`."""

@@ -100,7 +100,7 @@ SHAPES = {
 }
 
 @dataclasses.dataclass
-class Config:
+class Config(common.Base):
   """The width ladder: widths × contenders, each tuned per width with the same budget, then seeds."""
   widths: Annotated[tuple[int, ...], flags.COUNT] = (32, 64, 128, 256)
   """d_model of each rung (`small`'s depth, head size and d_ff / d_model)."""

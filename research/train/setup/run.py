@@ -18,6 +18,8 @@ from flax import nnx
 from models import Transformer, flops_per_token
 from research.data import Corpus
 from research.train.config import TrainConfig, paths
+from research.train.config.observe import ObserveSection
+from research.train.config.sections import CheckpointSection, LoggingSection, TrainingSection
 from research.train.feed import Feed, make_loader
 from research.train.hooks.profiler import Profiler
 from research.train.hooks.progress import Progress
@@ -44,8 +46,12 @@ from sharding import logical_names, make_mesh
 
 @dataclasses.dataclass
 class Run:
-  """What the loop carries from step to step."""
-  cfg: TrainConfig
+  """What the loop carries from step to step (of the config, the sections its hooks read)."""
+  plan: Plan
+  training: TrainingSection  # --steps, --stop-at
+  logging: LoggingSection  # --log-every, --eval-every
+  checkpoint: CheckpointSection  # --out, --ckpt-every
+  observe: ObserveSection  # the observers' cadences
   corpus: Corpus
   feed: Feed  # the training batches (this process's rows), from the grain loader
   layout: Layout  # the mesh trained on now: its shardings, held-out batches and compiled steps
@@ -74,7 +80,7 @@ class Run:
 
   def __post_init__(self):
     self.step = self.start
-    self.end = min(self.cfg.training.steps, self.cfg.training.stop_at or self.cfg.training.steps)
+    self.end = min(self.training.steps, self.training.stop_at or self.training.steps)
 
 
 class Programs(NamedTuple):
@@ -149,14 +155,10 @@ def start(cfg: TrainConfig) -> Run:
   names = logical_names(lambda: Transformer(plan.model, rngs=nnx.Rngs(plan.seed)))[2]
   switches = [(at, switch_layout(m, p.abstract, names, p.graphdef, p.tx, plan, cfg.training, cfg.observe, p.val_host))
               for at, m in p.switches]
-  layout, syncer, report = Layout(mesh, p.shardings, p.batch_sh, p.val, p.train_step, p.eval_step), p.syncer, p.report
-  state = None
+  layout, syncer = Layout(mesh, p.shardings, p.batch_sh, p.val, p.train_step, p.eval_step), p.syncer
+  state, report = None, p.report
   if not rundir.has_checkpoint(out):  # a new run's state, created sharded (--init-from read here)
-    state, report = initial_state(plan, p.tx, p.plain, p.parts, p.shardings, p.loader, cfg.peft_options)
-    if cfg.moe.partition():  # --moe.pad-ratio < 1: PAD-Net's mode partition before the first update
-      state, report["pad_net"], line = padnet.partition(cfg.moe.partition(), p.loader, p.graphdef, state, mesh)
-      if is_primary():
-        print(line, file=sys.stderr)
+    state, report = _new_state(p, cfg.peft_options, cfg.moe.partition())
   meta = run_meta(dataclasses.asdict(cfg), plan.model, mesh, p.corpus, p.pipe, report,
                   paths.fingerprints(cfg.data.tokenizer, plan.init_from))
   ckpt = Checkpointer(os.path.join(out, "ckpt"), keep=cfg.checkpoint.keep, every=cfg.checkpoint.ckpt_every,
@@ -186,7 +188,8 @@ def start(cfg: TrainConfig) -> Run:
     rundir.write_json_lines(os.path.join(out, "config.json"), [meta], indent=2)
   watchdog = Watchdog(cfg.distributed.peer_timeout, f"after step {{step}} of a {jax.process_count()}-process run: a "
                       f"peer process probably died; restart every process with the same command to resume")
-  return Run(cfg=cfg, corpus=p.corpus, feed=feed, layout=layout, switches=switches, syncer=syncer,
+  return Run(plan=plan, training=cfg.training, logging=cfg.logging, checkpoint=cfg.checkpoint, observe=cfg.observe,
+             corpus=p.corpus, feed=feed, layout=layout, switches=switches, syncer=syncer,
              state=cast(TrainState, state),  # a new run's, or the restored checkpoint's
              start=begin, schedule=p.schedule, meta=meta, ckpt=ckpt, metrics=metrics, records=records,
              trackers=trackers, mixing=Mixing(p.corpus, p.graphdef, layout.val), monitor=monitor, peak=peak,
@@ -194,6 +197,17 @@ def start(cfg: TrainConfig) -> Run:
              progress=Progress(cfg.training.steps, begin, enabled=cfg.logging.progress and is_primary()),
              watchdog=watchdog, profiler=Profiler(cfg.logging.profile, out, show=is_primary()),
              model_flops_per_token=flops_per_token(plan.model, cfg.training.seq_len), estimate=estimate)
+
+
+def _new_state(p: Programs, peft_options, partition: dict | None):
+  """A new run's state and report (`initial_state`), with PAD-Net's mode partition before the first update when
+  --moe.pad-ratio < 1 asks for one (`partition`: `MoEFlags.partition()`)."""
+  state, report = initial_state(p.plan, p.tx, p.plain, p.parts, p.shardings, p.loader, peft_options)
+  if partition:
+    state, report["pad_net"], line = padnet.partition(partition, p.loader, p.graphdef, state, p.plan.mesh)
+    if is_primary():
+      print(line, file=sys.stderr)
+  return state, report
 
 
 def train_programs(plan: Plan, graphdef, tx, parts, shardings, batch_sh, observe=None, held_sh=()):
