@@ -13,18 +13,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import jax
 import optax
 
+from optim.hparams import NON_NEGATIVE, Beta, NonNegative
 from optim.registry import decay_mask
 
 
 @dataclasses.dataclass(frozen=True)
 class AdamGroup:
   """The AdamW group's settings; a hybrid factory takes each as the keyword argument named in brackets.
+
+  Each field's annotation declares its range (`optim.hparams`), which the flat keyword argument carries.
 
   Args:
     learning_rate: [adam_learning_rate] the group's learning rate or schedule; None: the factory's `learning_rate`.
@@ -34,11 +38,11 @@ class AdamGroup:
     weight_decay: [adam_weight_decay] the group's decoupled weight decay (none on norms); None: the factory's
       `weight_decay`.
   """
-  learning_rate: Any = None
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float | None = None
+  learning_rate: Annotated[optax.ScalarOrSchedule | None, NON_NEGATIVE] = None
+  b1: Beta = 0.9
+  b2: Beta = 0.95
+  eps: NonNegative = 1e-8
+  weight_decay: NonNegative | None = None
 
   def tx(self, learning_rate: optax.ScalarOrSchedule, weight_decay: float,
          mu_dtype: jax.typing.DTypeLike | None = None) -> optax.GradientTransformation:
@@ -58,17 +62,17 @@ class AdamGroup:
 
 
 ADAM = AdamGroup()  # the defaults (a factory's `adam` default)
-# the flat keyword arguments: (name, annotation as the registry reads it, AdamGroup field)
-KWARGS = (("adam_learning_rate", "optax.ScalarOrSchedule | None", "learning_rate"), ("adam_b1", "float", "b1"),
-          ("adam_b2", "float", "b2"), ("adam_eps", "float", "eps"), ("adam_weight_decay", "float | None",
-                                                                    "weight_decay"))
+# the flat keyword arguments: (name, annotation as written on the AdamGroup field, AdamGroup field)
+KWARGS = tuple((f"adam_{field}", AdamGroup.__annotations__[field], field)
+               for field in ("learning_rate", "b1", "b2", "eps", "weight_decay"))
 
 
 def with_adam_group(factory: Callable[..., Any]) -> Callable[..., Any]:
   """A hybrid factory that takes `adam: AdamGroup` made to take the flat `adam_*` keyword arguments instead.
 
   The result's signature has the five `KWARGS` in the place of `adam` (what `inspect.signature`, the registry's
-  schema, `optax.inject_hyperparams` and `--opt` read); it builds the `AdamGroup` and calls `factory`. An `adam=`
+  schema, `optax.inject_hyperparams` and `--opt` read), each annotated as its `AdamGroup` field (its type hints too,
+  for the ranges the registry reads); it builds the `AdamGroup` and calls `factory`. An `adam=`
   keyword (an `AdamGroup` given whole) is still taken, but not together with the flat ones.
 
   Args:
@@ -95,4 +99,7 @@ def with_adam_group(factory: Callable[..., Any]) -> Callable[..., Any]:
     return factory(*args, **{"adam": AdamGroup(**group), **kwargs})  # an AdamGroup given whole is taken as it is
 
   flat.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+  hints = typing.get_type_hints(AdamGroup, include_extras=True)
+  flat.__annotations__ = {**{k: v for k, v in factory.__annotations__.items() if k != "adam"},
+                          **{name: hints[field] for name, _, field in KWARGS}}
   return flat

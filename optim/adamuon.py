@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import optax
 
 from optim.adam_group import ADAM, AdamGroup, with_adam_group
-from optim.muon import muon_with_adamw, orthogonalize_tree, shape_scale
-from optim.newton_schulz import Coeffs
+from optim.hparams import Beta, NonNegative, NonNegativeInt
+from optim.muon import ShapeScale, muon_with_adamw, orthogonalize_tree, shape_scale
+from optim.newton_schulz import Coeffs, NSMethod
 from optim.normuon import check_matrix, frobenius, momentum_direction
 from optim.registry import register
 from optim.trees import reject_complex
@@ -125,10 +126,11 @@ def scale_by_adamuon(beta: float = 0.95, b2: float = 0.95, *, nesterov: bool = T
 
 @register("adamuon")
 @with_adam_group
-def adamuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: float = 0.95,
-            weight_decay: float = 0.1, nesterov: bool = True, sign: bool = True, eps: float = 1e-8,
-            bias_correction: bool = False, scale: str = "moonlight", coeffs: Coeffs = "quintic", ns_steps: int = 5,
-            ns_eps: float = 1e-7, ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+def adamuon(learning_rate: optax.ScalarOrSchedule, *, beta: Beta = 0.95, b2: Beta = 0.95,
+            weight_decay: NonNegative = 0.1, nesterov: bool = True, sign: bool = True, eps: NonNegative = 1e-8,
+            bias_correction: bool = False, scale: ShapeScale = "moonlight", coeffs: Coeffs = "quintic",
+            ns_steps: NonNegativeInt = 5, ns_eps: NonNegative = 1e-7, ns_dtype: jax.typing.DTypeLike | None = None,
+            method: NSMethod = "standard",
             mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
             labels: PyTree | Callable[[PyTree], PyTree] | None = None,
             distributed: bool = False) -> optax.GradientTransformation:

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from optim.hparams import Choices
 from optim.trees import reject_complex
 
 MaskFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -44,6 +46,9 @@ MaskFn = Callable[[jax.Array, jax.Array], jax.Array]
 Scalar = float | jax.Array
 Factor = float | str | jax.Array
 NORMALIZATIONS = ("mean", "count")
+POLICIES = ("topk", "cautious")  # MGUP, Cautious-MGUP (`mgup_policy`)
+Normalization = Annotated[str, Choices(NORMALIZATIONS)]  # a factory's `normalize`
+Policy = Annotated[str, Choices(POLICIES)]  # a factory's `policy`
 
 
 class AlignmentError(ValueError):

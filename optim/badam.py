@@ -16,18 +16,20 @@ always-active leaves whole, and whole-leaf blocks in shared slots. Its state the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Annotated, Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optim.hparams import Beta, Choices, Count, NonNegative, NonNegativeInt
 from optim.needs import Blockwise, Inactive, Needs
 from optim.registry import decay_mask, register
 from optim.trees import leaf_name, path_name
 
 ORDERS = ("descending", "ascending", "random", "fixed")
+Order = Annotated[str, Choices(ORDERS)]  # a factory's `order`
 LABELS = ("layers", "embedding", "head", "active", "frozen")
 PyTree = Any
 
@@ -472,10 +474,10 @@ def blockwise_needs(hp: dict, inactive: Inactive | None = None) -> Needs:
 
 
 @register("badam", needs=blockwise_needs)
-def badam_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                weight_decay: float = 0.1, switch_every: int = 50, order: str = "descending", seed: int = 0,
-                start_block: int | None = None, include_embedding: bool = False, include_head: bool = False,
-                always_active: Sequence[str] = (),
+def badam_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: Beta = 0.9, b2: Beta = 0.95, eps: NonNegative = 1e-8,
+                weight_decay: NonNegative = 0.1, switch_every: Count = 50, order: Order = "descending",
+                seed: NonNegativeInt = 0, start_block: NonNegativeInt | None = None, include_embedding: bool = False,
+                include_head: bool = False, always_active: Sequence[str] = (),
                 mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """BAdam with AdamW inside, the learning rate (and its schedule) outside the per-block restarts.
 

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +74,8 @@ import optax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from optim.badam import BAdamError, BAdamState, _Plan, badam, block_plan, blockwise_needs, switches_before
+from optim.badam import BAdamError, BAdamState, Order, _Plan, badam, block_plan, blockwise_needs, switches_before
+from optim.hparams import Beta, Choices, Count, NonNegative, NonNegativeInt, Positive
 from optim.needs import Inactive, Needs
 from optim.registry import decay_mask, register
 from optim.trees import path_name
@@ -337,10 +338,11 @@ def _needs(hp: dict) -> Needs:
 
 
 @register("bread", needs=_needs)
-def bread_adamw(learning_rate: optax.ScalarOrSchedule, *, mode: str = "lowrank", rank: int = 8, alpha: float = 16.0,
-                inactive_lr_ratio: float = 1.0, reach: str = "deeper", sgd_sign: bool = False, b1: float = 0.9,
-                b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1, switch_every: int = 50,
-                order: str = "descending", seed: int = 0, start_block: int | None = None,
+def bread_adamw(learning_rate: optax.ScalarOrSchedule, *, mode: Annotated[str, Choices(MODES)] = "lowrank",
+                rank: Count = 8, alpha: Positive = 16.0, inactive_lr_ratio: NonNegative = 1.0,
+                reach: Annotated[str, Choices(REACHES)] = "deeper", sgd_sign: bool = False, b1: Beta = 0.9,
+                b2: Beta = 0.95, eps: NonNegative = 1e-8, weight_decay: NonNegative = 0.1, switch_every: Count = 50,
+                order: Order = "descending", seed: NonNegativeInt = 0, start_block: NonNegativeInt | None = None,
                 include_embedding: bool = False, include_head: bool = False, always_active: Sequence[str] = (),
                 mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """BREAD with AdamW inside (`badam_adamw`'s, the learning rate outside its restarts), ρ = inactive_lr_ratio.

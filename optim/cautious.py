@@ -19,18 +19,19 @@ import jax
 import optax
 
 from optim.adam_group import ADAM, AdamGroup, with_adam_group
-from optim.alignment import Scalar, cautious_policy, with_alignment_mask
+from optim.alignment import Normalization, Scalar, cautious_policy, with_alignment_mask
+from optim.hparams import Beta, NonNegative, NonNegativeInt
 from optim.mgup import scale_by_reference_adam
-from optim.muon import muon_with_adamw, scale_by_muon
-from optim.newton_schulz import Coeffs
+from optim.muon import MomentumForm, ShapeScale, muon_with_adamw, scale_by_muon
+from optim.newton_schulz import Coeffs, NSMethod
 from optim.registry import decay_mask, register
 
 PyTree = Any
 
 
 @register("cautious_adamw")
-def cautious_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                   weight_decay: float = 0.1, floor: Scalar = 1e-3, normalize: str = "mean",
+def cautious_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: Beta = 0.9, b2: Beta = 0.95, eps: NonNegative = 1e-8,
+                   weight_decay: NonNegative = 0.1, floor: Scalar = 1e-3, normalize: Normalization = "mean",
                    mu_dtype: jax.typing.DTypeLike | None = None,
                    mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """C-AdamW (C-Optim `c_adamw.py`, single-tensor path).
@@ -67,8 +68,8 @@ def cautious_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2
 
 
 @register("cautious_lion")
-def cautious_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.99,
-                  weight_decay: float = 0.1, floor: Scalar = 1e-3, normalize: str = "mean",
+def cautious_lion(learning_rate: optax.ScalarOrSchedule, *, b1: Beta = 0.9, b2: Beta = 0.99,
+                  weight_decay: NonNegative = 0.1, floor: Scalar = 1e-3, normalize: Normalization = "mean",
                   mu_dtype: jax.typing.DTypeLike | None = None,
                   mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """C-Lion: Lion's sign update, masked where it disagrees with the gradient.
@@ -102,13 +103,13 @@ def cautious_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2:
 
 @register("cautious_muon")
 @with_adam_group
-def cautious_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1,
-                  momentum: str = "classic", nesterov: bool = True, coeffs: Coeffs = "quintic", ns_steps: int = 5,
-                  eps: float = 1e-7, scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None,
-                  method: str = "standard", mu_dtype: jax.typing.DTypeLike | None = None,
-                  adam: AdamGroup = ADAM,
+def cautious_muon(learning_rate: optax.ScalarOrSchedule, *, beta: Beta = 0.95, weight_decay: NonNegative = 0.1,
+                  momentum: MomentumForm = "classic", nesterov: bool = True, coeffs: Coeffs = "quintic",
+                  ns_steps: NonNegativeInt = 5, eps: NonNegative = 1e-7, scale: ShapeScale = "moonlight",
+                  ns_dtype: jax.typing.DTypeLike | None = None, method: NSMethod = "standard",
+                  mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
                   labels: PyTree | Callable[[PyTree], PyTree] | None = None, distributed: bool = False,
-                  floor: Scalar = 1e-3, normalize: str = "mean") -> optax.GradientTransformation:
+                  floor: Scalar = 1e-3, normalize: Normalization = "mean") -> optax.GradientTransformation:
   """C-Muon with C-Optim's placement (`c_muon.py`): the mask multiplies the momentum BEFORE orthogonalization.
 
     B ← μB + G;  U = G + μB (Nesterov);  φ = Cautious(U, G);  O = NS(φ ⊙ U)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +54,9 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from optim.adam_group import ADAM, AdamGroup, with_adam_group
+from optim.hparams import Beta, NonNegative, NonNegativeInt, Range
 from optim.linalg import per_matrix
-from optim.muon import muon_with_adamw, shape_scale
+from optim.muon import ShapeScale, muon_with_adamw, shape_scale
 from optim.registry import UnknownOptimizerError, register
 from optim.trees import path_name, reject_complex
 
@@ -265,8 +266,9 @@ def scale_by_dion(beta: float = 0.95, *, rank_fraction: float = 1.0, eps: float 
 
 @register("dion")
 @with_adam_group
-def dion(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, rank_fraction: float = 1.0,
-         weight_decay: float = 0.01, eps: float = 1e-8, scale: str = "spectral", seed: int = 0,
+def dion(learning_rate: optax.ScalarOrSchedule, *, beta: Beta = 0.95,
+         rank_fraction: Annotated[float, Range(0, 1, open_low=True)] = 1.0, weight_decay: NonNegative = 0.01,
+         eps: NonNegative = 1e-8, scale: ShapeScale = "spectral", seed: NonNegativeInt = 0,
          mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
          labels: PyTree | Callable[[PyTree], PyTree] | None = None,
          distributed: bool = False) -> optax.GradientTransformation:

@@ -24,17 +24,19 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from optim.hparams import Beta, Choices, Fraction, NonNegative, NonNegativeInt, Positive
 from optim.linalg import map_stack
 from optim.registry import UnknownOptimizerError, decay_mask, register
 from optim.trees import reject_complex, replicated, sharded_like
 
 MEMORY_SAVE_MODES = (None, "one_diag", "smart_one_diag", "all_diag")
+PRECOND_DTYPES = ("float32", "bfloat16", "float16")  # `precond_dtype` by name (None: each leaf's)
 TINY = float(jnp.finfo(jnp.float32).tiny)  # the oracle's eps: torch.finfo(torch.bfloat16).tiny, equal to fp32's
 _mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 PyTree = Any
@@ -312,11 +314,12 @@ def scale_by_kron(b1: float = 0.9, *,
 
 
 @register("kron")
-def kron(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, weight_decay: float = 0.0,
-         preconditioner_update_probability: float | None = None, max_size_triangular: int = 8192,
-         memory_save_mode: str | None = None, precond_lr: float = 0.1, precond_init_scale: float = 1.0,
-         balance_prob: float = 0.01, momentum_into_precond_update: bool = True,
-         mu_dtype: jax.typing.DTypeLike | None = None, precond_dtype: str | None = "float32", seed: int = 0,
+def kron(learning_rate: optax.ScalarOrSchedule, *, b1: Beta = 0.9, weight_decay: NonNegative = 0.0,
+         preconditioner_update_probability: Fraction | None = None, max_size_triangular: NonNegativeInt = 8192,
+         memory_save_mode: Annotated[str, Choices(MEMORY_SAVE_MODES)] | None = None, precond_lr: Positive = 0.1,
+         precond_init_scale: NonNegative = 1.0, balance_prob: Fraction = 0.01,
+         momentum_into_precond_update: bool = True, mu_dtype: jax.typing.DTypeLike | None = None,
+         precond_dtype: Annotated[str, Choices(PRECOND_DTYPES)] | None = "float32", seed: NonNegativeInt = 0,
          mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """PSGD-Kron (Li, arXiv 1512.04202 / 2211.04422) on every leaf, with decoupled weight decay.
 

@@ -23,20 +23,22 @@ stacked vectors (norm scales stored as (layers, D)); a leaf with fewer axes is o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optim.adam_group import ADAM, AdamGroup, with_adam_group
-from optim.muon import muon_with_adamw, scale_by_muon
+from optim.hparams import NON_NEGATIVE, Beta, Choices, NonNegative, NonNegativeInt
+from optim.muon import ShapeScale, muon_with_adamw, scale_by_muon
 from optim.needs import Needs
-from optim.newton_schulz import Coeffs
+from optim.newton_schulz import Coeffs, NSMethod
 from optim.registry import UnknownOptimizerError, register
 from optim.trees import path_name, reject_complex, resolve_labels
 
 MODES = ("approx", "exact")
+MVR_MODES = ("mvr1", "mvr2")  # Muon-MVR's approximate and exact corrections
 VARIANTS = ("adamw", "lion", "shampoo")
 PyTree = Any
 
@@ -179,10 +181,11 @@ def _mars_core(variant: str, b1, b2, eps, *, matrix: bool, ns_steps: int, ns_dty
 
 
 @register("mars", needs=lambda hp: Needs(update_args=frozenset({"prev_grads"} if hp["mode"] == "exact" else ())))
-def mars(learning_rate: optax.ScalarOrSchedule, *, variant: str = "adamw", gamma: float = 0.025, b1: float = 0.95,
-         b2: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, mode: str = "approx",
-         optimize_1d: bool = False, lr_1d: optax.ScalarOrSchedule | None = None, b1_1d: float = 0.9,
-         b2_1d: float = 0.95, weight_decay_1d: float = 0.1, ns_steps: int = 5,
+def mars(learning_rate: optax.ScalarOrSchedule, *, variant: Annotated[str, Choices(VARIANTS)] = "adamw",
+         gamma: NonNegative = 0.025, b1: Beta = 0.95, b2: Beta = 0.99, eps: NonNegative = 1e-8,
+         weight_decay: NonNegative = 0.0, mode: Annotated[str, Choices(MODES)] = "approx", optimize_1d: bool = False,
+         lr_1d: Annotated[optax.ScalarOrSchedule | None, NON_NEGATIVE] = None, b1_1d: Beta = 0.9, b2_1d: Beta = 0.95,
+         weight_decay_1d: NonNegative = 0.1, ns_steps: NonNegativeInt = 5,
          ns_dtype: jax.typing.DTypeLike | None = None,
          labels: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformationExtraArgs:
   """MARS (Yuan et al., 2025): the corrected gradient c̃ (`mars_correction`) feeds AdamW, Lion or Shampoo.
@@ -247,9 +250,10 @@ def mars(learning_rate: optax.ScalarOrSchedule, *, variant: str = "adamw", gamma
 
 @register("muon_mvr", needs=lambda hp: Needs(update_args=frozenset({"prev_grads"} if hp["mode"] == "mvr2" else ())))
 @with_adam_group
-def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: str = "mvr1", gamma: float = 0.025, beta: float = 0.95,
-             weight_decay: float = 0.1, coeffs: Coeffs = "quintic", ns_steps: int = 5, eps: float = 1e-7,
-             scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: Annotated[str, Choices(MVR_MODES)] = "mvr1",
+             gamma: NonNegative = 0.025, beta: Beta = 0.95, weight_decay: NonNegative = 0.1, coeffs: Coeffs = "quintic",
+             ns_steps: NonNegativeInt = 5, eps: NonNegative = 1e-7, scale: ShapeScale = "moonlight",
+             ns_dtype: jax.typing.DTypeLike | None = None, method: NSMethod = "standard",
              mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
              labels: PyTree | Callable[[PyTree], PyTree] | None = None,
              distributed: bool = False) -> optax.GradientTransformationExtraArgs:
@@ -292,7 +296,7 @@ def muon_mvr(learning_rate: optax.ScalarOrSchedule, *, mode: str = "mvr1", gamma
       MaeChd/muon-eq `MuonMVR`).
     Liu et al., MARS-M, 2025, arXiv 2510.21800 (AGI-Arena/MARS `MARS_M/optimizers/mars_m.py`).
   """
-  if mode not in ("mvr1", "mvr2"):
+  if mode not in MVR_MODES:
     raise MarsError(f"Muon-MVR mode must be 'mvr1' (approximate) or 'mvr2' (exact), got {mode!r}")
   core = optax.chain(
       mars_correction(gamma, beta, mode="approx" if mode == "mvr1" else "exact"),

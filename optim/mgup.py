@@ -16,16 +16,17 @@ runs compare with them at equal settings; the reference classes' defaults differ
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optim.adam_group import ADAM, AdamGroup, with_adam_group
-from optim.alignment import Factor, Scalar, mgup_policy, with_alignment_mask
-from optim.muon import muon_with_adamw, scale_by_muon
-from optim.newton_schulz import Coeffs
+from optim.alignment import Factor, Policy, Scalar, mgup_policy, with_alignment_mask
+from optim.hparams import NON_NEGATIVE, POSITIVE, Beta, NonNegative, NonNegativeInt
+from optim.muon import MomentumForm, ShapeScale, muon_with_adamw, scale_by_muon
+from optim.newton_schulz import Coeffs, NSMethod
 from optim.registry import decay_mask, register
 
 PyTree = Any
@@ -71,9 +72,10 @@ def scale_by_reference_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8
 
 
 @register("mgup_adamw")
-def mgup_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-               weight_decay: float = 0.1, tau: Scalar = 0.5, alpha: Factor = 2.0, gamma: Factor = 0.1,
-               policy: str = "topk", mu_dtype: jax.typing.DTypeLike | None = None,
+def mgup_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: Beta = 0.9, b2: Beta = 0.95, eps: NonNegative = 1e-8,
+               weight_decay: NonNegative = 0.1, tau: Scalar = 0.5, alpha: Annotated[Factor, POSITIVE] = 2.0,
+               gamma: Annotated[Factor, NON_NEGATIVE] = 0.1, policy: Policy = "topk",
+               mu_dtype: jax.typing.DTypeLike | None = None,
                mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """MGUP-AdamW (MGUP/MGUP_AdamW.py `AdamW`; `CMGUP_AdamW` with policy="cautious").
 
@@ -111,8 +113,9 @@ def mgup_adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: fl
 
 
 @register("mgup_lion")
-def mgup_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
-              tau: Scalar = 0.5, alpha: Factor = 2.0, gamma: Factor = 0.1, policy: str = "topk",
+def mgup_lion(learning_rate: optax.ScalarOrSchedule, *, b1: Beta = 0.9, b2: Beta = 0.99,
+              weight_decay: NonNegative = 0.1, tau: Scalar = 0.5, alpha: Annotated[Factor, POSITIVE] = 2.0,
+              gamma: Annotated[Factor, NON_NEGATIVE] = 0.1, policy: Policy = "topk",
               mu_dtype: jax.typing.DTypeLike | None = None,
               mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """MGUP-Lion (MGUP/MGUP_Lion.py).
@@ -150,14 +153,14 @@ def mgup_lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: flo
 
 @register("mgup_muon")
 @with_adam_group
-def mgup_muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1,
-              momentum: str = "classic", nesterov: bool = True, coeffs: Coeffs = "quintic", ns_steps: int = 5,
-              eps: float = 1e-7, scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None,
-              method: str = "standard", mu_dtype: jax.typing.DTypeLike | None = None,
-              adam: AdamGroup = ADAM,
+def mgup_muon(learning_rate: optax.ScalarOrSchedule, *, beta: Beta = 0.95, weight_decay: NonNegative = 0.1,
+              momentum: MomentumForm = "classic", nesterov: bool = True, coeffs: Coeffs = "quintic",
+              ns_steps: NonNegativeInt = 5, eps: NonNegative = 1e-7, scale: ShapeScale = "moonlight",
+              ns_dtype: jax.typing.DTypeLike | None = None, method: NSMethod = "standard",
+              mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
               labels: PyTree | Callable[[PyTree], PyTree] | None = None, distributed: bool = False,
-              tau: Scalar = 0.5, alpha: Factor = 2.0, gamma: Factor = 0.1,
-              policy: str = "topk") -> optax.GradientTransformation:
+              tau: Scalar = 0.5, alpha: Annotated[Factor, POSITIVE] = 2.0,
+              gamma: Annotated[Factor, NON_NEGATIVE] = 0.1, policy: Policy = "topk") -> optax.GradientTransformation:
   """MGUP-Muon (MGUP/MGUP_Muon.py): Moonlight Muon with the MGUP mask applied AFTER orthogonalization.
 
     B ← μB + G;  Gn = G + μB (Nesterov);  φ = MGUP(Gn, G);  O = NS(Gn)

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optim.adam_group import ADAM, AdamGroup, with_adam_group
-from optim.newton_schulz import Coeffs, orthogonalize
+from optim.hparams import Beta, Choices, NonNegative, NonNegativeInt
+from optim.newton_schulz import Coeffs, NSMethod, orthogonalize
 from optim.orthogonalizers import Split
 from optim.registry import register
 from optim.trees import is_hidden_matrix, reject_complex, resolve_labels
 
 SHAPE_SCALES = ("keller", "moonlight", "spectral", "none")
+MOMENTA = ("ema", "classic")  # the momentum forms of `scale_by_muon`
+ShapeScale = Annotated[str, Choices(SHAPE_SCALES)]  # a factory's `scale`
+MomentumForm = Annotated[str, Choices(MOMENTA)]  # a factory's `momentum`
 PyTree = Any
 
 
@@ -130,7 +134,7 @@ def scale_by_muon(beta: float = 0.95, *, momentum: str = "ema", nesterov: bool =
       (mask_at="post"; MaeChd/MGUP `MGUP_Muon.py`).
     Liang et al., "Cautious Optimizers", 2024, arXiv 2411.16085 (mask_at="pre"; kyleliang919/C-Optim `c_muon.py`).
   """
-  if momentum not in ("ema", "classic"):
+  if momentum not in MOMENTA:
     raise ValueError(f"momentum must be 'ema' or 'classic', got {momentum!r}")
   if mask_at not in ("pre", "post"):
     raise ValueError(f"mask_at must be 'pre' or 'post', got {mask_at!r}")
@@ -225,9 +229,10 @@ def muon_labels(params: PyTree) -> optax.Params:
 
 @register("muon")
 @with_adam_group
-def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, weight_decay: float = 0.1, momentum: str = "ema",
-         nesterov: bool = True, coeffs: Coeffs = "quintic", ns_steps: int = 5, eps: float = 1e-7,
-         scale: str = "moonlight", ns_dtype: jax.typing.DTypeLike | None = None, method: str = "standard",
+def muon(learning_rate: optax.ScalarOrSchedule, *, beta: Beta = 0.95, weight_decay: NonNegative = 0.1,
+         momentum: MomentumForm = "ema", nesterov: bool = True, coeffs: Coeffs = "quintic",
+         ns_steps: NonNegativeInt = 5, eps: NonNegative = 1e-7, scale: ShapeScale = "moonlight",
+         ns_dtype: jax.typing.DTypeLike | None = None, method: NSMethod = "standard",
          mu_dtype: jax.typing.DTypeLike | None = None, adam: AdamGroup = ADAM,
          labels: PyTree | Callable[[PyTree], PyTree] | None = None, distributed: bool = False,
          orthogonalize: Callable[[jax.Array], jax.Array] | None = None,

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim.muon import muon
+from optim.hparams import Beta, Fraction, NonNegative, NonNegativeInt
+from optim.muon import ShapeScale, muon
 from optim.needs import Needs
 from optim.registry import register
 from optim.trees import leaf_name
@@ -141,9 +142,10 @@ def qk_clip(threshold: float = 100.0, alpha: float = 0.5) -> optax.GradientTrans
 
 @register("muonclip", needs=Needs(update_args=frozenset({"max_logits"}), model_refuses=(
     ("qk_norm", "clips W_q and W_k, which QK-norm undoes"),)))
-def muonclip(learning_rate: optax.ScalarOrSchedule, *, clip_threshold: float = 100.0, clip_alpha: float = 0.5,
-             beta: float = 0.95, weight_decay: float = 0.1, nesterov: bool = True, ns_steps: int = 5,
-             eps: float = 1e-7, scale: str = "moonlight", adam_b1: float = 0.9, adam_b2: float = 0.95,
+def muonclip(learning_rate: optax.ScalarOrSchedule, *, clip_threshold: NonNegative = 100.0,
+             clip_alpha: Fraction = 0.5, beta: Beta = 0.95, weight_decay: NonNegative = 0.1, nesterov: bool = True,
+             ns_steps: NonNegativeInt = 5, eps: NonNegative = 1e-7, scale: ShapeScale = "moonlight",
+             adam_b1: Beta = 0.9, adam_b2: Beta = 0.95,
              labels: PyTree | Callable[[PyTree], PyTree] | None = None,
              distributed: bool = False) -> optax.GradientTransformationExtraArgs:
   """Muon (`optim.muon`, Moonlight scale: Kimi K2's) followed by `qk_clip(clip_threshold τ, clip_alpha α)`.

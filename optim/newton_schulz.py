@@ -16,11 +16,14 @@ Two iterations compute the same polynomial:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from optim.hparams import Choices
 
 COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
     # Keller Jordan's quintic (KellerJordan/Muon): steep at 0, σ → ~[0.68, 1.13] after 5 steps.
@@ -49,6 +52,8 @@ NORM_SAFETY = {"polar_express": 1.02}
 # Newton–Schulz coefficients as the factories take them: a name in COEFFICIENTS or rows of (a, b, c). An alias, so the
 # registry's annotation check (optim.registry.get_optimizer) leaves a table through as it does a name.
 Coeffs = str | Sequence
+METHODS = ("standard", "gram")  # the two iterations above
+NSMethod = Annotated[str, Choices(METHODS)]  # a factory's `method`
 
 
 def coefficient_table(coeffs: str | Sequence, steps: int) -> np.ndarray:
@@ -213,7 +218,7 @@ def orthogonalize(x: jax.Array, *, coeffs: str | Sequence = "quintic", steps: in
 
 
 def _orthogonalize(x, *, coeffs, steps, eps, compute_dtype, method, restart):
-  if method not in ("standard", "gram"):
+  if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; use 'standard' or 'gram'")
   table = coefficient_table(coeffs, steps)
   safety = NORM_SAFETY.get(coeffs, 1.0) if isinstance(coeffs, str) else 1.0

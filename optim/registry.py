@@ -1,12 +1,12 @@
 """Optimizers by name, for the train CLI and sweeps: name -> factory(learning_rate, **hyperparameters).
 
 Every factory returns an optax GradientTransformation; hyperparameters a caller leaves out take
-the factory's defaults. A new optimizer plugs in with `@register("name")`.
+the factory's defaults. A new optimizer plugs in with `@register("name")`, each hyperparameter's range or choices
+declared in its own signature (`optim.hparams`: `b1: Beta = 0.9`), where the registry's schema and checks read them.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import jax
 import optax
 
+from optim.hparams import Beta, Choices, Declaration, NonNegative, Range, declarations
 from optim.needs import Needs
 from optim.trees import is_named_vector, leaf_name, reject_complex
 
@@ -42,50 +43,26 @@ class UnknownOptimizerError(ValueError):
 
 # Every hyperparameter's schema: its type is its annotation in the factory's signature, and a value must match it
 # (`float`: a finite number, `int`: an integer, `bool`, `str`, `Sequence[str]`: a list of strings, never one string,
-# each optionally `| None`). Numbers lie in their range below (closed intervals, "open" for an excluded lower end;
-# None: unbounded), strings in their choice set (by key, or "optimizer.key" where one key means different things).
-# The annotations in `FACTORY_CHECKED` are the factory's to check (MGUP's tau, alpha, gamma as
+# each optionally `| None`). A number lies in the `Range` and a string in the `Choices` its annotation declares
+# (`optim.hparams`: `b1: Beta`, `order: Annotated[str, Choices(ORDERS)]`), so one name can mean different things in two
+# optimizers. The annotations in `FACTORY_CHECKED` are the factory's to check (MGUP's tau, alpha, gamma as
 # `optim.alignment.Scalar` / `Factor`, which also take symbolic strings; dtypes, schedules, Newton–Schulz tables as
-# `optim.newton_schulz.Coeffs`, Dion's split, a custom orthogonalizer). What a value means for a model (a block index
-# within the model's blocks, a path pattern that matches some parameter) is checked by the optimizer's init, which
-# the trainer runs on the abstract parameters before any work. tests/optim/test_registry_schema.py holds every
-# registered hyperparameter to a declared type and range.
-_RANGES = {**dict.fromkeys(("b1", "b2", "adam_b1", "adam_b2", "b1_1d", "b2_1d", "beta", "momentum", "shampoo_beta"),
-                           (0, 1)),
-           **dict.fromkeys(("eps", "adam_eps", "weight_decay", "adam_weight_decay", "weight_decay_1d", "gamma",
-                            "ns_eps", "clip_threshold", "precond_init_scale", "seed", "max_size_triangular",
-                            "start_block", "ns_steps", "adam_learning_rate", "lr_1d"), (0, None)),
-           **dict.fromkeys(("precond_lr", "alpha", "vector_scale", "embed_scale", "head_scale", "hidden_scale"),
-                           (0, None, "open")),
-           "inactive_lr_ratio": (0, None),  # 0: the layers above the active one stay as they are (BAdam)
-           **dict.fromkeys(("switch_every", "rank", "precondition_frequency", "max_precondition_dim"), (1, None)),
-           **dict.fromkeys(("clip_alpha", "balance_prob", "preconditioner_update_probability"), (0, 1)),
-           "rank_fraction": (0, 1, "open")}
-_CHOICES = {  # "module:NAME" is read when a value is checked (the optimizers' modules import this one)
-    "order": "optim.badam:ORDERS", "bread.mode": "optim.bread:MODES", "reach": "optim.bread:REACHES",
-    "mars.mode": "optim.mars:MODES", "variant": "optim.mars:VARIANTS", "muon_mvr.mode": ("mvr1", "mvr2"),
-    "normalize": "optim.alignment:NORMALIZATIONS", "policy": ("topk", "cautious"), "momentum": ("ema", "classic"),
-    "method": ("standard", "gram"), "scale": "optim.muon:SHAPE_SCALES",
-    "memory_save_mode": "optim.kron:MEMORY_SAVE_MODES",
-    "precond_dtype": ("float32", "bfloat16", "float16"),
-    **dict.fromkeys(("hidden_lmo", "embed_lmo", "head_lmo", "vector_lmo"), "optim.scion:LMOS")}
+# `optim.newton_schulz.Coeffs`, Dion's split, a custom orthogonalizer); a number given to one still lies in its declared
+# range. What a value means for a model (a block index within the model's blocks, a path pattern that matches some
+# parameter) is checked by the optimizer's init, which the trainer runs on the abstract parameters before any work.
+# tests/optim/test_registry_schema.py holds every registered hyperparameter to a declared type and range.
 FACTORY_CHECKED = ("Scalar", "Factor", "Coeffs", "Split | None", "jax.typing.DTypeLike | None",
                    "optax.ScalarOrSchedule | None", "Callable[[jax.Array], jax.Array] | None")
 
 
-def _range(key: str):
-  """(lo, hi, open lower end) of numeric hyperparameter `key`, or None when it has none declared."""
-  r = _RANGES.get(key)
-  return None if r is None else (r[0], r[1], len(r) > 2)
+def _range(declared: Declaration | None) -> tuple | None:
+  """(lo, hi, open lower end) of a number's declared `Range`, or None when it has none."""
+  return (declared.lo, declared.hi, declared.open_low) if isinstance(declared, Range) else None
 
 
-def _choices(name: str, key: str) -> tuple | None:
-  """The allowed values of string hyperparameter `key` of optimizer `name`, or None when none are declared."""
-  c = _CHOICES.get(f"{name}.{key}", _CHOICES.get(key))
-  if isinstance(c, str):
-    module, _, attr = c.partition(":")
-    c = getattr(importlib.import_module(module), attr)
-  return None if c is None else tuple(c)
+def _choices(declared: Declaration | None) -> tuple | None:
+  """The allowed values of a string's declared `Choices`, or None when it has none."""
+  return declared.values if isinstance(declared, Choices) else None
 
 
 def schema(name: str) -> dict[str, tuple[str, Any]]:
@@ -106,21 +83,20 @@ def schema(name: str) -> dict[str, tuple[str, Any]]:
   out = {}
   if name not in OPTIMIZERS:
     raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
-  parameters = inspect.signature(OPTIMIZERS[name]).parameters
+  parameters = declarations(OPTIMIZERS[name])  # (annotation text, declared range or choices) by parameter
   for key in hyperparameters(name):
-    kind = str(parameters[key].annotation)
+    kind, declared = parameters[key]
     base = kind.removesuffix(" | None")
-    declared = ("factory" if kind in FACTORY_CHECKED else _range(key) if base in ("int", "float")
-                else _choices(name, key) if base == "str" else "patterns" if base == "Sequence[str]" else None)
-    out[key] = (kind, declared)
+    out[key] = (kind, "factory" if kind in FACTORY_CHECKED else _range(declared) if base in ("int", "float")
+                else _choices(declared) if base == "str" else "patterns" if base == "Sequence[str]" else None)
   return out
 
 
-def _check_value(name: str, key: str, value, annotation):
-  """Raises UnknownOptimizerError unless `value` suits hyperparameter `key` of `name`, annotated `annotation`."""
+def _check_value(name: str, key: str, value, annotation: str, declared: Declaration | None):
+  """Raises UnknownOptimizerError unless `value` suits hyperparameter `key` of `name` (annotation, range, choices)."""
   def refuse(why):
     raise UnknownOptimizerError(f"optimizer {name!r}: {key}={value!r} {why}")
-  kind, _, optional = str(annotation).partition(" | ")
+  kind, _, optional = annotation.partition(" | ")
   if optional == "None" and value is None:
     return
   if kind == "Sequence[str]":
@@ -140,14 +116,14 @@ def _check_value(name: str, key: str, value, annotation):
     refuse("must be a string")
   if kind == "optax.ScalarOrSchedule" and not (number or callable(value)):  # a schedule is a function of the step
     refuse("must be a number or a schedule")
-  if kind in ("int", "float") or number and _range(key) is not None:  # a number under any annotation: its range
+  if kind in ("int", "float") or number and _range(declared) is not None:  # a number under any annotation: its range
     if not math.isfinite(value):
       refuse("must be finite")
-    lo, hi, open_lo = _range(key) or (None, None, False)
+    lo, hi, open_lo = _range(declared) or (None, None, False)
     if (lo is not None and (value < lo or open_lo and value == lo)) or (hi is not None and value > hi):
       refuse(f"must lie in {'(' if open_lo else '['}{lo}, {'inf)' if hi is None else f'{hi}]'}")
   if kind == "str":
-    allowed = _choices(name, key)
+    allowed = _choices(declared)
     if allowed is not None and value not in allowed:
       refuse(f"must be one of {', '.join(map(str, allowed))}")
 
@@ -192,8 +168,8 @@ def decay_mask(params: PyTree) -> Any:
 
 
 @register("adamw")
-def adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-          weight_decay: float = 0.1, mu_dtype: jax.typing.DTypeLike | None = None,
+def adamw(learning_rate: optax.ScalarOrSchedule, *, b1: Beta = 0.9, b2: Beta = 0.95, eps: NonNegative = 1e-8,
+          weight_decay: NonNegative = 0.1, mu_dtype: jax.typing.DTypeLike | None = None,
           mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """AdamW (Loshchilov & Hutter, 2019) with decoupled weight decay on matrices and embeddings.
 
@@ -219,8 +195,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float =
 
 
 @register("sgd")
-def sgd(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.9, nesterov: bool = True,
-        weight_decay: float = 0.0, accumulator_dtype: jax.typing.DTypeLike | None = None,
+def sgd(learning_rate: optax.ScalarOrSchedule, *, momentum: Beta = 0.9, nesterov: bool = True,
+        weight_decay: NonNegative = 0.0, accumulator_dtype: jax.typing.DTypeLike | None = None,
         mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """SGD with (Nesterov) momentum; weight decay added to the gradient (L2, coupled; `mask` as `adamw`).
 
@@ -244,7 +220,7 @@ def sgd(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.9, nestero
 
 
 @register("lion")
-def lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.1,
+def lion(learning_rate: optax.ScalarOrSchedule, *, b1: Beta = 0.9, b2: Beta = 0.99, weight_decay: NonNegative = 0.1,
          mask: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """Lion (Chen et al., 2023): sign of an interpolated momentum, decoupled weight decay (`mask` as `adamw`).
 
@@ -268,9 +244,9 @@ def lion(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
 def get_optimizer(name: str, learning_rate: optax.ScalarOrSchedule, **hparams: Any) -> optax.GradientTransformation:
   """The registered optimizer `name`; unknown names and hyperparameters raise UnknownOptimizerError.
 
-  Each hyperparameter is checked against its annotation in the factory's signature and its range (`_RANGES`) before
-  the factory runs; a plain ValueError or TypeError from the factory becomes an UnknownOptimizerError of one line
-  (the optimizers' own errors, e.g. AlignmentError, pass through).
+  Each hyperparameter is checked against its annotation in the factory's signature and the range or choices it
+  declares (`optim.hparams`) before the factory runs; a plain ValueError or TypeError from the factory becomes an
+  UnknownOptimizerError of one line (the optimizers' own errors, e.g. AlignmentError, pass through).
 
   Args:
     name: a registered optimizer.
@@ -315,14 +291,14 @@ def check_hparams(name: str, hparams: dict[str, Any]) -> None:
   """
   if name not in OPTIMIZERS:
     raise UnknownOptimizerError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(OPTIMIZERS))}")
-  parameters = inspect.signature(OPTIMIZERS[name]).parameters
+  parameters = declarations(OPTIMIZERS[name])
   accepted = set(parameters) - {"learning_rate"}
   unknown = sorted(set(hparams) - accepted)
   if unknown:
     raise UnknownOptimizerError(f"optimizer {name!r} has no hyperparameter {', '.join(unknown)}; "
                                 f"it takes {', '.join(sorted(accepted))}")
   for key, value in hparams.items():
-    _check_value(name, key, value, parameters[key].annotation)
+    _check_value(name, key, value, *parameters[key])
 
 
 def hyperparameters(name: str) -> dict[str, Any]:

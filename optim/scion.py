@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from optim.hparams import Beta, Choices, NonNegative, NonNegativeInt, Positive
 from optim.muon import orthogonalize_tree
 from optim.newton_schulz import Coeffs
 from optim.registry import UnknownOptimizerError, register
@@ -34,6 +35,7 @@ from optim.trees import is_named_vector, path_name, resolve_labels
 
 LMOS = ("spectral", "colnorm", "rownorm", "sign", "bias_rms")
 MATRIX_LMOS = ("spectral", "colnorm", "rownorm")  # defined on matrices only
+Lmo = Annotated[str, Choices(LMOS)]  # a factory's `*_lmo`
 LAYER_TYPES = ("hidden", "embed", "head", "vector")
 PyTree = Any
 
@@ -191,12 +193,13 @@ def scion_labels(params: PyTree) -> optax.Params:
 
 
 @register("scion")
-def scion(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.1, constrained: bool = True,
-          weight_decay: float = 0.0, hidden_scale: float = 3.0, embed_scale: float = 1.0, head_scale: float = 10.0,
-          vector_scale: float = 1.0, hidden_lmo: str = "spectral", embed_lmo: str = "colnorm",
-          head_lmo: str = "sign", vector_lmo: str = "bias_rms", eps: float = 1e-8, coeffs: Coeffs = "quintic",
-          ns_steps: int = 5, ns_eps: float = 1e-7, ns_dtype: jax.typing.DTypeLike | None = None,
-          mu_dtype: jax.typing.DTypeLike | None = None, labels: PyTree | Callable[[PyTree], PyTree] | None = None,
+def scion(learning_rate: optax.ScalarOrSchedule, *, momentum: Beta = 0.1, constrained: bool = True,
+          weight_decay: NonNegative = 0.0, hidden_scale: Positive = 3.0, embed_scale: Positive = 1.0,
+          head_scale: Positive = 10.0, vector_scale: Positive = 1.0, hidden_lmo: Lmo = "spectral",
+          embed_lmo: Lmo = "colnorm", head_lmo: Lmo = "sign", vector_lmo: Lmo = "bias_rms", eps: NonNegative = 1e-8,
+          coeffs: Coeffs = "quintic", ns_steps: NonNegativeInt = 5, ns_eps: NonNegative = 1e-7,
+          ns_dtype: jax.typing.DTypeLike | None = None, mu_dtype: jax.typing.DTypeLike | None = None,
+          labels: PyTree | Callable[[PyTree], PyTree] | None = None,
           distributed: bool = False) -> optax.GradientTransformation:
   """Scion: per layer type, the LMO of its norm ball applied to the averaged gradient (`scale_by_scion`).
 

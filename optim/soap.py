@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim.hparams import Beta, Count, NonNegative
 from optim.linalg import per_matrix
 from optim.registry import UnknownOptimizerError, decay_mask, register
 from optim.trees import is_named_vector, path_name, reject_complex, replicated, resolve_labels, sharded_like
@@ -267,9 +268,9 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
 
 
 @register("soap")
-def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float = 0.95,
-         shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
-         precondition_frequency: int = 10, max_precondition_dim: int = 10000, correct_bias: bool = True,
+def soap(learning_rate: optax.ScalarOrSchedule, *, b1: Beta = 0.95, b2: Beta = 0.95,
+         shampoo_beta: Beta | None = None, eps: NonNegative = 1e-8, weight_decay: NonNegative = 0.01,
+         precondition_frequency: Count = 10, max_precondition_dim: Count = 10000, correct_bias: bool = True,
          normalize_gradient: bool = False, mask: PyTree | Callable[[PyTree], PyTree] | None = None,
          labels: PyTree | Callable[[PyTree], PyTree] | None = None) -> optax.GradientTransformation:
   """SOAP (Vyas et al., 2024, arXiv 2409.11321): Adam in the eigenbasis of Shampoo's factors, on every leaf.

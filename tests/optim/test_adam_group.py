@@ -20,9 +20,12 @@ HYBRIDS = ("muon", "normuon", "adamuon", "cautious_muon", "mgup_muon", "muon_mvr
 def test_every_hybrid_shows_the_flat_keyword_arguments(name):
   params = inspect.signature(optim.OPTIMIZERS[name]).parameters
   assert "adam" not in params
-  assert [(n, str(params[n].annotation), params[n].default) for n, _, _ in KWARGS] == [
-      ("adam_learning_rate", "optax.ScalarOrSchedule | None", None), ("adam_b1", "float", 0.9),
-      ("adam_b2", "float", 0.95), ("adam_eps", "float", 1e-8), ("adam_weight_decay", "float | None", None)]
+  assert [(n, optim.registry.schema(name)[n], params[n].default) for n, _, _ in KWARGS] == [
+      ("adam_learning_rate", ("optax.ScalarOrSchedule | None", "factory"), None),
+      ("adam_b1", ("float", (0, 1, False)), 0.9), ("adam_b2", ("float", (0, 1, False)), 0.95),
+      ("adam_eps", ("float", (0, None, False)), 1e-8), ("adam_weight_decay", ("float | None", (0, None, False)), None)]
+  with pytest.raises(optim.UnknownOptimizerError, match=r"adam_learning_rate=-0.1 must lie in \[0, inf\)"):
+    optim.get_optimizer(name, 0.1, adam_learning_rate=-0.1)  # the AdamGroup field's declared range, on a number
 
 
 def test_flat_and_whole_give_the_group_optax_adamw_would():
