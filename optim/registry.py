@@ -327,14 +327,13 @@ def needs(name: str, hparams: dict | None = None) -> Needs:
     hparams: the hyperparameters given (None: all at their defaults).
 
   Returns:
-    Its `optim.needs.Needs` (empty for an optimizer that declares nothing); a declaration that depends on the
-    hyperparameters gets them only once `check_hparams` accepts them (its UnknownOptimizerError passes through).
+    Its `optim.needs.Needs` (empty for an optimizer that declares nothing), for hyperparameters `check_hparams`
+    accepts (its UnknownOptimizerError passes through): a declaration that depends on them never reads a value out of
+    range (BREAD's alpha / rank).
   """
+  check_hparams(name, hparams or {})
   declared = NEEDS.get(name, Needs())
-  if not callable(declared):
-    return declared
-  check_hparams(name, hparams or {})  # a declaration computed from a value out of range fails (BREAD's alpha / rank)
-  return declared({**hyperparameters(name), **(hparams or {})})
+  return declared({**hyperparameters(name), **(hparams or {})}) if callable(declared) else declared
 
 
 def needs_prev_grads(name: str, hparams: dict | None = None) -> bool:

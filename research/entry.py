@@ -38,14 +38,27 @@ def show_warning(message, category, filename, lineno, file=None, line=None):
   print(f"warning: {text[0] if text else category.__name__}", file=file or sys.stderr, flush=True)
 
 
+LIBRARY = ("optim.", "models.", "sharding.", "research.data.", "research.train.")  # whose errors refuse values
+
+
+def library_refusal(e: BaseException) -> bool:
+  """Whether `e` is one of the library's own refusals of a value: a ValueError of a class that optim, models,
+  sharding or the data and trainer rooms define (PadNetError, ShardingError, UnknownOptimizerError, ...), which a
+  command running on its user's values reports as bad input. A ValueError of anything else is a bug."""
+  return isinstance(e, ValueError) and type(e).__module__.startswith(LIBRARY)
+
+
 @contextlib.contextmanager
-def one_line_errors(*errors: type[BaseException]):
-  """The errors given (bad input) as one `error:` line and exit 2; `UsageError` always."""
+def one_line_errors(*errors: type[BaseException], library: bool = False):
+  """The errors given (bad input) as one `error:` line and exit 2; `UsageError` always, and with `library` every
+  refusal of the library's (`library_refusal`)."""
   caught: tuple[type[BaseException], ...] = (UsageError, *errors)
   try:
     yield
-  except caught as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+  except BaseException as e:
+    if not (isinstance(e, caught) or (library and library_refusal(e))):
+      raise
+    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_BAD_INPUT) from None
 
 

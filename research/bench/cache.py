@@ -34,10 +34,10 @@ GB, REPEATS = 10 ** 9, 5
 
 CHILD = """
 import json, os, sys, time
-from research.data import corpus, shards
+from research.data import cache, corpus, shards
 kind, folder, check, cold = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
 if not check:
-  corpus.hashes_to = shards.hashes_to = lambda paths, sha256: True  # the size-only open of before
+  cache.hashes_to = shards.hashes_to = lambda paths, sha256: True  # the size-only open of before
 for name in os.listdir(folder):
   with open(os.path.join(folder, name), "rb") as f:
     if cold:

@@ -11,8 +11,6 @@ import typing
 import jax
 import tyro
 
-from models import ConfigError
-from models.attention import AttentionError
 from research import entry, flags
 from research.bench.attention import attention
 from research.bench.cache import cache
@@ -33,7 +31,6 @@ from research.bench.reshard import reshard_bench
 from research.bench.sample import sample
 from research.bench.train import train
 from research.bench.vmap import vmap
-from sharding import MeshError, ShardingError
 
 NUM_CPU_DEVICES = 8
 
@@ -64,7 +61,7 @@ def main(argv=None):
     jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)  # before any device use
   except RuntimeError:  # backend already up (a test or notebook set it): keep what is there
     pass
-  with entry.one_line_errors(ConfigError, MeshError, ShardingError, AttentionError):
+  with entry.one_line_errors(library=True):  # a benchmark's refusals and the library's of its values
     args = sys.argv[1:] if argv is None else list(argv)
     if args and not args[0].startswith("-") and args[0] not in BENCHMARKS:  # tyro's answer is a 9-line box
       raise entry.UsageError(f"no benchmark {args[0]!r}; choose from {', '.join(BENCHMARKS)}")

@@ -15,7 +15,8 @@ from typing import cast
 
 from research.data import documents
 from research.data.batches import ORDERS, eval_batches, get_batch
-from research.data.corpus import SEPARATOR, Corpus, DataError, default_cache_dir, read_corpus
+from research.data.cache import default_cache_dir
+from research.data.corpus import SEPARATOR, Corpus, DataError, read_corpus
 from research.data.shards import build_shards
 from research.data.tokenized import tokenize_corpus
 

@@ -31,7 +31,8 @@ import tempfile
 from packaging.requirements import Requirement
 
 from research import entry
-from research.data.corpus import DataError, default_cache_dir
+from research.data.cache import default_cache_dir
+from research.data.corpus import DataError
 
 ROOT = "optlab"
 MIN_CHARS = 500

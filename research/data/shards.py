@@ -23,7 +23,7 @@ same inputs map the old one without encoding anything. Files are written under t
 (a multi-host run starts one per host) wait for the first's build and then read it. The fingerprint, computed as
 the files are written, is `corpus_fingerprint`'s: sha256 of the train bytes then the val bytes; meta.json records it
 with the sha256 of each document-starts file, and a process checks the files against them the first time it maps them
-(`corpus.checked_meta`): a cache whose files are not what its meta.json records is built again (one warning line).
+(`cache.checked_meta`): a cache whose files are not what its meta.json records is built again (one warning line).
 """
 
 from __future__ import annotations
@@ -39,17 +39,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from research.data import documents
-from research.data.corpus import (
-  SEPARATOR,
-  Corpus,
-  DataError,
-  checked_meta,
-  default_cache_dir,
-  file_sha256,
-  hashes_to,
-  warn_rebuild,
-  write_atomic,
-)
+from research.data.cache import checked_meta, default_cache_dir, file_sha256, hashes_to, warn_rebuild, write_atomic
+from research.data.corpus import SEPARATOR, Corpus, DataError
 from research.data.tokenized import end_of_text, open_tokenizer, token_dtype
 
 _VERSION = 1  # bump when the layout of the cache or the rule that builds it changes

@@ -7,7 +7,7 @@ vocabulary fits (≤ 65,536 ids), else uint32, in `<cache>/tokens-<key>/`, where
 fingerprint and the tokenizer file: the same text and tokenizer hit the cache, anything else gets its own. Files
 are written to temporary names and renamed, `meta.json` last, so a crash mid-build leaves no cache that looks
 valid; later loads memory-map the arrays, once a process has checked them against meta.json (sizes, and the sha256 of
-their contents against its fingerprint: `corpus.checked_meta`); a cache that fails is encoded again, with one warning
+their contents against its fingerprint: `cache.checked_meta`); a cache that fails is encoded again, with one warning
 line. The corpus fingerprint is the tokens' (as for any corpus).
 """
 
@@ -19,16 +19,8 @@ import os
 
 import numpy as np
 
-from research.data.corpus import (
-  SEPARATOR,
-  Corpus,
-  DataError,
-  checked_meta,
-  corpus_fingerprint,
-  default_cache_dir,
-  warn_rebuild,
-  write_cache,
-)
+from research.data.cache import checked_meta, default_cache_dir, warn_rebuild
+from research.data.corpus import SEPARATOR, Corpus, DataError, corpus_fingerprint, write_cache
 
 _VERSION = 1
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")

@@ -348,7 +348,8 @@ def cli(main: Callable, config: type, cache: str | None = None, kept: Callable[.
         entry.writable_dir(cfg.out)
       if cache:
         compile_cache(cache, **cache_kwargs)
-    with entry.one_line_errors():  # the work's own refusals (UsageError); anything else is a bug: its traceback
+    # the work's own refusals (UsageError) and the library's of the user's values; anything else is a bug: its traceback
+    with entry.one_line_errors(library=True):
       main(cfg)
   said = kept or kept_after_interrupt
   entry.command(checked, interrupted=lambda: "" if getattr(cfg, "smoke", False) else said(cfg))

@@ -15,7 +15,7 @@ import pytest
 from runs import trace
 from tiny_text import DOCS, byte_bpe, write_docs
 
-from research.data import corpus, docs_corpus, load_corpus
+from research.data import cache, docs_corpus, load_corpus
 from research.train import TrainConfig, run
 from research.train.hooks import throughput
 
@@ -94,16 +94,16 @@ def test_each_file_is_hashed_once_per_process_while_it_is_unchanged(tmp_path, te
   """Files written in the last two seconds are hashed at every load (a write then may keep their timestamps);
   older ones once, until their identity (inode, size, mtime, ctime) changes."""
   hashed = []
-  real = corpus.file_sha256
-  monkeypatch.setattr(corpus, "file_sha256", lambda paths: hashed.append(paths) or real(paths))
-  monkeypatch.setattr(corpus, "_RACY_NS", 10 ** 15)  # every file "just written", however slow this machine is
+  real = cache.file_sha256
+  monkeypatch.setattr(cache, "file_sha256", lambda paths: hashed.append(paths) or real(paths))
+  monkeypatch.setattr(cache, "_RACY_NS", 10 ** 15)  # every file "just written", however slow this machine is
   load = lambda: load_corpus(str(text_dir), val_fraction=0.3, tokenizer=bpe, cache_dir=str(tmp_path / "cache"))
   want = _snapshot(load())
   (folder,) = (tmp_path / "cache").glob("tokens-*")
   assert len(hashed) == 1  # read back once after its build
   load()
   assert len(hashed) == 2  # just written: checked again
-  monkeypatch.setattr(corpus, "_RACY_NS", -10 ** 12)  # as if it had been written long ago
+  monkeypatch.setattr(cache, "_RACY_NS", -10 ** 12)  # as if it had been written long ago
   load()
   load()
   assert len(hashed) == 3  # checked once, then remembered

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import tyro
 
 from models import PRESETS
 from optim import OPTIMIZERS
@@ -132,3 +133,14 @@ def test_profile_traces_the_chosen_steps_and_names_their_top_ops(tmp_path, capsy
       main(["--model", "tiny", "--profile", bad, "--out", str(tmp_path / bad)])
     out = capsys.readouterr().err
     assert e.value.code == 2 and out.count("\n") == 1 and says in out and not (tmp_path / bad).exists()
+
+
+def test_an_on_off_model_flag_is_a_switch_and_still_takes_true_or_false():
+  """--moe.pad, --qk-norm, ...: given bare they turn on; `--flag True` / `False` as before; left out, the preset's."""
+  parse = lambda *argv: tyro.cli(TrainConfig, args=list(argv))
+  assert (parse().moe.pad, parse().model.qk_norm) == (None, None)
+  assert parse("--moe.pad").moe.pad is True and parse("--moe.pad", "--steps", "3").training.steps == 3
+  assert parse("--moe.pad", "True").moe.pad is True and parse("--moe.pad", "False").moe.pad is False
+  assert parse("--qk-norm").model.qk_norm is True and parse("--qk-norm", "false").model.qk_norm is False
+  with pytest.raises(SystemExit):
+    parse("--moe.pad", "maybe")

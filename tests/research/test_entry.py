@@ -226,3 +226,25 @@ def test_experiment_flags_are_checked_before_the_work():
   from research.experiments import muon_on_moe, scalability
   common.check_config(muon_on_moe.Config(also_lrs=()))  # no extra lrs: the tuned grid alone
   common.check_config(scalability.Config(tune_seed=0))  # a seed may be 0
+
+
+def test_the_librarys_refusals_of_a_commands_values_are_one_line(capsys):
+  """An experiment's or bench's work calls the library with its user's values: the library's own refusal (a
+  ValueError class of optim, models, sharding, research.data or research.train) is one `error:` line, exit 2 (the
+  train CLI's discipline); a ValueError of anything else is a bug and keeps its traceback."""
+  from models.padnet import PadNetError
+  from optim import UnknownOptimizerError
+  from sharding import ShardingError
+  for error in (PadNetError("the dynamic ratio 2.0 must lie in (0, 1]\nmore"), UnknownOptimizerError("x"),
+                ShardingError("y")):
+    with pytest.raises(SystemExit) as e:
+      with entry.one_line_errors(library=True):
+        raise error
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and err == [f"error: {str(error).splitlines()[0]}"], err
+  with pytest.raises(ValueError, match="a bug"):  # numpy's, jax's, a plain one: not bad input
+    with entry.one_line_errors(library=True):
+      raise ValueError("a bug")
+  with pytest.raises(PadNetError):  # without `library` only the errors named
+    with entry.one_line_errors():
+      raise PadNetError("z")

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ from runs import trace
 from models import Transformer, TransformerConfig, padnet
 from research.train import TrainConfig, run
 from research.train.config import MoEFlags
+from research.train.setup import padnet as setup_padnet
 from research.train.store.checkpoint import Checkpointer
 
 PAD = MoEFlags(num_experts=4, d_expert=16, pad=True, pad_ratio=0.32, pad_rounds=2, pad_batches=2)
@@ -49,8 +51,12 @@ def saved_masks(out, step=None) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   out = tmp_path_factory.mktemp("pad")
-  with contextlib.redirect_stderr(io.StringIO()) as err:
-    records = run(cfg(out))
+  before, setup_padnet.PROGRESS_AFTER_S = setup_padnet.PROGRESS_AFTER_S, 0  # the step-0 bar at once, as a slow one
+  try:
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+      records = run(cfg(out))
+  finally:
+    setup_padnet.PROGRESS_AFTER_S = before
   return out, records, err.getvalue()
 
 
@@ -61,7 +67,9 @@ def test_a_new_run_partitions_at_step_0_to_the_codes_count_and_records_it(straig
   n = sum(m.size for m in masks)
   kept = n - int((1.0 - 0.32) * n)  # Shwai-He/PAD-Net `_global_mask`: int((1 - d)·n) entries made static
   assert sum(int(m.sum()) for m in masks) == kept and 0 < kept < n and kept != round(0.32 * n)
-  lines = [x for x in err.splitlines() if x.startswith("PAD-Net")]  # one line says what it did
+  parts = re.split(r"[\r\n]", err)  # the progress bar redraws its line
+  assert any(x.startswith("PAD-Net partition (batches scored)") and "/4 " in x for x in parts)  # 2 rounds x 2
+  lines = [x for x in parts if x.startswith("PAD-Net:")]  # one line says what it did
   assert len(lines) == 1 and "2 rounds" in lines[0] and "ratio 0.32" in lines[0] and f"{kept:,} of {n:,}" in lines[0]
   meta = json.load(open(out / "config.json"))
   assert meta["train"]["moe"]["pad_ratio"] == 0.32 and meta["train"]["moe"]["pad_rounds"] == 2
@@ -101,6 +109,9 @@ def test_no_ratio_or_a_ratio_of_one_leaves_every_entry_dynamic(tmp_path, capsys)
     (["--moe.pad-ratio", "0.5"], "--moe.pad-ratio needs --moe.pad"),
     (["--moe.pad", "False", "--moe.pad-ratio", "0.5"], "--moe.pad-ratio needs --moe.pad"),
     (["--moe.pad", "True", "--moe.pad-rounds", "3"], "--moe.pad-rounds needs --moe.pad-ratio"),
+    (["--moe.pad", "--moe.pad-ratio", "0.5", "--moe.pad-batches", "1000000"],  # the switch, bare
+     "--moe.pad-batches 1000000: PAD-Net's partition scores at most as many batches at step 0 as the run trains on "
+     "(--steps 200), or 4"),
 ])
 def test_bad_partition_flags_are_refused_in_one_line(tmp_path, capsys, flags, message):
   assert message in bad(tmp_path, capsys, "--moe.num-experts", "4", *flags)

@@ -1,7 +1,8 @@
 """Config sections derived from a library config's schema (models/schema.py), so that a model field is declared once.
 
 `flags_of(TransformerConfig)` is a dataclass with one optional flag per documented field (its help the field's doc,
-a string field's choices its `Literal`); unset (None), a flag leaves the preset's (or checkpoint's) value alone.
+a string field's choices its `Literal`, an on/off field a switch: `--qk-norm`, `--moe.pad`, or `--qk-norm False`);
+unset (None), a flag leaves the preset's (or checkpoint's) value alone.
 `ModelSection` and `MoEFlags` (research/train/config/sections.py, prefixed.py) are made this way.
 """
 
@@ -12,8 +13,25 @@ import typing
 from typing import Annotated, Any, Literal
 
 import tyro
+from tyro.constructors import PrimitiveConstructorSpec
 
 from models.schema import schema
+
+
+def _switch(args: list[str]) -> bool:
+  """A switch's value: given bare (`--moe.pad`) it is on; `--moe.pad True` / `False` as before."""
+  if not args:
+    return True
+  if args[0].lower() not in ("true", "false"):
+    raise ValueError(f"{args[0]!r} is not True or False")
+  return args[0].lower() == "true"
+
+
+# An unset-unless-given on/off flag: `--flag` turns it on, `--flag False` off, and left out it keeps the preset's (or
+# checkpoint's) value: three states, so there is no `--no-flag` (tyro's pairs are for a plain bool with a default).
+SWITCH = PrimitiveConstructorSpec(nargs=(0, 1), metavar="[True|False]", instance_from_str=_switch,
+                                  is_instance=lambda x: x is None or isinstance(x, bool),
+                                  str_from_instance=lambda x: [str(x)])
 
 
 def optional_flag(name: str, kind: Any, doc: str) -> tuple:
@@ -28,6 +46,8 @@ def optional_flag(name: str, kind: Any, doc: str) -> tuple:
   Returns:
     The (name, type, field) triple.
   """
+  if kind is bool:  # a switch (`SWITCH`): --flag, or --flag True / False
+    return name, Annotated[bool | None, SWITCH, tyro.conf.arg(help=doc)], dataclasses.field(default=None)
   return name, Annotated[kind | None, tyro.conf.arg(help=doc)], dataclasses.field(default=None)
 
 

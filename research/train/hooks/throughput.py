@@ -30,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from research.data.corpus import default_cache_dir
+from research.data.cache import default_cache_dir
 from research.train.hooks.peaks import spec_peak
 
 

@@ -6,7 +6,7 @@ import os
 
 import jax
 
-from research.data.corpus import cache_writable, default_cache_dir
+from research.data.cache import cache_writable, default_cache_dir
 
 
 def setup_jax(devices: int, compile_cache: bool):

@@ -12,6 +12,8 @@ import typing
 from research import entry, flags
 from research.train.hooks import profiler, trackers
 
+PAD_BATCHES = 4  # --moe.pad-batches' default: a run of fewer steps may still score this many
+
 
 class PreflightError(ValueError):
   """A flag value no run can use."""
@@ -68,7 +70,7 @@ def _shared(section) -> None:
         raise PreflightError(str(e)) from None
 
 
-def check_numbers(sections, optim, training, logging):
+def check_numbers(sections, optim, training, logging, moe):
   """Every section's own checks (`check_section`), then those across sections.
 
   Args:
@@ -76,10 +78,12 @@ def check_numbers(sections, optim, training, logging):
     optim: its optim section (--warmup-steps).
     training: its training section (--steps, --stop-at).
     logging: its logging section (--profile).
+    moe: its --moe.* section (--moe.pad-batches).
 
   Raises:
     PreflightError: one line: a section's check, a warmup outside [0, --steps], a --stop-at below 1, a --profile
-      window that is malformed or reaches past --steps.
+      window that is malformed or reaches past --steps, PAD-Net scoring more batches at step 0 than the run trains
+      on (beyond the default's `PAD_BATCHES`).
   """
   for section in sections:
     check_section(section)
@@ -87,6 +91,9 @@ def check_numbers(sections, optim, training, logging):
     raise PreflightError(f"--warmup-steps ({optim.warmup_steps}) must lie in [0, --steps={training.steps}]")
   if training.stop_at is not None and training.stop_at <= 0:
     raise PreflightError(f"--stop-at must be positive, got {training.stop_at}")
+  if moe.pad_batches is not None and moe.pad_batches > max(training.steps, PAD_BATCHES):
+    raise PreflightError(f"--moe.pad-batches {moe.pad_batches}: PAD-Net's partition scores at most as many batches at "
+                         f"step 0 as the run trains on (--steps {training.steps}), or {PAD_BATCHES}")
   try:
     window = profiler.parse(logging.profile)
   except profiler.ProfileError as e:
@@ -129,6 +136,7 @@ def check(cfg):
     PreflightError: one line naming the first flag that fails.
     RunError: --tracker's package is missing.
   """
-  check_numbers([getattr(cfg, f.name) for f in dataclasses.fields(cfg)], cfg.optim, cfg.training, cfg.logging)
+  check_numbers([getattr(cfg, f.name) for f in dataclasses.fields(cfg)], cfg.optim, cfg.training, cfg.logging,
+                cfg.moe)
   check_out(cfg.checkpoint.out)
   trackers.check(cfg.logging.tracker)  # a RunError: --tracker's package is missing

@@ -209,7 +209,7 @@ def fix(est: Estimate, trains: Trainable, mcfg, seq_len: int) -> str:
             "more devices (--mesh fsdp=N)")
   if state_bound:
     return "shard the state over more devices (--mesh fsdp=N) or choose a smaller model"
-  remat = "" if mcfg.remat else ", or recompute activations in the backward (--remat True)"
+  remat = "" if mcfg.remat else ", or recompute activations in the backward (--remat)"
   return f"lower --batch-size or --seq-len{remat}{scores_fix(mcfg, seq_len)}"
 
 

@@ -4,24 +4,32 @@ Iterative Mode Partition (`models.padnet.iterative_partition`) ranks every exper
 (`models.padnet.PadMask` buffers) by |∂L/∂M| of the training loss (the step's, `lm_loss`: cross entropy plus the MoE
 aux losses), summed over the first --moe.pad-batches training batches, before the first update: the paper partitions
 once, at the start of fine-tuning. The masks are buffers of the train state, so every checkpoint holds them; a resumed
-run restores them and never partitions again. The partition's report (settings, the share after each round, the
-dynamic entries kept) goes to config.json as "pad_net".
+run restores them and never partitions again. The scoring is bounded (--moe.pad-batches at most the run's --steps,
+research/train/setup/checks.py) and shows a progress bar on stderr once it takes longer than `PROGRESS_AFTER_S`.
+The partition's report (settings, the share after each round, the dynamic entries kept) goes to config.json as
+"pad_net".
 """
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import padnet
 from research.train.config import RunError
+from research.train.runtime.processes import is_primary
 from research.train.steps.step import lm_loss
 from research.train.steps.train_state import TrainState
 from sharding import global_batch, mesh_scope
+
+PROGRESS_AFTER_S = 2.0  # the step-0 scoring shows a progress bar once it has taken this long (a small model's: never)
 
 
 def partition(how: dict, loader, graphdef: nnx.GraphDef, state: TrainState, mesh) -> tuple[TrainState, dict, str]:
@@ -55,13 +63,20 @@ def partition(how: dict, loader, graphdef: nnx.GraphDef, state: TrainState, mesh
 
   mask_grad = jax.jit(jax.grad(mask_loss), out_shardings=NamedSharding(mesh, P()))  # replicated: every process ranks
 
+  bar = tqdm.tqdm(total=how["rounds"] * len(batches), desc="PAD-Net partition (batches scored)",
+                  delay=PROGRESS_AFTER_S, file=sys.stderr, disable=not is_primary(), leave=False)
+
   def grad_sum(masks_f):
+    grads = []
     with mesh_scope(mesh):
-      grads = [mask_grad([jnp.asarray(m) for m in masks_f], state.params, buffers, x, y) for x, y in batches]
+      for x, y in batches:
+        grads.append(jax.block_until_ready(mask_grad([jnp.asarray(m) for m in masks_f], state.params, buffers, x, y)))
+        bar.update()
     return [_host(sum(g[j] for g in grads)) for j in range(len(at))]
 
-  new, shares = padnet.iterative_partition([_host(buffers[i]) for i in at], grad_sum, how["ratio"],
-                                           rounds=how["rounds"], schedule=how["schedule"], scope=how["scope"])
+  with bar:
+    new, shares = padnet.iterative_partition([_host(buffers[i]) for i in at], grad_sum, how["ratio"],
+                                             rounds=how["rounds"], schedule=how["schedule"], scope=how["scope"])
   for i, m in zip(at, new):  # each process holds the same masks: placed on its devices' shards
     buffers[i] = jax.make_array_from_callback(m.shape, buffers[i].sharding, m.__getitem__)
   kept, total = int(sum(m.sum() for m in new)), int(sum(m.size for m in new))

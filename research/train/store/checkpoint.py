@@ -226,11 +226,18 @@ def quiet_orbax_errors():
       if not _loop_closed(value):
         hook(kind, value, tb)
 
-    def unraisablehook(report):
-      if not _loop_closed(report.exc_value):
+    def unraisablehook(report):  # and the reads of a damaged checkpoint still in flight when the first one failed
+      if not (_loop_closed(report.exc_value) or _orbax_coroutine(report.object)):
         unraisable(report)
     excepthook._optlab = True
     sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
+def _orbax_coroutine(obj) -> bool:
+  """Whether `obj` is one of orbax's coroutines (an array read abandoned with the restore whose first failure the
+  caller reports: its own error says the same of another chunk)."""
+  code = getattr(obj, "cr_code", None)
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
 def _loop_closed(e) -> bool:
