@@ -91,10 +91,10 @@ def _plain(v: Any) -> Any:
 
 def check(trains: TrainsSection, init_from: str | None, sync: SyncSection, optim: OptimSection) -> Needs:
   """The member's optimizer's declared needs (computed here, once per member), from its trains, --init-from, sync and
-  optim settings; RunError when it is a run the vmapped runner does not run."""
-  why = [name for name, on in (("--peft", trains.peft), ("--freeze", trains.freeze),
-                               ("--freeze-layers", trains.freeze_layers), ("--init-from", init_from),
-                               ("--sync", sync.mode != "allreduce")) if on]
+  optim settings; RunError when it is a run the vmapped runner does not run (what the trains and sync sections declare
+  they turn on: `features()`)."""
+  why = [named for named in {**trains.features(), **sync.features()}.values() if named]
+  why += ["--init-from"] if init_from else []
   needs = optimizer_needs(optim)
   if needs.blockwise is not None or update_args.keeps_prev_params(needs.update_args):
     why.append(f"--optimizer {optim.optimizer} (its own step kind)")

@@ -21,12 +21,15 @@ def _model_fields(self) -> dict:
   return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.PARTITION and v is not None}
 
 
+PAD_BATCHES = 4  # --moe.pad-batches unset: the batches PAD-Net's partition scores at step 0
+
+
 def _partition(self) -> dict | None:
   """`models.padnet.partition`'s settings the flags ask for at step 0, defaults filled in; None without a
   --moe.pad-ratio below 1."""
   if not self.pad or self.pad_ratio is None or self.pad_ratio >= 1:
     return None
-  return {"ratio": self.pad_ratio, "rounds": self.pad_rounds or 5, "batches": self.pad_batches or 4,
+  return {"ratio": self.pad_ratio, "rounds": self.pad_rounds or 5, "batches": self.pad_batches or PAD_BATCHES,
           "schedule": self.pad_schedule or "exponential", "scope": self.pad_scope or "global"}
 
 
@@ -36,7 +39,8 @@ _PARTITION = (
                          "of a new run, before the first update (unset or 1: no partition, every entry dynamic). "
                          "Needs --moe.pad."),
     ("pad_rounds", int, "IMP rounds T >= 1 (unset: 5). Needs --moe.pad-ratio."),
-    ("pad_batches", int, "The first training batches IMP scores |dL/dM| on, summed (unset: 4). Needs --moe.pad-ratio."),
+    ("pad_batches", int, f"The first training batches IMP scores |dL/dM| on, summed (unset: {PAD_BATCHES}). Needs "
+                         "--moe.pad-ratio."),
     ("pad_schedule", Literal["exponential", "linear"], "Each round's dynamic share: r^(t/T), or 1 - (1 - r) t/T "
                                                        "(unset: exponential). Needs --moe.pad-ratio."),
     ("pad_scope", Literal["global", "local"], "One ranking over every expert matrix of the model, or one per expert "

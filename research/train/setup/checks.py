@@ -10,9 +10,8 @@ import os
 import typing
 
 from research import entry, flags
+from research.train.config.prefixed import PAD_BATCHES
 from research.train.hooks import profiler, trackers
-
-PAD_BATCHES = 4  # --moe.pad-batches' default: a run of fewer steps may still score this many
 
 
 class PreflightError(ValueError):
@@ -83,7 +82,7 @@ def check_numbers(sections, optim, training, logging, moe):
   Raises:
     PreflightError: one line: a section's check, a warmup outside [0, --steps], a --stop-at below 1, a --profile
       window that is malformed or reaches past --steps, PAD-Net scoring more batches at step 0 than the run trains
-      on (beyond the default's `PAD_BATCHES`).
+      on (beyond --moe.pad-batches' default, which a run of fewer steps may still score).
   """
   for section in sections:
     check_section(section)

@@ -20,7 +20,7 @@ from research.data import Corpus
 from research.train.config import TrainConfig, paths
 from research.train.config.observe import ObserveSection
 from research.train.config.sections import CheckpointSection, LoggingSection, TrainingSection
-from research.train.feed import Feed, make_loader
+from research.train.feed import Feed
 from research.train.hooks.profiler import Profiler
 from research.train.hooks.progress import Progress
 from research.train.hooks.source_weights import Mixing
@@ -124,10 +124,9 @@ def programs(cfg: TrainConfig) -> Programs:
   plan = Plan.of(cfg.optim, needs, mcfg, mesh, cfg.trains, cfg.weights.init_from, cfg.sync, cfg.features(),
                  cfg.training.seed, cfg.mesh.zero1)
   startup.check(plan, cfg.observe, cfg.training.batch_size, cfg.model.preset)
-  corpus, batch_sh, val_host, val = startup.data(plan, cfg.training, cfg.data, cfg.data_options,
-                                                 cfg.logging.eval_batches)
+  corpus, loader, batch_sh, val_host, val = startup.data(plan, cfg.training, cfg.data, cfg.data_options,
+                                                         cfg.logging.eval_batches)
   switches, pipe = startup.meshes(plan, cfg.mesh, cfg.training)
-  loader = make_loader(corpus, cfg.training, cfg.data, cfg.data_options)
   tx, schedule = make_optimizer(cfg.optim, cfg.training.steps, plan.needs, plan.trains.freeze)
   plain = make_optimizer(cfg.optim, cfg.training.steps, plan.needs)[0] if plan.trains.freeze else None
   parts = blockwise.blockwise_parts(plan, schedule, cfg.optim.grad_clip)

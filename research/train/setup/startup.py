@@ -50,7 +50,8 @@ def check(plan: Plan, observe: ObserveSection, batch_size: int, preset: str) -> 
 
 
 def data(plan: Plan, training: TrainingSection, section: DataSection, options: DataFlags, eval_batches: int):
-  """The run's data: (corpus, a batch's sharding, the held-out batches on the host, placed on the mesh).
+  """The run's data: (corpus, its training batches' loader, a batch's sharding, the held-out batches on the host and
+  placed on the mesh).
 
   Args:
     plan: the run's plan (its mesh and model).
@@ -60,17 +61,17 @@ def data(plan: Plan, training: TrainingSection, section: DataSection, options: D
     eval_batches: --eval-batches.
 
   Returns:
-    (corpus, batch sharding, held-out batches as host arrays, the same placed on the mesh); RunError for data the
-    model cannot read or too short to lay out.
+    (corpus, loader, batch sharding, held-out batches as host arrays, the same placed on the mesh); RunError for
+    data the model cannot read or too short to lay out.
   """
   corpus = source_weights.load_data(section, options)
   source_weights.check(corpus, plan.model, plan.mesh)
   if plan.model.vocab_size < corpus.vocab_size:
     raise RunError(f"the data has {corpus.vocab_size} token ids but the model's vocab_size is {plan.model.vocab_size}")
   batch_sh = batch_sharding(plan.mesh, (training.batch_size, training.seq_len))
-  make_loader(corpus, training, section, options)  # fails early if the data is shorter than a sequence or has no docs
+  loader = make_loader(corpus, training, section, options)  # fails early: data shorter than a sequence, or no docs
   val_host = held_out(corpus, training, options, eval_batches)
-  return corpus, batch_sh, val_host, [global_batch(b, plan.mesh) for b in val_host]
+  return corpus, loader, batch_sh, val_host, [global_batch(b, plan.mesh) for b in val_host]
 
 
 def meshes(plan: Plan, section: MeshSection, training: TrainingSection):
