@@ -5,13 +5,12 @@ misspelt flag in the documentation fails here (`test_a_misspelt_flag_is_caught` 
 `make run ARGS="..."` lines count as `python -m research.train` (the Makefile's run target)."""
 
 import importlib.util
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,13 +52,27 @@ def commands(text: str) -> list[list[str]]:
   return found
 
 
-@cache
+HELPS: dict[tuple[str, str | None], tuple[int, str, str]] = {}  # (module, sub) -> (exit status, stdout, stderr)
+
+
+def run_helps(pairs) -> None:
+  """Runs `python -m MODULE [SUB] --help` for every new pair at 120 columns, all in one child process
+  (tests/docs/help_texts.py: one start-up and one import of JAX in all, where a process each cost ~100 s of the
+  suite), into HELPS."""
+  todo = sorted({p for p in pairs if p not in HELPS}, key=str)
+  if todo:
+    child = subprocess.run([sys.executable, str(Path(__file__).with_name("help_texts.py"))], input=json.dumps(todo),
+                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "120"}, check=True)
+    got = json.loads(child.stdout)
+    HELPS.update({(m, s): tuple(got[f"{m} {s or ''}"]) for m, s in todo})
+
+
 def help_text(module: str, sub: str | None) -> str:
   """`python -m MODULE [SUB] --help` at 120 columns (raises if it fails)."""
-  cmd = [sys.executable, "-m", module, *([sub] if sub else []), "--help"]
-  out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "120"})
-  assert out.returncode == 0, f"{' '.join(cmd[1:])} exits {out.returncode}: {out.stderr.strip()[-300:]}"
-  return out.stdout
+  run_helps([(module, sub)])
+  code, out, err = HELPS[module, sub]
+  assert code == 0, f"-m {module}{' ' + sub if sub else ''} --help exits {code}: {err.strip()[-300:]}"
+  return out
 
 
 def subcommands(module: str) -> set[str]:
@@ -109,24 +122,12 @@ def all_commands() -> list[tuple[str, list[str]]]:
 def test_every_documented_command_parses():
   found = all_commands()
   assert len(found) > 60, f"only {len(found)} commands found: the extraction is broken"
-  modules = {(c[0], c[1] if len(c) > 1 and not c[1].startswith("-") else None) for _, c in found}
-  with ThreadPoolExecutor(4) as pool:  # warm the --help cache: each is a Python start-up and an import of JAX
-    list(pool.map(lambda m: _safe_help(*m), modules))
+  ours = [c for _, c in found if c[0].startswith(OURS) and not is_placeholder(c[0]) and not c[0].endswith(".")
+          and importlib.util.find_spec(c[0]) is not None]
+  run_helps((c[0], None) for c in ours)  # the modules' own --help first: they name the subcommands
+  run_helps((c[0], c[1]) for c in ours if len(c) > 1 and c[1] in subcommands(c[0]))
   wrong = [f"{doc}: {p}" for doc, c in found for p in problems(c)]
   assert wrong == []
-
-
-def _safe_help(module: str, sub: str | None) -> None:
-  if is_placeholder(module) or module.endswith(".") or not module.startswith(OURS):
-    return
-  if importlib.util.find_spec(module) is None:
-    return
-  try:
-    help_text(module, None)
-    if sub and sub in subcommands(module):
-      help_text(module, sub)
-  except AssertionError:
-    pass  # reported by problems()
 
 
 def test_a_misspelt_flag_is_caught():

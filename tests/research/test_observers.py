@@ -18,7 +18,7 @@ SMALL = dict(model="tiny", n_layers=2, steps=4, batch_size=8, seq_len=32, log_ev
              warmup_steps=1, eval_batches=1, progress=False, mesh="data=2,fsdp=2,tensor=2", peak_flops=1.0,
              optimizer="muon", lr=1e-2, tracker=("none",))
 OBSERVED = dict(watch=("params,grads", "updates", "momentum"), watch_every=2, histograms=True, spectra_every=2,
-                sharpness_every=2, sharpness_iters=3, sharpness_rows=4, lanczos=3, gns_every=1, gns_groups=2,
+                sharpness_every=2, sharpness_iters=1, sharpness_rows=4, lanczos=3, gns_every=1, gns_groups=2,
                 observe=("test_update_dot:1",))
 
 OBSERVED_PREFIXES = ("watch", "spectra", "sharpness", "gns", "test_update_dot")
