@@ -24,8 +24,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # ops in fusions of their own, so the compiled HLO text differs), not the partitioning, collectives, FLOPs or values.
 FAST_COMPILE = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
                 "xla_cpu_parallel_codegen_split_count": "1"}
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *(
-    f"--{flag}={value}" for flag, value in FAST_COMPILE.items() if flag not in os.environ.get("XLA_FLAGS", ""))]).strip()
+_given = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join([_given, *(f"--{k}={v}" for k, v in FAST_COMPILE.items() if k not in _given)])
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
