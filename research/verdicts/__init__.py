@@ -2,32 +2,47 @@
 
 - `scaling.py`: data-matched speedup (Wen et al. 2025): `fit_power_law` fits the baseline's final losses L(D) =
   α·D^(−B) + β over token budgets (`PowerLaw`), `speedup` reads a contender's loss on it, `extrapolates` says when
-  that leaves the fitted budgets, `bootstrap_speedup` gives an `Interval` over seeds.
+  that leaves the fitted budgets, `bootstrap_speedup` gives an `Interval` over seeds; `speedup_trend` separates the
+  speedup's trend with width from its trend with tokens per parameter (`SpeedupTrend`).
 - `transfer.py`: the learning-rate optimum per width (µP's transfer plot): `lr_optimum` (`LrOptimum`, a parabola in
-  log lr), `optimum_table` over a width ladder, `transfer_slope` of log lr* on log width.
+  log lr), `lr_band` (`LrBand`: the lrs within a tolerance of the best), `optimum_table` over a width ladder,
+  `transfer_slope` of log lr* on log width.
 - `significance.py`: `compare` (Welch's t-test over seeds, a `Comparison`), `performance_profile` (Dolan & Moré) and
   `profile_area` (AlgoPerf's score).
 
 Imports nothing of the project: any room may use it.
 """
 
-from research.verdicts.scaling import Interval, PowerLaw, bootstrap_speedup, extrapolates, fit_power_law, speedup
+from research.verdicts.scaling import (
+  Interval,
+  PowerLaw,
+  SpeedupTrend,
+  bootstrap_speedup,
+  extrapolates,
+  fit_power_law,
+  speedup,
+  speedup_trend,
+)
 from research.verdicts.significance import Comparison, compare, performance_profile, profile_area
-from research.verdicts.transfer import LrOptimum, lr_optimum, optimum_table, transfer_slope
+from research.verdicts.transfer import LrBand, LrOptimum, lr_band, lr_optimum, optimum_table, transfer_slope
 
 __all__ = [
     "Comparison",
     "Interval",
+    "LrBand",
     "LrOptimum",
     "PowerLaw",
+    "SpeedupTrend",
     "bootstrap_speedup",
     "compare",
     "extrapolates",
     "fit_power_law",
+    "lr_band",
     "lr_optimum",
     "optimum_table",
     "performance_profile",
     "profile_area",
     "speedup",
+    "speedup_trend",
     "transfer_slope",
 ]

@@ -259,3 +259,64 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     draws[r] = stat(fit_power_law(budgets, means), float(rng.choice(mine, mine.size).mean()), means)
   low, high = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
   return Interval(estimate, float(low), float(high), n_resamples, extrapolates(law, float(mine.mean())))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedupTrend:
+  """log speedup = intercept + width_exponent·log width + data_exponent·log(tokens per parameter), least squares.
+
+  Attributes:
+    width_exponent: how the speedup moves with width at fixed tokens per parameter (0: it holds).
+    data_exponent: how it moves with tokens per parameter at fixed width.
+    intercept: the log speedup at width 1 and 1 token per parameter.
+    width_se: the width exponent's standard error (ordinary least squares, residuals taken as independent).
+    data_se: the data exponent's standard error.
+    points: how many (width, tokens per parameter) points the fit read.
+  """
+
+  width_exponent: float
+  data_exponent: float
+  intercept: float
+  width_se: float
+  data_se: float
+  points: int
+
+
+def speedup_trend(widths: ArrayLike, tokens_per_param: ArrayLike, speedups: ArrayLike) -> SpeedupTrend:
+  """Separates the speedup's trend with width from its trend with training length.
+
+  Along a ladder that fixes the compute per rung, width and tokens per parameter move together, so the speedup's
+  change with width alone confounds them. With each contender also run at several budgets per width, a plane in
+  (log width, log tokens per parameter) fitted to log speedup gives each trend at the other held fixed.
+
+  Args:
+    widths: each point's width (positive).
+    tokens_per_param: each point's training tokens per parameter (positive), same length.
+    speedups: each point's speedup (positive and finite), same length.
+
+  Returns:
+    The fitted exponents with their standard errors (NaN where the fit has no residual degrees of freedom).
+
+  Raises:
+    ValueError: mismatched lengths, a value that is not positive and finite, or points that do not vary width and
+      tokens per parameter independently (fewer than 3, or all on one line in the log-log plane).
+
+  References:
+    Wen et al., arXiv 2509.02046 (2025): the speedup falls with model size and with the data-to-model ratio.
+  """
+  w, r, s = (np.asarray(a, np.float64).ravel() for a in (widths, tokens_per_param, speedups))
+  if not w.shape == r.shape == s.shape:
+    raise ValueError(f"speedup_trend: {w.size} widths, {r.size} tokens-per-parameter values, {s.size} speedups")
+  if not all(np.all(np.isfinite(a) & (a > 0)) for a in (w, r, s)):
+    raise ValueError("speedup_trend: every width, tokens per parameter and speedup must be positive and finite")
+  x = np.column_stack([np.ones_like(w), np.log(w), np.log(r)])
+  if w.size < 3 or np.linalg.matrix_rank(x) < 3:
+    raise ValueError("speedup_trend: the points must vary width and tokens per parameter independently (at least 3 "
+                     "points, not all on one line in log width and log tokens per parameter)")
+  coef, *_ = np.linalg.lstsq(x, np.log(s), rcond=None)
+  dof = w.size - 3
+  se = [float("nan")] * 3
+  if dof > 0:
+    sigma2 = float(np.sum((np.log(s) - x @ coef) ** 2)) / dof
+    se = np.sqrt(np.diag(sigma2 * np.linalg.inv(x.T @ x))).tolist()
+  return SpeedupTrend(float(coef[1]), float(coef[2]), float(coef[0]), float(se[1]), float(se[2]), int(w.size))

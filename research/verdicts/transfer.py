@@ -12,6 +12,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -83,6 +84,72 @@ def lr_optimum(lrs: ArrayLike, losses: ArrayLike) -> LrOptimum:
   if not np.log(grid[0]) <= vertex <= np.log(grid[-1]):
     return best
   return LrOptimum(float(np.exp(vertex)), float(c - b * b / (4 * a)), float(2 * a), at_edge, True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LrBand:
+  """The learning rates whose loss lies within a tolerance of a grid's best.
+
+  Attributes:
+    low: the band's lower end (interpolated in log lr between the last lr inside and the first outside).
+    high: its upper end.
+    open_low: the band reaches the smallest lr tried: it may extend below.
+    open_high: the band reaches the largest lr tried: it may extend above.
+  """
+
+  low: float
+  high: float
+  open_low: bool
+  open_high: bool
+
+
+def lr_band(lrs: ArrayLike, losses: ArrayLike, tolerance: float) -> LrBand:
+  """How sharply a grid pins its optimum down: the lrs around the best whose loss is within `tolerance` of it.
+
+  From the best grid point the band grows to each side while the grid's mean loss stays within best + tolerance; its
+  end lies where the straight line in log lr between the last point inside and the first outside crosses that level (a
+  diverged point outside ends the band at the last point inside). It reads the measured curve, not a parabola: a
+  valley flat on one side and steep on the other gets a band as lopsided. With the seeds' spread at the optimum as
+  the tolerance, two widths whose bands overlap are not told apart by their grids.
+
+  Args:
+    lrs: the learning rate of each run (positive).
+    losses: each run's final loss (NaN or inf for a diverged run); repeated lrs are averaged over their finite runs.
+    tolerance: the loss difference (finite, non-negative).
+
+  Returns:
+    The band, with each end flagged where it reaches the grid's end.
+
+  Raises:
+    ValueError: what `lr_optimum` refuses, or a tolerance that is negative or not finite.
+
+  References:
+    Yang et al., arXiv 2203.03466 (2022).
+  """
+  if not (math.isfinite(tolerance) and tolerance >= 0):
+    raise ValueError(f"lr_band: the tolerance must be finite and non-negative, got {tolerance}")
+  lr, y = np.asarray(lrs, np.float64).ravel(), np.asarray(losses, np.float64).ravel()
+  lr_optimum(lr, y)  # the same checks
+  grid = np.unique(lr)
+  mean = np.array([np.mean(y[(lr == g) & np.isfinite(y)]) if np.any((lr == g) & np.isfinite(y)) else np.inf
+                   for g in grid])
+  i = int(np.argmin(mean))
+  level = mean[i] + tolerance
+
+  def end(step: int) -> tuple[float, bool]:
+    j = i
+    while 0 <= j + step < grid.size and mean[j + step] <= level:
+      j += step
+    k = j + step
+    if not 0 <= k < grid.size:
+      return float(grid[j]), True
+    if not np.isfinite(mean[k]):
+      return float(grid[j]), False
+    t = (level - mean[j]) / (mean[k] - mean[j])
+    return float(np.exp(np.log(grid[j]) + t * (np.log(grid[k]) - np.log(grid[j])))), False
+
+  (low, open_low), (high, open_high) = end(-1), end(1)
+  return LrBand(low, high, open_low, open_high)
 
 
 def optimum_table(results: Mapping[float, Mapping[float, Sequence[float]]]) -> dict[float, LrOptimum]:

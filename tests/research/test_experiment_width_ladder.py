@@ -1,6 +1,7 @@
 """research/experiments/width_ladder: the smoke ladder (as notebooks/width_ladder.ipynb ran it) tunes every contender
-at every width with the same budget, seeds its optimum, fits AdamW's L(D) and reads verdicts from it; the plan lists
-groups without running them; a rerun skips everything that finished."""
+at every width with the same budget, seeds its optimum, runs every contender at AdamW's shorter budgets, fits AdamW's
+L(D) and reads verdicts from it; the plan lists groups without running them; a rerun skips everything that
+finished."""
 
 import math
 
@@ -26,7 +27,10 @@ def test_every_contender_is_tuned_with_the_same_budget_and_seeded(result):
       assert smoke["scan"] <= len(e["scan"]) <= smoke["scan"] + smoke["extend"]  # past an edge, at most `extend`
       assert len(e["finals"]) == smoke["seeds"] and all(math.isfinite(x) for x in e["finals"])
       assert e["finals"][0] == min([*e["scan"].values(), *(v for _, v in e["trials"])])  # the best of A and B
-    assert len(rung["budgets"]) == len(smoke["budgets"])
+      budgets = rung["budgets"] if name == "adamw" else e["budgets"]  # stage D: every contender, AdamW's budgets
+      assert sorted(budgets) == sorted(smoke["budgets"])
+      assert all(len(b["finals"]) == smoke["seeds"] and all(math.isfinite(x) for x in b["finals"])
+                 for b in budgets.values())
 
 
 def test_the_verdicts_come_from_the_runs(result):
@@ -37,6 +41,14 @@ def test_the_verdicts_come_from_the_runs(result):
     assert row["adamw"]["low"] <= row["adamw"]["speedup"] <= row["adamw"]["high"]
     assert 0 <= row["muon-moonlight"]["p"] <= 1
   assert set(v["transfer"]) == set(width_ladder.SMOKE["contenders"])
+  for width in width_ladder.SMOKE["widths"]:  # the contender at each budget against AdamW at the same budget
+    row = v["budgets"][width]["muon-moonlight"]
+    assert sorted(row) == sorted([*width_ladder.SMOKE["budgets"], 1.0])
+    full = v["widths"][width]["muon-moonlight"]
+    assert row[1.0]["relative"] == full["relative"] and row[1.0]["p"] == pytest.approx(full["p"])
+    assert all(r["low"] <= r["relative"] <= r["high"] and 0 <= r["p"] <= 1 for r in row.values())
+  trend = v["trend"]["muon-moonlight"]  # 2 widths × 3 budgets: a plane with 3 residual degrees of freedom
+  assert trend["points"] == 2 * (len(width_ladder.SMOKE["budgets"]) + 1) and trend["width_se"] > 0
 
 
 def test_plan_lists_groups_and_runs_nothing(tmp_path):

@@ -1,8 +1,10 @@
 """research/verdicts: known answers. The scaling fit recovers a law it was given and is no worse a least-squares fit
 than scipy's curve_fit started at the truth; speedup reads k back from a loss reached with k× the data; the bootstrap
 covers the truth, repeats itself and narrows with less noise; lr_optimum finds an exact parabola's vertex and flags
-edges, divergence and a downward parabola; Welch's statistic and degrees of freedom match the formulas written here
-in NumPy; the performance profile matches a hand-worked example."""
+edges, divergence and a downward parabola; lr_band reads the lrs within a tolerance of the best off a hand-worked
+scan; speedup_trend recovers a known plane in log width and log tokens per parameter, refuses points on one line, and
+its standard errors match the estimates' spread over noise draws; Welch's statistic and degrees of freedom match the
+formulas written here in NumPy; the performance profile matches a hand-worked example."""
 
 import math
 
@@ -11,16 +13,19 @@ import pytest
 from scipy import optimize, stats
 
 from research.verdicts import (
+    LrBand,
     PowerLaw,
     bootstrap_speedup,
     compare,
     extrapolates,
     fit_power_law,
+    lr_band,
     lr_optimum,
     optimum_table,
     performance_profile,
     profile_area,
     speedup,
+    speedup_trend,
     transfer_slope,
 )
 
@@ -272,3 +277,46 @@ def test_the_relative_speedup_cancels_a_fit_biased_at_the_contenders_budget():
   assert rel.estimate == pytest.approx(plain.estimate / own.estimate, rel=1e-9)
   with pytest.raises(ValueError, match="relative needs the baseline"):
     bootstrap_speedup(exact, k_loss, 3e8, relative=True)
+
+
+def test_the_lr_band_is_where_the_scans_loss_is_within_the_tolerance_of_its_best():
+  lrs = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]
+  losses = [1.50, 1.30, 1.28, 1.29, 1.60]  # flat on the right, steep on the left
+  band = lr_band(lrs, losses, 0.02)  # level 1.30: 2e-3 exactly; right of 8e-3, 1/31 of the way (in log lr) to 1.6e-2
+  assert band.low == pytest.approx(2e-3, rel=1e-12) and not band.open_low
+  assert band.high == pytest.approx(8e-3 * 2 ** (0.01 / 0.31), rel=1e-12) and not band.open_high
+  exact = lr_band(lrs, losses, 0.0)
+  assert (exact.low, exact.high) == pytest.approx((4e-3, 4e-3), rel=1e-12) and exact.open_low == exact.open_high == 0
+  wide = lr_band(lrs, losses, 0.5)  # every lr is within: the band reaches both ends of the scan
+  assert (wide.low, wide.high, wide.open_low, wide.open_high) == (1e-3, 1.6e-2, True, True)
+  seeds = lr_band(lrs + [4e-3], losses + [1.30], 0.0)  # 4e-3's two seeds average to 1.29, as 8e-3 does
+  assert (seeds.low, seeds.high) == pytest.approx((4e-3, 8e-3), rel=1e-12)
+  for diverged in (math.inf, math.nan):  # 1.6e-2 diverged: however wide the tolerance, the band ends at 8e-3
+    band = lr_band(lrs, losses[:-1] + [diverged], 0.5)
+    assert band.high == 8e-3 and not band.open_high and band == LrBand(1e-3, 8e-3, True, False)
+  with pytest.raises(ValueError, match="non-negative"):
+    lr_band(lrs, losses, -0.1)
+
+
+def test_speedup_trend_recovers_a_known_plane_and_parts_width_from_data():
+  widths, tpp = np.meshgrid([32.0, 64.0, 128.0, 256.0], [0.5, 1.0, 2.5, 5.0])
+  truth = np.exp(0.4) * widths ** -0.15 * tpp ** -0.2
+  t = speedup_trend(widths, tpp, truth)
+  assert t.width_exponent == pytest.approx(-0.15, abs=1e-12) and t.data_exponent == pytest.approx(-0.2, abs=1e-12)
+  assert t.intercept == pytest.approx(0.4, abs=1e-12) and t.points == 16 and t.width_se < 1e-12
+  ladder = ([32, 64, 128, 256], [20.0, 10.0, 5.0, 2.5])  # tokens per parameter halving as width doubles: one line
+  with pytest.raises(ValueError, match="independently"):
+    speedup_trend(*ladder, [1.5, 1.4, 1.3, 1.2])
+  with pytest.raises(ValueError, match="positive and finite"):
+    speedup_trend([32, 64, 128], [1.0, 2.0, 1.0], [1.2, math.inf, 1.1])
+
+
+def test_speedup_trends_standard_error_is_the_estimates_spread_over_noise_draws():
+  widths, tpp = (a.ravel() for a in np.meshgrid([32.0, 64.0, 128.0, 256.0], [0.5, 1.0, 2.5, 5.0]))
+  clean = 0.4 - 0.15 * np.log(widths) - 0.2 * np.log(tpp)
+  rng = np.random.default_rng(0)
+  fits = [speedup_trend(widths, tpp, np.exp(clean + rng.normal(0, 0.05, clean.size))) for _ in range(2000)]
+  spread = np.std([f.width_exponent for f in fits]), np.std([f.data_exponent for f in fits])
+  mean_se = np.mean([f.width_se for f in fits]), np.mean([f.data_se for f in fits])
+  assert mean_se == pytest.approx(spread, rel=0.1)
+  assert np.mean([f.width_exponent for f in fits]) == pytest.approx(-0.15, abs=0.01)

@@ -12,9 +12,11 @@ from research.verdicts import (
   compare,
   extrapolates,
   fit_power_law,
+  lr_band,
   lr_optimum,
   performance_profile,
   profile_area,
+  speedup_trend,
   transfer_slope,
 )
 
@@ -34,9 +36,10 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
     tokens_per_step: batch × sequence length.
 
   Returns:
-    {"widths": {width: {"law": ..., contender: {...}}}, "transfer": {...}, "profile": {...}}.
+    {"widths": {width: {"law": ..., contender: {...}}}, "budgets": {width: {contender: {fraction: {...}}}},
+    "trend": {contender: {...}}, "transfer": {...}, "profile": {...}}.
   """
-  out: dict = {"widths": {}, "transfer": {}, "profile": {}}
+  out: dict = {"widths": {}, "budgets": {}, "trend": {}, "transfer": {}, "profile": {}}
   for width, rung in done.items():
     row = out["widths"][width] = {}
     base = rung.get(BASE, {})
@@ -52,6 +55,7 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
         row["law_error"] = str(e)
         continue
       row["law"] = {"alpha": law.alpha, "exponent": law.exponent, "floor": law.floor}
+      out["budgets"][width] = _at_budgets(rung, points, tokens_per_step, width)
       for name, entry in rung.items():
         if not isinstance(entry, dict) or not _finished(entry):
           continue
@@ -73,12 +77,61 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
       scan = rung.get(name, {}).get("scan", {})
       if scan and None not in scan.values():
         o = lr_optimum(list(scan), list(scan.values()))
-        optima[width] = {"lr": o.lr, "at_edge": o.at_edge, "fitted": o.fitted}
+        finals = [x for x in rung[name].get("finals", []) if x is not None and math.isfinite(x)]
+        noise = float(np.std(finals, ddof=1)) if len(finals) > 1 else math.nan
+        band = lr_band(list(scan), list(scan.values()), noise) if math.isfinite(noise) else None
+        optima[width] = {"lr": o.lr, "at_edge": o.at_edge, "fitted": o.fitted, "noise": noise,
+                         "band": [band.low, band.high] if band else [math.nan, math.nan],
+                         "band_open": [band.open_low, band.open_high] if band else [False, False]}
     slope = transfer_slope(list(optima), [o["lr"] for o in optima.values()]) if len(optima) >= 2 else float("nan")
     out["transfer"][name] = {"optima": optima, "slope": slope}
+  out["trend"] = _trends(out["budgets"])
   costs = _costs(out)
   if any(costs.values()):
     out["profile"] = profile_area({n: c for n, c in costs.items() if c})
+  return out
+
+
+def _at_budgets(rung: dict, points: dict, tokens_per_step: int, width: int) -> dict:
+  """Stage D for every contender at one width: {contender: {fraction: speedup (÷ AdamW's own at that budget) with its
+  interval, and the Welch test against AdamW at the same budget}}; the full budget is fraction 1."""
+  base, out = rung[BASE], {}
+  runs_of = lambda e: {1.0: (e["finals"], rung["steps"])} | {
+      f: (b["finals"], b["steps"]) for f, b in e.get("budgets", {}).items()}
+  adamw = runs_of({**base, "budgets": rung["budgets"]})
+  for name, entry in rung.items():
+    if name == BASE or not isinstance(entry, dict) or not _finished(entry) or not entry.get("budgets"):
+      continue
+    if any(None in b["finals"] for b in entry["budgets"].values()):
+      continue
+    row = out[name] = {}
+    for fraction, (finals, steps) in sorted(runs_of(entry).items()):
+      finals, tokens = [v for v in finals if math.isfinite(v)], steps * tokens_per_step
+      if len(finals) < 2 or fraction not in adamw:
+        continue
+      iv = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
+      theirs = [v for v in adamw[fraction][0] if math.isfinite(v)]
+      c = compare(finals, theirs) if len(theirs) > 1 else None
+      row[fraction] = {"tokens_per_param": tokens / rung["params"], "relative": iv.estimate, "low": iv.low,
+                       "high": iv.high, "extrapolated": iv.extrapolated, "diff": c.diff if c else math.nan,
+                       "p": c.p_value if c else math.nan}
+  return out
+
+
+def _trends(budgets: dict) -> dict:
+  """Per contender, `speedup_trend` over every (width, budget) point of stage D: the speedup's exponent in width at
+  fixed tokens per parameter and in tokens per parameter at fixed width."""
+  out = {}
+  for name in sorted({n for row in budgets.values() for n in row}):
+    pts = [(w, r["tokens_per_param"], r["relative"]) for w, row in budgets.items()
+           for r in row.get(name, {}).values() if math.isfinite(r["relative"]) and r["relative"] > 0]
+    try:
+      t = speedup_trend(*zip(*pts)) if pts else None
+    except ValueError:  # one width only so far, or too few points
+      t = None
+    if t:
+      out[name] = {"width_exponent": t.width_exponent, "width_se": t.width_se, "data_exponent": t.data_exponent,
+                   "data_se": t.data_se, "points": t.points}
   return out
 
 
@@ -90,19 +143,23 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
     lines.append(f"| {w} | {rung['params']:,} | {rung['tokens_per_param']:g} | {rung['steps']} | "
                  f"{rung['steps'] * cfg.batch_size * cfg.seq_len:,} |")
   lines += ["", "## Tuned settings (seed 0) and final held-out loss at the optimum (mean ± std over seeds)", "",
-            "| d_model | contender | best settings | lr scan edge | search-box edges | final val loss |",
-            "|---|---|---|---|---|---|"]
+            "The last column is the tuning seed's final loss minus the other seeds' mean: the optimum was picked on "
+            "seed 0, so a negative value is the selection's luck (the winner's curse), which the other seeds do not "
+            "share.",
+            "", "| d_model | contender | best settings | lr scan edge | search-box edges | final val loss | "
+            "seed 0 − others |", "|---|---|---|---|---|---|---|"]
   for w, rung in done.items():
     for name in cfg.contenders:
       e = rung.get(name, {})
       if not _finished(e):
-        lines.append(f"| {w} | {name} | (not finished) | | | |")
+        lines.append(f"| {w} | {name} | (not finished) | | | | |")
         continue
       finals = [x for x in e["finals"] if math.isfinite(x)]
       best = ", ".join(f"{k}={x:.4g}" for k, x in sorted(e["best"].items()))
       lines.append(f"| {w} | {name} | {best} | {e.get('scan_edge') or '—'} | {', '.join(e['best_edges']) or '—'} | "
                    f"{np.mean(finals):.4f} ± {np.std(finals, ddof=1) if len(finals) > 1 else 0:.4f} "
-                   f"({len(finals)} of {len(e['finals'])} seeds finite) |")
+                   f"({len(finals)} of {len(e['finals'])} seeds finite) | "
+                   f"{f(_luck(e['finals']), '+.4f')} |")
   lines += ["", "## Data-matched speedup over AdamW and significance", "",
             "Speedup = the tokens AdamW's fitted L(D) = α·D^(−B) + β needs to reach the contender's mean final loss / "
             "the tokens used (95% bootstrap interval over seeds, 1000 resamples); p: one-sided Welch t-test that the "
@@ -127,16 +184,59 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
                    f"{f(r.get('t'), '.2f')}, {f(r.get('df'), '.1f')} | {f(r.get('p'), '.3g')} |")
   lines += ["", "## Learning-rate transfer (stage A's scans)", "",
             "lr* per width: the vertex of a parabola in log lr through the scan's best point and its neighbours "
-            "(`research.verdicts.lr_optimum`); slope: log lr* on log width (0: the lr transfers).", "",
+            "(`research.verdicts.lr_optimum`); in brackets the lrs whose scan loss lies within the seeds' standard "
+            "deviation at the optimum of the scan's best (`research.verdicts.lr_band`, interpolated in log lr; ≤ or ≥: "
+            "the band reaches the scan's end): where two widths' brackets overlap, the scans do not tell their optima "
+            "apart. slope: log lr* on log width (0: the lr transfers).", "",
             "| contender | " + " | ".join(f"lr* at {w}" for w in done) + " | slope |",
             "|---|" + "---|" * (len(done) + 1)]
   for name, t in v["transfer"].items():
-    cells = [f(t["optima"][w]["lr"], ".3g") + (" (edge)" if t["optima"][w]["at_edge"] else "") if w in t["optima"]
-             else "—" for w in done]
+    cells = [_optimum_cell(t["optima"][w]) if w in t["optima"] else "—" for w in done]
     lines.append(f"| {name} | " + " | ".join(cells) + f" | {f(t['slope'], '+.2f')} |")
+  lines += _budget_table(v)
   if v["profile"]:
     lines += ["", "Performance profile (cost = 1 / speedup per width; AlgoPerf's normalised area, τ ≤ 4): " +
               ", ".join(f"{n} {a:.3f}" for n, a in sorted(v["profile"].items(), key=lambda t: -t[1]))]
+  return lines
+
+
+def _luck(finals: list[float]) -> float | None:
+  """The tuning seed's final loss minus the other seeds' mean (None without two finite values to compare)."""
+  others = [x for x in finals[1:] if math.isfinite(x)]
+  return finals[0] - float(np.mean(others)) if others and math.isfinite(finals[0]) else None
+
+
+def _optimum_cell(o: dict) -> str:
+  """lr* (flagged at a scan's edge) and its band; an end marked ≤ or ≥ reaches the scan's end and may extend past."""
+  (lo, hi), (open_lo, open_hi) = o.get("band", (math.nan, math.nan)), o.get("band_open", (False, False))
+  cell = format(o["lr"], ".3g") + (" (edge)" if o["at_edge"] else "")
+  return cell + (f" [{'≤' * open_lo}{lo:.3g}, {'≥' * open_hi}{hi:.3g}]" if math.isfinite(lo) else "")
+
+
+def _budget_table(v: dict) -> list[str]:
+  """Stage D for every contender: the speedup at each (width, tokens per parameter), and each contender's fitted
+  exponents in width and in tokens per parameter."""
+  if not any(v["budgets"].values()):
+    return []
+  lines = ["", "## The speedup at each budget: width and tokens per parameter apart (stage D)", "",
+           "Every contender at its optimum also ran AdamW's shorter budgets (each its own schedule, every seed). "
+           "Speedup: the data AdamW's fit needs for the contender's mean loss over the data it needs for AdamW's own "
+           "at the same budget (95% bootstrap interval); Δ loss and p: against AdamW's runs at that budget (one-sided "
+           "Welch). Along the ladder width and tokens per parameter move together; these points part them.", "",
+           "| contender | d_model | tokens / parameter | speedup ÷ AdamW's own [95% CI] | extrapolated | "
+           "Δ loss vs AdamW | p |", "|---|---|---|---|---|---|---|"]
+  names = sorted({n for row in v["budgets"].values() for n in row})
+  for name in names:
+    pts = sorted((r["tokens_per_param"], w, r) for w, row in v["budgets"].items() for r in row.get(name, {}).values())
+    for tpp, w, r in pts:
+      lines.append(f"| {name} | {w} | {tpp:.3g} | {r['relative']:.2f}× [{r['low']:.2f}, {r['high']:.2f}] | "
+                   f"{'yes' if r['extrapolated'] else 'no'} | {r['diff']:+.4f} | {r['p']:.3g} |")
+  if v["trend"]:
+    lines += ["", "log speedup fitted as a plane in log width and log tokens per parameter over these points "
+              "(`research.verdicts.speedup_trend`; ± one standard error, residuals taken as independent):", ""]
+    lines += [f"- {n}: width exponent {t['width_exponent']:+.3f} ± {t['width_se']:.3f}, tokens-per-parameter "
+              f"exponent {t['data_exponent']:+.3f} ± {t['data_se']:.3f} ({t['points']} points)"
+              for n, t in v["trend"].items()]
   return lines
 
 
@@ -154,6 +254,20 @@ def findings(v: dict) -> list[str]:
       out.append(f"- {name}: speedup {' → '.join(f'{s:.2f}×' for s in ss)} over widths {', '.join(map(str, ws))} "
                  f"({trend} with width: log-log slope {slope:+.2f}); significantly below AdamW's loss (p < 0.05) at "
                  f"{', '.join(map(str, sig)) or 'no width'}.")
+  for name, t in v.get("trend", {}).items():
+    word = lambda x, se: ("holds (within 2 standard errors)" if abs(x) <= 2 * se else "grows" if x > 0 else
+                          "shrinks")
+    out.append(f"- {name}: at fixed tokens per parameter the speedup {word(t['width_exponent'], t['width_se'])} with "
+               f"width (exponent {t['width_exponent']:+.2f} ± {t['width_se']:.2f}); at fixed width it "
+               f"{word(t['data_exponent'], t['data_se'])} with tokens per parameter ({t['data_exponent']:+.2f} ± "
+               f"{t['data_se']:.2f}).")
+  for name, t in v["transfer"].items():
+    ws = sorted(w for w, o in t["optima"].items() if math.isfinite(o.get("band", [math.nan])[0]))
+    same = [(a, b) for a, b in zip(ws, ws[1:]) if t["optima"][a]["band"][0] <= t["optima"][b]["band"][1]
+            and t["optima"][b]["band"][0] <= t["optima"][a]["band"][1]]
+    if same:
+      out.append(f"- {name}: lr* is not told apart within the seeds' noise between widths "
+                 f"{', '.join(f'{a} and {b}' for a, b in same)} (their bands overlap).")
   t = v["transfer"]
   for a, b in (("muon-moonlight", "muon-keller"),):
     if a in t and b in t and np.isfinite(t[a]["slope"]) and np.isfinite(t[b]["slope"]):
@@ -203,6 +317,8 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
   fig.tight_layout()
   made.append(os.path.join(out, "transfer.png"))
   fig.savefig(made[-1], dpi=120)
+  if any(v["budgets"].values()):
+    made.append(_budget_plot(v, os.path.join(out, "speedup_budget.png")))
   costs = _costs(v)
   if any(costs.values()):
     taus = np.linspace(1, 4, 200)
@@ -217,6 +333,31 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
     made.append(os.path.join(out, "profile.png"))
     fig.savefig(made[-1], dpi=120)
   return made
+
+
+def _budget_plot(v: dict, path: str) -> str:
+  """speedup_budget.png: stage D's speedup (÷ AdamW's own) against tokens per parameter, one panel a contender, one
+  line a width: where lines of different widths meet at equal tokens per parameter, width alone does not move it."""
+  from matplotlib.figure import Figure
+  from matplotlib.ticker import NullFormatter
+  names = sorted({n for row in v["budgets"].values() for n in row})
+  fig = Figure(figsize=(3.4 * len(names), 3.3))
+  axes = np.atleast_1d(fig.subplots(1, len(names), sharey=True))
+  for ax, name in zip(axes, names):
+    for w, row in v["budgets"].items():
+      pts = sorted((r["tokens_per_param"], r) for r in row.get(name, {}).values())
+      if pts:
+        x, s = [p[0] for p in pts], np.array([p[1]["relative"] for p in pts])
+        err = np.abs(np.array([[p[1]["low"] for p in pts], [p[1]["high"] for p in pts]]) - s)
+        ax.errorbar(x, s, yerr=err, marker="o", capsize=3, label=f"d {w}")
+    ax.axhline(1, color="gray", lw=0.8)
+    ax.set(xscale="log", xlabel="tokens per parameter", title=name)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+  axes[0].set_ylabel("speedup over AdamW (÷ its own)")
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
 
 
 def _costs(v: dict) -> dict:

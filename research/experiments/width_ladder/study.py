@@ -29,7 +29,10 @@ the last stage):
   So every contender gets the same budget per width: `scan` (+ at most `extend`) + `trials` runs to tune, `seeds` at
   its optimum.
   D. AdamW at its optimum with `budgets` × the tokens (each its own cosine schedule), `seeds` seeds each: the points
-     of AdamW's L(D) = α·D^(−B) + β per width (`research.verdicts.fit_power_law`).
+     of AdamW's L(D) = α·D^(−B) + β per width (`research.verdicts.fit_power_law`). With `controls` (the default),
+     every other contender too, at its own optimum: its speedup at a shorter budget reads AdamW's fit inside the data
+     it was fitted on, and puts speedups at equal tokens per parameter side by side across widths (along the ladder,
+     width and tokens per parameter move together).
 Verdicts (research/experiments/width_ladder/report.py, by `research.verdicts`): each contender's data-matched speedup
 (the data AdamW's fit needs to reach the contender's mean final loss, over the data used) with a bootstrap interval
 over seeds; a one-sided Welch t-test of "beats AdamW" per width; performance profiles across widths (cost = 1 /
@@ -117,6 +120,8 @@ class Config(common.Base):
   """Seeds at each optimum (seed 0 is the tuning run's)."""
   budgets: Annotated[tuple[float, ...], flags.FRACTION] = (0.125, 0.25, 0.5)
   """AdamW's shorter runs (fractions of the tokens) for its L(D) fit, beside the full one."""
+  controls: bool = True
+  """Stage D for every contender, not only AdamW: each at its optimum at the same shorter budgets, every seed."""
   layers: int = 4
   batch_size: int = 16
   seq_len: int = 128
@@ -296,12 +301,12 @@ class Ladder:
             "best": best, "best_edges": edge_flags(box, best) if "weight_decay" in best else [],
             "finals": [loss, *seeds], "steps": steps}
 
-  def budgets(self, width: int, best: dict) -> dict:
-    """Stage D: AdamW at its optimum at each shorter budget, every seed."""
+  def budgets(self, width: int, name: str, best: dict) -> dict:
+    """Stage D: a contender at its optimum at each shorter budget, every seed."""
     out = {}
     for fraction in self.cfg.budgets:
       steps = steps_at(self.cfg, width, fraction)
-      out[fraction] = {"steps": steps, "finals": self.group(width, "adamw", f"D{fraction:g}",
+      out[fraction] = {"steps": steps, "finals": self.group(width, name, f"D{fraction:g}",
                                                             [(best, s) for s in range(self.cfg.seeds)], steps)}
     return out
 
@@ -314,7 +319,10 @@ class Ladder:
       for name in self.cfg.contenders:
         rung[name] = self.contender(width, name)
       if "adamw" in self.cfg.contenders and "best" in rung["adamw"]:
-        rung["budgets"] = self.budgets(width, rung["adamw"]["best"])
+        rung["budgets"] = self.budgets(width, "adamw", rung["adamw"]["best"])
+      for name in self.cfg.contenders if self.cfg.controls else ():
+        if name != "adamw" and "best" in rung[name]:
+          rung[name]["budgets"] = self.budgets(width, name, rung[name]["best"])
     return done
 
 
@@ -342,6 +350,7 @@ def main(cfg: Config) -> dict:
   common.write_results(cfg.out, "Does the win survive scale? A width ladder", __doc__.split("\n\n")[0],
                        state + report.tables(cfg, done, v), findings=report.findings(v),
                        settings={k: getattr(cfg, k) for k in ("widths", "tokens_per_param", "scan", "trials", "seeds",
-                                                              "budgets", "layers", "batch_size", "seq_len")},
+                                                              "budgets", "controls", "layers", "batch_size",
+                                                              "seq_len")},
                        data={**result, "plots": [os.path.basename(p) for p in plots]})
   return result
