@@ -51,6 +51,16 @@ def test_the_verdicts_come_from_the_runs(result):
   assert trend["points"] == 2 * (len(width_ladder.SMOKE["budgets"]) + 1) and trend["width_se"] > 0
 
 
+def test_the_compute_is_read_from_the_runs_records(result):
+  compute, runs = result["compute"], result["runs"]
+  assert sum(c["runs"] for row in compute.values() for c in row.values()) == len(runs)
+  assert sum(c["member_steps"] for row in compute.values() for c in row.values()) == sum(r["steps"] for r in runs)
+  assert all(set(row) == {"A", "B", "C", "D"} for row in compute.values())
+  assert all(c["quiet"] > 0 for row in compute.values() for c in row.values())
+  for row in compute.values():  # the wall time holds every group's compile; the quiet estimate, none
+    assert sum(c["quiet"] for c in row.values()) < sum(c["hours"] for c in row.values())
+
+
 def test_plan_lists_groups_and_runs_nothing(tmp_path):
   cfg = study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path)}, plan=True)
   planned = study.main(cfg)["planned"]

@@ -200,6 +200,23 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
   return lines
 
 
+def compute_table(compute: dict) -> list[str]:
+  """The record's compute: per width and stage, the finished runs, their steps and the hours they took
+  (`Ladder.compute`: wall, and quiet: at the width's 10th-percentile step time)."""
+  lines = ["", "## Compute (measured from the runs' records)", "",
+           "Wall hours: each group's wall time shared among its members, compile and evaluation included, and any "
+           "time the process was paused or shared the machine. Quiet hours: member-steps × the width's "
+           "10th-percentile seconds per member-step over all its logging intervals, what a quiet 2-core machine "
+           "takes (`Ladder.compute`).", "",
+           "| d_model | stage | runs | member-steps | wall hours | quiet hours |", "|---|---|---|---|---|---|"]
+  cells = [(w, stage, c) for w in sorted(compute) for stage, c in sorted(compute[w].items())]
+  lines += [f"| {w} | {stage} | {c['runs']} | {c['member_steps']:,} | {c['hours']:.2f} | {c.get('quiet', 0):.2f} |"
+            for w, stage, c in cells]
+  total = lambda key: sum(c.get(key, 0) for _, _, c in cells)
+  return lines + [f"| all | | {total('runs')} | {total('member_steps'):,} | {total('hours'):.2f} | "
+                  f"{total('quiet'):.2f} |"]
+
+
 def _luck(finals: list[float]) -> float | None:
   """The tuning seed's final loss minus the other seeds' mean (None without two finite values to compare)."""
   others = [x for x in finals[1:] if math.isfinite(x)]

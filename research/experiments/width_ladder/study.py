@@ -57,6 +57,7 @@ import tempfile
 from typing import Annotated
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from models import count_params
@@ -270,6 +271,33 @@ class Ladder:
                   "commit": commit})
     return out
 
+  def compute(self) -> dict:
+    """The machine time the finished runs took, read from their records: {width: {stage: {"runs", "member_steps",
+    "hours", "quiet"}}}, stage A, B, C or D. hours: the groups' wall time (members share their group's, seen in their
+    identical tokens_per_s), compile, evaluation and any pause or contention included; quiet: member-steps × the
+    width's 10th-percentile seconds per member-step over every logging interval, what the stage costs on a quiet
+    machine (a vmapped group's time per member-step hardly depends on its size: research/results/bench_vmap.md)."""
+    tokens, groups, out = self.cfg.batch_size * self.cfg.seq_len, {}, {}
+    for r in self.runs():
+      path = os.path.join(self.runs_dir, r["run"])
+      recs = [x for x in read_records(os.path.join(path, "metrics.jsonl"))[0] if "tokens_per_s" in x]
+      gaps = [(b["step"] - a["step"], (b["step"] - a["step"]) * tokens / b["tokens_per_s"])
+              for a, b in zip([{"step": 0}, *recs], recs)]
+      groups.setdefault((os.path.dirname(path), tuple(x["tokens_per_s"] for x in recs)), []).append((r, gaps))
+    rates: dict = {}
+    for members in groups.values():
+      for r, gaps in members:
+        width, _, stage = r["run"].split(os.sep)[:3]
+        cell = out.setdefault(int(width[1:]), {}).setdefault(stage[0], {"runs": 0, "member_steps": 0, "hours": 0.0})
+        cell["runs"] += 1
+        cell["member_steps"] += r["steps"]
+        cell["hours"] += sum(t for _, t in gaps) / len(members) / 3600
+        rates.setdefault(int(width[1:]), []).extend(t / n / len(members) for n, t in gaps if n)
+    for width, rs in rates.items():
+      for cell in out[width].values():
+        cell["quiet"] = cell["member_steps"] * float(np.quantile(rs, 0.1)) / 3600
+    return out
+
   def contender(self, width: int, name: str) -> dict:
     """Stages A, B and C of one contender at one width (module docstring); what finished, as a dict."""
     cfg, c = self.cfg, CONTENDERS[name]
@@ -340,7 +368,7 @@ def main(cfg: Config) -> dict:
       print(f"w{g['width']} {g['contender']} {g['stage']}: {g['members']} runs of {g['steps']} steps")
     return {"planned": ladder.planned}
   v = report.verdicts(done, cfg.batch_size * cfg.seq_len)
-  result = {"done": done, "verdicts": v, "missing": ladder.planned, "runs": ladder.runs()}
+  result = {"done": done, "verdicts": v, "missing": ladder.planned, "runs": ladder.runs(), "compute": ladder.compute()}
   if cfg.smoke:
     return result
   plots = report.plots(cfg, done, v, cfg.out)
@@ -348,7 +376,8 @@ def main(cfg: Config) -> dict:
             "from their results); rerun the command to go on. Every number below is from runs that finished.", ""]
            if ladder.planned else [])
   common.write_results(cfg.out, "Does the win survive scale? A width ladder", __doc__.split("\n\n")[0],
-                       state + report.tables(cfg, done, v), findings=report.findings(v),
+                       state + report.tables(cfg, done, v) + report.compute_table(result["compute"]),
+                       findings=report.findings(v),
                        settings={k: getattr(cfg, k) for k in ("widths", "tokens_per_param", "scan", "trials", "seeds",
                                                               "budgets", "controls", "layers", "batch_size",
                                                               "seq_len")},
