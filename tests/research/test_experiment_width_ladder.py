@@ -3,6 +3,7 @@ at every width with the same budget, seeds its optimum, runs every contender at 
 L(D) and reads verdicts from it; the plan lists groups without running them; a rerun skips everything that
 finished."""
 
+import json
 import math
 
 import pytest
@@ -59,6 +60,29 @@ def test_the_compute_is_read_from_the_runs_records(result):
   assert all(c["quiet"] > 0 for row in compute.values() for c in row.values())
   for row in compute.values():  # the wall time holds every group's compile; the quiet estimate, none
     assert sum(c["quiet"] for c in row.values()) < sum(c["hours"] for c in row.values())
+
+
+def test_compute_shares_a_groups_wall_time_among_its_members(tmp_path):
+  """Hand-worked: two runs of one group (their identical tokens_per_s) share its 30 s; a run alone keeps its 80 s; the
+  quiet estimate is the member-steps at the 10th-percentile time per member-step (0.5 s here)."""
+  cfg = study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path)})
+  tokens = cfg.batch_size * cfg.seq_len
+
+  def run(path, seconds_per_step):  # 20 steps, logged at 10 and 20: tokens_per_s is the group's step time
+    d = tmp_path / "runs" / path
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"train": {"steps": 20}}))
+    recs = [{"step": 10 * (i + 1), "loss": 1.0, "tokens_per_s": tokens / t} for i, t in enumerate(seconds_per_step)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps({**r, "val_loss": 1.0}) + "\n" for r in recs))
+
+  run("w16/adamw/A/lr0.01_s0", (2.0, 1.0))
+  run("w16/adamw/A/lr0.02_s0", (2.0, 1.0))
+  run("w16/adamw/B/lr0.01_s0", (4.0, 4.0))
+  compute = study.Ladder(cfg).compute()[16]
+  assert compute["A"] == {"runs": 2, "member_steps": 40, "hours": pytest.approx(30 / 3600),
+                          "quiet": pytest.approx(40 * 0.5 / 3600)}
+  assert compute["B"] == {"runs": 1, "member_steps": 20, "hours": pytest.approx(80 / 3600),
+                          "quiet": pytest.approx(20 * 0.5 / 3600)}
 
 
 def test_plan_lists_groups_and_runs_nothing(tmp_path):
