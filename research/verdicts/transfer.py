@@ -38,6 +38,27 @@ class LrOptimum:
   fitted: bool
 
 
+def _grid_means(lrs: ArrayLike, losses: ArrayLike) -> tuple[np.ndarray, np.ndarray, str | None]:
+  """Each distinct lr, ascending, and its mean loss over its finite runs (inf where every run of it diverged).
+
+  The third value says why the grid is refused (mismatched lengths, an lr that is not positive, no finite run at all),
+  None where it is not; the caller raises it in its own name.
+  """
+  lr, y = np.asarray(lrs, np.float64).ravel(), np.asarray(losses, np.float64).ravel()
+  if lr.shape != y.shape:
+    return lr, y, f"{lr.size} lrs but {y.size} losses"
+  if not np.all(lr > 0):
+    return lr, y, f"every lr must be positive, got {lr.tolist()}"
+  keep = np.isfinite(y)
+  if not keep.any():
+    return lr, y, "every run diverged (no finite loss)"
+  grid = np.unique(lr)
+  finite, which = np.unique(lr[keep], return_inverse=True)
+  mean = np.full(grid.size, np.inf)
+  mean[np.searchsorted(grid, finite)] = np.bincount(which, y[keep]) / np.bincount(which)
+  return grid, mean, None
+
+
 def lr_optimum(lrs: ArrayLike, losses: ArrayLike) -> LrOptimum:
   """The optimal lr of a grid: a parabola in log lr through the best grid point and its neighbours.
 
@@ -59,16 +80,11 @@ def lr_optimum(lrs: ArrayLike, losses: ArrayLike) -> LrOptimum:
   References:
     Yang et al., arXiv 2203.03466 (2022).
   """
-  lr, y = np.asarray(lrs, np.float64).ravel(), np.asarray(losses, np.float64).ravel()
-  if lr.shape != y.shape:
-    raise ValueError(f"lr_optimum: {lr.size} lrs but {y.size} losses")
-  if not np.all(lr > 0):
-    raise ValueError(f"lr_optimum: every lr must be positive, got {lr.tolist()}")
-  keep = np.isfinite(y)
-  if not keep.any():
-    raise ValueError("lr_optimum: every run diverged (no finite loss)")
-  grid, which = np.unique(lr[keep], return_inverse=True)
-  mean = np.bincount(which, y[keep]) / np.bincount(which)
+  grid, mean, refused = _grid_means(lrs, losses)
+  if refused:
+    raise ValueError(f"lr_optimum: {refused}")
+  keep = np.isfinite(mean)  # an lr every run of which diverged is dropped
+  grid, mean = grid[keep], mean[keep]
   i, n = int(np.argmin(mean)), grid.size
   at_edge = i in (0, n - 1)
   best = LrOptimum(float(grid[i]), float(mean[i]), float("nan"), at_edge, False)
@@ -121,18 +137,17 @@ def lr_band(lrs: ArrayLike, losses: ArrayLike, tolerance: float) -> LrBand:
     The band, with each end flagged where it reaches the grid's end.
 
   Raises:
-    ValueError: what `lr_optimum` refuses, or a tolerance that is negative or not finite.
+    ValueError: mismatched lengths, an lr that is not positive, no run with a finite loss, or a tolerance that is
+      negative or not finite.
 
   References:
     Yang et al., arXiv 2203.03466 (2022).
   """
   if not (math.isfinite(tolerance) and tolerance >= 0):
     raise ValueError(f"lr_band: the tolerance must be finite and non-negative, got {tolerance}")
-  lr, y = np.asarray(lrs, np.float64).ravel(), np.asarray(losses, np.float64).ravel()
-  lr_optimum(lr, y)  # the same checks
-  grid = np.unique(lr)
-  mean = np.array([np.mean(y[(lr == g) & np.isfinite(y)]) if np.any((lr == g) & np.isfinite(y)) else np.inf
-                   for g in grid])
+  grid, mean, refused = _grid_means(lrs, losses)
+  if refused:
+    raise ValueError(f"lr_band: {refused}")
   i = int(np.argmin(mean))
   level = mean[i] + tolerance
 
