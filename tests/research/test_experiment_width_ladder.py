@@ -78,7 +78,8 @@ def test_compute_shares_a_groups_wall_time_among_its_members(tmp_path):
   run("w16/adamw/A/lr0.01_s0", (2.0, 1.0))
   run("w16/adamw/A/lr0.02_s0", (2.0, 1.0))
   run("w16/adamw/B/lr0.01_s0", (4.0, 4.0))
-  compute = study.Ladder(cfg).compute()[16]
+  ladder = study.Ladder(cfg)
+  compute = ladder.compute(ladder.runs())[16]
   assert compute["A"] == {"runs": 2, "member_steps": 40, "hours": pytest.approx(30 / 3600),
                           "quiet": pytest.approx(40 * 0.5 / 3600)}
   assert compute["B"] == {"runs": 1, "member_steps": 20, "hours": pytest.approx(80 / 3600),

@@ -120,7 +120,7 @@ class Config(common.Base):
   seeds: int = 3
   """Seeds at each optimum (seed 0 is the tuning run's)."""
   budgets: Annotated[tuple[float, ...], flags.FRACTION] = (0.125, 0.25, 0.5)
-  """AdamW's shorter runs (fractions of the tokens) for its L(D) fit, beside the full one."""
+  """Stage D's shorter runs (fractions of the tokens): AdamW's for its L(D) fit, beside the full one."""
   controls: bool = True
   """Stage D for every contender, not only AdamW: each at its optimum at the same shorter budgets, every seed."""
   layers: int = 4
@@ -271,14 +271,15 @@ class Ladder:
                   "commit": commit})
     return out
 
-  def compute(self) -> dict:
+  def compute(self, runs: list[dict]) -> dict:
     """The machine time the finished runs took, read from their records: {width: {stage: {"runs", "member_steps",
     "hours", "quiet"}}}, stage A, B, C or D. hours: the groups' wall time (members share their group's, seen in their
     identical tokens_per_s), compile, evaluation and any pause or contention included; quiet: member-steps × the
     width's 10th-percentile seconds per member-step over every logging interval, what the stage costs on a quiet
-    machine (a vmapped group's time per member-step hardly depends on its size: research/results/bench_vmap.md)."""
+    machine (a vmapped group's time per member-step hardly depends on its size: research/results/bench_vmap.md).
+    `runs`: `runs()`'s list."""
     tokens, groups, out = self.cfg.batch_size * self.cfg.seq_len, {}, {}
-    for r in self.runs():
+    for r in runs:
       path = os.path.join(self.runs_dir, r["run"])
       recs = [x for x in read_records(os.path.join(path, "metrics.jsonl"))[0] if "tokens_per_s" in x]
       gaps = [(b["step"] - a["step"], (b["step"] - a["step"]) * tokens / b["tokens_per_s"])
@@ -368,7 +369,8 @@ def main(cfg: Config) -> dict:
       print(f"w{g['width']} {g['contender']} {g['stage']}: {g['members']} runs of {g['steps']} steps")
     return {"planned": ladder.planned}
   v = report.verdicts(done, cfg.batch_size * cfg.seq_len)
-  result = {"done": done, "verdicts": v, "missing": ladder.planned, "runs": ladder.runs(), "compute": ladder.compute()}
+  runs = ladder.runs()
+  result = {"done": done, "verdicts": v, "missing": ladder.planned, "runs": runs, "compute": ladder.compute(runs)}
   if cfg.smoke:
     return result
   plots = report.plots(cfg, done, v, cfg.out)
