@@ -3,7 +3,8 @@
 - `scaling.py`: data-matched speedup (Wen et al. 2025): `fit_power_law` fits the baseline's final losses L(D) =
   α·D^(−B) + β over token budgets (`PowerLaw`), `speedup` reads a contender's loss on it, `extrapolates` says when
   that leaves the fitted budgets, `bootstrap_speedup` gives an `Interval` over seeds; `speedup_trend` separates the
-  speedup's trend with width from its trend with tokens per parameter (`SpeedupTrend`).
+  speedup's trend with width from its trend with tokens per parameter (`SpeedupTrend`); `speedup_slope` is the trend
+  along the ladder alone, each width weighted by its interval (`SpeedupSlope`).
 - `transfer.py`: the learning-rate optimum per width (µP's transfer plot): `lr_optimum` (`LrOptimum`, a parabola in
   log lr), `lr_band` (`LrBand`: the lrs within a tolerance of the best), `optimum_table` over a width ladder,
   `transfer_slope` of log lr* on log width.
@@ -16,11 +17,13 @@ Imports nothing of the project: any room may use it.
 from research.verdicts.scaling import (
   Interval,
   PowerLaw,
+  SpeedupSlope,
   SpeedupTrend,
   bootstrap_speedup,
   extrapolates,
   fit_power_law,
   speedup,
+  speedup_slope,
   speedup_trend,
 )
 from research.verdicts.significance import Comparison, compare, performance_profile, profile_area
@@ -32,6 +35,7 @@ __all__ = [
     "LrBand",
     "LrOptimum",
     "PowerLaw",
+    "SpeedupSlope",
     "SpeedupTrend",
     "bootstrap_speedup",
     "compare",
@@ -43,6 +47,7 @@ __all__ = [
     "performance_profile",
     "profile_area",
     "speedup",
+    "speedup_slope",
     "speedup_trend",
     "transfer_slope",
 ]

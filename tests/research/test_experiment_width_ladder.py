@@ -9,7 +9,8 @@ import math
 import pytest
 
 from research.experiments import width_ladder
-from research.experiments.width_ladder import study
+from research.experiments.width_ladder import report, study
+from research.verdicts import speedup_slope
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,15 @@ def test_the_verdicts_come_from_the_runs(result):
     assert sorted(row) == sorted([*width_ladder.SMOKE["budgets"], 1.0])
     full = v["widths"][width]["muon-moonlight"]
     assert row[1.0]["relative"] == full["relative"] and row[1.0]["p"] == pytest.approx(full["p"])
+    assert (row[1.0]["low"], row[1.0]["high"]) == (full["relative_low"], full["relative_high"])  # one bootstrap
     assert all(r["low"] <= r["relative"] <= r["high"] and 0 <= r["p"] <= 1 for r in row.values())
   trend = v["trend"]["muon-moonlight"]  # 2 widths × 3 budgets: a plane with 3 residual degrees of freedom
   assert trend["points"] == 2 * (len(width_ladder.SMOKE["budgets"]) + 1) and trend["width_se"] > 0
+  widths = width_ladder.SMOKE["widths"]  # the finding's trend along the ladder is speedup_slope's on the table's cells
+  cells = [v["widths"][w]["muon-moonlight"] for w in widths]
+  s = speedup_slope(widths, *([c[k] for c in cells] for k in ("relative", "relative_low", "relative_high")))
+  line = next(x for x in report.findings(v) if x.startswith("- muon-moonlight: speedup ÷ AdamW's own"))
+  assert f"exponent {s.exponent:+.2f} ± {s.scaled_se:.2f}" in line
 
 
 def test_the_compute_is_read_from_the_runs_records(result):

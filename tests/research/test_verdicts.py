@@ -3,7 +3,8 @@ than scipy's curve_fit started at the truth; speedup reads k back from a loss re
 covers the truth, repeats itself and narrows with less noise; lr_optimum finds an exact parabola's vertex and flags
 edges, divergence and a downward parabola; lr_band reads the lrs within a tolerance of the best off a hand-worked
 scan; speedup_trend recovers a known plane in log width and log tokens per parameter, refuses points on one line, and
-its standard errors match the estimates' spread over noise draws; Welch's statistic and degrees of freedom match the
+its standard errors match the estimates' spread over noise draws; speedup_slope recovers an exact power of width,
+matches a two-width slope's standard error worked by hand and the spread of its estimates over heteroscedastic noise; Welch's statistic and degrees of freedom match the
 formulas written here in NumPy; the performance profile matches a hand-worked example."""
 
 import math
@@ -25,6 +26,7 @@ from research.verdicts import (
     performance_profile,
     profile_area,
     speedup,
+    speedup_slope,
     speedup_trend,
     transfer_slope,
 )
@@ -320,3 +322,51 @@ def test_speedup_trends_standard_error_is_the_estimates_spread_over_noise_draws(
   mean_se = np.mean([f.width_se for f in fits]), np.mean([f.data_se for f in fits])
   assert mean_se == pytest.approx(spread, rel=0.1)
   assert np.mean([f.width_exponent for f in fits]) == pytest.approx(-0.15, abs=0.01)
+
+
+def test_speedup_slope_recovers_an_exact_power_and_a_hand_worked_standard_error():
+  widths = np.array([32.0, 64.0, 128.0, 256.0])
+  truth = 1.5 * widths**-0.2
+  s = speedup_slope(widths, truth, truth * 0.9, truth * np.array([1.1, 1.3, 1.2, 1.5]))
+  assert s.exponent == pytest.approx(-0.2, abs=1e-12) and s.points == 4 and s.reduced_chi2 == pytest.approx(0, abs=1e-20)
+  assert s.scaled_se == s.se  # no scatter beyond the intervals: the error is not inflated
+  # two widths, each σ = 0.1 in log speedup: slope (y₂ − y₁) / log 4, its variance (σ₁² + σ₂²) / (log 4)²
+  z = stats.norm.ppf(0.975)
+  two = speedup_slope([32, 128], [1.2, 1.8], [1.2 * np.exp(-z * 0.1), 1.8 * np.exp(-z * 0.1)],
+                      [1.2 * np.exp(z * 0.1), 1.8 * np.exp(z * 0.1)])
+  assert two.exponent == pytest.approx(math.log(1.8 / 1.2) / math.log(4), rel=1e-12)
+  assert two.se == pytest.approx(math.sqrt(0.02) / math.log(4), rel=1e-12) and math.isnan(two.reduced_chi2)
+  # a third width 4σ off the line: the residuals, worked by hand, give χ²/1 and widen the error by its root
+  off = speedup_slope([32, 64, 128], [1.2, 1.2 * 1.5**0.5 * np.exp(0.4), 1.8], *(
+      np.array([1.2, 1.2 * 1.5**0.5 * np.exp(0.4), 1.8]) * np.exp(k * z * 0.1) for k in (-1, 1)))
+  assert off.exponent == pytest.approx(math.log(1.5) / math.log(4), rel=1e-9)
+  # the weighted mean of y shifts by 0.4/3: residuals (−0.4/3, +0.8/3, −0.4/3), each weighted by 1/0.01
+  assert off.reduced_chi2 == pytest.approx((2 * (0.4 / 3) ** 2 + (0.8 / 3) ** 2) / 0.01, rel=1e-9)
+  assert off.scaled_se == pytest.approx(off.se * math.sqrt(off.reduced_chi2), rel=1e-12)
+
+
+def test_speedup_slopes_standard_error_is_the_estimates_spread_over_heteroscedastic_noise():
+  widths, sigma = np.array([32.0, 64.0, 128.0, 256.0]), np.array([0.02, 0.05, 0.05, 0.12])
+  z, clean = stats.norm.ppf(0.975), 0.5 - 0.1 * np.log(widths)
+  rng = np.random.default_rng(0)
+  fits = []
+  for _ in range(4000):
+    s = np.exp(clean + rng.normal(0, sigma))
+    fits.append(speedup_slope(widths, s, s * np.exp(-z * sigma), s * np.exp(z * sigma)))
+  exps = np.array([f.exponent for f in fits])
+  assert fits[0].se == pytest.approx(np.std(exps), rel=0.05) and np.mean(exps) == pytest.approx(-0.1, abs=0.005)
+  assert np.mean([f.reduced_chi2 for f in fits]) == pytest.approx(1.0, abs=0.05)  # χ² on 2 degrees of freedom, / 2
+  ols = np.std([np.polyfit(np.log(widths), np.log(f), 1)[0] for f in
+                (np.exp(clean + rng.normal(0, sigma)) for _ in range(4000))])
+  assert fits[0].se < ols  # weighting by the intervals beats equal weights when the noise differs by width
+
+
+def test_speedup_slope_refuses_bad_input():
+  with pytest.raises(ValueError, match="two distinct widths"):
+    speedup_slope([64, 64], [1.2, 1.3], [1.1, 1.2], [1.3, 1.4])
+  with pytest.raises(ValueError, match="hold its estimate"):
+    speedup_slope([32, 64], [1.2, 1.3], [1.1, 1.3], [1.3, 1.3])
+  with pytest.raises(ValueError, match="positive and finite"):
+    speedup_slope([32, 64], [1.2, 1.3], [1.1, 1.2], [1.3, math.inf])
+  with pytest.raises(ValueError, match="2 widths, 1 speedups"):
+    speedup_slope([32, 64], [1.2], [1.1], [1.3])

@@ -16,6 +16,7 @@ from research.verdicts import (
   lr_optimum,
   performance_profile,
   profile_area,
+  speedup_slope,
   speedup_trend,
   transfer_slope,
 )
@@ -55,7 +56,7 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
         row["law_error"] = str(e)
         continue
       row["law"] = {"alpha": law.alpha, "exponent": law.exponent, "floor": law.floor}
-      out["budgets"][width] = _at_budgets(rung, points, tokens_per_step, width)
+      full = {}
       for name, entry in rung.items():
         if not isinstance(entry, dict) or not _finished(entry):
           continue
@@ -63,13 +64,14 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
         if len(finals) < 2:
           continue
         iv = bootstrap_speedup(points, finals, tokens, seed=width)
-        rel = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
+        rel = full[name] = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
         c = compare(finals, base["finals"]) if name != BASE else None
         row[name] = {"speedup": iv.estimate, "low": iv.low, "high": iv.high,
                      "relative": rel.estimate, "relative_low": rel.low, "relative_high": rel.high,
                      "extrapolated": extrapolates(law, float(np.mean(finals))),
                      "mean": float(np.mean(finals)), "std": float(np.std(finals, ddof=1)),
                      **({"p": c.p_value, "t": c.statistic, "df": c.df, "diff": c.diff, "test": c.test} if c else {})}
+      out["budgets"][width] = _at_budgets(rung, points, tokens_per_step, width, full)
   names = sorted({n for rung in done.values() for n, e in rung.items() if isinstance(e, dict) and "scan" in e})
   for name in names:
     optima = {}
@@ -92,9 +94,10 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
   return out
 
 
-def _at_budgets(rung: dict, points: dict, tokens_per_step: int, width: int) -> dict:
+def _at_budgets(rung: dict, points: dict, tokens_per_step: int, width: int, full: dict) -> dict:
   """Stage D for every contender at one width: {contender: {fraction: speedup (÷ AdamW's own at that budget) with its
-  interval, and the Welch test against AdamW at the same budget}}; the full budget is fraction 1."""
+  interval, and the Welch test against AdamW at the same budget}}; the full budget is fraction 1, its interval the
+  main table's (`full`: contender -> its relative `Interval`)."""
   base, out = rung[BASE], {}
   runs_of = lambda e: {1.0: (e["finals"], rung["steps"])} | {
       f: (b["finals"], b["steps"]) for f, b in e.get("budgets", {}).items()}
@@ -109,7 +112,7 @@ def _at_budgets(rung: dict, points: dict, tokens_per_step: int, width: int) -> d
       finals, tokens = [v for v in finals if math.isfinite(v)], steps * tokens_per_step
       if len(finals) < 2 or fraction not in adamw:
         continue
-      iv = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
+      iv = full[name] if fraction == 1.0 else bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
       theirs = [v for v in adamw[fraction][0] if math.isfinite(v)]
       c = compare(finals, theirs) if len(theirs) > 1 else None
       row[fraction] = {"tokens_per_param": tokens / rung["params"], "relative": iv.estimate, "low": iv.low,
@@ -257,26 +260,32 @@ def _budget_table(v: dict) -> list[str]:
   return lines
 
 
+def _word(x: float, se: float) -> str:
+  return "holds (within 2 standard errors)" if abs(x) <= 2 * se else "grows" if x > 0 else "shrinks"
+
+
 def findings(v: dict) -> list[str]:
   """Sentences generated from the verdicts: the speedup's trend with width, which Muon convention transfers."""
   out = []
   for name in sorted({n for row in v["widths"].values() for n in row if n not in ("law", BASE)}):
-    pts = [(w, row[name]["speedup"]) for w, row in v["widths"].items()
-           if name in row and np.isfinite(row[name]["speedup"])]
-    if len(pts) >= 2:
-      ws, ss = zip(*pts)
-      slope = float(np.polyfit(np.log(ws), np.log(ss), 1)[0])
-      trend = "shrinks" if slope < -0.02 else "grows" if slope > 0.02 else "holds"
-      sig = [w for w, row in v["widths"].items() if name in row and row[name].get("p", 1) < 0.05]
-      out.append(f"- {name}: speedup {' → '.join(f'{s:.2f}×' for s in ss)} over widths {', '.join(map(str, ws))} "
-                 f"({trend} with width: log-log slope {slope:+.2f}); significantly below AdamW's loss (p < 0.05) at "
-                 f"{', '.join(map(str, sig)) or 'no width'}.")
+    pts = [(w, row[name]) for w, row in v["widths"].items() if name in row and all(
+        math.isfinite(row[name][k]) and row[name][k] > 0 for k in ("relative", "relative_low", "relative_high"))]
+    try:
+      s = speedup_slope(*zip(*[(w, r["relative"], r["relative_low"], r["relative_high"]) for w, r in pts]))
+    except ValueError:  # fewer than two widths so far, or an interval of zero width
+      continue
+    sig = [w for w, row in v["widths"].items() if name in row and row[name].get("p", 1) < 0.05]
+    path = " → ".join(f"{r['relative']:.2f}×" for _, r in pts)
+    chi = f", reduced χ² {s.reduced_chi2:.3g}" if math.isfinite(s.reduced_chi2) else ""
+    out.append(f"- {name}: speedup ÷ AdamW's own {path} over widths "
+               f"{', '.join(str(w) for w, _ in pts)}: along the ladder it {_word(s.exponent, s.scaled_se)} with width "
+               f"(exponent {s.exponent:+.2f} ± {s.scaled_se:.2f}: `speedup_slope`, the seeds' intervals widened by the "
+               f"widths' scatter about the line{chi}); significantly "
+               f"below AdamW's loss (p < 0.05) at {', '.join(map(str, sig)) or 'no width'}.")
   for name, t in v.get("trend", {}).items():
-    word = lambda x, se: ("holds (within 2 standard errors)" if abs(x) <= 2 * se else "grows" if x > 0 else
-                          "shrinks")
-    out.append(f"- {name}: at fixed tokens per parameter the speedup {word(t['width_exponent'], t['width_se'])} with "
+    out.append(f"- {name}: at fixed tokens per parameter the speedup {_word(t['width_exponent'], t['width_se'])} with "
                f"width (exponent {t['width_exponent']:+.2f} ± {t['width_se']:.2f}); at fixed width it "
-               f"{word(t['data_exponent'], t['data_se'])} with tokens per parameter ({t['data_exponent']:+.2f} ± "
+               f"{_word(t['data_exponent'], t['data_se'])} with tokens per parameter ({t['data_exponent']:+.2f} ± "
                f"{t['data_se']:.2f}).")
   for name, t in v["transfer"].items():
     ws = sorted(w for w, o in t["optima"].items() if math.isfinite(o.get("band", [math.nan])[0]))
