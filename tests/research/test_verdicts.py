@@ -4,8 +4,9 @@ covers the truth, repeats itself and narrows with less noise; lr_optimum finds a
 edges, divergence and a downward parabola; lr_band reads the lrs within a tolerance of the best off a hand-worked
 scan; speedup_trend recovers a known plane in log width and log tokens per parameter, refuses points on one line, and
 its standard errors match the estimates' spread over noise draws; speedup_slope recovers an exact power of width,
-matches a two-width slope's standard error worked by hand and the spread of its estimates over heteroscedastic noise; Welch's statistic and degrees of freedom match the
-formulas written here in NumPy; the performance profile matches a hand-worked example."""
+matches a two-width slope's standard error and a three-width reduced χ² worked by hand and the spread of its estimates
+over heteroscedastic noise; Welch's statistic and degrees of freedom match the formulas written here in NumPy; the
+performance profile matches a hand-worked example."""
 
 import math
 
@@ -328,7 +329,8 @@ def test_speedup_slope_recovers_an_exact_power_and_a_hand_worked_standard_error(
   widths = np.array([32.0, 64.0, 128.0, 256.0])
   truth = 1.5 * widths**-0.2
   s = speedup_slope(widths, truth, truth * 0.9, truth * np.array([1.1, 1.3, 1.2, 1.5]))
-  assert s.exponent == pytest.approx(-0.2, abs=1e-12) and s.points == 4 and s.reduced_chi2 == pytest.approx(0, abs=1e-20)
+  assert s.exponent == pytest.approx(-0.2, abs=1e-12) and s.points == 4
+  assert s.reduced_chi2 == pytest.approx(0, abs=1e-20)
   assert s.scaled_se == s.se  # no scatter beyond the intervals: the error is not inflated
   # two widths, each σ = 0.1 in log speedup: slope (y₂ − y₁) / log 4, its variance (σ₁² + σ₂²) / (log 4)²
   z = stats.norm.ppf(0.975)
