@@ -20,9 +20,9 @@
 # for LLM Pretraining", Semenov et al. 2025) tune every optimizer on its own at every scale and measure the speedup
 # over AdamW as the data AdamW needs to reach the same loss. Here the same protocol runs on a ladder of widths of the
 # `small` transformer: per width and contender an lr scan (the transfer plot), quasi-random trials over its other
-# knobs, seeds at the optimum, and every contender at AdamW's shorter budgets (AdamW's runs there give its fitted
-# L(D); the others' part the speedup's trend with width from its trend with tokens per parameter, which move together
-# along the ladder). Every group of runs of one shape trains in one vmapped program (`research/train/vmapped.py`).
+# knobs, seeds at the optimum, every contender at AdamW's shorter budgets and AdamW at 2× and 4× its tokens (AdamW's
+# runs give its fitted L(D), which then spans the contenders' losses; the others' part the speedup's trend with width
+# from its trend with tokens per parameter, which move together along the ladder). Every group of runs of one shape trains in one vmapped program (`research/train/vmapped.py`).
 # The verdicts (speedup with a bootstrap interval, Welch's test, the lr optimum per width and how sharply the scan
 # pins it, the speedup's exponents in width and tokens per parameter) come from `research.verdicts`. The experiment is
 # `research/experiments/width_ladder/`; its full-size results are in

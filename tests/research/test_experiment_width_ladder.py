@@ -1,7 +1,7 @@
 """research/experiments/width_ladder: the smoke ladder (as notebooks/width_ladder.ipynb ran it) tunes every contender
-at every width with the same budget, seeds its optimum, runs every contender at AdamW's shorter budgets, fits AdamW's
-L(D) and reads verdicts from it; the plan lists groups without running them; a rerun skips everything that
-finished."""
+at every width with the same budget, seeds its optimum, runs every contender at AdamW's shorter budgets and AdamW
+past its full one, fits AdamW's L(D) and reads verdicts from it; the plan lists groups without running them; a rerun
+skips everything that finished."""
 
 import json
 import math
@@ -30,7 +30,7 @@ def test_every_contender_is_tuned_with_the_same_budget_and_seeded(result):
       assert len(e["finals"]) == smoke["seeds"] and all(math.isfinite(x) for x in e["finals"])
       assert e["finals"][0] == min([*e["scan"].values(), *(v for _, v in e["trials"])])  # the best of A and B
       budgets = rung["budgets"] if name == "adamw" else e["budgets"]  # stage D: every contender, AdamW's budgets
-      assert sorted(budgets) == sorted(smoke["budgets"])
+      assert sorted(budgets) == sorted([*smoke["budgets"], *(smoke["longer"] if name == "adamw" else ())])  # E: AdamW's
       assert all(len(b["finals"]) == smoke["seeds"] and all(math.isfinite(x) for x in b["finals"])
                  for b in budgets.values())
 
@@ -48,7 +48,6 @@ def test_the_verdicts_come_from_the_runs(result):
     assert sorted(row) == sorted([*width_ladder.SMOKE["budgets"], 1.0])
     full = v["widths"][width]["muon-moonlight"]
     assert row[1.0]["relative"] == full["relative"] and row[1.0]["p"] == pytest.approx(full["p"])
-    assert (row[1.0]["low"], row[1.0]["high"]) == (full["relative_low"], full["relative_high"])  # one bootstrap
     assert all(r["low"] <= r["relative"] <= r["high"] and 0 <= r["p"] <= 1 for r in row.values())
   trend = v["trend"]["muon-moonlight"]  # 2 widths × 3 budgets: a plane with 3 residual degrees of freedom
   assert trend["points"] == 2 * (len(width_ladder.SMOKE["budgets"]) + 1) and trend["width_se"] > 0
@@ -63,7 +62,7 @@ def test_the_compute_is_read_from_the_runs_records(result):
   compute, runs = result["compute"], result["runs"]
   assert sum(c["runs"] for row in compute.values() for c in row.values()) == len(runs)
   assert sum(c["member_steps"] for row in compute.values() for c in row.values()) == sum(r["steps"] for r in runs)
-  assert all(set(row) == {"A", "B", "C", "D"} for row in compute.values())
+  assert all(set(row) == {"A", "B", "C", "D", "E"} for row in compute.values())
   assert all(c["quiet"] > 0 for row in compute.values() for c in row.values())
   for row in compute.values():  # the wall time holds every group's compile; the quiet estimate, none
     assert sum(c["quiet"] for c in row.values()) < sum(c["hours"] for c in row.values())

@@ -33,6 +33,8 @@ the last stage):
      every other contender too, at its own optimum: its speedup at a shorter budget reads AdamW's fit inside the data
      it was fitted on, and puts speedups at equal tokens per parameter side by side across widths (along the ladder,
      width and tokens per parameter move together).
+  E. AdamW at its optimum with `longer` × the tokens, `seeds` seeds each: more points of its L(D), past the full
+     budget, so that the contenders' full-budget losses fall inside the data the fit read instead of past it.
 Verdicts (research/experiments/width_ladder/report.py, by `research.verdicts`): each contender's data-matched speedup
 (the data AdamW's fit needs to reach the contender's mean final loss, over the data used) with a bootstrap interval
 over seeds; a one-sided Welch t-test of "beats AdamW" per width; performance profiles across widths (cost = 1 /
@@ -121,6 +123,8 @@ class Config(common.Base):
   """Seeds at each optimum (seed 0 is the tuning run's)."""
   budgets: Annotated[tuple[float, ...], flags.FRACTION] = (0.125, 0.25, 0.5)
   """Stage D's shorter runs (fractions of the tokens): AdamW's for its L(D) fit, beside the full one."""
+  longer: Annotated[tuple[float, ...], flags.Rule(lo=1, open_lo=True)] = (2.0, 4.0)
+  """Stage E's longer runs (multiples of the tokens, above 1): AdamW's only, for its L(D) fit past the full budget."""
   controls: bool = True
   """Stage D for every contender, not only AdamW: each at its optimum at the same shorter budgets, every seed."""
   layers: int = 4
@@ -157,7 +161,7 @@ class Config(common.Base):
 
 
 SMOKE = dict(widths=(16, 32), tokens_per_param=(0.5, 0.125), contenders=("adamw", "muon-moonlight"), scan=3, extend=1,
-             trials=2, seeds=2, budgets=(0.25, 0.5), layers=1, batch_size=4, seq_len=32)
+             trials=2, seeds=2, budgets=(0.25, 0.5), longer=(2.0,), layers=1, batch_size=4, seq_len=32)
 
 
 def sized(cfg: Config) -> Config:
@@ -273,7 +277,7 @@ class Ladder:
 
   def compute(self, runs: list[dict]) -> dict:
     """The machine time the finished runs took, read from their records: {width: {stage: {"runs", "member_steps",
-    "hours", "quiet"}}}, stage A, B, C or D. hours: the groups' wall time (members share their group's, seen in their
+    "hours", "quiet"}}}, stage A, B, C, D or E. hours: the groups' wall time (members share their group's, seen in their
     identical tokens_per_s), compile, evaluation and any pause or contention included; quiet: member-steps × the
     width's 10th-percentile seconds per member-step over every logging interval, what the stage costs on a quiet
     machine (a vmapped group's time per member-step hardly depends on its size: research/results/bench_vmap.md).
@@ -330,12 +334,12 @@ class Ladder:
             "best": best, "best_edges": edge_flags(box, best) if "weight_decay" in best else [],
             "finals": [loss, *seeds], "steps": steps}
 
-  def budgets(self, width: int, name: str, best: dict) -> dict:
-    """Stage D: a contender at its optimum at each shorter budget, every seed."""
+  def budgets(self, width: int, name: str, best: dict, fractions: tuple[float, ...], stage: str = "D") -> dict:
+    """Stage D (or E): a contender at its optimum at each budget in `fractions` of the tokens, every seed."""
     out = {}
-    for fraction in self.cfg.budgets:
+    for fraction in fractions:
       steps = steps_at(self.cfg, width, fraction)
-      out[fraction] = {"steps": steps, "finals": self.group(width, name, f"D{fraction:g}",
+      out[fraction] = {"steps": steps, "finals": self.group(width, name, f"{stage}{fraction:g}",
                                                             [(best, s) for s in range(self.cfg.seeds)], steps)}
     return out
 
@@ -348,10 +352,12 @@ class Ladder:
       for name in self.cfg.contenders:
         rung[name] = self.contender(width, name)
       if "adamw" in self.cfg.contenders and "best" in rung["adamw"]:
-        rung["budgets"] = self.budgets(width, "adamw", rung["adamw"]["best"])
+        best = rung["adamw"]["best"]
+        rung["budgets"] = self.budgets(width, "adamw", best, self.cfg.budgets) | self.budgets(
+            width, "adamw", best, self.cfg.longer, "E")
       for name in self.cfg.contenders if self.cfg.controls else ():
         if name != "adamw" and "best" in rung[name]:
-          rung[name]["budgets"] = self.budgets(width, name, rung[name]["best"])
+          rung[name]["budgets"] = self.budgets(width, name, rung[name]["best"], self.cfg.budgets)
     return done
 
 
@@ -381,7 +387,7 @@ def main(cfg: Config) -> dict:
                        state + report.tables(cfg, done, v) + report.compute_table(result["compute"]),
                        findings=report.findings(v),
                        settings={k: getattr(cfg, k) for k in ("widths", "tokens_per_param", "scan", "trials", "seeds",
-                                                              "budgets", "controls", "layers", "batch_size",
+                                                              "budgets", "longer", "controls", "layers", "batch_size",
                                                               "seq_len")},
                        data={**result, "plots": [os.path.basename(p) for p in plots]})
   return result
