@@ -41,7 +41,7 @@ import tempfile
 from IPython.display import Image, Markdown, display
 
 from research.experiments import common, width_ladder
-from research.experiments.width_ladder import report, study
+from research.experiments.width_ladder import plots, report, study
 
 result = width_ladder.main(width_ladder.Config(smoke=True))
 cfg = study.Config(**width_ladder.SMOKE)
@@ -55,7 +55,7 @@ for line in report.findings(result["verdicts"]):
 # line per width.
 
 # %%
-for path in report.plots(cfg, result["done"], result["verdicts"], tempfile.mkdtemp()):
+for path in plots.plots(cfg, result["done"], result["verdicts"], tempfile.mkdtemp()):
   display(Image(path))
 
 # %% [markdown]

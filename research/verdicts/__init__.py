@@ -2,9 +2,11 @@
 
 - `scaling.py`: data-matched speedup (Wen et al. 2025): `fit_power_law` fits the baseline's final losses L(D) =
   α·D^(−B) + β over token budgets (`PowerLaw`), `speedup` reads a contender's loss on it, `extrapolates` says when
-  that leaves the fitted budgets, `bootstrap_speedup` gives an `Interval` over seeds; `speedup_trend` separates the
-  speedup's trend with width from its trend with tokens per parameter (`SpeedupTrend`); `speedup_slope` is the trend
-  along the ladder alone, each width weighted by its interval (`SpeedupSlope`).
+  that leaves the fitted budgets, `fit_check` says how far the fit misses the runs it was fitted on (`FitCheck`),
+  `bootstrap_speedup` gives an `Interval` over seeds.
+- `trends.py`: `speedup_slope`, the speedup's trend along the ladder, each width weighted by its interval
+  (`SpeedupSlope`); `speedup_trend` separates its trend with width from its trend with tokens per parameter
+  (`SpeedupTrend`).
 - `transfer.py`: the learning-rate optimum per width (µP's transfer plot): `lr_optimum` (`LrOptimum`, a parabola in
   log lr), `lr_band` (`LrBand`: the lrs within a tolerance of the best), `optimum_table` over a width ladder,
   `transfer_slope` of log lr* on log width.
@@ -15,22 +17,22 @@ Imports nothing of the project: any room may use it.
 """
 
 from research.verdicts.scaling import (
+  FitCheck,
   Interval,
   PowerLaw,
-  SpeedupSlope,
-  SpeedupTrend,
   bootstrap_speedup,
   extrapolates,
+  fit_check,
   fit_power_law,
   speedup,
-  speedup_slope,
-  speedup_trend,
 )
 from research.verdicts.significance import Comparison, compare, performance_profile, profile_area
 from research.verdicts.transfer import LrBand, LrOptimum, lr_band, lr_optimum, optimum_table, transfer_slope
+from research.verdicts.trends import SpeedupSlope, SpeedupTrend, speedup_slope, speedup_trend
 
 __all__ = [
     "Comparison",
+    "FitCheck",
     "Interval",
     "LrBand",
     "LrOptimum",
@@ -40,6 +42,7 @@ __all__ = [
     "bootstrap_speedup",
     "compare",
     "extrapolates",
+    "fit_check",
     "fit_power_law",
     "lr_band",
     "lr_optimum",

@@ -40,6 +40,8 @@ def test_the_verdicts_come_from_the_runs(result):
   for width in width_ladder.SMOKE["widths"]:
     row = v["widths"][width]
     assert {"alpha", "exponent", "floor"} <= set(row["law"])
+    k = len(width_ladder.SMOKE["budgets"]) + 1 + len(width_ladder.SMOKE["longer"])  # D, the full budget, E
+    assert row["fit"]["df"] == [k - 3, k * (width_ladder.SMOKE["seeds"] - 1)] and len(row["fit"]["miss"]) == k
     assert row["adamw"]["low"] <= row["adamw"]["speedup"] <= row["adamw"]["high"]
     assert 0 <= row["muon-moonlight"]["p"] <= 1
   assert set(v["transfer"]) == set(width_ladder.SMOKE["contenders"])

@@ -5,8 +5,9 @@ edges, divergence and a downward parabola; lr_band reads the lrs within a tolera
 scan; speedup_trend recovers a known plane in log width and log tokens per parameter, refuses points on one line, and
 its standard errors match the estimates' spread over noise draws; speedup_slope recovers an exact power of width,
 matches a two-width slope's standard error and a three-width reduced χ² worked by hand and the spread of its estimates
-over heteroscedastic noise; Welch's statistic and degrees of freedom match the formulas written here in NumPy; the
-performance profile matches a hand-worked example."""
+over heteroscedastic noise; fit_check's lack-of-fit F matches a hand-worked case, is calibrated under a true law
+(5% of p below 0.05) and rejects the accelerating curve AdamW drew at d_model 32; Welch's statistic and degrees of
+freedom match the formulas written here in NumPy; the performance profile matches a hand-worked example."""
 
 import math
 
@@ -20,6 +21,7 @@ from research.verdicts import (
     bootstrap_speedup,
     compare,
     extrapolates,
+    fit_check,
     fit_power_law,
     lr_band,
     lr_optimum,
@@ -372,3 +374,36 @@ def test_speedup_slope_refuses_bad_input():
     speedup_slope([32, 64], [1.2, 1.3], [1.1, 1.2], [1.3, math.inf])
   with pytest.raises(ValueError, match="2 widths, 1 speedups"):
     speedup_slope([32, 64], [1.2], [1.1], [1.3])
+
+
+def test_fit_check_of_a_law_through_every_mean_and_a_hand_worked_miss():
+  through = {d: [LAW.loss(d) - 0.01, LAW.loss(d), LAW.loss(d) + 0.01] for d in BUDGETS}
+  c = fit_check(LAW, through)
+  assert c.f_statistic < 1e-20 and c.p_value == pytest.approx(1) and np.allclose(c.z, 0) and c.floor_bound is None
+  assert c.df == (2, 10) and c.tokens == tuple(BUDGETS)
+  # 4 budgets × 2 seeds at ±s around mean = law + dᵢ: pure error 8s² on 4 df, lack of fit Σ 2dᵢ² on 1 df
+  s, d = 0.02, np.array([0.01, -0.03, 0.02, 0.005])
+  missed = {b: [LAW.loss(b) + di - s, LAW.loss(b) + di + s] for b, di in zip(BUDGETS[:4], d)}
+  c = fit_check(LAW, missed)
+  f = np.sum(2 * d**2) / 1 / (8 * s**2 / 4)
+  assert c.df == (1, 4) and c.f_statistic == pytest.approx(f, rel=1e-9)
+  assert c.p_value == pytest.approx(stats.f.sf(f, 1, 4), rel=1e-9)
+  assert np.allclose(c.z, d / s, rtol=1e-9)  # the standard error of a mean of 2 at pooled variance 2s²: s
+  assert np.allclose(c.stds, s * math.sqrt(2)) and np.allclose(np.subtract(c.means, c.fitted), d)
+
+
+def test_fit_check_is_calibrated_under_a_true_law_and_rejects_adamws_curve_at_width_32():
+  rng = np.random.default_rng(0)
+  ps = []
+  for _ in range(300):
+    runs = {d: LAW.loss(d) + rng.normal(0, 0.01, 3) for d in BUDGETS}
+    ps.append(fit_check(fit_power_law(list(runs), [r.mean() for r in runs.values()]), runs).p_value)
+  assert np.mean(np.array(ps) < 0.05) == pytest.approx(0.05, abs=0.03)
+  # AdamW's means at d_model 32 over 1/8 .. 1 of its tokens: each halving costs less than the one after it, a shape a
+  # power law with a floor ≥ 0 cannot follow (its floor hits 0); seeds spread ±0.01
+  means = [2.677, 2.405, 2.044, 1.626]
+  runs = {1.234944e6 * 2.0**k: [m - 0.01, m, m + 0.01] for k, m in zip(range(-3, 1), means)}
+  c = fit_check(fit_power_law(list(runs), means), runs)
+  assert c.p_value < 1e-6 and c.floor_bound == "zero" and max(abs(z) for z in c.z) > 5
+  with pytest.raises(ValueError, match="finite"):
+    fit_check(LAW, {1e8: [2.5, math.inf], 2e8: [2.4, 2.41], 4e8: [2.3, 2.31]})

@@ -1,5 +1,6 @@
-"""The width ladder's verdicts (by `research.verdicts`), tables, findings and plots, from what `study.Ladder.run`
-finished: a rung or contender still running is reported as such, so a partial ladder gives a partial record."""
+"""The width ladder's verdicts (by `research.verdicts`), tables and findings (plots.py draws them), from what
+`study.Ladder.run` finished: a rung or contender still running is reported as such, so a partial ladder gives a
+partial record."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from research.verdicts import (
   bootstrap_speedup,
   compare,
   extrapolates,
+  fit_check,
   fit_power_law,
   lr_band,
   lr_optimum,
-  performance_profile,
   profile_area,
   speedup_slope,
   speedup_trend,
@@ -22,6 +23,7 @@ from research.verdicts import (
 )
 
 BASE = "adamw"
+META = ("law", "law_error", "fit")  # a width's keys in verdicts()["widths"] that are not contenders
 
 
 def _finished(entry: dict) -> bool:
@@ -45,17 +47,24 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
     row = out["widths"][width] = {}
     base = rung.get(BASE, {})
     budgets = rung.get("budgets", {})
-    if _finished(base) and budgets and all(None not in b["finals"] for b in budgets.values()):
+    if _finished(base) and budgets:
       tokens = base["steps"] * tokens_per_step
-      points = {b["steps"] * tokens_per_step: b["finals"] for b in budgets.values()}
+      points = {b["steps"] * tokens_per_step: b["finals"] for b in budgets.values() if None not in b["finals"]}
       points[tokens] = base["finals"]
-      points = {d: [v for v in f if math.isfinite(v)] for d, f in points.items()}
+      points = {d: kept for d, f in points.items() if (kept := [v for v in f if math.isfinite(v)])}  # diverged: out
       try:
-        law = fit_power_law([d for d, f in points.items() for _ in f], [v for f in points.values() for v in f])
-      except ValueError as e:  # fewer than 3 budgets, or every seed of one diverged
+        if tokens not in points:
+          raise ValueError("every AdamW seed diverged at the full budget")
+        law = fit_power_law(list(points), [float(np.mean(f)) for f in points.values()])  # as the bootstrap fits it
+      except ValueError as e:  # fewer than 3 budgets left
         row["law_error"] = str(e)
         continue
+      chk = fit_check(law, points)
       row["law"] = {"alpha": law.alpha, "exponent": law.exponent, "floor": law.floor}
+      row["fit"] = {"tokens_per_param": [d / rung["params"] for d in chk.tokens],
+                    "miss": np.subtract(chk.means, chk.fitted).tolist(), "std": list(chk.stds), "z": list(chk.z),
+                    "f": chk.f_statistic, "df": list(chk.df), "p": chk.p_value,
+                    "floor_bound": chk.floor_bound}
       full = {}
       for name, entry in rung.items():
         if not isinstance(entry, dict) or not _finished(entry):
@@ -65,7 +74,7 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
           continue
         iv = bootstrap_speedup(points, finals, tokens, seed=width)
         rel = full[name] = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
-        c = compare(finals, base["finals"]) if name != BASE else None
+        c = compare(finals, points[tokens]) if name != BASE and len(points[tokens]) > 1 else None
         row[name] = {"speedup": iv.estimate, "low": iv.low, "high": iv.high,
                      "relative": rel.estimate, "relative_low": rel.low, "relative_high": rel.high,
                      "extrapolated": extrapolates(law, float(np.mean(finals))),
@@ -88,9 +97,9 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
     slope = transfer_slope(list(optima), [o["lr"] for o in optima.values()]) if len(optima) >= 2 else float("nan")
     out["transfer"][name] = {"optima": optima, "slope": slope}
   out["trend"] = _trends(out["budgets"])
-  costs = _costs(out)
-  if any(costs.values()):
-    out["profile"] = profile_area({n: c for n, c in costs.items() if c})
+  cost = costs(out)
+  if any(cost.values()):
+    out["profile"] = profile_area({n: c for n, c in cost.items() if c})
   return out
 
 
@@ -110,7 +119,7 @@ def _at_budgets(rung: dict, points: dict, tokens_per_step: int, width: int, full
     row = out[name] = {}
     for fraction, (finals, steps) in sorted(runs_of(entry).items()):
       finals, tokens = [v for v in finals if math.isfinite(v)], steps * tokens_per_step
-      if len(finals) < 2 or fraction not in adamw:
+      if len(finals) < 2 or fraction not in adamw or tokens not in points:  # AdamW unfinished or diverged there
         continue
       iv = full[name] if fraction == 1.0 else bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
       theirs = [v for v in adamw[fraction][0] if math.isfinite(v)]
@@ -185,6 +194,7 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
                    f"{f(r['relative_high'], '.2f')}] | "
                    f"{'yes' if r['extrapolated'] else 'no'} | {f(r.get('diff'), '+.4f')} | "
                    f"{f(r.get('t'), '.2f')}, {f(r.get('df'), '.1f')} | {f(r.get('p'), '.3g')} |")
+  lines += _fit_table(v)
   lines += ["", "## Learning-rate transfer (stage A's scans)", "",
             "lr* per width: the vertex of a parabola in log lr through the scan's best point and its neighbours "
             "(`research.verdicts.lr_optimum`); in brackets the lrs whose scan loss lies within the seeds' standard "
@@ -200,6 +210,28 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
   if v["profile"]:
     lines += ["", "Performance profile (cost = 1 / speedup per width; AlgoPerf's normalised area, τ ≤ 4): " +
               ", ".join(f"{n} {a:.3f}" for n, a in sorted(v["profile"].items(), key=lambda t: -t[1]))]
+  return lines
+
+
+def _fit_table(v: dict) -> list[str]:
+  """AdamW's L(D) against its own runs per width: each budget's miss in standard errors, the lack-of-fit test."""
+  rows = [(w, row["fit"]) for w, row in v["widths"].items() if "fit" in row]
+  if not rows:
+    return []
+  lines = ["", "## AdamW's L(D): does the fit follow its own runs?", "",
+           "Each budget's miss: AdamW's mean final loss − the fit, beside its seeds' standard deviation; F, p: the "
+           "lack-of-fit test (`research.verdicts.fit_check`: F(budgets − 3, runs − budgets), the seeds' variance "
+           "pooled over budgets as the unweighted fit weighs them). A small p, or a floor at a bound of the fit, says "
+           "the power law's shape does not follow AdamW's runs at that width; a miss many stds wide at a quiet budget "
+           "says the same where the pooled test cannot. The speedups read off such a fit carry that error, most "
+           "where they extrapolate; the ÷ AdamW's own column removes the miss at the full budget.", "",
+           "| d_model | miss (std) at each budget, by tokens / parameter | F (df) | p | floor at a bound |",
+           "|---|---|---|---|---|"]
+  for w, fit in rows:
+    zs = ", ".join(f"{r:.3g}: {m:+.3f} ({s:.3f})" for r, m, s in zip(fit["tokens_per_param"], fit["miss"],
+                                                                       fit["std"]))
+    lines.append(f"| {w} | {zs} | {fit['f']:.3g} ({fit['df'][0]}, {fit['df'][1]}) | {fit['p']:.3g} | "
+                 f"{fit['floor_bound'] or '—'} |")
   return lines
 
 
@@ -267,7 +299,7 @@ def _word(x: float, se: float) -> str:
 def findings(v: dict) -> list[str]:
   """Sentences generated from the verdicts: the speedup's trend with width, which Muon convention transfers."""
   out = []
-  for name in sorted({n for row in v["widths"].values() for n in row if n not in ("law", BASE)}):
+  for name in sorted({n for row in v["widths"].values() for n in row if n not in (*META, BASE)}):
     pts = [(w, row[name]) for w, row in v["widths"].items() if name in row and all(
         math.isfinite(row[name][k]) and row[name][k] > 0 for k in ("relative", "relative_low", "relative_high"))]
     try:
@@ -282,6 +314,10 @@ def findings(v: dict) -> list[str]:
                f"(exponent {s.exponent:+.2f} ± {s.scaled_se:.2f}: `speedup_slope`, the seeds' intervals widened by the "
                f"widths' scatter about the line{chi}); significantly "
                f"below AdamW's loss (p < 0.05) at {', '.join(map(str, sig)) or 'no width'}.")
+  bad = [w for w, row in v["widths"].items() if "fit" in row and (row["fit"]["p"] < 0.01 or row["fit"]["floor_bound"])]
+  if bad:
+    out.append(f"- AdamW's L(D) misses its own runs at width {', '.join(map(str, bad))} (lack-of-fit p < 0.01 or its "
+               "floor at a bound): the speedups there read the fit's shape as much as the contenders' gain.")
   for name, t in v.get("trend", {}).items():
     out.append(f"- {name}: at fixed tokens per parameter the speedup {_word(t['width_exponent'], t['width_se'])} with "
                f"width (exponent {t['width_exponent']:+.2f} ± {t['width_se']:.2f}); at fixed width it "
@@ -303,91 +339,8 @@ def findings(v: dict) -> list[str]:
   return out
 
 
-def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
-  """speedup.png (speedup vs width, intervals), transfer.png (final loss vs lr per width, one panel a contender)."""
-  import os
-
-  from matplotlib.figure import Figure
-  from matplotlib.ticker import NullFormatter
-  made = []
-  fig = Figure(figsize=(6, 4))
-  ax = fig.subplots()
-  for name in cfg.contenders:
-    pts = [(w, r[name]) for w, r in v["widths"].items() if name in r]
-    if pts:
-      ws = [w for w, _ in pts]
-      s = np.array([p["speedup"] for _, p in pts])
-      err = np.abs(np.array([[p["low"] for _, p in pts], [p["high"] for _, p in pts]]) - s)
-      ax.errorbar(ws, s, yerr=err, marker="o", capsize=3, label=name)
-  ax.axhline(1, color="gray", lw=0.8)
-  ax.set(xscale="log", xlabel="d_model", ylabel="data-matched speedup over AdamW", title="speedup vs width")
-  if ax.get_legend_handles_labels()[0]:  # none before a width has its AdamW fit
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  made.append(os.path.join(out, "speedup.png"))
-  fig.savefig(made[-1], dpi=120)
-  names = [n for n in cfg.contenders if n in v["transfer"]]
-  fig = Figure(figsize=(3.2 * max(1, len(names)), 3.2))
-  axes = np.atleast_1d(fig.subplots(1, max(1, len(names))))
-  for ax, name in zip(axes, names):
-    for w, rung in done.items():
-      scan = rung.get(name, {}).get("scan", {})
-      if scan and None not in scan.values():
-        lrs = sorted(scan)
-        ax.plot(lrs, [min(scan[x], 10.0) for x in lrs], marker="o", label=f"d {w}")
-    ax.set(xscale="log", xlabel="peak lr", title=name)
-    ax.xaxis.set_minor_formatter(NullFormatter())  # the decades only: minor labels overlap on a short range
-  axes[0].set_ylabel("final held-out loss")
-  if axes[0].get_legend_handles_labels()[0]:
-    axes[0].legend(fontsize=7)
-  fig.tight_layout()
-  made.append(os.path.join(out, "transfer.png"))
-  fig.savefig(made[-1], dpi=120)
-  if any(v["budgets"].values()):
-    made.append(_budget_plot(v, os.path.join(out, "speedup_budget.png")))
-  costs = _costs(v)
-  if any(costs.values()):
-    taus = np.linspace(1, 4, 200)
-    fig = Figure(figsize=(5, 3.5))
-    ax = fig.subplots()
-    for name, rho in performance_profile({n: c for n, c in costs.items() if c}, taus).items():
-      ax.step(taus, rho, where="post", label=name)
-    ax.set(xlabel="τ (cost / the best cost at that width; cost = 1 / speedup)", ylabel="share of widths",
-           title="performance profile over the widths")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    made.append(os.path.join(out, "profile.png"))
-    fig.savefig(made[-1], dpi=120)
-  return made
-
-
-def _budget_plot(v: dict, path: str) -> str:
-  """speedup_budget.png: stage D's speedup (÷ AdamW's own) against tokens per parameter, one panel a contender, one
-  line a width: where lines of different widths meet at equal tokens per parameter, width alone does not move it."""
-  from matplotlib.figure import Figure
-  from matplotlib.ticker import NullFormatter
-  names = sorted({n for row in v["budgets"].values() for n in row})
-  fig = Figure(figsize=(3.4 * len(names), 3.3))
-  axes = np.atleast_1d(fig.subplots(1, len(names), sharey=True))
-  for ax, name in zip(axes, names):
-    for w, row in v["budgets"].items():
-      pts = sorted((r["tokens_per_param"], r) for r in row.get(name, {}).values())
-      if pts:
-        x, s = [p[0] for p in pts], np.array([p[1]["relative"] for p in pts])
-        err = np.abs(np.array([[p[1]["low"] for p in pts], [p[1]["high"] for p in pts]]) - s)
-        ax.errorbar(x, s, yerr=err, marker="o", capsize=3, label=f"d {w}")
-    ax.axhline(1, color="gray", lw=0.8)
-    ax.set(xscale="log", xlabel="tokens per parameter", title=name)
-    ax.xaxis.set_minor_formatter(NullFormatter())
-  axes[0].set_ylabel("speedup over AdamW (÷ its own)")
-  axes[0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  return path
-
-
-def _costs(v: dict) -> dict:
+def costs(v: dict) -> dict:
   """{contender: {width: 1 / speedup}}: the data each needs relative to AdamW's fit, per width (lower is better)."""
-  names = {n for row in v["widths"].values() for n in row if n not in ("law", "law_error")}
+  names = {n for row in v["widths"].values() for n in row if n not in META}
   return {n: {str(w): 1 / r[n]["speedup"] for w, r in v["widths"].items() if n in r and r[n]["speedup"] > 0}
           for n in names}

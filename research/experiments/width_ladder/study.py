@@ -363,6 +363,7 @@ class Ladder:
 
 def main(cfg: Config) -> dict:
   """Runs (or, with --plan, lists; with --report, skips) what is missing, then writes the record from what finished."""
+  from research.experiments.width_ladder import plots as plotting
   from research.experiments.width_ladder import report
   cfg = sized(cfg)
   if cfg.preflight:
@@ -379,7 +380,7 @@ def main(cfg: Config) -> dict:
   result = {"done": done, "verdicts": v, "missing": ladder.planned, "runs": runs, "compute": ladder.compute(runs)}
   if cfg.smoke:
     return result
-  plots = report.plots(cfg, done, v, cfg.out)
+  plots = plotting.plots(cfg, done, v, cfg.out)
   state = ([f"**In progress**: {len(ladder.planned)} group(s) of runs are next (the protocol's later stages follow "
             "from their results); rerun the command to go on. Every number below is from runs that finished.", ""]
            if ladder.planned else [])

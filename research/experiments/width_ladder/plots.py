@@ -1,0 +1,92 @@
+"""The width ladder's plots, from `report.verdicts`: speedup.png (speedup vs width), transfer.png (final loss vs lr per
+width), speedup_budget.png (stage D's speedup vs tokens per parameter), profile.png (performance profiles)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from research.experiments.width_ladder.report import costs
+from research.verdicts import performance_profile
+
+
+def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
+  """speedup.png (speedup vs width, intervals), transfer.png (final loss vs lr per width, one panel a contender)."""
+  from matplotlib.figure import Figure
+  from matplotlib.ticker import NullFormatter
+  made = []
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
+  for name in cfg.contenders:
+    pts = [(w, r[name]) for w, r in v["widths"].items() if name in r]
+    if pts:
+      ws = [w for w, _ in pts]
+      s = np.array([p["speedup"] for _, p in pts])
+      err = np.abs(np.array([[p["low"] for _, p in pts], [p["high"] for _, p in pts]]) - s)
+      ax.errorbar(ws, s, yerr=err, marker="o", capsize=3, label=name)
+  ax.axhline(1, color="gray", lw=0.8)
+  ax.set(xscale="log", xlabel="d_model", ylabel="data-matched speedup over AdamW", title="speedup vs width")
+  if ax.get_legend_handles_labels()[0]:  # none before a width has its AdamW fit
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  made.append(os.path.join(out, "speedup.png"))
+  fig.savefig(made[-1], dpi=120)
+  names = [n for n in cfg.contenders if n in v["transfer"]]
+  fig = Figure(figsize=(3.2 * max(1, len(names)), 3.2))
+  axes = np.atleast_1d(fig.subplots(1, max(1, len(names))))
+  for ax, name in zip(axes, names):
+    for w, rung in done.items():
+      scan = rung.get(name, {}).get("scan", {})
+      if scan and None not in scan.values():
+        lrs = sorted(scan)
+        ax.plot(lrs, [min(scan[x], 10.0) for x in lrs], marker="o", label=f"d {w}")
+    ax.set(xscale="log", xlabel="peak lr", title=name)
+    ax.xaxis.set_minor_formatter(NullFormatter())  # the decades only: minor labels overlap on a short range
+  axes[0].set_ylabel("final held-out loss")
+  if axes[0].get_legend_handles_labels()[0]:
+    axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  made.append(os.path.join(out, "transfer.png"))
+  fig.savefig(made[-1], dpi=120)
+  if any(v["budgets"].values()):
+    made.append(_budget_plot(v, os.path.join(out, "speedup_budget.png")))
+  cost = costs(v)
+  if any(cost.values()):
+    taus = np.linspace(1, 4, 200)
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.subplots()
+    for name, rho in performance_profile({n: c for n, c in cost.items() if c}, taus).items():
+      ax.step(taus, rho, where="post", label=name)
+    ax.set(xlabel="τ (cost / the best cost at that width; cost = 1 / speedup)", ylabel="share of widths",
+           title="performance profile over the widths")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    made.append(os.path.join(out, "profile.png"))
+    fig.savefig(made[-1], dpi=120)
+  return made
+
+
+def _budget_plot(v: dict, path: str) -> str:
+  """speedup_budget.png: stage D's speedup (÷ AdamW's own) against tokens per parameter, one panel a contender, one
+  line a width: where lines of different widths meet at equal tokens per parameter, width alone does not move it."""
+  from matplotlib.figure import Figure
+  from matplotlib.ticker import NullFormatter
+  names = sorted({n for row in v["budgets"].values() for n in row})
+  fig = Figure(figsize=(3.4 * len(names), 3.3))
+  axes = np.atleast_1d(fig.subplots(1, len(names), sharey=True))
+  for ax, name in zip(axes, names):
+    for w, row in v["budgets"].items():
+      pts = sorted((r["tokens_per_param"], r) for r in row.get(name, {}).values())
+      if pts:
+        x, s = [p[0] for p in pts], np.array([p[1]["relative"] for p in pts])
+        err = np.abs(np.array([[p[1]["low"] for p in pts], [p[1]["high"] for p in pts]]) - s)
+        ax.errorbar(x, s, yerr=err, marker="o", capsize=3, label=f"d {w}")
+    ax.axhline(1, color="gray", lw=0.8)
+    ax.set(xscale="log", xlabel="tokens per parameter", title=name)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+  axes[0].set_ylabel("speedup over AdamW (÷ its own)")
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
