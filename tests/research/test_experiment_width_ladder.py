@@ -124,3 +124,29 @@ def test_a_run_records_the_code_the_process_imported_not_a_later_head(tmp_path, 
   study.Ladder(study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path)}, runner="trainer"))._train(
       [cfg], str(tmp_path))
   assert (tmp_path / "run" / "commit").read_text().strip() == study.CODE != "moved-on"
+
+
+def _rung(adamw_budgets: dict, adamw_finals: list[float]) -> dict:
+  """A hand-built finished rung: AdamW with `adamw_budgets` ({fraction: finals}) and Muon at one shorter budget."""
+  curve = lambda f: 1.5 + 0.5 * f ** -0.5  # AdamW's loss at a fraction of the 100 steps, before noise
+  return {"params": 1000, "steps": 100, "tokens_per_param": 1.0,
+          "adamw": {"scan": {1e-3: 2.1, 2e-3: 2.0, 4e-3: 2.2}, "finals": adamw_finals, "steps": 100},
+          "muon-moonlight": {"scan": {1e-2: 1.9, 2e-2: 1.8, 4e-2: 2.0}, "finals": [1.8, 1.82, 1.79], "steps": 100,
+                             "budgets": {0.5: {"steps": 50, "finals": [2.1, 2.12, 2.09]}}},
+          "budgets": {f: {"steps": round(100 * f), "finals": [curve(f) + e for e in finals]}
+                      for f, finals in adamw_budgets.items()}}
+
+
+def test_diverged_adamw_runs_are_dropped_and_a_failed_fit_is_reported_not_raised():
+  """A budget whose AdamW seeds all diverged leaves the fit (3 budgets left: no lack-of-fit degree of freedom); one
+  diverged seed at the full budget leaves Welch's test; with 2 budgets left the fit fails into law_error, and the
+  findings still read."""
+  ok = [-0.01, 0.0, 0.01]
+  v = report.verdicts({32: _rung({0.25: [math.inf] * 3, 0.5: ok, 2.0: ok}, [2.0, 2.01, math.inf])}, 10)
+  row = v["widths"][32]
+  assert row["fit"]["df"] == [0, 3 + 2 + 3 - 3] and math.isnan(row["fit"]["p"]) and len(row["fit"]["miss"]) == 3
+  assert row["muon-moonlight"]["p"] < 0.05 and row["muon-moonlight"]["speedup"] > 1
+  assert v["budgets"][32]["muon-moonlight"][0.5]["relative"] > 1 and report.findings(v) is not None
+  v = report.verdicts({32: _rung({0.25: [math.inf] * 3, 0.5: [math.inf] * 3, 2.0: ok}, [2.0, 2.01, 1.99])}, 10)
+  assert "3 distinct token budgets" in v["widths"][32]["law_error"] and "muon-moonlight" not in v["widths"][32]
+  assert isinstance(report.findings(v), list)
