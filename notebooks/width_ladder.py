@@ -22,9 +22,11 @@
 # `small` transformer: per width and contender an lr scan (the transfer plot), quasi-random trials over its other
 # knobs, seeds at the optimum, every contender at AdamW's shorter budgets and AdamW at 2× and 4× its tokens (AdamW's
 # runs give its fitted L(D), which then spans the contenders' losses; the others' part the speedup's trend with width
-# from its trend with tokens per parameter, which move together along the ladder). Every group of runs of one shape trains in one vmapped program (`research/train/vmapped.py`).
-# The verdicts (speedup with a bootstrap interval, Welch's test, the lr optimum per width and how sharply the scan
-# pins it, the speedup's exponents in width and tokens per parameter) come from `research.verdicts`. The experiment is
+# from its trend with tokens per parameter, which move together along the ladder). Every group of runs of one shape
+# trains in one vmapped program (`research/train/vmapped.py`). The verdicts (speedup with a bootstrap interval, on
+# AdamW's fit and read between its runs with no law, the fit's lack-of-fit test, Welch's test, the lr optimum per
+# width and how sharply the scan pins it, the speedup's exponents in width and tokens per parameter) come from
+# `research.verdicts`. The experiment is
 # `research/experiments/width_ladder/`; its full-size results are in
 # [research/results/width_ladder/results.md](../research/results/width_ladder/results.md), made by
 # `python -m research.experiments.width_ladder`.
@@ -41,11 +43,11 @@ import tempfile
 from IPython.display import Image, Markdown, display
 
 from research.experiments import common, width_ladder
-from research.experiments.width_ladder import plots, report, study
+from research.experiments.width_ladder import plots, report, study, tables
 
 result = width_ladder.main(width_ladder.Config(smoke=True))
 cfg = study.Config(**width_ladder.SMOKE)
-display(Markdown("\n".join(report.tables(cfg, result["done"], result["verdicts"]))))
+display(Markdown("\n".join(tables.tables(cfg, result["done"], result["verdicts"]))))
 for line in report.findings(result["verdicts"]):
   print(line)
 

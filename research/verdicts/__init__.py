@@ -3,7 +3,8 @@
 - `scaling.py`: data-matched speedup (Wen et al. 2025): `fit_power_law` fits the baseline's final losses L(D) =
   α·D^(−B) + β over token budgets (`PowerLaw`), `speedup` reads a contender's loss on it, `extrapolates` says when
   that leaves the fitted budgets, `fit_check` says how far the fit misses the runs it was fitted on (`FitCheck`),
-  `bootstrap_speedup` gives an `Interval` over seeds.
+  `interpolated_data` reads the data between the measured budgets instead, no law assumed, `bootstrap_speedup` gives
+  an `Interval` over seeds by either.
 - `trends.py`: `speedup_slope`, the speedup's trend along the ladder, each width weighted by its interval
   (`SpeedupSlope`); `speedup_trend` separates its trend with width from its trend with tokens per parameter
   (`SpeedupTrend`).
@@ -24,6 +25,7 @@ from research.verdicts.scaling import (
   extrapolates,
   fit_check,
   fit_power_law,
+  interpolated_data,
   speedup,
 )
 from research.verdicts.significance import Comparison, compare, performance_profile, profile_area
@@ -44,6 +46,7 @@ __all__ = [
     "extrapolates",
     "fit_check",
     "fit_power_law",
+    "interpolated_data",
     "lr_band",
     "lr_optimum",
     "optimum_table",

@@ -12,6 +12,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -176,6 +177,37 @@ def extrapolates(law: PowerLaw, loss: float) -> bool:
   return not law.tokens_range[0] <= d <= law.tokens_range[1]
 
 
+def interpolated_data(tokens: ArrayLike, means: ArrayLike, loss: float) -> float:
+  """The data at which the baseline first reaches `loss`, read between its measured budgets, no law assumed.
+
+  Between two adjacent budgets the mean loss is taken as linear in log tokens; the first budget whose mean is at or
+  below `loss` and the one before it bracket the answer (so a mean that rises again later does not count).
+
+  Args:
+    tokens: the baseline's budgets, ascending (positive, at least two).
+    means: its mean final loss at each budget.
+    loss: the loss to reach.
+
+  Returns:
+    The tokens; 0.0 where the smallest budget already reaches `loss` (the answer lies below the measured range), inf
+    where no budget does (above it).
+
+  Raises:
+    ValueError: fewer than two budgets, budgets not ascending and positive, or mismatched lengths.
+  """
+  d, m = np.asarray(tokens, np.float64).ravel(), np.asarray(means, np.float64).ravel()
+  if d.size < 2 or d.shape != m.shape or not (np.all(d > 0) and np.all(np.diff(d) > 0)):
+    raise ValueError(f"interpolated_data: needs at least two ascending positive budgets with a mean each, got "
+                     f"{d.tolist()} and {m.tolist()}")
+  if m[0] <= loss:
+    return 0.0
+  for i in range(d.size - 1):
+    if m[i + 1] <= loss:
+      frac = (m[i] - loss) / (m[i] - m[i + 1])
+      return float(np.exp(np.log(d[i]) + frac * (np.log(d[i + 1]) - np.log(d[i]))))
+  return float("inf")
+
+
 @dataclasses.dataclass(frozen=True)
 class Interval:
   """A point estimate with a bootstrap percentile interval.
@@ -206,7 +238,7 @@ def _budget_seeds(baseline: Mapping[float, Sequence[float]]) -> tuple[np.ndarray
 
 def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: ArrayLike, tokens: float, *,
                       n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0,
-                      relative: bool = False) -> Interval:
+                      relative: bool = False, method: str = "fit") -> Interval:
   """The data-matched speedup with a bootstrap interval over seeds.
 
   The estimate fits the baseline's mean loss per budget and reads the contender's mean loss on it. Each resample
@@ -224,13 +256,17 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     relative: divide by the baseline's own point on its fit: the data the fit needs for the contender's mean loss over
       the data it needs for the baseline's mean loss at `tokens` (a budget of `baseline`), so a fit biased at
       `tokens` cancels; resampled jointly. False: over `tokens` itself.
+    method: "fit" (the baseline's `fit_power_law`, as Wen et al.) or "interpolate" (`interpolated_data` between its
+      measured budgets, no law: 0 or inf outside them, flagged as extrapolated; `relative` has no meaning there, as
+      the baseline's own point is its own mean).
 
   Returns:
     Interval(estimate, low, high, n_resamples, extrapolated).
 
   Raises:
     ValueError: an empty budget or contender, a contender loss that is not finite, confidence outside (0, 1),
-      n_resamples < 1, or what `fit_power_law` refuses (a baseline loss that is not finite among them).
+      n_resamples < 1, an unknown method or one with `relative`, or what `fit_power_law` refuses (a baseline loss
+      that is not finite among them).
 
   References:
     Wen et al., arXiv 2509.02046 (2025); Efron & Tibshirani, "An Introduction to the Bootstrap" (1993), ch. 13.
@@ -245,20 +281,27 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     raise ValueError("bootstrap_speedup: no contender losses")
   if not np.all(np.isfinite(mine)):
     raise ValueError(f"bootstrap_speedup: every contender loss must be finite, got {mine.tolist()}")
+  if method not in ("fit", "interpolate") or method == "interpolate" and relative:
+    raise ValueError(f"bootstrap_speedup: method must be 'fit' or 'interpolate' (not with relative), got {method!r}")
   at = int(np.flatnonzero(budgets == tokens)[0]) if relative and np.any(budgets == tokens) else None
   if relative and at is None:
     raise ValueError(f"bootstrap_speedup: relative needs the baseline at the contender's budget {tokens}")
-  stat = lambda law, loss, means: law.data_for(loss) / (law.data_for(means[at]) if relative else tokens)
+  def stat(means: list[float], loss: float) -> float:
+    if method == "interpolate":
+      return interpolated_data(budgets, means, loss) / tokens
+    law = fit_power_law(budgets, means)
+    return float(law.data_for(loss)) / (float(law.data_for(means[at])) if at is not None else tokens)
+
   means = [s.mean() for s in seeds]
-  law = fit_power_law(budgets, means)
-  estimate = float(stat(law, float(mine.mean()), means))
+  estimate = float(stat(means, float(mine.mean())))
   rng = np.random.default_rng(seed)
   draws = np.empty(n_resamples)
   for r in range(n_resamples):
-    means = [rng.choice(s, s.size).mean() for s in seeds]
-    draws[r] = stat(fit_power_law(budgets, means), float(rng.choice(mine, mine.size).mean()), means)
+    draws[r] = stat([rng.choice(s, s.size).mean() for s in seeds], float(rng.choice(mine, mine.size).mean()))
   low, high = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
-  return Interval(estimate, float(low), float(high), n_resamples, extrapolates(law, float(mine.mean())))
+  outside = estimate in (0.0, math.inf) if method == "interpolate" else extrapolates(
+      fit_power_law(budgets, means), float(mine.mean()))
+  return Interval(estimate, float(low), float(high), n_resamples, outside)
 
 
 @dataclasses.dataclass(frozen=True)

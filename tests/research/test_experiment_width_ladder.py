@@ -51,12 +51,13 @@ def test_the_verdicts_come_from_the_runs(result):
     full = v["widths"][width]["muon-moonlight"]
     assert row[1.0]["relative"] == full["relative"] and row[1.0]["p"] == pytest.approx(full["p"])
     assert all(r["low"] <= r["relative"] <= r["high"] and 0 <= r["p"] <= 1 for r in row.values())
-  trend = v["trend"]["muon-moonlight"]  # 2 widths × 3 budgets: a plane with 3 residual degrees of freedom
+  trend = v["trend"]["fit"]["muon-moonlight"]  # 2 widths × 3 budgets: a plane with 3 residual degrees of freedom
   assert trend["points"] == 2 * (len(width_ladder.SMOKE["budgets"]) + 1) and trend["width_se"] > 0
   widths = width_ladder.SMOKE["widths"]  # the finding's trend along the ladder is speedup_slope's on the table's cells
   cells = [v["widths"][w]["muon-moonlight"] for w in widths]
   s = speedup_slope(widths, *([c[k] for c in cells] for k in ("relative", "relative_low", "relative_high")))
-  line = next(x for x in report.findings(v) if x.startswith("- muon-moonlight: speedup ÷ AdamW's own"))
+  assert v["ladder"]["fit"]["muon-moonlight"]["se"] == pytest.approx(s.scaled_se)
+  line = next(x for x in report.findings(v) if x.startswith("- muon-moonlight, speedup ÷ AdamW's own on its fit"))
   assert f"exponent {s.exponent:+.2f} ± {s.scaled_se:.2f}" in line
 
 
@@ -147,6 +148,13 @@ def test_diverged_adamw_runs_are_dropped_and_a_failed_fit_is_reported_not_raised
   assert row["fit"]["df"] == [0, 3 + 2 + 3 - 3] and math.isnan(row["fit"]["p"]) and len(row["fit"]["miss"]) == 3
   assert row["muon-moonlight"]["p"] < 0.05 and row["muon-moonlight"]["speedup"] > 1
   assert v["budgets"][32]["muon-moonlight"][0.5]["relative"] > 1 and report.findings(v) is not None
+  # read between AdamW's runs (means 2.2071 at 50 steps, 2.005 at 100, 1.8536 at 200): Muon's 1.8033 at 100 steps
+  # lies past them (a bound, > 2×); its 2.1033 at 50 steps lies 0.5136 of the way from 50 to 100 in log steps
+  full = row["muon-moonlight"]
+  assert full["interp"] == math.inf and full["interp_range"] == [0.5, 2.0]
+  m50, m100 = 1.5 + 0.5 * 0.5**-0.5, 2.005
+  frac = (m50 - (2.1 + 2.12 + 2.09) / 3) / (m50 - m100)
+  assert v["budgets"][32]["muon-moonlight"][0.5]["interp"] == pytest.approx(2**frac, rel=1e-9)
   v = report.verdicts({32: _rung({0.25: [math.inf] * 3, 0.5: [math.inf] * 3, 2.0: ok}, [2.0, 2.01, 1.99])}, 10)
   assert "3 distinct token budgets" in v["widths"][32]["law_error"] and "muon-moonlight" not in v["widths"][32]
   assert isinstance(report.findings(v), list)

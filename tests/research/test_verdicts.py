@@ -6,7 +6,8 @@ scan; speedup_trend recovers a known plane in log width and log tokens per param
 its standard errors match the estimates' spread over noise draws; speedup_slope recovers an exact power of width,
 matches a two-width slope's standard error and a three-width reduced χ² worked by hand and the spread of its estimates
 over heteroscedastic noise; fit_check's lack-of-fit F matches a hand-worked case, is calibrated under a true law
-(5% of p below 0.05) and rejects the accelerating curve AdamW drew at d_model 32; Welch's statistic and degrees of
+(5% of p below 0.05) and rejects the accelerating curve AdamW drew at d_model 32; interpolated_data reads hand-worked
+crossings (the first one where the means rise again) and a dense power law's inverse; Welch's statistic and degrees of
 freedom match the formulas written here in NumPy; the performance profile matches a hand-worked example."""
 
 import math
@@ -23,6 +24,7 @@ from research.verdicts import (
     extrapolates,
     fit_check,
     fit_power_law,
+    interpolated_data,
     lr_band,
     lr_optimum,
     optimum_table,
@@ -407,3 +409,27 @@ def test_fit_check_is_calibrated_under_a_true_law_and_rejects_adamws_curve_at_wi
   assert c.p_value < 1e-6 and c.floor_bound == "zero" and max(abs(z) for z in c.z) > 5
   with pytest.raises(ValueError, match="finite"):
     fit_check(LAW, {1e8: [2.5, math.inf], 2e8: [2.4, 2.41], 4e8: [2.3, 2.31]})
+
+
+def test_interpolated_data_reads_the_first_crossing_between_budgets():
+  d = np.array([1.0, 2.0, 4.0, 8.0]) * 1e8
+  assert interpolated_data(d, [3.0, 2.6, 2.4, 2.3], 2.5) == pytest.approx(2e8 * math.sqrt(2), rel=1e-12)
+  assert interpolated_data(d, [3.0, 2.6, 2.4, 2.3], 2.4) == pytest.approx(4e8, rel=1e-12)
+  assert interpolated_data(d, [3.0, 2.6, 2.4, 2.3], 2.2) == math.inf
+  assert interpolated_data(d, [3.0, 2.6, 2.4, 2.3], 3.1) == 0.0
+  # the means rise again after 2e8: the first crossing (0.8 of the way from 1e8 to 2e8 in log tokens) counts
+  assert interpolated_data(d, [3.0, 2.5, 2.7, 2.2], 2.6) == pytest.approx(1e8 * 2**0.8, rel=1e-12)
+  dense = np.geomspace(1e8, 1.6e9, 65)  # a true law read between budgets 2^(1/16) apart: its inverse, within 0.1%
+  assert interpolated_data(dense, LAW.loss(dense), float(LAW.loss(5e8))) == pytest.approx(5e8, rel=1e-3)
+  with pytest.raises(ValueError, match="ascending"):
+    interpolated_data([2e8, 1e8], [2.5, 2.6], 2.55)
+
+
+def test_the_interpolated_bootstrap_collapses_without_noise_and_flags_a_loss_outside_the_budgets():
+  same = {b: [float(LAW.loss(b))] * 3 for b in BUDGETS}
+  iv = bootstrap_speedup(same, [float(LAW.loss(8e8))] * 3, 4e8, method="interpolate", n_resamples=50)
+  assert iv.estimate == pytest.approx(2.0, rel=1e-12) and iv.low == iv.high == iv.estimate and not iv.extrapolated
+  past = bootstrap_speedup(same, [float(LAW.loss(1e10))] * 3, 4e8, method="interpolate", n_resamples=50)
+  assert past.estimate == math.inf and past.extrapolated
+  with pytest.raises(ValueError, match="not with relative"):
+    bootstrap_speedup(same, [2.5] * 3, 4e8, method="interpolate", relative=True)

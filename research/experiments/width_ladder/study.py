@@ -365,6 +365,7 @@ def main(cfg: Config) -> dict:
   """Runs (or, with --plan, lists; with --report, skips) what is missing, then writes the record from what finished."""
   from research.experiments.width_ladder import plots as plotting
   from research.experiments.width_ladder import report
+  from research.experiments.width_ladder import tables as tabling
   cfg = sized(cfg)
   if cfg.preflight:
     from research.experiments.width_ladder.preflight import preflight
@@ -385,7 +386,7 @@ def main(cfg: Config) -> dict:
             "from their results); rerun the command to go on. Every number below is from runs that finished.", ""]
            if ladder.planned else [])
   common.write_results(cfg.out, "Does the win survive scale? A width ladder", __doc__.split("\n\n")[0],
-                       state + report.tables(cfg, done, v) + report.compute_table(result["compute"]),
+                       state + tabling.tables(cfg, done, v) + tabling.compute_table(result["compute"]),
                        findings=report.findings(v),
                        settings={k: getattr(cfg, k) for k in ("widths", "tokens_per_param", "scan", "trials", "seeds",
                                                               "budgets", "longer", "controls", "layers", "batch_size",
