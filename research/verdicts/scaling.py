@@ -254,8 +254,9 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     confidence: the interval's coverage (default 0.95).
     seed: the resampling's random seed (default 0).
     relative: divide by the baseline's own point on its fit: the data the fit needs for the contender's mean loss over
-      the data it needs for the baseline's mean loss at `tokens` (a budget of `baseline`), so a fit biased at
-      `tokens` cancels; resampled jointly. False: over `tokens` itself.
+      the data it needs for the baseline's mean loss at `tokens` (a budget of `baseline`), so the fit's miss at
+      `tokens` cancels (at the baseline's own loss; a fit whose shape is wrong still errs where the contender's loss
+      lies further along it: `fit_check`); resampled jointly. False: over `tokens` itself.
     method: "fit" (the baseline's `fit_power_law`, as Wen et al.) or "interpolate" (`interpolated_data` between its
       measured budgets, no law: 0 or inf outside them, flagged as extrapolated; `relative` has no meaning there, as
       the baseline's own point is its own mean).

@@ -282,6 +282,13 @@ def test_the_relative_speedup_cancels_a_fit_biased_at_the_contenders_budget():
   plain = bootstrap_speedup(biased, k_loss, TOKENS, n_resamples=20)
   rel = bootstrap_speedup(biased, k_loss, TOKENS, n_resamples=20, relative=True)
   assert rel.estimate == pytest.approx(plain.estimate / own.estimate, rel=1e-9)
+  # the resamples: with the baseline noise-free, every resample's fit is the same, so each relative draw is the plain
+  # draw over the same constant, and so are the interval's ends (the same seed draws the same contender seeds)
+  noisy = [LAW.loss(1.4 * TOKENS) + e for e in (-0.03, 0.0, 0.02)]
+  plain = bootstrap_speedup(biased, noisy, TOKENS, n_resamples=200, seed=3)
+  rel = bootstrap_speedup(biased, noisy, TOKENS, n_resamples=200, seed=3, relative=True)
+  assert plain.high > plain.low and (rel.low, rel.high) == pytest.approx(
+      (plain.low / own.estimate, plain.high / own.estimate), rel=1e-9)
   with pytest.raises(ValueError, match="relative needs the baseline"):
     bootstrap_speedup(exact, k_loss, 3e8, relative=True)
 
