@@ -3,32 +3,38 @@ width), speedup_budget.png (stage D's speedup vs tokens per parameter), profile.
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
-from research.experiments.width_ladder.report import costs
+from research.experiments.width_ladder.report import KEYS, WAYS, costs
 from research.verdicts import performance_profile
 
 
 def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
-  """speedup.png (speedup vs width, intervals), transfer.png (final loss vs lr per width, one panel a contender)."""
+  """speedup.png (speedup vs width with intervals: on AdamW's fit, and read between its runs), transfer.png (final loss
+  vs lr per width, one panel a contender), speedup_budget.png, profile.png."""
   from matplotlib.figure import Figure
   from matplotlib.ticker import NullFormatter
   made = []
-  fig = Figure(figsize=(6, 4))
-  ax = fig.subplots()
-  for name in cfg.contenders:
-    pts = [(w, r[name]) for w, r in v["widths"].items() if name in r]
-    if pts:
-      ws = [w for w, _ in pts]
-      s = np.array([p["speedup"] for _, p in pts])
-      err = np.abs(np.array([[p["low"] for _, p in pts], [p["high"] for _, p in pts]]) - s)
-      ax.errorbar(ws, s, yerr=err, marker="o", capsize=3, label=name)
-  ax.axhline(1, color="gray", lw=0.8)
-  ax.set(xscale="log", xlabel="d_model", ylabel="data-matched speedup over AdamW", title="speedup vs width")
-  if ax.get_legend_handles_labels()[0]:  # none before a width has its AdamW fit
-    ax.legend(fontsize=7)
+  fig = Figure(figsize=(10, 4))
+  panels = fig.subplots(1, 2, sharey=True, sharex=True)
+  for ax, keys, title in zip(panels, (("relative", "relative_low", "relative_high"), KEYS["between"]),
+                             ("on AdamW's fitted L(D), ÷ its own", "read between AdamW's runs (finite only)")):
+    for name in cfg.contenders:
+      pts = [(w, r[name]) for w, r in v["widths"].items() if name in r and _finite(r[name], keys)]
+      if pts:
+        s = np.array([p[keys[0]] for _, p in pts])
+        err = np.abs(np.array([[p[keys[1]] for _, p in pts], [p[keys[2]] for _, p in pts]]) - s)
+        ax.errorbar([w for w, _ in pts], s, yerr=err, marker="o", capsize=3, label=name)
+    ax.axhline(1, color="gray", lw=0.8)
+    ax.set(xscale="log", xlabel="d_model", title=title)
+    ax.set_xticks(list(v["widths"]), [str(w) for w in v["widths"]])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if ax.get_legend_handles_labels()[0]:  # none before a width has its AdamW fit
+      ax.legend(fontsize=7)
+  panels[0].set_ylabel("data-matched speedup over AdamW")
   fig.tight_layout()
   made.append(os.path.join(out, "speedup.png"))
   fig.savefig(made[-1], dpi=120)
@@ -67,26 +73,32 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
   return made
 
 
+def _finite(r: dict, keys: tuple[str, ...]) -> bool:
+  return all(0 < r[k] < math.inf for k in keys)
+
+
 def _budget_plot(v: dict, path: str) -> str:
-  """speedup_budget.png: stage D's speedup (÷ AdamW's own) against tokens per parameter, one panel a contender, one
-  line a width: where lines of different widths meet at equal tokens per parameter, width alone does not move it."""
+  """speedup_budget.png: stage D's speedup against tokens per parameter, one column a contender, one line a width, on
+  AdamW's fit (÷ its own, top) and read between its runs (bottom, finite only): where lines of different widths meet
+  at equal tokens per parameter, width alone does not move it."""
   from matplotlib.figure import Figure
   from matplotlib.ticker import NullFormatter
   names = sorted({n for row in v["budgets"].values() for n in row})
-  fig = Figure(figsize=(3.4 * len(names), 3.3))
-  axes = np.atleast_1d(fig.subplots(1, len(names), sharey=True))
-  for ax, name in zip(axes, names):
-    for w, row in v["budgets"].items():
-      pts = sorted((r["tokens_per_param"], r) for r in row.get(name, {}).values())
-      if pts:
-        x, s = [p[0] for p in pts], np.array([p[1]["relative"] for p in pts])
-        err = np.abs(np.array([[p[1]["low"] for p in pts], [p[1]["high"] for p in pts]]) - s)
-        ax.errorbar(x, s, yerr=err, marker="o", capsize=3, label=f"d {w}")
-    ax.axhline(1, color="gray", lw=0.8)
-    ax.set(xscale="log", xlabel="tokens per parameter", title=name)
-    ax.xaxis.set_minor_formatter(NullFormatter())
-  axes[0].set_ylabel("speedup over AdamW (÷ its own)")
-  axes[0].legend(fontsize=7)
+  fig = Figure(figsize=(3.4 * len(names), 6.2))
+  axes = np.array(fig.subplots(2, len(names), sharey=True, squeeze=False))
+  for row_axes, way in zip(axes, KEYS):
+    for ax, name in zip(row_axes, names):
+      for w, row in v["budgets"].items():
+        pts = sorted((r["tokens_per_param"], r) for r in row.get(name, {}).values() if _finite(r, KEYS[way]))
+        if pts:
+          x, s = [p[0] for p in pts], np.array([p[1][KEYS[way][0]] for p in pts])
+          err = np.abs(np.array([[p[1][KEYS[way][1]] for p in pts], [p[1][KEYS[way][2]] for p in pts]]) - s)
+          ax.errorbar(x, s, yerr=err, marker="o", capsize=3, label=f"d {w}")
+      ax.axhline(1, color="gray", lw=0.8)
+      ax.set(xscale="log", xlabel="tokens per parameter", title=f"{name}\n{WAYS[way]}")
+      ax.xaxis.set_minor_formatter(NullFormatter())
+    row_axes[0].set_ylabel("speedup over AdamW")
+  axes[0, 0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path
