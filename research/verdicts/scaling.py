@@ -189,8 +189,8 @@ def interpolated_data(tokens: ArrayLike, means: ArrayLike, loss: float) -> float
     loss: the loss to reach.
 
   Returns:
-    The tokens; 0.0 where the smallest budget already reaches `loss` (the answer lies below the measured range), inf
-    where no budget does (above it).
+    The tokens; 0.0 where the smallest budget's mean is already below `loss` (the answer lies below the measured
+    range), inf where no budget reaches it (above it).
 
   Raises:
     ValueError: fewer than two budgets, budgets not ascending and positive, or mismatched lengths.
@@ -200,7 +200,7 @@ def interpolated_data(tokens: ArrayLike, means: ArrayLike, loss: float) -> float
     raise ValueError(f"interpolated_data: needs at least two ascending positive budgets with a mean each, got "
                      f"{d.tolist()} and {m.tolist()}")
   if m[0] <= loss:
-    return 0.0
+    return float(d[0]) if m[0] == loss else 0.0
   for i in range(d.size - 1):
     if m[i + 1] <= loss:
       frac = (m[i] - loss) / (m[i] - m[i + 1])
@@ -299,7 +299,8 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
   draws = np.empty(n_resamples)
   for r in range(n_resamples):
     draws[r] = stat([rng.choice(s, s.size).mean() for s in seeds], float(rng.choice(mine, mine.size).mean()))
-  low, high = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
+  # a resample whose fit goes flat reads 0/0: it is left out
+  low, high = np.nanquantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
   outside = estimate in (0.0, math.inf) if method == "interpolate" else extrapolates(
       fit_power_law(budgets, means), float(mine.mean()))
   return Interval(estimate, float(low), float(high), n_resamples, outside)
@@ -316,10 +317,15 @@ class FitCheck:
     stds: the seeds' standard deviation at each budget (ddof 1; NaN for one seed): where it differs much between
       budgets, the pooled test (and an unweighted fit) hides a miss at the quiet budgets.
     z: each budget's miss (mean − fitted) over the standard error of its mean from the pooled within-budget variance.
+    z_own: each budget's miss over its own seeds' standard error of the mean (NaN for one seed).
     f_statistic: the lack-of-fit mean square over the pooled seeds' mean square (0: the law goes through every mean).
-    df: (budgets − 3, runs − budgets), the F distribution's degrees of freedom.
-    p_value: the chance of an F this large if the law were right and the seeds' noise normal (NaN without a degree of
-      freedom on either side).
+    df: (budgets − fitted parameters, runs − budgets), the F distribution's degrees of freedom: 3 parameters, 2 where
+      the floor sits at a bound.
+    p_value: the chance of an F this large if the law were right and the seeds' noise normal and alike at every
+      budget (NaN without a degree of freedom on either side).
+    p_own: the smallest of the budgets' two-sided t-test p-values of their miss against their own seeds (n − 1
+      degrees of freedom), Bonferroni-adjusted over the budgets: where the seeds' noise differs between budgets, a
+      miss at a quiet budget shows here and not in the pooled F.
     floor_bound: "zero" where the fitted floor sits at its lower bound 0, "lowest loss" at its upper bound, else None:
       a fit pinned at a bound does not reach the shape it was given.
   """
@@ -329,9 +335,11 @@ class FitCheck:
   fitted: tuple[float, ...]
   stds: tuple[float, ...]
   z: tuple[float, ...]
+  z_own: tuple[float, ...]
   f_statistic: float
   df: tuple[int, int]
   p_value: float
+  p_own: float
   floor_bound: str | None
 
 
@@ -341,14 +349,16 @@ def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]]) -> FitCh
   The textbook lack-of-fit test for a model fitted to replicated points: F = [Σᵢ nᵢ (ȳᵢ − L(Dᵢ))² / (k − 3)] /
   [Σᵢⱼ (yᵢⱼ − ȳᵢ)² / (N − k)] over k budgets and N runs, F(k − 3, N − k) under the law (three parameters: α, B, β).
   A small p says the law's shape is wrong for these budgets, so a speedup read off it is the shape's error as much as
-  the contender's gain.
+  the contender's gain. The pooled variance assumes the seeds' noise alike at every budget; `p_own` tests each
+  budget against its own seeds instead.
 
   Args:
     law: the fitted law (`fit_power_law` on these runs or their means).
     baseline: token budget -> the baseline's final losses over seeds (finite; at least one at each budget).
 
   Returns:
-    FitCheck with the misses per budget, the F statistic, its p-value and whether the floor sits at a bound.
+    FitCheck with the misses per budget, the F statistic and its p-value, the per-budget tests' adjusted p-value and
+    whether the floor sits at a bound.
 
   Raises:
     ValueError: an empty budget or a loss that is not finite.
@@ -361,15 +371,18 @@ def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]]) -> FitCh
     raise ValueError("fit_check: every baseline loss must be finite (drop diverged runs first)")
   n = np.array([s.size for s in seeds])
   means, fitted = np.array([s.mean() for s in seeds]), law.loss(budgets)
+  at = lambda x: bool(np.isclose(law.floor, x, rtol=1e-9, atol=0))  # the fit's ceiling: the lowest seed or mean
+  bound = "zero" if law.floor <= 0 else "lowest loss" if at(min(s.min() for s in seeds)) or at(means.min()) else None
   pure = float(sum(((s - s.mean()) ** 2).sum() for s in seeds))
-  df = (budgets.size - 3, int(n.sum()) - budgets.size)
+  df = (budgets.size - (2 if bound else 3), int(n.sum()) - budgets.size)  # a floor held at a bound is not fitted
   mse = pure / df[1] if df[1] > 0 else float("nan")
   with np.errstate(divide="ignore", invalid="ignore"):
     z = (means - fitted) / np.sqrt(mse / n)
     f = float(np.sum(n * (means - fitted) ** 2) / df[0] / mse) if df[0] > 0 and df[1] > 0 else float("nan")
+    stds = np.array([s.std(ddof=1) if s.size > 1 else np.nan for s in seeds])
+    z_own = (means - fitted) / (stds / np.sqrt(n))
   p = float(stats.f.sf(f, *df)) if np.isfinite(f) else float("nan")
-  lowest = min(float(s.min()) for s in seeds)
-  bound = "zero" if law.floor <= 0 else "lowest loss" if law.floor >= lowest - 1e-9 * abs(lowest) else None
-  stds = tuple(float(s.std(ddof=1)) if s.size > 1 else float("nan") for s in seeds)
-  return FitCheck(tuple(budgets.tolist()), tuple(means.tolist()), tuple(np.asarray(fitted).tolist()), stds,
-                  tuple(z.tolist()), f, df, p, bound)
+  p_each = 2 * stats.t.sf(np.abs(z_own), n - 1)  # NaN for one seed or a std of 0 with no miss
+  p_own = float(min(1.0, np.nanmin(p_each) * budgets.size)) if np.any(np.isfinite(p_each)) else float("nan")
+  return FitCheck(tuple(budgets.tolist()), tuple(means.tolist()), tuple(np.asarray(fitted).tolist()),
+                  tuple(stds.tolist()), tuple(z.tolist()), tuple(z_own.tolist()), f, df, p, p_own, bound)

@@ -158,3 +158,13 @@ def test_diverged_adamw_runs_are_dropped_and_a_failed_fit_is_reported_not_raised
   v = report.verdicts({32: _rung({0.25: [math.inf] * 3, 0.5: [math.inf] * 3, 2.0: ok}, [2.0, 2.01, 1.99])}, 10)
   assert "3 distinct token budgets" in v["widths"][32]["law_error"] and "muon-moonlight" not in v["widths"][32]
   assert isinstance(report.findings(v), list)
+
+
+def test_an_exponents_verdict_reads_its_95_percent_interval():
+  """grows or shrinks where the interval excludes 0, holds where it lies within ±0.1, else not resolved; a standard
+  error estimated on 1 degree of freedom widens it by t's 12.71, not the normal's 1.96."""
+  assert report._word(0.3, 0.1, math.inf).startswith("grows (exponent +0.30 ± 0.10, 95% interval [+0.10, +0.50])")
+  assert report._word(-0.3, 0.1, math.inf).startswith("shrinks")
+  assert report._word(0.01, 0.02, math.inf).startswith("holds")  # [−0.03, +0.05]
+  assert report._word(0.05, 0.05, math.inf).startswith("not resolved")  # [−0.05, +0.15]: neither
+  assert report._word(0.3, 0.1, 1).startswith("not resolved (exponent +0.30 ± 0.10, 95% interval [-0.97, +1.57])")

@@ -289,6 +289,12 @@ def test_the_relative_speedup_cancels_a_fit_biased_at_the_contenders_budget():
   rel = bootstrap_speedup(biased, noisy, TOKENS, n_resamples=200, seed=3, relative=True)
   assert plain.high > plain.low and (rel.low, rel.high) == pytest.approx(
       (plain.low / own.estimate, plain.high / own.estimate), rel=1e-9)
+  # jointly: a noise-free contender at the baseline's own mean at TOKENS reads exactly 1 on the full data, and a
+  # spread around 1 over the resamples, as the baseline's mean there moves in each (a denominator kept at the full
+  # data's mean would read 1 in every resample)
+  shaky = {**exact, TOKENS: [LAW.loss(TOKENS) + e for e in (-0.03, 0.0, 0.03)]}
+  same = bootstrap_speedup(shaky, [float(np.mean(shaky[TOKENS]))] * 3, TOKENS, n_resamples=200, relative=True)
+  assert same.estimate == pytest.approx(1.0) and same.low < 0.99 and same.high > 1.01
   with pytest.raises(ValueError, match="relative needs the baseline"):
     bootstrap_speedup(exact, k_loss, 3e8, relative=True)
 
@@ -377,7 +383,7 @@ def test_speedup_slopes_standard_error_is_the_estimates_spread_over_heteroscedas
 def test_speedup_slope_refuses_bad_input():
   with pytest.raises(ValueError, match="two distinct widths"):
     speedup_slope([64, 64], [1.2, 1.3], [1.1, 1.2], [1.3, 1.4])
-  with pytest.raises(ValueError, match="hold its estimate"):
+  with pytest.raises(ValueError, match="non-zero width"):
     speedup_slope([32, 64], [1.2, 1.3], [1.1, 1.3], [1.3, 1.3])
   with pytest.raises(ValueError, match="positive and finite"):
     speedup_slope([32, 64], [1.2, 1.3], [1.1, 1.2], [1.3, math.inf])
@@ -399,6 +405,16 @@ def test_fit_check_of_a_law_through_every_mean_and_a_hand_worked_miss():
   assert c.p_value == pytest.approx(stats.f.sf(f, 1, 4), rel=1e-9)
   assert np.allclose(c.z, d / s, rtol=1e-9)  # the standard error of a mean of 2 at pooled variance 2s²: s
   assert np.allclose(c.stds, s * math.sqrt(2)) and np.allclose(np.subtract(c.means, c.fitted), d)
+  assert np.allclose(c.z_own, d / s)  # each budget's own std s·√2 over √2 seeds: the same s
+  assert c.p_own == pytest.approx(min(1, 4 * 2 * stats.t.sf(0.03 / s, 1)), rel=1e-9)  # the worst, Bonferroni ×4
+  # unequal seed counts (2, 3, 2, 3): pure error Σ(nᵢ − 1)·varᵢ on 6 df, lack of fit Σ nᵢ·dᵢ² on 1, z at √(mse / nᵢ)
+  uneven = {b: [LAW.loss(b) + di + e for e in ((-s, s) if k % 2 == 0 else (-s, 0.0, s))]
+            for k, (b, di) in enumerate(zip(BUDGETS[:4], d))}
+  c = fit_check(LAW, uneven)
+  n, var = np.array([2, 3, 2, 3]), np.array([2 * s**2, s**2] * 2)
+  mse = np.sum((n - 1) * var) / 6
+  assert c.df == (1, 6) and c.f_statistic == pytest.approx(np.sum(n * d**2) / mse, rel=1e-9)
+  assert np.allclose(c.z, d / np.sqrt(mse / n), rtol=1e-9)
 
 
 def test_fit_check_is_calibrated_under_a_true_law_and_rejects_adamws_curve_at_width_32():
@@ -414,6 +430,16 @@ def test_fit_check_is_calibrated_under_a_true_law_and_rejects_adamws_curve_at_wi
   runs = {1.234944e6 * 2.0**k: [m - 0.01, m, m + 0.01] for k, m in zip(range(-3, 1), means)}
   c = fit_check(fit_power_law(list(runs), means), runs)
   assert c.p_value < 1e-6 and c.floor_bound == "zero" and max(abs(z) for z in c.z) > 5
+  assert c.df == (2, 8)  # the floor held at 0 is not a fitted parameter
+  # a floor at its upper bound (the lowest mean) is flagged; a true law whose floor lies between the lowest seed and
+  # the lowest mean is not
+  risen = {b: [m - 0.01, m + 0.01] for b, m in zip(BUDGETS, [3.0, 2.5, 2.0, 2.1, 2.2])}
+  c = fit_check(fit_power_law(list(risen), [np.mean(r) for r in risen.values()]), risen)
+  assert c.floor_bound == "lowest loss" and c.df == (3, 5)
+  near = PowerLaw(alpha=1e3, exponent=0.5, floor=1.5)  # 1.525 at the largest budget, seeds ±0.05
+  close = {b: [float(near.loss(b)) - 0.05, float(near.loss(b)), float(near.loss(b)) + 0.05] for b in BUDGETS}
+  c = fit_check(fit_power_law(list(close), [np.mean(r) for r in close.values()]), close)
+  assert c.floor_bound is None and c.p_value == pytest.approx(1, abs=1e-6)
   with pytest.raises(ValueError, match="finite"):
     fit_check(LAW, {1e8: [2.5, math.inf], 2e8: [2.4, 2.41], 4e8: [2.3, 2.31]})
 
@@ -424,6 +450,7 @@ def test_interpolated_data_reads_the_first_crossing_between_budgets():
   assert interpolated_data(d, [3.0, 2.6, 2.4, 2.3], 2.4) == pytest.approx(4e8, rel=1e-12)
   assert interpolated_data(d, [3.0, 2.6, 2.4, 2.3], 2.2) == math.inf
   assert interpolated_data(d, [3.0, 2.6, 2.4, 2.3], 3.1) == 0.0
+  assert interpolated_data(d, [3.0, 2.6, 2.4, 2.3], 3.0) == 1e8  # reached exactly at the smallest budget
   # the means rise again after 2e8: the first crossing (0.8 of the way from 1e8 to 2e8 in log tokens) counts
   assert interpolated_data(d, [3.0, 2.5, 2.7, 2.2], 2.6) == pytest.approx(1e8 * 2**0.8, rel=1e-12)
   dense = np.geomspace(1e8, 1.6e9, 65)  # a true law read between budgets 2^(1/16) apart: its inverse, within 0.1%
@@ -438,5 +465,7 @@ def test_the_interpolated_bootstrap_collapses_without_noise_and_flags_a_loss_out
   assert iv.estimate == pytest.approx(2.0, rel=1e-12) and iv.low == iv.high == iv.estimate and not iv.extrapolated
   past = bootstrap_speedup(same, [float(LAW.loss(1e10))] * 3, 4e8, method="interpolate", n_resamples=50)
   assert past.estimate == math.inf and past.extrapolated
+  short = bootstrap_speedup(same, [float(LAW.loss(5e7))] * 3, 4e8, method="interpolate", n_resamples=50)
+  assert short.estimate == 0.0 and short.extrapolated  # worse than the baseline's smallest budget: a bound below
   with pytest.raises(ValueError, match="not with relative"):
     bootstrap_speedup(same, [2.5] * 3, 4e8, method="interpolate", relative=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy import stats
 
 from research.verdicts import (
   bootstrap_speedup,
@@ -65,8 +66,8 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
       row["law"] = {"alpha": law.alpha, "exponent": law.exponent, "floor": law.floor}
       row["fit"] = {"tokens_per_param": [d / rung["params"] for d in chk.tokens],
                     "miss": np.subtract(chk.means, chk.fitted).tolist(), "std": list(chk.stds), "z": list(chk.z),
-                    "f": chk.f_statistic, "df": list(chk.df), "p": chk.p_value,
-                    "floor_bound": chk.floor_bound}
+                    "z_own": list(chk.z_own), "f": chk.f_statistic, "df": list(chk.df), "p": chk.p_value,
+                    "p_own": chk.p_own, "floor_bound": chk.floor_bound}
       full = {}
       for name, entry in rung.items():
         if not isinstance(entry, dict) or not finished(entry):
@@ -180,13 +181,24 @@ def _ladder(widths: dict, way: str) -> dict:
       s = speedup_slope(*zip(*[(w, *(r[k] for k in keys)) for w, r in pts]))
     except (ValueError, TypeError):  # fewer than two widths so far, or an interval of zero width
       continue
+    # the error is estimated from the scatter (t on points − 2 df) where it widened it, else the seeds' (normal)
+    dof = s.points - 2 if s.scaled_se > s.se else math.inf
     out[name] = {"widths": [w for w, _ in pts], "speedups": [r[keys[0]] for _, r in pts], "exponent": s.exponent,
-                 "se": s.scaled_se, "reduced_chi2": s.reduced_chi2}
+                 "se": s.scaled_se, "dof": dof, "reduced_chi2": s.reduced_chi2,
+                 "extrapolated": [w for w, r in pts if r.get("extrapolated")] if way == "fit" else []}
   return out
 
 
-def _word(x: float, se: float) -> str:
-  return "holds (within 2 standard errors)" if abs(x) <= 2 * se else "grows" if x > 0 else "shrinks"
+SETTLED = 0.1  # an exponent whose 95% interval lies within ±SETTLED: the speedup holds (7% per doubling at most)
+
+
+def _word(x: float, se: float, dof: float) -> str:
+  """The verdict on an exponent: grows or shrinks where its 95% interval (t on `dof`, normal where infinite) excludes
+  0, holds where it lies within ±SETTLED, else not resolved; with the estimate and the interval."""
+  half = se * (stats.t.ppf(0.975, dof) if math.isfinite(dof) else stats.norm.ppf(0.975))
+  word = ("grows" if x - half > 0 else "shrinks" if x + half < 0 else "holds" if abs(x) + half <= SETTLED else
+          "not resolved")
+  return f"{word} (exponent {x:+.2f} ± {se:.2f}, 95% interval [{x - half:+.2f}, {x + half:+.2f}])"
 
 
 def findings(v: dict) -> list[str]:
@@ -196,24 +208,26 @@ def findings(v: dict) -> list[str]:
     for name, s in ladder.items():
       chi = f", reduced χ² {s['reduced_chi2']:.3g}" if math.isfinite(s["reduced_chi2"]) else ""
       path = " → ".join(f"{x:.2f}×" for x in s["speedups"])
-      out.append(f"- {name}, speedup {WAYS[way]}: {path} over widths {', '.join(map(str, s['widths']))}: along the "
-                 f"ladder it {_word(s['exponent'], s['se'])} with width (exponent {s['exponent']:+.2f} ± "
-                 f"{s['se']:.2f}: `speedup_slope`, the seeds' intervals widened by the widths' scatter about the "
-                 f"line{chi}).")
+      ex = f"; extrapolated at {', '.join(map(str, s['extrapolated']))}" if s["extrapolated"] else ""
+      out.append(f"- {name}, speedup {WAYS[way]}: {path} over widths {', '.join(map(str, s['widths']))}{ex}. Along "
+                 f"the ladder, with width: {_word(s['exponent'], s['se'], s['dof'])} (`speedup_slope`: the seeds' "
+                 f"intervals, widened by the widths' scatter about the line{chi}).")
   for name in sorted({n for row in v["widths"].values() for n in row if n not in (*META, BASE)}):
     sig = [w for w, row in v["widths"].items() if name in row and row[name].get("p", 1) < 0.05]
     out.append(f"- {name}: final loss significantly below AdamW's (p < 0.05) at "
                f"{', '.join(map(str, sig)) or 'no width'}.")
-  bad = [w for w, row in v["widths"].items() if "fit" in row and (row["fit"]["p"] < 0.01 or row["fit"]["floor_bound"])]
+  bad = [w for w, row in v["widths"].items() if "fit" in row and (
+      row["fit"]["p"] < 0.05 or row["fit"]["p_own"] < 0.05 or row["fit"]["floor_bound"])]
   if bad:
-    out.append(f"- AdamW's L(D) misses its own runs at width {', '.join(map(str, bad))} (lack-of-fit p < 0.01 or its "
-               "floor at a bound): the speedups there read the fit's shape as much as the contenders' gain.")
+    out.append(f"- AdamW's L(D) misses its own runs at width {', '.join(map(str, bad))} (lack-of-fit p < 0.05, pooled "
+               "or budget by budget, or its floor at a bound): the speedups on the fit there carry the law's shape "
+               "error; read them beside the ones between AdamW's runs.")
   for way, trend in v.get("trend", {}).items():
     for name, t in trend.items():
-      out.append(f"- {name} ({WAYS[way]}): at fixed tokens per parameter the speedup "
-                 f"{_word(t['width_exponent'], t['width_se'])} with width (exponent {t['width_exponent']:+.2f} ± "
-                 f"{t['width_se']:.2f}); at fixed width it {_word(t['data_exponent'], t['data_se'])} with tokens per "
-                 f"parameter ({t['data_exponent']:+.2f} ± {t['data_se']:.2f}).")
+      out.append(f"- {name}, speedup {WAYS[way]}: at fixed tokens per parameter, with width: "
+                 f"{_word(t['width_exponent'], t['width_se'], t['points'] - 3)}; at fixed width, with tokens per "
+                 f"parameter: {_word(t['data_exponent'], t['data_se'], t['points'] - 3)} (`speedup_trend`, "
+                 f"{t['points']} points).")
   for name, t in v["transfer"].items():
     ws = sorted(w for w, o in t["optima"].items() if math.isfinite(o.get("band", [math.nan])[0]))
     same = [(a, b) for a, b in zip(ws, ws[1:]) if t["optima"][a]["band"][0] <= t["optima"][b]["band"][1]

@@ -88,18 +88,20 @@ def _fit_table(v: dict) -> list[str]:
     return []
   lines = ["", "## AdamW's L(D): does the fit follow its own runs?", "",
            "Each budget's miss: AdamW's mean final loss − the fit, beside its seeds' standard deviation; F, p: the "
-           "lack-of-fit test (`research.verdicts.fit_check`: F(budgets − 3, runs − budgets), the seeds' variance "
-           "pooled over budgets as the unweighted fit weighs them). A small p, or a floor at a bound of the fit, says "
-           "the power law's shape does not follow AdamW's runs at that width; a miss many stds wide at a quiet budget "
-           "says the same where the pooled test cannot. The speedups read off such a fit carry that error, most "
-           "where they extrapolate; the ÷ AdamW's own column removes the miss at the full budget.", "",
-           "| d_model | miss (std) at each budget, by tokens / parameter | F (df) | p | floor at a bound |",
-           "|---|---|---|---|---|"]
+           "lack-of-fit test (`research.verdicts.fit_check`: F(budgets − 3, or − 2 with the floor at a bound; runs − "
+           "budgets), the seeds' variance pooled over budgets as the unweighted fit weighs them); p, budget by budget: "
+           "the smallest two-sided t-test of a budget's miss against its own seeds, Bonferroni-adjusted over the "
+           "budgets (a miss many stds wide at a quiet budget, which the pooled test hides). A small p, or a floor at a "
+           "bound, says the power law's shape does not follow AdamW's runs at that width: the speedups read off it "
+           "carry that error, most where they extrapolate (the ÷ AdamW's own column removes the miss at the full "
+           "budget only).", "",
+           "| d_model | miss (std) at each budget, by tokens / parameter | F (df) | p | p, budget by budget | "
+           "floor at a bound |", "|---|---|---|---|---|---|"]
   for w, fit in rows:
     zs = ", ".join(f"{r:.3g}: {m:+.3f} ({s:.3f})" for r, m, s in zip(fit["tokens_per_param"], fit["miss"],
                                                                        fit["std"]))
     lines.append(f"| {w} | {zs} | {fit['f']:.3g} ({fit['df'][0]}, {fit['df'][1]}) | {fit['p']:.3g} | "
-                 f"{fit['floor_bound'] or '—'} |")
+                 f"{fit['p_own']:.3g} | {fit['floor_bound'] or '—'} |")
   return lines
 
 
