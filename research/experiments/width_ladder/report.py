@@ -209,9 +209,10 @@ def findings(v: dict) -> list[str]:
       chi = f", reduced χ² {s['reduced_chi2']:.3g}" if math.isfinite(s["reduced_chi2"]) else ""
       path = " → ".join(f"{x:.2f}×" for x in s["speedups"])
       ex = f"; extrapolated at {', '.join(map(str, s['extrapolated']))}" if s["extrapolated"] else ""
+      how = (f"the seeds' intervals, widened by the widths' scatter about the line{chi}" if chi else
+             "the seeds' intervals alone: two widths leave no scatter to check")
       out.append(f"- {name}, speedup {WAYS[way]}: {path} over widths {', '.join(map(str, s['widths']))}{ex}. Along "
-                 f"the ladder, with width: {_word(s['exponent'], s['se'], s['dof'])} (`speedup_slope`: the seeds' "
-                 f"intervals, widened by the widths' scatter about the line{chi}).")
+                 f"the ladder, with width: {_word(s['exponent'], s['se'], s['dof'])} (`speedup_slope` on {how}).")
   for name in sorted({n for row in v["widths"].values() for n in row if n not in (*META, BASE)}):
     sig = [w for w, row in v["widths"].items() if name in row and row[name].get("p", 1) < 0.05]
     out.append(f"- {name}: final loss significantly below AdamW's (p < 0.05) at "
