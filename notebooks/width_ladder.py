@@ -52,9 +52,9 @@ for line in report.findings(result["verdicts"]):
   print(line)
 
 # %% [markdown]
-# The speedup over AdamW against width (95% bootstrap intervals over seeds), each contender's final loss against its
-# learning rate at every width (µP's transfer plot), and the speedup at every budget against tokens per parameter, a
-# line per width.
+# The speedup over AdamW against width (95% bootstrap intervals over seeds), on AdamW's fitted L(D) and read between
+# its runs, each contender's final loss against its learning rate at every width (µP's transfer plot), and the speedup
+# at every budget against tokens per parameter, a line per width, both ways.
 
 # %%
 for path in plots.plots(cfg, result["done"], result["verdicts"], tempfile.mkdtemp()):
