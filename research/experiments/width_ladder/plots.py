@@ -3,12 +3,11 @@ width), speedup_budget.png (stage D's speedup vs tokens per parameter), profile.
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
 
-from research.experiments.width_ladder.report import KEYS, WAYS, costs
+from research.experiments.width_ladder.report import FULL, KEYS, WAYS, costs, usable
 from research.verdicts import performance_profile
 
 
@@ -20,10 +19,10 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
   made = []
   fig = Figure(figsize=(10, 4))
   panels = fig.subplots(1, 2, sharey=True, sharex=True)
-  for ax, keys, title in zip(panels, (("relative", "relative_low", "relative_high"), KEYS["between"]),
+  for ax, keys, title in zip(panels, FULL.values(),
                              ("on AdamW's fitted L(D), ÷ its own", "read between AdamW's runs (finite only)")):
     for name in cfg.contenders:
-      pts = [(w, r[name]) for w, r in v["widths"].items() if name in r and _finite(r[name], keys)]
+      pts = [(w, r[name]) for w, r in v["widths"].items() if name in r and usable(r[name], keys)]
       if pts:
         s = np.array([p[keys[0]] for _, p in pts])
         err = np.abs(np.array([[p[keys[1]] for _, p in pts], [p[keys[2]] for _, p in pts]]) - s)
@@ -73,10 +72,6 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
   return made
 
 
-def _finite(r: dict, keys: tuple[str, ...]) -> bool:
-  return all(0 < r[k] < math.inf for k in keys)
-
-
 def _budget_plot(v: dict, path: str) -> str:
   """speedup_budget.png: stage D's speedup against tokens per parameter, one column a contender, one line a width, on
   AdamW's fit (÷ its own, top) and read between its runs (bottom, finite only): where lines of different widths meet
@@ -89,7 +84,7 @@ def _budget_plot(v: dict, path: str) -> str:
   for row_axes, way in zip(axes, KEYS):
     for ax, name in zip(row_axes, names):
       for w, row in v["budgets"].items():
-        pts = sorted((r["tokens_per_param"], r) for r in row.get(name, {}).values() if _finite(r, KEYS[way]))
+        pts = sorted((r["tokens_per_param"], r) for r in row.get(name, {}).values() if usable(r, KEYS[way]))
         if pts:
           x, s = [p[0] for p in pts], np.array([p[1][KEYS[way][0]] for p in pts])
           err = np.abs(np.array([[p[1][KEYS[way][1]] for p in pts], [p[1][KEYS[way][2]] for p in pts]]) - s)

@@ -12,7 +12,6 @@ from scipy import stats
 from research.verdicts import (
   bootstrap_speedup,
   compare,
-  extrapolates,
   fit_check,
   fit_power_law,
   lr_band,
@@ -76,12 +75,13 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
         if len(finals) < 2:
           continue
         iv = bootstrap_speedup(points, finals, tokens, seed=width)
-        rel = full[name] = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
+        rel = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
         ip = _between(points, finals, tokens, width)
+        full[name] = (rel, ip)
         c = compare(finals, points[tokens]) if name != BASE and len(points[tokens]) > 1 else None
         row[name] = {"speedup": iv.estimate, "low": iv.low, "high": iv.high,
                      "relative": rel.estimate, "relative_low": rel.low, "relative_high": rel.high, **ip,
-                     "extrapolated": extrapolates(law, float(np.mean(finals))),
+                     "extrapolated": iv.extrapolated,
                      "mean": float(np.mean(finals)), "std": float(np.std(finals, ddof=1)),
                      **({"p": c.p_value, "t": c.statistic, "df": c.df, "diff": c.diff, "test": c.test} if c else {})}
       out["budgets"][width] = _at_budgets(rung, points, tokens_per_step, width, full)
@@ -110,8 +110,8 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
 
 def _at_budgets(rung: dict, points: dict, tokens_per_step: int, width: int, full: dict) -> dict:
   """Stage D for every contender at one width: {contender: {fraction: speedup (÷ AdamW's own at that budget) with its
-  interval, and the Welch test against AdamW at the same budget}}; the full budget is fraction 1, its interval the
-  main table's (`full`: contender -> its relative `Interval`)."""
+  interval, and the Welch test against AdamW at the same budget}}; the full budget is fraction 1, its intervals the
+  main table's (`full`: contender -> its relative `Interval` and `_between`'s reading)."""
   base, out = rung[BASE], {}
   runs_of = lambda e: {1.0: (e["finals"], rung["steps"])} | {
       f: (b["finals"], b["steps"]) for f, b in e.get("budgets", {}).items()}
@@ -126,11 +126,12 @@ def _at_budgets(rung: dict, points: dict, tokens_per_step: int, width: int, full
       finals, tokens = [v for v in finals if math.isfinite(v)], steps * tokens_per_step
       if len(finals) < 2 or fraction not in adamw or tokens not in points:  # AdamW unfinished or diverged there
         continue
-      iv = full[name] if fraction == 1.0 else bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
+      iv, ip = full[name] if fraction == 1.0 else (
+          bootstrap_speedup(points, finals, tokens, seed=width, relative=True),
+          _between(points, finals, tokens, width))
       theirs = [v for v in adamw[fraction][0] if math.isfinite(v)]
       c = compare(finals, theirs) if len(theirs) > 1 else None
-      row[fraction] = {**_between(points, finals, tokens, width),
-                       "tokens_per_param": tokens / rung["params"], "relative": iv.estimate, "low": iv.low,
+      row[fraction] = {**ip, "tokens_per_param": tokens / rung["params"], "relative": iv.estimate, "low": iv.low,
                        "high": iv.high, "extrapolated": iv.extrapolated, "diff": c.diff if c else math.nan,
                        "p": c.p_value if c else math.nan}
   return out
@@ -145,10 +146,12 @@ def _between(points: dict, finals: list[float], tokens: int, width: int) -> dict
 
 
 KEYS = {"fit": ("relative", "low", "high"), "between": ("interp", "interp_low", "interp_high")}  # stage D's columns
+FULL = {"fit": ("relative", "relative_low", "relative_high"), "between": KEYS["between"]}  # the main table's
 WAYS = {"fit": "÷ AdamW's own on its fit", "between": "read between AdamW's runs"}
 
 
-def _usable(r: dict, keys: tuple[str, ...]) -> bool:
+def usable(r: dict, keys: tuple[str, ...]) -> bool:
+  """Whether a verdict row's `keys` (a speedup and its interval's ends) are all finite and positive: not a bound."""
   return all(math.isfinite(r[k]) and r[k] > 0 for k in keys)
 
 
@@ -159,7 +162,7 @@ def _trends(budgets: dict, way: str) -> dict:
   out, key = {}, KEYS[way][0]
   for name in sorted({n for row in budgets.values() for n in row}):
     pts = [(w, r["tokens_per_param"], r[key]) for w, row in budgets.items()
-           for r in row.get(name, {}).values() if _usable(r, (key,))]
+           for r in row.get(name, {}).values() if usable(r, (key,))]
     try:
       t = speedup_trend(*zip(*pts)) if pts else None
     except ValueError:  # one width only so far, or too few points
@@ -173,10 +176,9 @@ def _trends(budgets: dict, way: str) -> dict:
 def _ladder(widths: dict, way: str) -> dict:
   """Per contender, `speedup_slope` of its full-budget speedup `way` along the widths where it and its interval are
   usable (finite, positive): {name: {"widths", "speedups", "exponent", "se", "reduced_chi2"}}."""
-  keys = {"fit": ("relative", "relative_low", "relative_high"), "between": KEYS["between"]}[way]
-  out = {}
+  keys, out = FULL[way], {}
   for name in sorted({n for row in widths.values() for n in row if n not in (*META, BASE)}):
-    pts = [(w, row[name]) for w, row in widths.items() if name in row and _usable(row[name], keys)]
+    pts = [(w, row[name]) for w, row in widths.items() if name in row and usable(row[name], keys)]
     try:
       s = speedup_slope(*zip(*[(w, *(r[k] for k in keys)) for w, r in pts]))
     except (ValueError, TypeError):  # fewer than two widths so far, or an interval of zero width
