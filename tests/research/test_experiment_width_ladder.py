@@ -160,6 +160,22 @@ def test_diverged_adamw_runs_are_dropped_and_a_failed_fit_is_reported_not_raised
   assert isinstance(report.findings(v), list)
 
 
+def test_the_profiles_costs_are_read_between_adamws_runs_and_a_bound_at_its_range_end():
+  """cost = 1 / the speedup read between AdamW's runs: AdamW's own is 1 (its full-budget mean is its own point); a
+  contender inside AdamW's runs costs 2^−(its fraction of the log-step gap), one past them the range's end (÷ 2)."""
+  ok = [-0.01, 0.0, 0.01]
+  inside = _rung({0.25: ok, 0.5: ok, 2.0: ok}, [2.0, 2.01, 2.005])
+  inside["muon-moonlight"]["finals"] = [1.95, 1.96, 1.94]
+  v = report.verdicts({32: _rung({0.25: ok, 0.5: ok, 2.0: ok}, [2.0, 2.01, 2.005]), 64: inside}, 10)
+  c = report.costs(v)
+  assert c["adamw"] == {"32": pytest.approx(1.0, abs=1e-12), "64": pytest.approx(1.0, abs=1e-12)}
+  m200 = 1.5 + 0.5 * 2**-0.5
+  frac = (2.005 - 1.95) / (2.005 - m200)
+  assert v["widths"][32]["muon-moonlight"]["interp"] == math.inf
+  assert c["muon-moonlight"] == {"32": 0.5, "64": pytest.approx(2**-frac, rel=1e-9)}
+  assert set(v["profile"]) == {"adamw", "muon-moonlight"} and v["profile"]["muon-moonlight"] == 1.0
+
+
 def test_an_exponents_verdict_reads_its_95_percent_interval():
   """grows or shrinks where the interval excludes 0, holds where it lies within ±0.1, else not resolved; a standard
   error estimated on 1 degree of freedom widens it by t's 12.71, not the normal's 1.96."""

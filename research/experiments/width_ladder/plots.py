@@ -63,7 +63,8 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
     ax = fig.subplots()
     for name, rho in performance_profile({n: c for n, c in cost.items() if c}, taus).items():
       ax.step(taus, rho, where="post", label=name)
-    ax.set(xlabel="τ (cost / the best cost at that width; cost = 1 / speedup)", ylabel="share of widths",
+    ax.set(xlabel="τ (cost / the best at that width; cost = 1 / speedup between AdamW's runs)",
+           ylabel="share of widths",
            title="performance profile over the widths")
     ax.legend(fontsize=7)
     fig.tight_layout()

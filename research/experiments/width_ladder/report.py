@@ -250,7 +250,15 @@ def findings(v: dict) -> list[str]:
 
 
 def costs(v: dict) -> dict:
-  """{contender: {width: 1 / speedup}}: the data each needs relative to AdamW's fit, per width (lower is better)."""
+  """{contender: {width: 1 / speedup}}: the data each needs relative to AdamW, per width (lower is better), on the
+  speedup read between AdamW's runs; past them (a bound, "> k×" or "< k×") the measured range's end k is used, which
+  understates the distance to AdamW."""
   names = {n for row in v["widths"].values() for n in row if n not in META}
-  return {n: {str(w): 1 / r[n]["speedup"] for w, r in v["widths"].items() if n in r and r[n]["speedup"] > 0}
-          for n in names}
+  out: dict = {n: {} for n in names}
+  for w, row in v["widths"].items():
+    for n in names:
+      r = row.get(n, {})
+      if "interp" in r and not math.isnan(r["interp"]):
+        lo, hi = r["interp_range"]
+        out[n][str(w)] = 1 / min(max(r["interp"], lo), hi)
+  return out

@@ -39,7 +39,7 @@ Verdicts (research/experiments/width_ladder/report.py, by `research.verdicts`): 
 (the data AdamW's fit needs to reach the contender's mean final loss, over the data used) with a bootstrap interval
 over seeds, and the same read between AdamW's measured runs with no law assumed; the fit's lack-of-fit test against
 AdamW's own runs; a one-sided Welch t-test of "beats AdamW" per width; performance profiles across widths (cost = 1 /
-speedup); the lr optimum per width and the slope of log lr* on log width.
+speedup between AdamW's runs); the lr optimum per width and the slope of log lr* on log width.
 
 Runs resume: a finished run is skipped, an interrupted group continues from its saved state (rerun the command).
 

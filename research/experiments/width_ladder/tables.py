@@ -76,7 +76,8 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
     lines.append(f"| {name} | " + " | ".join(cells) + f" | {f(t['slope'], '+.2f')} |")
   lines += _budget_table(v)
   if v["profile"]:
-    lines += ["", "Performance profile (cost = 1 / speedup per width; AlgoPerf's normalised area, τ ≤ 4): " +
+    lines += ["", "Performance profile (cost = 1 / speedup per width, read between AdamW's runs, a bound at its "
+              "range's end; AlgoPerf's normalised area, τ ≤ 4): " +
               ", ".join(f"{n} {a:.3f}" for n, a in sorted(v["profile"].items(), key=lambda t: -t[1]))]
   return lines
 
