@@ -23,7 +23,7 @@
 # knobs, seeds at the optimum, every contender at AdamW's shorter budgets and AdamW at 2× and 4× its tokens (AdamW's
 # runs give its fitted L(D), which then spans the contenders' losses; the others' part the speedup's trend with width
 # from its trend with tokens per parameter, which move together along the ladder). Every group of runs of one shape
-# trains in one vmapped program (`research/train/vmapped.py`). The verdicts (speedup with a bootstrap interval, on
+# trains in one vmapped program (`research/train/vmapped.py`). The verdicts (speedup with a t interval over seeds, on
 # AdamW's fit and read between its runs with no law, the fit's lack-of-fit test, Welch's test, the lr optimum per
 # width and how sharply the scan pins it, the speedup's exponents in width and tokens per parameter) come from
 # `research.verdicts`. The experiment is
@@ -52,7 +52,7 @@ for line in report.findings(result["verdicts"]):
   print(line)
 
 # %% [markdown]
-# The speedup over AdamW against width (95% bootstrap intervals over seeds), on AdamW's fitted L(D) and read between
+# The speedup over AdamW against width (95% intervals over seeds), on AdamW's fitted L(D) and read between
 # its runs, each contender's final loss against its learning rate at every width (µP's transfer plot), and the speedup
 # at every budget against tokens per parameter, a line per width, both ways.
 

@@ -3,8 +3,9 @@
 - `scaling.py`: data-matched speedup (Wen et al. 2025): `fit_power_law` fits the baseline's final losses L(D) =
   α·D^(−B) + β over token budgets (`PowerLaw`), `speedup` reads a contender's loss on it, `extrapolates` says when
   that leaves the fitted budgets, `fit_check` says how far the fit misses the runs it was fitted on (`FitCheck`),
-  `interpolated_data` reads the data between the measured budgets instead, no law assumed, `bootstrap_speedup` gives
-  an `Interval` over seeds by either.
+  `interpolated_data` reads the data between the measured budgets instead, no law assumed.
+- `intervals.py`: `bootstrap_speedup` gives the speedup an `Interval` over seeds by either, each mean drawn from its
+  Student-t posterior (calibrated at 3 seeds) or resampled (the percentile bootstrap).
 - `trends.py`: `speedup_slope`, the speedup's trend along the ladder, each width weighted by its interval
   (`SpeedupSlope`); `speedup_trend` separates its trend with width from its trend with tokens per parameter
   (`SpeedupTrend`).
@@ -17,11 +18,10 @@
 Imports nothing of the project: any room may use it.
 """
 
+from research.verdicts.intervals import Interval, bootstrap_speedup
 from research.verdicts.scaling import (
   FitCheck,
-  Interval,
   PowerLaw,
-  bootstrap_speedup,
   extrapolates,
   fit_check,
   fit_power_law,

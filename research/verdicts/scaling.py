@@ -12,7 +12,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -208,102 +207,15 @@ def interpolated_data(tokens: ArrayLike, means: ArrayLike, loss: float) -> float
   return float("inf")
 
 
-@dataclasses.dataclass(frozen=True)
-class Interval:
-  """A point estimate with a bootstrap percentile interval.
-
-  Attributes:
-    estimate: the statistic on the full data.
-    low: the interval's lower end.
-    high: the interval's upper end.
-    n_resamples: how many bootstrap resamples made the interval.
-    extrapolated: whether the estimate extrapolates the baseline's fit (`extrapolates`).
-  """
-
-  estimate: float
-  low: float
-  high: float
-  n_resamples: int
-  extrapolated: bool = False
-
-
-def _budget_seeds(baseline: Mapping[float, Sequence[float]]) -> tuple[np.ndarray, list[np.ndarray]]:
+def _budget_seeds(baseline: Mapping[float, Sequence[float]],
+                  who: str = "fit_check") -> tuple[np.ndarray, list[np.ndarray]]:
+  """The baseline's budgets ascending and its losses at each as arrays; `who` names the caller in the error."""
   budgets = sorted(baseline)
   seeds = [np.asarray(baseline[b], np.float64).ravel() for b in budgets]
   empty = [b for b, s in zip(budgets, seeds) if s.size == 0]
   if empty:
-    raise ValueError(f"bootstrap_speedup: no losses at baseline budget(s) {empty}")
+    raise ValueError(f"{who}: no losses at baseline budget(s) {empty}")
   return np.asarray(budgets, np.float64), seeds
-
-
-def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: ArrayLike, tokens: float, *,
-                      n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0,
-                      relative: bool = False, method: str = "fit") -> Interval:
-  """The data-matched speedup with a bootstrap interval over seeds.
-
-  The estimate fits the baseline's mean loss per budget and reads the contender's mean loss on it. Each resample
-  draws seeds with replacement within each baseline budget and within the contender (same counts), refits, and
-  recomputes; the interval is the resamples' percentiles (the empirical quantiles, no interpolation, so an inf
-  speedup at the top stays inf). Seeded and deterministic.
-
-  Args:
-    baseline: token budget -> the baseline's final losses over seeds at that budget (at least 3 budgets).
-    contender: the contender's final losses over seeds at `tokens`.
-    tokens: the contender's token budget.
-    n_resamples: bootstrap resamples (default 1000).
-    confidence: the interval's coverage (default 0.95).
-    seed: the resampling's random seed (default 0).
-    relative: divide by the baseline's own point on its fit: the data the fit needs for the contender's mean loss over
-      the data it needs for the baseline's mean loss at `tokens` (a budget of `baseline`), so the fit's miss at
-      `tokens` cancels (at the baseline's own loss; a fit whose shape is wrong still errs where the contender's loss
-      lies further along it: `fit_check`); resampled jointly. False: over `tokens` itself.
-    method: "fit" (the baseline's `fit_power_law`, as Wen et al.) or "interpolate" (`interpolated_data` between its
-      measured budgets, no law: 0 or inf outside them, flagged as extrapolated; `relative` has no meaning there, as
-      the baseline's own point is its own mean).
-
-  Returns:
-    Interval(estimate, low, high, n_resamples, extrapolated).
-
-  Raises:
-    ValueError: an empty budget or contender, a contender loss that is not finite, confidence outside (0, 1),
-      n_resamples < 1, an unknown method or one with `relative`, or what `fit_power_law` refuses (a baseline loss
-      that is not finite among them).
-
-  References:
-    Wen et al., arXiv 2509.02046 (2025); Efron & Tibshirani, "An Introduction to the Bootstrap" (1993), ch. 13.
-  """
-  if not 0 < confidence < 1:
-    raise ValueError(f"bootstrap_speedup: confidence must be in (0, 1), got {confidence}")
-  if n_resamples < 1:
-    raise ValueError(f"bootstrap_speedup: n_resamples must be at least 1, got {n_resamples}")
-  budgets, seeds = _budget_seeds(baseline)
-  mine = np.asarray(contender, np.float64).ravel()
-  if mine.size == 0:
-    raise ValueError("bootstrap_speedup: no contender losses")
-  if not np.all(np.isfinite(mine)):
-    raise ValueError(f"bootstrap_speedup: every contender loss must be finite, got {mine.tolist()}")
-  if method not in ("fit", "interpolate") or method == "interpolate" and relative:
-    raise ValueError(f"bootstrap_speedup: method must be 'fit' or 'interpolate' (not with relative), got {method!r}")
-  at = int(np.flatnonzero(budgets == tokens)[0]) if relative and np.any(budgets == tokens) else None
-  if relative and at is None:
-    raise ValueError(f"bootstrap_speedup: relative needs the baseline at the contender's budget {tokens}")
-  def stat(means: list[float], loss: float) -> float:
-    if method == "interpolate":
-      return interpolated_data(budgets, means, loss) / tokens
-    law = fit_power_law(budgets, means)
-    return float(law.data_for(loss)) / (float(law.data_for(means[at])) if at is not None else tokens)
-
-  means = [s.mean() for s in seeds]
-  estimate = float(stat(means, float(mine.mean())))
-  rng = np.random.default_rng(seed)
-  draws = np.empty(n_resamples)
-  for r in range(n_resamples):
-    draws[r] = stat([rng.choice(s, s.size).mean() for s in seeds], float(rng.choice(mine, mine.size).mean()))
-  # a resample whose fit goes flat reads 0/0: it is left out
-  low, high = np.nanquantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
-  outside = estimate in (0.0, math.inf) if method == "interpolate" else extrapolates(
-      fit_power_law(budgets, means), float(mine.mean()))
-  return Interval(estimate, float(low), float(high), n_resamples, outside)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,12 +53,30 @@ def test_the_verdicts_come_from_the_runs(result):
     assert all(r["low"] <= r["relative"] <= r["high"] and 0 <= r["p"] <= 1 for r in row.values())
   trend = v["trend"]["fit"]["muon-moonlight"]  # 2 widths × 3 budgets: a plane with 3 residual degrees of freedom
   assert trend["points"] == 2 * (len(width_ladder.SMOKE["budgets"]) + 1) and trend["width_se"] > 0
-  widths = width_ladder.SMOKE["widths"]  # the finding's trend along the ladder is speedup_slope's on the table's cells
-  cells = [v["widths"][w]["muon-moonlight"] for w in widths]
-  s = speedup_slope(widths, *([c[k] for c in cells] for k in ("relative", "relative_low", "relative_high")))
-  assert v["ladder"]["fit"]["muon-moonlight"]["se"] == pytest.approx(s.scaled_se)
-  line = next(x for x in report.findings(v) if x.startswith("- muon-moonlight, speedup ÷ AdamW's own on its fit"))
-  assert f"exponent {s.exponent:+.2f} ± {s.scaled_se:.2f}" in line
+  for way in report.KEYS:  # the trend along the ladder needs two widths whose interval is finite
+    ok = [w for w in width_ladder.SMOKE["widths"] if report.usable(v["widths"][w]["muon-moonlight"], report.FULL[way])]
+    assert ("muon-moonlight" in v["ladder"][way]) == (len(ok) >= 2)
+
+
+@pytest.mark.parametrize("speedups, lows, highs", [
+    ([1.5, 2.1, 2.2], [1.2, 1.7, 1.9], [1.9, 2.6, 2.5]),  # reduced χ² 1.28: the error widened
+    ([1.5, 1.8, 2.2], [1.1, 1.3, 1.6], [2.0, 2.4, 3.0])])  # 0.002: the scatter lies within the intervals
+def test_the_ladders_trend_is_speedup_slope_on_the_tables_finite_cells(speedups, lows, highs):
+  """`_ladder` runs speedup_slope on each width's speedup and interval, leaving out a width whose interval reaches ∞
+  (its weight would be 0); the finding quotes its exponent and its standard error, widened where the widths scatter
+  more than their intervals, and says so."""
+  cell = lambda s, lo, hi: {"relative": s, "relative_low": lo, "relative_high": hi}
+  widths = {w: {"muon": cell(*c)} for w, c in zip([32, 64, 128], zip(speedups, lows, highs))}
+  widths[256] = {"muon": cell(2.0, 1.5, math.inf)}
+  got = report._ladder(widths, "fit")["muon"]
+  s = speedup_slope([32, 64, 128], speedups, lows, highs)
+  assert got["widths"] == [32, 64, 128] and got["exponent"] == pytest.approx(s.exponent)
+  assert got["se"] == pytest.approx(s.scaled_se) and math.isfinite(got["dof"]) == (s.scaled_se > s.se)
+  v = {"widths": widths, "ladder": {"fit": {"muon": got}}, "transfer": {}}
+  line = next(x for x in report.findings(v) if x.startswith("- muon, speedup ÷ AdamW's own on its fit"))
+  assert f"exponent {s.exponent:+.2f} ± {s.scaled_se:.2f}" in line and " → ".join(f"{x:.2f}×" for x in speedups) in line
+  assert ("widened by the widths' scatter" in line) == (s.reduced_chi2 > 1)
+  assert ("lies within them" in line) == (s.reduced_chi2 <= 1)
 
 
 def test_the_compute_is_read_from_the_runs_records(result):

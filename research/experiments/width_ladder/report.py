@@ -211,8 +211,9 @@ def findings(v: dict) -> list[str]:
       chi = f", reduced χ² {s['reduced_chi2']:.3g}" if math.isfinite(s["reduced_chi2"]) else ""
       path = " → ".join(f"{x:.2f}×" for x in s["speedups"])
       ex = f"; extrapolated at {', '.join(map(str, s['extrapolated']))}" if s["extrapolated"] else ""
-      how = (f"the seeds' intervals, widened by the widths' scatter about the line{chi}" if chi else
-             "the seeds' intervals alone: two widths leave no scatter to check")
+      how = ("the seeds' intervals alone: two widths leave no scatter to check" if not chi else
+             f"the seeds' intervals, widened by the widths' scatter about the line{chi}" if math.isfinite(s["dof"])
+             else f"the seeds' intervals: the widths' scatter about the line lies within them{chi}")
       out.append(f"- {name}, speedup {WAYS[way]}: {path} over widths {', '.join(map(str, s['widths']))}{ex}. Along "
                  f"the ladder, with width: {_word(s['exponent'], s['se'], s['dof'])} (`speedup_slope` on {how}).")
   for name in sorted({n for row in v["widths"].values() for n in row if n not in (*META, BASE)}):

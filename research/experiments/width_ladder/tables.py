@@ -39,11 +39,12 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
                    f"{f(_luck(e['finals']), '+.4f')} |")
   lines += ["", "## Data-matched speedup over AdamW and significance", "",
             "Speedup = the tokens AdamW's fitted L(D) = α·D^(−B) + β needs to reach the contender's mean final loss / "
-            "the tokens used (95% percentile bootstrap interval over seeds, 1000 resamples: with 3 seeds it spans "
-            "about the seeds' range and covers less than its 95%); p: one-sided Welch t-test that the "
+            "the tokens used (95% interval over seeds, 1000 draws: AdamW's mean at each budget drawn with their pooled "
+            "spread, the contender's with its own, each from its Student-t posterior: `bootstrap_speedup`'s default, "
+            "which covers 95–99% at 3 seeds where resampling them covers ~80%); p: one-sided Welch t-test that the "
             "contender's final losses are lower than AdamW's. AdamW's own row reads its mean final loss on its own "
             "fit: where it is not 1, the fit is biased at the full budget, and the next column divides that out "
-            "(the data AdamW's fit needs for the contender's loss over the data it needs for AdamW's own, resampled "
+            "(the data AdamW's fit needs for the contender's loss over the data it needs for AdamW's own, drawn "
             "jointly: `bootstrap_speedup(..., relative=True)`). Between AdamW's runs: the same data ratio read off "
             "AdamW's mean losses at its measured budgets, linear in log tokens between two of them, no law assumed "
             "(`method=\"interpolate\"`; > or <: the contender's loss lies past AdamW's runs, a bound).", "",
@@ -144,8 +145,8 @@ def _budget_table(v: dict) -> list[str]:
   lines = ["", "## The speedup at each budget: width and tokens per parameter apart (stage D)", "",
            "Every contender at its optimum also ran AdamW's shorter budgets (each its own schedule, every seed). "
            "Speedup: the data AdamW's fit needs for the contender's mean loss over the data it needs for AdamW's own "
-           "at the same budget (95% bootstrap interval); Δ loss and p: against AdamW's runs at that budget (one-sided "
-           "Welch). Along the ladder width and tokens per parameter move together; these points part them.", "",
+           "at the same budget (95% interval, drawn as above); Δ loss and p: against AdamW's runs at that budget (one-"
+           "sided Welch). Along the ladder width and tokens per parameter move together; these points part them.", "",
            "| contender | d_model | tokens / parameter | speedup ÷ AdamW's own [95% CI] | extrapolated | "
            "between AdamW's runs [95% CI] | Δ loss vs AdamW | p |", "|---|---|---|---|---|---|---|---|"]
   names = sorted({n for row in v["budgets"].values() for n in row})
