@@ -1,8 +1,8 @@
 """The data-matched speedup's interval over seeds: each group's mean drawn from its Student-t posterior, or resampled.
 
 With three seeds per run the percentile bootstrap's resampled means spread by √((n − 1)/n) of the standard error
-and take at most 10 distinct values, so its 95% interval covers the truth about 4 times in 5 (`bootstrap_speedup`'s
-calibration test measures it); drawing each mean from t on n − 1 degrees of freedom restores the coverage.
+and take at most 10 distinct values, so its 95% interval covers the truth far less often (the calibration test of
+`bootstrap_speedup` measures it); drawing each mean from t on n − 1 degrees of freedom restores the coverage.
 
 References:
   Efron & Tibshirani, "An Introduction to the Bootstrap" (1993), ch. 13 (the percentile interval).
@@ -44,19 +44,22 @@ class Interval:
 def _mean_draws(groups: list[np.ndarray], n: int, rng: np.random.Generator, draws: str) -> np.ndarray:
   """(n, groups) draws of each group's mean.
 
-  "seeds": each group's seeds resampled with replacement (same count). "t": the groups share one spread, their pooled
-  s on their pooled degrees of freedom ν: each draw takes σ² = s²·ν / χ²(ν), then each group's mean from N(its mean,
-  σ²/k) over its k seeds (the joint posterior under a normal model with a flat prior; each mean alone is t on ν).
+  "seeds": each group's seeds resampled with replacement (same count). "t": each group of k seeds on its own spread,
+  mean + s/√k · t(k − 1) (its mean's posterior under a normal model with a flat prior); a group of one seed takes the
+  others' pooled s on their pooled degrees of freedom. Own spreads, not one pooled: a baseline's seed spread can
+  differ between its budgets many-fold, and one pooled spread then misjudges the budget that brackets the contender.
   """
   if draws == "seeds":
     return np.stack([np.stack([rng.choice(g, g.size).mean() for g in groups]) for _ in range(n)])
+  ss = [float(np.var(g - g[0])) * g.size for g in groups]  # shifted: equal seeds give exactly 0
   dof = sum(g.size - 1 for g in groups)
-  if not dof:
-    raise ValueError("bootstrap_speedup: draws='t' needs two seeds in at least one group to estimate the spread")
-  ss = sum(float(np.var(g - g[0])) * g.size for g in groups)  # shifted: equal seeds give exactly 0
-  sigma = np.sqrt(ss / rng.chisquare(dof, n))
-  return np.array([g.mean() for g in groups]) + sigma[:, None] / np.sqrt([g.size for g in groups]) * \
-      rng.standard_normal((n, len(groups)))
+  out = np.empty((n, len(groups)))
+  for j, g in enumerate(groups):
+    spread, k = (ss[j] / (g.size - 1), g.size - 1) if g.size > 1 else (sum(ss) / dof if dof else math.nan, dof)
+    if not k:
+      raise ValueError("bootstrap_speedup: draws='t' needs two seeds in at least one group to estimate the spread")
+    out[:, j] = g.mean() + math.sqrt(spread / g.size) * rng.standard_t(k, n)
+  return out
 
 
 def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: ArrayLike, tokens: float, *,
@@ -83,9 +86,10 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     method: "fit" (the baseline's `fit_power_law`, as Wen et al.) or "interpolate" (`interpolated_data` between its
       measured budgets, no law: 0 or inf outside them, flagged as extrapolated; `relative` has no meaning there, as
       the baseline's own point is its own mean).
-    draws: "t" (default: each group's mean from its Student-t posterior, mean + s/√k · t(k − 1) over its k seeds; a
-      baseline budget of one seed takes the others' pooled s; calibrated at 3 seeds) or "seeds" (the percentile
-      bootstrap: seeds resampled with replacement within each group, same counts; narrow at a few seeds).
+    draws: "t" (default: each group's mean from its Student-t posterior, mean + s/√k · t(k − 1) over its own k seeds;
+      a baseline budget of one seed takes the others' pooled s; at 3 seeds it covers 95–99%, conservative) or
+      "seeds" (the percentile bootstrap: seeds resampled with replacement within each group, same counts; it covers
+      well under 95% at 3 seeds).
 
   Returns:
     Interval(estimate, low, high, n_resamples, extrapolated).

@@ -1,7 +1,7 @@
 """research/verdicts: known answers. The scaling fit recovers a law it was given and is no worse a least-squares fit
 than scipy's curve_fit started at the truth; speedup reads k back from a loss reached with k× the data; the bootstrap
 covers the truth, repeats itself and narrows with less noise, its t draws give the t interval of a contender's mean
-where the baseline is exact and cover 95% at 3 seeds where resampling them covers ~80%; lr_optimum finds an exact
+where the baseline is exact and cover 95% at 3 seeds where resampling them covers ~75%; lr_optimum finds an exact
 parabola's vertex and flags edges, divergence and a downward parabola; lr_band reads the lrs within a tolerance of
 the best off a hand-worked scan; speedup_trend recovers a known plane in log width and log tokens per parameter,
 refuses points on one line, and its standard errors match the estimates' spread over noise draws; speedup_slope
@@ -493,17 +493,20 @@ def test_the_t_draws_give_the_contenders_t_interval_when_the_baseline_is_exact()
     bootstrap_speedup(same, mine, 4e8, draws="normal")
 
 
-@pytest.mark.parametrize("noisier", [1.0, 3.0])
-def test_the_t_draws_cover_95_percent_at_three_seeds_where_resampling_covers_four_in_five(noisier):
-  """200 noisy ladders (3 seeds per budget, the contender at 2× AdamW's efficiency, its noise `noisier` × the
-  baseline's): the t draws' 95% interval covers 2 at least 93% of the time (measured 97–99%: conservative, as the
-  contender's own spread enters on its own 2 degrees of freedom), resampling the seeds at most 87% (measured ~80%)."""
+@pytest.mark.parametrize("contender, bracket", [(1.0, 1.0), (3.0, 1.0), (1.0, 3.0)])
+def test_the_t_draws_cover_95_percent_at_three_seeds_where_resampling_covers_four_in_five(contender, bracket):
+  """200 noisy ladders (3 seeds per budget, the contender at 2× the baseline's efficiency, its noise `contender` × the
+  baseline's, the baseline's budget at the contender's loss `bracket` × noisier than its others): the t draws' 95%
+  interval covers 2 at least 93% of the time (measured 95.5–98%: each spread on its own 2 degrees of freedom; one
+  spread pooled over five budgets covered 85% with the bracket 3× noisier), resampling the seeds at most 87% (measured
+  72–76%)."""
   budgets, tokens = BUDGETS[:4], 2e8
+  noise = 0.003 * np.where(budgets == 2 * tokens, bracket, 1.0)
   rng = np.random.default_rng(5)
   hits = {"t": 0, "seeds": 0}
   for i in range(200):
-    base = {b: list(LAW.loss(b) + 0.003 * rng.standard_normal(3)) for b in budgets}
-    mine = list(LAW.loss(2 * tokens) + noisier * 0.003 * rng.standard_normal(3))
+    base = {b: list(LAW.loss(b) + e * rng.standard_normal(3)) for b, e in zip(budgets, noise)}
+    mine = list(LAW.loss(2 * tokens) + contender * 0.003 * rng.standard_normal(3))
     for draws in hits:
       iv = bootstrap_speedup(base, mine, tokens, method="interpolate", n_resamples=200, seed=i, draws=draws)
       hits[draws] += iv.low <= 2.0 <= iv.high

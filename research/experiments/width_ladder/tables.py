@@ -39,9 +39,9 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
                    f"{f(_luck(e['finals']), '+.4f')} |")
   lines += ["", "## Data-matched speedup over AdamW and significance", "",
             "Speedup = the tokens AdamW's fitted L(D) = α·D^(−B) + β needs to reach the contender's mean final loss / "
-            "the tokens used (95% interval over seeds, 1000 draws: AdamW's mean at each budget drawn with their pooled "
-            "spread, the contender's with its own, each from its Student-t posterior: `bootstrap_speedup`'s default, "
-            "which covers 95–99% at 3 seeds where resampling them covers ~80%); p: one-sided Welch t-test that the "
+            "the tokens used (95% interval over seeds, 1000 draws: AdamW's mean at each budget and the contender's "
+            "drawn from its Student-t posterior on its own seeds' spread, `bootstrap_speedup`'s default, which covers "
+            "95–99% at 3 seeds where resampling them covers 72–87%); p: one-sided Welch t-test that the "
             "contender's final losses are lower than AdamW's. AdamW's own row reads its mean final loss on its own "
             "fit: where it is not 1, the fit is biased at the full budget, and the next column divides that out "
             "(the data AdamW's fit needs for the contender's loss over the data it needs for AdamW's own, drawn "
