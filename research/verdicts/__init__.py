@@ -5,15 +5,15 @@
   that leaves the fitted budgets, `fit_check` says how far the fit misses the runs it was fitted on (`FitCheck`),
   `interpolated_data` reads the data between the measured budgets instead, no law assumed.
 - `intervals.py`: `bootstrap_speedup` gives the speedup an `Interval` over seeds by either, each mean drawn from its
-  Student-t posterior (calibrated at 3 seeds) or resampled (the percentile bootstrap).
+  Student-t posterior (conservative at 3 seeds) or resampled (the percentile bootstrap).
 - `trends.py`: `speedup_slope`, the speedup's trend along the ladder, each width weighted by its interval
   (`SpeedupSlope`); `speedup_trend` separates its trend with width from its trend with tokens per parameter
   (`SpeedupTrend`).
 - `transfer.py`: the learning-rate optimum per width (µP's transfer plot): `lr_optimum` (`LrOptimum`, a parabola in
   log lr), `lr_band` (`LrBand`: the lrs within a tolerance of the best), `optimum_table` over a width ladder,
   `transfer_slope` of log lr* on log width.
-- `significance.py`: `compare` (Welch's t-test over seeds, a `Comparison`), `performance_profile` (Dolan & Moré) and
-  `profile_area` (AlgoPerf's score).
+- `significance.py`: `compare` (Welch's t-test over seeds, a `Comparison`), `pairwise` (every pair, Holm-adjusted
+  by `holm`: a `Pair` each), `performance_profile` (Dolan & Moré) and `profile_area` (AlgoPerf's score).
 
 Imports nothing of the project: any room may use it.
 """
@@ -28,7 +28,15 @@ from research.verdicts.scaling import (
   interpolated_data,
   speedup,
 )
-from research.verdicts.significance import Comparison, compare, performance_profile, profile_area
+from research.verdicts.significance import (
+  Comparison,
+  Pair,
+  compare,
+  holm,
+  pairwise,
+  performance_profile,
+  profile_area,
+)
 from research.verdicts.transfer import LrBand, LrOptimum, lr_band, lr_optimum, optimum_table, transfer_slope
 from research.verdicts.trends import SpeedupSlope, SpeedupTrend, speedup_slope, speedup_trend
 
@@ -38,6 +46,7 @@ __all__ = [
     "Interval",
     "LrBand",
     "LrOptimum",
+    "Pair",
     "PowerLaw",
     "SpeedupSlope",
     "SpeedupTrend",
@@ -46,10 +55,12 @@ __all__ = [
     "extrapolates",
     "fit_check",
     "fit_power_law",
+    "holm",
     "interpolated_data",
     "lr_band",
     "lr_optimum",
     "optimum_table",
+    "pairwise",
     "performance_profile",
     "profile_area",
     "speedup",

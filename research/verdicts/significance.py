@@ -1,8 +1,9 @@
-"""Is a difference real, and who wins across problems: Welch's t-test over seeds, and performance profiles.
+"""Is a difference real, and who wins across problems: Welch's t-tests over seeds, Holm-adjusted; performance profiles.
 
 References:
   Welch, "The generalization of 'Student's' problem when several different population variances are involved",
   Biometrika 34 (1947).
+  Holm, "A simple sequentially rejective multiple test procedure", Scandinavian Journal of Statistics 6 (1979).
   Dolan & Moré, "Benchmarking optimization software with performance profiles", Math. Programming 91 (2002).
   Dahl et al., "Benchmarking Neural Network Training Algorithms", arXiv 2306.07179 (2023): AlgoPerf's profiles of
   time-to-target and their integral as the benchmark score.
@@ -75,6 +76,76 @@ def compare(a: ArrayLike, b: ArrayLike, *, alternative: str = "less") -> Compari
   res = stats.ttest_ind(x, y, equal_var=False, alternative=alternative)
   return Comparison(float(x.mean()), float(y.mean()), float(x.mean() - y.mean()), float(res.statistic),
                     float(res.df), float(res.pvalue), f"Welch t, {_SIDES[alternative]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """Two methods' losses over seeds against each other, within a family of such pairs.
+
+  Attributes:
+    better: the method with the lower mean.
+    worse: the other.
+    comparison: Welch's two-sided test of `better` against `worse` (its diff is ≤ 0).
+    p_holm: its p-value adjusted for every pair of the family (Holm's step-down).
+  """
+
+  better: str
+  worse: str
+  comparison: Comparison
+  p_holm: float
+
+
+def holm(p_values: ArrayLike) -> np.ndarray:
+  """Holm's step-down adjustment: the family-wise error held at α over m tests without assuming them independent.
+
+  The i-th smallest p-value (from 1) becomes max over j ≤ i of min(1, (m − j + 1)·p_(j)); a NaN stays NaN and counts
+  in m.
+
+  Args:
+    p_values: the family's p-values.
+
+  Returns:
+    The adjusted p-values, in the order given.
+
+  References:
+    Holm, "A simple sequentially rejective multiple test procedure", Scandinavian Journal of Statistics 6 (1979).
+  """
+  p = np.asarray(p_values, np.float64).ravel()
+  order = np.argsort(np.where(np.isnan(p), np.inf, p), kind="stable")
+  m = p.size
+  scaled = np.minimum(1.0, (m - np.arange(m)) * np.where(np.isnan(p[order]), 1.0, p[order]))
+  out = np.empty(m)
+  out[order] = np.maximum.accumulate(scaled)
+  return np.where(np.isnan(p), np.nan, out)
+
+
+def pairwise(samples: Mapping[str, ArrayLike]) -> list[Pair]:
+  """Every pair of methods by Welch's two-sided t-test over seeds, Holm-adjusted over the pairs: who beats whom.
+
+  Two-sided because which of a pair is better is read off the data; the family is every pair of `samples`.
+
+  Args:
+    samples: method -> its final losses over seeds (at least 2, finite; at least two methods).
+
+  Returns:
+    One `Pair` per pair of methods, the better first (by mean; ties by name), ascending in p-value.
+
+  Raises:
+    ValueError: fewer than two methods, or what `compare` refuses.
+
+  References:
+    Welch, Biometrika 34 (1947); Holm, Scand. J. Statist. 6 (1979).
+  """
+  names = sorted(samples)
+  if len(names) < 2:
+    raise ValueError(f"pairwise: needs at least two methods, got {names}")
+  mean = {n: float(np.mean(np.asarray(samples[n], np.float64))) for n in names}
+  pairs = [(a, b) if (mean[a], a) <= (mean[b], b) else (b, a) for i, a in enumerate(names) for b in names[i + 1:]]
+  tests = [compare(samples[a], samples[b], alternative="two-sided") for a, b in pairs]
+  adjusted = holm([c.p_value for c in tests])
+  out = [Pair(a, b, c, float(h)) for (a, b), c, h in zip(pairs, tests, adjusted)]
+  return sorted(out, key=lambda q: (math.inf if math.isnan(q.comparison.p_value) else q.comparison.p_value,
+                                    q.better, q.worse))
 
 
 def _ratios(costs: Mapping[str, Mapping[str, float]]) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ import pytest
 
 from research.experiments import width_ladder
 from research.experiments.width_ladder import report, study
-from research.verdicts import speedup_slope
+from research.verdicts import pairwise, speedup_slope
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +192,23 @@ def test_the_profiles_costs_are_read_between_adamws_runs_and_a_bound_at_its_rang
   assert v["widths"][32]["muon-moonlight"]["interp"] == math.inf
   assert c["muon-moonlight"] == {"32": 0.5, "64": pytest.approx(2**-frac, rel=1e-9)}
   assert set(v["profile"]) == {"adamw", "muon-moonlight"} and v["profile"]["muon-moonlight"] == 1.0
+
+
+def test_every_pair_at_a_width_is_tested_and_read_into_a_finding():
+  """The width's pairs are `pairwise` on each finished contender's finite finals (a diverged seed left out); the
+  finding counts, for each pair without AdamW, the widths where each is lower and where that holds at Holm p < 0.05."""
+  ok = [-0.01, 0.0, 0.01]
+  rung = _rung({0.25: ok, 0.5: ok, 2.0: ok}, [2.0, 2.01, math.inf])
+  rung["normuon"] = {**rung["muon-moonlight"], "finals": [1.70, 1.71, 1.69]}
+  v = report.verdicts({32: rung}, 10)
+  want = pairwise({"adamw": [2.0, 2.01], "muon-moonlight": [1.8, 1.82, 1.79], "normuon": [1.70, 1.71, 1.69]})
+  assert [(q["better"], q["worse"], q["p"], q["p_holm"]) for q in v["pairs"][32]] == [
+      (q.better, q.worse, q.comparison.p_value, q.p_holm) for q in want]
+  pairs = {32: [{"better": "normuon", "worse": "muon", "p_holm": 0.01}],
+           64: [{"better": "muon", "worse": "normuon", "p_holm": 0.2}], 128: [{"better": "muon", "worse": "adamw"}]}
+  assert report._pair_findings(pairs) == [
+      "- muon against normuon, at widths 32, 64: muon lower at 64 (Holm p < 0.05 at none), normuon lower at 32 (Holm "
+      "p < 0.05 at 32)."]
 
 
 def test_an_exponents_verdict_reads_its_95_percent_interval():

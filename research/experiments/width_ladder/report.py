@@ -16,6 +16,7 @@ from research.verdicts import (
   fit_power_law,
   lr_band,
   lr_optimum,
+  pairwise,
   profile_area,
   speedup_slope,
   speedup_trend,
@@ -44,9 +45,13 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
     "trend" and "ladder": {"fit" | "between": {contender: {...}}} (the speedup's exponents over stage D's points and
     along the widths, on AdamW's fit or between its runs), "transfer": {...}, "profile": {...}}.
   """
-  out: dict = {"widths": {}, "budgets": {}, "trend": {}, "ladder": {}, "transfer": {}, "profile": {}}
+  out: dict = {"widths": {}, "budgets": {}, "trend": {}, "ladder": {}, "transfer": {}, "profile": {}, "pairs": {}}
   for width, rung in done.items():
     row = out["widths"][width] = {}
+    if len(seen := _finals(rung)) >= 2:
+      out["pairs"][width] = [{"better": q.better, "worse": q.worse, "diff": q.comparison.diff,
+                              "t": q.comparison.statistic, "df": q.comparison.df, "p": q.comparison.p_value,
+                              "p_holm": q.p_holm} for q in pairwise(seen)]
     base = rung.get(BASE, {})
     budgets = rung.get("budgets", {})
     if finished(base) and budgets:
@@ -68,12 +73,7 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
                     "z_own": list(chk.z_own), "f": chk.f_statistic, "df": list(chk.df), "p": chk.p_value,
                     "p_own": chk.p_own, "floor_bound": chk.floor_bound}
       full = {}
-      for name, entry in rung.items():
-        if not isinstance(entry, dict) or not finished(entry):
-          continue
-        finals = [v for v in entry["finals"] if math.isfinite(v)]
-        if len(finals) < 2:
-          continue
+      for name, finals in seen.items():
         iv = bootstrap_speedup(points, finals, tokens, seed=width)
         rel = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
         ip = _between(points, finals, tokens, width)
@@ -105,6 +105,16 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
   cost = costs(out)
   if any(cost.values()):
     out["profile"] = profile_area({n: c for n, c in cost.items() if c})
+  return out
+
+
+def _finals(rung: dict) -> dict:
+  """{contender: its finite final losses at the full budget}, for every finished contender with two or more."""
+  out = {}
+  for name, entry in rung.items():
+    if isinstance(entry, dict) and finished(entry):
+      if len(kept := [v for v in entry["finals"] if math.isfinite(v)]) >= 2:
+        out[name] = kept
   return out
 
 
@@ -220,6 +230,7 @@ def findings(v: dict) -> list[str]:
     sig = [w for w, row in v["widths"].items() if name in row and row[name].get("p", 1) < 0.05]
     out.append(f"- {name}: final loss significantly below AdamW's (p < 0.05) at "
                f"{', '.join(map(str, sig)) or 'no width'}.")
+  out += _pair_findings(v.get("pairs", {}))
   bad = [w for w, row in v["widths"].items() if "fit" in row and (
       row["fit"]["p"] < 0.05 or row["fit"]["p_own"] < 0.05 or row["fit"]["floor_bound"])]
   if bad:
@@ -247,6 +258,23 @@ def findings(v: dict) -> list[str]:
                  f"their difference {t[a]['slope'] - t[b]['slope']:+.2f} against the −0.5 that Moonlight's "
                  "0.2·√max(m, n) predicts over Keller's fan ratio at a fixed aspect ratio (both optima at the same "
                  "update size); whether either lr* moves beyond the scans' noise: the bands above.")
+  return out
+
+
+def _pair_findings(pairs: dict) -> list[str]:
+  """Per pair of contenders other than AdamW (against AdamW: the line above), the widths where each has the lower mean
+  and where that holds at Holm p < 0.05."""
+  out, seen = [], {}
+  for w, qs in pairs.items():
+    for q in qs:
+      if BASE not in (q["better"], q["worse"]):
+        seen.setdefault(tuple(sorted((q["better"], q["worse"]))), []).append((w, q))
+  for (a, b), rows in sorted(seen.items()):
+    part = lambda x: [w for w, q in rows if q["better"] == x]
+    sig = lambda x: [w for w, q in rows if q["better"] == x and q["p_holm"] < 0.05]
+    say = lambda ws: ", ".join(map(str, ws)) or "none"
+    out.append(f"- {a} against {b}, at widths {say([w for w, _ in rows])}: {a} lower at {say(part(a))} (Holm p < "
+               f"0.05 at {say(sig(a))}), {b} lower at {say(part(b))} (Holm p < 0.05 at {say(sig(b))}).")
   return out
 
 

@@ -36,10 +36,10 @@ the last stage):
   E. AdamW at its optimum with `longer` × the tokens, `seeds` seeds each: more points of its L(D), past the full
      budget, so that the contenders' full-budget losses fall inside the data the fit read instead of past it.
 Verdicts (research/experiments/width_ladder/report.py, by `research.verdicts`): each contender's data-matched speedup
-(the data AdamW's fit needs to reach the contender's mean final loss, over the data used) with a 95% interval
-over seeds, and the same read between AdamW's measured runs with no law assumed; the fit's lack-of-fit test against
-AdamW's own runs; a one-sided Welch t-test of "beats AdamW" per width; performance profiles across widths (cost = 1 /
-speedup between AdamW's runs); the lr optimum per width and the slope of log lr* on log width.
+(the data AdamW's fit needs to reach the contender's mean final loss, over the data used) with a 95% interval over
+seeds, and the same read between AdamW's measured runs with no law assumed; the fit's lack-of-fit test against AdamW's
+own runs; Welch t-tests per width, one-sided against AdamW and two-sided between every pair (Holm); performance profiles
+across widths (cost = 1 / speedup between AdamW's runs); the lr optimum per width and the slope of log lr* on log width.
 
 Runs resume: a finished run is skipped, an interrupted group continues from its saved state (rerun the command).
 

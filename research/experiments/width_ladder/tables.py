@@ -63,6 +63,7 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
                    f"{f(r['relative_high'], '.2f')}] | "
                    f"{'yes' if r['extrapolated'] else 'no'} | {_interp_cell(r)} | {f(r.get('diff'), '+.4f')} | "
                    f"{f(r.get('t'), '.2f')}, {f(r.get('df'), '.1f')} | {f(r.get('p'), '.3g')} |")
+  lines += _pairs_table(v)
   lines += _fit_table(v)
   lines += ["", "## Learning-rate transfer (stage A's scans)", "",
             "lr* per width: the vertex of a parabola in log lr through the scan's best point and its neighbours "
@@ -80,6 +81,22 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
     lines += ["", "Performance profile (cost = 1 / speedup per width, read between AdamW's runs, a bound at its "
               "range's end; AlgoPerf's normalised area, τ ≤ 4): " +
               ", ".join(f"{n} {a:.3f}" for n, a in sorted(v["profile"].items(), key=lambda t: -t[1]))]
+  return lines
+
+
+def _pairs_table(v: dict) -> list[str]:
+  """Who beats whom at each width: every pair of contenders, Welch's two-sided test, Holm over the width's pairs."""
+  if not v.get("pairs"):
+    return []
+  lines = ["", "## Which contender beats which", "",
+           "Every pair of contenders at each width, the one with the lower mean final loss first: Welch's two-sided "
+           "t-test over seeds, its p-value Holm-adjusted over the width's pairs (`research.verdicts.pairwise`), so "
+           "that p (Holm) < 0.05 holds the chance of any false win at a width to 5%.", "",
+           "| d_model | better | worse | Δ loss | t, df | p | p (Holm) |", "|---|---|---|---|---|---|---|"]
+  for w, pairs in v["pairs"].items():
+    for q in pairs:
+      lines.append(f"| {w} | {q['better']} | {q['worse']} | {q['diff']:+.4f} | {q['t']:.2f}, {q['df']:.1f} | "
+                   f"{q['p']:.3g} | {q['p_holm']:.3g} |")
   return lines
 
 
