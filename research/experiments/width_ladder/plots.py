@@ -3,11 +3,12 @@ width), speedup_budget.png (stage D's speedup vs tokens per parameter), profile.
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
-from research.experiments.width_ladder.report import FULL, KEYS, WAYS, costs, usable
+from research.experiments.width_ladder.report import FULL, KEYS, META, WAYS, costs, usable
 from research.verdicts import performance_profile
 
 
@@ -19,22 +20,31 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
   made = []
   fig = Figure(figsize=(10, 4))
   panels = fig.subplots(1, 2, sharey=True, sharex=True)
+  highs = [r[n][k[2]] for k in FULL.values() for r in v["widths"].values() for n in r
+           if n not in META and usable(r[n], k)]
+  top = 1.1 * max(highs, default=2.0)  # an interval open above (∞) is drawn to here, with an arrow
   for ax, keys, title in zip(panels, FULL.values(),
-                             ("on AdamW's fitted L(D), ÷ its own", "read between AdamW's runs (finite only)")):
+                             ("on AdamW's fitted L(D), ÷ its own", "read between AdamW's runs (a bound left out)")):
     for name in cfg.contenders:
-      pts = [(w, r[name]) for w, r in v["widths"].items() if name in r and usable(r[name], keys)]
+      pts = [(w, r[name]) for w, r in v["widths"].items() if name in r and usable(r[name], keys[:2])]
       if pts:
         s = np.array([p[keys[0]] for _, p in pts])
-        err = np.abs(np.array([[p[keys[1]] for _, p in pts], [p[keys[2]] for _, p in pts]]) - s)
-        ax.errorbar([w for w, _ in pts], s, yerr=err, marker="o", capsize=3, label=name)
+        hi = np.array([min(p[keys[2]], top) for _, p in pts])
+        err = np.abs(np.array([[p[keys[1]] for _, p in pts], hi]) - s)
+        line = ax.errorbar([w for w, _ in pts], s, yerr=err, marker="o", capsize=3, label=name)
+        up = [w for w, p in pts if p[keys[2]] == math.inf]
+        if up:
+          ax.plot(up, [top] * len(up), marker="^", ls="none", color=line[0].get_color())
     ax.axhline(1, color="gray", lw=0.8)
     ax.set(xscale="log", xlabel="d_model", title=title)
     ax.set_xticks(list(v["widths"]), [str(w) for w in v["widths"]])
     ax.xaxis.set_minor_formatter(NullFormatter())
     if ax.get_legend_handles_labels()[0]:  # none before a width has its AdamW fit
-      ax.legend(fontsize=7)
+      ax.legend(fontsize=7, loc="lower right")
   panels[0].set_ylabel("data-matched speedup over AdamW")
-  fig.tight_layout()
+  fig.text(0.5, 0.01, "▲: an interval open above (its draws reach past AdamW's runs or its fit's floor)", fontsize=8,
+           ha="center")
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
   made.append(os.path.join(out, "speedup.png"))
   fig.savefig(made[-1], dpi=120)
   names = [n for n in cfg.contenders if n in v["transfer"]]
