@@ -6,7 +6,7 @@
   `interpolated_data` reads the data between the measured budgets instead, no law assumed.
 - `intervals.py`: `bootstrap_speedup` gives the speedup an `Interval` over seeds by either, each mean drawn from its
   Student-t posterior (conservative at 3 seeds) or resampled (the percentile bootstrap).
-- `trends.py`: `speedup_slope`, the speedup's trend along the ladder, each width weighted by its interval
+- `trends.py`: `speedup_slope`, the speedup's trend along the ladder, each width weighted by its standard error
   (`SpeedupSlope`); `speedup_trend` separates its trend with width from its trend with tokens per parameter
   (`SpeedupTrend`).
 - `transfer.py`: the learning-rate optimum per width (µP's transfer plot): `lr_optimum` (`LrOptimum`, a parabola in

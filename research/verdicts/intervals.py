@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from research.verdicts.scaling import _budget_seeds, extrapolates, fit_power_law, interpolated_data
+from research.verdicts.scaling import _budget_seeds, _spreads, extrapolates, fit_power_law, interpolated_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,9 @@ class Interval:
     high: the interval's upper end.
     n_resamples: how many draws made the interval.
     extrapolated: whether the estimate extrapolates the baseline's fit (`extrapolates`) or its measured budgets.
+    se_log: the standard error of the estimate's log by the delta method at each mean's own standard error (no t
+      widening: the interval carries that), for weighting estimates against each other (`speedup_slope`); inf where
+      one standard error reaches past the measured range, NaN where not computed.
   """
 
   estimate: float
@@ -39,27 +42,44 @@ class Interval:
   high: float
   n_resamples: int
   extrapolated: bool = False
+  se_log: float = math.nan
 
 
 def _mean_draws(groups: list[np.ndarray], n: int, rng: np.random.Generator, draws: str) -> np.ndarray:
   """(n, groups) draws of each group's mean.
 
   "seeds": each group's seeds resampled with replacement (same count). "t": each group of k seeds on its own spread,
-  mean + s/√k · t(k − 1) (its mean's posterior under a normal model with a flat prior); a group of one seed takes the
-  others' pooled s on their pooled degrees of freedom. Own spreads, not one pooled: a baseline's seed spread can
-  differ between its budgets many-fold, and one pooled spread then misjudges the budget that brackets the contender.
+  mean + s/√k · t(k − 1), its mean's marginal posterior under a normal model with the prior p(μ, σ²) ∝ 1/σ²; a group
+  of one seed as `scaling._spreads` says. Own spreads, not one pooled: a baseline's seed spread can differ between its
+  budgets many-fold, and one pooled spread then misjudges the budget that brackets the contender.
   """
   if draws == "seeds":
     return np.stack([np.stack([rng.choice(g, g.size).mean() for g in groups]) for _ in range(n)])
-  ss = [float(np.var(g - g[0])) * g.size for g in groups]  # shifted: equal seeds give exactly 0
-  dof = sum(g.size - 1 for g in groups)
-  out = np.empty((n, len(groups)))
-  for j, g in enumerate(groups):
-    spread, k = (ss[j] / (g.size - 1), g.size - 1) if g.size > 1 else (sum(ss) / dof if dof else math.nan, dof)
-    if not k:
-      raise ValueError("bootstrap_speedup: draws='t' needs two seeds in at least one group to estimate the spread")
-    out[:, j] = g.mean() + math.sqrt(spread / g.size) * rng.standard_t(k, n)
-  return out
+  try:
+    var, dof = _spreads(groups)
+  except ValueError as e:
+    raise ValueError(f"bootstrap_speedup: draws='t' {e}") from None
+  return np.stack([g.mean() + math.sqrt(v / g.size) * rng.standard_t(k, n) for g, v, k in zip(groups, var, dof)], 1)
+
+
+def _se_log(stat: Callable[[Sequence[float], float], float], means: np.ndarray, errors: np.ndarray) -> float:
+  """The standard error of log stat by the delta method.
+
+  Each mean (the baseline's, then the contender's last) is moved by its standard error `errors` up and down, and the
+  central differences of log stat add in quadrature (secants, so a kink between two budgets is crossed, not
+  differentiated); inf where a move leaves the measured range (0 or inf).
+  """
+  total = 0.0
+  for j, h in enumerate(errors):
+    ends = []
+    for sign in (1, -1):
+      moved = means.copy()
+      moved[j] += sign * h
+      ends.append(stat(moved[:-1].tolist(), float(moved[-1])))
+    if not all(0 < e < math.inf for e in ends):
+      return math.inf
+    total += (math.log(ends[0]) - math.log(ends[1])) ** 2 / 4
+  return math.sqrt(total)
 
 
 def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: ArrayLike, tokens: float, *,
@@ -87,12 +107,12 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
       measured budgets, no law: 0 or inf outside them, flagged as extrapolated; `relative` has no meaning there, as
       the baseline's own point is its own mean).
     draws: "t" (default: each group's mean from its Student-t posterior, mean + s/√k · t(k − 1) over its own k seeds;
-      a baseline budget of one seed takes the others' pooled s; at 3 seeds it covers 95–99%, conservative) or
-      "seeds" (the percentile bootstrap: seeds resampled with replacement within each group, same counts; it covers
-      well under 95% at 3 seeds).
+      a baseline budget of one seed takes the largest of the others' spreads; on the safe side at 3 seeds) or "seeds"
+      (the percentile bootstrap: seeds resampled with replacement within each group, same counts; short of its
+      coverage at a few seeds).
 
   Returns:
-    Interval(estimate, low, high, n_resamples, extrapolated).
+    Interval(estimate, low, high, n_resamples, extrapolated, se_log); se_log with draws='t' only.
 
   Raises:
     ValueError: an empty budget or contender, a contender loss that is not finite, confidence outside (0, 1),
@@ -115,9 +135,10 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     raise ValueError(f"bootstrap_speedup: every contender loss must be finite, got {mine.tolist()}")
   if method not in ("fit", "interpolate") or method == "interpolate" and relative:
     raise ValueError(f"bootstrap_speedup: method must be 'fit' or 'interpolate' (not with relative), got {method!r}")
-  if draws not in ("t", "seeds") or draws == "t" and mine.size < 2:
-    raise ValueError(f"bootstrap_speedup: draws must be 't' (with two contender seeds or more, got {mine.size}) or "
-                     f"'seeds', got {draws!r}")
+  if draws not in ("t", "seeds"):
+    raise ValueError(f"bootstrap_speedup: draws must be 't' or 'seeds', got {draws!r}")
+  if draws == "t" and mine.size < 2:
+    raise ValueError(f"bootstrap_speedup: draws='t' needs two contender seeds or more, got {mine.size}")
   at = int(np.flatnonzero(budgets == tokens)[0]) if relative and np.any(budgets == tokens) else None
   if relative and at is None:
     raise ValueError(f"bootstrap_speedup: relative needs the baseline at the contender's budget {tokens}")
@@ -138,4 +159,8 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
   low, high = np.nanquantile(drawn, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
   outside = estimate in (0.0, math.inf) if method == "interpolate" else extrapolates(
       fit_power_law(budgets, means), float(mine.mean()))
-  return Interval(estimate, float(low), float(high), n_resamples, outside)
+  se = math.nan
+  if draws == "t" and 0 < estimate < math.inf:
+    var = np.concatenate([_spreads(seeds)[0], _spreads([mine])[0]])
+    se = _se_log(stat, np.array([*means, mine.mean()]), np.sqrt(var / [g.size for g in [*seeds, mine]]))
+  return Interval(estimate, float(low), float(high), n_resamples, outside, se)

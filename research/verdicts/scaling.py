@@ -12,6 +12,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -240,6 +241,11 @@ class FitCheck:
       miss at a quiet budget shows here and not in the pooled F.
     floor_bound: "zero" where the fitted floor sits at its lower bound 0, "lowest loss" at its upper bound, else None:
       a fit pinned at a bound does not reach the shape it was given.
+    null_rates: how often `p_value` and `p_own` fall below 0.05 when the law holds: over runs drawn from the fitted
+      law with each budget's own seed spread (taken as the truth) and refitted on their means. They can lie far from
+      0.05 where the spreads differ between budgets (the pooled F assumes them alike; the per-budget tests ignore the
+      fit's own error, which the noisy budgets push onto the quiet ones): read the two p-values beside these.
+      (NaN, NaN) where not drawn.
   """
 
   tokens: tuple[float, ...]
@@ -253,9 +259,46 @@ class FitCheck:
   p_value: float
   p_own: float
   floor_bound: str | None
+  null_rates: tuple[float, float] = (math.nan, math.nan)
 
 
-def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]]) -> FitCheck:
+def _spreads(groups: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+  """Each group's variance of one seed (ddof 1) and its degrees of freedom.
+
+  A group of one seed takes the largest of the others' on their smallest degrees of freedom (where one seed is left,
+  its others diverged: likely a noisy one).
+
+  Raises:
+    ValueError: no group of two seeds or more.
+  """
+  ss = np.array([float(np.var(g - g[0])) * g.size for g in groups])  # shifted: equal seeds give exactly 0
+  k = np.array([g.size - 1 for g in groups])
+  if not np.any(k):
+    raise ValueError("needs two seeds in at least one group to estimate the spread")
+  var = np.where(k > 0, ss / np.maximum(k, 1), 0.0)
+  return np.where(k > 0, var, var[k > 0].max()), np.where(k > 0, k, k[k > 0].min())
+
+
+def _null_rates(budgets: np.ndarray, seeds: Sequence[np.ndarray], law: PowerLaw, n: int,
+                seed: int) -> tuple[float, float]:
+  """`FitCheck.null_rates`: runs drawn from `law` with each budget's own spread, refitted on their means, checked."""
+  try:
+    sd = np.sqrt(_spreads(seeds)[0])
+  except ValueError:
+    return math.nan, math.nan
+  rng, fitted, hits, done = np.random.default_rng(seed), law.loss(budgets), np.zeros(2), 0
+  for _ in range(n):
+    fake = {float(d): fitted[i] + sd[i] * rng.standard_normal(s.size) for i, (d, s) in enumerate(zip(budgets, seeds))}
+    try:
+      c = fit_check(fit_power_law(list(fake), [f.mean() for f in fake.values()]), fake)
+    except ValueError:  # a fit that fails is left out
+      continue
+    hits, done = hits + [c.p_value < 0.05, c.p_own < 0.05], done + 1
+  return (float(hits[0] / done), float(hits[1] / done)) if done else (math.nan, math.nan)
+
+
+def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]], *, n_resamples: int = 0,
+              seed: int = 0) -> FitCheck:
   """Whether a fitted L(D) follows the runs it was fitted on, beyond what their seeds' noise explains.
 
   The textbook lack-of-fit test for a model fitted to replicated points: F = [Σᵢ nᵢ (ȳᵢ − L(Dᵢ))² / (k − 3)] /
@@ -264,9 +307,14 @@ def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]]) -> FitCh
   the contender's gain. The pooled variance assumes the seeds' noise alike at every budget; `p_own` tests each
   budget against its own seeds instead.
 
+  Where the seeds' noise differs between budgets both tests lose their level; with `n_resamples` a parametric
+  simulation (Efron & Tibshirani ch. 16) measures how often they reject when the law holds (`null_rates`).
+
   Args:
-    law: the fitted law (`fit_power_law` on these runs or their means).
+    law: the fitted law (`fit_power_law` on these runs' means, as `null_rates` refits it).
     baseline: token budget -> the baseline's final losses over seeds (finite; at least one at each budget).
+    n_resamples: the simulated ladders for `null_rates` (default 0: not drawn).
+    seed: their random seed.
 
   Returns:
     FitCheck with the misses per budget, the F statistic and its p-value, the per-budget tests' adjusted p-value and
@@ -277,6 +325,7 @@ def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]]) -> FitCh
 
   References:
     Draper & Smith, "Applied Regression Analysis", 3rd ed. (1998), §2.1: lack of fit and pure error.
+    Efron & Tibshirani, "An Introduction to the Bootstrap" (1993), ch. 16: hypothesis testing with the bootstrap.
   """
   budgets, seeds = _budget_seeds(baseline)
   if not all(np.all(np.isfinite(s)) for s in seeds):
@@ -297,4 +346,5 @@ def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]]) -> FitCh
   p_each = 2 * stats.t.sf(np.abs(z_own), n - 1)  # NaN for one seed or a std of 0 with no miss
   p_own = float(min(1.0, np.nanmin(p_each) * budgets.size)) if np.any(np.isfinite(p_each)) else float("nan")
   return FitCheck(tuple(budgets.tolist()), tuple(means.tolist()), tuple(np.asarray(fitted).tolist()),
-                  tuple(stds.tolist()), tuple(z.tolist()), tuple(z_own.tolist()), f, df, p, p_own, bound)
+                  tuple(stds.tolist()), tuple(z.tolist()), tuple(z_own.tolist()), f, df, p, p_own, bound,
+                  _null_rates(budgets, seeds, law, n_resamples, seed) if n_resamples else (math.nan, math.nan))

@@ -107,10 +107,15 @@ def holm(p_values: ArrayLike) -> np.ndarray:
   Returns:
     The adjusted p-values, in the order given.
 
+  Raises:
+    ValueError: a p-value outside [0, 1].
+
   References:
     Holm, "A simple sequentially rejective multiple test procedure", Scandinavian Journal of Statistics 6 (1979).
   """
   p = np.asarray(p_values, np.float64).ravel()
+  if np.any((p < 0) | (p > 1)):
+    raise ValueError(f"holm: p-values must lie in [0, 1], got {p.tolist()}")
   order = np.argsort(np.where(np.isnan(p), np.inf, p), kind="stable")
   m = p.size
   scaled = np.minimum(1.0, (m - np.arange(m)) * np.where(np.isnan(p[order]), 1.0, p[order]))

@@ -1,6 +1,6 @@
 """The speedup's trends with width and with training length.
 
-`speedup_slope`: along a ladder, each width weighted by its interval. `speedup_trend`: with width and tokens per
+`speedup_slope`: along a ladder, each width weighted by its standard error. `speedup_trend`: with width and tokens per
 parameter apart, a plane over several budgets per width.
 
 References:
@@ -14,7 +14,6 @@ import dataclasses
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy import stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +83,10 @@ class SpeedupSlope:
 
   Attributes:
     exponent: how the speedup moves with width (0: it holds; speedup ∝ width^exponent).
-    se: the exponent's standard error from the per-width intervals alone (seed noise, not the scatter about the line).
-    reduced_chi2: Σ wᵢ·residualᵢ² / (points − 2), about 1 where the widths scatter about the line as their intervals
-      say, above where something else (the tuning, the fit) adds scatter; NaN for two widths.
+    se: the exponent's standard error from the per-width standard errors alone (seed noise, not the scatter about
+      the line).
+    reduced_chi2: Σ wᵢ·residualᵢ² / (points − 2), about 1 where the widths scatter about the line as their standard
+      errors say, above where something else (the tuning, the fit) adds scatter; NaN for two widths.
     points: how many widths the fit read.
   """
 
@@ -97,51 +97,42 @@ class SpeedupSlope:
 
   @property
   def scaled_se(self) -> float:
-    """The standard error inflated by the scatter the intervals do not explain: se·√max(1, reduced χ²) (Birge)."""
+    """The standard error inflated by the scatter the seeds do not explain: se·√max(1, reduced χ²) (Birge)."""
     return self.se * (np.sqrt(max(1.0, self.reduced_chi2)) if np.isfinite(self.reduced_chi2) else 1.0)
 
 
-def speedup_slope(widths: ArrayLike, speedups: ArrayLike, lows: ArrayLike, highs: ArrayLike, *,
-                  confidence: float = 0.95) -> SpeedupSlope:
+def speedup_slope(widths: ArrayLike, speedups: ArrayLike, ses: ArrayLike) -> SpeedupSlope:
   """The speedup's trend with width along a ladder, each width weighted by how sharply its seeds pin it down.
 
-  Each width's standard error in log speedup is read off its interval, (log high − log low) / (2·z) with z the normal
-  quantile of `confidence` (a percentile bootstrap interval is taken as symmetric in log speedup); the exponent is the
-  inverse-variance weighted least-squares slope of log speedup on log width, and its standard error is
-  1 / √(Σ wᵢ (xᵢ − x̄)²). It carries the seeds' noise only; the reduced χ² of the residuals says whether the widths
-  scatter about the line by more (the tuning or the fit adding noise the intervals do not see), and `scaled_se`
-  widens the error by it.
+  Each width carries the standard error of its log speedup (`Interval.se_log`: the delta method at its runs' own
+  standard errors); the exponent is the inverse-variance weighted least-squares slope of log speedup on log width, and
+  its standard error is 1 / √(Σ wᵢ (xᵢ − x̄)²), wᵢ = 1 / seᵢ². It carries the seeds' noise only; the reduced χ² of the
+  residuals says whether the widths scatter about the line by more (the tuning or the fit adding noise the seeds do
+  not see), and `scaled_se` widens the error by it.
 
   Args:
     widths: each point's width (positive, at least two distinct).
     speedups: each width's speedup estimate (positive and finite).
-    lows: each interval's lower end (positive, below its high end).
-    highs: each interval's upper end (finite).
-    confidence: the intervals' coverage (default 0.95).
+    ses: each width's standard error of log speedup (positive and finite).
 
   Returns:
     SpeedupSlope(exponent, se, reduced_chi2, points).
 
   Raises:
-    ValueError: mismatched lengths, fewer than two distinct widths, a value that is not positive and finite, an
-      interval of zero width, or a confidence outside (0, 1).
+    ValueError: mismatched lengths, fewer than two distinct widths, or a value that is not positive and finite.
 
   References:
     Wen et al., arXiv 2509.02046 (2025): the speedup over AdamW falls from ~1.4× at 0.1B to ~1.1× at 1.2B parameters.
   """
-  if not 0 < confidence < 1:
-    raise ValueError(f"speedup_slope: confidence must be in (0, 1), got {confidence}")
-  w, s, lo, hi = (np.asarray(a, np.float64).ravel() for a in (widths, speedups, lows, highs))
-  if not w.shape == s.shape == lo.shape == hi.shape:
-    raise ValueError(f"speedup_slope: {w.size} widths, {s.size} speedups, {lo.size} lows, {hi.size} highs")
-  if not all(np.all(np.isfinite(a) & (a > 0)) for a in (w, s, lo, hi)):
-    raise ValueError("speedup_slope: every width, speedup and interval end must be positive and finite")
-  if not np.all(lo < hi):  # a percentile interval need not hold its estimate: only its width is read
-    raise ValueError("speedup_slope: every interval must have a non-zero width")
+  w, s, se = (np.asarray(a, np.float64).ravel() for a in (widths, speedups, ses))
+  if not w.shape == s.shape == se.shape:
+    raise ValueError(f"speedup_slope: {w.size} widths, {s.size} speedups, {se.size} standard errors")
+  if not all(np.all(np.isfinite(a) & (a > 0)) for a in (w, s, se)):
+    raise ValueError("speedup_slope: every width, speedup and standard error must be positive and finite")
   if np.unique(w).size < 2:
     raise ValueError(f"speedup_slope: needs at least two distinct widths, got {w.tolist()}")
   x, y = np.log(w), np.log(s)
-  weight = (2 * stats.norm.ppf((1 + confidence) / 2) / np.log(hi / lo)) ** 2
+  weight = 1 / se**2
   dx = x - np.average(x, weights=weight)
   sxx = float(np.sum(weight * dx**2))
   slope = float(np.sum(weight * dx * y) / sxx)

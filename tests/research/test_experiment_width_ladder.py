@@ -53,28 +53,31 @@ def test_the_verdicts_come_from_the_runs(result):
     assert all(r["low"] <= r["relative"] <= r["high"] and 0 <= r["p"] <= 1 for r in row.values())
   trend = v["trend"]["fit"]["muon-moonlight"]  # 2 widths × 3 budgets: a plane with 3 residual degrees of freedom
   assert trend["points"] == 2 * (len(width_ladder.SMOKE["budgets"]) + 1) and trend["width_se"] > 0
-  for way in report.KEYS:  # the trend along the ladder needs two widths whose interval is finite
-    ok = [w for w in width_ladder.SMOKE["widths"] if report.usable(v["widths"][w]["muon-moonlight"], report.FULL[way])]
+  for way in report.KEYS:  # the trend along the ladder needs two widths with a finite standard error
+    keys = (report.FULL[way][0], report.SE[way])
+    ok = [w for w in width_ladder.SMOKE["widths"] if report.usable(v["widths"][w]["muon-moonlight"], keys)]
     assert ("muon-moonlight" in v["ladder"][way]) == (len(ok) >= 2)
 
 
-@pytest.mark.parametrize("speedups, lows, highs", [
-    ([1.5, 2.1, 2.2], [1.2, 1.7, 1.9], [1.9, 2.6, 2.5]),  # reduced χ² 1.28: the error widened
-    ([1.5, 1.8, 2.2], [1.1, 1.3, 1.6], [2.0, 2.4, 3.0])])  # 0.002: the scatter lies within the intervals
-def test_the_ladders_trend_is_speedup_slope_on_the_tables_finite_cells(speedups, lows, highs):
-  """`_ladder` runs speedup_slope on each width's speedup and interval, leaving out a width whose interval reaches ∞
-  (its weight would be 0); the finding quotes its exponent and its standard error, widened where the widths scatter
-  more than their intervals, and says so."""
-  cell = lambda s, lo, hi: {"relative": s, "relative_low": lo, "relative_high": hi}
-  widths = {w: {"muon": cell(*c)} for w, c in zip([32, 64, 128], zip(speedups, lows, highs))}
-  widths[256] = {"muon": cell(2.0, 1.5, math.inf)}
+@pytest.mark.parametrize("speedups, ses", [
+    ([1.5, 2.1, 2.2], [0.05, 0.05, 0.03]),  # reduced χ² 6.3: the error widened
+    ([1.5, 1.8, 2.2], [0.15, 0.15, 0.15])])  # 0.0025: the scatter lies within the errors
+def test_the_ladders_trend_is_speedup_slope_on_the_tables_finite_cells(speedups, ses):
+  """`_ladder` runs speedup_slope on each width's speedup and standard error of log speedup, leaving out (and naming)
+  a width without a finite one; the finding quotes the exponent and its standard error, widened where the widths
+  scatter more than their errors, and says so."""
+  cell = lambda s, se: {"relative": s, "relative_se": se}
+  widths = {w: {"muon": cell(*c)} for w, c in zip([32, 64, 128], zip(speedups, ses))}
+  widths[256] = {"muon": cell(2.0, math.inf)}
   got = report._ladder(widths, "fit")["muon"]
-  s = speedup_slope([32, 64, 128], speedups, lows, highs)
-  assert got["widths"] == [32, 64, 128] and got["exponent"] == pytest.approx(s.exponent)
+  s = speedup_slope([32, 64, 128], speedups, ses)
+  assert got["widths"] == [32, 64, 128] and got["exponent"] == pytest.approx(s.exponent) and got["left_out"] == [256]
   assert got["se"] == pytest.approx(s.scaled_se) and math.isfinite(got["dof"]) == (s.scaled_se > s.se)
   v = {"widths": widths, "ladder": {"fit": {"muon": got}}, "transfer": {}}
   line = next(x for x in report.findings(v) if x.startswith("- muon, speedup ÷ AdamW's own on its fit"))
-  assert f"exponent {s.exponent:+.2f} ± {s.scaled_se:.2f}" in line and " → ".join(f"{x:.2f}×" for x in speedups) in line
+  assert f"exponent {s.exponent:+.2f} ± {s.scaled_se:.2f}" in line
+  assert "left out (no finite standard error) at 256" in line
+  assert " → ".join(f"{x:.2f}×" for x in speedups) in line
   assert ("widened by the widths' scatter" in line) == (s.reduced_chi2 > 1)
   assert ("lies within them" in line) == (s.reduced_chi2 <= 1)
 
@@ -180,7 +183,8 @@ def test_diverged_adamw_runs_are_dropped_and_a_failed_fit_is_reported_not_raised
 
 def test_the_profiles_costs_are_read_between_adamws_runs_and_a_bound_at_its_range_end():
   """cost = 1 / the speedup read between AdamW's runs: AdamW's own is 1 (its full-budget mean is its own point); a
-  contender inside AdamW's runs costs 2^−(its fraction of the log-step gap), one past them the range's end (÷ 2)."""
+  contender inside AdamW's runs costs 2^−(its fraction of the log-step gap), one past them the range's end (÷ 2 past
+  its longest, × 4 short of its shortest)."""
   ok = [-0.01, 0.0, 0.01]
   inside = _rung({0.25: ok, 0.5: ok, 2.0: ok}, [2.0, 2.01, 2.005])
   inside["muon-moonlight"]["finals"] = [1.95, 1.96, 1.94]
@@ -192,6 +196,10 @@ def test_the_profiles_costs_are_read_between_adamws_runs_and_a_bound_at_its_rang
   assert v["widths"][32]["muon-moonlight"]["interp"] == math.inf
   assert c["muon-moonlight"] == {"32": 0.5, "64": pytest.approx(2**-frac, rel=1e-9)}
   assert set(v["profile"]) == {"adamw", "muon-moonlight"} and v["profile"]["muon-moonlight"] == 1.0
+  short = _rung({0.25: ok, 0.5: ok, 2.0: ok}, [2.0, 2.01, 2.005])
+  short["muon-moonlight"]["finals"] = [2.6, 2.62, 2.61]  # worse than AdamW's shortest budget: past its runs, below
+  v = report.verdicts({32: short}, 10)
+  assert v["widths"][32]["muon-moonlight"]["interp"] == 0.0 and report.costs(v)["muon-moonlight"] == {"32": 4.0}
 
 
 def test_every_pair_at_a_width_is_tested_and_read_into_a_finding():

@@ -20,16 +20,16 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
   made = []
   fig = Figure(figsize=(10, 4))
   panels = fig.subplots(1, 2, sharey=True, sharex=True)
-  highs = [r[n][k[2]] for k in FULL.values() for r in v["widths"].values() for n in r
-           if n not in META and usable(r[n], k)]
-  top = 1.1 * max(highs, default=2.0)  # an interval open above (∞) is drawn to here, with an arrow
+  tops = [x for k in FULL.values() for r in v["widths"].values() for n in r if n not in META and usable(r[n], k[:2])
+          for x in (r[n][k[0]], r[n][k[2]]) if math.isfinite(x)]
+  top = 1.1 * max(tops, default=2.0)  # an interval open above (∞) is drawn to here, with an arrow
   for ax, keys, title in zip(panels, FULL.values(),
                              ("on AdamW's fitted L(D), ÷ its own", "read between AdamW's runs (a bound left out)")):
     for name in cfg.contenders:
       pts = [(w, r[name]) for w, r in v["widths"].items() if name in r and usable(r[name], keys[:2])]
       if pts:
         s = np.array([p[keys[0]] for _, p in pts])
-        hi = np.array([min(p[keys[2]], top) for _, p in pts])
+        hi = np.maximum(np.minimum([p[keys[2]] for _, p in pts], top), s)
         err = np.abs(np.array([[p[keys[1]] for _, p in pts], hi]) - s)
         line = ax.errorbar([w for w, _ in pts], s, yerr=err, marker="o", capsize=3, label=name)
         up = [w for w, p in pts if p[keys[2]] == math.inf]

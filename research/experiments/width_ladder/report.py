@@ -25,6 +25,7 @@ from research.verdicts import (
 
 BASE = "adamw"
 META = ("law", "law_error", "fit")  # a width's keys in verdicts()["widths"] that are not contenders
+NULL_DRAWS = 400  # ladders simulated under AdamW's fit per width for `fit_check`'s false-alarm rates
 
 
 def finished(entry: dict) -> bool:
@@ -33,8 +34,9 @@ def finished(entry: dict) -> bool:
 
 
 def verdicts(done: dict, tokens_per_step: int) -> dict:
-  """Per width: AdamW's fitted L(D), each contender's speedup (bootstrap interval over seeds) and its Welch test
-  against AdamW; per contender: the lr optimum at each width and the transfer slope; the performance profiles' areas.
+  """Per width: AdamW's fitted L(D) and its lack-of-fit checks, each contender's speedup (95% interval over seeds,
+  standard error of its log) and its Welch test against AdamW, every pair's Welch test (Holm); per contender: the lr
+  optimum at each width and the transfer slope; the performance profiles' areas.
 
   Args:
     done: `Ladder.run()`'s result.
@@ -43,7 +45,8 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
   Returns:
     {"widths": {width: {"law": ..., contender: {...}}}, "budgets": {width: {contender: {fraction: {...}}}},
     "trend" and "ladder": {"fit" | "between": {contender: {...}}} (the speedup's exponents over stage D's points and
-    along the widths, on AdamW's fit or between its runs), "transfer": {...}, "profile": {...}}.
+    along the widths, on AdamW's fit or between its runs), "transfer": {...}, "profile": {...}, "pairs": {width:
+    [{"better", "worse", "diff", "t", "df", "p", "p_holm"}, ...]}}.
   """
   out: dict = {"widths": {}, "budgets": {}, "trend": {}, "ladder": {}, "transfer": {}, "profile": {}, "pairs": {}}
   for width, rung in done.items():
@@ -66,12 +69,12 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
       except ValueError as e:  # fewer than 3 budgets left
         row["law_error"] = str(e)
         continue
-      chk = fit_check(law, points)
+      chk = fit_check(law, points, n_resamples=NULL_DRAWS, seed=width)
       row["law"] = {"alpha": law.alpha, "exponent": law.exponent, "floor": law.floor}
       row["fit"] = {"tokens_per_param": [d / rung["params"] for d in chk.tokens],
                     "miss": np.subtract(chk.means, chk.fitted).tolist(), "std": list(chk.stds), "z": list(chk.z),
                     "z_own": list(chk.z_own), "f": chk.f_statistic, "df": list(chk.df), "p": chk.p_value,
-                    "p_own": chk.p_own, "floor_bound": chk.floor_bound}
+                    "p_own": chk.p_own, "floor_bound": chk.floor_bound, "null_rates": list(chk.null_rates)}
       full = {}
       for name, finals in seen.items():
         iv = bootstrap_speedup(points, finals, tokens, seed=width)
@@ -80,7 +83,8 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
         full[name] = (rel, ip)
         c = compare(finals, points[tokens]) if name != BASE and len(points[tokens]) > 1 else None
         row[name] = {"speedup": iv.estimate, "low": iv.low, "high": iv.high,
-                     "relative": rel.estimate, "relative_low": rel.low, "relative_high": rel.high, **ip,
+                     "relative": rel.estimate, "relative_low": rel.low, "relative_high": rel.high,
+                     "relative_se": rel.se_log, **ip,
                      "extrapolated": iv.extrapolated,
                      "mean": float(np.mean(finals)), "std": float(np.std(finals, ddof=1)),
                      **({"p": c.p_value, "t": c.statistic, "df": c.df, "diff": c.diff, "test": c.test} if c else {})}
@@ -151,12 +155,13 @@ def _between(points: dict, finals: list[float], tokens: int, width: int) -> dict
   """The speedup read between AdamW's runs, no law (`bootstrap_speedup(method="interpolate")`): its interval, and the
   measured range as speedups (past it, the estimate is 0 or inf: a bound)."""
   iv = bootstrap_speedup(points, finals, tokens, seed=width, method="interpolate")
-  return {"interp": iv.estimate, "interp_low": iv.low, "interp_high": iv.high,
+  return {"interp": iv.estimate, "interp_low": iv.low, "interp_high": iv.high, "interp_se": iv.se_log,
           "interp_range": [min(points) / tokens, max(points) / tokens]}
 
 
 KEYS = {"fit": ("relative", "low", "high"), "between": ("interp", "interp_low", "interp_high")}  # stage D's columns
 FULL = {"fit": ("relative", "relative_low", "relative_high"), "between": KEYS["between"]}  # the main table's
+SE = {"fit": "relative_se", "between": "interp_se"}  # the main table's standard error of log speedup, for the ladder
 WAYS = {"fit": "÷ AdamW's own on its fit", "between": "read between AdamW's runs"}
 
 
@@ -184,19 +189,22 @@ def _trends(budgets: dict, way: str) -> dict:
 
 
 def _ladder(widths: dict, way: str) -> dict:
-  """Per contender, `speedup_slope` of its full-budget speedup `way` along the widths where it and its interval are
-  usable (finite, positive): {name: {"widths", "speedups", "exponent", "se", "reduced_chi2"}}."""
-  keys, out = FULL[way], {}
+  """Per contender, `speedup_slope` of its full-budget speedup `way` along the widths where it and its standard error
+  of log speedup are finite and positive: {name: {"widths", "speedups", "exponent", "se", "dof", "reduced_chi2",
+  "left_out", "extrapolated"}} ("left_out": the widths it ran at with no finite standard error, e.g. a speedup one
+  standard error from the edge of AdamW's runs)."""
+  keys, out = (FULL[way][0], SE[way]), {}
   for name in sorted({n for row in widths.values() for n in row if n not in (*META, BASE)}):
     pts = [(w, row[name]) for w, row in widths.items() if name in row and usable(row[name], keys)]
     try:
       s = speedup_slope(*zip(*[(w, *(r[k] for k in keys)) for w, r in pts]))
-    except (ValueError, TypeError):  # fewer than two widths so far, or an interval of zero width
+    except (ValueError, TypeError):  # fewer than two widths so far
       continue
     # the error is estimated from the scatter (t on points − 2 df) where it widened it, else the seeds' (normal)
     dof = s.points - 2 if s.scaled_se > s.se else math.inf
     out[name] = {"widths": [w for w, _ in pts], "speedups": [r[keys[0]] for _, r in pts], "exponent": s.exponent,
                  "se": s.scaled_se, "dof": dof, "reduced_chi2": s.reduced_chi2,
+                 "left_out": [w for w, row in widths.items() if name in row and not usable(row[name], keys)],
                  "extrapolated": [w for w, r in pts if r.get("extrapolated")] if way == "fit" else []}
   return out
 
@@ -221,9 +229,11 @@ def findings(v: dict) -> list[str]:
       chi = f", reduced χ² {s['reduced_chi2']:.3g}" if math.isfinite(s["reduced_chi2"]) else ""
       path = " → ".join(f"{x:.2f}×" for x in s["speedups"])
       ex = f"; extrapolated at {', '.join(map(str, s['extrapolated']))}" if s["extrapolated"] else ""
-      how = ("the seeds' intervals alone: two widths leave no scatter to check" if not chi else
-             f"the seeds' intervals, widened by the widths' scatter about the line{chi}" if math.isfinite(s["dof"])
-             else f"the seeds' intervals: the widths' scatter about the line lies within them{chi}")
+      if s.get("left_out"):
+        ex += f"; left out (no finite standard error) at {', '.join(map(str, s['left_out']))}"
+      how = ("the seeds' standard errors alone: two widths leave no scatter to check" if not chi else
+             f"the seeds' standard errors, widened by the widths' scatter about the line{chi}" if math.isfinite(
+                 s["dof"]) else f"the seeds' standard errors: the widths' scatter about the line lies within them{chi}")
       out.append(f"- {name}, speedup {WAYS[way]}: {path} over widths {', '.join(map(str, s['widths']))}{ex}. Along "
                  f"the ladder, with width: {_word(s['exponent'], s['se'], s['dof'])} (`speedup_slope` on {how}).")
   for name in sorted({n for row in v["widths"].values() for n in row if n not in (*META, BASE)}):
@@ -231,12 +241,16 @@ def findings(v: dict) -> list[str]:
     out.append(f"- {name}: final loss significantly below AdamW's (p < 0.05) at "
                f"{', '.join(map(str, sig)) or 'no width'}.")
   out += _pair_findings(v.get("pairs", {}))
-  bad = [w for w, row in v["widths"].items() if "fit" in row and (
-      row["fit"]["p"] < 0.05 or row["fit"]["p_own"] < 0.05 or row["fit"]["floor_bound"])]
+  bad = {w: row["fit"] for w, row in v["widths"].items() if "fit" in row and (
+      row["fit"]["p"] < 0.05 or row["fit"]["p_own"] < 0.05 or row["fit"]["floor_bound"])}
   if bad:
+    pct = lambda x: f"{100 * x:.0f}%" if math.isfinite(x) else "not simulated"
+    why = "; ".join(f"{w}: pooled p {c['p']:.2g}, per budget {c['p_own']:.2g}, floor {c['floor_bound'] or 'free'}, "
+                    f"false alarms at 0.05 if the law held {pct(c.get('null_rates', [math.nan] * 2)[0])} and "
+                    f"{pct(c.get('null_rates', [math.nan] * 2)[1])}" for w, c in bad.items())
     out.append(f"- AdamW's L(D) misses its own runs at width {', '.join(map(str, bad))} (lack-of-fit p < 0.05, pooled "
-               "or budget by budget, or its floor at a bound): the speedups on the fit there carry the law's shape "
-               "error; read them beside the ones between AdamW's runs.")
+               f"or budget by budget, or its floor at a bound; {why}): the speedups on the fit there carry the law's "
+               "shape error as far as these tests hold their level; read them beside the ones between AdamW's runs.")
   for way, trend in v.get("trend", {}).items():
     for name, t in trend.items():
       out.append(f"- {name}, speedup {WAYS[way]}: at fixed tokens per parameter, with width: "

@@ -40,8 +40,10 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
   lines += ["", "## Data-matched speedup over AdamW and significance", "",
             "Speedup = the tokens AdamW's fitted L(D) = α·D^(−B) + β needs to reach the contender's mean final loss / "
             "the tokens used (95% interval over seeds, 1000 draws: AdamW's mean at each budget and the contender's "
-            "drawn from its Student-t posterior on its own seeds' spread, `bootstrap_speedup`'s default, which covers "
-            "95–99% at 3 seeds where resampling them covers 72–87%); p: one-sided Welch t-test that the "
+            "drawn from its Student-t posterior on its own seeds' spread, `bootstrap_speedup`'s default: in the "
+            "calibration checks of tests/research/test_verdicts.py it covers 95–98% at 3 seeds, resampling the seeds "
+            "72–87%; the trend along the ladder weighs each width by the delta method's standard error of its log "
+            "speedup, `Interval.se_log`, not by the interval); p: one-sided Welch t-test that the "
             "contender's final losses are lower than AdamW's. AdamW's own row reads its mean final loss on its own "
             "fit: where it is not 1, the fit is biased at the full budget, and the next column divides that out "
             "(the data AdamW's fit needs for the contender's loss over the data it needs for AdamW's own, drawn "
@@ -89,9 +91,10 @@ def _pairs_table(v: dict) -> list[str]:
   if not v.get("pairs"):
     return []
   lines = ["", "## Which contender beats which", "",
-           "Every pair of contenders at each width, the one with the lower mean final loss first: Welch's two-sided "
-           "t-test over seeds, its p-value Holm-adjusted over the width's pairs (`research.verdicts.pairwise`), so "
-           "that p (Holm) < 0.05 holds the chance of any false win at a width to 5%.", "",
+           "Every pair of the width's optimizers, AdamW included, the one with the lower mean final loss first: "
+           "Welch's two-sided t-test over seeds, its p-value Holm-adjusted over the width's pairs "
+           "(`research.verdicts.pairwise`), so that p (Holm) < 0.05 holds the chance of any false rejection at a width "
+           "to 5%.", "",
            "| d_model | better | worse | Δ loss | t, df | p | p (Holm) |", "|---|---|---|---|---|---|---|"]
   for w, pairs in v["pairs"].items():
     for q in pairs:
@@ -113,14 +116,17 @@ def _fit_table(v: dict) -> list[str]:
            "budgets (a miss many stds wide at a quiet budget, which the pooled test hides). A small p, or a floor at a "
            "bound, says the power law's shape does not follow AdamW's runs at that width: the speedups read off it "
            "carry that error, most where they extrapolate (the ÷ AdamW's own column removes the miss at the full "
-           "budget only).", "",
+           "budget only). Both tests lean on what 3 seeds hold: the pooled F on alike spreads, the per-budget tests "
+           "on a fit without error; the last column is how often each rejects at 0.05 if the law held, over ladders "
+           "drawn from the fit with each budget's own spread and refitted (`fit_check(..., n_resamples)`).", "",
            "| d_model | miss (std) at each budget, by tokens / parameter | F (df) | p | p, budget by budget | "
-           "floor at a bound |", "|---|---|---|---|---|---|"]
+           "floor at a bound | false alarms at 0.05 (F, budget by budget) |", "|---|---|---|---|---|---|---|"]
   for w, fit in rows:
     zs = ", ".join(f"{r:.3g}: {m:+.3f} ({s:.3f})" for r, m, s in zip(fit["tokens_per_param"], fit["miss"],
                                                                        fit["std"]))
     lines.append(f"| {w} | {zs} | {fit['f']:.3g} ({fit['df'][0]}, {fit['df'][1]}) | {fit['p']:.3g} | "
-                 f"{fit['p_own']:.3g} | {fit['floor_bound'] or '—'} |")
+                 f"{fit['p_own']:.3g} | {fit['floor_bound'] or '—'} | "
+                 f"{', '.join(f'{100 * x:.0f}%' for x in fit.get('null_rates', [math.nan] * 2))} |")
   return lines
 
 
