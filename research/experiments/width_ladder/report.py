@@ -192,7 +192,9 @@ def _ladder(widths: dict, way: str) -> dict:
   """Per contender, `speedup_slope` of its full-budget speedup `way` along the widths where it and its standard error
   of log speedup are finite and positive: {name: {"widths", "speedups", "exponent", "se", "dof", "reduced_chi2",
   "left_out", "extrapolated"}} ("left_out": the widths it ran at with no finite standard error, e.g. a speedup one
-  standard error from the edge of AdamW's runs)."""
+  standard error from the edge of AdamW's runs). The interval is the modified Knapp–Hartung one (Knapp & Hartung,
+  Stat. Med. 22, 2003; Röver, Knapp & Friede, BMC Med. Res. Methodol. 15, 2015): t on widths − 2 df, the error
+  widened by √(reduced χ²) where above 1."""
   keys, out = (FULL[way][0], SE[way]), {}
   for name in sorted({n for row in widths.values() for n in row if n not in (*META, BASE)}):
     pts = [(w, row[name]) for w, row in widths.items() if name in row and usable(row[name], keys)]
@@ -200,8 +202,9 @@ def _ladder(widths: dict, way: str) -> dict:
       s = speedup_slope(*zip(*[(w, *(r[k] for k in keys)) for w, r in pts]))
     except (ValueError, TypeError):  # fewer than two widths so far
       continue
-    # the error is estimated from the scatter (t on points − 2 df) where it widened it, else the seeds' (normal)
-    dof = s.points - 2 if s.scaled_se > s.se else math.inf
+    # the modified Knapp–Hartung rule: t on points − 2 df always (the seeds' errors rest on 2 df each: not known), the
+    # error widened by the scatter where it exceeds them; two widths leave no df: normal on the seeds' errors
+    dof = s.points - 2 if s.points > 2 else math.inf
     out[name] = {"widths": [w for w, _ in pts], "speedups": [r[keys[0]] for _, r in pts], "exponent": s.exponent,
                  "se": s.scaled_se, "dof": dof, "reduced_chi2": s.reduced_chi2,
                  "left_out": [w for w, row in widths.items() if name in row and not usable(row[name], keys)],
@@ -232,8 +235,9 @@ def findings(v: dict) -> list[str]:
       if s.get("left_out"):
         ex += f"; left out (no finite standard error) at {', '.join(map(str, s['left_out']))}"
       how = ("the seeds' standard errors alone: two widths leave no scatter to check" if not chi else
-             f"the seeds' standard errors, widened by the widths' scatter about the line{chi}" if math.isfinite(
-                 s["dof"]) else f"the seeds' standard errors: the widths' scatter about the line lies within them{chi}")
+             f"the seeds' standard errors, widened by the widths' scatter about the line{chi}" if s["reduced_chi2"] > 1
+             else f"the seeds' standard errors: the widths' scatter about the line lies within them{chi}")
+      how += f"; t on {s['dof']} df" if math.isfinite(s["dof"]) else ""
       out.append(f"- {name}, speedup {WAYS[way]}: {path} over widths {', '.join(map(str, s['widths']))}{ex}. Along "
                  f"the ladder, with width: {_word(s['exponent'], s['se'], s['dof'])} (`speedup_slope` on {how}).")
   for name in sorted({n for row in v["widths"].values() for n in row if n not in (*META, BASE)}):
