@@ -2,12 +2,14 @@
 
 With three seeds per run the percentile bootstrap's resampled means spread by √((n − 1)/n) of the standard error
 and take at most 10 distinct values, so its 95% interval covers the truth far less often (the calibration test of
-`bootstrap_speedup` measures it); drawing each mean from t on n − 1 degrees of freedom restores the coverage.
+`bootstrap_speedup` measures it); drawing each mean from t on n − 1 degrees of freedom restores the coverage. For
+weighing estimates against each other, `Interval.se_log` is the delta method's standard error of the log estimate.
 
 References:
   Efron & Tibshirani, "An Introduction to the Bootstrap" (1993), ch. 13 (the percentile interval).
   Gelman et al., "Bayesian Data Analysis", 3rd ed. (2013), §3.2: under a normal model with the noninformative prior
   the mean's marginal posterior is t on n − 1 degrees of freedom, centred on the sample mean, scaled by s/√n.
+  Casella & Berger, "Statistical Inference", 2nd ed. (2002), §5.5.4: the delta method.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class Interval:
     extrapolated: whether the estimate extrapolates the baseline's fit (`extrapolates`) or its measured budgets.
     se_log: the standard error of the estimate's log by the delta method at each mean's own standard error (no t
       widening: the interval carries that), for weighting estimates against each other (`speedup_slope`); inf where
-      one standard error reaches past the measured range, NaN where not computed.
+      one standard error reaches past the measured budgets (interpolate) or the fit's floor (fit), NaN where not
+      computed.
   """
 
   estimate: float

@@ -286,15 +286,17 @@ def _null_rates(budgets: np.ndarray, seeds: Sequence[np.ndarray], law: PowerLaw,
     sd = np.sqrt(_spreads(seeds)[0])
   except ValueError:
     return math.nan, math.nan
-  rng, fitted, hits, done = np.random.default_rng(seed), law.loss(budgets), np.zeros(2), 0
+  rng, fitted, hits, done = np.random.default_rng(seed), law.loss(budgets), np.zeros(2), np.zeros(2)
   for _ in range(n):
     fake = {float(d): fitted[i] + sd[i] * rng.standard_normal(s.size) for i, (d, s) in enumerate(zip(budgets, seeds))}
     try:
       c = fit_check(fit_power_law(list(fake), [f.mean() for f in fake.values()]), fake)
     except ValueError:  # a fit that fails is left out
       continue
-    hits, done = hits + [c.p_value < 0.05, c.p_own < 0.05], done + 1
-  return (float(hits[0] / done), float(hits[1] / done)) if done else (math.nan, math.nan)
+    p = np.array([c.p_value, c.p_own])
+    hits, done = hits + (p < 0.05), done + np.isfinite(p)  # a test without a p (no df) counts in neither
+  rates = np.where(done > 0, hits / np.maximum(done, 1), np.nan)
+  return float(rates[0]), float(rates[1])
 
 
 def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]], *, n_resamples: int = 0,
@@ -313,15 +315,16 @@ def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]], *, n_res
   Args:
     law: the fitted law (`fit_power_law` on these runs' means, as `null_rates` refits it).
     baseline: token budget -> the baseline's final losses over seeds (finite; at least one at each budget).
-    n_resamples: the simulated ladders for `null_rates` (default 0: not drawn).
+    n_resamples: the simulated ladders for `null_rates` (default 0: not drawn; at least 0).
     seed: their random seed.
 
   Returns:
-    FitCheck with the misses per budget, the F statistic and its p-value, the per-budget tests' adjusted p-value and
-    whether the floor sits at a bound.
+    FitCheck with the misses per budget, the F statistic and its p-value, the per-budget tests' adjusted p-value,
+    whether the floor sits at a bound, and with `n_resamples` each test's false-alarm rate under the law (each rate
+    over the simulated ladders where that test has a p-value; NaN where none has).
 
   Raises:
-    ValueError: an empty budget or a loss that is not finite.
+    ValueError: an empty budget, a loss that is not finite, or a negative n_resamples.
 
   References:
     Draper & Smith, "Applied Regression Analysis", 3rd ed. (1998), §2.1: lack of fit and pure error.
@@ -330,6 +333,8 @@ def fit_check(law: PowerLaw, baseline: Mapping[float, Sequence[float]], *, n_res
   budgets, seeds = _budget_seeds(baseline)
   if not all(np.all(np.isfinite(s)) for s in seeds):
     raise ValueError("fit_check: every baseline loss must be finite (drop diverged runs first)")
+  if n_resamples < 0:
+    raise ValueError(f"fit_check: n_resamples must be at least 0, got {n_resamples}")
   n = np.array([s.size for s in seeds])
   means, fitted = np.array([s.mean() for s in seeds]), law.loss(budgets)
   at = lambda x: bool(np.isclose(law.floor, x, rtol=1e-9, atol=0))  # the fit's ceiling: the lowest seed or mean

@@ -96,6 +96,18 @@ class SpeedupSlope:
   points: int
 
   @property
+  def kh_se(self) -> float:
+    """The Knapp–Hartung standard error, se·√(reduced χ²), for a t interval on points − 2 df (NaN for two widths).
+
+    The scatter about the line sets the error's scale, up or down, where the per-width errors are themselves rough.
+
+    References:
+      Knapp & Hartung, "Improved tests for a random effects meta-regression with a single covariate", Statistics in
+      Medicine 22 (2003).
+    """
+    return self.se * float(np.sqrt(self.reduced_chi2))
+
+  @property
   def scaled_se(self) -> float:
     """The standard error inflated by the scatter the seeds do not explain: se·√max(1, reduced χ²) (Birge)."""
     return self.se * (np.sqrt(max(1.0, self.reduced_chi2)) if np.isfinite(self.reduced_chi2) else 1.0)

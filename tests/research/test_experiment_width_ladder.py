@@ -60,27 +60,26 @@ def test_the_verdicts_come_from_the_runs(result):
 
 
 @pytest.mark.parametrize("speedups, ses", [
-    ([1.5, 2.1, 2.2], [0.05, 0.05, 0.03]),  # reduced χ² 6.3: the error widened
-    ([1.5, 1.8, 2.2], [0.15, 0.15, 0.15])])  # 0.0025: the scatter lies within the errors
+    ([1.5, 2.1, 2.2], [0.05, 0.05, 0.03]),  # reduced χ² 6.3: the error widened by √6.3
+    ([1.5, 1.8, 2.2], [0.15, 0.15, 0.15])])  # 0.0025: narrowed by √0.0025
 def test_the_ladders_trend_is_speedup_slope_on_the_tables_finite_cells(speedups, ses):
   """`_ladder` runs speedup_slope on each width's speedup and standard error of log speedup, leaving out (and naming)
-  a width without a finite one; the finding quotes the exponent and its standard error, widened where the widths
-  scatter more than their errors, and says so; its interval is t on widths − 2 df either way."""
+  a width without a finite one; the finding quotes the exponent and its Knapp–Hartung error (scaled by the scatter,
+  up or down) and its t interval on widths − 2 df."""
   cell = lambda s, se: {"relative": s, "relative_se": se}
   widths = {w: {"muon": cell(*c)} for w, c in zip([32, 64, 128], zip(speedups, ses))}
   widths[256] = {"muon": cell(2.0, math.inf)}
   got = report._ladder(widths, "fit")["muon"]
   s = speedup_slope([32, 64, 128], speedups, ses)
   assert got["widths"] == [32, 64, 128] and got["exponent"] == pytest.approx(s.exponent) and got["left_out"] == [256]
-  assert got["se"] == pytest.approx(s.scaled_se) and got["dof"] == 1  # Knapp–Hartung: t on widths − 2, always
+  assert got["se"] == pytest.approx(s.se * math.sqrt(s.reduced_chi2)) and got["dof"] == 1
   v = {"widths": widths, "ladder": {"fit": {"muon": got}}, "transfer": {}}
   line = next(x for x in report.findings(v) if x.startswith("- muon, speedup ÷ AdamW's own on its fit"))
-  assert f"exponent {s.exponent:+.2f} ± {s.scaled_se:.2f}" in line
-  assert "left out (no finite standard error) at 256" in line
+  assert report._word(s.exponent, s.kh_se, 1) in line and "Knapp–Hartung, t on 1 df" in line
+  assert "left out (a bound, or no finite positive standard error) at 256" in line
   assert " → ".join(f"{x:.2f}×" for x in speedups) in line
-  assert ("widened by the widths' scatter" in line) == (s.reduced_chi2 > 1)
-  assert ("lies within them" in line) == (s.reduced_chi2 <= 1) and "t on 1 df" in line
-  assert report._word(s.exponent, s.scaled_se, 1) in line
+  two = report._ladder({32: widths[32], 128: widths[128]}, "fit")["muon"]  # no scatter df: the seeds' errors, normal
+  assert two["se"] == pytest.approx(speedup_slope([32, 128], speedups[::2], ses[::2]).se) and two["dof"] == math.inf
 
 
 def test_the_compute_is_read_from_the_runs_records(result):

@@ -458,6 +458,11 @@ def test_fit_checks_null_rates_are_5_percent_for_alike_spreads_and_flag_spreads_
   unlike = {d: LAW.loss(d) + s * np.array([-1.0, 0.0, 1.0]) for d, s in zip(BUDGETS, spread)}
   assert fit_check(law, unlike, n_resamples=400, seed=1).null_rates[1] > 0.05 + 3 * math.sqrt(0.05 * 0.95 / 400)
   assert math.isnan(fit_check(law, alike).null_rates[0])  # not drawn by default
+  three = {d: alike[d] for d in BUDGETS[:3]}  # 3 budgets, a free floor: the F has no df, so no rate; the other has
+  f_rate, own_rate = fit_check(fit_power_law(BUDGETS[:3], LAW.loss(BUDGETS[:3])), three, n_resamples=50).null_rates
+  assert math.isnan(f_rate) and 0 <= own_rate <= 1
+  with pytest.raises(ValueError, match="at least 0"):
+    fit_check(law, alike, n_resamples=-1)
 
 
 def test_interpolated_data_reads_the_first_crossing_between_budgets():
@@ -510,7 +515,8 @@ def test_the_t_draws_give_the_contenders_t_interval_when_the_baseline_is_exact()
 def test_se_log_is_the_delta_method_at_each_means_own_error_and_matches_the_estimates_spread():
   """With the baseline exact, se_log is half the log-speedup change across the contender's mean ± its standard error,
   read off the baseline's runs; over 1500 noisy ladders its root-mean-square matches the spread of the log estimate
-  within 10%; identical seeds give an interval and an error of exactly nothing."""
+  within 10%, and over 300 on the fit ÷ the baseline's own point (a noisier one) within 12%; identical seeds give an
+  interval and an error of exactly nothing."""
   same = {b: [float(LAW.loss(b))] * 3 for b in BUDGETS}
   mine = [float(LAW.loss(8e8)) + e for e in (-0.004, 0.001, 0.006)]
   h = np.std(mine, ddof=1) / math.sqrt(3)
@@ -526,6 +532,14 @@ def test_se_log_is_the_delta_method_at_each_means_own_error_and_matches_the_esti
     logs.append(math.log(iv.estimate))
     ses.append(iv.se_log)
   assert math.sqrt(np.mean(np.square(ses))) == pytest.approx(np.std(logs), rel=0.1)
+  logs, ses = [], []  # on the fit ÷ the baseline's own point, that point 3× noisier: moved in both at once
+  for _ in range(300):
+    base = {b: list(LAW.loss(b) + (0.009 if b == 4e8 else 0.003) * rng.standard_normal(3)) for b in BUDGETS}
+    iv = bootstrap_speedup(base, list(LAW.loss(8e8) + 0.003 * rng.standard_normal(3)), 4e8, relative=True,
+                           n_resamples=1)
+    logs.append(math.log(iv.estimate))
+    ses.append(iv.se_log)
+  assert math.sqrt(np.mean(np.square(ses))) == pytest.approx(np.std(logs), rel=0.12)
   for kw in ({}, {"relative": True}, {"method": "interpolate"}):
     flat = bootstrap_speedup(same, [float(LAW.loss(8e8))] * 3, 4e8, n_resamples=20, **kw)
     assert flat.low == flat.high == flat.estimate and flat.se_log == 0.0
@@ -594,3 +608,26 @@ def test_the_t_draws_cover_on_the_fit_divided_by_the_baseline_own_point():
     iv = bootstrap_speedup(base, mine, tokens, relative=True, n_resamples=150, seed=i)
     hits += iv.low <= 2.0 <= iv.high
   assert hits >= 0.9 * 80, hits
+
+
+@pytest.mark.parametrize("widths", [[32, 64, 128], [32, 64, 128, 256]])
+def test_the_chain_to_the_ladders_exponent_covers_95_percent_with_knapp_hartung(widths):
+  """The ladder's whole chain on 400 simulated ladders (3 seeds per run, the same 2× speedup at every width, so the
+  true exponent is 0): each width's `se_log`, `speedup_slope`, and the t interval on widths − 2 df with Knapp and
+  Hartung's scaled error covers 0 within two binomial standard errors of 95% (measured 93.75% and 95.25%); the floored
+  variant √max(1, χ²) overcovers (≥ 99%), and the normal on the seeds' errors alone undercovers (≤ 91%)."""
+  rng = np.random.default_rng(11)
+  hits = {"kh": 0, "floored": 0, "normal": 0}
+  t = stats.t.ppf(0.975, len(widths) - 2)
+  for _ in range(400):
+    ivs = []
+    for _ in widths:
+      base = {b: list(LAW.loss(b) + 0.003 * rng.standard_normal(3)) for b in BUDGETS}
+      ivs.append(bootstrap_speedup(base, list(LAW.loss(8e8) + 0.003 * rng.standard_normal(3)), 4e8,
+                                   method="interpolate", n_resamples=1))
+    s = speedup_slope(widths, [iv.estimate for iv in ivs], [iv.se_log for iv in ivs])
+    hits["kh"] += abs(s.exponent) <= t * s.kh_se
+    hits["floored"] += abs(s.exponent) <= t * s.scaled_se
+    hits["normal"] += abs(s.exponent) <= stats.norm.ppf(0.975) * s.se
+  assert abs(hits["kh"] / 400 - 0.95) <= 2 * math.sqrt(0.05 * 0.95 / 400), hits
+  assert hits["floored"] >= 0.99 * 400 and hits["normal"] <= 0.91 * 400, hits

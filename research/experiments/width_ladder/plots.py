@@ -30,7 +30,7 @@ def plots(cfg, done: dict, v: dict, out: str) -> list[str]:
       if pts:
         s = np.array([p[keys[0]] for _, p in pts])
         hi = np.maximum(np.minimum([p[keys[2]] for _, p in pts], top), s)
-        err = np.abs(np.array([[p[keys[1]] for _, p in pts], hi]) - s)
+        err = np.array([s - np.minimum([p[keys[1]] for _, p in pts], s), hi - s])  # an end past its point: 0
         line = ax.errorbar([w for w, _ in pts], s, yerr=err, marker="o", capsize=3, label=name)
         up = [w for w, p in pts if p[keys[2]] == math.inf]
         if up:
@@ -98,7 +98,8 @@ def _budget_plot(v: dict, path: str) -> str:
         pts = sorted((r["tokens_per_param"], r) for r in row.get(name, {}).values() if usable(r, KEYS[way]))
         if pts:
           x, s = [p[0] for p in pts], np.array([p[1][KEYS[way][0]] for p in pts])
-          err = np.abs(np.array([[p[1][KEYS[way][1]] for p in pts], [p[1][KEYS[way][2]] for p in pts]]) - s)
+          lo, hi = (np.array([p[1][KEYS[way][i]] for p in pts]) for i in (1, 2))
+          err = np.array([s - np.minimum(lo, s), np.maximum(hi, s) - s])  # an end past its point: 0
           ax.errorbar(x, s, yerr=err, marker="o", capsize=3, label=f"d {w}")
       ax.axhline(1, color="gray", lw=0.8)
       ax.set(xscale="log", xlabel="tokens per parameter", title=f"{name}\n{WAYS[way]}")

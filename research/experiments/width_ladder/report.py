@@ -166,7 +166,8 @@ WAYS = {"fit": "÷ AdamW's own on its fit", "between": "read between AdamW's run
 
 
 def usable(r: dict, keys: tuple[str, ...]) -> bool:
-  """Whether a verdict row's `keys` (a speedup and its interval's ends) are all finite and positive: not a bound."""
+  """Whether a verdict row's `keys` (a speedup and its interval's ends, or its standard error) are all finite and
+  positive: not a bound."""
   return all(math.isfinite(r[k]) and r[k] > 0 for k in keys)
 
 
@@ -192,9 +193,10 @@ def _ladder(widths: dict, way: str) -> dict:
   """Per contender, `speedup_slope` of its full-budget speedup `way` along the widths where it and its standard error
   of log speedup are finite and positive: {name: {"widths", "speedups", "exponent", "se", "dof", "reduced_chi2",
   "left_out", "extrapolated"}} ("left_out": the widths it ran at with no finite standard error, e.g. a speedup one
-  standard error from the edge of AdamW's runs). The interval is the modified Knapp–Hartung one (Knapp & Hartung,
-  Stat. Med. 22, 2003; Röver, Knapp & Friede, BMC Med. Res. Methodol. 15, 2015): t on widths − 2 df, the error
-  widened by √(reduced χ²) where above 1."""
+  standard error from the edge of AdamW's runs, or none at all). The interval is Knapp and Hartung's (Stat. Med. 22,
+  2003), on fixed weights 1/se² (no between-width variance term): t on widths − 2 df, the error scaled by √(reduced
+  χ²) up or down (its floored variant, √max(1, χ²), overcovers: the chain's calibration test in
+  tests/research/test_verdicts.py). Two widths: the normal on the seeds' errors, short of 95%."""
   keys, out = (FULL[way][0], SE[way]), {}
   for name in sorted({n for row in widths.values() for n in row if n not in (*META, BASE)}):
     pts = [(w, row[name]) for w, row in widths.items() if name in row and usable(row[name], keys)]
@@ -202,11 +204,11 @@ def _ladder(widths: dict, way: str) -> dict:
       s = speedup_slope(*zip(*[(w, *(r[k] for k in keys)) for w, r in pts]))
     except (ValueError, TypeError):  # fewer than two widths so far
       continue
-    # the modified Knapp–Hartung rule: t on points − 2 df always (the seeds' errors rest on 2 df each: not known), the
-    # error widened by the scatter where it exceeds them; two widths leave no df: normal on the seeds' errors
+    # Knapp–Hartung: the scatter about the line scales the error (t on points − 2 df); two widths leave no df: the
+    # normal on the seeds' errors, short of its coverage
     dof = s.points - 2 if s.points > 2 else math.inf
     out[name] = {"widths": [w for w, _ in pts], "speedups": [r[keys[0]] for _, r in pts], "exponent": s.exponent,
-                 "se": s.scaled_se, "dof": dof, "reduced_chi2": s.reduced_chi2,
+                 "se": s.kh_se if s.points > 2 else s.se, "dof": dof, "reduced_chi2": s.reduced_chi2,
                  "left_out": [w for w, row in widths.items() if name in row and not usable(row[name], keys)],
                  "extrapolated": [w for w, r in pts if r.get("extrapolated")] if way == "fit" else []}
   return out
@@ -233,11 +235,10 @@ def findings(v: dict) -> list[str]:
       path = " → ".join(f"{x:.2f}×" for x in s["speedups"])
       ex = f"; extrapolated at {', '.join(map(str, s['extrapolated']))}" if s["extrapolated"] else ""
       if s.get("left_out"):
-        ex += f"; left out (no finite standard error) at {', '.join(map(str, s['left_out']))}"
-      how = ("the seeds' standard errors alone: two widths leave no scatter to check" if not chi else
-             f"the seeds' standard errors, widened by the widths' scatter about the line{chi}" if s["reduced_chi2"] > 1
-             else f"the seeds' standard errors: the widths' scatter about the line lies within them{chi}")
-      how += f"; t on {s['dof']} df" if math.isfinite(s["dof"]) else ""
+        ex += f"; left out (a bound, or no finite positive standard error) at {', '.join(map(str, s['left_out']))}"
+      how = ("the seeds' standard errors alone: two widths leave no scatter to check, and the normal interval on them "
+             "falls short of 95%" if not chi else f"the seeds' standard errors scaled by the widths' scatter about the "
+             f"line{chi} (Knapp–Hartung, t on {s['dof']} df)")
       out.append(f"- {name}, speedup {WAYS[way]}: {path} over widths {', '.join(map(str, s['widths']))}{ex}. Along "
                  f"the ladder, with width: {_word(s['exponent'], s['se'], s['dof'])} (`speedup_slope` on {how}).")
   for name in sorted({n for row in v["widths"].values() for n in row if n not in (*META, BASE)}):
@@ -249,9 +250,10 @@ def findings(v: dict) -> list[str]:
       row["fit"]["p"] < 0.05 or row["fit"]["p_own"] < 0.05 or row["fit"]["floor_bound"])}
   if bad:
     pct = lambda x: f"{100 * x:.0f}%" if math.isfinite(x) else "not simulated"
+    rates = {w: c.get("null_rates", [math.nan] * 2) for w, c in bad.items()}
     why = "; ".join(f"{w}: pooled p {c['p']:.2g}, per budget {c['p_own']:.2g}, floor {c['floor_bound'] or 'free'}, "
-                    f"false alarms at 0.05 if the law held {pct(c.get('null_rates', [math.nan] * 2)[0])} and "
-                    f"{pct(c.get('null_rates', [math.nan] * 2)[1])}" for w, c in bad.items())
+                    f"false alarms at 0.05 if the law held with these spreads {pct(rates[w][0])} and "
+                    f"{pct(rates[w][1])}" for w, c in bad.items())
     out.append(f"- AdamW's L(D) misses its own runs at width {', '.join(map(str, bad))} (lack-of-fit p < 0.05, pooled "
                f"or budget by budget, or its floor at a bound; {why}): the speedups on the fit there carry the law's "
                "shape error as far as these tests hold their level; read them beside the ones between AdamW's runs.")
