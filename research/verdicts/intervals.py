@@ -35,9 +35,9 @@ class Interval:
     n_resamples: how many draws made the interval.
     extrapolated: whether the estimate extrapolates the baseline's fit (`extrapolates`) or its measured budgets.
     se_log: the standard error of the estimate's log by the delta method at each mean's own standard error (no t
-      widening: the interval carries that), for weighting estimates against each other (`speedup_slope`); inf where
-      one standard error reaches past the measured budgets (interpolate) or the fit's floor (fit), NaN where not
-      computed.
+      widening: the interval carries that), for weighting estimates against each other (`speedup_slope`); one-sided
+      where one standard error up or down reaches past the measured budgets (interpolate) or the fit's floor (fit),
+      inf where both do, NaN where not computed.
   """
 
   estimate: float
@@ -70,18 +70,20 @@ def _se_log(stat: Callable[[Sequence[float], float], float], means: np.ndarray, 
 
   Each mean (the baseline's, then the contender's last) is moved by its standard error `errors` up and down, and the
   central differences of log stat add in quadrature (secants, so a kink between two budgets is crossed, not
-  differentiated); inf where a move leaves the measured range (0 or inf).
+  differentiated); where one move leaves the measured range (0 or inf) the other's one-sided difference stands in
+  (so an estimate near the range's edge keeps its weight), inf where both do.
   """
-  total = 0.0
+  centre, total = math.log(stat(means[:-1].tolist(), float(means[-1]))), 0.0
   for j, h in enumerate(errors):
     ends = []
     for sign in (1, -1):
       moved = means.copy()
       moved[j] += sign * h
       ends.append(stat(moved[:-1].tolist(), float(moved[-1])))
-    if not all(0 < e < math.inf for e in ends):
+    kept = [math.log(e) for e in ends if 0 < e < math.inf]
+    if not kept:
       return math.inf
-    total += (math.log(ends[0]) - math.log(ends[1])) ** 2 / 4
+    total += ((kept[0] - kept[1]) / 2 if len(kept) == 2 else kept[0] - centre) ** 2
   return math.sqrt(total)
 
 

@@ -86,7 +86,8 @@ class SpeedupSlope:
     se: the exponent's standard error from the per-width standard errors alone (seed noise, not the scatter about
       the line).
     reduced_chi2: Σ wᵢ·residualᵢ² / (points − 2), about 1 where the widths scatter about the line as their standard
-      errors say, above where something else (the tuning, the fit) adds scatter; NaN for two widths.
+      errors say (above 1 on average where those rest on a few seeds each), further above where something else (the
+      tuning, the fit) adds scatter; NaN for two widths.
     points: how many widths the fit read.
   """
 

@@ -515,8 +515,9 @@ def test_the_t_draws_give_the_contenders_t_interval_when_the_baseline_is_exact()
 def test_se_log_is_the_delta_method_at_each_means_own_error_and_matches_the_estimates_spread():
   """With the baseline exact, se_log is half the log-speedup change across the contender's mean ± its standard error,
   read off the baseline's runs; over 1500 noisy ladders its root-mean-square matches the spread of the log estimate
-  within 10%, and over 300 on the fit ÷ the baseline's own point (a noisier one) within 12%; identical seeds give an
-  interval and an error of exactly nothing."""
+  within 10%, and over 300 on the fit ÷ the baseline's own point (a noisier one) within 12%; at the edge of the
+  baseline's runs the side that stays inside stands in, one-sided; identical seeds give an interval and an error of
+  exactly nothing."""
   same = {b: [float(LAW.loss(b))] * 3 for b in BUDGETS}
   mine = [float(LAW.loss(8e8)) + e for e in (-0.004, 0.001, 0.006)]
   h = np.std(mine, ddof=1) / math.sqrt(3)
@@ -540,6 +541,12 @@ def test_se_log_is_the_delta_method_at_each_means_own_error_and_matches_the_esti
     logs.append(math.log(iv.estimate))
     ses.append(iv.se_log)
   assert math.sqrt(np.mean(np.square(ses))) == pytest.approx(np.std(logs), rel=0.12)
+  edge = [float(LAW.loss(15.5e8)) + e for e in (-0.03, 0.0, 0.03)]  # one standard error down leaves the budgets
+  h, m = 0.03 / math.sqrt(3), float(np.mean(edge))
+  assert interpolated_data(BUDGETS, LAW.loss(BUDGETS), m - h) == math.inf  # so the upper side alone stands in
+  iv = bootstrap_speedup(same, edge, 4e8, method="interpolate", n_resamples=1)
+  read = lambda loss: interpolated_data(BUDGETS, LAW.loss(BUDGETS), loss)
+  assert iv.se_log == pytest.approx(abs(math.log(read(m + h) / read(m))), rel=1e-12)
   for kw in ({}, {"relative": True}, {"method": "interpolate"}):
     flat = bootstrap_speedup(same, [float(LAW.loss(8e8))] * 3, 4e8, n_resamples=20, **kw)
     assert flat.low == flat.high == flat.estimate and flat.se_log == 0.0
