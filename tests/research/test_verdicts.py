@@ -11,7 +11,8 @@ case, is calibrated under a true law (5% of p below 0.05) and rejects the accele
 32; interpolated_data reads hand-worked crossings (the first one where the means rise again) and a dense power law's
 inverse; Welch's statistic and degrees of freedom match the formulas written here in NumPy; Holm's adjustment matches
 a hand-worked family and pairwise holds the family-wise error under a null; the performance profile matches a
-hand-worked example."""
+hand-worked example. The whole chains to the ladder's
+exponents (se_log → speedup_slope → Knapp–Hartung; stage D's points → speedup_trend) cover 95% on simulated ladders."""
 
 import math
 
@@ -638,3 +639,26 @@ def test_the_chain_to_the_ladders_exponent_covers_95_percent_with_knapp_hartung(
     hits["normal"] += abs(s.exponent) <= stats.norm.ppf(0.975) * s.se
   assert abs(hits["kh"] / 400 - 0.95) <= 2 * math.sqrt(0.05 * 0.95 / 400), hits
   assert hits["floored"] >= 0.99 * 400 and hits["normal"] <= 0.91 * 400, hits
+
+
+def test_the_chain_to_stage_ds_exponents_covers_95_percent_though_points_share_a_baseline():
+  """Stage D's chain on 400 simulated ladders: per width AdamW at 1/8 .. 4× a budget (3 seeds each), the contender
+  at 1/8 .. 1× with 2× AdamW's efficiency everywhere (both true exponents 0), each speedup read between AdamW's runs,
+  `speedup_trend` over the 3 widths' points with t on points − 3 df: points of one width share AdamW's runs, yet both
+  exponents' intervals cover 0 within two binomial standard errors of 95% (measured 96% and 95%)."""
+  tpp = {32: 20.0, 64: 10.0, 128: 2.5}
+  rng = np.random.default_rng(3)
+  hits = np.zeros(2)
+  for _ in range(400):
+    pts = []
+    for w in tpp:
+      base = {4e8 * f: LAW.loss(4e8 * f) + 0.01 * rng.standard_normal(3) for f in (0.125, 0.25, 0.5, 1, 2, 4)}
+      means = [float(base[d].mean()) for d in sorted(base)]
+      for f in (0.125, 0.25, 0.5, 1):
+        s = interpolated_data(sorted(base), means, float(np.mean(LAW.loss(8e8 * f) + 0.01 * rng.standard_normal(3))))
+        if 0 < s < math.inf:
+          pts.append((w, tpp[w] * f, s / (4e8 * f)))
+    t = speedup_trend(*zip(*pts))
+    q = stats.t.ppf(0.975, t.points - 3)
+    hits += [abs(t.width_exponent) <= q * t.width_se, abs(t.data_exponent) <= q * t.data_se]
+  assert np.all(np.abs(hits / 400 - 0.95) <= 2 * math.sqrt(0.05 * 0.95 / 400)), hits
