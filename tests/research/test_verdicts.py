@@ -11,8 +11,8 @@ case, is calibrated under a true law (5% of p below 0.05) and rejects the accele
 32; interpolated_data reads hand-worked crossings (the first one where the means rise again) and a dense power law's
 inverse; Welch's statistic and degrees of freedom match the formulas written here in NumPy; Holm's adjustment matches
 a hand-worked family and pairwise holds the family-wise error under a null; the performance profile matches a
-hand-worked example. The whole chains to the ladder's
-exponents (se_log → speedup_slope → Knapp–Hartung; stage D's points → speedup_trend) cover 95% on simulated ladders."""
+hand-worked example. The whole chains to the ladder's exponents (se_log → speedup_slope → Knapp–Hartung; stage D's
+points → speedup_trend) cover 95% on simulated ladders."""
 
 import math
 
