@@ -152,7 +152,8 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     if method == "interpolate":
       return interpolated_data(budgets, means, loss) / tokens
     law = fit_power_law(budgets, means)
-    return float(law.data_for(loss)) / (float(law.data_for(means[at])) if at is not None else tokens)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a draw far out: x/0 is inf, 0/0 NaN (left out below)
+      return float(np.float64(law.data_for(loss)) / (law.data_for(means[at]) if at is not None else tokens))
 
   means = [float(s.mean()) for s in seeds]
   estimate = float(stat(means, float(mine.mean())))
