@@ -243,7 +243,7 @@ def findings(v: dict) -> list[str]:
                  f"the ladder, with width: {_word(s['exponent'], s['se'], s['dof'])} (`speedup_slope` on {how}).")
   for name in sorted({n for row in v["widths"].values() for n in row if n not in (*META, BASE)}):
     sig = [w for w, row in v["widths"].items() if name in row and row[name].get("p", 1) < 0.05]
-    out.append(f"- {name}: final loss significantly below AdamW's (p < 0.05) at "
+    out.append(f"- {name}: final loss significantly below AdamW's (one-sided Welch p < 0.05, unadjusted) at "
                f"{', '.join(map(str, sig)) or 'no width'}.")
   out += _pair_findings(v.get("pairs", {}))
   bad = {w: row["fit"] for w, row in v["widths"].items() if "fit" in row and (
