@@ -78,11 +78,13 @@ def two_processes(out, port, *extra):
 
 
 def test_a_dead_peer_ends_the_others_in_one_line_and_a_restart_resumes_exactly(tmp_path):
-  """Process 1 is SIGKILLed after step 8 of 24: process 0's next collective fails (Gloo sees the closed socket) and
-  it says so in one line and exits 4 at once, instead of waiting in jax.distributed's shutdown barrier for the
-  heartbeat timeout and aborting with a stack trace; both restarted, the run resumes from its last checkpoint and
-  logs what an uninterrupted two-process run logs, bit for bit. (A peer that hangs instead, as NCCL makes it: the
-  watchdog test below.)"""
+  """Process 1 is SIGKILLed after step 8 of 24: process 0's next collective fails (Gloo sees the closed socket) and it
+  says so in one line and exits 4 at once, instead of waiting in jax.distributed's shutdown barrier for the heartbeat
+  timeout and aborting with a stack trace (where the kill lands while process 0 waits on something Gloo does not
+  watch, e.g. step 8's checkpoint barrier, as happens now and then on a loaded machine, the watchdog's one line ends
+  it at --peer-timeout instead: still one line, exit 4, well before the heartbeat timeout); both restarted, the run
+  resumes from its last checkpoint and logs what an uninterrupted two-process run logs, bit for bit. (A peer that
+  hangs instead, as NCCL makes it: the watchdog test below.)"""
   flags = [f"--{k}={v}" for k, v in dict(steps=24, ckpt_every=4, eval_every=12).items()]
   whole = two_processes(tmp_path / "whole", free_port(), *flags)
   assert [p.communicate(timeout=600) and p.returncode for p in whole] == [0, 0]
@@ -101,9 +103,11 @@ def test_a_dead_peer_ends_the_others_in_one_line_and_a_restart_resumes_exactly(t
       p.kill()
   lines = [line for line in err.strip().splitlines() if line.startswith("error")]
   assert procs[0].returncode == 4, err[-2000:]
-  assert len(lines) == 1 and lines[0].startswith("error: a collective failed in a 2-process run (") and \
-      "a peer process probably died" in lines[0], err[-2000:]
-  assert waited < 15, waited  # not the watchdog's timeout, nor JAX's heartbeat timeout (75 s here)
+  assert len(lines) == 1 and "a peer process probably died" in lines[0], err[-2000:]
+  if lines[0].startswith("error: a collective failed in a 2-process run ("):
+    assert waited < 15, waited  # not the watchdog's timeout, nor JAX's heartbeat timeout (75 s here)
+  else:  # the kill landed while process 0 waited where Gloo does not look (a checkpoint's barrier): the watchdog
+    assert lines[0].startswith("error: no progress for 15 s after step ") and waited < 15 + 15, (lines, waited)
   procs = two_processes(out, free_port(), *flags)
   logs = [p.communicate(timeout=600) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], logs[0][1][-2000:]
