@@ -87,7 +87,7 @@ def _se_log(stat: Callable[[Sequence[float], float], float], means: np.ndarray, 
   return math.sqrt(total)
 
 
-def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: ArrayLike, tokens: float, *,
+def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: ArrayLike | None, tokens: float, *,
                       n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0,
                       relative: bool = False, method: str = "fit", draws: str = "t") -> Interval:
   """The data-matched speedup with an interval over seeds.
@@ -99,7 +99,9 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
 
   Args:
     baseline: token budget -> the baseline's final losses over seeds at that budget (at least 3 budgets).
-    contender: the contender's final losses over seeds at `tokens`.
+    contender: the contender's final losses over seeds at `tokens`; None: the baseline's own runs there (a budget of
+      `baseline`), drawn once for both roles, so the interval says how far the baseline's own point sits off its
+      reading (on the fit: its bias there), not the noise of two independent copies.
     tokens: the contender's token budget.
     n_resamples: draws (default 1000).
     confidence: the interval's coverage (default 0.95).
@@ -120,9 +122,10 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     Interval(estimate, low, high, n_resamples, extrapolated, se_log); se_log with draws='t' only.
 
   Raises:
-    ValueError: an empty budget or contender, a contender loss that is not finite, confidence outside (0, 1),
-      n_resamples < 1, an unknown method or one with `relative`, an unknown `draws`, "t" with one contender seed or
-      no budget of two seeds, or what `fit_power_law` refuses (a baseline loss that is not finite among them).
+    ValueError: an empty budget or contender, a contender loss that is not finite, None with `tokens` not a budget,
+      confidence outside (0, 1), n_resamples < 1, an unknown method or one with `relative`, an unknown `draws`, "t" with
+      one contender seed or no budget of two seeds, or what `fit_power_law` refuses (a baseline loss that is not finite
+      among them).
 
   References:
     Wen et al., arXiv 2509.02046 (2025); Efron & Tibshirani (1993), ch. 13; Gelman et al., "Bayesian Data
@@ -133,7 +136,11 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
   if n_resamples < 1:
     raise ValueError(f"bootstrap_speedup: n_resamples must be at least 1, got {n_resamples}")
   budgets, seeds = _budget_seeds(baseline, "bootstrap_speedup")
-  mine = np.asarray(contender, np.float64).ravel()
+  own = int(np.flatnonzero(budgets == tokens)[0]) if np.any(budgets == tokens) else None
+  if contender is None and own is None:
+    raise ValueError(f"bootstrap_speedup: contender=None reads the baseline's own runs at {tokens}, not a budget of it")
+  pick = own if contender is None and own is not None else -1  # the budget read as the contender, or none (−1)
+  mine = seeds[pick] if pick >= 0 else np.asarray(contender, np.float64).ravel()
   if mine.size == 0:
     raise ValueError("bootstrap_speedup: no contender losses")
   if not np.all(np.isfinite(mine)):
@@ -159,7 +166,7 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
   estimate = float(stat(means, float(mine.mean())))
   rng = np.random.default_rng(seed)
   base = _mean_draws(seeds, n_resamples, rng, draws)
-  theirs = _mean_draws([mine], n_resamples, rng, draws)[:, 0]
+  theirs = base[:, pick] if pick >= 0 else _mean_draws([mine], n_resamples, rng, draws)[:, 0]
   drawn = np.array([stat(b, float(c)) for b, c in zip(base, theirs)])
   # a draw whose fit goes flat reads 0/0: it is left out
   low, high = np.nanquantile(drawn, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
@@ -168,5 +175,9 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
   se = math.nan
   if draws == "t" and 0 < estimate < math.inf:
     var = np.concatenate([_spreads(seeds)[0], _spreads([mine])[0]])
-    se = _se_log(stat, np.array([*means, mine.mean()]), np.sqrt(var / [g.size for g in [*seeds, mine]]))
+    errors = np.sqrt(var / [g.size for g in [*seeds, mine]])
+    if pick >= 0:  # one group in both roles: moved once, the contender's slot held still
+      se = _se_log(lambda m, _: stat(m, m[pick]), np.array([*means, 0.0]), np.append(errors[:-1], 0.0))
+    else:
+      se = _se_log(stat, np.array([*means, mine.mean()]), errors)
   return Interval(estimate, float(low), float(high), n_resamples, outside, se)

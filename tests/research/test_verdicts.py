@@ -662,3 +662,18 @@ def test_the_chain_to_stage_ds_exponents_covers_95_percent_though_points_share_a
     q = stats.t.ppf(0.975, t.points - 3)
     hits += [abs(t.width_exponent) <= q * t.width_se, abs(t.data_exponent) <= q * t.data_se]
   assert np.all(np.abs(hits / 400 - 0.95) <= 2 * math.sqrt(0.05 * 0.95 / 400)), hits
+
+
+def test_the_baselines_own_row_draws_its_runs_once_in_both_roles():
+  """contender=None reads the baseline's own runs at `tokens`: on its fit ÷ its own point the speedup is 1 in every
+  draw (an interval and an error of nothing), on the fit alone its interval is narrower than for an independent copy
+  of the same runs (drawn twice, their noise counted twice); a `tokens` that is not a budget is refused."""
+  base, _ = noisy_ladder(0.01, seeds=3)
+  own = bootstrap_speedup(base, None, TOKENS, relative=True, n_resamples=200)
+  assert own.estimate == own.low == own.high == pytest.approx(1.0, abs=1e-12) and own.se_log == 0.0
+  once = bootstrap_speedup(base, None, TOKENS, n_resamples=400)
+  twice = bootstrap_speedup(base, base[TOKENS], TOKENS, n_resamples=400)
+  assert once.estimate == twice.estimate and once.high / once.low < twice.high / twice.low
+  assert 0 < once.se_log < twice.se_log
+  with pytest.raises(ValueError, match="not a budget"):
+    bootstrap_speedup(base, None, 3e8)

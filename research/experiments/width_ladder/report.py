@@ -77,9 +77,10 @@ def verdicts(done: dict, tokens_per_step: int) -> dict:
                     "p_own": chk.p_own, "floor_bound": chk.floor_bound, "null_rates": list(chk.null_rates)}
       full = {}
       for name, finals in seen.items():
-        iv = bootstrap_speedup(points, finals, tokens, seed=width)
-        rel = bootstrap_speedup(points, finals, tokens, seed=width, relative=True)
-        ip = _between(points, finals, tokens, width)
+        mine = None if name == BASE else finals  # AdamW's own row: its runs drawn once, in both roles
+        iv = bootstrap_speedup(points, mine, tokens, seed=width)
+        rel = bootstrap_speedup(points, mine, tokens, seed=width, relative=True)
+        ip = _between(points, mine, tokens, width)
         full[name] = (rel, ip)
         c = compare(finals, points[tokens]) if name != BASE and len(points[tokens]) > 1 else None
         row[name] = {"speedup": iv.estimate, "low": iv.low, "high": iv.high,
@@ -151,7 +152,7 @@ def _at_budgets(rung: dict, points: dict, tokens_per_step: int, width: int, full
   return out
 
 
-def _between(points: dict, finals: list[float], tokens: int, width: int) -> dict:
+def _between(points: dict, finals: list[float] | None, tokens: int, width: int) -> dict:
   """The speedup read between AdamW's runs, no law (`bootstrap_speedup(method="interpolate")`): its interval, and the
   measured range as speedups (past it, the estimate is 0 or inf: a bound)."""
   iv = bootstrap_speedup(points, finals, tokens, seed=width, method="interpolate")
