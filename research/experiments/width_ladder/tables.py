@@ -46,7 +46,7 @@ def tables(cfg, done: dict, v: dict) -> list[str]:
             "each width by the delta method's standard error of its log "
             "speedup, `Interval.se_log`, not by the interval); p: one-sided Welch t-test that the "
             "contender's final losses are lower than AdamW's. AdamW's own row reads its mean final loss on its own "
-            "fit: where it is not 1, the fit is biased at the full budget, and the next column divides that out "
+            "fit (its runs drawn once, in both roles): where it is not 1, the fit is biased at the full budget, and the next column divides that out "
             "(the data AdamW's fit needs for the contender's loss over the data it needs for AdamW's own, drawn "
             "jointly: `bootstrap_speedup(..., relative=True)`). Between AdamW's runs: the same data ratio read off "
             "AdamW's mean losses at its measured budgets, linear in log tokens between two of them, no law assumed "
