@@ -219,6 +219,17 @@ def test_every_pair_at_a_width_is_tested_and_read_into_a_finding():
       "p < 0.05 at 32)."]
 
 
+def test_the_two_conventions_lr_slopes_are_compared_over_the_widths_both_have():
+  """Moonlight's lr* halves per doubling at 32–128 and Keller's holds; Moonlight also has 256 (off the line): the
+  finding's slopes and their difference are read over 32–128 only, −1 and 0, not over unequal sets of widths."""
+  opt = lambda lrs: {"optima": {w: {"lr": x} for w, x in lrs.items()}}
+  t = {"muon-moonlight": opt({32: 0.04, 64: 0.02, 128: 0.01, 256: 0.03}), "muon-keller": opt({32: 0.02, 64: 0.02,
+                                                                                                128: 0.02})}
+  line = next(x for x in report.findings({"widths": {}, "transfer": t}) if x.startswith("- lr transfer"))
+  assert "(32, 64, 128): muon-moonlight slope -1.00, muon-keller " in line and "difference -1.00" in line
+  assert "muon-keller +0.00" in line or "muon-keller -0.00" in line  # 0 up to rounding
+
+
 def test_an_exponents_verdict_reads_its_95_percent_interval():
   """grows or shrinks where the interval excludes 0, holds where it lies within ±0.1, else not resolved; a standard
   error estimated on 1 degree of freedom widens it by t's 12.71, not the normal's 1.96."""

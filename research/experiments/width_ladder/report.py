@@ -273,12 +273,15 @@ def findings(v: dict) -> list[str]:
                  f"{', '.join(f'{a} and {b}' for a, b in same)} (their bands overlap).")
   t = v["transfer"]
   for a, b in (("muon-moonlight", "muon-keller"),):
-    if a in t and b in t and np.isfinite(t[a]["slope"]) and np.isfinite(t[b]["slope"]):
-      closer = a if abs(t[a]["slope"]) < abs(t[b]["slope"]) else b
-      out.append(f"- lr transfer: {a} slope {t[a]['slope']:+.2f}, {b} {t[b]['slope']:+.2f} ({closer}'s moves less); "
-                 f"their difference {t[a]['slope'] - t[b]['slope']:+.2f} against the −0.5 that Moonlight's "
-                 "0.2·√max(m, n) predicts over Keller's fan ratio at a fixed aspect ratio (both optima at the same "
-                 "update size); whether either lr* moves beyond the scans' noise: the bands above.")
+    both = sorted(set(t.get(a, {}).get("optima", {})) & set(t.get(b, {}).get("optima", {})))
+    if len(both) < 2:
+      continue
+    sa, sb = (transfer_slope(both, [t[n]["optima"][w]["lr"] for w in both]) for n in (a, b))
+    closer = a if abs(sa) < abs(sb) else b
+    out.append(f"- lr transfer over the widths both have ({', '.join(map(str, both))}): {a} slope {sa:+.2f}, {b} "
+               f"{sb:+.2f} ({closer}'s moves less); their difference {sa - sb:+.2f} against the −0.5 that Moonlight's "
+               "0.2·√max(m, n) predicts over Keller's fan ratio at a fixed aspect ratio (both optima at the same "
+               "update size); whether either lr* moves beyond the scans' noise: the bands above.")
   return out
 
 
