@@ -151,7 +151,7 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     raise ValueError(f"bootstrap_speedup: draws must be 't' or 'seeds', got {draws!r}")
   if draws == "t" and mine.size < 2:
     raise ValueError(f"bootstrap_speedup: draws='t' needs two contender seeds or more, got {mine.size}")
-  at = int(np.flatnonzero(budgets == tokens)[0]) if relative and np.any(budgets == tokens) else None
+  at = own if relative else None
   if relative and at is None:
     raise ValueError(f"bootstrap_speedup: relative needs the baseline at the contender's budget {tokens}")
 
