@@ -65,15 +65,17 @@ def _mean_draws(groups: list[np.ndarray], n: int, rng: np.random.Generator, draw
   return np.stack([g.mean() + math.sqrt(v / g.size) * rng.standard_t(k, n) for g, v, k in zip(groups, var, dof)], 1)
 
 
-def _se_log(stat: Callable[[Sequence[float], float], float], means: np.ndarray, errors: np.ndarray) -> float:
+def _se_log(stat: Callable[[Sequence[float], float], float], means: np.ndarray, errors: np.ndarray,
+            estimate: float) -> float:
   """The standard error of log stat by the delta method.
 
   Each mean (the baseline's, then the contender's last) is moved by its standard error `errors` up and down, and the
   central differences of log stat add in quadrature (secants, so a kink between two budgets is crossed, not
   differentiated); where one move leaves the measured range (0 or inf) the other's one-sided difference stands in
-  (so an estimate near the range's edge keeps its weight), inf where both do.
+  (so an estimate near the range's edge keeps its weight, against `estimate`, stat at the unmoved means), inf where
+  both do.
   """
-  centre, total = math.log(stat(means[:-1].tolist(), float(means[-1]))), 0.0
+  centre, total = math.log(estimate), 0.0
   for j, h in enumerate(errors):
     ends = []
     for sign in (1, -1):
@@ -177,7 +179,7 @@ def bootstrap_speedup(baseline: Mapping[float, Sequence[float]], contender: Arra
     var = np.concatenate([_spreads(seeds)[0], _spreads([mine])[0]])
     errors = np.sqrt(var / [g.size for g in [*seeds, mine]])
     if pick >= 0:  # one group in both roles: moved once, the contender's slot held still
-      se = _se_log(lambda m, _: stat(m, m[pick]), np.array([*means, 0.0]), np.append(errors[:-1], 0.0))
+      se = _se_log(lambda m, _: stat(m, m[pick]), np.array([*means, 0.0]), np.append(errors[:-1], 0.0), estimate)
     else:
-      se = _se_log(stat, np.array([*means, mine.mean()]), errors)
+      se = _se_log(stat, np.array([*means, mine.mean()]), errors, estimate)
   return Interval(estimate, float(low), float(high), n_resamples, outside, se)

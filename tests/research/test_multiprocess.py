@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from research.train import TrainConfig, run
+from research.train.command import WATCHDOG_EXIT, failure
 from research.train.runtime import processes
 from research.train.runtime.processes import DistributedError
 
@@ -190,9 +192,6 @@ def test_a_failed_collective_in_a_multi_process_run_is_one_line_and_status_4(mon
   """The CLI's reading of a dead peer, which the two-process test above reaches only when the kill lands in a step
   (else the watchdog's line ends the run): a JaxRuntimeError, or an error naming Gloo, in a 2-process run is status 4
   and one line naming the cause; the same error in one process is a bug (its traceback shown)."""
-  import jax
-
-  from research.train.command import WATCHDOG_EXIT, failure
   monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   status, line = failure(jax.errors.JaxRuntimeError("UNAVAILABLE: Gloo all-reduce: connection closed by peer"))

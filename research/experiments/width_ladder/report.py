@@ -311,7 +311,7 @@ def costs(v: dict) -> dict:
   for w, row in v["widths"].items():
     for n in names:
       r = row.get(n, {})
-      if "interp" in r and not math.isnan(r["interp"]):
+      if "interp" in r:  # 0 or inf past AdamW's runs, never NaN
         lo, hi = r["interp_range"]
         out[n][str(w)] = 1 / min(max(r["interp"], lo), hi)
   return out
