@@ -41,7 +41,8 @@ seeds, and the same read between AdamW's measured runs with no law assumed; the 
 own runs; Welch t-tests per width, one-sided against AdamW and two-sided between every pair (Holm); performance profiles
 across widths (cost = 1 / speedup between AdamW's runs); the lr optimum per width and the slope of log lr* on log width.
 
-Runs resume: a finished run is skipped, an interrupted group continues from its saved state (rerun the command).
+Runs resume: a finished run is skipped (the ledger, OUT/ledger.jsonl, tracked: `ledger.py`), an interrupted group
+continues from its saved state under OUT/runs/ (untracked; rerun the command).
 
   python -m research.experiments.width_ladder            # full size: writes research/results/width_ladder/
   python -m research.experiments.width_ladder --plan     # the groups and their steps, nothing run
@@ -54,7 +55,6 @@ import dataclasses
 import glob
 import hashlib
 import json
-import math
 import os
 import tempfile
 from typing import Annotated
@@ -67,10 +67,9 @@ from models import count_params
 from research import flags
 from research.bench.coordcheck import width_config
 from research.experiments import common
+from research.experiments.width_ladder import ledger
 from research.search import Dim, edge_flags, grid_edge, quasi_random
 from research.train import TrainConfig, run
-from research.train.config import flat_record
-from research.train.store.rundir import read_records
 from research.train.vmapped import build, run_group
 
 NAME = "width_ladder"
@@ -208,23 +207,31 @@ def member_name(values: dict, seed: int) -> str:
   return "_".join(f"{k}{v:.4g}" for k, v in sorted(values.items())) + f"_s{seed}"
 
 
-def final_val(run_dir: str, steps: int) -> float | None:
-  """The run's final held-out loss when it finished (inf when it diverged), else None."""
-  if os.path.exists(os.path.join(run_dir, "diverged")):
-    return math.inf
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return None
-  done = [r["val_loss"] for r in read_records(path)[0] if r["step"] == steps and "val_loss" in r]
-  return done[-1] if done else None
-
-
 class Ladder:
   """Runs the protocol's groups in order, skipping what finished; `plan` lists them instead of running."""
 
   def __init__(self, cfg: Config):
     self.cfg, self.planned = cfg, []
     self.runs_dir = os.path.join(cfg.out, "runs")
+    self.ledger = ledger.load(cfg.out)
+    record = os.path.join(cfg.out, "results.json")
+    if not self.ledger and os.path.exists(record):  # a record from before the ledger: its runs are the ledger
+      with open(record) as f:
+        self._note(ledger.from_record(json.load(f)))
+    finished = [p for p in sorted(glob.glob(os.path.join(self.runs_dir, "w*", "*", "*", "*_s*")))
+                if os.path.relpath(p, self.runs_dir) not in self.ledger]
+    self._note(ledger.from_dirs(self.runs_dir, finished, cfg.batch_size * cfg.seq_len))
+
+  def _note(self, entries: list[dict]):
+    """Adds finished runs to the ledger (process 0 writes it)."""
+    self.ledger.update({e["run"]: e for e in entries})
+    if jax.process_index() == 0:
+      ledger.append(self.cfg.out, entries)
+
+  def final(self, path: str, steps: int) -> float | None:
+    """A run's final held-out loss: the ledger's, else its directory's (`ledger.final_val`)."""
+    entry = self.ledger.get(os.path.relpath(path, self.runs_dir))
+    return entry["final_val_loss"] if entry and entry["steps"] == steps else ledger.final_val(path, steps)
 
   def group(self, width: int, contender: str, stage: str, members: list[tuple[dict, int]],
             steps: int) -> list[float | None]:
@@ -232,13 +239,13 @@ class Ladder:
     (None for a member not run: --plan)."""
     where = os.path.join(self.runs_dir, f"w{width}", contender, stage)
     dirs = [os.path.join(where, member_name(v, s)) for v, s in members]
-    todo = [(m, d) for m, d in zip(members, dirs) if final_val(d, steps) is None]
+    todo = [(m, d) for m, d in zip(members, dirs) if self.final(d, steps) is None]
     if todo:
       self.planned.append({"width": width, "contender": contender, "stage": stage, "members": len(todo),
                            "steps": steps})
       if not (self.cfg.plan or self.cfg.report):
         self._train([train_config(self.cfg, width, contender, v, s, steps, d) for (v, s), d in todo], where)
-    return [final_val(d, steps) for d in dirs]
+    return [self.final(d, steps) for d in dirs]
 
   def _train(self, cfgs: list[TrainConfig], where: str):
     """The runs, by the configured runner; then each run's `commit` file: the code it finished with, the one this
@@ -256,49 +263,33 @@ class Ladder:
       for c in cfgs:
         with open(os.path.join(c.checkpoint.out, "commit"), "w") as f:
           f.write(commit + "\n")
+    shared = [c.checkpoint.out for c in cfgs] if self.cfg.runner == "vmapped" else None
+    for group in [shared] if shared else [[c.checkpoint.out] for c in cfgs]:  # trainer runs: one group each
+      self._note(ledger.from_dirs(self.runs_dir, group, self.cfg.batch_size * self.cfg.seq_len))
 
   def runs(self) -> list[dict]:
-    """Every finished run of the ladder: its directory (under runs/), seed-0 or seed, steps, final held-out loss and
-    the commit it finished at (results.json lists them: each run's flags are its directory's config.json)."""
-    out = []
-    for path in sorted(glob.glob(os.path.join(self.runs_dir, "w*", "*", "*", "*_s*"))):
-      cfg_path = os.path.join(path, "config.json")
-      if not os.path.exists(cfg_path):
-        continue
-      with open(cfg_path) as f:
-        steps = flat_record(json.load(f)["train"])["steps"]
-      loss = final_val(path, steps)
-      if loss is None:
-        continue
-      commit = open(os.path.join(path, "commit")).read().strip() if os.path.exists(os.path.join(path, "commit")) \
-          else None
-      out.append({"run": os.path.relpath(path, self.runs_dir), "steps": steps, "final_val_loss": loss,
-                  "commit": commit})
-    return out
+    """Every finished run of the ladder, from the ledger: its directory (under runs/), steps, final held-out loss and
+    the commit it finished at (results.json lists them: each run's flags are the config.json its directory had)."""
+    return [{k: e[k] for k in ("run", "steps", "final_val_loss", "commit")}
+            for _, e in sorted(self.ledger.items())]
 
   def compute(self, runs: list[dict]) -> dict:
-    """The machine time the finished runs took, read from their records: {width: {stage: {"runs", "member_steps",
-    "hours", "quiet"}}}, stage A, B, C, D or E. hours: the groups' wall time (members share their group's, seen in their
-    identical tokens_per_s), compile, evaluation and any pause or contention included; quiet: member-steps × the
+    """The machine time the finished runs took, from the ledger (`ledger.from_dirs`: read from the runs' records):
+    {width: {stage: {"runs", "member_steps", "hours", "quiet"}}}, stage A, B, C, D or E. hours: the groups' wall time
+    shared among their members, compile, evaluation and any pause or contention included; quiet: member-steps × the
     width's 10th-percentile seconds per member-step over every logging interval, what the stage costs on a quiet
     machine (a vmapped group's time per member-step hardly depends on its size: research/results/bench_vmap.md).
     `runs`: `runs()`'s list."""
-    tokens, groups, out = self.cfg.batch_size * self.cfg.seq_len, {}, {}
-    for r in runs:
-      path = os.path.join(self.runs_dir, r["run"])
-      recs = [x for x in read_records(os.path.join(path, "metrics.jsonl"))[0] if "tokens_per_s" in x]
-      gaps = [(b["step"] - a["step"], (b["step"] - a["step"]) * tokens / b["tokens_per_s"])
-              for a, b in zip([{"step": 0}, *recs], recs)]
-      groups.setdefault((os.path.dirname(path), tuple(x["tokens_per_s"] for x in recs)), []).append((r, gaps))
+    out: dict = {}
     rates: dict = {}
-    for members in groups.values():
-      for r, gaps in members:
-        width, _, stage = r["run"].split(os.sep)[:3]
-        cell = out.setdefault(int(width[1:]), {}).setdefault(stage[0], {"runs": 0, "member_steps": 0, "hours": 0.0})
-        cell["runs"] += 1
-        cell["member_steps"] += r["steps"]
-        cell["hours"] += sum(t for _, t in gaps) / len(members) / 3600
-        rates.setdefault(int(width[1:]), []).extend(t / n / len(members) for n, t in gaps if n)
+    for r in runs:
+      entry = self.ledger[r["run"]]
+      width, _, stage = r["run"].split(os.sep)[:3]
+      cell = out.setdefault(int(width[1:]), {}).setdefault(stage[0], {"runs": 0, "member_steps": 0, "hours": 0.0})
+      cell["runs"] += 1
+      cell["member_steps"] += r["steps"]
+      cell["hours"] += entry["seconds"] / 3600
+      rates.setdefault(int(width[1:]), []).extend(entry["rates"])
     for width, rs in rates.items():
       for cell in out[width].values():
         cell["quiet"] = cell["member_steps"] * float(np.quantile(rs, 0.1)) / 3600

@@ -1,0 +1,117 @@
+"""The ladder's ledger: one line per finished run in OUT/ledger.jsonl, a tracked file beside the record.
+
+runs/ (each run's checkpoints, metrics and flags) is not tracked: a fresh checkout has none. The ledger keeps what the
+protocol and the record read from a finished run (its final held-out loss, its steps, the commit it finished at, the
+machine time it took), so that a fresh checkout resumes where the last one stopped instead of rerunning the ladder.
+A group's runs are appended as soon as the group ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from research.train.config import flat_record
+from research.train.store.rundir import read_records
+
+FILE = "ledger.jsonl"
+
+
+def load(out: str) -> dict[str, dict]:
+  """OUT/ledger.jsonl as {run: entry}, run the path under runs/ (a later line for a run replaces an earlier one)."""
+  path = os.path.join(out, FILE)
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    entries = [json.loads(line) for line in f if line.strip()]
+  return {e["run"]: e for e in entries}
+
+
+def append(out: str, entries: list[dict]):
+  """Appends `entries` to OUT/ledger.jsonl (one JSON object per line, flushed before returning)."""
+  if not entries:
+    return
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, FILE), "a") as f:
+    f.write("".join(json.dumps(e) + "\n" for e in entries))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def final_val(run_dir: str, steps: int) -> float | None:
+  """The run's final held-out loss when it finished (inf when it diverged), else None."""
+  if os.path.exists(os.path.join(run_dir, "diverged")):
+    return math.inf
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  done = [r["val_loss"] for r in read_records(path)[0] if r["step"] == steps and "val_loss" in r]
+  return done[-1] if done else None
+
+
+def _sig(x: float) -> float:
+  return float(f"{x:.6g}")
+
+
+def from_dirs(runs_dir: str, paths: list[str], tokens_per_step: int) -> list[dict]:
+  """Ledger entries of the finished runs among `paths` (run directories under `runs_dir`).
+
+  Args:
+    runs_dir: the ladder's runs/.
+    paths: run directories; an unfinished one is skipped.
+    tokens_per_step: batch size × sequence length (a logged tokens_per_s is the group's, in tokens of one member).
+
+  Returns:
+    One entry per finished run: run, steps, final_val_loss, commit (None where the run has no `commit` file), seconds
+    (its share of its group's wall time: runs whose logged tokens_per_s are identical trained as one vmapped group in
+    one directory and split it evenly) and rates (seconds per member-step over each logging interval).
+  """
+  found, groups = [], {}
+  for path in paths:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+      continue
+    with open(cfg_path) as f:
+      train = flat_record(json.load(f)["train"])
+    loss = final_val(path, train["steps"])
+    if loss is None:
+      continue
+    recs = [x for x in read_records(os.path.join(path, "metrics.jsonl"))[0] if "tokens_per_s" in x]
+    gaps = [(b["step"] - a["step"], (b["step"] - a["step"]) * tokens_per_step / b["tokens_per_s"])
+            for a, b in zip([{"step": 0}, *recs], recs)]
+    commit_path = os.path.join(path, "commit")
+    commit = None
+    if os.path.exists(commit_path):
+      with open(commit_path) as f:
+        commit = f.read().strip()
+    entry = {"run": os.path.relpath(path, runs_dir), "steps": train["steps"], "final_val_loss": loss, "commit": commit}
+    found.append((entry, gaps))
+    groups.setdefault((os.path.dirname(path), tuple(x["tokens_per_s"] for x in recs)), []).append(entry["run"])
+  size = {run: len(members) for members in groups.values() for run in members}
+  for entry, gaps in found:
+    n = size[entry["run"]]
+    entry["seconds"] = _sig(sum(t for _, t in gaps) / n)
+    entry["rates"] = [_sig(t / k / n) for k, t in gaps if k]
+  return [e for e, _ in found]
+
+
+def from_record(record: dict) -> list[dict]:
+  """Ledger entries for the runs a record (results.json) lists, for a checkout that has the record but neither the
+  runs nor a ledger: each run's time is its stage's recorded wall hours shared in proportion to its steps, and its one
+  rate the width's recorded quiet rate (quiet hours ÷ member-steps), so the compute re-read from the ledger is the
+  record's. Marked `"restored": true`.
+
+  Args:
+    record: results.json as `study.main` writes it ("runs", and "compute": {width: {stage: cell}}).
+
+  Returns:
+    One entry per listed run, as `from_dirs` gives them.
+  """
+  out = []
+  for r in record.get("runs", []):
+    width, _, stage = r["run"].split("/")[:3]
+    cell = record["compute"][width[1:]][stage[0]]
+    out.append({**r, "seconds": _sig(cell["hours"] * 3600 * r["steps"] / cell["member_steps"]),
+                "rates": [_sig(cell["quiet"] * 3600 / cell["member_steps"])], "restored": True})
+  return out
