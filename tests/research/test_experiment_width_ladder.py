@@ -3,13 +3,15 @@ at every width with the same budget, seeds its optimum, runs every contender at 
 past its full one, fits AdamW's L(D) and reads verdicts from it; the plan lists groups without running them; a rerun
 skips everything that finished."""
 
+import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 
 from research.experiments import width_ladder
-from research.experiments.width_ladder import report, study
+from research.experiments.width_ladder import ledger, report, study
 from research.verdicts import pairwise, speedup_slope
 
 
@@ -92,28 +94,62 @@ def test_the_compute_is_read_from_the_runs_records(result):
     assert sum(c["quiet"] for c in row.values()) < sum(c["hours"] for c in row.values())
 
 
+def _finished(root, path: str, seconds_per_step, steps: int = 20, loss: float = 1.0):
+  """A finished run directory under root/runs, logged at half its steps and at the end (tokens_per_s: its group's
+  time per step)."""
+  tokens = width_ladder.SMOKE["batch_size"] * width_ladder.SMOKE["seq_len"]
+  d = root / "runs" / path
+  d.mkdir(parents=True)
+  (d / "config.json").write_text(json.dumps({"train": {"steps": steps}}))
+  recs = [{"step": at, "loss": 1.0, "tokens_per_s": tokens / t} for at, t in zip((steps // 2, steps), seconds_per_step)]
+  (d / "metrics.jsonl").write_text("".join(json.dumps({**r, "val_loss": loss}) + "\n" for r in recs))
+
+
 def test_compute_shares_a_groups_wall_time_among_its_members(tmp_path):
   """Hand-worked: two runs of one group (their identical tokens_per_s) share its 30 s; a run alone keeps its 80 s; the
   quiet estimate is the member-steps at the 10th-percentile time per member-step (0.5 s here)."""
   cfg = study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path)})
-  tokens = cfg.batch_size * cfg.seq_len
-
-  def run(path, seconds_per_step):  # 20 steps, logged at 10 and 20: tokens_per_s is the group's step time
-    d = tmp_path / "runs" / path
-    d.mkdir(parents=True)
-    (d / "config.json").write_text(json.dumps({"train": {"steps": 20}}))
-    recs = [{"step": 10 * (i + 1), "loss": 1.0, "tokens_per_s": tokens / t} for i, t in enumerate(seconds_per_step)]
-    (d / "metrics.jsonl").write_text("".join(json.dumps({**r, "val_loss": 1.0}) + "\n" for r in recs))
-
-  run("w16/adamw/A/lr0.01_s0", (2.0, 1.0))
-  run("w16/adamw/A/lr0.02_s0", (2.0, 1.0))
-  run("w16/adamw/B/lr0.01_s0", (4.0, 4.0))
+  _finished(tmp_path, "w16/adamw/A/lr0.01_s0", (2.0, 1.0))
+  _finished(tmp_path, "w16/adamw/A/lr0.02_s0", (2.0, 1.0))
+  _finished(tmp_path, "w16/adamw/B/lr0.01_s0", (4.0, 4.0))
   ladder = study.Ladder(cfg)
   compute = ladder.compute(ladder.runs())[16]
   assert compute["A"] == {"runs": 2, "member_steps": 40, "hours": pytest.approx(30 / 3600),
                           "quiet": pytest.approx(40 * 0.5 / 3600)}
   assert compute["B"] == {"runs": 1, "member_steps": 20, "hours": pytest.approx(80 / 3600),
                           "quiet": pytest.approx(20 * 0.5 / 3600)}
+
+
+def test_a_checkout_without_runs_resumes_from_the_ledger(tmp_path):
+  """runs/ is untracked, the ledger is not: with runs/ gone, AdamW's finished scan is not planned again (its stage B
+  is next), and the runs and their compute read as before."""
+  cfg = study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path), "contenders": ("adamw",)})
+  steps = study.steps_at(cfg, 16)
+  for lr, loss in [(0.001, 2.5), (0.002, 2.0), (0.004, 2.2)]:  # the scan's lrs, its best inside
+    _finished(tmp_path, f"w16/adamw/A/{study.member_name({'lr': lr}, 0)}", (3.0, 1.0), steps=steps, loss=loss)
+  before = study.Ladder(cfg)
+  assert len((tmp_path / ledger.FILE).read_text().splitlines()) == 3
+  shutil.rmtree(tmp_path / "runs")
+  after = study.Ladder(dataclasses.replace(cfg, plan=True))
+  after.run()
+  assert [(g["width"], g["stage"]) for g in after.planned] == [(16, "B"), (32, "A")]
+  assert after.runs() == before.runs() and after.compute(after.runs()) == before.compute(before.runs())
+
+
+def test_a_record_from_before_the_ledger_seeds_it(tmp_path):
+  """A checkout with results.json but neither runs/ nor a ledger: the record's runs become the ledger, each flagged
+  restored, and the compute re-read from it is the record's."""
+  runs = [{"run": f"w16/adamw/{stage}/lr{lr}_s0", "steps": steps, "final_val_loss": 2.0, "commit": "abc"}
+          for stage, lr, steps in [("A", 0.001, 30), ("A", 0.002, 10), ("D0.5", 0.002, 40)]]
+  compute = {"16": {"A": {"runs": 2, "member_steps": 40, "hours": 0.4, "quiet": 0.02},
+                    "D": {"runs": 1, "member_steps": 40, "hours": 0.1, "quiet": 0.02}}}
+  (tmp_path / "results.json").write_text(json.dumps({"runs": runs, "compute": compute}))
+  ladder = study.Ladder(study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path)}))
+  assert ladder.runs() == sorted(runs, key=lambda r: r["run"])
+  assert all(e["restored"] for e in ledger.load(str(tmp_path)).values())
+  got = ladder.compute(ladder.runs())[16]
+  for stage, cell in compute["16"].items():
+    assert got[stage] == {k: pytest.approx(v) for k, v in cell.items()}
 
 
 def test_plan_lists_groups_and_runs_nothing(tmp_path):
