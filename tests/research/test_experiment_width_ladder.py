@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from research.entry import UsageError
 from research.experiments import width_ladder
 from research.experiments.width_ladder import ledger, report, study
 from research.verdicts import pairwise, speedup_slope
@@ -134,6 +135,28 @@ def test_a_checkout_without_runs_resumes_from_the_ledger(tmp_path):
   after.run()
   assert [(g["width"], g["stage"]) for g in after.planned] == [(16, "B"), (32, "A")]
   assert after.runs() == before.runs() and after.compute(after.runs()) == before.compute(before.runs())
+
+
+def test_a_torn_last_ledger_line_is_left_out_and_a_corrupt_earlier_one_refused(tmp_path):
+  """An append cut off by a kill leaves a partial last line: the runs before it load. A line that is not JSON before
+  the last is damage, not a torn append: refused with the file and line."""
+  entry = {"run": "w16/adamw/A/lr0.001_s0", "steps": 10, "final_val_loss": 2.0, "commit": "abc", "seconds": 1.0,
+           "rates": [0.1]}
+  ledger.append(str(tmp_path), [entry])
+  with open(tmp_path / ledger.FILE, "a") as f:
+    f.write('{"run": "w16/adamw/A/lr0.002_s0", "ste')
+  assert ledger.load(str(tmp_path)) == {entry["run"]: entry}
+  with open(tmp_path / ledger.FILE, "a") as f:
+    f.write("\n" + json.dumps(entry) + "\n")
+  with pytest.raises(UsageError, match=r"ledger.jsonl:2: not a ledger entry"):
+    ledger.load(str(tmp_path))
+
+
+def test_an_interrupted_ladder_says_what_the_ledger_kept(tmp_path):
+  cfg = study.Config(out=str(tmp_path))
+  assert ledger.kept(cfg).startswith("no run had finished")
+  ledger.append(str(tmp_path), [{"run": "w16/adamw/A/lr0.001_s0", "steps": 10, "final_val_loss": 2.0}])
+  assert ledger.kept(cfg).startswith(f"1 finished run(s) are kept in {tmp_path / ledger.FILE}")
 
 
 def test_a_record_from_before_the_ledger_seeds_it(tmp_path):

@@ -1,4 +1,5 @@
 from research.experiments import common
 from research.experiments.width_ladder import Config, main
+from research.experiments.width_ladder.ledger import kept
 
-common.cli(main, Config)
+common.cli(main, Config, kept=kept)

@@ -12,6 +12,7 @@ import json
 import math
 import os
 
+from research.entry import UsageError
 from research.train.config import flat_record
 from research.train.store.rundir import read_records
 
@@ -19,12 +20,23 @@ FILE = "ledger.jsonl"
 
 
 def load(out: str) -> dict[str, dict]:
-  """OUT/ledger.jsonl as {run: entry}, run the path under runs/ (a later line for a run replaces an earlier one)."""
+  """OUT/ledger.jsonl as {run: entry}, run the path under runs/ (a later line for a run replaces an earlier one).
+
+  A last line that is not JSON (an append cut off by a kill) is left out: its runs are read again from runs/ or rerun.
+  A line before it that is not JSON raises `research.entry.UsageError` naming the file and line.
+  """
   path = os.path.join(out, FILE)
   if not os.path.exists(path):
     return {}
   with open(path) as f:
-    entries = [json.loads(line) for line in f if line.strip()]
+    lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+  entries = []
+  for k, (i, line) in enumerate(lines):
+    try:
+      entries.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if k < len(lines) - 1:
+        raise UsageError(f"{path}:{i}: not a ledger entry ({e.msg}); fix or remove that line") from None
   return {e["run"]: e for e in entries}
 
 
@@ -48,6 +60,14 @@ def final_val(run_dir: str, steps: int) -> float | None:
     return None
   done = [r["val_loss"] for r in read_records(path)[0] if r["step"] == steps and "val_loss" in r]
   return done[-1] if done else None
+
+
+def kept(cfg) -> str:
+  """What an interrupted ladder kept, for the command line's one line (`common.cli(kept=...)`): the ledger's runs."""
+  n = len(load(cfg.out))
+  where = os.path.join(cfg.out, FILE)
+  return (f"{n} finished run(s) are kept in {where} (a cut-off group's state under runs/); rerun the same command "
+          "to go on") if n else "no run had finished: a rerun starts over (a cut-off group's state is under runs/)"
 
 
 def _sig(x: float) -> float:
