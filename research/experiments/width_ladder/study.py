@@ -378,7 +378,8 @@ def main(cfg: Config) -> dict:
             "from their results); rerun the command to go on. Every number below is from runs that finished.", ""]
            if ladder.planned else [])
   common.write_results(cfg.out, "Does the win survive scale? A width ladder", __doc__.split("\n\n")[0],
-                       state + tabling.tables(cfg, done, v) + tabling.compute_table(result["compute"]),
+                       state + tabling.tables(cfg, done, v) + tabling.compute_table(
+                           result["compute"], sum(bool(e.get("restored")) for e in ladder.ledger.values())),
                        findings=report.findings(v),
                        settings={k: getattr(cfg, k) for k in ("widths", "tokens_per_param", "scan", "trials", "seeds",
                                                               "budgets", "longer", "controls", "layers", "batch_size",

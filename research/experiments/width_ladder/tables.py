@@ -132,14 +132,19 @@ def _fit_table(v: dict) -> list[str]:
   return lines
 
 
-def compute_table(compute: dict) -> list[str]:
+def compute_table(compute: dict, restored: int = 0) -> list[str]:
   """The record's compute: per width and stage, the finished runs, their steps and the hours they took
-  (`Ladder.compute`: wall, and quiet: at the width's 10th-percentile step time)."""
+  (`Ladder.compute`: wall, and quiet: at the width's 10th-percentile step time); `restored`: how many runs the ledger
+  took from an earlier record (`ledger.from_record`)."""
   lines = ["", "## Compute (measured from the runs' records)", "",
            "Wall hours: each group's wall time shared among its members, compile and evaluation included, and any "
            "time the process was paused or shared the machine. Quiet hours: member-steps × the width's "
            "10th-percentile seconds per member-step over all its logging intervals, what a quiet 2-core machine "
            "takes (`Ladder.compute`).", "",
+           *([f"{restored} runs finished before the ledger (ledger.jsonl) existed and their run directories were lost "
+              "with a checkout: their losses, steps and commits are the record's that first listed them, and each "
+              "keeps its stage's recorded wall hours shared in proportion to its steps, with its width's recorded "
+              "quiet rate as its one logging interval (`ledger.from_record`).", ""] if restored else []),
            "| d_model | stage | runs | member-steps | wall hours | quiet hours |", "|---|---|---|---|---|---|"]
   cells = [(w, stage, c) for w in sorted(compute) for stage, c in sorted(compute[w].items())]
   lines += [f"| {w} | {stage} | {c['runs']} | {c['member_steps']:,} | {c['hours']:.2f} | {c.get('quiet', 0):.2f} |"
