@@ -129,6 +129,8 @@ def test_a_checkout_without_runs_resumes_from_the_ledger(tmp_path):
   for lr, loss in [(0.001, 2.5), (0.002, 2.0), (0.004, 2.2)]:  # the scan's lrs, its best inside
     _finished(tmp_path, f"w16/adamw/A/{study.member_name({'lr': lr}, 0)}", (3.0, 1.0), steps=steps, loss=loss)
   before = study.Ladder(cfg)
+  assert not (tmp_path / ledger.FILE).exists()  # found at the start, written after the first run (or at the end)
+  before.save()
   assert len((tmp_path / ledger.FILE).read_text().splitlines()) == 3
   shutil.rmtree(tmp_path / "runs")
   after = study.Ladder(dataclasses.replace(cfg, plan=True))
@@ -137,17 +139,23 @@ def test_a_checkout_without_runs_resumes_from_the_ledger(tmp_path):
   assert after.runs() == before.runs() and after.compute(after.runs()) == before.compute(before.runs())
 
 
-def test_a_torn_last_ledger_line_is_left_out_and_a_corrupt_earlier_one_refused(tmp_path):
-  """An append cut off by a kill leaves a partial last line: the runs before it load. A line that is not JSON before
-  the last is damage, not a torn append: refused with the file and line."""
-  entry = {"run": "w16/adamw/A/lr0.001_s0", "steps": 10, "final_val_loss": 2.0, "commit": "abc", "seconds": 1.0,
-           "rates": [0.1]}
-  ledger.append(str(tmp_path), [entry])
+def test_a_torn_last_ledger_line_is_left_out_and_cut_before_the_next_append(tmp_path):
+  """An append cut off by a kill leaves a partial last line: the runs before it load, and the next append starts on
+  a line of its own (cutting the torn one away) instead of continuing it."""
+  entry = lambda lr: {"run": f"w16/adamw/A/lr{lr}_s0", "steps": 10, "final_val_loss": 2.0, "commit": "abc",
+                      "seconds": 1.0, "rates": [0.1]}
+  ledger.append(str(tmp_path), [entry(0.001)])
   with open(tmp_path / ledger.FILE, "a") as f:
     f.write('{"run": "w16/adamw/A/lr0.002_s0", "ste')
-  assert ledger.load(str(tmp_path)) == {entry["run"]: entry}
-  with open(tmp_path / ledger.FILE, "a") as f:
-    f.write("\n" + json.dumps(entry) + "\n")
+  assert ledger.load(str(tmp_path)) == {entry(0.001)["run"]: entry(0.001)}
+  ledger.append(str(tmp_path), [entry(0.004)])
+  assert ledger.load(str(tmp_path)) == {e["run"]: e for e in (entry(0.001), entry(0.004))}
+
+
+def test_a_corrupt_ledger_line_before_the_last_is_refused_with_its_place(tmp_path):
+  """A line that is not JSON before the last is damage, not a torn append: refused in one line naming file and
+  line."""
+  (tmp_path / ledger.FILE).write_text('{"run": "x", "steps": 1, "final_val_loss": 1.0}\ngarbage\n{"run": "y"}\n')
   with pytest.raises(UsageError, match=r"ledger.jsonl:2: not a ledger entry"):
     ledger.load(str(tmp_path))
 
@@ -160,19 +168,27 @@ def test_an_interrupted_ladder_says_what_the_ledger_kept(tmp_path):
 
 
 def test_a_record_from_before_the_ledger_seeds_it(tmp_path):
-  """A checkout with results.json but neither runs/ nor a ledger: the record's runs become the ledger, each flagged
-  restored, and the compute re-read from it is the record's."""
+  """A checkout with results.json but no ledger: the record's runs that runs/ lacks become the ledger, each flagged
+  restored with one rate per logging interval, and the compute re-read from it is the record's; a run still on disk
+  is read from its directory."""
   runs = [{"run": f"w16/adamw/{stage}/lr{lr}_s0", "steps": steps, "final_val_loss": 2.0, "commit": "abc"}
           for stage, lr, steps in [("A", 0.001, 30), ("A", 0.002, 10), ("D0.5", 0.002, 40)]]
   compute = {"16": {"A": {"runs": 2, "member_steps": 40, "hours": 0.4, "quiet": 0.02},
                     "D": {"runs": 1, "member_steps": 40, "hours": 0.1, "quiet": 0.02}}}
   (tmp_path / "results.json").write_text(json.dumps({"runs": runs, "compute": compute}))
   ladder = study.Ladder(study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path)}))
-  assert ladder.runs() == sorted(runs, key=lambda r: r["run"])
-  assert all(e["restored"] for e in ledger.load(str(tmp_path)).values())
+  ladder.save()
+  saved = ledger.load(str(tmp_path))
+  assert ladder.runs() == sorted(runs, key=lambda r: r["run"]) and all(e["restored"] for e in saved.values())
+  assert [len(saved[r["run"]]["rates"]) for r in runs] == [30, 10, 20]  # logged every 1, 1 and 2 steps
   got = ladder.compute(ladder.runs())[16]
   for stage, cell in compute["16"].items():
     assert got[stage] == {k: pytest.approx(v) for k, v in cell.items()}
+  (tmp_path / ledger.FILE).unlink()
+  _finished(tmp_path, runs[0]["run"], (1.0, 1.0), steps=30, loss=1.5)
+  again = study.Ladder(study.Config(**{**width_ladder.SMOKE, "out": str(tmp_path)}))
+  assert again.ledger[runs[0]["run"]]["final_val_loss"] == 1.5 and "restored" not in again.ledger[runs[0]["run"]]
+  assert all(again.ledger[r["run"]]["restored"] for r in runs[1:])
 
 
 def test_plan_lists_groups_and_runs_nothing(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 
 from research.entry import UsageError
 from research.train.config import flat_record
@@ -41,14 +42,26 @@ def load(out: str) -> dict[str, dict]:
 
 
 def append(out: str, entries: list[dict]):
-  """Appends `entries` to OUT/ledger.jsonl (one JSON object per line, flushed before returning)."""
+  """Appends `entries` to OUT/ledger.jsonl (one JSON object per line, flushed before returning); a torn last line (an
+  append cut off by a kill, which `load` leaves out) is cut away first, so that the new lines do not continue it."""
   if not entries:
     return
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, FILE), "a") as f:
+  path = os.path.join(out, FILE)
+  if os.path.exists(path):
+    with open(path, "rb+") as f:
+      text = f.read()
+      if text and not text.endswith(b"\n"):
+        f.truncate(text.rfind(b"\n") + 1)
+  with open(path, "a") as f:
     f.write("".join(json.dumps(e) + "\n" for e in entries))
     f.flush()
     os.fsync(f.fileno())
+
+
+def key(path: str, runs_dir: str) -> str:
+  """A run's name in the ledger: its directory under runs/, "/"-separated."""
+  return os.path.relpath(path, runs_dir).replace(os.sep, "/")
 
 
 def final_val(run_dir: str, steps: int) -> float | None:
@@ -105,7 +118,7 @@ def from_dirs(runs_dir: str, paths: list[str], tokens_per_step: int) -> list[dic
     if os.path.exists(commit_path):
       with open(commit_path) as f:
         commit = f.read().strip()
-    entry = {"run": os.path.relpath(path, runs_dir), "steps": train["steps"], "final_val_loss": loss, "commit": commit}
+    entry = {"run": key(path, runs_dir), "steps": train["steps"], "final_val_loss": loss, "commit": commit}
     found.append((entry, gaps))
     groups.setdefault((os.path.dirname(path), tuple(x["tokens_per_s"] for x in recs)), []).append(entry["run"])
   size = {run: len(members) for members in groups.values() for run in members}
@@ -116,14 +129,16 @@ def from_dirs(runs_dir: str, paths: list[str], tokens_per_step: int) -> list[dic
   return [e for e, _ in found]
 
 
-def from_record(record: dict) -> list[dict]:
-  """Ledger entries for the runs a record (results.json) lists, for a checkout that has the record but neither the
-  runs nor a ledger: each run's time is its stage's recorded wall hours shared in proportion to its steps, and its one
-  rate the width's recorded quiet rate (quiet hours ÷ member-steps), so the compute re-read from the ledger is the
-  record's. Marked `"restored": true`.
+def from_record(record: dict, log_every: Callable[[int], int]) -> list[dict]:
+  """Ledger entries for the runs a record (results.json) lists that a checkout has neither in runs/ nor in a ledger:
+  each run's time is its stage's recorded wall hours shared in proportion to its steps, and each of its logging
+  intervals takes the width's recorded quiet rate (quiet hours ÷ member-steps), so that the compute re-read from the
+  ledger is the record's, and a width's later runs pool their intervals with as many of the restored ones as the
+  record pooled. Marked `"restored": true`.
 
   Args:
     record: results.json as `study.main` writes it ("runs", and "compute": {width: {stage: cell}}).
+    log_every: `log_every(steps)`, how often a run of `steps` steps logged its time.
 
   Returns:
     One entry per listed run, as `from_dirs` gives them.
@@ -132,6 +147,7 @@ def from_record(record: dict) -> list[dict]:
   for r in record.get("runs", []):
     width, _, stage = r["run"].split("/")[:3]
     cell = record["compute"][width[1:]][stage[0]]
+    rate = _sig(cell["quiet"] * 3600 / cell["member_steps"])
     out.append({**r, "seconds": _sig(cell["hours"] * 3600 * r["steps"] / cell["member_steps"]),
-                "rates": [_sig(cell["quiet"] * 3600 / cell["member_steps"])], "restored": True})
+                "rates": [rate] * math.ceil(r["steps"] / log_every(r["steps"])), "restored": True})
   return out

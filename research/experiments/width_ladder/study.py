@@ -150,7 +150,7 @@ class Config(common.Base):
   num_processes: int | None = None
   process_id: int | None = None
   out: str = "research/results/width_ladder"
-  """Where results.md, results.json, the plots and runs/ go."""
+  """Where results.md, results.json, the plots, ledger.jsonl (the finished runs, tracked) and runs/ (untracked) go."""
   plan: bool = False
   """Print the groups to run (stage, members, steps) and stop."""
   report: bool = False
@@ -195,12 +195,17 @@ def train_config(cfg: Config, width: int, contender: str, values: dict, seed: in
   return TrainConfig(model="small", d_model=width, n_layers=cfg.layers, n_heads=m.n_heads, d_ff=m.d_ff,
                      optimizer=c.optimizer, opt=tuple(opt), **flat, seed=seed, steps=steps,
                      batch_size=cfg.batch_size, seq_len=cfg.seq_len, warmup_steps=steps // 10,
-                     log_every=max(1, steps // 20), eval_every=max(1, steps // 10), eval_batches=8 if not cfg.smoke
+                     log_every=log_every(steps), eval_every=max(1, steps // 10), eval_batches=8 if not cfg.smoke
                      else 1, ckpt_every=max(1, steps // 4), progress=False, tracker=("none",), out=out,
                      compute_dtype=cfg.compute_dtype, remat=cfg.remat or None,
                      **(dict(mesh="data=1", devices=1) if cfg.runner == "vmapped" else dict(
                          mesh=cfg.mesh, coordinator=cfg.coordinator, num_processes=cfg.num_processes,
                          process_id=cfg.process_id)))
+
+
+def log_every(steps: int) -> int:
+  """How often a run of `steps` steps logs its training loss and time."""
+  return max(1, steps // 20)
 
 
 def member_name(values: dict, seed: int) -> str:
@@ -214,23 +219,28 @@ class Ladder:
     self.cfg, self.planned = cfg, []
     self.runs_dir = os.path.join(cfg.out, "runs")
     self.ledger = ledger.load(cfg.out)
+    # finished runs the ledger lacks (in runs/; with no ledger, a record's too): `save` writes them after the first
+    # run, for JAX is not touched before it (a multi-host runner starts jax.distributed there)
+    found = [p for p in sorted(glob.glob(os.path.join(self.runs_dir, "w*", "*", "*", "*_s*")))
+             if ledger.key(p, self.runs_dir) not in self.ledger]
+    self.unsaved = ledger.from_dirs(self.runs_dir, found, cfg.batch_size * cfg.seq_len)
     record = os.path.join(cfg.out, "results.json")
-    if not self.ledger and os.path.exists(record):  # a record from before the ledger: its runs are the ledger
+    if not self.ledger and os.path.exists(record):
+      seen = {e["run"] for e in self.unsaved}
       with open(record) as f:
-        self._note(ledger.from_record(json.load(f)))
-    finished = [p for p in sorted(glob.glob(os.path.join(self.runs_dir, "w*", "*", "*", "*_s*")))
-                if os.path.relpath(p, self.runs_dir) not in self.ledger]
-    self._note(ledger.from_dirs(self.runs_dir, finished, cfg.batch_size * cfg.seq_len))
+        self.unsaved = [e for e in ledger.from_record(json.load(f), log_every) if e["run"] not in seen] + self.unsaved
+    self.ledger.update({e["run"]: e for e in self.unsaved})
 
-  def _note(self, entries: list[dict]):
-    """Adds finished runs to the ledger (process 0 writes it)."""
+  def save(self, entries: list[dict] = ()):
+    """Adds `entries` (finished runs) and those found at the start to the ledger; process 0 writes them."""
+    entries, self.unsaved = [*self.unsaved, *entries], []
     self.ledger.update({e["run"]: e for e in entries})
-    if jax.process_index() == 0:
+    if entries and jax.process_index() == 0:
       ledger.append(self.cfg.out, entries)
 
   def final(self, path: str, steps: int) -> float | None:
     """A run's final held-out loss: the ledger's, else its directory's (`ledger.final_val`)."""
-    entry = self.ledger.get(os.path.relpath(path, self.runs_dir))
+    entry = self.ledger.get(ledger.key(path, self.runs_dir))
     return entry["final_val_loss"] if entry and entry["steps"] == steps else ledger.final_val(path, steps)
 
   def group(self, width: int, contender: str, stage: str, members: list[tuple[dict, int]],
@@ -263,9 +273,10 @@ class Ladder:
       for c in cfgs:
         with open(os.path.join(c.checkpoint.out, "commit"), "w") as f:
           f.write(commit + "\n")
-    shared = [c.checkpoint.out for c in cfgs] if self.cfg.runner == "vmapped" else None
-    for group in [shared] if shared else [[c.checkpoint.out] for c in cfgs]:  # trainer runs: one group each
-      self._note(ledger.from_dirs(self.runs_dir, group, self.cfg.batch_size * self.cfg.seq_len))
+    if jax.process_count() > 1:  # every host reads the commit files after process 0 has written them
+      multihost_utils.sync_global_devices(f"width-ladder commit {where}")
+    groups = [[c.checkpoint.out for c in cfgs]] if self.cfg.runner == "vmapped" else [[c.checkpoint.out] for c in cfgs]
+    self.save([e for g in groups for e in ledger.from_dirs(self.runs_dir, g, self.cfg.batch_size * self.cfg.seq_len)])
 
   def runs(self) -> list[dict]:
     """Every finished run of the ladder, from the ledger: its directory (under runs/), steps, final held-out loss and
@@ -280,11 +291,10 @@ class Ladder:
     width's 10th-percentile seconds per member-step over every logging interval, what the stage costs on a quiet
     machine (a vmapped group's time per member-step hardly depends on its size: research/results/bench_vmap.md).
     `runs`: `runs()`'s list."""
-    out: dict = {}
-    rates: dict = {}
+    out, rates = {}, {}
     for r in runs:
       entry = self.ledger[r["run"]]
-      width, _, stage = r["run"].split(os.sep)[:3]
+      width, _, stage = r["run"].split("/")[:3]
       cell = out.setdefault(int(width[1:]), {}).setdefault(stage[0], {"runs": 0, "member_steps": 0, "hours": 0.0})
       cell["runs"] += 1
       cell["member_steps"] += r["steps"]
@@ -364,6 +374,8 @@ def main(cfg: Config) -> dict:
     return preflight(cfg, lambda w, name, out: train_config(cfg, w, name, {"lr": 1e-3}, 0, steps_at(cfg, w), out))
   ladder = Ladder(cfg)
   done = ladder.run()
+  if not cfg.plan:
+    ladder.save()  # what was found at the start (the record's runs, or run directories the ledger lacked)
   if cfg.plan:
     for g in ladder.planned:
       print(f"w{g['width']} {g['contender']} {g['stage']}: {g['members']} runs of {g['steps']} steps")

@@ -144,7 +144,7 @@ def compute_table(compute: dict, restored: int = 0) -> list[str]:
            *([f"{restored} runs finished before the ledger (ledger.jsonl) existed and their run directories were lost "
               "with a checkout: their losses, steps and commits are the record's that first listed them, and each "
               "keeps its stage's recorded wall hours shared in proportion to its steps, with its width's recorded "
-              "quiet rate as its one logging interval (`ledger.from_record`).", ""] if restored else []),
+              "quiet rate for each of its logging intervals (`ledger.from_record`).", ""] if restored else []),
            "| d_model | stage | runs | member-steps | wall hours | quiet hours |", "|---|---|---|---|---|---|"]
   cells = [(w, stage, c) for w in sorted(compute) for stage, c in sorted(compute[w].items())]
   lines += [f"| {w} | {stage} | {c['runs']} | {c['member_steps']:,} | {c['hours']:.2f} | {c.get('quiet', 0):.2f} |"
