@@ -155,7 +155,7 @@ SHARED: dict[str, Rule] = {
     **dict.fromkeys(("steps", "batch_size", "seq_len", "repeats", "rounds", "devices", "rank", "matmul_n",
                      "loader_batches", "small_mb", "d_model", "n_layers", "n_heads", "d_ff", "vocab", "layers",
                      "batch", "seq", "prompt", "d", "f"), COUNT),
-    **dict.fromkeys(("warmup", "workers", "seed", "step"), NONNEGATIVE),
+    **dict.fromkeys(("warmup", "workers", "seed", "step", "process_id"), NONNEGATIVE),
     **dict.fromkeys(("gb", "budget_gib", "device_gb", "memory_budget_gib"), POSITIVE),
     "lr": NONNEGATIVE,  # 0 trains nothing (an evaluation-only run); an experiment's tuned grids need more: its own
     "bias_rate": NONNEGATIVE,

@@ -6,7 +6,11 @@ skips everything that finished."""
 import dataclasses
 import json
 import math
+import os
 import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -313,3 +317,30 @@ def test_an_exponents_verdict_reads_its_95_percent_interval():
   assert report._word(0.01, 0.02, math.inf).startswith("holds")  # [−0.03, +0.05]
   assert report._word(0.05, 0.05, math.inf).startswith("not resolved")  # [−0.05, +0.15]: neither
   assert report._word(0.3, 0.1, 1).startswith("not resolved (exponent +0.30 ± 0.10, 95% interval [-0.97, +1.57])")
+
+
+def test_the_documented_two_host_command_runs_the_ladder_with_one_writer(tmp_path):
+  """docs/experiments.md's multi-host command, as two local processes of 8 CPU devices (a 16-device mesh) on a tiny
+  ladder: both end with status 0 (process 0's --process-id 0 is a valid index), each finished run is in the ledger
+  once (process 0 writes it) with its commit, and the record is written."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  args = ["--widths", "16", "--tokens-per-param", "0.4", "--contenders", "adamw", "--scan", "2", "--extend", "1",
+          "--trials", "1", "--seeds", "1", "--budgets", "0.5", "--longer", "2", "--layers", "1", "--batch-size", "16",
+          "--seq-len", "32", "--runner", "trainer", "--mesh", "data=-1", "--coordinator", f"localhost:{port}",
+          "--num-processes", "2", "--out", str(tmp_path)]
+  procs = [subprocess.Popen([sys.executable, "-m", "research.experiments.width_ladder", *args, "--process-id", str(i)],
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [0, 0], "\n\n".join(logs)
+  lines = (tmp_path / ledger.FILE).read_text().splitlines()
+  runs = [json.loads(line)["run"] for line in lines]
+  assert len(runs) == len(set(runs)) == 6  # A: 2 lrs + 1 past the edge; B: 1 trial; D0.5 and E2: 1 seed each
+  assert all(json.loads(line)["commit"] == study.CODE for line in lines)
+  assert (tmp_path / "results.md").exists()
