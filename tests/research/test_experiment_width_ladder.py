@@ -8,11 +8,11 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
+from runs import free_port
 
 from research.entry import UsageError
 from research.experiments import width_ladder
@@ -323,12 +323,9 @@ def test_the_documented_two_host_command_runs_the_ladder_with_one_writer(tmp_pat
   """docs/experiments.md's multi-host command, as two local processes of 8 CPU devices (a 16-device mesh) on a tiny
   ladder: both end with status 0 (process 0's --process-id 0 is a valid index), each finished run is in the ledger
   once (process 0 writes it) with its commit, and the record is written."""
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
   args = ["--widths", "16", "--tokens-per-param", "0.4", "--contenders", "adamw", "--scan", "2", "--extend", "1",
           "--trials", "1", "--seeds", "1", "--budgets", "0.5", "--longer", "2", "--layers", "1", "--batch-size", "16",
-          "--seq-len", "32", "--runner", "trainer", "--mesh", "data=-1", "--coordinator", f"localhost:{port}",
+          "--seq-len", "32", "--runner", "trainer", "--mesh", "data=-1", "--coordinator", f"localhost:{free_port()}",
           "--num-processes", "2", "--out", str(tmp_path)]
   procs = [subprocess.Popen([sys.executable, "-m", "research.experiments.width_ladder", *args, "--process-id", str(i)],
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,

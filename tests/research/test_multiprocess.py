@@ -4,7 +4,6 @@ checkpoint resumes in one process; only process 0 writes the run's files. Plus w
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from runs import free_port
 
 from research.train import TrainConfig, run
 from research.train.command import WATCHDOG_EXIT, failure
@@ -34,12 +34,6 @@ def assert_same_run(a, b):
 
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS",
        "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):

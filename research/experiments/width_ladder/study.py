@@ -374,12 +374,11 @@ def main(cfg: Config) -> dict:
     return preflight(cfg, lambda w, name, out: train_config(cfg, w, name, {"lr": 1e-3}, 0, steps_at(cfg, w), out))
   ladder = Ladder(cfg)
   done = ladder.run()
-  if not cfg.plan:
-    ladder.save()  # what was found at the start (the record's runs, or run directories the ledger lacked)
   if cfg.plan:
     for g in ladder.planned:
       print(f"w{g['width']} {g['contender']} {g['stage']}: {g['members']} runs of {g['steps']} steps")
     return {"planned": ladder.planned}
+  ladder.save()  # what was found at the start (the record's runs, or run directories the ledger lacked)
   v = report.verdicts(done, cfg.batch_size * cfg.seq_len)
   runs = ladder.runs()
   result = {"done": done, "verdicts": v, "missing": ladder.planned, "runs": runs, "compute": ladder.compute(runs)}
