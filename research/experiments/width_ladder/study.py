@@ -250,11 +250,11 @@ class Ladder:
     where = os.path.join(self.runs_dir, f"w{width}", contender, stage)
     dirs = [os.path.join(where, member_name(v, s)) for v, s in members]
     todo = [(m, d) for m, d in zip(members, dirs) if self.final(d, steps) is None]
-    if todo:
+    if todo and (self.cfg.plan or self.cfg.report):  # what is left; a group trained here is not
       self.planned.append({"width": width, "contender": contender, "stage": stage, "members": len(todo),
                            "steps": steps})
-      if not (self.cfg.plan or self.cfg.report):
-        self._train([train_config(self.cfg, width, contender, v, s, steps, d) for (v, s), d in todo], where)
+    elif todo:
+      self._train([train_config(self.cfg, width, contender, v, s, steps, d) for (v, s), d in todo], where)
     return [self.final(d, steps) for d in dirs]
 
   def _train(self, cfgs: list[TrainConfig], where: str):
@@ -391,7 +391,7 @@ def main(cfg: Config) -> dict:
   common.write_results(cfg.out, "Does the win survive scale? A width ladder", __doc__.split("\n\n")[0],
                        state + tabling.tables(cfg, done, v) + tabling.compute_table(
                            result["compute"], sum(bool(e.get("restored")) for e in ladder.ledger.values())),
-                       findings=report.findings(v),
+                       findings=["## Findings", "", *report.findings(v)],
                        settings={k: getattr(cfg, k) for k in ("widths", "tokens_per_param", "scan", "trials", "seeds",
                                                               "budgets", "longer", "controls", "layers", "batch_size",
                                                               "seq_len")},
