@@ -64,14 +64,15 @@ def key(path: str, runs_dir: str) -> str:
   return os.path.relpath(path, runs_dir).replace(os.sep, "/")
 
 
-def final_val(run_dir: str, steps: int) -> float | None:
-  """The run's final held-out loss when it finished (inf when it diverged), else None."""
+def final_val(run_dir: str, steps: int, records: list[dict] | None = None) -> float | None:
+  """The run's final held-out loss when it finished (inf when it diverged), else None; `records`: its metrics.jsonl
+  when already read."""
   if os.path.exists(os.path.join(run_dir, "diverged")):
     return math.inf
   path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return None
-  done = [r["val_loss"] for r in read_records(path)[0] if r["step"] == steps and "val_loss" in r]
+  if records is None:
+    records = read_records(path)[0] if os.path.exists(path) else []
+  done = [r["val_loss"] for r in records if r["step"] == steps and "val_loss" in r]
   return done[-1] if done else None
 
 
@@ -107,10 +108,12 @@ def from_dirs(runs_dir: str, paths: list[str], tokens_per_step: int) -> list[dic
       continue
     with open(cfg_path) as f:
       train = flat_record(json.load(f)["train"])
-    loss = final_val(path, train["steps"])
+    metrics = os.path.join(path, "metrics.jsonl")
+    records = read_records(metrics)[0] if os.path.exists(metrics) else []
+    loss = final_val(path, train["steps"], records)
     if loss is None:
       continue
-    recs = [x for x in read_records(os.path.join(path, "metrics.jsonl"))[0] if "tokens_per_s" in x]
+    recs = [x for x in records if "tokens_per_s" in x]
     gaps = [(b["step"] - a["step"], (b["step"] - a["step"]) * tokens_per_step / b["tokens_per_s"])
             for a, b in zip([{"step": 0}, *recs], recs)]
     commit_path = os.path.join(path, "commit")
