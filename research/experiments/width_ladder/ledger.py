@@ -64,15 +64,19 @@ def key(path: str, runs_dir: str) -> str:
   return os.path.relpath(path, runs_dir).replace(os.sep, "/")
 
 
+def metrics(run_dir: str) -> list[dict]:
+  """The run's metrics.jsonl records ([] where it has none)."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  return read_records(path)[0] if os.path.exists(path) else []
+
+
 def final_val(run_dir: str, steps: int, records: list[dict] | None = None) -> float | None:
-  """The run's final held-out loss when it finished (inf when it diverged), else None; `records`: its metrics.jsonl
+  """The run's final held-out loss when it finished (inf when it diverged), else None; `records`: its `metrics`
   when already read."""
   if os.path.exists(os.path.join(run_dir, "diverged")):
     return math.inf
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if records is None:
-    records = read_records(path)[0] if os.path.exists(path) else []
-  done = [r["val_loss"] for r in records if r["step"] == steps and "val_loss" in r]
+  done = [r["val_loss"] for r in (metrics(run_dir) if records is None else records)
+          if r["step"] == steps and "val_loss" in r]
   return done[-1] if done else None
 
 
@@ -108,8 +112,7 @@ def from_dirs(runs_dir: str, paths: list[str], tokens_per_step: int) -> list[dic
       continue
     with open(cfg_path) as f:
       train = flat_record(json.load(f)["train"])
-    metrics = os.path.join(path, "metrics.jsonl")
-    records = read_records(metrics)[0] if os.path.exists(metrics) else []
+    records = metrics(path)
     loss = final_val(path, train["steps"], records)
     if loss is None:
       continue
