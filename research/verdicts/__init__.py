@@ -13,7 +13,8 @@
   log lr), `lr_band` (`LrBand`: the lrs within a tolerance of the best), `optimum_table` over a width ladder,
   `transfer_slope` of log lr* on log width.
 - `significance.py`: `compare` (Welch's t-test over seeds, a `Comparison`), `pairwise` (every pair, Holm-adjusted
-  by `holm`: a `Pair` each), `performance_profile` (Dolan & Moré) and `profile_area` (AlgoPerf's score).
+  by `holm`: a `Pair` each), `spread_ratio` (the F-test of two seed spreads pooled over groups, a `SpreadRatio`),
+  `performance_profile` (Dolan & Moré) and `profile_area` (AlgoPerf's score).
 
 Imports nothing of the project: any room may use it.
 """
@@ -31,11 +32,13 @@ from research.verdicts.scaling import (
 from research.verdicts.significance import (
   Comparison,
   Pair,
+  SpreadRatio,
   compare,
   holm,
   pairwise,
   performance_profile,
   profile_area,
+  spread_ratio,
 )
 from research.verdicts.transfer import LrBand, LrOptimum, lr_band, lr_optimum, optimum_table, transfer_slope
 from research.verdicts.trends import SpeedupSlope, SpeedupTrend, speedup_slope, speedup_trend
@@ -50,6 +53,7 @@ __all__ = [
     "PowerLaw",
     "SpeedupSlope",
     "SpeedupTrend",
+    "SpreadRatio",
     "bootstrap_speedup",
     "compare",
     "extrapolates",
@@ -66,5 +70,6 @@ __all__ = [
     "speedup",
     "speedup_slope",
     "speedup_trend",
+    "spread_ratio",
     "transfer_slope",
 ]

@@ -1,9 +1,10 @@
-"""Is a difference real, and who wins across problems: Welch's t-tests over seeds, Holm-adjusted; performance profiles.
+"""Is a difference real, and who wins across problems: Welch's t-tests, Holm, spreads' F-test, performance profiles.
 
 References:
   Welch, "The generalization of 'Student's' problem when several different population variances are involved",
   Biometrika 34 (1947).
   Holm, "A simple sequentially rejective multiple test procedure", Scandinavian Journal of Statistics 6 (1979).
+  Snedecor & Cochran, "Statistical Methods", 8th ed. (1989), §6.12: the F-test of two variances.
   Dolan & Moré, "Benchmarking optimization software with performance profiles", Math. Programming 91 (2002).
   Dahl et al., "Benchmarking Neural Network Training Algorithms", arXiv 2306.07179 (2023): AlgoPerf's profiles of
   time-to-target and their integral as the benchmark score.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -151,6 +152,78 @@ def pairwise(samples: Mapping[str, ArrayLike]) -> list[Pair]:
   out = [Pair(a, b, c, float(h)) for (a, b), c, h in zip(pairs, tests, adjusted)]
   return sorted(out, key=lambda q: (math.inf if math.isnan(q.comparison.p_value) else q.comparison.p_value,
                                     q.better, q.worse))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpreadRatio:
+  """Two methods' seed-to-seed spreads against each other, each pooled over groups (e.g. widths).
+
+  Attributes:
+    var_a: A's pooled within-group variance, Σ (n_i − 1)·s_i² / Σ (n_i − 1).
+    var_b: B's.
+    ratio: var_a / var_b, the F statistic.
+    df_a: A's degrees of freedom, Σ (n_i − 1).
+    df_b: B's.
+    p_value: the p-value under the test's alternative.
+    test: the test's name, e.g. "F, one-sided".
+  """
+
+  var_a: float
+  var_b: float
+  ratio: float
+  df_a: int
+  df_b: int
+  p_value: float
+  test: str
+
+
+def _pooled(groups: Sequence[ArrayLike], who: str) -> tuple[float, int]:
+  """The within-group variance pooled over groups (each about its own mean) and its degrees of freedom."""
+  ss, dof = 0.0, 0
+  for g in groups:
+    x = np.asarray(g, np.float64).ravel()
+    if not np.all(np.isfinite(x)):
+      raise ValueError(f"spread_ratio: every value of {who} must be finite (a diverged seed is a result to report)")
+    if x.size >= 2:
+      ss, dof = ss + float(((x - x.mean()) ** 2).sum()), dof + x.size - 1
+  if dof == 0:
+    raise ValueError(f"spread_ratio: {who} needs a group with at least 2 values")
+  return ss / dof, dof
+
+
+def spread_ratio(a: Sequence[ArrayLike], b: Sequence[ArrayLike], *, alternative: str = "two-sided") -> SpreadRatio:
+  """The F-test of two seed spreads: do A's final losses scatter over seeds less (or more) than B's?
+
+  Each method's variance is pooled over its groups, every group about its own mean (a width's seeds about that width's
+  mean), so a difference in means between groups does not count as spread; F = var_a / var_b on (df_a, df_b) degrees
+  of freedom under equal variances and normal errors (`scipy.stats.f`). A group with fewer than 2 values adds
+  nothing. The test leans on normality more than the t-test does: read a small p as "A's seeds agree more", not as a
+  bound on a tail.
+
+  Args:
+    a: A's values, one sequence per group (finite).
+    b: B's values, likewise.
+    alternative: "two-sided" (default), "less" (A spreads less) or "greater".
+
+  Returns:
+    The ratio and its test.
+
+  Raises:
+    ValueError: a non-finite value, a method with no group of 2 or more values, or an unknown alternative.
+
+  References:
+    Snedecor & Cochran, "Statistical Methods", 8th ed. (1989), §6.12.
+  """
+  if alternative not in _SIDES:
+    raise ValueError(f"spread_ratio: alternative must be one of {sorted(_SIDES)}, got {alternative!r}")
+  (va, da), (vb, db) = _pooled(a, "A"), _pooled(b, "B")
+  ratio = va / vb if vb > 0 else (math.inf if va > 0 else math.nan)
+  if math.isnan(ratio):
+    p = math.nan
+  else:
+    below, above = float(stats.f.cdf(ratio, da, db)), float(stats.f.sf(ratio, da, db))
+    p = {"less": below, "greater": above, "two-sided": min(1.0, 2 * min(below, above))}[alternative]
+  return SpreadRatio(va, vb, ratio, da, db, p, f"F, {_SIDES[alternative]}")
 
 
 def _ratios(costs: Mapping[str, Mapping[str, float]]) -> dict[str, np.ndarray]:

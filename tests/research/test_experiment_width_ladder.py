@@ -16,8 +16,8 @@ from runs import free_port
 
 from research.entry import UsageError
 from research.experiments import width_ladder
-from research.experiments.width_ladder import ledger, report, study
-from research.verdicts import pairwise, speedup_slope
+from research.experiments.width_ladder import ledger, papers, report, study
+from research.verdicts import pairwise, speedup_slope, spread_ratio
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,8 @@ def test_every_contender_is_tuned_with_the_same_budget_and_seeded(result):
 
 def test_the_verdicts_come_from_the_runs(result):
   v = result["verdicts"]
+  reading = papers.reading(result["done"], v)  # the record's last section, from the same verdicts
+  assert reading[0] == "## Read against the papers" and any("muon-moonlight" in x for x in reading)
   for width in width_ladder.SMOKE["widths"]:
     row = v["widths"][width]
     assert {"alpha", "exponent", "floor"} <= set(row["law"])
@@ -83,7 +85,7 @@ def test_the_ladders_trend_is_speedup_slope_on_the_tables_finite_cells(speedups,
   assert got["se"] == pytest.approx(s.se * math.sqrt(s.reduced_chi2)) and got["dof"] == 1
   v = {"widths": widths, "ladder": {"fit": {"muon": got}}, "transfer": {}}
   line = next(x for x in report.findings(v) if x.startswith("- muon, speedup ÷ AdamW's own on its fit"))
-  assert report._word(s.exponent, s.kh_se, 1) in line and "Knapp–Hartung, t on 1 df" in line
+  assert report.word(s.exponent, s.kh_se, 1) in line and "Knapp–Hartung, t on 1 df" in line
   assert "left out (a bound, or no finite positive standard error) at 256" in line
   assert " → ".join(f"{x:.2f}×" for x in speedups) in line
   two = report._ladder({32: widths[32], 128: widths[128]}, "fit")["muon"]  # no scatter df: the seeds' errors, normal
@@ -310,14 +312,43 @@ def test_the_two_conventions_lr_slopes_are_compared_over_the_widths_both_have():
   assert "muon-keller +0.00" in line or "muon-keller -0.00" in line  # 0 up to rounding
 
 
+def test_the_reading_against_the_papers_is_computed_from_the_verdicts():
+  """The best speedup per width and the count above Wen et al.'s 1.4×; Moonlight's Muon against Keller's: the pair's
+  Holm p, `spread_ratio` over the widths' seeds and every diverged run counted; each convention's lr* at the ladder's
+  ends with its bands' overlap."""
+  ok = [-0.01, 0.0, 0.01]
+  done = {}
+  for w, keller in ((32, [1.70, 1.80, 1.75]), (64, [1.70, 1.74, 1.78])):
+    rung = _rung({0.25: ok, 0.5: ok, 2.0: ok}, [2.0, 2.01, 2.005])
+    rung["muon-keller"] = {**rung["muon-moonlight"], "finals": keller, "scan": {1e-2: 1.9, 2e-2: math.inf, 4e-2: 2.0}}
+    done[w] = rung
+  v = report.verdicts(done, 10)
+  text = "\n".join(papers.reading(done, v))
+  cells = {w: {n: r for n, r in v["widths"][w].items() if n not in (*report.META, "adamw")} for w in done}
+  assert all(report.usable(r, report.FULL["fit"]) for row in cells.values() for r in row.values())
+  for w, row in cells.items():
+    n, r = max(row.items(), key=lambda kv: kv[1]["relative"])
+    assert f"{w} {n} {r['relative']:.2f}× [{r['relative_low']:.2f}, {r['relative_high']:.2f}]" in text
+  above = sum(r["relative_low"] > 1.4 for row in cells.values() for r in row.values())
+  assert f"({above} of 4 contender-widths)" in text
+  s = spread_ratio(*([done[w][n]["finals"] for w in done] for n in ("muon-moonlight", "muon-keller")))
+  assert f"variance ratio {s.ratio:.2f} (F(4, 4), two-sided p {s.p_value:.2g}" in text
+  assert "muon-moonlight 0 of 18, muon-keller 2 of 18" in text  # 3 scan + 3 seeds + 3 at one budget, per width
+  q = next(q for q in v["pairs"][64] if "muon-keller" in (q["better"], q["worse"]) and "adamw" not in q.values())
+  assert f"64: {q['better']} by {-q['diff']:.4f} (Holm p {q['p_holm']:.2g})" in text
+  t = v["transfer"]["muon-keller"]
+  assert f"muon-keller: lr* {t['optima'][32]['lr']:.3g} at 32 → {t['optima'][64]['lr']:.3g} at 64" in text
+  assert papers.reading({}, {"widths": {}}) == []
+
+
 def test_an_exponents_verdict_reads_its_95_percent_interval():
   """grows or shrinks where the interval excludes 0, holds where it lies within ±0.1, else not resolved; a standard
   error estimated on 1 degree of freedom widens it by t's 12.71, not the normal's 1.96."""
-  assert report._word(0.3, 0.1, math.inf).startswith("grows (exponent +0.30 ± 0.10, 95% interval [+0.10, +0.50])")
-  assert report._word(-0.3, 0.1, math.inf).startswith("shrinks")
-  assert report._word(0.01, 0.02, math.inf).startswith("holds")  # [−0.03, +0.05]
-  assert report._word(0.05, 0.05, math.inf).startswith("not resolved")  # [−0.05, +0.15]: neither
-  assert report._word(0.3, 0.1, 1).startswith("not resolved (exponent +0.30 ± 0.10, 95% interval [-0.97, +1.57])")
+  assert report.word(0.3, 0.1, math.inf).startswith("grows (exponent +0.30 ± 0.10, 95% interval [+0.10, +0.50])")
+  assert report.word(-0.3, 0.1, math.inf).startswith("shrinks")
+  assert report.word(0.01, 0.02, math.inf).startswith("holds")  # [−0.03, +0.05]
+  assert report.word(0.05, 0.05, math.inf).startswith("not resolved")  # [−0.05, +0.15]: neither
+  assert report.word(0.3, 0.1, 1).startswith("not resolved (exponent +0.30 ± 0.10, 95% interval [-0.97, +1.57])")
 
 
 def test_the_documented_two_host_command_runs_the_ladder_with_one_writer(tmp_path):

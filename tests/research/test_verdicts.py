@@ -10,9 +10,10 @@ hand and the spread of its estimates over heteroscedastic noise; fit_check's lac
 case, is calibrated under a true law (5% of p below 0.05) and rejects the accelerating curve AdamW drew at d_model
 32; interpolated_data reads hand-worked crossings (the first one where the means rise again) and a dense power law's
 inverse; Welch's statistic and degrees of freedom match the formulas written here in NumPy; Holm's adjustment matches
-a hand-worked family and pairwise holds the family-wise error under a null; the performance profile matches a
-hand-worked example. The whole chains to the ladder's exponents (se_log → speedup_slope → Knapp–Hartung; stage D's
-points → speedup_trend) cover 95% on simulated ladders."""
+a hand-worked family and pairwise holds the family-wise error under a null; spread_ratio matches F(2, 2)'s closed form
+and a pooled variance worked by hand, ignores a shift between groups and holds its level under a null; the
+performance profile matches a hand-worked example. The whole chains to the ladder's exponents (se_log →
+speedup_slope → Knapp–Hartung; stage D's points → speedup_trend) cover 95% on simulated ladders."""
 
 import math
 
@@ -39,6 +40,7 @@ from research.verdicts import (
     speedup,
     speedup_slope,
     speedup_trend,
+    spread_ratio,
     transfer_slope,
 )
 
@@ -243,6 +245,39 @@ def test_compare_refuses_too_few_seeds_or_a_diverged_one():
     compare([3.0, math.nan], [3.1, 3.2])
   with pytest.raises(ValueError, match="alternative"):
     compare([3.0, 3.1], [3.1, 3.2], alternative="lower")
+
+
+def test_spread_ratio_matches_f_2_2s_closed_form_and_pools_groups_about_their_own_means():
+  # variances 1 and 4 on (2, 2) df: F(2, 2)'s CDF is x / (1 + x), so P(F <= 1/4) = 0.2
+  r = spread_ratio([[1.0, 2.0, 3.0]], [[1.0, 3.0, 5.0]], alternative="less")
+  assert (r.var_a, r.var_b, r.ratio, r.df_a, r.df_b) == pytest.approx((1.0, 4.0, 0.25, 2, 2))
+  assert r.p_value == pytest.approx(0.2, rel=1e-12) and r.test == "F, one-sided"
+  assert spread_ratio([[1.0, 2.0, 3.0]], [[1.0, 3.0, 5.0]]).p_value == pytest.approx(0.4, rel=1e-12)
+  assert spread_ratio([[1.0, 2.0, 3.0]], [[1.0, 3.0, 5.0]], alternative="greater").p_value == pytest.approx(0.8)
+  # pooled: squares about each group's mean 0.5 and 2 over 1 + 1 df; a lone value adds nothing; a shift, nothing
+  pooled = spread_ratio([[0.0, 1.0], [10.0, 12.0], [7.0]], [[5.0, 6.0], [100.0, 101.0]])
+  assert (pooled.var_a, pooled.df_a, pooled.var_b, pooled.df_b) == pytest.approx((1.25, 2, 0.5, 2))
+  assert spread_ratio([[0.0, 1.0], [10.0, 12.0]], [[0.0, 1.0], [10.0, 12.0]]).ratio == pytest.approx(1.0)
+
+
+def test_spread_ratio_holds_its_level_under_a_null_and_finds_a_five_fold_variance():
+  rng = np.random.default_rng(3)  # 4 widths x 3 seeds each, as the ladder has; means differ between widths
+  shift = np.array([1.6, 1.4, 1.2, 1.1])[:, None]
+  draw = lambda sd: shift + rng.normal(0.0, sd, (4, 3))
+  null = np.array([spread_ratio(draw(0.01), draw(0.01)).p_value for _ in range(2000)])
+  assert 0.035 < np.mean(null < 0.05) < 0.065
+  found = np.array([spread_ratio(draw(0.01), draw(0.01 * 5**0.5), alternative="less").p_value for _ in range(500)])
+  assert np.mean(found < 0.05) > 0.6  # F(8, 8) at a true ratio of 1/5: power ~0.7
+
+
+def test_spread_ratio_refuses_a_diverged_seed_no_pair_or_an_unknown_alternative():
+  with pytest.raises(ValueError, match="finite"):
+    spread_ratio([[1.0, math.inf]], [[1.0, 2.0]])
+  with pytest.raises(ValueError, match="at least 2 values"):
+    spread_ratio([[1.0], [2.0]], [[1.0, 2.0]])
+  with pytest.raises(ValueError, match="alternative"):
+    spread_ratio([[1.0, 2.0]], [[1.0, 2.0]], alternative="lower")
+  assert math.isnan(spread_ratio([[1.0, 1.0]], [[2.0, 2.0]]).p_value)  # no spread on either side: no verdict
 
 
 # best per problem: p1 10 (A), p2 20 (A, B), p3 15 (B), p4 5 (B); A fails p4 (NaN), C fails p3 (inf) and lacks p4

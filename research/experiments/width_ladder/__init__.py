@@ -1,5 +1,6 @@
 """The width ladder ("does the win survive scale?"): `study.py` runs it (its docstring is the protocol), `report.py`
-turns what finished into verdicts with `research.verdicts`, `tables.py` and `plots.py` show them.
+turns what finished into verdicts with `research.verdicts`, `tables.py` and `plots.py` show them, `papers.py` reads
+them against the papers the ladder answers.
 
   python -m research.experiments.width_ladder            # full size: writes research/results/width_ladder/
   python -m research.experiments.width_ladder --smoke    # a minute; writes nothing (the tests run this)

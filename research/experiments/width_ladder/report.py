@@ -218,7 +218,7 @@ def _ladder(widths: dict, way: str) -> dict:
 SETTLED = 0.1  # an exponent whose 95% interval lies within ±SETTLED: the speedup holds (7% per doubling at most)
 
 
-def _word(x: float, se: float, dof: float) -> str:
+def word(x: float, se: float, dof: float) -> str:
   """The verdict on an exponent: grows or shrinks where its 95% interval (t on `dof`, normal where infinite) excludes
   0, holds where it lies within ±SETTLED, else not resolved; with the estimate and the interval."""
   half = se * (stats.t.ppf(0.975, dof) if math.isfinite(dof) else stats.norm.ppf(0.975))
@@ -241,7 +241,7 @@ def findings(v: dict) -> list[str]:
              "falls short of 95%" if not chi else f"the seeds' standard errors scaled by the widths' scatter about the "
              f"line{chi} (Knapp–Hartung, t on {s['dof']} df)")
       out.append(f"- {name}, speedup {WAYS[way]}: {path} over widths {', '.join(map(str, s['widths']))}{ex}. Along "
-                 f"the ladder, with width: {_word(s['exponent'], s['se'], s['dof'])} (`speedup_slope` on {how}).")
+                 f"the ladder, with width: {word(s['exponent'], s['se'], s['dof'])} (`speedup_slope` on {how}).")
   for name in sorted({n for row in v["widths"].values() for n in row if n not in (*META, BASE)}):
     sig = [w for w, row in v["widths"].items() if name in row and row[name].get("p", 1) < 0.05]
     out.append(f"- {name}: final loss significantly below AdamW's (one-sided Welch p < 0.05, unadjusted) at "
@@ -261,8 +261,8 @@ def findings(v: dict) -> list[str]:
   for way, trend in v.get("trend", {}).items():
     for name, t in trend.items():
       out.append(f"- {name}, speedup {WAYS[way]}: at fixed tokens per parameter, with width: "
-                 f"{_word(t['width_exponent'], t['width_se'], t['points'] - 3)}; at fixed width, with tokens per "
-                 f"parameter: {_word(t['data_exponent'], t['data_se'], t['points'] - 3)} (`speedup_trend`, "
+                 f"{word(t['width_exponent'], t['width_se'], t['points'] - 3)}; at fixed width, with tokens per "
+                 f"parameter: {word(t['data_exponent'], t['data_se'], t['points'] - 3)} (`speedup_trend`, "
                  f"{t['points']} points).")
   for name, t in v["transfer"].items():
     ws = sorted(w for w, o in t["optima"].items() if math.isfinite(o.get("band", [math.nan])[0]))

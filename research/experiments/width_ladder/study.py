@@ -365,8 +365,8 @@ class Ladder:
 
 def main(cfg: Config) -> dict:
   """Runs (or, with --plan, lists; with --report, skips) what is missing, then writes the record from what finished."""
+  from research.experiments.width_ladder import papers, report
   from research.experiments.width_ladder import plots as plotting
-  from research.experiments.width_ladder import report
   from research.experiments.width_ladder import tables as tabling
   cfg = sized(cfg)
   if cfg.preflight:
@@ -391,7 +391,7 @@ def main(cfg: Config) -> dict:
   common.write_results(cfg.out, "Does the win survive scale? A width ladder", __doc__.split("\n\n")[0],
                        state + tabling.tables(cfg, done, v) + tabling.compute_table(
                            result["compute"], sum(bool(e.get("restored")) for e in ladder.ledger.values())),
-                       findings=["## Findings", "", *report.findings(v)],
+                       findings=["## Findings", "", *report.findings(v), "", *papers.reading(done, v)],
                        settings={k: getattr(cfg, k) for k in ("widths", "tokens_per_param", "scan", "trials", "seeds",
                                                               "budgets", "longer", "controls", "layers", "batch_size",
                                                               "seq_len")},
