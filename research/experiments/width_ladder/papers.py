@@ -66,6 +66,11 @@ def _wen(v: dict, done: dict) -> list[str]:
              f"{WEN_SMALLEST / max(params):,.0f}–{WEN_LARGEST / min(params):,.0f}× smaller than theirs, trained at "
              f"{ratio} tokens per parameter along the widths where theirs train at 20–160 (1–8× Chinchilla); a win "
              "that holds or grows here does not contradict one that shrinks from 0.1B to 1.2B.")
+  out.append("  - Tuning: each contender here, AdamW included, had the same budget (an lr scan, then a few "
+             "quasi-random trials over lr, weight decay and one knob of its own); theirs tuned about nine "
+             "hyperparameters each by coordinate descent, and found that a baseline tuned less inflates the speedups "
+             "over it. AdamW's warmup, β1 and ε are untuned here (as are the contenders' other knobs), so these "
+             "speedups may read high next to theirs.")
   return out
 
 
