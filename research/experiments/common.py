@@ -357,18 +357,14 @@ def cli(main: Callable, config: type, cache: str | None = None, kept: Callable[.
 
 def check_config(cfg):
   """Refuses (entry.UsageError) what an experiment's flags cannot mean, before its work: no seeds or no lrs (`seeds`,
-  `lrs`, every `*_lrs` but `also_lrs`, which adds lrs to a tuned grid), an integer below 1 (a step count, batch,
-  length, evaluation size, rank, period, ...: every int field but a seed and a process index), an lr that is not a
-  positive finite number (`lr`, `*_lr`, and every value of `lrs`/`*_lrs`); then every field's rule (`research.flags`:
-  a float finite and >= 0, a string in its choice set, a mesh spec, a path of the right kind), --out excepted (a full
-  run's own check: `cli`)."""
+  `lrs`, every `*_lrs` but `also_lrs`, which adds lrs to a tuned grid), an lr that is not a positive finite number
+  (`lr`, `*_lr`, and every value of `lrs`/`*_lrs`); then every field's rule (`research.flags`: an integer a count >= 1
+  unless it is a seed, a process index or another shared flag that may be 0, a float finite and >= 0, a string in its
+  choice set, a mesh spec, a path of the right kind), --out excepted (a full run's own check: `cli`)."""
   for field in dataclasses.fields(cfg):
     name, value, flag = field.name, getattr(cfg, field.name), "--" + field.name.replace("_", "-")
     if (name in ("seeds", "lrs") or name.endswith("_lrs") and name != "also_lrs") and not value:
       raise entry.UsageError(f"{flag}: give at least one value")
-    if isinstance(value, int) and not isinstance(value, bool) and "seed" not in name and name != "process_id" \
-        and value < 1:
-      raise entry.UsageError(f"{flag} must be at least 1, got {value}")
     lrs = (value,) if name == "lr" or name.endswith("_lr") else value if name.endswith("lrs") else ()
     bad = [lr for lr in lrs or () if isinstance(lr, (int, float)) and not (lr > 0 and np.isfinite(lr))]
     if bad:

@@ -203,9 +203,9 @@ def test_experiment_flags_are_checked_before_the_work():
     config = importlib.import_module(f"research.experiments.{name}").Config
     common.check_config(config()), common.check_config(config(smoke=True))
   refusals = {"seeds": ((), "--seeds: give at least one value"),
-              "steps": (0, "--steps must be at least 1, got 0"),
-              "pretrain_steps": (-1, "--pretrain-steps must be at least 1, got -1"),
-              "val_batch": (0, "--val-batch must be at least 1, got 0"),
+              "steps": (0, "--steps must be >= 1, got 0"),
+              "pretrain_steps": (-1, "--pretrain-steps must be >= 1, got -1"),
+              "val_batch": (0, "--val-batch must be >= 1, got 0"),
               "lrs": ((1e-3, float("nan")), "--lrs: a learning rate must be a positive finite number, got nan"),
               "pretrain_lr": (0.0, "--pretrain-lr: a learning rate must be a positive finite number, got 0.0")}
   for field, (value, says) in refusals.items():
@@ -214,10 +214,10 @@ def test_experiment_flags_are_checked_before_the_work():
     assert str(e.value) == says
   others = {("scalability", "lm_lrs", ()): "--lm-lrs: give at least one value",
             ("peft", "adapter_lrs", ()): "--adapter-lrs: give at least one value",
-            ("pad_net", "score_batches", 0): "--score-batches must be at least 1, got 0",
-            ("moe_disco", "evals", 0): "--evals must be at least 1, got 0",
-            ("data_mixing", "every", -2): "--every must be at least 1, got -2",
-            ("peft", "rank", 0): "--rank must be at least 1, got 0"}
+            ("pad_net", "score_batches", 0): "--score-batches must be >= 1, got 0",
+            ("moe_disco", "evals", 0): "--evals must be >= 1, got 0",
+            ("data_mixing", "every", -2): "--every must be >= 1, got -2",
+            ("peft", "rank", 0): "--rank must be >= 1, got 0"}
   for (name, field, value), says in others.items():
     config = importlib.import_module(f"research.experiments.{name}").Config
     with pytest.raises(entry.UsageError) as e:
