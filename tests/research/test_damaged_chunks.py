@@ -46,11 +46,11 @@ def test_a_damaged_chunked_checkpoint_is_one_line(tmp_path):
     open(f, "wb").write(data)
   a, b = resume(older, 6), resume(only, 4)  # side by side
   err_a, err_b = a.communicate(timeout=600)[1].splitlines(), b.communicate(timeout=600)[1].splitlines()
-  assert a.returncode == 0 and len(err_a) == 2, err_a
+  assert a.returncode == 0 and len(err_a) == 2, "\n".join(err_a)  # whole, to tell which report escaped the hooks
   assert re.fullmatch(rf"warning: checkpoint {older}/ckpt/4 (could not be restored|changed since it was saved): .+; "
                       rf"moved to {older}/ckpt\.corrupt/4, resuming from step 2", err_a[0]), err_a[0]
   assert err_a[1] == f"resuming {older} from step 2"
-  assert b.returncode == 2 and len(err_b) == 1, err_b
+  assert b.returncode == 2 and len(err_b) == 1, "\n".join(err_b)
   assert re.fullmatch(rf"error: checkpoint {only}/ckpt/2 (could not be restored|changed since it was saved): .+; no "
                       rf"older checkpoint is readable: move {only}/ckpt aside or use a new --out", err_b[0]), err_b[0]
 
