@@ -69,4 +69,8 @@ def test_the_hook_drops_orbax_coroutines_only(monkeypatch):
   sys.unraisablehook(report(theirs))
   sys.unraisablehook(report(mine))
   assert [r.object for r in seen] == [mine]
+  for name in ("os", "_loop_closed", "_orbax_coroutine"):  # as the interpreter's exit leaves a cleared module
+    monkeypatch.setattr(checkpoint, name, None)
+  sys.unraisablehook(report(theirs))
+  assert [r.object for r in seen] == [mine]
   theirs.close(), mine.close()

@@ -222,22 +222,25 @@ def quiet_orbax_errors():
     hook, unraisable = sys.excepthook, sys.unraisablehook  # reports once orbax's loop is closed: through
                                                            # sys.excepthook, or as unraisable with no object
 
+    closed, orbax = _loop_closed, _orbax_coroutine  # bound now: at interpreter exit the module's globals may be None
+
     def excepthook(kind, value, tb):
-      if not _loop_closed(value):
+      if not closed(value):
         hook(kind, value, tb)
 
     def unraisablehook(report):  # and the reads of a damaged checkpoint still in flight when the first one failed
-      if not (_loop_closed(report.exc_value) or _orbax_coroutine(report.object)):
+      if not (closed(report.exc_value) or orbax(report.object)):
         unraisable(report)
     excepthook._optlab = True
     sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
-def _orbax_coroutine(obj) -> bool:
+def _orbax_coroutine(obj, marker: str = f"{os.sep}orbax{os.sep}") -> bool:
   """Whether `obj` is one of orbax's coroutines (an array read abandoned with the restore whose first failure the
-  caller reports: its own error says the same of another chunk)."""
+  caller reports: its own error says the same of another chunk). Reads no module global (`marker` is bound at
+  import): a coroutine collected while the interpreter exits reaches the hook after the module is cleared."""
   code = getattr(obj, "cr_code", None)
-  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+  return code is not None and marker in code.co_filename
 
 
 def _loop_closed(e) -> bool:
