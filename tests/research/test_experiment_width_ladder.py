@@ -341,6 +341,14 @@ def test_the_reading_against_the_papers_is_computed_from_the_verdicts():
   assert papers.reading({}, {"widths": {}}) == []
 
 
+def test_two_widths_lr_bands_overlap_where_neither_excludes_the_other():
+  band = lambda lo, hi: {"band": [lo, hi]}
+  assert report.overlap(band(1e-3, 4e-3), band(3e-3, 9e-3)) and report.overlap(band(3e-3, 9e-3), band(1e-3, 4e-3))
+  assert report.overlap(band(1e-3, 2e-3), band(3e-3, 9e-3)) is False
+  assert report.overlap(band(1e-3, math.inf), band(3e-3, 9e-3))  # a band open at its top still overlaps
+  assert report.overlap({"band": [math.nan, math.nan]}, band(3e-3, 9e-3)) is None and report.overlap({}, {}) is None
+
+
 def test_an_exponents_verdict_reads_its_95_percent_interval():
   """grows or shrinks where the interval excludes 0, holds where it lies within ±0.1, else not resolved; a standard
   error estimated on 1 degree of freedom widens it by t's 12.71, not the normal's 1.96."""
@@ -349,6 +357,7 @@ def test_an_exponents_verdict_reads_its_95_percent_interval():
   assert report.word(0.01, 0.02, math.inf).startswith("holds")  # [−0.03, +0.05]
   assert report.word(0.05, 0.05, math.inf).startswith("not resolved")  # [−0.05, +0.15]: neither
   assert report.word(0.3, 0.1, 1).startswith("not resolved (exponent +0.30 ± 0.10, 95% interval [-0.97, +1.57])")
+  assert report.verdict(0.3, 0.1, 1) == "not resolved" and report.verdict(-0.3, 0.1, math.inf) == "shrinks"
 
 
 def test_the_documented_two_host_command_runs_the_ladder_with_one_writer(tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from research.experiments.width_ladder.report import BASE, FULL, META, WAYS, usable, word
+from research.experiments.width_ladder.report import BASE, FULL, META, WAYS, overlap, usable, verdict
 from research.verdicts import spread_ratio
 
 MOONLIGHT, KELLER = "muon-moonlight", "muon-keller"
@@ -37,12 +37,13 @@ def _rows(v: dict) -> dict:
 def _wen(v: dict, done: dict) -> list[str]:
   """The best speedup per width against Wen et al.'s 1.4× and 2×, and its trend along the ladder."""
   rows, best = _rows(v), []
-  for w, row in rows.items():
-    if row := {n: r for n, r in row.items() if usable(r, FULL["fit"])}:
+  ok = {w: {n: r for n, r in row.items() if usable(r, FULL["fit"])} for w, row in rows.items()}
+  for w, row in ok.items():
+    if row:
       n, r = max(row.items(), key=lambda kv: kv[1]["relative"])
       best.append(f"{w} {n} {r['relative']:.2f}× [{r['relative_low']:.2f}, {r['relative_high']:.2f}]"
                   + (" (extrapolated)" if r.get("extrapolated") else ""))
-  cells = [(w, n, r) for w, row in rows.items() for n, r in row.items() if usable(r, FULL["fit"])]
+  cells = [(w, n, r) for w, row in ok.items() for n, r in row.items()]
   above = lambda k: sorted({w for w, _, r in cells if r["relative_low"] > k}, key=list(rows).index)
   out = [f"- {WEN}", f"  - Here ({', '.join(map(str, rows))}: the best contender's speedup ÷ AdamW's own on its fit, "
          f"95% interval): {'; '.join(best) or 'none yet'}. Intervals wholly above their best ({WEN_BEST}×) at widths "
@@ -50,13 +51,13 @@ def _wen(v: dict, done: dict) -> list[str]:
          f"of {len(cells)} contender-widths); above 2× at {', '.join(map(str, above(2.0))) or 'none'}."]
   for way, ladder in v.get("ladder", {}).items():
     if ladder:
-      words = {n: word(s["exponent"], s["se"], s["dof"]).split(" (")[0] for n, s in ladder.items()}
+      words = {n: verdict(s["exponent"], s["se"], s["dof"]) for n, s in ladder.items()}
       shrinks = [n for n, x in words.items() if x == "shrinks"]
       out.append(f"  - Along the ladder, speedup {WAYS[way]}: "
                  + ", ".join(f"{n} {x}" for n, x in words.items())
                  + f" — the speedup shrinks with width for {', '.join(shrinks) or 'none'}.")
   if trend := v.get("trend", {}).get("fit", {}):
-    say = lambda e, se: ", ".join(f"{n} {word(t[e], t[se], t['points'] - 3).split(' (')[0]}" for n, t in trend.items())
+    say = lambda e, se: ", ".join(f"{n} {verdict(t[e], t[se], t['points'] - 3)}" for n, t in trend.items())
     out.append(f"  - Width and data apart (stage D, on the fit): at fixed tokens per parameter, with width: "
                f"{say('width_exponent', 'width_se')}; at fixed width, with tokens per parameter: "
                f"{say('data_exponent', 'data_se')}.")
@@ -118,11 +119,13 @@ def _transfer(v: dict) -> list[str]:
     o = t.get(n, {}).get("optima", {})
     if len(o) < 2:
       continue
-    a, b = o[min(o, key=int)], o[max(o, key=int)]
-    apart = not (a["band"][0] <= b["band"][1] and b["band"][0] <= a["band"][1])
-    out.append(f"  - {n}: lr* {a['lr']:.3g} at {min(o, key=int)} → {b['lr']:.3g} at {max(o, key=int)}, slope "
-               f"{t[n]['slope']:+.2f} on log width; the two ends' bands {'do not overlap' if apart else 'overlap'} "
-               f"({'the lr moves beyond the noise' if apart else 'one lr is within the noise at both ends'}).")
+    lo, hi = min(o, key=int), max(o, key=int)
+    same = overlap(o[lo], o[hi])
+    ends = ("no band at an end (fewer than 2 seeds)" if same is None else "the two ends' bands overlap (one lr is "
+            "within the noise at both ends)" if same else "the two ends' bands do not overlap (the lr moves beyond "
+            "the noise)")
+    out.append(f"  - {n}: lr* {o[lo]['lr']:.3g} at {lo} → {o[hi]['lr']:.3g} at {hi}, slope {t[n]['slope']:+.2f} on "
+               f"log width; {ends}.")
   m, w = t.get(MOONLIGHT, {}).get("optima", {}), t.get(BASE, {}).get("optima", {})
   if common := [x for x in m if x in w]:
     out.append(f"  - {MOONLIGHT}'s lr* over AdamW's, width by width (1 where AdamW's lr carries over): "

@@ -218,13 +218,32 @@ def _ladder(widths: dict, way: str) -> dict:
 SETTLED = 0.1  # an exponent whose 95% interval lies within ±SETTLED: the speedup holds (7% per doubling at most)
 
 
-def word(x: float, se: float, dof: float) -> str:
-  """The verdict on an exponent: grows or shrinks where its 95% interval (t on `dof`, normal where infinite) excludes
-  0, holds where it lies within ±SETTLED, else not resolved; with the estimate and the interval."""
-  half = se * (stats.t.ppf(0.975, dof) if math.isfinite(dof) else stats.norm.ppf(0.975))
-  word = ("grows" if x - half > 0 else "shrinks" if x + half < 0 else "holds" if abs(x) + half <= SETTLED else
+def _half(se: float, dof: float) -> float:
+  """Half the 95% interval of an estimate with standard error `se`: t on `dof`, the normal where infinite."""
+  return se * (stats.t.ppf(0.975, dof) if math.isfinite(dof) else stats.norm.ppf(0.975))
+
+
+def verdict(x: float, se: float, dof: float) -> str:
+  """The verdict on an exponent: grows or shrinks where its 95% interval excludes 0, holds where it lies within
+  ±SETTLED, else not resolved."""
+  half = _half(se, dof)
+  return ("grows" if x - half > 0 else "shrinks" if x + half < 0 else "holds" if abs(x) + half <= SETTLED else
           "not resolved")
-  return f"{word} (exponent {x:+.2f} ± {se:.2f}, 95% interval [{x - half:+.2f}, {x + half:+.2f}])"
+
+
+def word(x: float, se: float, dof: float) -> str:
+  """`verdict` with the estimate and its 95% interval."""
+  half = _half(se, dof)
+  return f"{verdict(x, se, dof)} (exponent {x:+.2f} ± {se:.2f}, 95% interval [{x - half:+.2f}, {x + half:+.2f}])"
+
+
+def overlap(a: dict, b: dict) -> bool | None:
+  """Whether two widths' lr optima (`verdicts()["transfer"][name]["optima"][width]`) have overlapping bands, i.e. the
+  seeds' noise does not tell them apart; None where either has no band."""
+  (a0, a1), (b0, b1) = a.get("band", [math.nan] * 2), b.get("band", [math.nan] * 2)
+  if any(map(math.isnan, (a0, a1, b0, b1))):
+    return None
+  return a0 <= b1 and b0 <= a1
 
 
 def findings(v: dict) -> list[str]:
@@ -266,8 +285,7 @@ def findings(v: dict) -> list[str]:
                  f"{t['points']} points).")
   for name, t in v["transfer"].items():
     ws = sorted(w for w, o in t["optima"].items() if math.isfinite(o.get("band", [math.nan])[0]))
-    same = [(a, b) for a, b in zip(ws, ws[1:]) if t["optima"][a]["band"][0] <= t["optima"][b]["band"][1]
-            and t["optima"][b]["band"][0] <= t["optima"][a]["band"][1]]
+    same = [(a, b) for a, b in zip(ws, ws[1:]) if overlap(t["optima"][a], t["optima"][b])]
     if same:
       out.append(f"- {name}: lr* is not told apart within the seeds' noise between widths "
                  f"{', '.join(f'{a} and {b}' for a, b in same)} (their bands overlap).")
